@@ -1,0 +1,74 @@
+"""Eviction policies: which resident rows leave a tier.
+
+A policy sees only per-row metadata as numpy arrays: ``last``, the use clock of
+the row's most recent use (unique per row, larger is more recent), and
+``freq``, the number of steps that used it since it entered the cache. It knows
+nothing of rows, tensors, tiers or disks, so the store and the capacity
+simulator share it and agree to the row.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class EvictionPolicy:
+    """Subclasses override :meth:`victims`; the base class checks the contract."""
+
+    name = "base"
+
+    def victims(self, last: np.ndarray, freq: np.ndarray, k: int) -> np.ndarray:
+        """Positions (into ``last``/``freq``) of the ``k`` rows to evict."""
+        raise NotImplementedError
+
+    def select(self, last: np.ndarray, freq: np.ndarray, k: int) -> np.ndarray:
+        n = len(last)
+        if k <= 0:
+            return np.empty(0, dtype=np.int64)
+        if k >= n:
+            return np.arange(n, dtype=np.int64)
+        return self.victims(last, freq, k).astype(np.int64, copy=False)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class LRUPolicy(EvictionPolicy):
+    """Evict the least recently used rows."""
+
+    name = "lru"
+
+    def victims(self, last, freq, k):
+        # use clocks are unique, so the k smallest are a well-defined set
+        return np.argpartition(last, k - 1)[:k]
+
+
+class LFUPolicy(EvictionPolicy):
+    """Evict the least frequently used rows, ties broken by least recent use.
+
+    Frequencies count steps while the row is cached (in any tier; they move with
+    the row between tiers) and are forgotten when the row leaves the cache, as in
+    cachetools.LFUCache.
+    """
+
+    name = "lfu"
+
+    def victims(self, last, freq, k):
+        threshold = np.partition(freq, k - 1)[k - 1]
+        below = np.flatnonzero(freq < threshold)
+        tied = np.flatnonzero(freq == threshold)
+        need = k - len(below)
+        if need < len(tied):
+            tied = tied[np.argpartition(last[tied], need - 1)[:need]]
+        return np.concatenate([below, tied])
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}"
+        ) from None

@@ -1,0 +1,149 @@
+"""LMDB environment holding every row durably, one named database per table.
+
+Commits do not fsync (sync=False): a killed process loses nothing that reached
+a commit, because the pages are in the OS page cache. ``sync()`` forces them to
+disk; the store's flush() calls it, which is what makes flush() durable against
+power loss as well. Integrity never depends on syncing: LMDB stays consistent.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+from pathlib import Path
+
+import lmdb
+import numpy as np
+
+from .codecs import Float32RowCodec, encode_keys
+
+FORMAT_VERSION = 1
+_META_DB = b"__meta__"
+_INITIAL_MAP = 1 << 30
+_MAX_GROWTH_RETRIES = 16
+
+
+class StoreLockedError(RuntimeError):
+    """Another process has the store open for writing."""
+
+
+class LmdbBackend:
+    def __init__(self, path: str | os.PathLike, readonly: bool = False, map_size: int | None = None):
+        self.path = Path(path)
+        self.readonly = readonly
+        self._lock_fd = None
+        if readonly:
+            if not (self.path / "data.mdb").exists():
+                raise FileNotFoundError(f"no tierstore at {self.path} (missing data.mdb); open it once for writing to create it")
+        else:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._take_writer_lock()
+        try:
+            existing = (self.path / "data.mdb").stat().st_size if (self.path / "data.mdb").exists() else 0
+            self.env = lmdb.open(
+                str(self.path),
+                map_size=max(map_size or _INITIAL_MAP, existing),
+                max_dbs=1024,
+                readonly=readonly,
+                sync=False,
+                readahead=False,  # random row access: readahead wastes page cache
+                max_readers=256,
+            )
+            self._meta = self.env.open_db(_META_DB, create=not readonly)
+        except Exception:
+            self._release_writer_lock()
+            raise
+        self._dbs: dict[str, object] = {}
+        self._codecs: dict[str, Float32RowCodec] = {}
+
+    # -- process-level single writer ------------------------------------------------
+    def _take_writer_lock(self) -> None:
+        fd = os.open(self.path / "writer.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise StoreLockedError(
+                    f"tierstore at {self.path} is open for writing by another process (pid {holder}); "
+                    "open it with readonly=True to read while that writer runs"
+                ) from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+
+    def _release_writer_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing drops the flock
+            self._lock_fd = None
+
+    # -- metadata ----------------------------------------------------------------
+    def read_meta(self) -> dict:
+        with self.env.begin(db=self._meta) as txn:
+            return {k.decode(): json.loads(v) for k, v in txn.cursor()}
+
+    def write_meta(self, items: dict) -> None:
+        def op(txn):
+            for k, v in items.items():
+                txn.put(k.encode(), json.dumps(v).encode(), db=self._meta)
+        self._write(op)
+
+    def open_table(self, name: str, width: int) -> None:
+        self._dbs[name] = self.env.open_db(b"t:" + name.encode(), create=not self.readonly)
+        self._codecs[name] = Float32RowCodec(width)
+
+    # -- rows ----------------------------------------------------------------------
+    def get_rows(self, table: str, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Fill out[i] with the stored row of ids[i] (ids sorted ascending); returns the found mask."""
+        if len(ids) == 0:
+            return np.zeros(0, dtype=bool)
+        keys = encode_keys(ids)
+        with self.env.begin(db=self._dbs[table], buffers=False) as txn:
+            get = txn.get
+            values = [get(k, b"") for k in keys]
+        return self._codecs[table].decode(values, out)
+
+    def put_rows(self, batches: list[tuple[str, np.ndarray, np.ndarray]], meta: dict | None = None) -> int:
+        """Write (table, sorted ids, rows) batches and meta in one transaction; returns bytes written."""
+        encoded = [(self._dbs[t], encode_keys(ids), self._codecs[t].encode(rows)) for t, ids, rows in batches]
+
+        def op(txn):
+            for db, keys, values in encoded:
+                with txn.cursor(db=db) as cur:
+                    cur.putmulti(zip(keys, values))
+            for k, v in (meta or {}).items():
+                txn.put(k.encode(), json.dumps(v).encode(), db=self._meta)
+        self._write(op)
+        return sum(len(ids) * (8 + self._codecs[t].row_bytes) for t, ids, _ in batches)
+
+    def _write(self, op) -> None:
+        if self.readonly:
+            raise PermissionError(f"tierstore at {self.path} is open readonly; reopen without readonly=True to write")
+        for _ in range(_MAX_GROWTH_RETRIES):
+            try:
+                with self.env.begin(write=True) as txn:
+                    op(txn)
+                return
+            except lmdb.MapFullError:
+                # the transaction aborted; grow the map and replay it
+                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+        raise lmdb.MapFullError(f"LMDB map at {self.path} still full after growing it {_MAX_GROWTH_RETRIES} times")
+
+    def sync(self) -> None:
+        self.env.sync(True)
+
+    def table_stats(self) -> dict[str, int]:
+        with self.env.begin() as txn:
+            return {name: txn.stat(db)["entries"] for name, db in self._dbs.items()}
+
+    def disk_bytes(self) -> int:
+        return (self.path / "data.mdb").stat().st_size
+
+    def close(self) -> None:
+        try:
+            self.env.close()
+        finally:
+            self._release_writer_lock()

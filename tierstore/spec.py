@@ -1,0 +1,121 @@
+"""Table specifications and deterministic initial row values."""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MAX_ID = (1 << 63) - 1
+INIT_KINDS = ("zeros", "uniform", "normal")
+
+
+@dataclass(frozen=True)
+class RowInit:
+    """Initial value of a row never written: a pure function of (table, row id, seed).
+
+    ``uniform``: U(a, b); ``normal``: N(a, b) (mean a, std b); ``zeros`` ignores a, b.
+    """
+
+    kind: str = "zeros"
+    a: float = 0.0
+    b: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.kind not in INIT_KINDS:
+            raise ValueError(f"RowInit.kind must be one of {INIT_KINDS}, got {self.kind!r}")
+        if self.kind == "uniform" and not self.a < self.b:
+            raise ValueError(f"RowInit uniform needs a < b, got a={self.a}, b={self.b}")
+        if self.kind == "normal" and not self.b > 0:
+            raise ValueError(f"RowInit normal needs std b > 0, got b={self.b}")
+
+    @classmethod
+    def uniform(cls, low: float, high: float, seed: int = 0) -> "RowInit":
+        return cls("uniform", float(low), float(high), int(seed))
+
+    @classmethod
+    def normal(cls, mean: float = 0.0, std: float = 1.0, seed: int = 0) -> "RowInit":
+        return cls("normal", float(mean), float(std), int(seed))
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One embedding table.
+
+    ``num_rows=None`` is an unbounded id space: any id in [0, 2**63) is valid and
+    rows come into being on first touch. ``state_dim`` extra float32 values per
+    row travel with the weights through every tier (optimizer state).
+    """
+
+    name: str
+    num_rows: int | None
+    dim: int
+    dtype: str = "float32"
+    init: RowInit = field(default_factory=RowInit)
+    state_dim: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name or len(self.name.encode()) > 200:
+            raise ValueError(f"TableSpec.name must be a non-empty string (<=200 bytes), got {self.name!r}")
+        if self.num_rows is not None and (not _is_int(self.num_rows) or not 0 < self.num_rows <= MAX_ID + 1):
+            raise ValueError(f"TableSpec.num_rows must be a positive int or None, got {self.num_rows!r}")
+        if not _is_int(self.dim) or self.dim <= 0:
+            raise ValueError(f"TableSpec.dim must be a positive int, got {self.dim!r}")
+        if self.dtype != "float32":
+            raise ValueError(f"TableSpec.dtype: only 'float32' is supported, got {self.dtype!r}")
+        if not isinstance(self.init, RowInit):
+            raise TypeError("TableSpec.init must be a tierstore.RowInit (e.g. RowInit.normal(0, 0.01))")
+        if not _is_int(self.state_dim) or self.state_dim < 0:
+            raise ValueError(f"TableSpec.state_dim must be an int >= 0, got {self.state_dim!r}")
+
+    @property
+    def width(self) -> int:
+        """float32 values per stored row: weights then state."""
+        return self.dim + self.state_dim
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TableSpec":
+        d = dict(d)
+        d["init"] = RowInit(**d["init"])
+        return cls(**d)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _unit_uniform(spec: TableSpec, ids: np.ndarray, stream: int) -> np.ndarray:
+    """U[0,1) doubles of shape [len(ids), dim], a pure function of (table, id, column, seed)."""
+    salt = (zlib.crc32(spec.name.encode()) << 32) ^ (spec.init.seed & 0xFFFFFFFF) ^ (stream << 62)
+    base = _splitmix64(ids.astype(np.uint64) ^ np.uint64(salt & 0xFFFFFFFFFFFFFFFF))
+    cols = np.arange(spec.dim, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)
+    bits = _splitmix64(base[:, None] + cols[None, :])
+    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def initial_rows(spec: TableSpec, ids: np.ndarray) -> np.ndarray:
+    """Stored rows (weights and zero state) of never-written ids, float32 [n, width]."""
+    out = np.zeros((len(ids), spec.width), dtype=np.float32)
+    if len(ids) == 0 or spec.init.kind == "zeros":
+        return out
+    with np.errstate(over="ignore"):
+        u = _unit_uniform(spec, ids, 0)
+        if spec.init.kind == "uniform":
+            w = spec.init.a + (spec.init.b - spec.init.a) * u
+        else:  # Box-Muller; 1-u keeps the log argument in (0, 1]
+            v = _unit_uniform(spec, ids, 1)
+            w = spec.init.a + spec.init.b * np.sqrt(-2.0 * np.log1p(-u)) * np.cos(2 * np.pi * v)
+    out[:, : spec.dim] = w
+    return out

@@ -1,0 +1,517 @@
+"""TieredStore: embedding rows in HBM, DDR and LMDB.
+
+Semantics (what the capacity tools predict, to the row):
+- A read call is one step. Its unique ids are all used at that step; among
+  them, recency follows first position in the call. Each row's use clock is
+  ``clock_at_call_start + first_position``; the clock then advances by the
+  call's length, so clocks are unique and increase with time.
+- The cache is exclusive: HBM rows are not in DDR. A read brings every row it
+  uses into HBM; rows HBM evicts are demoted into DDR, where they compete with
+  DDR's residents by the same policy; rows DDR evicts leave the cache, written
+  back to LMDB only if dirty. So LRU over (HBM, DDR) is one LRU list of
+  hbm_rows + ddr_rows whose first hbm_rows entries are in HBM.
+- Rows the current call uses are never evicted for it. If a call uses more rows
+  than a tier holds, the tier keeps the ones its policy ranks highest and the
+  rest go down a tier (or out of the cache) after the call is served.
+- Writes do not count as uses: they update the cached copy (marking it dirty)
+  or, for rows not cached, go straight to LMDB.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import torch
+
+from tierstore.eviction import make_policy
+from tierstore.io import FORMAT_VERSION, LmdbBackend
+
+from .counters import TableCounters, add_dicts
+from .spec import MAX_ID, TableSpec, initial_rows
+from .tiers import CacheTier
+
+Sizes = int | Mapping[str, int]
+
+
+@dataclass
+class StoreConfig:
+    path: Path
+    hbm_rows: Sizes = 0
+    ddr_rows: Sizes = 0
+    policy: str = "lru"
+    device: torch.device | None = None
+    readonly: bool = False
+    map_size: int | None = None
+    clock: Callable[[], float] = field(default=time.time)
+
+    def __post_init__(self):
+        self.path = Path(self.path)
+        for name in ("hbm_rows", "ddr_rows"):
+            value = getattr(self, name)
+            items = value.items() if isinstance(value, Mapping) else [("every table", value)]
+            for table, rows in items:
+                if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or rows < 0:
+                    raise ValueError(f"{name} for {table} must be an int >= 0 (0 = no such tier), got {rows!r}")
+        make_policy(self.policy)  # raises on unknown names
+        if self.device is None:
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(self.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but CUDA is not available; pass device='cpu'")
+
+    def rows_for(self, name: str, table: str) -> int:
+        value = getattr(self, name)
+        return int(value.get(table, 0)) if isinstance(value, Mapping) else int(value)
+
+
+class _Table:
+    def __init__(self, spec: TableSpec, hbm: CacheTier | None, ddr: CacheTier | None):
+        self.spec = spec
+        self.hbm = hbm
+        self.ddr = ddr
+        self.counters = TableCounters.new()
+
+
+class TieredStore:
+    """Embedding rows by id, cached in HBM and DDR tiers over LMDB.
+
+    ``TieredStore(path, tables=[TableSpec(...)], hbm_rows=..., ddr_rows=...)``
+    creates or opens a store; ``TieredStore(path)`` reopens one with the table
+    specs it has stored. ``hbm_rows``/``ddr_rows`` are per table (an int for
+    every table or a {table: rows} dict); 0 means no such tier.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        tables: Sequence[TableSpec] | None = None,
+        hbm_rows: Sizes = 0,
+        ddr_rows: Sizes = 0,
+        policy: str = "lru",
+        device: str | torch.device | None = None,
+        readonly: bool = False,
+        map_size: int | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.config = StoreConfig(path, hbm_rows, ddr_rows, policy, device, readonly, map_size, clock)
+        self.path = self.config.path
+        self.device = self.config.device
+        self.readonly = readonly
+        self._lock = threading.RLock()
+        self._use_clock = 0
+        self._closed = False
+        self._backend = LmdbBackend(self.path, readonly=readonly, map_size=map_size)
+        try:
+            specs = self._reconcile_specs(list(tables or []))
+            for name in ("hbm_rows", "ddr_rows"):
+                value = getattr(self.config, name)
+                if isinstance(value, Mapping) and set(value) - set(specs):
+                    raise KeyError(f"{name} names unknown tables {sorted(set(value) - set(specs))}; tables are {sorted(specs)}")
+            self._tables = {name: self._make_table(spec) for name, spec in specs.items()}
+        except BaseException:
+            self._backend.close()
+            raise
+
+    # -- opening -------------------------------------------------------------------
+    def _reconcile_specs(self, given: list[TableSpec]) -> dict[str, TableSpec]:
+        meta = self._backend.read_meta()
+        if meta and meta.get("format") != FORMAT_VERSION:
+            raise ValueError(f"{self.path} has store format {meta.get('format')}, this tierstore reads {FORMAT_VERSION}")
+        stored = {d["name"]: TableSpec.from_json(d) for d in meta.get("tables", [])}
+        names = [s.name for s in given]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate table names in tables=: {names}")
+        for spec in given:
+            old = stored.get(spec.name)
+            if old is None:
+                continue
+            for f in dataclasses.fields(TableSpec):
+                if getattr(old, f.name) != getattr(spec, f.name):
+                    raise ValueError(
+                        f"table {spec.name!r}: {f.name}={getattr(spec, f.name)!r} contradicts the stored "
+                        f"{f.name}={getattr(old, f.name)!r}; open without tables= to use the stored specs"
+                    )
+        new = [s for s in given if s.name not in stored]
+        if new and self.readonly:
+            raise ValueError(f"tables {[s.name for s in new]} are not in the store and it is open readonly")
+        specs = {**stored, **{s.name: s for s in new}}
+        if not specs:
+            raise ValueError(f"{self.path} holds no tables; pass tables=[tierstore.TableSpec(...)] to create them")
+        if not meta or new:
+            self._backend.write_meta({"format": FORMAT_VERSION, "tables": [s.to_json() for s in specs.values()]})
+        return specs
+
+    def _make_table(self, spec: TableSpec) -> _Table:
+        self._backend.open_table(spec.name, spec.width)
+        tiers = []
+        for size_name, tier_name, device in (("hbm_rows", "hbm", self.device), ("ddr_rows", "ddr", torch.device("cpu"))):
+            rows = self.config.rows_for(size_name, spec.name)
+            if spec.num_rows is not None:
+                rows = min(rows, spec.num_rows)
+            tiers.append(CacheTier(tier_name, rows, spec.width, device, make_policy(self.config.policy)) if rows else None)
+        return _Table(spec, *tiers)
+
+    # -- public API ------------------------------------------------------------------
+    @property
+    def tables(self) -> dict[str, TableSpec]:
+        return {name: t.spec for name, t in self._tables.items()}
+
+    def read(self, table: str, ids, with_state: bool = False) -> torch.Tensor:
+        """Rows of ``ids`` as float32 [len(ids), dim] on ``store.device``
+        (``[len(ids), dim + state_dim]`` with ``with_state=True``)."""
+        with self._lock:
+            self._check_open()
+            t = self._table(table)
+            ids = self._as_ids(t.spec, ids)
+            cols = t.spec.width if with_state else t.spec.dim
+            if len(ids) == 0:
+                return torch.empty((0, cols), dtype=torch.float32, device=self.device)
+            uid, inverse = torch.unique(ids, return_inverse=True)
+            first = torch.full((len(uid),), len(ids), dtype=torch.int64)
+            first.scatter_reduce_(0, inverse, torch.arange(len(ids)), "amin")
+            use_clock = first + self._use_clock
+            source, slots, rows = self._access(t, uid, use_clock)
+            self._use_clock += len(ids)
+            if source is not None:  # every row in one tier: gather straight from it
+                out = source.data[:, :cols].index_select(0, slots.index_select(0, inverse.to(slots.device)))
+            else:
+                out = rows[:, :cols].index_select(0, inverse.to(rows.device))
+            return out.to(self.device, non_blocking=True)
+
+    def write(self, table: str, ids, values, with_state: bool = False) -> None:
+        """Set rows; for an id repeated in one call the last value wins.
+
+        ``values`` is [len(ids), dim], or [len(ids), dim + state_dim] with
+        ``with_state=True``; without it, a row's state is kept.
+        """
+        with self._lock:
+            self._check_open()
+            if self.readonly:
+                raise PermissionError(f"store {self.path} is open readonly; reopen without readonly=True to write")
+            t = self._table(table)
+            ids = self._as_ids(t.spec, ids)
+            cols = t.spec.width if with_state else t.spec.dim
+            values = self._as_values(t.spec, values, len(ids), cols)
+            if len(ids) == 0:
+                return
+            uid, inverse = torch.unique(ids, return_inverse=True)
+            last_pos = torch.full((len(uid),), -1, dtype=torch.int64)
+            last_pos.scatter_reduce_(0, inverse, torch.arange(len(ids)), "amax")
+            self._write_unique(t, uid, values.index_select(0, last_pos), cols)
+
+    def flush(self) -> None:
+        """Return once every dirty row is durable in LMDB (survives kill -9 and power loss)."""
+        with self._lock:
+            self._check_open()
+            if self.readonly:
+                return
+            batches, dirty = [], []
+            for name, t in self._tables.items():
+                ids, rows = [], []
+                for tier in (t.hbm, t.ddr):
+                    if tier is None:
+                        continue
+                    slots = tier.dirty_slots()
+                    if len(slots):
+                        dirty.append((tier, slots))
+                        ids.append(tier.ids[slots].cpu())
+                        rows.append(tier.data[slots].cpu())
+                if ids:
+                    batch_ids, batch_rows = torch.cat(ids), torch.cat(rows)
+                    order = torch.argsort(batch_ids)
+                    batches.append((name, batch_ids[order].numpy(), batch_rows[order].numpy()))
+                    t.counters.ssd.writes += len(order)
+                    t.counters.ssd.write_bytes += len(order) * (8 + 4 * t.spec.width)
+            self._put(batches, meta={"last_flush": self.config.clock()})
+            self._backend.sync()
+            for tier, slots in dirty:
+                tier.dirty[slots] = False
+
+    def close(self) -> None:
+        """Flush, then release memory, LMDB and the writer lock. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self.flush()
+            finally:
+                self._closed = True
+                self._backend.close()
+                self._tables.clear()
+
+    def stats(self, per_table: bool = False) -> dict:
+        """Cumulative counts: {"hbm": {hits, misses, evictions, writebacks}, "ddr": {...},
+        "ssd": {reads, writes, read_bytes, write_bytes}}; per table with per_table=True."""
+        with self._lock:
+            each = {name: t.counters.as_dict() for name, t in self._tables.items()}
+        if per_table:
+            return each
+        total = TableCounters.new().as_dict()
+        for d in each.values():
+            total = add_dicts(total, d)
+        return total
+
+    def resident_rows(self, table: str) -> dict[str, int]:
+        t = self._table(table)
+        return {"hbm": t.hbm.resident if t.hbm else 0, "ddr": t.ddr.resident if t.ddr else 0}
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TieredStore({str(self.path)!r}, tables={sorted(self._tables)}, policy={self.config.policy!r}, device={str(self.device)!r})"
+
+    # -- validation --------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"store {self.path} is closed")
+
+    def _table(self, name: str) -> _Table:
+        try:
+            return self._tables[name]
+        except KeyError:
+            raise KeyError(f"unknown table {name!r}; the store has tables {sorted(self._tables)}") from None
+
+    @staticmethod
+    def _as_ids(spec: TableSpec, ids) -> torch.Tensor:
+        if isinstance(ids, torch.Tensor):
+            if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+                raise TypeError(f"ids for table {spec.name!r} must be integers, got a tensor of {ids.dtype}")
+            t = ids.detach()
+        else:
+            arr = np.asarray(ids)
+            if arr.size == 0:
+                arr = arr.astype(np.int64)
+            if arr.dtype.kind not in "iu":
+                raise TypeError(f"ids for table {spec.name!r} must be integers, got {arr.dtype}")
+            if arr.dtype == np.uint64 and arr.size and arr.max() > MAX_ID:
+                raise IndexError(f"id {int(arr.max())} out of range for table {spec.name!r} (ids are < 2**63)")
+            t = torch.from_numpy(arr.astype(np.int64, copy=False))
+        if t.dim() != 1:
+            raise ValueError(f"ids for table {spec.name!r} must be 1-D, got shape {tuple(t.shape)}")
+        t = t.to(device="cpu", dtype=torch.int64)
+        if len(t):
+            lo, hi = int(t.min()), int(t.max())
+            if lo < 0:
+                raise IndexError(f"id {lo} is negative for table {spec.name!r}; ids must be >= 0")
+            if spec.num_rows is not None and hi >= spec.num_rows:
+                raise IndexError(f"id {hi} out of range for table {spec.name!r} with num_rows={spec.num_rows}")
+        return t
+
+    @staticmethod
+    def _as_values(spec: TableSpec, values, n: int, cols: int) -> torch.Tensor:
+        v = values.detach() if isinstance(values, torch.Tensor) else torch.as_tensor(np.asarray(values))
+        if v.dtype.is_complex or not (v.dtype.is_floating_point or v.dtype in (torch.int32, torch.int64)):
+            raise TypeError(f"values for table {spec.name!r} must be floating point, got {v.dtype}")
+        if tuple(v.shape) != (n, cols):
+            raise ValueError(f"values for table {spec.name!r} must have shape ({n}, {cols}), got {tuple(v.shape)}")
+        return v.to(device="cpu", dtype=torch.float32)
+
+    # -- the data path ----------------------------------------------------------------------
+    def _fetch(self, t: _Table, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of ids (sorted) from LMDB, initial values for rows never written."""
+        ids_np = ids.numpy()
+        rows = np.empty((len(ids_np), t.spec.width), dtype=np.float32)
+        found = self._backend.get_rows(t.spec.name, ids_np, rows)
+        if not found.all():
+            rows[~found] = initial_rows(t.spec, ids_np[~found])
+        t.counters.ssd.reads += len(ids_np)
+        t.counters.ssd.read_bytes += int(found.sum()) * 4 * t.spec.width
+        return torch.from_numpy(rows)
+
+    def _put(self, batches, meta=None) -> None:
+        try:
+            self._backend.put_rows(batches, meta)
+        except lmdb.Error as e:
+            raise OSError(
+                f"writing rows to {self.path} failed ({e}); nothing was changed and dirty rows stay cached, "
+                "so the call can be retried once the cause (often a full disk) is fixed"
+            ) from e
+
+    def _access(self, t: _Table, uid: torch.Tensor, use_clock: torch.Tensor):
+        """Serve one step's unique ids and apply the policy.
+
+        Returns (tier, slots, None) when every row was in that one tier, else
+        (None, None, rows) with rows [len(uid), width] on the HBM device.
+        """
+        H, D = t.hbm, t.ddr
+        n = len(uid)
+        c = t.counters
+        slot_h = H.lookup(uid).cpu() if H else torch.full((n,), -1, dtype=torch.int64)
+        in_h = slot_h >= 0
+        n_h = int(in_h.sum())
+        if H:
+            c.hbm.hits += n_h
+            c.hbm.misses += n - n_h
+        if n_h == n:
+            self._touch(H, slot_h, use_clock)
+            return H, slot_h.to(H.device), None
+
+        slot_d = torch.full((n,), -1, dtype=torch.int64)
+        if D:
+            rest = torch.nonzero(~in_h).squeeze(1)
+            slot_d[rest] = D.lookup(uid[rest])
+        in_d = slot_d >= 0
+        n_d = int(in_d.sum())
+        if D:
+            c.ddr.hits += n_d
+            c.ddr.misses += n - n_h - n_d
+            if n_d == n and H is None:
+                self._touch(D, slot_d, use_clock)
+                return D, slot_d, None
+
+        miss = torch.nonzero(~in_h & ~in_d).squeeze(1)
+        fetched = self._fetch(t, uid[miss])
+
+        old_freq = torch.zeros(n, dtype=torch.int64)
+        old_dirty = torch.zeros(n, dtype=torch.bool)
+        for tier, slot, inside in ((H, slot_h, in_h), (D, slot_d, in_d)):
+            if tier is not None and bool(inside.any()):
+                s = slot[inside].to(tier.device)
+                old_freq[inside] = tier.freq[s].cpu()
+                old_dirty[inside] = tier.dirty[s].cpu()
+        new_freq = old_freq + 1
+
+        dev = H.device if H else torch.device("cpu")
+        rows = torch.empty((n, t.spec.width), dtype=torch.float32, device=dev)
+        if n_h:
+            rows[in_h] = H.data[slot_h[in_h].to(dev)]
+        if n_d:
+            rows[in_d.to(dev)] = D.data[slot_d[in_d]].to(dev)
+        rows[miss.to(dev)] = fetched.to(dev)
+
+        # Plan both levels before touching anything, so that a failed write-back
+        # leaves the store exactly as it was.
+        everyone = torch.arange(n)
+        keep_h = torch.zeros(n, dtype=torch.bool)
+        demote = torch.empty(0, dtype=torch.int64)  # HBM slots of non-call rows going down
+        if H:
+            if n <= H.capacity:
+                keep_h[:] = True
+                need = (n - n_h) - H.free
+                if need > 0:
+                    cand = H.occupied_except(slot_h[in_h].to(H.device))
+                    demote = cand[H.pick_victims(H.last[cand], H.freq[cand], need).to(H.device)].cpu()
+            else:
+                over = H.policy.select(use_clock.numpy(), new_freq.numpy(), n - H.capacity)
+                keep_h[:] = True
+                keep_h[torch.from_numpy(over)] = False
+                demote = H.occupied_except(slot_h[in_h].to(H.device)).cpu()
+        down = everyone[~keep_h]  # call rows below HBM
+        demote_dev = demote.to(H.device) if H else demote
+        e_ids = H.ids[demote_dev].cpu() if H else demote
+        e_last = H.last[demote_dev].cpu() if H else demote
+        e_freq = H.freq[demote_dev].cpu() if H else demote
+        e_dirty = H.dirty[demote_dev].cpu() if H else demote.bool()
+
+        keep_d = torch.zeros(n, dtype=torch.bool)
+        resident_drop = torch.empty(0, dtype=torch.int64)  # DDR slots of non-call rows leaving
+        e_drop = torch.arange(len(demote))  # positions into the demoted rows that leave the cache
+        if D:
+            keep_d[down] = True
+            if len(down) > D.capacity:
+                over = D.policy.select(use_clock[down].numpy(), new_freq[down].numpy(), len(down) - D.capacity)
+                keep_d[down[torch.from_numpy(over)]] = False
+            others = D.occupied_except(slot_d[in_d])
+            k = len(others) + len(demote) - (D.capacity - int(keep_d.sum()))
+            e_drop = e_drop[:0]
+            if k > 0:
+                v = D.pick_victims(torch.cat([D.last[others], e_last]), torch.cat([D.freq[others], e_freq]), k)
+                resident_drop = others[v[v < len(others)]]
+                e_drop = v[v >= len(others)] - len(others)
+        leave = everyone[~keep_h & ~keep_d]  # call rows leaving the cache after this call
+
+        # write back dirty rows that leave the cache
+        wb_ids, wb_rows = [], []
+        if len(leave):
+            dirty = leave[old_dirty[leave]]
+            wb_ids.append(uid[dirty])
+            wb_rows.append(rows[dirty.to(dev)].cpu())
+        if len(e_drop):
+            dirty = e_drop[e_dirty[e_drop]]
+            wb_ids.append(e_ids[dirty])
+            wb_rows.append(H.data[demote[dirty].to(H.device)].cpu())
+        if len(resident_drop):
+            dirty = resident_drop[D.dirty[resident_drop]]
+            wb_ids.append(D.ids[dirty])
+            wb_rows.append(D.data[dirty])
+        n_wb = sum(len(i) for i in wb_ids)
+        if n_wb:
+            ids_all, rows_all = torch.cat(wb_ids), torch.cat(wb_rows)
+            order = torch.argsort(ids_all)
+            self._put([(t.spec.name, ids_all[order].numpy(), rows_all[order].numpy())])
+            c.ssd.writes += n_wb
+            c.ssd.write_bytes += n_wb * (8 + 4 * t.spec.width)
+
+        # -- commit the plan (in memory only; cannot fail half-way) --
+        if H:
+            e_survive = torch.ones(len(demote), dtype=torch.bool)
+            e_survive[e_drop] = False
+            e_rows = H.data[demote_dev[e_survive.to(H.device)]].cpu() if D else None
+            leaving_h = torch.cat([demote, slot_h[in_h & ~keep_h]])
+            H.remove(leaving_h.to(H.device))
+            c.hbm.evictions += len(leaving_h)
+            stay = in_h & keep_h
+            self._touch(H, slot_h[stay], use_clock[stay], new_freq[stay])
+            enter = ~in_h & keep_h
+            H.add(uid[enter], rows[enter.to(dev)], use_clock[enter], new_freq[enter], old_dirty[enter])
+        if D:
+            leaving_d = torch.cat([slot_d[in_d & ~keep_d], resident_drop])
+            D.remove(leaving_d)
+            c.ddr.evictions += int((in_d & ~keep_d & ~keep_h).sum()) + len(resident_drop) + len(e_drop)
+            stay = in_d & keep_d
+            self._touch(D, slot_d[stay], use_clock[stay], new_freq[stay])
+            enter = ~in_d & keep_d
+            D.add(uid[enter], rows[enter.to(dev)].cpu(), use_clock[enter], new_freq[enter], old_dirty[enter])
+            if H and e_survive.any():
+                D.add(e_ids[e_survive], e_rows, e_last[e_survive], e_freq[e_survive], e_dirty[e_survive])
+            c.ddr.writebacks += n_wb
+        elif H:
+            c.hbm.writebacks += n_wb
+        return None, None, rows
+
+    @staticmethod
+    def _touch(tier: CacheTier, slots: torch.Tensor, use_clock: torch.Tensor, freq: torch.Tensor | None = None) -> None:
+        s = slots.to(tier.device)
+        tier.last[s] = use_clock.to(tier.device)
+        if freq is None:
+            tier.freq[s] += 1
+        else:
+            tier.freq[s] = freq.to(tier.device)
+
+    def _write_unique(self, t: _Table, uid: torch.Tensor, values: torch.Tensor, cols: int) -> None:
+        H, D = t.hbm, t.ddr
+        n = len(uid)
+        placed = torch.zeros(n, dtype=torch.bool)
+        targets = []
+        for tier in (H, D):
+            if tier is None:
+                continue
+            todo = torch.nonzero(~placed).squeeze(1)
+            slot = tier.lookup(uid[todo]).cpu()
+            hit = slot >= 0
+            targets.append((tier, slot[hit], todo[hit]))
+            placed[todo[hit]] = True
+        cold = torch.nonzero(~placed).squeeze(1)
+        if len(cold):  # not cached: straight to LMDB (durable at the next flush)
+            if cols == t.spec.width:
+                rows = values[cold]
+            else:
+                rows = self._fetch(t, uid[cold])
+                rows[:, :cols] = values[cold]
+            self._put([(t.spec.name, uid[cold].numpy(), rows.numpy())])
+            t.counters.ssd.writes += len(cold)
+            t.counters.ssd.write_bytes += len(cold) * (8 + 4 * t.spec.width)
+        for tier, slot, pos in targets:
+            s = slot.to(tier.device)
+            tier.data[s, :cols] = values[pos].to(tier.device)
+            tier.dirty[s] = True

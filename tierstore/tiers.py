@@ -1,0 +1,82 @@
+"""One cache level (HBM or DDR) of one table: rows, id->slot index, policy metadata.
+
+Everything a row carries between tiers lives in per-slot tensors on the tier's
+device: its id, its use clock (``last``), its step count (``freq``) and whether
+it differs from LMDB (``dirty``). Tiers are exclusive: a cached row lives in
+exactly one tier, so its one cached copy is always the newest.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tierstore.eviction import EvictionPolicy
+
+from .hashindex import HashIndex
+
+
+class CacheTier:
+    def __init__(self, name: str, capacity: int, width: int, device: torch.device, policy: EvictionPolicy):
+        self.name = name
+        self.capacity = capacity
+        self.device = device
+        self.policy = policy
+        self.index = HashIndex(capacity, device)
+        self.data = torch.zeros((capacity, width), dtype=torch.float32, device=device)
+        self.ids = torch.full((capacity,), -1, dtype=torch.int64, device=device)
+        self.last = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.freq = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.dirty = torch.zeros(capacity, dtype=torch.bool, device=device)
+        self._free = torch.arange(capacity - 1, -1, -1, dtype=torch.int64, device=device)
+        self._nfree = capacity
+
+    @property
+    def resident(self) -> int:
+        return self.capacity - self._nfree
+
+    @property
+    def free(self) -> int:
+        return self._nfree
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slot of each id on this tier's device, -1 where absent."""
+        return self.index.lookup(ids.to(self.device, non_blocking=True))
+
+    def occupied_except(self, slots: torch.Tensor) -> torch.Tensor:
+        """Occupied slots not in ``slots``."""
+        mask = self.ids >= 0
+        mask[slots] = False
+        return torch.nonzero(mask).squeeze(1)
+
+    def pick_victims(self, cand_last: torch.Tensor, cand_freq: torch.Tensor, k: int) -> torch.Tensor:
+        """Positions into the candidate arrays of the k rows the policy evicts."""
+        chosen = self.policy.select(cand_last.cpu().numpy(), cand_freq.cpu().numpy(), k)
+        return torch.from_numpy(chosen)
+
+    def add(self, ids, rows, last, freq, dirty) -> torch.Tensor:
+        n = len(ids)
+        if n > self._nfree:
+            raise RuntimeError(f"{self.name} tier: adding {n} rows with {self._nfree} free slots")
+        slots = self._free[self._nfree - n : self._nfree].clone()
+        self._nfree -= n
+        dev = self.device
+        self.index.insert(ids.to(dev), slots)
+        self.ids[slots] = ids.to(dev)
+        self.data[slots] = rows.to(dev)
+        self.last[slots] = last.to(dev)
+        self.freq[slots] = freq.to(dev)
+        self.dirty[slots] = dirty.to(dev)
+        return slots
+
+    def remove(self, slots: torch.Tensor) -> None:
+        n = len(slots)
+        if n == 0:
+            return
+        self.index.remove(self.ids[slots])
+        self.ids[slots] = -1
+        self.dirty[slots] = False
+        self._free[self._nfree : self._nfree + n] = slots
+        self._nfree += n
+
+    def dirty_slots(self) -> torch.Tensor:
+        return torch.nonzero(self.dirty).squeeze(1)
