@@ -100,3 +100,41 @@ class HashIndex:
         if self.live + len(keys) + extra > (self._mask + 1) * 3 // 4:
             raise RuntimeError("HashIndex over capacity: more ids than the tier was sized for")
         self.insert(keys, vals)
+
+
+class DenseIndex:
+    """id -> slot as one int32 array over the whole id space.
+
+    Used only where it is no larger than the HashIndex would be (num_rows <= 8
+    x capacity); a lookup is then one gather, ~4x faster than hash probing.
+    """
+
+    def __init__(self, num_rows: int, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.slots = torch.full((num_rows,), -1, dtype=torch.int32, device=self.device)
+        self.live = 0
+
+    def __len__(self) -> int:
+        return self.live
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.slots[ids].long()
+
+    def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        self.slots[ids] = slots.to(torch.int32)
+        self.live += len(ids)
+
+    def remove(self, ids: torch.Tensor) -> None:
+        self.slots[ids] = -1
+        self.live -= len(ids)
+
+    def items(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.nonzero(self.slots >= 0).squeeze(1)
+        return ids, self.slots[ids].long()
+
+
+def make_index(capacity: int, num_rows: int | None, device: torch.device | str = "cpu") -> HashIndex | DenseIndex:
+    """The smaller of the two: memory stays proportional to tier capacity."""
+    if num_rows is not None and num_rows <= 8 * capacity:
+        return DenseIndex(num_rows, device)
+    return HashIndex(capacity, device)

@@ -154,7 +154,7 @@ class TieredStore:
             rows = self.config.rows_for(size_name, spec.name)
             if spec.num_rows is not None:
                 rows = min(rows, spec.num_rows)
-            tiers.append(CacheTier(tier_name, rows, spec.width, device, make_policy(self.config.policy)) if rows else None)
+            tiers.append(CacheTier(tier_name, rows, spec.width, device, make_policy(self.config.policy), spec.num_rows) if rows else None)
         return _Table(spec, *tiers)
 
     # -- public API ------------------------------------------------------------------
@@ -162,27 +162,48 @@ class TieredStore:
     def tables(self) -> dict[str, TableSpec]:
         return {name: t.spec for name, t in self._tables.items()}
 
-    def read(self, table: str, ids, with_state: bool = False) -> torch.Tensor:
+    def read(self, table: str, ids, with_state: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of ``ids`` as float32 [len(ids), dim] on ``store.device``
-        (``[len(ids), dim + state_dim]`` with ``with_state=True``)."""
+        (``[len(ids), dim + state_dim]`` with ``with_state=True``), written
+        into ``out`` when given (reusing a buffer saves an allocation per call)."""
         with self._lock:
             self._check_open()
             t = self._table(table)
             ids = self._as_ids(t.spec, ids)
             cols = t.spec.width if with_state else t.spec.dim
-            if len(ids) == 0:
-                return torch.empty((0, cols), dtype=torch.float32, device=self.device)
+            n = len(ids)
+            if out is not None and (tuple(out.shape) != (n, cols) or out.dtype != torch.float32 or out.device != self.device):
+                raise ValueError(f"out must be a float32 tensor of shape ({n}, {cols}) on {self.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+            if n == 0:
+                return out if out is not None else torch.empty((0, cols), dtype=torch.float32, device=self.device)
+            top = t.hbm or t.ddr
+            if top is not None:
+                # fast path: every id in the top tier, so no dedupe is needed
+                slots = top.lookup(ids)
+                if bool((slots >= 0).all()):
+                    clocks = torch.arange(self._use_clock, self._use_clock + n, device=top.device)
+                    top.last.scatter_reduce_(0, slots, clocks, "amin", include_self=False)
+                    first_use = top.last[slots] == clocks  # one True per unique row
+                    top.freq.index_add_(0, slots, first_use.long())
+                    (t.counters.hbm if top is t.hbm else t.counters.ddr).hits += int(first_use.sum())
+                    self._use_clock += n
+                    return self._gather(top.data, slots, cols, out)
             uid, inverse = torch.unique(ids, return_inverse=True)
-            first = torch.full((len(uid),), len(ids), dtype=torch.int64)
-            first.scatter_reduce_(0, inverse, torch.arange(len(ids)), "amin")
-            use_clock = first + self._use_clock
-            source, slots, rows = self._access(t, uid, use_clock)
-            self._use_clock += len(ids)
-            if source is not None:  # every row in one tier: gather straight from it
-                out = source.data[:, :cols].index_select(0, slots.index_select(0, inverse.to(slots.device)))
-            else:
-                out = rows[:, :cols].index_select(0, inverse.to(rows.device))
-            return out.to(self.device, non_blocking=True)
+            first = torch.full((len(uid),), n, dtype=torch.int64)
+            first.scatter_reduce_(0, inverse, torch.arange(n), "amin")
+            source, slots, rows = self._access(t, uid, first + self._use_clock)
+            self._use_clock += n
+            if source is not None:  # every row in one tier
+                return self._gather(source.data, slots.index_select(0, inverse.to(slots.device)), cols, out)
+            return self._gather(rows, inverse.to(rows.device), cols, out)
+
+    def _gather(self, rows: torch.Tensor, index: torch.Tensor, cols: int, out: torch.Tensor | None) -> torch.Tensor:
+        src = rows if cols == rows.shape[1] else rows[:, :cols]
+        if out is None:
+            return src.index_select(0, index).to(self.device, non_blocking=True)
+        if src.device == out.device:
+            return torch.index_select(src, 0, index, out=out)
+        return out.copy_(src.index_select(0, index), non_blocking=True)
 
     def write(self, table: str, ids, values, with_state: bool = False) -> None:
         """Set rows; for an id repeated in one call the last value wins.

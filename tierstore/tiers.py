@@ -12,17 +12,17 @@ import torch
 
 from tierstore.eviction import EvictionPolicy
 
-from .hashindex import HashIndex
+from .hashindex import make_index
 
 
 class CacheTier:
-    def __init__(self, name: str, capacity: int, width: int, device: torch.device, policy: EvictionPolicy):
+    def __init__(self, name: str, capacity: int, width: int, device: torch.device, policy: EvictionPolicy, num_rows: int | None = None):
         self.name = name
         self.capacity = capacity
         self.device = device
         self.policy = policy
-        self.index = HashIndex(capacity, device)
-        self.data = torch.zeros((capacity, width), dtype=torch.float32, device=device)
+        self.index = make_index(capacity, num_rows, device)
+        self.data = torch.empty((capacity, width), dtype=torch.float32, device=device)
         self.ids = torch.full((capacity,), -1, dtype=torch.int64, device=device)
         self.last = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.freq = torch.zeros(capacity, dtype=torch.int64, device=device)

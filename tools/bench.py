@@ -1,0 +1,209 @@
+"""``tierstore bench``: speed and memory figures, each a ratio against a
+baseline measured in the same run. Figures are medians of repeated runs."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+# name -> "module:function"; each function takes the parsed args and prints its table
+BENCHES = {
+    "read": "tierstore.tools.bench:bench_read",
+    "cold": "tierstore.tools.bench:bench_cold",
+    "memory": "tierstore.tools.bench:bench_memory",
+    "train": "tierstore.tools.bench_train:run",
+}
+DEFAULT = ("read", "cold", "memory")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="measure speed and memory against in-run baselines")
+    p.add_argument("which", nargs="*", default=list(DEFAULT), help=f"benchmarks to run: {', '.join(BENCHES)} (default: {' '.join(DEFAULT)})")
+    p.add_argument("--rows", type=int, default=1_000_000, help="table rows (read, cold)")
+    p.add_argument("--dim", type=int, default=128, help="embedding dim")
+    p.add_argument("--batch", type=int, default=65_536, help="ids per read")
+    p.add_argument("--repeat", type=int, default=15, help="timed repetitions (median reported)")
+    p.add_argument("--device", default="cpu", help="HBM device for the read bench (cuda puts every row in HBM)")
+    p.add_argument("--dir", default=None, help="directory for bench stores (default: a temporary one)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    unknown = [w for w in args.which if w not in BENCHES]
+    if unknown:
+        raise SystemExit(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHES)}")
+    torch.manual_seed(args.seed)
+    for name in args.which:
+        module, fn = BENCHES[name].split(":")
+        getattr(importlib.import_module(module), fn)(args)
+    return 0
+
+
+def median_seconds(fn, repeat: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def report(title: str, params: dict, rows: list[tuple[str, str]], ratio_name: str, ratio: float, goal: str) -> None:
+    print(f"\n== {title}")
+    print("   " + ", ".join(f"{k}={v}" for k, v in params.items()))
+    width = max(len(r[0]) for r in rows)
+    for label, value in rows:
+        print(f"   {label:<{width}}  {value}")
+    print(f"   {ratio_name}: {ratio:.2f}x  (goal {goal})")
+
+
+def _workdir(args):
+    return tempfile.TemporaryDirectory(prefix="tierstore-bench-", dir=args.dir)
+
+
+def bench_read(args) -> None:
+    """All-resident read vs torch.index_select over a plain tensor."""
+    import tierstore
+
+    device = torch.device(args.device)
+    n, dim, batch = args.rows, args.dim, args.batch
+    on_hbm = device.type != "cpu"
+    with _workdir(args) as d:
+        spec = tierstore.TableSpec("t", n, dim, init=tierstore.RowInit.uniform(-1, 1, seed=args.seed))
+        store = tierstore.TieredStore(d, [spec], hbm_rows=n if on_hbm else 0, ddr_rows=0 if on_hbm else n, device=device)
+        for lo in range(0, n, 262_144):  # bring every row into the cache
+            store.read("t", torch.arange(lo, min(n, lo + 262_144)))
+        plain = store.read("t", torch.arange(n)).to(device)
+        gen = torch.Generator().manual_seed(args.seed)
+        batches = [torch.randint(0, n, (batch,), generator=gen) for _ in range(8)]
+        dev_batches = [b.to(device) for b in batches]
+        out = torch.empty((batch, dim), device=device)
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        it = iter(range(10**9))
+
+        def baseline():
+            torch.index_select(plain, 0, dev_batches[next(it) % 8], out=out)
+            sync()
+
+        def tiered():
+            store.read("t", dev_batches[next(it) % 8], out=out)
+            sync()
+
+        def baseline_alloc():
+            plain.index_select(0, dev_batches[next(it) % 8])
+            sync()
+
+        def tiered_alloc():
+            store.read("t", dev_batches[next(it) % 8])
+            sync()
+
+        t_base = median_seconds(baseline, args.repeat)
+        t_store = median_seconds(tiered, args.repeat)
+        t_base_alloc = median_seconds(baseline_alloc, args.repeat)
+        t_store_alloc = median_seconds(tiered_alloc, args.repeat)
+        assert torch.equal(store.read("t", batches[0]), plain[batches[0].to(device)])
+        store.close()
+    report(
+        "read: every row resident" + (" in HBM" if on_hbm else " in the DDR tier (hbm_rows=0)"),
+        {"rows": n, "dim": dim, "batch": batch, "device": device},
+        [("torch.index_select(out=)", f"{t_base * 1e3:8.2f} ms  {batch / t_base / 1e6:6.1f} M rows/s"),
+         ("TieredStore.read(out=)", f"{t_store * 1e3:8.2f} ms  {batch / t_store / 1e6:6.1f} M rows/s"),
+         ("torch.index_select, new output", f"{t_base_alloc * 1e3:8.2f} ms  (store/plain {t_base_alloc / t_store_alloc:.2f}x)"),
+         ("TieredStore.read, new output", f"{t_store_alloc * 1e3:8.2f} ms")],
+        "store / index_select throughput", t_base / t_store, ">= 0.50",
+    )
+
+
+def bench_cold(args) -> None:
+    """Rows only in LMDB (page cache warm) vs a raw sorted txn.get loop."""
+    import tierstore
+    from tierstore.io.codecs import encode_keys
+
+    n, dim, batch = args.rows, args.dim, args.batch
+    with _workdir(args) as d:
+        spec = tierstore.TableSpec("t", n, dim)
+        ddr = 4 * batch
+        with tierstore.TieredStore(d, [spec], ddr_rows=0) as loader:
+            rng = np.random.default_rng(args.seed)
+            for lo in range(0, n, 262_144):
+                ids = np.arange(lo, min(n, lo + 262_144))
+                loader.write("t", ids, rng.standard_normal((len(ids), dim), dtype=np.float32))
+        store = tierstore.TieredStore(d, hbm_rows=0, ddr_rows=ddr)
+        perm = torch.from_numpy(np.random.default_rng(args.seed + 1).permutation(n))
+        # consecutive slices of a permutation: each batch misses the DDR tier, which holds the last four
+        batches = [perm[i * batch : (i + 1) * batch] for i in range(n // batch)]
+        keys = [encode_keys(np.sort(b.numpy())) for b in batches]
+        env, db = store._backend.env, store._backend._dbs["t"]
+        i_base, i_store = iter(range(10**9)), iter(range(10**9))
+
+        def baseline():
+            with env.begin(db=db, buffers=False) as txn:
+                get = txn.get
+                [get(k) for k in keys[next(i_base) % len(keys)]]
+
+        def tiered():
+            store.read("t", batches[next(i_store) % len(batches)])
+
+        for b in batches:  # warm the page cache
+            baseline()
+        before = store.stats()["ddr"]["hits"]
+        t_base = median_seconds(baseline, args.repeat)
+        t_store = median_seconds(tiered, args.repeat)
+        hits = store.stats()["ddr"]["hits"] - before
+        store.close()
+    report(
+        "cold read: rows only in LMDB, page cache warm",
+        {"rows": n, "dim": dim, "batch": batch, "ddr_rows": ddr, "ddr hits during run": hits},
+        [("raw sorted txn.get loop", f"{t_base * 1e3:8.2f} ms  {batch / t_base / 1e3:7.0f} k rows/s"),
+         ("TieredStore.read (miss, insert, evict)", f"{t_store * 1e3:8.2f} ms  {batch / t_store / 1e3:7.0f} k rows/s")],
+        "store / raw loop throughput", t_base / t_store, ">= 0.70",
+    )
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def bench_memory(args) -> None:
+    """A 10^9-row table with a 1M-row DDR tier: open time and resident memory."""
+    import tierstore
+
+    n, dim, ddr, batch = 10**9, args.dim, 1_000_000, args.batch
+    with _workdir(args) as d:
+        spec = tierstore.TableSpec("huge", n, dim)
+        tierstore.TieredStore(d, [spec]).close()
+        rss0 = _rss_bytes()
+        t0 = time.perf_counter()
+        store = tierstore.TieredStore(d, hbm_rows=0, ddr_rows=ddr)
+        t_open = time.perf_counter() - t0
+        gen = torch.Generator().manual_seed(args.seed)
+        reads = 24
+        t0 = time.perf_counter()
+        for _ in range(reads):
+            store.read("huge", torch.randint(0, n, (batch,), generator=gen))
+        t_reads = time.perf_counter() - t0
+        resident = store.resident_rows("huge")["ddr"]
+        tier_bytes = resident * 4 * dim
+        beyond = _rss_bytes() - rss0 - tier_bytes
+        store.close()
+    dense = 4 * n
+    report(
+        "memory: 10^9-row table, 1M-row DDR tier",
+        {"num_rows": n, "dim": dim, "ddr_rows": ddr, "reads": f"{reads} x {batch} random ids"},
+        [("open", f"{t_open * 1e3:8.1f} ms (goal < 1000 ms)"),
+         ("reads", f"{t_reads / reads * 1e3:8.1f} ms per read"),
+         ("DDR rows resident", f"{resident:,} ({tier_bytes / 2**20:.0f} MiB of row data)"),
+         ("RSS beyond the tier rows", f"{beyond / 2**20:8.1f} MiB (goal < 1024 MiB)"),
+         ("a dense int32 id->slot map would be", f"{dense / 2**20:8.1f} MiB")],
+        "memory beyond tiers / dense id map", beyond / dense, "< 0.25 (and < 1 GiB)",
+    )
