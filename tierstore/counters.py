@@ -2,7 +2,8 @@
 collector) copy them at read time, so counting costs a few integer adds per call."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from bisect import bisect_left
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -26,6 +27,9 @@ class TableCounters:
     hbm: TierCounters
     ddr: TierCounters
     ssd: SSDCounters
+    # defined below; not in as_dict(), so stats() keeps its shape
+    prefetch: "PrefetchCounters" = field(default_factory=lambda: PrefetchCounters())
+    latency: "StageHistogram" = field(default_factory=lambda: StageHistogram())
 
     @classmethod
     def new(cls) -> "TableCounters":
@@ -37,3 +41,67 @@ class TableCounters:
 
 def add_dicts(a: dict, b: dict) -> dict:
     return {k: add_dicts(v, b[k]) if isinstance(v, dict) else v + b[k] for k, v in a.items()}
+
+
+# Upper bounds (seconds) of the latency buckets: 5 us to 10 s, about 2.5x apart,
+# so one table covers an all-HBM gather and a cold LMDB read alike.
+LATENCY_BUCKETS = (
+    5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+
+
+class StageHistogram:
+    """Latency histograms by stage, as plain lists of bucket counts.
+
+    ``observe`` is called once per call per stage (never per id): a bisect and
+    two adds. ``counts[stage][i]`` is the number of observations in
+    (bounds[i-1], bounds[i]]; the last entry is the overflow (+Inf) bucket.
+    """
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS):
+        bounds = tuple(float(b) for b in bounds)
+        if not bounds or any(b <= 0 for b in bounds) or any(a >= b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"histogram bounds must be positive and strictly increasing, got {bounds}")
+        self.bounds = bounds
+        self.counts: dict[str, list[int]] = {}
+        self.sums: dict[str, float] = {}
+
+    def observe(self, stage: str, seconds: float) -> None:
+        counts = self.counts.get(stage)
+        if counts is None:
+            counts = self.counts[stage] = [0] * (len(self.bounds) + 1)
+            self.sums[stage] = 0.0
+        counts[bisect_left(self.bounds, seconds)] += 1
+        self.sums[stage] += seconds
+
+    def snapshot(self) -> dict[str, tuple[list[int], float]]:
+        """{stage: (bucket counts, sum of seconds)}, copied; safe to call from another thread."""
+        return {stage: (list(counts), self.sums.get(stage, 0.0)) for stage, counts in list(self.counts.items())}
+
+
+@dataclass
+class PrefetchCounters:
+    """Bumped by the prefetcher (issue 4); exported as tierstore_prefetch_*.
+
+    queued: gauge, prefetch batches waiting to be served for this table.
+    lead_steps: gauge, read steps between the newest prefetched batch and the
+      read being served (how far ahead prefetch runs).
+    issued_batches / issued_rows: counters, batches and unique rows the
+      prefetcher brought into the cache.
+    """
+
+    queued: int = 0
+    lead_steps: int = 0
+    issued_batches: int = 0
+    issued_rows: int = 0
+
+
+@dataclass
+class StoreCounters:
+    """Store-wide facts: flush count, time of the last flush (store clock, from
+    disk at open; None if never flushed) and flush latency."""
+
+    flushes: int = 0
+    last_flush: float | None = None
+    flush_latency: StageHistogram = field(default_factory=StageHistogram)

@@ -28,11 +28,13 @@ from pathlib import Path
 import lmdb
 import numpy as np
 import torch
+from prometheus_client import CollectorRegistry
 
 from tierstore.eviction import make_policy
 from tierstore.io import FORMAT_VERSION, LmdbBackend
+from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
-from .counters import TableCounters, add_dicts
+from .counters import StoreCounters, TableCounters, add_dicts
 from .spec import MAX_ID, TableSpec, initial_rows
 from .tiers import CacheTier
 
@@ -98,8 +100,15 @@ class TieredStore:
         readonly: bool = False,
         map_size: int | None = None,
         clock: Callable[[], float] = time.time,
+        name: str | None = None,
+        registry: CollectorRegistry | None = None,
+        metrics_port: int | None = None,
+        metrics_addr: str = "127.0.0.1",
     ):
         self.config = StoreConfig(path, hbm_rows, ddr_rows, policy, device, readonly, map_size, clock)
+        # metrics: exported to registry (default: prometheus_client's global one) under
+        # the label name (default: the resolved path); metrics_port starts an endpoint
+        metrics_config = MetricsConfig(registry, name, metrics_port, metrics_addr)
         self.path = self.config.path
         self.device = self.config.device
         self.readonly = readonly
@@ -114,6 +123,8 @@ class TieredStore:
                 if isinstance(value, Mapping) and set(value) - set(specs):
                     raise KeyError(f"{name} names unknown tables {sorted(set(value) - set(specs))}; tables are {sorted(specs)}")
             self._tables = {name: self._make_table(spec) for name, spec in specs.items()}
+            self._counters = StoreCounters(last_flush=self._backend.read_meta().get("last_flush"))
+            self.metrics = StoreMetrics(self, metrics_config)
         except BaseException:
             self._backend.close()
             raise
@@ -169,6 +180,7 @@ class TieredStore:
         with self._lock:
             self._check_open()
             t = self._table(table)
+            start = time.perf_counter()  # stage timings: one observation per call and stage, never per id
             ids = self._as_ids(t.spec, ids)
             cols = t.spec.width if with_state else t.spec.dim
             n = len(ids)
@@ -187,15 +199,22 @@ class TieredStore:
                     top.freq.index_add_(0, slots, first_use.long())
                     (t.counters.hbm if top is t.hbm else t.counters.ddr).hits += int(first_use.sum())
                     self._use_clock += n
-                    return self._gather(top.data, slots, cols, out)
+                    result = self._gather(top.data, slots, cols, out)
+                    t.counters.latency.observe("total", time.perf_counter() - start)
+                    return result
+            mark = time.perf_counter()
             uid, inverse = torch.unique(ids, return_inverse=True)
             first = torch.full((len(uid),), n, dtype=torch.int64)
             first.scatter_reduce_(0, inverse, torch.arange(n), "amin")
+            t.counters.latency.observe("dedupe", time.perf_counter() - mark)
             source, slots, rows = self._access(t, uid, first + self._use_clock)
             self._use_clock += n
             if source is not None:  # every row in one tier
-                return self._gather(source.data, slots.index_select(0, inverse.to(slots.device)), cols, out)
-            return self._gather(rows, inverse.to(rows.device), cols, out)
+                result = self._gather(source.data, slots.index_select(0, inverse.to(slots.device)), cols, out)
+            else:
+                result = self._gather(rows, inverse.to(rows.device), cols, out)
+            t.counters.latency.observe("total", time.perf_counter() - start)
+            return result
 
     def _gather(self, rows: torch.Tensor, index: torch.Tensor, cols: int, out: torch.Tensor | None) -> torch.Tensor:
         src = rows if cols == rows.shape[1] else rows[:, :cols]
@@ -232,6 +251,7 @@ class TieredStore:
             self._check_open()
             if self.readonly:
                 return
+            start = time.perf_counter()
             batches, dirty = [], []
             for name, t in self._tables.items():
                 ids, rows = [], []
@@ -249,10 +269,15 @@ class TieredStore:
                     batches.append((name, batch_ids[order].numpy(), batch_rows[order].numpy()))
                     t.counters.ssd.writes += len(order)
                     t.counters.ssd.write_bytes += len(order) * (8 + 4 * t.spec.width)
-            self._put(batches, meta={"last_flush": self.config.clock()})
+            now = self.config.clock()
+            self._put(batches, meta={"last_flush": now})
             self._backend.sync()
             for tier, slots in dirty:
                 tier.dirty[slots] = False
+            sc = self._counters
+            sc.flushes += 1
+            sc.last_flush = now
+            sc.flush_latency.observe("flush", time.perf_counter() - start)
 
     def close(self) -> None:
         """Flush, then release memory, LMDB and the writer lock. Idempotent."""
@@ -265,6 +290,13 @@ class TieredStore:
                 self._closed = True
                 self._backend.close()
                 self._tables.clear()
+                self.metrics.close()  # leave the registry, stop the endpoints
+
+    def serve_metrics(self, port: int, addr: str = "127.0.0.1") -> MetricsServer:
+        """Serve this store's registry over HTTP at http://addr:port/metrics until
+        close(); port=0 binds a free port (the returned server's ``.port``)."""
+        self._check_open()
+        return self.metrics.serve(port, addr)
 
     def stats(self, per_table: bool = False) -> dict:
         """Cumulative counts: {"hbm": {hits, misses, evictions, writebacks}, "ddr": {...},
@@ -367,18 +399,21 @@ class TieredStore:
         H, D = t.hbm, t.ddr
         n = len(uid)
         c = t.counters
+        mark = time.perf_counter()
         slot_h = H.lookup(uid).cpu() if H else torch.full((n,), -1, dtype=torch.int64)
         in_h = slot_h >= 0
         n_h = int(in_h.sum())
         if H:
             c.hbm.hits += n_h
             c.hbm.misses += n - n_h
+            c.latency.observe("hbm", time.perf_counter() - mark)
         if n_h == n:
             self._touch(H, slot_h, use_clock)
             return H, slot_h.to(H.device), None
 
         slot_d = torch.full((n,), -1, dtype=torch.int64)
         if D:
+            mark = time.perf_counter()
             rest = torch.nonzero(~in_h).squeeze(1)
             slot_d[rest] = D.lookup(uid[rest])
         in_d = slot_d >= 0
@@ -386,12 +421,16 @@ class TieredStore:
         if D:
             c.ddr.hits += n_d
             c.ddr.misses += n - n_h - n_d
+            c.latency.observe("ddr", time.perf_counter() - mark)
             if n_d == n and H is None:
                 self._touch(D, slot_d, use_clock)
                 return D, slot_d, None
 
+        mark = time.perf_counter()
         miss = torch.nonzero(~in_h & ~in_d).squeeze(1)
         fetched = self._fetch(t, uid[miss])
+        if len(miss):
+            c.latency.observe("ssd_read", time.perf_counter() - mark)
 
         old_freq = torch.zeros(n, dtype=torch.int64)
         old_dirty = torch.zeros(n, dtype=torch.bool)
@@ -467,11 +506,13 @@ class TieredStore:
             wb_rows.append(D.data[dirty])
         n_wb = sum(len(i) for i in wb_ids)
         if n_wb:
+            mark = time.perf_counter()
             ids_all, rows_all = torch.cat(wb_ids), torch.cat(wb_rows)
             order = torch.argsort(ids_all)
             self._put([(t.spec.name, ids_all[order].numpy(), rows_all[order].numpy())])
             c.ssd.writes += n_wb
             c.ssd.write_bytes += n_wb * (8 + 4 * t.spec.width)
+            c.latency.observe("writeback", time.perf_counter() - mark)
 
         # -- commit the plan (in memory only; cannot fail half-way) --
         if H:

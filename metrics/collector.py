@@ -1,0 +1,248 @@
+"""Prometheus export of the stores' plain counters, read at scrape time.
+
+The hot path only bumps integers (tierstore/counters.py); this module turns
+them into metric families when Prometheus scrapes. One collector serves every
+store attached to a registry, because a registry refuses two collectors that
+describe the same metric names: stores are told apart by the ``store`` label.
+
+The collector reads counters without taking the store's lock, so a scrape never
+stalls a read. A scrape racing a read may see that call's counters half
+applied; every counter still only goes up.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from prometheus_client import REGISTRY
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.utils import floatToGoString
+
+from .server import DEFAULT_ADDR, MetricsServer, check_endpoint
+
+if TYPE_CHECKING:
+    from tierstore.store import TieredStore
+
+TIERS = ("hbm", "ddr")
+_S = ["store"]
+_T = ["store", "table"]
+_TT = ["store", "table", "tier"]
+
+# (kind, name, help, labels); counters are named without _total, which
+# prometheus_client appends. The README's metric table follows this list.
+METRICS = (
+    ("counter", "tierstore_lookups", "Unique ids looked up per call, by the tier that held them (hit) or the tiers above it (miss).", _TT + ["result"]),
+    ("gauge", "tierstore_hit_ratio", "hits / (hits + misses) since the store opened; NaN before the first lookup.", _TT),
+    ("counter", "tierstore_evictions", "Rows that left the tier (for HBM: demotions into DDR when the table has one).", _TT),
+    ("counter", "tierstore_writeback_rows", "Dirty rows written to LMDB when they left the cache (flush() writes are not write-backs).", _TT),
+    ("gauge", "tierstore_resident_rows", "Rows cached in the tier now.", _TT),
+    ("gauge", "tierstore_capacity_rows", "Rows the tier holds at most.", _TT),
+    ("counter", "tierstore_ssd_read_rows", "Rows looked up in LMDB, found or not.", _T),
+    ("counter", "tierstore_ssd_read_bytes", "Row payload bytes read from LMDB.", _T),
+    ("counter", "tierstore_ssd_write_rows", "Rows written to LMDB (write-backs, uncached writes, flushes).", _T),
+    ("counter", "tierstore_ssd_write_bytes", "Bytes written to LMDB (8-byte key plus row payload per row).", _T),
+    ("histogram", "tierstore_lookup_seconds", "Host wall time of read() calls by stage: dedupe, hbm, ddr, ssd_read, writeback, total.", _T + ["stage"]),
+    ("gauge", "tierstore_prefetch_queue_depth", "Prefetch batches waiting to be served.", _T),
+    ("gauge", "tierstore_prefetch_lead_steps", "Read steps the newest prefetched batch runs ahead of the read being served.", _T),
+    ("counter", "tierstore_prefetch_batches", "Batches the prefetcher has issued.", _T),
+    ("counter", "tierstore_prefetch_rows", "Unique rows the prefetcher has brought into the cache.", _T),
+    ("counter", "tierstore_flushes", "Completed flush() calls since the store opened.", _S),
+    ("gauge", "tierstore_last_flush_timestamp_seconds", "Store-clock time of the last flush, from disk at open; absent if never flushed.", _S),
+    ("histogram", "tierstore_flush_seconds", "Wall time of flush() calls.", _S),
+    ("gauge", "tierstore_store_info", "Always 1; labels describe the store.", _S + ["path", "policy", "device", "readonly"]),
+)
+_FAMILY_TYPES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}
+
+
+def _new_families() -> dict[str, Metric]:
+    return {name: _FAMILY_TYPES[kind](name, doc, labels=labels) for kind, name, doc, labels in METRICS}
+
+
+def _add_histogram(family: HistogramMetricFamily, labels: list[str], bounds, counts: list[int], total: float) -> None:
+    cumulative = list(itertools.accumulate(counts))
+    buckets = [(floatToGoString(b), c) for b, c in zip(bounds, cumulative)] + [("+Inf", cumulative[-1])]
+    family.add_metric(labels, buckets, total)
+
+
+def _export_store(f: dict[str, Metric], label: str, store: "TieredStore") -> None:
+    """Add one store's samples. Copies each table's counters first (plain ints,
+    no lock), so the families are filled from one near-instant snapshot."""
+    if store._closed:
+        return
+    sc = store._counters
+    for name, t in list(store._tables.items()):
+        c = t.counters
+        tiers = {tier: getattr(c, tier) for tier, obj in (("hbm", t.hbm), ("ddr", t.ddr)) if obj is not None}
+        sizes = {tier: (obj.capacity, obj.resident) for tier, obj in (("hbm", t.hbm), ("ddr", t.ddr)) if obj is not None}
+        ssd, pre, lat = asdict(c.ssd), asdict(c.prefetch), c.latency.snapshot()
+        for tier, tc in tiers.items():
+            hits, misses = tc.hits, tc.misses
+            key = [label, name, tier]
+            f["tierstore_lookups"].add_metric(key + ["hit"], hits)
+            f["tierstore_lookups"].add_metric(key + ["miss"], misses)
+            f["tierstore_hit_ratio"].add_metric(key, hits / (hits + misses) if hits + misses else math.nan)
+            f["tierstore_evictions"].add_metric(key, tc.evictions)
+            f["tierstore_writeback_rows"].add_metric(key, tc.writebacks)
+            f["tierstore_capacity_rows"].add_metric(key, sizes[tier][0])
+            f["tierstore_resident_rows"].add_metric(key, sizes[tier][1])
+        key = [label, name]
+        f["tierstore_ssd_read_rows"].add_metric(key, ssd["reads"])
+        f["tierstore_ssd_read_bytes"].add_metric(key, ssd["read_bytes"])
+        f["tierstore_ssd_write_rows"].add_metric(key, ssd["writes"])
+        f["tierstore_ssd_write_bytes"].add_metric(key, ssd["write_bytes"])
+        f["tierstore_prefetch_queue_depth"].add_metric(key, pre["queued"])
+        f["tierstore_prefetch_lead_steps"].add_metric(key, pre["lead_steps"])
+        f["tierstore_prefetch_batches"].add_metric(key, pre["issued_batches"])
+        f["tierstore_prefetch_rows"].add_metric(key, pre["issued_rows"])
+        for stage, (counts, total) in sorted(lat.items()):
+            _add_histogram(f["tierstore_lookup_seconds"], key + [stage], c.latency.bounds, counts, total)
+    f["tierstore_flushes"].add_metric([label], sc.flushes)
+    if sc.last_flush is not None:
+        f["tierstore_last_flush_timestamp_seconds"].add_metric([label], sc.last_flush)
+    flush = sc.flush_latency.snapshot().get("flush")
+    if flush is not None:
+        _add_histogram(f["tierstore_flush_seconds"], [label], sc.flush_latency.bounds, *flush)
+    info = [label, str(store.path), store.config.policy, str(store.device), str(store.readonly).lower()]
+    f["tierstore_store_info"].add_metric(info, 1)
+
+
+class TierstoreCollector(Collector):
+    """Exports every store attached to one registry. Holds stores by weak
+    reference: a store dropped without close() just stops being exported."""
+
+    def __init__(self):
+        self._stores: dict[str, weakref.ref] = {}
+        self._lock = threading.Lock()
+
+    def attach(self, store: "TieredStore", name: str | None) -> str:
+        """Add ``store`` under label ``name``, or under its resolved path when
+        name is None (suffixed " #2", " #3", ... if that path is already here)."""
+        with self._lock:
+            self._stores = {k: r for k, r in self._stores.items() if r() is not None}
+            if name is not None:
+                if name in self._stores:
+                    raise ValueError(
+                        f"store name {name!r} is already exported to this registry by another open store; "
+                        "pass a different name= (or close the other store first)"
+                    )
+                label = name
+            else:
+                base = str(Path(store.path).resolve())
+                label = next(c for c in itertools.chain([base], (f"{base} #{i}" for i in itertools.count(2))) if c not in self._stores)
+            self._stores[label] = weakref.ref(store)
+            return label
+
+    def detach(self, label: str) -> bool:
+        """Remove a store; True when no store is left."""
+        with self._lock:
+            self._stores.pop(label, None)
+            self._stores = {k: r for k, r in self._stores.items() if r() is not None}
+            return not self._stores
+
+    @property
+    def labels(self) -> list[str]:
+        with self._lock:
+            return [k for k, r in self._stores.items() if r() is not None]
+
+    def describe(self) -> Iterator[Metric]:
+        # names only: lets the registry refuse another collector that claims them
+        return iter(_new_families().values())
+
+    def collect(self) -> Iterator[Metric]:
+        families = _new_families()
+        with self._lock:
+            stores = [(label, ref()) for label, ref in self._stores.items()]
+        for label, store in stores:
+            if store is not None:
+                _export_store(families, label, store)
+        return iter(families.values())
+
+
+_COLLECTORS: "weakref.WeakKeyDictionary[CollectorRegistry, TierstoreCollector]" = weakref.WeakKeyDictionary()
+_COLLECTORS_LOCK = threading.Lock()
+
+
+@dataclass
+class MetricsConfig:
+    """How a store exports metrics.
+
+    registry: where its collector lives (None: prometheus_client's global REGISTRY).
+    name: its ``store`` label (None: its resolved path).
+    port/addr: start an HTTP endpoint when the store opens (port None: none; 0: a free port).
+    """
+
+    registry: CollectorRegistry | None = None
+    name: str | None = None
+    port: int | None = None
+    addr: str = DEFAULT_ADDR
+
+    def __post_init__(self):
+        if self.registry is None:
+            self.registry = REGISTRY
+        if not (callable(getattr(self.registry, "register", None)) and callable(getattr(self.registry, "unregister", None))):
+            raise TypeError(f"registry must be a prometheus_client.CollectorRegistry (or None for the global one), got {self.registry!r}")
+        if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
+            raise ValueError(f"name (the store's metrics label) must be a non-empty string or None, got {self.name!r}")
+        if self.port is not None:
+            check_endpoint(self.port, self.addr)
+        elif not isinstance(self.addr, str) or not self.addr:
+            raise TypeError(f"metrics addr must be a host address string such as '127.0.0.1', got {self.addr!r}")
+
+
+class StoreMetrics:
+    """A store's place in a registry and its HTTP endpoints: created when the
+    store opens, closed (detached, endpoints stopped) when it closes."""
+
+    def __init__(self, store: "TieredStore", config: MetricsConfig):
+        self.registry = config.registry
+        with _COLLECTORS_LOCK:
+            collector = _COLLECTORS.get(self.registry)
+            if collector is None:
+                collector = TierstoreCollector()
+                self.registry.register(collector)  # raises if other collectors claim tierstore_* names
+                _COLLECTORS[self.registry] = collector
+            self._collector = collector
+            self.label = collector.attach(store, config.name)
+        self.servers: list[MetricsServer] = []
+        self._closed = False
+        if config.port is not None:
+            try:
+                self.serve(config.port, config.addr)
+            except BaseException:
+                self.close()
+                raise
+
+    def serve(self, port: int, addr: str = DEFAULT_ADDR) -> MetricsServer:
+        """Start an endpoint serving this store's registry (every store in it)."""
+        if self._closed:
+            raise RuntimeError(f"metrics for store {self.label!r} are closed (the store was closed)")
+        server = MetricsServer(self.registry, port, addr)
+        self.servers.append(server)
+        return server
+
+    def close(self) -> None:
+        """Stop the endpoints and leave the registry; the collector leaves the
+        registry with its last store. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for server in self.servers:
+                server.close()
+        finally:
+            with _COLLECTORS_LOCK:
+                if self._collector.detach(self.label) and _COLLECTORS.get(self.registry) is self._collector:
+                    del _COLLECTORS[self.registry]
+                    self.registry.unregister(self._collector)
