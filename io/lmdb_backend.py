@@ -142,6 +142,18 @@ class LmdbBackend:
     def disk_bytes(self) -> int:
         return (self.path / "data.mdb").stat().st_size
 
+    def copy_to(self, path: str | os.PathLike, compact: bool = True) -> Path:
+        """Copy the environment (one read transaction: a consistent snapshot) into
+        the directory ``path``, which must be empty or absent; writers may go on meanwhile."""
+        dest = Path(path)
+        if dest.resolve() == self.path.resolve():
+            raise ValueError(f"cannot copy the store at {self.path} onto itself; choose another directory")
+        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+            raise FileExistsError(f"{dest} exists and is not an empty directory; choose a new directory for the copy")
+        dest.mkdir(parents=True, exist_ok=True)
+        self.env.copy(str(dest), compact=compact)
+        return dest
+
     def close(self) -> None:
         try:
             self.env.close()

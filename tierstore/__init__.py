@@ -3,6 +3,9 @@ from tierstore.io import StoreLockedError
 
 from .spec import RowInit, TableSpec
 from .store import StoreConfig, TieredStore
+from . import optim
+from .nn import TieredEmbeddingBag, TieredEmbeddingBagCollection
 
 __all__ = ["RowInit", "StoreConfig", "StoreLockedError", "TableSpec", "TieredStore"]
+__all__ += ["TieredEmbeddingBag", "TieredEmbeddingBagCollection", "optim"]
 __version__ = "0.1.0"

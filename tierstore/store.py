@@ -279,6 +279,14 @@ class TieredStore:
             sc.last_flush = now
             sc.flush_latency.observe("flush", time.perf_counter() - start)
 
+    def checkpoint(self, path: str | Path, compact: bool = True) -> Path:
+        """Flush, then copy the LMDB environment into the new directory ``path``:
+        a consistent snapshot that opens as a store (``TieredStore(path)``), which
+        is how it is restored. The store stays open; training can go on."""
+        with self._lock:
+            self.flush()
+            return self._backend.copy_to(path, compact=compact)
+
     def close(self) -> None:
         """Flush, then release memory, LMDB and the writer lock. Idempotent."""
         with self._lock:
@@ -362,7 +370,13 @@ class TieredStore:
 
     @staticmethod
     def _as_values(spec: TableSpec, values, n: int, cols: int) -> torch.Tensor:
-        v = values.detach() if isinstance(values, torch.Tensor) else torch.as_tensor(np.asarray(values))
+        if isinstance(values, torch.Tensor):
+            v = values.detach()
+        else:
+            arr = np.asarray(values)
+            if arr.dtype.kind not in "fiu":
+                raise TypeError(f"values for table {spec.name!r} must be floating point, got {arr.dtype}")
+            v = torch.from_numpy(arr)
         if v.dtype.is_complex or not (v.dtype.is_floating_point or v.dtype in (torch.int32, torch.int64)):
             raise TypeError(f"values for table {spec.name!r} must be floating point, got {v.dtype}")
         if tuple(v.shape) != (n, cols):

@@ -1,0 +1,596 @@
+"""torch modules whose weights live in a TieredStore.
+
+``TieredEmbeddingBag`` follows the torch.nn.EmbeddingBag contract; the store is
+its parameter store (the module has no torch Parameters). A forward reads each
+unique id once (with its optimizer state when training), pools the bags from
+those rows, and keeps everything its backward needs in the autograd graph
+(``ctx``): nothing is pinned in the store and nothing is pending, so a forward
+without backward (evaluation, ``torch.no_grad()``) leaves no trace but the
+cache's use counts, and several forwards may precede their backwards. The
+backward computes the summed gradient of every touched row, applies the fused
+optimizer step and writes the rows back in one ``store.write``.
+
+Determinism: the gradient of a row is summed in a fixed order (occurrence
+order within the row, via a stable sort) with CPU kernels that do not use
+atomics, and the update depends only on row values, so training is bit-identical
+whatever the tier sizes and eviction policy.
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .optim import RowOptimizer
+from .spec import MAX_ID, RowInit, TableSpec
+from .store import Sizes, TieredStore
+
+__all__ = [
+    "BagIndexError",
+    "BagOffsetsError",
+    "EmbeddingBagConfig",
+    "TieredEmbeddingBag",
+    "TieredEmbeddingBagCollection",
+]
+
+MODES = {"sum": 0, "mean": 1, "max": 2}
+_CHUNK_ROWS = 1 << 18  # from_pretrained writes in chunks of this many rows
+
+
+class BagIndexError(IndexError, RuntimeError):
+    """An id outside [0, num_embeddings). A RuntimeError too, as torch raises."""
+
+
+class BagOffsetsError(ValueError, RuntimeError):
+    """Offsets that do not describe bags of the input. A RuntimeError too, as torch raises."""
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class EmbeddingBagConfig:
+    """What a TieredEmbeddingBag computes; the store's layout is in its TableSpec."""
+
+    num_embeddings: int | None
+    embedding_dim: int
+    mode: str = "mean"
+    include_last_offset: bool = False
+    padding_idx: int | None = None
+    table: str = "t0"
+    init: RowInit = field(default_factory=lambda: RowInit.normal(0.0, 1.0))
+
+    def __post_init__(self):
+        n = self.num_embeddings
+        if n is not None and (not _is_int(n) or not 0 < n <= MAX_ID + 1):
+            raise ValueError(f"num_embeddings must be a positive int (or None for an unbounded id space), got {n!r}")
+        if not _is_int(self.embedding_dim) or self.embedding_dim <= 0:
+            raise ValueError(f"embedding_dim must be a positive int, got {self.embedding_dim!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode has to be one of sum, mean or max, got {self.mode!r}")
+        if not isinstance(self.include_last_offset, bool):
+            raise TypeError(f"include_last_offset must be a bool, got {self.include_last_offset!r}")
+        if self.padding_idx is not None:
+            p = self.padding_idx
+            if not _is_int(p):
+                raise TypeError(f"padding_idx must be an int or None, got {p!r}")
+            if n is None:
+                if p < 0:
+                    raise ValueError(f"padding_idx must be >= 0 for an unbounded table (num_embeddings=None), got {p}")
+            elif not -n <= p < n:
+                raise ValueError(f"padding_idx must be within num_embeddings: got {p} for num_embeddings={n}")
+            elif p < 0:
+                self.padding_idx = p + n  # as torch does
+        if not isinstance(self.init, RowInit):
+            raise TypeError("init must be a tierstore.RowInit, e.g. RowInit.normal(0, 1)")
+
+
+def _index_dtype_error(what: str, t: torch.Tensor) -> RuntimeError:
+    return RuntimeError(
+        f"Expected tensor for argument {what} to have one of the following scalar types: Long, Int; "
+        f"but got {t.type()} instead"
+    )
+
+
+def _is_index_dtype(t: torch.Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
+@dataclass
+class _Bags:
+    """One forward's bags in terms of the unique rows it reads (all CPU tensors)."""
+
+    uid: torch.Tensor  # [U] sorted unique ids
+    local: torch.Tensor  # [M] position in uid of each used input entry
+    bag_of: torch.Tensor  # [M] bag of each used entry
+    sizes: torch.Tensor  # [B] used entries per bag
+    offsets: torch.Tensor  # [B] start of each bag in ``local``
+    perm: torch.Tensor  # [M] entries sorted by row, stable (occurrence order within a row)
+    row_counts: torch.Tensor  # [U] entries per unique row
+    used: torch.Tensor | None  # [M] positions in the flat input of the used entries; None = all, in order
+    n_input: int  # entries in the flat input
+
+    def select(self, flat: torch.Tensor) -> torch.Tensor:
+        """Per-entry values of the flat input restricted to the used entries."""
+        return flat if self.used is None else flat.index_select(0, self.used.to(flat.device))
+
+    def expand(self, per_used: torch.Tensor) -> torch.Tensor:
+        """Inverse of select: zeros at entries the bags do not use."""
+        if self.used is None:
+            return per_used
+        out = torch.zeros(self.n_input, dtype=per_used.dtype, device=per_used.device)
+        out[self.used.to(per_used.device)] = per_used
+        return out
+
+
+# Rows a module's backward wrote, per (store, table): a backward whose forward
+# read rows before another backward wrote re-reads them instead of
+# overwriting that update with its stale copy.
+_WRITES: "weakref.WeakKeyDictionary[TieredStore, dict[str, int]]" = weakref.WeakKeyDictionary()
+
+
+def _write_count(store: TieredStore, table: str) -> int:
+    return _WRITES.get(store, {}).get(table, 0)
+
+
+class _TieredBagFunction(torch.autograd.Function):
+    """Pools bags from the rows one forward read; its backward runs the fused update.
+
+    ``anchor`` is an empty tensor that requires grad when the rows are trained:
+    it puts the function in the graph (the rows are not torch Parameters) and
+    gets None back.
+    """
+
+    @staticmethod
+    def forward(ctx, anchor, per_sample_weights, weights, rows, bags: _Bags, owner: "TieredEmbeddingBag"):
+        dev = weights.device
+        psw = None
+        if per_sample_weights is not None:
+            psw = bags.select(per_sample_weights.reshape(-1).to(dev))
+        mode = MODES[owner.config.mode]
+        out, _, _, max_idx = torch.embedding_bag(
+            weights, bags.local.to(dev), bags.offsets.to(dev), False, mode, False, psw, False, None
+        )
+        ctx.bags, ctx.owner, ctx.rows, ctx.weights = bags, owner, rows, weights
+        ctx.psw, ctx.psw_shape, ctx.max_idx = psw, None if per_sample_weights is None else per_sample_weights.shape, max_idx
+        ctx.writes = _write_count(owner.store, owner.table)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        bags, owner = ctx.bags, ctx.owner
+        grad_out = grad_out.contiguous()
+        dev = grad_out.device
+        grad_psw = None
+        if ctx.needs_input_grad[1]:
+            per = (grad_out.index_select(0, bags.bag_of.to(dev)) * ctx.weights.index_select(0, bags.local.to(dev))).sum(1)
+            grad_psw = bags.expand(per).reshape(ctx.psw_shape)
+        if ctx.needs_input_grad[0]:
+            grads = _row_grads(owner.config.mode, bags, grad_out, ctx.psw, ctx.max_idx)
+            rows, ctx.rows = ctx.rows, None  # a failed or repeated backward re-reads
+            owner._apply_update(bags.uid, grads, rows, ctx.writes)
+        return None, grad_psw, None, None, None, None
+
+
+def _row_grads(mode: str, bags: _Bags, grad_out: torch.Tensor, psw, max_idx) -> torch.Tensor:
+    """Summed gradient of each unique row, [U, dim], in a fixed summation order."""
+    U, dim = len(bags.uid), grad_out.shape[1]
+    dev = grad_out.device
+    if mode == "max":
+        # the row that gave each (bag, column) its maximum gets that column's gradient
+        g = torch.zeros(U * dim, dtype=grad_out.dtype, device=dev)
+        nonempty = (bags.sizes > 0).to(dev)
+        flat = (max_idx[nonempty] * dim + torch.arange(dim, device=dev)).reshape(-1)
+        g.index_add_(0, flat, grad_out[nonempty].reshape(-1))
+        return g.reshape(U, dim)
+    # sum/mean: the transpose of the forward, itself a bag sum: row u's bag is the
+    # list of (bag, weight) of its entries, in occurrence order.
+    if mode == "mean":
+        scale = 1.0 / bags.sizes.clamp(min=1).to(grad_out.dtype)
+        weight = scale.index_select(0, bags.bag_of)
+    else:
+        weight = None if psw is None else psw.cpu()
+    perm = bags.perm
+    row_offsets = torch.zeros(U, dtype=torch.int64)
+    if U > 1:
+        torch.cumsum(bags.row_counts[:-1], 0, out=row_offsets[1:])
+    w = None if weight is None else weight.index_select(0, perm).to(dev)
+    g, *_ = torch.embedding_bag(
+        grad_out, bags.bag_of.index_select(0, perm).to(dev), row_offsets.to(dev), False, 0, False, w, False, None
+    )
+    return g
+
+
+class TieredEmbeddingBag(nn.Module):
+    """torch.nn.EmbeddingBag over a TieredStore, with a fused row optimizer.
+
+    ``TieredEmbeddingBag(num_embeddings, embedding_dim, mode=..., path=...,
+    hbm_rows=..., ddr_rows=..., policy=..., device=..., optimizer=...)`` creates
+    (or reopens) a store at ``path`` holding one table; ``store=``/``table=``
+    use a table of an open store instead. ``num_embeddings=None`` is an
+    unbounded id space. Without ``optimizer`` the rows are not trained.
+
+    ``mode`` defaults to "mean" as in torch. Rows never written start as
+    ``init`` (default N(0, 1), as torch), a pure function of (table, id, seed).
+    A row's optimizer state is stored after its weights
+    (``store.read(table, ids, with_state=True)``).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int | None,
+        embedding_dim: int,
+        *,
+        mode: str = "mean",
+        path: str | Path | None = None,
+        store: TieredStore | None = None,
+        table: str = "t0",
+        hbm_rows: Sizes = 0,
+        ddr_rows: Sizes = 0,
+        policy: str = "lru",
+        device: str | torch.device | None = None,
+        optimizer: RowOptimizer | None = None,
+        padding_idx: int | None = None,
+        include_last_offset: bool = False,
+        init: RowInit | None = None,
+        max_norm: float | None = None,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = True,
+    ):
+        super().__init__()
+        if max_norm is not None or scale_grad_by_freq:
+            raise ValueError(
+                "max_norm and scale_grad_by_freq are not supported by TieredEmbeddingBag; "
+                "leave them at their defaults (None, False)"
+            )
+        del sparse  # the rows are always updated sparsely, by the fused optimizer
+        if optimizer is not None and not isinstance(optimizer, RowOptimizer):
+            raise TypeError(
+                f"optimizer must be a tierstore.optim optimizer (SGD, Adagrad, RowWiseAdagrad, Adam), got {type(optimizer).__name__}; "
+                "torch.optim optimizers cannot update rows that live in the store"
+            )
+        self.optimizer = optimizer
+        self._owns_store = store is None
+        if store is None:
+            if path is None:
+                raise ValueError("pass path= (a directory for a new or existing store) or store= (an open TieredStore)")
+            cfg = EmbeddingBagConfig(num_embeddings, embedding_dim, mode, include_last_offset, padding_idx, table,
+                                     init if init is not None else RowInit.normal(0.0, 1.0))
+            state_dim = optimizer.state_dim(embedding_dim) if optimizer else 0
+            spec = TableSpec(table, num_embeddings, embedding_dim, init=cfg.init, state_dim=state_dim)
+            store = TieredStore(path, tables=[spec], hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device)
+        else:
+            if path is not None or device is not None or hbm_rows or ddr_rows or policy != "lru":
+                raise ValueError("with store= the store's own path, device, tiers and policy apply; "
+                                 "drop path=, device=, hbm_rows=, ddr_rows= and policy=")
+            if not isinstance(store, TieredStore):
+                raise TypeError(f"store must be a tierstore.TieredStore, got {type(store).__name__}")
+            spec = store.tables.get(table)
+            if spec is None:
+                raise KeyError(
+                    f"store {store.path} has no table {table!r} (it has {sorted(store.tables)}); open the store with "
+                    f"tables=[TableSpec({table!r}, num_rows, dim, state_dim=optimizer.state_dim(dim))], "
+                    "or use TieredEmbeddingBagCollection"
+                )
+            cfg = EmbeddingBagConfig(num_embeddings, embedding_dim, mode, include_last_offset, padding_idx, table, spec.init)
+            _check_spec(spec, num_embeddings, embedding_dim, optimizer)
+            if init is not None and init != spec.init:
+                raise ValueError(f"init={init!r} contradicts table {table!r}'s stored init {spec.init!r}")
+        self.config = cfg
+        self.store = store
+        self.table = table
+        if cfg.padding_idx is not None and not store.readonly:
+            # torch starts the padding row at zero; it is never read or updated by forward/backward
+            store.write(table, [cfg.padding_idx], torch.zeros(1, embedding_dim))
+
+    # -- torch.nn.EmbeddingBag-like surface ----------------------------------------------
+    @property
+    def num_embeddings(self) -> int | None:
+        return self.config.num_embeddings
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.config.embedding_dim
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    @property
+    def padding_idx(self) -> int | None:
+        return self.config.padding_idx
+
+    @property
+    def include_last_offset(self) -> bool:
+        return self.config.include_last_offset
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        embeddings: torch.Tensor,
+        freeze: bool | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        mode: str = "mean",
+        sparse: bool = False,
+        include_last_offset: bool = False,
+        padding_idx: int | None = None,
+        **kwargs,
+    ) -> "TieredEmbeddingBag":
+        """Like nn.EmbeddingBag.from_pretrained: every row of ``embeddings`` is
+        written to the store (optimizer state zero). ``freeze`` defaults to
+        "no optimizer given"; freeze=True trains nothing."""
+        if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2:
+            raise ValueError("Embeddings parameter is expected to be 2-dimensional")
+        optimizer = kwargs.get("optimizer")
+        if freeze is None:
+            freeze = optimizer is None
+        if freeze and optimizer is not None:
+            raise ValueError("freeze=True with an optimizer: drop optimizer= to freeze the rows, or pass freeze=False to train them")
+        if not freeze and optimizer is None:
+            raise ValueError("freeze=False needs optimizer= (a tierstore.optim optimizer) to update the rows")
+        n, dim = embeddings.shape
+        module = cls(n, dim, mode=mode, max_norm=max_norm, scale_grad_by_freq=scale_grad_by_freq,
+                     include_last_offset=include_last_offset, padding_idx=padding_idx, **kwargs)
+        width = module.store.tables[module.table].width
+        src = embeddings.detach().to("cpu", torch.float32)
+        for lo in range(0, n, _CHUNK_ROWS):
+            hi = min(n, lo + _CHUNK_ROWS)
+            rows = torch.zeros((hi - lo, width))
+            rows[:, :dim] = src[lo:hi]
+            module.store.write(module.table, torch.arange(lo, hi), rows, with_state=True)
+        return module
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        bags = self._plan(input, offsets, per_sample_weights)  # validates before the store is touched
+        return self._run(bags, per_sample_weights)
+
+    def close(self) -> None:
+        """Close the store if this module opened it (flushes every row)."""
+        if self._owns_store:
+            self.store.close()
+
+    def extra_repr(self) -> str:
+        c = self.config
+        s = f"{c.num_embeddings}, {c.embedding_dim}, mode={c.mode!r}, table={c.table!r}, store={str(self.store.path)!r}"
+        if c.padding_idx is not None:
+            s += f", padding_idx={c.padding_idx}"
+        if c.include_last_offset:
+            s += ", include_last_offset=True"
+        return s + f", optimizer={self.optimizer!r}"
+
+    # -- the data path -------------------------------------------------------------------
+    def _plan(self, input, offsets, per_sample_weights) -> _Bags:
+        """Validate like torch.nn.functional.embedding_bag and map the bags onto unique rows."""
+        c = self.config
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(f"input must be a torch.Tensor of ids, got {type(input).__name__}")
+        if per_sample_weights is not None:
+            if not isinstance(per_sample_weights, torch.Tensor):
+                raise TypeError(f"per_sample_weights must be a torch.Tensor or None, got {type(per_sample_weights).__name__}")
+            if input.size() != per_sample_weights.size():
+                raise ValueError(
+                    f"embedding_bag: If per_sample_weights ({per_sample_weights.shape}) is not None, "
+                    f"then it must have the same shape as the input ({input.shape})"
+                )
+        include_last = c.include_last_offset
+        if input.dim() == 2:
+            if offsets is not None:
+                raise ValueError(
+                    "if input is 2D, then offsets has to be None, as input is treated is a mini-batch of fixed length "
+                    f"sequences. However, found offsets of type {type(offsets)}"
+                )
+            nbags, length = input.shape
+            starts = torch.arange(nbags, dtype=torch.int64) * length
+            include_last = False
+        elif input.dim() == 1:
+            if offsets is None:
+                raise ValueError("offsets has to be a 1D Tensor but got None")
+            if not isinstance(offsets, torch.Tensor):
+                raise TypeError(f"offsets must be a torch.Tensor, got {type(offsets).__name__}")
+            if offsets.dim() != 1:
+                raise ValueError("offsets has to be a 1D Tensor")
+            starts = None
+        else:
+            raise ValueError(f"input has to be 1D or 2D Tensor, but got Tensor of dimension {input.dim()}")
+        if per_sample_weights is not None and c.mode != "sum":
+            raise NotImplementedError(
+                "embedding_bag: per_sample_weights was not None. per_sample_weights is only supported for "
+                f"mode='sum' (got mode='{c.mode}'). Please open a feature request on GitHub."
+            )
+        if not _is_index_dtype(input):
+            raise _index_dtype_error("#1 'indices'", input)
+        if per_sample_weights is not None and per_sample_weights.dtype != torch.float32:
+            raise RuntimeError(
+                f"Expected tensor for argument #1 'weight' to have the same type as tensor for argument #1 "
+                f"'per_sample_weights'; but type torch.FloatTensor does not equal {per_sample_weights.type()}"
+            )
+        flat = input.detach().reshape(-1).to("cpu", torch.int64)
+        n_input = len(flat)
+        if starts is None:
+            if not _is_index_dtype(offsets):
+                raise _index_dtype_error("#2 'offsets'", offsets)
+            off = offsets.detach().to("cpu", torch.int64)
+            if include_last and len(off) == 0:
+                raise BagOffsetsError("include_last_offset: number of offset should be at least 1")
+            if len(off):
+                if int(off[0]) != 0:
+                    raise BagOffsetsError(
+                        "offsets[0] has to be 0, i.e., the first sequence in the mini-batch has to start from "
+                        f"position 0. However, got {int(off[0])}"
+                    )
+                if int(off[-1]) > n_input:
+                    raise BagOffsetsError(
+                        f"offsets[-1] can not be greater than input's length {n_input} but got offsets[-1] of {int(off[-1])}"
+                    )
+                down = torch.nonzero(off[1:] < off[:-1])
+                if len(down):
+                    i = int(down[0])
+                    raise BagOffsetsError(
+                        f"offsets must be non-decreasing, but offsets[{i}]={int(off[i])} > offsets[{i + 1}]={int(off[i + 1])}"
+                    )
+            if include_last:
+                starts, end = off[:-1], int(off[-1])
+            else:
+                starts, end = off, (n_input if len(off) else 0)
+        else:
+            end = n_input
+        ids = flat[:end]
+        if end:
+            bad = ids < 0
+            if c.num_embeddings is not None:
+                bad |= ids >= c.num_embeddings
+            if bool(bad.any()):
+                i = int(torch.nonzero(bad)[0])
+                hi = c.num_embeddings if c.num_embeddings is not None else "2**63"
+                raise BagIndexError(
+                    f"Index {i} of input takes value {int(ids[i])} which is not in the valid range [0, {hi}) "
+                    f"of table {c.table!r}"
+                )
+        nbags = len(starts)
+        sizes = torch.diff(starts, append=torch.tensor([end], dtype=torch.int64))
+        bag_of = torch.repeat_interleave(torch.arange(nbags), sizes, output_size=end)
+        used = None if end == n_input else torch.arange(end)
+        if c.padding_idx is not None:
+            keep = ids != c.padding_idx
+            if not bool(keep.all()):
+                pos = torch.nonzero(keep).squeeze(1)
+                ids, bag_of = ids[pos], bag_of[pos]
+                used = pos
+                sizes = torch.bincount(bag_of, minlength=nbags)
+        bag_offsets = torch.zeros(nbags, dtype=torch.int64)
+        if nbags > 1:
+            torch.cumsum(sizes[:-1], 0, out=bag_offsets[1:])
+        sorted_ids, perm = torch.sort(ids, stable=True)
+        uid, row_counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+        local = torch.empty_like(ids)
+        local[perm] = torch.repeat_interleave(torch.arange(len(uid)), row_counts, output_size=len(ids))
+        return _Bags(uid, local, bag_of, sizes, bag_offsets, perm, row_counts, used, n_input)
+
+    def _run(self, bags: _Bags, per_sample_weights) -> torch.Tensor:
+        train = self.optimizer is not None and torch.is_grad_enabled()
+        rows = self.store.read(self.table, bags.uid, with_state=train)
+        dim = self.config.embedding_dim
+        weights = rows if rows.shape[1] == dim else rows[:, :dim].contiguous()
+        if weights is rows and train and per_sample_weights is not None and per_sample_weights.requires_grad:
+            weights = rows.clone()  # the update must not alter what the per-sample-weight gradient reads
+        anchor = torch.empty(0, requires_grad=True) if train else None
+        return _TieredBagFunction.apply(anchor, per_sample_weights, weights, rows if train else None, bags, self)
+
+    def _apply_update(self, uid: torch.Tensor, grads: torch.Tensor, rows: torch.Tensor | None, writes: int) -> None:
+        counts = _WRITES.setdefault(self.store, {})
+        if rows is None or counts.get(self.table, 0) != writes:
+            # another backward wrote rows since this forward read them: update the current values
+            rows = self.store.read(self.table, uid, with_state=True)
+        self.optimizer.update(rows, grads.to(rows.device))
+        self.store.write(self.table, uid, rows, with_state=True)
+        counts[self.table] = counts.get(self.table, 0) + 1
+
+
+def _check_spec(spec: TableSpec, num_embeddings, embedding_dim, optimizer) -> None:
+    if spec.num_rows != num_embeddings or spec.dim != embedding_dim:
+        raise ValueError(
+            f"table {spec.name!r} has num_rows={spec.num_rows}, dim={spec.dim}; the module asks for "
+            f"num_embeddings={num_embeddings}, embedding_dim={embedding_dim}"
+        )
+    if optimizer is not None and spec.state_dim != optimizer.state_dim(spec.dim):
+        raise ValueError(
+            f"table {spec.name!r} stores state_dim={spec.state_dim} per row but {optimizer!r} needs "
+            f"{optimizer.state_dim(spec.dim)}; create the table with state_dim=optimizer.state_dim(dim)"
+        )
+
+
+class TieredEmbeddingBagCollection(nn.Module):
+    """Several TieredEmbeddingBags over the tables of one store.
+
+    ``ebc = TieredEmbeddingBagCollection(tables=[TableSpec(...), ...], path=..., optimizer=...)``;
+    ``ebc({"user": (values, offsets), "item": (values, offsets)})`` returns
+    ``{"user": pooled [B, dim], "item": ...}``. A feature may also be
+    ``(values, offsets, per_sample_weights)`` or a 2-D tensor of fixed-length bags.
+    Each table's ``state_dim`` is set to what the optimizer needs.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableSpec],
+        *,
+        path: str | Path | None = None,
+        store: TieredStore | None = None,
+        hbm_rows: Sizes = 0,
+        ddr_rows: Sizes = 0,
+        policy: str = "lru",
+        device: str | torch.device | None = None,
+        optimizer: RowOptimizer | None = None,
+        mode: str = "sum",
+        include_last_offset: bool = False,
+    ):
+        super().__init__()
+        tables = list(tables)
+        if not tables or not all(isinstance(t, TableSpec) for t in tables):
+            raise TypeError("tables must be a non-empty list of tierstore.TableSpec")
+        specs = []
+        for spec in tables:
+            if optimizer is not None:
+                need = optimizer.state_dim(spec.dim)
+                if spec.state_dim not in (0, need):
+                    raise ValueError(f"table {spec.name!r}: state_dim={spec.state_dim} but {optimizer!r} needs {need}; leave state_dim=0")
+                spec = dataclasses.replace(spec, state_dim=need)
+            specs.append(spec)
+        self._owns_store = store is None
+        if store is None:
+            if path is None:
+                raise ValueError("pass path= (a directory for a new or existing store) or store= (an open TieredStore)")
+            store = TieredStore(path, tables=specs, hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device)
+        elif path is not None or device is not None or hbm_rows or ddr_rows or policy != "lru":
+            raise ValueError("with store= the store's own path, device, tiers and policy apply; "
+                             "drop path=, device=, hbm_rows=, ddr_rows= and policy=")
+        self.store = store
+        self.optimizer = optimizer
+        self._bags = {
+            s.name: TieredEmbeddingBag(s.num_rows, s.dim, mode=mode, store=store, table=s.name, optimizer=optimizer,
+                                       include_last_offset=include_last_offset)
+            for s in specs
+        }
+
+    @property
+    def bags(self) -> Mapping[str, TieredEmbeddingBag]:
+        return dict(self._bags)
+
+    def __getitem__(self, name: str) -> TieredEmbeddingBag:
+        return self._bags[self._known(name)]
+
+    def _known(self, name) -> str:
+        if name not in self._bags:
+            raise KeyError(f"unknown table {name!r}; the collection has tables {sorted(self._bags)}")
+        return name
+
+    def forward(self, features: Mapping[str, object]) -> dict[str, torch.Tensor]:
+        if not isinstance(features, Mapping):
+            raise TypeError("features must be a mapping {table: (values, offsets)}")
+        plans = {}
+        for name, feature in features.items():  # validate every table before touching the store
+            bag = self._bags[self._known(name)]
+            if isinstance(feature, torch.Tensor):
+                values, offsets, psw = feature, None, None
+            elif isinstance(feature, (tuple, list)) and len(feature) in (2, 3):
+                values, offsets, psw = (*feature, None)[:3]
+            else:
+                raise TypeError(f"feature {name!r} must be (values, offsets), (values, offsets, per_sample_weights) or a 2-D tensor")
+            plans[name] = (bag, bag._plan(values, offsets, psw), psw)
+        return {name: bag._run(bags, psw) for name, (bag, bags, psw) in plans.items()}
+
+    def close(self) -> None:
+        """Close the store if this collection opened it (flushes every row)."""
+        if self._owns_store:
+            self.store.close()
+
+    def extra_repr(self) -> str:
+        return f"tables={sorted(self._bags)}, store={str(self.store.path)!r}, optimizer={self.optimizer!r}"

@@ -1,0 +1,166 @@
+"""Row optimizers fused into TieredEmbeddingBag's backward.
+
+Each optimizer keeps its per-row state in the row record itself (the store's
+``state_dim`` columns after the weights), so state follows the row through
+HBM, DDR and LMDB and survives eviction, flush and reopen. An optimizer says
+how many state floats a row of ``dim`` weights needs (``state_dim(dim)``) and
+updates ``[n, dim + state_dim]`` rows in place from ``[n, dim]`` summed
+gradients, one vectorized step for every row a backward touched.
+
+A row counts as touched when its id appeared in the forward's input (padding
+entries excepted), even if its gradient is zero: it gets one optimizer step,
+as torch.optim does for the rows of a sparse gradient.
+
+``lr`` is a plain attribute read at each backward, so a schedule is
+``opt.lr = base_lr * schedule(step)`` between steps.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["Adagrad", "Adam", "RowOptimizer", "RowWiseAdagrad", "SGD"]
+
+
+def _positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+class RowOptimizer:
+    """Base class: a learning rate, a state size per row, a vectorized update."""
+
+    def __init__(self, lr: float):
+        self.lr = lr
+
+    @property
+    def lr(self) -> float:
+        return self._lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._lr = _positive("lr", value)
+
+    def state_dim(self, dim: int) -> int:
+        """float32 state values stored after the ``dim`` weights of each row."""
+        raise NotImplementedError
+
+    def update(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        """Apply one step in place to ``rows`` [n, dim + state_dim] given ``grad`` [n, dim]."""
+        if rows.dim() != 2 or grad.dim() != 2 or rows.shape[0] != grad.shape[0]:
+            raise ValueError(f"rows must be [n, dim + state_dim] and grad [n, dim]; got {tuple(rows.shape)} and {tuple(grad.shape)}")
+        dim = grad.shape[1]
+        if rows.shape[1] != dim + self.state_dim(dim):
+            raise ValueError(
+                f"{type(self).__name__} needs rows of width dim + state_dim = {dim} + {self.state_dim(dim)}, "
+                f"got width {rows.shape[1]}; create the table with state_dim=optimizer.state_dim(dim)"
+            )
+        if len(rows):
+            self._step(rows, grad, dim)
+
+    def _step(self, rows: torch.Tensor, grad: torch.Tensor, dim: int) -> None:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self._hyper().items())})"
+
+    def _hyper(self) -> dict:
+        return {"lr": self.lr}
+
+
+class SGD(RowOptimizer):
+    """w -= lr * g. No state; matches torch.optim.SGD on sparse gradients."""
+
+    def __init__(self, lr: float = 0.01):
+        super().__init__(lr)
+
+    def state_dim(self, dim: int) -> int:
+        return 0
+
+    def _step(self, rows, grad, dim):
+        rows.add_(grad, alpha=-self.lr)
+
+
+class Adagrad(RowOptimizer):
+    """Element-wise Adagrad, as torch.optim.Adagrad on sparse gradients
+    (lr_decay=0, weight_decay=0, initial_accumulator_value=0).
+
+    State: one accumulator per weight. s += g*g; w -= lr * g / (sqrt(s) + eps).
+    """
+
+    def __init__(self, lr: float = 0.01, eps: float = 1e-10):
+        super().__init__(lr)
+        self.eps = _positive("eps", eps)
+
+    def state_dim(self, dim: int) -> int:
+        return dim
+
+    def _step(self, rows, grad, dim):
+        w, s = rows[:, :dim], rows[:, dim:]
+        s.addcmul_(grad, grad)
+        w.addcdiv_(grad, s.sqrt().add_(self.eps), value=-self.lr)
+
+    def _hyper(self):
+        return {"lr": self.lr, "eps": self.eps}
+
+
+class RowWiseAdagrad(RowOptimizer):
+    """Row-wise Adagrad as DLRM trainers (FBGEMM) use it: one accumulator per row.
+
+    s += mean(g*g over the row); w -= lr * g / (sqrt(s) + eps).
+    """
+
+    def __init__(self, lr: float = 0.01, eps: float = 1e-8):
+        super().__init__(lr)
+        self.eps = _positive("eps", eps)
+
+    def state_dim(self, dim: int) -> int:
+        return 1
+
+    def _step(self, rows, grad, dim):
+        w, s = rows[:, :dim], rows[:, dim:]
+        s.add_(grad.square().mean(dim=1, keepdim=True))
+        w.addcdiv_(grad, s.sqrt().add_(self.eps), value=-self.lr)
+
+    def _hyper(self):
+        return {"lr": self.lr, "eps": self.eps}
+
+
+class Adam(RowOptimizer):
+    """Adam with a step counter per row ("lazy" Adam, the usual choice for embeddings).
+
+    State per row: first moment m [dim], second moment v [dim], step count t [1].
+    Only touched rows are updated, each with its own t, so a row's trajectory
+    equals torch.optim.Adam run on that row alone over the steps that touched it:
+    t += 1; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
+    w -= lr/(1-b1**t) * m / (sqrt(v)/sqrt(1-b2**t) + eps).
+    t is a float32, exact up to 2**24 steps of one row.
+    """
+
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+        super().__init__(lr)
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = _positive("eps", eps)
+
+    def state_dim(self, dim: int) -> int:
+        return 2 * dim + 1
+
+    def _step(self, rows, grad, dim):
+        b1, b2 = self.betas
+        w, m, v, t = rows[:, :dim], rows[:, dim : 2 * dim], rows[:, 2 * dim : 3 * dim], rows[:, 3 * dim :]
+        t.add_(1.0)
+        m.lerp_(grad, 1.0 - b1)
+        v.mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
+        # bias corrections in float64, as torch computes them from a Python float step
+        t64 = t.double()
+        step_size = (self.lr / (1.0 - torch.pow(b1, t64))).float()
+        bc2_sqrt = (1.0 - torch.pow(b2, t64)).sqrt().float()
+        denom = v.sqrt().div_(bc2_sqrt).add_(self.eps)
+        w.sub_(m.div(denom).mul_(step_size))
+
+    def _hyper(self):
+        return {"lr": self.lr, "betas": self.betas, "eps": self.eps}
