@@ -127,20 +127,16 @@ class TierstoreCollector(Collector):
         self._lock = threading.Lock()
 
     def attach(self, store: "TieredStore", name: str | None) -> str:
-        """Add ``store`` under label ``name``, or under its resolved path when
-        name is None (suffixed " #2", " #3", ... if that path is already here)."""
+        """Add ``store`` under label ``name`` (default: its resolved path, unique
+        among open stores because LMDB opens a path once per process)."""
+        label = name if name is not None else str(Path(store.path).resolve())
         with self._lock:
             self._stores = {k: r for k, r in self._stores.items() if r() is not None}
-            if name is not None:
-                if name in self._stores:
-                    raise ValueError(
-                        f"store name {name!r} is already exported to this registry by another open store; "
-                        "pass a different name= (or close the other store first)"
-                    )
-                label = name
-            else:
-                base = str(Path(store.path).resolve())
-                label = next(c for c in itertools.chain([base], (f"{base} #{i}" for i in itertools.count(2))) if c not in self._stores)
+            if label in self._stores:
+                raise ValueError(
+                    f"store name {label!r} is already exported to this registry by another open store; "
+                    "pass a different name= (or close the other store first)"
+                )
             self._stores[label] = weakref.ref(store)
             return label
 

@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # module (in tierstore.tools) -> verbs it registers
-COMMAND_MODULES = ("bench",)
+COMMAND_MODULES = ("bench", "stats")
 
 
 def build_parser() -> argparse.ArgumentParser:

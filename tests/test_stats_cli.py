@@ -1,0 +1,178 @@
+"""`tierstore stats PATH`: real stores on disk, a real writer in another
+process, the real console script."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import lmdb
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+import tierstore
+from tierstore.tools.cli import main
+from tierstore.tools.stats import read_facts
+
+# A writer process driven over stdin: "write LO HI" writes rows LO..HI-1 (no
+# cache, so straight to LMDB), "burst N" writes N batches of 500 new rows
+# without waiting, "flush", "exit". It answers each command with a line.
+WRITER = textwrap.dedent("""
+    import sys, numpy as np, tierstore
+    from prometheus_client import CollectorRegistry
+    clock = iter(range(1_000, 10**9, 1_000))
+    store = tierstore.TieredStore(sys.argv[1], [tierstore.TableSpec("t", 10**7, 4), tierstore.TableSpec("u", None, 2, state_dim=1)],
+                                  device="cpu", registry=CollectorRegistry(), clock=lambda: float(next(clock)))
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd, *a = line.split()
+        if cmd == "write":
+            ids = np.arange(int(a[0]), int(a[1]))
+            store.write("t", ids, np.ones((len(ids), 4), dtype=np.float32))
+        elif cmd == "burst":
+            print("started", flush=True)
+            for i in range(int(a[0])):
+                ids = np.arange(i * 500, (i + 1) * 500) + 1_000_000
+                store.write("t", ids, np.ones((500, 4), dtype=np.float32))
+        elif cmd == "flush":
+            store.flush()
+        elif cmd == "exit":
+            store.close()
+            print("closed", flush=True)
+            break
+        print("ok", flush=True)
+""")
+
+
+class Writer:
+    def __init__(self, path):
+        self.proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def send(self, line: str, reply: str = "ok") -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == reply
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.send("exit", "closed")
+        assert self.proc.wait(timeout=60) == 0
+
+
+@pytest.fixture
+def writer(tmp_path):
+    w = Writer(tmp_path / "s")
+    yield w
+    if w.proc.poll() is None:
+        w.proc.kill()
+        w.proc.wait()
+
+
+def stats_json(path, capsys) -> dict:
+    assert main(["stats", str(path), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_stats_while_a_writer_process_holds_the_store(tmp_path, writer, capsys):
+    path = tmp_path / "s"
+    with pytest.raises(tierstore.StoreLockedError):  # the writer really holds it
+        tierstore.TieredStore(path)
+    facts = stats_json(path, capsys)
+    assert [(t["name"], t["num_rows"], t["dim"], t["state_dim"]) for t in facts["tables"]] == [("t", 10**7, 4, 0), ("u", None, 2, 1)]
+    assert [t["rows_on_disk"] for t in facts["tables"]] == [0, 0]
+    assert facts["last_flush"] is None and facts["last_flush_utc"] is None
+
+    writer.send("write 0 100")
+    facts = stats_json(path, capsys)
+    assert facts["tables"][0]["rows_on_disk"] == 100
+    assert facts["tables"][0]["payload_bytes"] == 100 * (8 + 4 * 4)
+    assert facts["last_flush"] is None  # committed, not yet flushed
+
+    writer.send("flush")
+    writer.send("write 50 300")  # overlaps: 250 new rows
+    facts = stats_json(path, capsys)
+    assert facts["tables"][0]["rows_on_disk"] == 300
+    assert facts["last_flush"] == 1_000.0  # the writer's injected clock
+    assert facts["last_flush_utc"] == "1970-01-01T00:16:40.000+00:00"
+    assert facts["disk_bytes"] == os.stat(path / "data.mdb").st_size
+
+    assert main(["stats", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "last flush  1970-01-01T00:16:40.000+00:00" in text
+    assert any(line.split()[:2] == ["t", "10,000,000"] and line.split()[4] == "300" for line in text.splitlines())
+    assert any(line.split()[:2] == ["u", "unbounded"] for line in text.splitlines())
+    writer.close()
+    assert stats_json(path, capsys)["last_flush"] == 2_000.0  # close() flushed once more
+
+
+def test_rows_on_disk_only_grow_while_the_writer_writes(tmp_path, writer):
+    path = tmp_path / "s"
+    writer.proc.stdin.write("burst 200\n")
+    writer.proc.stdin.flush()
+    assert writer.proc.stdout.readline().strip() == "started"
+    seen = []
+    while True:
+        seen.append(read_facts(path).tables[0].rows_on_disk)
+        if seen[-1] == 200 * 500 or len(seen) > 10_000:
+            break
+    assert writer.proc.stdout.readline().strip() == "ok"
+    assert seen == sorted(seen) and seen[-1] == 200 * 500
+    assert len(set(seen)) > 1, "stats never ran while the writer was writing; make the burst longer"
+    writer.close()
+
+
+def test_rows_on_disk_equal_the_distinct_ids_written(tmp_path, capsys):
+    """Writes through the cache (flushed at close) and past it (uncached) both land."""
+    rng = np.random.default_rng(0)
+    written = {"a": set(), "b": set()}
+    specs = [tierstore.TableSpec("a", 5_000, 8), tierstore.TableSpec("b", None, 3, state_dim=2)]
+    with tierstore.TieredStore(tmp_path / "s", specs, hbm_rows=20, ddr_rows=100, device="cpu", registry=CollectorRegistry(),
+                               clock=lambda: 1_700_000_000.5) as store:
+        for step in range(30):
+            for name, rows in (("a", 5_000), ("b", 10**12)):
+                store.read(name, rng.integers(0, 300, 64))  # caches rows; reads alone write nothing
+                ids = np.concatenate([rng.integers(0, 300, 20), rng.integers(0, rows, 20)])
+                dim = store.tables[name].dim
+                store.write(name, ids, rng.standard_normal((len(ids), dim)).astype(np.float32))
+                written[name].update(int(i) for i in ids)
+    facts = stats_json(tmp_path / "s", capsys)
+    by_name = {t["name"]: t for t in facts["tables"]}
+    assert by_name["a"]["rows_on_disk"] == len(written["a"])
+    assert by_name["b"]["rows_on_disk"] == len(written["b"])
+    assert by_name["b"]["payload_bytes"] == len(written["b"]) * (8 + 4 * 5)
+    assert facts["last_flush"] == 1_700_000_000.5
+    assert facts["disk_bytes"] == os.stat(tmp_path / "s" / "data.mdb").st_size > 0
+
+
+def test_console_script_prints_the_table(tmp_path):
+    with tierstore.TieredStore(tmp_path / "s", [tierstore.TableSpec("emb", 1_000, 4)], device="cpu", registry=CollectorRegistry()) as s:
+        s.write("emb", np.arange(10), np.zeros((10, 4), dtype=np.float32))
+    out = subprocess.run(["tierstore", "stats", str(tmp_path / "s")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    row = next(line.split() for line in out.stdout.splitlines() if line.split()[:1] == ["emb"])
+    assert row[1:6] == ["1,000", "4", "0", "10", "1.00%"]
+
+
+def test_missing_store_is_a_clear_error(tmp_path, capsys):
+    assert main(["stats", str(tmp_path / "nothing")]) == 1
+    err = capsys.readouterr().err
+    assert "no tierstore at" in err and "missing data.mdb" in err
+
+
+def test_foreign_lmdb_environment_is_a_clear_error(tmp_path, capsys):
+    env = lmdb.open(str(tmp_path / "x"), max_dbs=2)
+    with env.begin(write=True) as txn:
+        txn.put(b"k", b"v")
+    env.close()
+    assert main(["stats", str(tmp_path / "x")]) == 1
+    assert "without complete tierstore metadata" in capsys.readouterr().err
+
+
+def test_stats_is_a_registered_verb(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "stats" in capsys.readouterr().out

@@ -1,0 +1,129 @@
+"""``tierstore stats PATH``: a store's facts from disk (tables, rows on disk,
+bytes, time of the last flush), read through a read-only LMDB environment so
+that it works while a trainer has the store open for writing.
+
+It shows what is durable in LMDB: rows still only in a writer's cache appear
+after that writer's next write-back or flush.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import lmdb  # only for its exception types; the reading goes through tierstore.io
+
+from tierstore.io import LmdbBackend
+from tierstore.spec import TableSpec
+
+# A writer creating a table or growing the map can be caught mid-way; a fresh
+# read-only environment a moment later sees the finished state.
+_RETRIES = 5
+_RETRY_WAIT_S = 0.05
+
+
+@dataclass
+class TableFacts:
+    name: str
+    num_rows: int | None  # None: unbounded id space
+    dim: int
+    state_dim: int
+    rows_on_disk: int
+    payload_bytes: int  # rows_on_disk x (8-byte key + 4 x (dim + state_dim))
+
+
+@dataclass
+class StoreFacts:
+    path: str
+    format: int | None
+    disk_bytes: int  # size of data.mdb
+    last_flush: float | None  # store-clock seconds (time.time() by default); None if never flushed
+    tables: list[TableFacts]
+
+    @property
+    def last_flush_utc(self) -> str | None:
+        if self.last_flush is None:
+            return None
+        return datetime.fromtimestamp(self.last_flush, tz=timezone.utc).isoformat(timespec="milliseconds")
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "last_flush_utc": self.last_flush_utc}
+
+
+def read_facts(path: str | Path) -> StoreFacts:
+    """Facts of the store at ``path``, opened read-only (safe next to a running writer)."""
+    path = Path(path)
+    for attempt in range(_RETRIES):
+        try:
+            return _read_once(path)
+        except (lmdb.NotFoundError, lmdb.MapResizedError) as e:
+            if attempt == _RETRIES - 1:
+                raise ValueError(
+                    f"{path} holds an LMDB environment without complete tierstore metadata ({e}); "
+                    "if a writer is creating it, retry once it has opened"
+                ) from e
+            time.sleep(_RETRY_WAIT_S)
+    raise AssertionError("unreachable")
+
+
+def _read_once(path: Path) -> StoreFacts:
+    backend = LmdbBackend(path, readonly=True)
+    try:
+        meta = backend.read_meta()
+        specs = [TableSpec.from_json(d) for d in meta.get("tables", [])]
+        for spec in specs:
+            backend.open_table(spec.name, spec.width)
+        rows = backend.table_stats()  # one read transaction: a consistent snapshot of all tables
+        disk = backend.disk_bytes()
+    finally:
+        backend.close()
+    tables = [
+        TableFacts(s.name, s.num_rows, s.dim, s.state_dim, rows[s.name], rows[s.name] * (8 + 4 * s.width)) for s in specs
+    ]
+    return StoreFacts(str(path), meta.get("format"), disk, meta.get("last_flush"), tables)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
+
+
+def format_facts(f: StoreFacts) -> str:
+    lines = [f"tierstore at {f.path} (format {f.format})"]
+    flushed = f"{f.last_flush_utc} (store clock {f.last_flush:.3f})" if f.last_flush is not None else "never"
+    lines.append(f"  last flush  {flushed}")
+    lines.append(f"  disk        {_size(f.disk_bytes)} in data.mdb ({f.disk_bytes:,} bytes)")
+    header = ("table", "num_rows", "dim", "state", "rows on disk", "of num_rows", "payload")
+    body = [
+        (t.name, "unbounded" if t.num_rows is None else f"{t.num_rows:,}", str(t.dim), str(t.state_dim), f"{t.rows_on_disk:,}",
+         "-" if t.num_rows is None else f"{100 * t.rows_on_disk / t.num_rows:.2f}%", _size(t.payload_bytes))
+        for t in f.tables
+    ]
+    body.append(("total", "", "", "", f"{sum(t.rows_on_disk for t in f.tables):,}", "", _size(sum(t.payload_bytes for t in f.tables))))
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    for r in [header, *body]:
+        lines.append("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    return "\n".join(lines)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("stats", help="print a store's tables, rows on disk, bytes and last flush (read-only; safe while a writer runs)")
+    p.add_argument("path", help="store directory (the one holding data.mdb)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        facts = read_facts(args.path)
+    except (OSError, ValueError, lmdb.Error) as e:
+        print(f"tierstore stats: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(facts.to_json(), indent=2) if args.json else format_facts(facts))
+    return 0
