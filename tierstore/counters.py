@@ -3,6 +3,7 @@ collector) copy them at read time, so counting costs a few integer adds per call
 from __future__ import annotations
 
 from bisect import bisect_left
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 
@@ -105,3 +106,15 @@ class StoreCounters:
     flushes: int = 0
     last_flush: float | None = None
     flush_latency: StageHistogram = field(default_factory=StageHistogram)
+
+
+@contextmanager
+def restored_on_error(tables: "list[TableCounters]"):
+    """Counts of a call that fails are taken back: a failed call changes nothing."""
+    saved = [(obj, dict(vars(obj))) for c in tables for obj in (c.hbm, c.ddr, c.ssd)]
+    try:
+        yield
+    except BaseException:
+        for obj, fields in saved:
+            vars(obj).update(fields)
+        raise

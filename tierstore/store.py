@@ -34,7 +34,7 @@ from tierstore.eviction import make_policy
 from tierstore.io import FORMAT_VERSION, LmdbBackend
 from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
-from .counters import StoreCounters, TableCounters, add_dicts
+from .counters import StoreCounters, TableCounters, add_dicts, restored_on_error
 from .spec import MAX_ID, TableSpec, initial_rows
 from .tiers import CacheTier
 
@@ -207,7 +207,8 @@ class TieredStore:
             first = torch.full((len(uid),), n, dtype=torch.int64)
             first.scatter_reduce_(0, inverse, torch.arange(n), "amin")
             t.counters.latency.observe("dedupe", time.perf_counter() - mark)
-            source, slots, rows = self._access(t, uid, first + self._use_clock)
+            with restored_on_error([t.counters]):
+                source, slots, rows = self._access(t, uid, first + self._use_clock)
             self._use_clock += n
             if source is not None:  # every row in one tier
                 result = self._gather(source.data, slots.index_select(0, inverse.to(slots.device)), cols, out)
@@ -243,7 +244,8 @@ class TieredStore:
             uid, inverse = torch.unique(ids, return_inverse=True)
             last_pos = torch.full((len(uid),), -1, dtype=torch.int64)
             last_pos.scatter_reduce_(0, inverse, torch.arange(len(ids)), "amax")
-            self._write_unique(t, uid, values.index_select(0, last_pos), cols)
+            with restored_on_error([t.counters]):
+                self._write_unique(t, uid, values.index_select(0, last_pos), cols)
 
     def flush(self) -> None:
         """Return once every dirty row is durable in LMDB (survives kill -9 and power loss)."""
@@ -267,11 +269,13 @@ class TieredStore:
                     batch_ids, batch_rows = torch.cat(ids), torch.cat(rows)
                     order = torch.argsort(batch_ids)
                     batches.append((name, batch_ids[order].numpy(), batch_rows[order].numpy()))
-                    t.counters.ssd.writes += len(order)
-                    t.counters.ssd.write_bytes += len(order) * (8 + 4 * t.spec.width)
             now = self.config.clock()
             self._put(batches, meta={"last_flush": now})
             self._backend.sync()
+            for name, batch_ids, _ in batches:
+                ssd = self._tables[name].counters.ssd
+                ssd.writes += len(batch_ids)
+                ssd.write_bytes += len(batch_ids) * (8 + 4 * self._tables[name].spec.width)
             for tier, slots in dirty:
                 tier.dirty[slots] = False
             sc = self._counters

@@ -1,0 +1,198 @@
+"""Public API, bad input and its errors, reopen, threads."""
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import tierstore
+from tierstore import RowInit, TableSpec, TieredStore
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = TieredStore(tmp_path / "s", [TableSpec("user", 100, 4), TableSpec("item", None, 2, init=RowInit.normal(0, 1, seed=1))],
+                    hbm_rows=3, ddr_rows={"user": 5, "item": 2}, device="cpu")
+    yield s
+    s.close()
+
+
+def test_accepts_tensors_arrays_and_lists(store):
+    a = store.read("user", [1, 2, 3])
+    assert torch.equal(a, store.read("user", np.array([1, 2, 3], dtype=np.uint32)))
+    assert torch.equal(a, store.read("user", torch.tensor([1, 2, 3], dtype=torch.int16)))
+    assert store.read("user", []).shape == (0, 4)
+    assert a.dtype == torch.float32 and a.device == store.device
+
+
+def test_unbounded_ids_and_deterministic_init(store, tmp_path):
+    big = [2**62, 5, 2**63 - 1]
+    first = store.read("item", big)
+    assert first.shape == (3, 2) and first.abs().sum() > 0
+    # initial values depend only on table, id and seed: not on tiers or order
+    with TieredStore(tmp_path / "other", [TableSpec("item", None, 2, init=RowInit.normal(0, 1, seed=1))], device="cpu") as other:
+        assert torch.equal(other.read("item", big[::-1]), first.flip(0))
+    with TieredStore(tmp_path / "seed2", [TableSpec("item", None, 2, init=RowInit.normal(0, 1, seed=2))], device="cpu") as other:
+        assert not torch.equal(other.read("item", big), first)
+
+
+def test_init_distributions_have_their_moments(tmp_path):
+    ids = np.arange(20000)
+    from tierstore.spec import initial_rows
+    u = initial_rows(TableSpec("u", None, 8, init=RowInit.uniform(-2, 2, seed=3)), ids)[:, :8]
+    n = initial_rows(TableSpec("n", None, 8, init=RowInit.normal(1, 3, seed=3)), ids)[:, :8]
+    assert u.min() >= -2 and u.max() < 2 and abs(u.mean()) < 0.05
+    assert abs(n.mean() - 1) < 0.05 and abs(n.std() - 3) < 0.05
+
+
+def test_last_write_wins_and_write_keeps_state(tmp_path):
+    with TieredStore(tmp_path, [TableSpec("t", 10, 2, state_dim=2)], hbm_rows=2, device="cpu") as s:
+        s.write("t", [1, 1, 2], torch.tensor([[1.0, 1], [9, 9], [2, 2]]))
+        assert s.read("t", [1, 2]).tolist() == [[9, 9], [2, 2]]
+        s.write("t", [3, 4], torch.tensor([[1.0, 2, 3, 4], [5, 6, 7, 8]]), with_state=True)
+        s.write("t", [3, 4], torch.tensor([[0.0, 0], [1, 1]]))  # weights only: state kept
+        assert s.read("t", [3, 4], with_state=True).tolist() == [[0, 0, 3, 4], [1, 1, 7, 8]]
+
+
+@pytest.mark.parametrize(
+    "call, exc, words",
+    [
+        (lambda s: s.read("user", [1, 100]), IndexError, ["100", "user", "num_rows=100"]),
+        (lambda s: s.read("user", [-1]), IndexError, ["-1", "user"]),
+        (lambda s: s.read("item", np.array([2**63], dtype=np.uint64)), IndexError, ["item"]),
+        (lambda s: s.read("nope", [1]), KeyError, ["nope", "item", "user"]),
+        (lambda s: s.read("user", [[1, 2]]), ValueError, ["1-D"]),
+        (lambda s: s.read("user", [1.5]), TypeError, ["integers"]),
+        (lambda s: s.read("user", torch.tensor([True])), TypeError, ["integers"]),
+        (lambda s: s.write("user", [1, 2], torch.zeros(2, 3)), ValueError, ["shape", "(2, 4)"]),
+        (lambda s: s.write("user", [1, 200], torch.zeros(2, 4)), IndexError, ["200"]),
+        (lambda s: s.write("user", [1], [["a", "b", "c", "d"]]), TypeError, ["floating"]),
+        (lambda s: s.read("user", [1], out=torch.empty(2, 4)), ValueError, ["out"]),
+    ],
+)
+def test_bad_input_is_refused_and_changes_nothing(store, call, exc, words):
+    store.write("user", [1, 2], torch.ones(2, 4))
+    store.read("user", [1, 2, 3])
+    before_stats = store.stats()
+    before = {n: t.ids.clone() for n, t in (("h", store._tables["user"].hbm), ("d", store._tables["user"].ddr))}
+    with pytest.raises(exc) as info:
+        call(store)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    assert store.stats() == before_stats
+    assert all(torch.equal(before[n], t.ids) for n, t in (("h", store._tables["user"].hbm), ("d", store._tables["user"].ddr)))
+    assert store.read("user", [1, 2]).tolist() == [[1.0] * 4] * 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(hbm_rows=-1), ["hbm_rows", ">= 0"]),
+        (dict(ddr_rows={"user": 1.5}), ["ddr_rows", "user"]),
+        (dict(policy="fifo"), ["fifo", "lfu", "lru"]),
+        (dict(tables=[TableSpec("user", 100, 8)]), ["user", "dim=8", "dim=4"]),
+        (dict(tables=[TableSpec("user", 50, 4)]), ["num_rows"]),
+    ],
+)
+def test_bad_config_and_contradicting_specs(tmp_path, kwargs, words):
+    TieredStore(tmp_path, [TableSpec("user", 100, 4)], device="cpu").close()
+    with pytest.raises(ValueError) as info:
+        TieredStore(tmp_path, device="cpu", **kwargs)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_spec_validation():
+    with pytest.raises(ValueError, match="dim"):
+        TableSpec("t", 10, 0)
+    with pytest.raises(ValueError, match="num_rows"):
+        TableSpec("t", -5, 4)
+    with pytest.raises(ValueError, match="float32"):
+        TableSpec("t", 10, 4, dtype="int8")
+    with pytest.raises(ValueError, match="a < b"):
+        RowInit.uniform(1, 0)
+
+
+def test_new_store_needs_tables(tmp_path):
+    with pytest.raises(ValueError, match="TableSpec"):
+        TieredStore(tmp_path / "empty", device="cpu")
+
+
+def test_reopen_keeps_specs_and_rows_and_adds_tables(tmp_path):
+    with TieredStore(tmp_path, [TableSpec("a", 10, 3, init=RowInit.uniform(0, 1, seed=4))], ddr_rows=4, device="cpu") as s:
+        s.write("a", [0, 9], torch.full((2, 3), 7.0))
+        init5 = s.read("a", [5])
+    with TieredStore(tmp_path, [TableSpec("b", None, 2)], device="cpu") as s:
+        assert set(s.tables) == {"a", "b"}
+        assert s.tables["a"].init == RowInit.uniform(0, 1, seed=4)
+        assert s.read("a", [0, 9]).tolist() == [[7.0] * 3] * 2
+        assert torch.equal(s.read("a", [5]), init5)
+
+
+def test_call_larger_than_every_tier_returns_correct_rows(tmp_path):
+    with TieredStore(tmp_path, [TableSpec("t", 1000, 2)], hbm_rows=3, ddr_rows=4, device="cpu") as s:
+        ids = torch.arange(0, 1000, 7)
+        s.write("t", ids, torch.stack([ids, -ids], 1).float())
+        for _ in range(2):
+            got = s.read("t", torch.cat([ids, ids.flip(0)]))
+            assert torch.equal(got[:, 0], torch.cat([ids, ids.flip(0)]).float())
+        assert s.resident_rows("t") == {"hbm": 3, "ddr": 4}
+        # recency follows first position: HBM keeps the ids first seen last
+        assert set(s._tables["t"].hbm.ids.tolist()) == set(ids[-3:].tolist())
+
+
+def test_clean_rows_are_never_written(tmp_path):
+    with TieredStore(tmp_path, [TableSpec("t", 1000, 4)], hbm_rows=2, ddr_rows=3, device="cpu") as s:
+        for i in range(50):
+            s.read("t", [i, i + 1, i + 2])
+        s.flush()
+        assert s.stats()["ssd"]["writes"] == 0
+        assert s._backend.table_stats()["t"] == 0
+
+
+def test_dirty_rows_are_written_back_on_eviction(tmp_path):
+    with TieredStore(tmp_path, [TableSpec("t", 100, 2)], hbm_rows=1, ddr_rows=1, device="cpu") as s:
+        s.read("t", [1])
+        s.write("t", [1], torch.tensor([[5.0, 5]]))
+        s.read("t", [2])
+        s.read("t", [3])  # row 1 leaves the cache
+        st = s.stats()
+        assert st["ddr"]["writebacks"] == 1 and st["ssd"]["writes"] == 1
+        assert s._backend.table_stats()["t"] == 1
+        assert s.read("t", [1]).tolist() == [[5.0, 5.0]]
+
+
+def test_threads_share_a_store(tmp_path):
+    with TieredStore(tmp_path, [TableSpec("t", 4000, 4)], hbm_rows=50, ddr_rows=200, device="cpu") as s:
+        errors = []
+
+        def worker(k):
+            try:
+                rng = np.random.default_rng(k)
+                mine = np.arange(k * 1000, (k + 1) * 1000)  # each thread owns its rows
+                for step in range(40):
+                    ids = rng.choice(mine, 64, replace=False)
+                    s.write("t", ids, np.repeat(ids[:, None], 4, 1).astype(np.float32) + step)
+                    got = s.read("t", ids)
+                    assert torch.equal(got[:, 0], torch.from_numpy(ids).float() + step)
+            except Exception as e:  # surfaced below
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert not errors, errors
+
+
+def test_closed_store_refuses_calls(tmp_path):
+    s = TieredStore(tmp_path, [TableSpec("t", 10, 2)], device="cpu")
+    s.close()
+    s.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        s.read("t", [1])
+
+
+def test_repr_names_the_store(tmp_path):
+    with TieredStore(tmp_path, [TableSpec("t", 10, 2)], device="cpu") as s:
+        assert "TieredStore" in repr(s) and "t" in repr(s)
+    assert tierstore.__version__
