@@ -203,7 +203,7 @@ class TieredStore:
                     t.counters.latency.observe("total", time.perf_counter() - start)
                     return result
             mark = time.perf_counter()
-            uid, inverse = torch.unique(ids, return_inverse=True)
+            uid, inverse = torch.unique(ids.cpu(), return_inverse=True)
             first = torch.full((len(uid),), n, dtype=torch.int64)
             first.scatter_reduce_(0, inverse, torch.arange(n), "amin")
             t.counters.latency.observe("dedupe", time.perf_counter() - mark)
@@ -241,7 +241,7 @@ class TieredStore:
             values = self._as_values(t.spec, values, len(ids), cols)
             if len(ids) == 0:
                 return
-            uid, inverse = torch.unique(ids, return_inverse=True)
+            uid, inverse = torch.unique(ids.cpu(), return_inverse=True)
             last_pos = torch.full((len(uid),), -1, dtype=torch.int64)
             last_pos.scatter_reduce_(0, inverse, torch.arange(len(ids)), "amax")
             with restored_on_error([t.counters]):
@@ -363,7 +363,7 @@ class TieredStore:
             t = torch.from_numpy(arr.astype(np.int64, copy=False))
         if t.dim() != 1:
             raise ValueError(f"ids for table {spec.name!r} must be 1-D, got shape {tuple(t.shape)}")
-        t = t.to(device="cpu", dtype=torch.int64)
+        t = t.to(dtype=torch.int64)  # stays on its device: on CUDA the HBM probe runs there
         if len(t):
             lo, hi = int(t.min()), int(t.max())
             if lo < 0:
@@ -465,7 +465,7 @@ class TieredStore:
             rows[in_h] = H.data[slot_h[in_h].to(dev)]
         if n_d:
             rows[in_d.to(dev)] = D.data[slot_d[in_d]].to(dev)
-        rows[miss.to(dev)] = fetched.to(dev)
+        rows[miss.to(dev)] = (fetched.pin_memory() if dev.type == "cuda" else fetched).to(dev, non_blocking=True)
 
         # Plan both levels before touching anything, so that a failed write-back
         # leaves the store exactly as it was.
