@@ -35,7 +35,6 @@ from .server import DEFAULT_ADDR, MetricsServer, check_endpoint
 if TYPE_CHECKING:
     from tierstore.store import TieredStore
 
-TIERS = ("hbm", "ddr")
 _S = ["store"]
 _T = ["store", "table"]
 _TT = ["store", "table", "tier"]
@@ -77,17 +76,18 @@ def _add_histogram(family: HistogramMetricFamily, labels: list[str], bounds, cou
 
 
 def _export_store(f: dict[str, Metric], label: str, store: "TieredStore") -> None:
-    """Add one store's samples. Copies each table's counters first (plain ints,
-    no lock), so the families are filled from one near-instant snapshot."""
+    """Add one store's samples, read from its plain counters without its lock.
+    Tiers a table does not have are left out rather than exported as zeros."""
     if store._closed:
         return
     sc = store._counters
     for name, t in list(store._tables.items()):
         c = t.counters
-        tiers = {tier: getattr(c, tier) for tier, obj in (("hbm", t.hbm), ("ddr", t.ddr)) if obj is not None}
-        sizes = {tier: (obj.capacity, obj.resident) for tier, obj in (("hbm", t.hbm), ("ddr", t.ddr)) if obj is not None}
         ssd, pre, lat = asdict(c.ssd), asdict(c.prefetch), c.latency.snapshot()
-        for tier, tc in tiers.items():
+        for tier, cache in (("hbm", t.hbm), ("ddr", t.ddr)):
+            if cache is None:
+                continue
+            tc = getattr(c, tier)
             hits, misses = tc.hits, tc.misses
             key = [label, name, tier]
             f["tierstore_lookups"].add_metric(key + ["hit"], hits)
@@ -95,8 +95,8 @@ def _export_store(f: dict[str, Metric], label: str, store: "TieredStore") -> Non
             f["tierstore_hit_ratio"].add_metric(key, hits / (hits + misses) if hits + misses else math.nan)
             f["tierstore_evictions"].add_metric(key, tc.evictions)
             f["tierstore_writeback_rows"].add_metric(key, tc.writebacks)
-            f["tierstore_capacity_rows"].add_metric(key, sizes[tier][0])
-            f["tierstore_resident_rows"].add_metric(key, sizes[tier][1])
+            f["tierstore_capacity_rows"].add_metric(key, cache.capacity)
+            f["tierstore_resident_rows"].add_metric(key, cache.resident)
         key = [label, name]
         f["tierstore_ssd_read_rows"].add_metric(key, ssd["reads"])
         f["tierstore_ssd_read_bytes"].add_metric(key, ssd["read_bytes"])

@@ -271,8 +271,10 @@ def test_two_stores_in_one_registry_do_not_collide(tmp_path, registry):
         assert scrape.text.count("# TYPE tierstore_lookups_total counter") == 1
         with pytest.raises(ValueError, match="name 'ranker' is already exported"):
             tierstore.TieredStore(tmp_path / "c", [tierstore.TableSpec("x", 10, 2)], registry=registry, name="ranker")
-        # the refused store released its files: it opens fine under another name
+        # the refused store released its files: it opens fine under another name,
+        # and the same name is free in another registry
         tierstore.TieredStore(tmp_path / "c", registry=registry, name="other").close()
+        tierstore.TieredStore(tmp_path / "c", registry=CollectorRegistry(), name="ranker").close()
         # a name may not take another store's default label either
         with pytest.raises(ValueError, match="already exported"):
             tierstore.TieredStore(tmp_path / "c", registry=registry, name=a.metrics.label)

@@ -18,6 +18,7 @@ BENCHES = {
     "cold": "tierstore.tools.bench:bench_cold",
     "memory": "tierstore.tools.bench:bench_memory",
     "train": "tierstore.tools.bench_train:run",
+    "metrics": "tierstore.tools.bench_metrics:run",
 }
 DEFAULT = ("read", "cold", "memory")
 
