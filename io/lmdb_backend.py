@@ -11,6 +11,8 @@ import errno
 import fcntl
 import json
 import os
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
@@ -22,6 +24,32 @@ FORMAT_VERSION = 1
 _META_DB = b"__meta__"
 _INITIAL_MAP = 1 << 30
 _MAX_GROWTH_RETRIES = 16
+
+
+class _ResizeGuard:
+    """LMDB may grow its map only while this process has no transaction open;
+    reads (from any thread, prefetch workers included) hold this shared."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._readers = 0
+
+    @contextmanager
+    def shared(self):
+        with self._cond:
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self):
+        with self._cond:  # held throughout: no new reader starts meanwhile
+            self._cond.wait_for(lambda: self._readers == 0)
+            yield
 
 
 class StoreLockedError(RuntimeError):
@@ -55,6 +83,7 @@ class LmdbBackend:
             self._release_writer_lock()
             raise
         self._dbs: dict[str, object] = {}
+        self._resize = _ResizeGuard()
         self._codecs: dict[str, Float32RowCodec] = {}
 
     # -- process-level single writer ------------------------------------------------
@@ -101,7 +130,7 @@ class LmdbBackend:
         if len(ids) == 0:
             return np.zeros(0, dtype=bool)
         keys = encode_keys(ids)
-        with self.env.begin(db=self._dbs[table], buffers=False) as txn:
+        with self._resize.shared(), self.env.begin(db=self._dbs[table], buffers=False) as txn:
             get = txn.get
             values = [get(k, b"") for k in keys]
         return self._codecs[table].decode(values, out)
@@ -129,7 +158,8 @@ class LmdbBackend:
                 return
             except lmdb.MapFullError:
                 # the transaction aborted; grow the map and replay it
-                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                with self._resize.exclusive():
+                    self.env.set_mapsize(self.env.info()["map_size"] * 2)
         raise lmdb.MapFullError(f"LMDB map at {self.path} still full after growing it {_MAX_GROWTH_RETRIES} times")
 
     def sync(self) -> None:

@@ -96,6 +96,11 @@ class PrefetchCounters:
     lead_steps: int = 0
     issued_batches: int = 0
     issued_rows: int = 0
+    staged_rows: int = 0  # gauge: rows fetched ahead, pinned until read or released
+    served_rows: int = 0  # rows a read took from the staged rows instead of LMDB
+    dropped_rows: int = 0  # fetched rows left out: newer data appeared, or no room
+    effective_depth: int = 0  # gauge: batches ahead with their prefetch issued (<= depth)
+    shrunk_steps: int = 0  # steps at which the window was shorter than asked (no room)
 
 
 @dataclass

@@ -36,6 +36,7 @@ from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
 from .counters import StoreCounters, TableCounters, add_dicts, restored_on_error
 from .spec import MAX_ID, TableSpec, initial_rows
+from .prefetch import PrefetchConfig, Prefetcher, PrefetchTicket
 from .tiers import CacheTier
 
 Sizes = int | Mapping[str, int]
@@ -51,9 +52,12 @@ class StoreConfig:
     readonly: bool = False
     map_size: int | None = None
     clock: Callable[[], float] = field(default=time.time)
+    eviction: str = "policy"
 
     def __post_init__(self):
         self.path = Path(self.path)
+        if self.eviction not in ("policy", "lookahead"):
+            raise ValueError(f"eviction must be 'policy' or 'lookahead' (next use in the prefetch window first), got {self.eviction!r}")
         for name in ("hbm_rows", "ddr_rows"):
             value = getattr(self, name)
             items = value.items() if isinstance(value, Mapping) else [("every table", value)]
@@ -104,8 +108,10 @@ class TieredStore:
         registry: CollectorRegistry | None = None,
         metrics_port: int | None = None,
         metrics_addr: str = "127.0.0.1",
+        eviction: str = "policy",
+        prefetch: PrefetchConfig | None = None,
     ):
-        self.config = StoreConfig(path, hbm_rows, ddr_rows, policy, device, readonly, map_size, clock)
+        self.config = StoreConfig(path, hbm_rows, ddr_rows, policy, device, readonly, map_size, clock, eviction)
         # metrics: exported to registry (default: prometheus_client's global one) under
         # the label name (default: the resolved path); metrics_port starts an endpoint
         metrics_config = MetricsConfig(registry, name, metrics_port, metrics_addr)
@@ -125,6 +131,7 @@ class TieredStore:
             self._tables = {name: self._make_table(spec) for name, spec in specs.items()}
             self._counters = StoreCounters(last_flush=self._backend.read_meta().get("last_flush"))
             self.metrics = StoreMetrics(self, metrics_config)
+            self._prefetcher = Prefetcher(self, prefetch or PrefetchConfig())
         except BaseException:
             self._backend.close()
             raise
@@ -165,7 +172,10 @@ class TieredStore:
             rows = self.config.rows_for(size_name, spec.name)
             if spec.num_rows is not None:
                 rows = min(rows, spec.num_rows)
-            tiers.append(CacheTier(tier_name, rows, spec.width, device, make_policy(self.config.policy), spec.num_rows) if rows else None)
+            tier = CacheTier(tier_name, rows, spec.width, device, make_policy(self.config.policy), spec.num_rows) if rows else None
+            if tier is not None:
+                tier.lookahead = self.config.eviction == "lookahead"
+            tiers.append(tier)
         return _Table(spec, *tiers)
 
     # -- public API ------------------------------------------------------------------
@@ -180,6 +190,7 @@ class TieredStore:
         with self._lock:
             self._check_open()
             t = self._table(table)
+            self._prefetcher.check(table)  # a background failure nobody waited for surfaces here
             start = time.perf_counter()  # stage timings: one observation per call and stage, never per id
             ids = self._as_ids(t.spec, ids)
             cols = t.spec.width if with_state else t.spec.dim
@@ -201,6 +212,7 @@ class TieredStore:
                     self._use_clock += n
                     result = self._gather(top.data, slots, cols, out)
                     t.counters.latency.observe("total", time.perf_counter() - start)
+                    self._prefetcher.consumed(table, ids)
                     return result
             mark = time.perf_counter()
             uid, inverse = torch.unique(ids.cpu(), return_inverse=True)
@@ -215,6 +227,7 @@ class TieredStore:
             else:
                 result = self._gather(rows, inverse.to(rows.device), cols, out)
             t.counters.latency.observe("total", time.perf_counter() - start)
+            self._prefetcher.consumed(table, ids)
             return result
 
     def _gather(self, rows: torch.Tensor, index: torch.Tensor, cols: int, out: torch.Tensor | None) -> torch.Tensor:
@@ -246,6 +259,25 @@ class TieredStore:
             last_pos.scatter_reduce_(0, inverse, torch.arange(len(ids)), "amax")
             with restored_on_error([t.counters]):
                 self._write_unique(t, uid, values.index_select(0, last_pos), cols)
+
+    def prefetch(self, table: str, ids) -> PrefetchTicket:
+        """Start bringing the rows of ``ids`` up in the background; returns at once.
+
+        The ticket's ``wait()`` raises a failure (a bad id, an LMDB error) as
+        PrefetchError; ``release()`` unpins rows the batch did not read (a read
+        that covers the ticket's ids releases it too). See tierstore/prefetch.py.
+        """
+        with self._lock:
+            self._check_open()
+            return self._prefetcher.prefetch(table, ids)
+
+    def prefetch_stats(self) -> dict:
+        """Prefetch state now: fetches in flight, staged rows, announced batches,
+        and per table the prefetch counters (effective depth among them)."""
+        with self._lock:
+            state = self._prefetcher.state()
+            state["tables"] = {n: dataclasses.asdict(t.counters.prefetch) for n, t in self._tables.items()}
+            return state
 
     def flush(self) -> None:
         """Return once every dirty row is durable in LMDB (survives kill -9 and power loss)."""
@@ -292,7 +324,9 @@ class TieredStore:
             return self._backend.copy_to(path, compact=compact)
 
     def close(self) -> None:
-        """Flush, then release memory, LMDB and the writer lock. Idempotent."""
+        """Stop prefetch, flush, then release memory, LMDB and the writer lock. Idempotent."""
+        if not self._closed:
+            self._prefetcher.close()  # outside the lock: landing fetches take it
         with self._lock:
             if self._closed:
                 return
@@ -389,7 +423,14 @@ class TieredStore:
 
     # -- the data path ----------------------------------------------------------------------
     def _fetch(self, t: _Table, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of ids (sorted) from LMDB, initial values for rows never written."""
+        """Rows of ids (sorted): prefetched ones from staging, the rest from LMDB,
+        initial values for rows never written."""
+        staged, staged_rows = self._prefetcher.take(t.spec.name, ids)
+        if staged.any():
+            rows = torch.empty((len(ids), t.spec.width), dtype=torch.float32)
+            rows[staged] = staged_rows
+            rows[~staged] = self._fetch(t, ids[~staged]) if not staged.all() else rows[:0]
+            return rows
         ids_np = ids.numpy()
         rows = np.empty((len(ids_np), t.spec.width), dtype=np.float32)
         found = self._backend.get_rows(t.spec.name, ids_np, rows)
@@ -399,6 +440,9 @@ class TieredStore:
         t.counters.ssd.read_bytes += int(found.sum()) * 4 * t.spec.width
         return torch.from_numpy(rows)
 
+    def _next_use(self, t: _Table, ids: torch.Tensor) -> np.ndarray | None:
+        return self._prefetcher.next_use(t.spec.name, ids)
+
     def _put(self, batches, meta=None) -> None:
         try:
             self._backend.put_rows(batches, meta)
@@ -407,6 +451,8 @@ class TieredStore:
                 f"writing rows to {self.path} failed ({e}); nothing was changed and dirty rows stay cached, "
                 "so the call can be retried once the cause (often a full disk) is fixed"
             ) from e
+        for name, ids, _ in batches:
+            self._prefetcher.written(name, ids)
 
     def _access(self, t: _Table, uid: torch.Tensor, use_clock: torch.Tensor):
         """Serve one step's unique ids and apply the policy.
@@ -478,7 +524,7 @@ class TieredStore:
                 need = (n - n_h) - H.free
                 if need > 0:
                     cand = H.occupied_except(slot_h[in_h].to(H.device))
-                    demote = cand[H.pick_victims(H.last[cand], H.freq[cand], need).to(H.device)].cpu()
+                    demote = cand[H.pick_victims(H.last[cand], H.freq[cand], need, self._next_use(t, H.ids[cand])).to(H.device)].cpu()
             else:
                 over = H.policy.select(use_clock.numpy(), new_freq.numpy(), n - H.capacity)
                 keep_h[:] = True
@@ -503,7 +549,8 @@ class TieredStore:
             k = len(others) + len(demote) - (D.capacity - int(keep_d.sum()))
             e_drop = e_drop[:0]
             if k > 0:
-                v = D.pick_victims(torch.cat([D.last[others], e_last]), torch.cat([D.freq[others], e_freq]), k)
+                v = D.pick_victims(torch.cat([D.last[others], e_last]), torch.cat([D.freq[others], e_freq]), k,
+                                   self._next_use(t, torch.cat([D.ids[others], e_ids])))
                 resident_drop = others[v[v < len(others)]]
                 e_drop = v[v >= len(others)] - len(others)
         leave = everyone[~keep_h & ~keep_d]  # call rows leaving the cache after this call

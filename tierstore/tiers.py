@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from tierstore.eviction import EvictionPolicy
+from tierstore.eviction.lookahead import NOT_IN_WINDOW, lookahead_victims
 
 from .hashindex import make_index
 
@@ -21,6 +22,7 @@ class CacheTier:
         self.capacity = capacity
         self.device = device
         self.policy = policy
+        self.lookahead = False  # rank pinned rows by next use (eviction="lookahead")
         self.index = make_index(capacity, num_rows, device)
         self.data = torch.empty((capacity, width), dtype=torch.float32, device=device)
         self.ids = torch.full((capacity,), -1, dtype=torch.int64, device=device)
@@ -48,10 +50,19 @@ class CacheTier:
         mask[slots] = False
         return torch.nonzero(mask).squeeze(1)
 
-    def pick_victims(self, cand_last: torch.Tensor, cand_freq: torch.Tensor, k: int) -> torch.Tensor:
-        """Positions into the candidate arrays of the k rows the policy evicts."""
-        chosen = self.policy.select(cand_last.cpu().numpy(), cand_freq.cpu().numpy(), k)
-        return torch.from_numpy(chosen)
+    def pick_victims(self, cand_last: torch.Tensor, cand_freq: torch.Tensor, k: int, next_use: np.ndarray | None = None) -> torch.Tensor:
+        """Positions into the candidate arrays of the k rows to evict.
+
+        ``next_use`` (the prefetch window's next step using each candidate, or
+        NOT_IN_WINDOW) pins rows the window uses: they go only when nothing else
+        is left, farthest next use first with lookahead eviction, else by policy.
+        """
+        last, freq = cand_last.cpu().numpy(), cand_freq.cpu().numpy()
+        if next_use is None or (next_use == NOT_IN_WINDOW).all():
+            return torch.from_numpy(self.policy.select(last, freq, k))
+        if not self.lookahead:  # pinned, but ranked among themselves by the policy
+            next_use = np.where(next_use == NOT_IN_WINDOW, NOT_IN_WINDOW, 0)
+        return torch.from_numpy(lookahead_victims(next_use, last, freq, k, self.policy))
 
     def add(self, ids, rows, last, freq, dirty) -> torch.Tensor:
         n = len(ids)

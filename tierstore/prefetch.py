@@ -1,0 +1,440 @@
+"""Asynchronous prefetch of the rows that the next batches will read.
+
+Background threads read the rows of announced batches from LMDB into a
+per-table *staging* area in host memory, without holding the store lock. A
+read that misses every cache tier takes its rows from staging instead of LMDB
+and promotes them through the normal path, so prefetch changes where rows come
+from, never what the cache policy does with them.
+
+No stale data: staging only ever holds rows that are not cached and whose LMDB
+value has not changed since they were read. When a fetch lands (under the store
+lock) it drops rows that are now cached (the cached copy is newer or equal) and
+rows written to LMDB after the fetch began (a short per-table write log); any
+later LMDB write of a staged row drops the staged copy.
+
+Pinning: rows of announced batches that are staged cannot be evicted; cached
+rows of announced batches are evicted only when nothing outside the window is
+left (their next use is known: see eviction/lookahead.py). Staging has a fixed
+capacity; a prefetch that does not fit waits (LookaheadLoader shrinks its
+effective depth) instead of evicting anything, so pinning cannot deadlock.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tierstore.eviction.lookahead import NOT_IN_WINDOW
+from tierstore.io.workers import read_rows_async
+
+from .spec import initial_rows
+from .tiers import CacheTier
+
+
+class PrefetchError(RuntimeError):
+    """A background prefetch failed; raised in the trainer's thread at the step it concerns."""
+
+
+@dataclass
+class PrefetchConfig:
+    workers: int = 8  # threads for cold reads
+    staged_rows: int | Mapping[str, int] | None = None  # per table; None: ddr_rows, else hbm_rows, else 65536
+    executor: Executor | None = None  # injected pool (not shut down by the store)
+
+    def __post_init__(self):
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"prefetch workers must be an int >= 1, got {self.workers!r}")
+        values = self.staged_rows.values() if isinstance(self.staged_rows, Mapping) else [self.staged_rows]
+        for v in values:
+            if v is not None and (not isinstance(v, int) or v < 0):
+                raise ValueError(f"prefetch staged_rows must be an int >= 0, got {v!r}")
+
+
+class PrefetchTicket:
+    """One table's prefetch for one batch: ``wait()`` raises its failure; ``release()``
+    unpins what the batch did not read (the loader does both)."""
+
+    def __init__(self, prefetcher: "Prefetcher | None", table: str, step: int, ids: np.ndarray | None, error: BaseException | None = None):
+        self._prefetcher = prefetcher
+        self.table = table
+        self.step = step
+        self.ids = ids
+        self._error = error
+        self._done = threading.Event()
+        self._released = False
+        self.rows_fetched = 0
+        if error is not None or prefetcher is None:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"prefetch of table {self.table!r} (batch {self.step}) not done after {timeout} s")
+        if self._error is not None:
+            error, self._error = self._error, None  # delivered once
+            if self._prefetcher is not None:
+                self._prefetcher._delivered(self)
+            raise PrefetchError(
+                f"prefetch of table {self.table!r} for batch {self.step} failed: {error}"
+            ) from error
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            if self._prefetcher is not None:
+                self._prefetcher._release(self)
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+
+class PrefetchGroup:
+    """Tickets of several tables for one batch, handled as one."""
+
+    def __init__(self, tickets: Iterable[PrefetchTicket]):
+        self.tickets = list(tickets)
+
+    def done(self) -> bool:
+        return all(t.done() for t in self.tickets)
+
+    def wait(self, timeout: float | None = None) -> None:
+        for t in self.tickets:
+            t.wait(timeout)
+
+    def release(self) -> None:
+        for t in self.tickets:
+            t.release()
+
+
+class Prefetcher:
+    """The store's background reader. Every method but the worker callback runs
+    with the store lock held by the caller."""
+
+    def __init__(self, store, config: PrefetchConfig):
+        self._store = store
+        self._config = config
+        self._executor = config.executor
+        self._owns_executor = config.executor is None
+        self._staged: dict[str, CacheTier] = {}
+        self._reserved: dict[str, int] = {}
+        self._window: dict[str, dict[int, np.ndarray]] = {}  # table -> step -> ids announced
+        self._outstanding: dict[str, deque[PrefetchTicket]] = {}
+        self._undelivered: dict[str, list[PrefetchTicket]] = {}
+        self._log: dict[str, list[tuple[int, np.ndarray]]] = {}  # LMDB writes since the oldest fetch began
+        self._inflight: dict[int, int] = {}  # ticket step -> write seq when its fetch began
+        self._write_seq = 0
+        self._step = 0
+        self._idle = threading.Condition(store._lock)
+
+    # -- capacity ------------------------------------------------------------------
+    def capacity(self, table: str) -> int:
+        cfg = self._store.config
+        v = self._config.staged_rows
+        if isinstance(v, Mapping):
+            v = v.get(table)
+        if v is None:
+            v = cfg.rows_for("ddr_rows", table) or cfg.rows_for("hbm_rows", table) or 65536
+        return int(v)
+
+    def room(self, table: str) -> int:
+        """Rows a new prefetch of this table can still stage."""
+        tier = self._staging(table)
+        return (tier.free if tier else 0) - self._reserved.get(table, 0)
+
+    def _staging(self, table: str) -> CacheTier | None:
+        if table not in self._staged:
+            cap = self.capacity(table)
+            spec = self._store._tables[table].spec
+            self._staged[table] = CacheTier("staged", cap, spec.width, torch.device("cpu"), None, spec.num_rows) if cap else None
+        return self._staged[table]
+
+    # -- issuing -------------------------------------------------------------------
+    def prefetch(self, table: str, ids) -> PrefetchTicket:
+        step = self._step
+        self._step += 1
+        try:
+            t = self._store._table(table)
+            uid = torch.unique(self._store._as_ids(t.spec, ids).cpu()).numpy()
+        except Exception as e:  # a bad future batch fails at its own step, not now
+            ticket = PrefetchTicket(self, table, step, None, e)
+            self._undelivered.setdefault(table, []).append(ticket)
+            return ticket
+        ticket = PrefetchTicket(self, table, step, uid)
+        self._window.setdefault(table, {})[step] = uid
+        self._outstanding.setdefault(table, deque()).append(ticket)
+        c = t.counters.prefetch
+        c.issued_batches += 1
+        c.queued += 1
+        staging = self._staging(table)
+        # only rows neither cached nor staged need reading
+        need = np.ones(len(uid), dtype=bool)
+        uid_t = torch.from_numpy(uid)
+        for tier in (t.hbm, t.ddr):
+            if tier is not None and need.any():
+                need &= (tier.lookup(uid_t).cpu() < 0).numpy()
+        if staging is not None and need.any():
+            slots = staging.lookup(uid_t).cpu()
+            held = slots >= 0
+            staging.last[slots[held]] = torch.clamp(staging.last[slots[held]], min=step)  # pinned until this step is done
+            need &= ~held.numpy()
+        fetch = uid[need][: max(0, self.room(table))]
+        c.dropped_rows += int(need.sum()) - len(fetch)
+        if len(fetch) == 0:
+            ticket._finish()
+            c.queued -= 1
+            return ticket
+        self._reserved[table] = self._reserved.get(table, 0) + len(fetch)
+        self._inflight[step] = self._write_seq
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self._config.workers, thread_name_prefix="tierstore-prefetch")
+        read_rows_async(
+            self._store._backend, table, fetch, t.spec.width, self._executor, self._config.workers,
+            lambda rows, found, err: self._land(ticket, fetch, rows, found, err),
+        )
+        return ticket
+
+    def _land(self, ticket: PrefetchTicket, ids: np.ndarray, rows: np.ndarray, found: np.ndarray, error) -> None:
+        """Worker thread: install fetched rows under the store lock."""
+        with self._store._lock:
+            table = ticket.table
+            self._reserved[table] -= len(ids)
+            began = self._inflight.pop(ticket.step)
+            store_t = self._store._tables.get(table)
+            try:
+                if error is not None:
+                    raise error
+                if store_t is not None and not ticket._released:  # else: closing, or the batch is done
+                    self._stage(store_t, ticket, ids, rows, found, began)
+            except BaseException as e:
+                self._undelivered.setdefault(table, []).append(ticket)
+                error = e
+            finally:
+                self._prune_log()
+                if store_t is not None:
+                    store_t.counters.prefetch.queued -= 1
+                ticket._finish(error)
+                self._idle.notify_all()
+
+    def _stage(self, store_t, ticket: PrefetchTicket, ids, rows, found, began: int) -> None:
+        c = store_t.counters
+        if not found.all():
+            rows[~found] = initial_rows(store_t.spec, ids[~found])
+        c.ssd.reads += len(ids)
+        c.ssd.read_bytes += int(found.sum()) * 4 * store_t.spec.width
+        keep = ~np.isin(ids, self._written_since(ticket.table, began))
+        ids_t = torch.from_numpy(ids)
+        staging = self._staged[ticket.table]
+        for tier in (store_t.hbm, store_t.ddr, staging):
+            if tier is not None:
+                keep &= (tier.lookup(ids_t).cpu() < 0).numpy()
+        keep_t = torch.from_numpy(keep)
+        n = int(keep.sum())
+        staging.add(ids_t[keep_t], torch.from_numpy(rows[keep]), torch.full((n,), ticket.step),
+                    torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.bool))
+        ticket.rows_fetched = n
+        c.prefetch.issued_rows += n
+        c.prefetch.dropped_rows += len(ids) - n
+        c.prefetch.staged_rows = staging.resident
+
+    # -- the store's hooks -----------------------------------------------------------
+    def take(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Staged rows of ids (the found mask, their rows); taken out of staging."""
+        staging = self._staged.get(table)
+        if staging is None or staging.resident == 0:
+            return torch.zeros(len(ids), dtype=torch.bool), None
+        slots = staging.lookup(ids)
+        found = slots >= 0
+        rows = staging.data[slots[found]]
+        staging.remove(slots[found])
+        c = self._store._tables[table].counters.prefetch
+        c.served_rows += int(found.sum())
+        c.staged_rows = staging.resident
+        return found, rows
+
+    def written(self, table: str, ids: np.ndarray) -> None:
+        """ids of table were just written to LMDB: staged copies are stale now."""
+        staging = self._staged.get(table)
+        if staging is not None and staging.resident:
+            slots = staging.lookup(torch.from_numpy(ids))
+            staging.remove(slots[slots >= 0])
+            self._store._tables[table].counters.prefetch.staged_rows = staging.resident
+        if self._inflight:
+            self._log.setdefault(table, []).append((self._write_seq, ids.copy()))
+        self._write_seq += 1
+
+    def check(self, table: str) -> None:
+        """Raise a background failure of this table that nobody waited for."""
+        pending = self._undelivered.get(table)
+        if pending:
+            pending[0].wait()
+
+    def consumed(self, table: str, ids: torch.Tensor) -> None:
+        """A read used these ids: release the oldest outstanding tickets it covers."""
+        queue = self._outstanding.get(table)
+        ids_np = None
+        while queue and queue[0].done():
+            if ids_np is None:
+                ids_np = ids.cpu().numpy()
+            if not np.isin(queue[0].ids, ids_np).all():
+                break
+            queue[0].release()
+
+    def next_use(self, table: str, ids: torch.Tensor) -> np.ndarray | None:
+        """Step of each id's next announced use, NOT_IN_WINDOW if none; None without a window."""
+        window = self._window.get(table)
+        if not window:
+            return None
+        all_ids = np.concatenate(list(window.values()))
+        steps = np.concatenate([np.full(len(v), s) for s, v in window.items()])
+        order = np.lexsort((steps, all_ids))
+        all_ids, steps = all_ids[order], steps[order]
+        first = np.ones(len(all_ids), dtype=bool)
+        first[1:] = all_ids[1:] != all_ids[:-1]
+        all_ids, steps = all_ids[first], steps[first]
+        q = ids.cpu().numpy()
+        pos = np.clip(np.searchsorted(all_ids, q), 0, len(all_ids) - 1)
+        return np.where(all_ids[pos] == q, steps[pos], NOT_IN_WINDOW)
+
+    # -- releasing -----------------------------------------------------------------------
+    def _release(self, ticket: PrefetchTicket) -> None:
+        with self._store._lock:
+            table = ticket.table
+            self._window.get(table, {}).pop(ticket.step, None)
+            queue = self._outstanding.get(table)
+            if queue and ticket in queue:
+                queue.remove(ticket)
+            staging = self._staged.get(table)
+            if staging is not None and staging.resident:
+                # unpin rows no later announced batch needs
+                done = torch.nonzero((staging.ids >= 0) & (staging.last <= ticket.step)).squeeze(1)
+                staging.remove(done)
+                if table in self._store._tables:
+                    self._store._tables[table].counters.prefetch.staged_rows = staging.resident
+
+    def _delivered(self, ticket: PrefetchTicket) -> None:
+        with self._store._lock:
+            pending = self._undelivered.get(ticket.table, [])
+            if ticket in pending:
+                pending.remove(ticket)
+
+    def _written_since(self, table: str, seq: int) -> np.ndarray:
+        entries = [ids for s, ids in self._log.get(table, []) if s >= seq]
+        return np.concatenate(entries) if entries else np.empty(0, dtype=np.int64)
+
+    def _prune_log(self) -> None:
+        oldest = min(self._inflight.values(), default=self._write_seq)
+        for table, entries in self._log.items():
+            self._log[table] = [(s, ids) for s, ids in entries if s >= oldest]
+
+    def state(self) -> dict:
+        """What is pending: for tests and `close()` checks."""
+        return {
+            "inflight": len(self._inflight),
+            "staged_rows": sum(t.resident for t in self._staged.values() if t is not None),
+            "window_batches": sum(len(w) for w in self._window.values()),
+            "outstanding": sum(len(q) for q in self._outstanding.values()),
+        }
+
+    def close(self) -> None:
+        """Wait for fetches in flight, release everything, stop owned threads.
+        Called without the store lock (landing fetches take it)."""
+        with self._store._lock:
+            self._idle.wait_for(lambda: not self._inflight, timeout=60)
+            for queue in list(self._outstanding.values()):
+                for ticket in list(queue):
+                    ticket.release()
+        if self._owns_executor and self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+
+class LookaheadLoader:
+    """Yield ``batches`` in order while keeping ``depth`` batches ahead prefetched.
+
+    ``ids(batch) -> {table: ids}`` says what a batch reads; by default the batch
+    is in the module's input form (a tensor, an (input, offsets) tuple, or a
+    features dict for a TieredEmbeddingBagCollection). ``depth=0``: no prefetch.
+    A failure of batch i's prefetch is raised when batch i is due.
+    """
+
+    def __init__(self, batches: Iterable, module, depth: int = 2, ids: Callable[[object], Mapping[str, object]] | None = None):
+        if not isinstance(depth, int) or depth < 0:
+            raise ValueError(f"depth must be an int >= 0 (0 = no prefetch), got {depth!r}")
+        self.batches = batches
+        self.module = module
+        self.store = module.store if hasattr(module, "store") else module
+        self.depth = depth
+        self.ids = ids
+        self.effective_depth = 0
+        self.shrunk_steps = 0
+
+    def _reads(self, batch) -> dict[str, torch.Tensor]:
+        if self.ids is not None:
+            return {k: torch.as_tensor(v) for k, v in self.ids(batch).items()}
+        from .nn import TieredEmbeddingBagCollection
+        if isinstance(self.module, TieredEmbeddingBagCollection):
+            out = {}
+            for name, value in batch.items():
+                values = value[0] if isinstance(value, (tuple, list)) else value
+                out[self.module[name].table] = torch.as_tensor(values).reshape(-1)
+            return out
+        values = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return {self.module.table: torch.as_tensor(values).reshape(-1)}
+
+    def _issue(self, batch) -> PrefetchGroup | None:
+        reads = self._reads(batch)
+        pre = self.store._prefetcher
+        with self.store._lock:
+            # room is checked for all tables first: a batch is prefetched whole or not yet
+            if any(pre.room(t) < len(torch.unique(ids)) for t, ids in reads.items() if t in self.store._tables):
+                return None
+            return PrefetchGroup(self.store.prefetch(t, ids) for t, ids in reads.items())
+
+    def __iter__(self) -> Iterator:
+        it = iter(self.batches)
+        ahead: deque[list] = deque()  # [batch, group or None]
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(ahead) < self.depth + 1:
+                    try:
+                        ahead.append([next(it), None])
+                    except StopIteration:
+                        exhausted = True
+                if not ahead:
+                    return
+                if self.depth:
+                    for entry in ahead:  # in order; a batch that does not fit waits
+                        if entry[1] is None:
+                            entry[1] = self._issue(entry[0])
+                            if entry[1] is None:
+                                break
+                    issued = sum(e[1] is not None for e in list(ahead)[1:])
+                    self.effective_depth = issued
+                    if issued < min(self.depth, len(ahead) - 1):
+                        self.shrunk_steps += 1
+                    self._report()
+                batch, group = ahead.popleft()
+                if group is not None:
+                    group.wait()
+                yield batch
+                if group is not None:
+                    group.release()
+        finally:
+            for _, group in ahead:
+                if group is not None:
+                    group.release()
+            self.effective_depth = 0
+            self._report()
+
+    def _report(self) -> None:
+        for t in self.store._tables.values():
+            t.counters.prefetch.effective_depth = self.effective_depth
+            t.counters.prefetch.shrunk_steps = self.shrunk_steps
