@@ -36,6 +36,7 @@ from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
 from .counters import StoreCounters, TableCounters, add_dicts, restored_on_error
 from .spec import MAX_ID, TableSpec, initial_rows
+from .trace import TraceRecorder
 from .prefetch import PrefetchConfig, Prefetcher, PrefetchTicket
 from .tiers import CacheTier
 
@@ -110,6 +111,7 @@ class TieredStore:
         metrics_addr: str = "127.0.0.1",
         eviction: str = "policy",
         prefetch: PrefetchConfig | None = None,
+        record_trace: str | Path | None = None,
     ):
         self.config = StoreConfig(path, hbm_rows, ddr_rows, policy, device, readonly, map_size, clock, eviction)
         # metrics: exported to registry (default: prometheus_client's global one) under
@@ -122,8 +124,11 @@ class TieredStore:
         self._use_clock = 0
         self._closed = False
         self._backend = LmdbBackend(self.path, readonly=readonly, map_size=map_size)
+        self._recorder = None  # record_trace: every read call goes to a trace (tierstore.trace)
         try:
             specs = self._reconcile_specs(list(tables or []))
+            if record_trace is not None:
+                self._recorder = TraceRecorder(record_trace, specs.values())
             for name in ("hbm_rows", "ddr_rows"):
                 value = getattr(self.config, name)
                 if isinstance(value, Mapping) and set(value) - set(specs):
@@ -134,6 +139,8 @@ class TieredStore:
             self._prefetcher = Prefetcher(self, prefetch or PrefetchConfig())
         except BaseException:
             self._backend.close()
+            if self._recorder is not None:
+                self._recorder.close()
             raise
 
     # -- opening -------------------------------------------------------------------
@@ -193,6 +200,8 @@ class TieredStore:
             self._prefetcher.check(table)  # a background failure nobody waited for surfaces here
             start = time.perf_counter()  # stage timings: one observation per call and stage, never per id
             ids = self._as_ids(t.spec, ids)
+            if self._recorder is not None:
+                self._recorder.record(table, ids)
             cols = t.spec.width if with_state else t.spec.dim
             n = len(ids)
             if out is not None and (tuple(out.shape) != (n, cols) or out.dtype != torch.float32 or out.device != self.device):
@@ -335,6 +344,8 @@ class TieredStore:
             finally:
                 self._closed = True
                 self._backend.close()
+                if self._recorder is not None:
+                    self._recorder.close()
                 self._tables.clear()
                 self.metrics.close()  # leave the registry, stop the endpoints
 

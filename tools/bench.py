@@ -19,6 +19,7 @@ BENCHES = {
     "memory": "tierstore.tools.bench:bench_memory",
     "train": "tierstore.tools.bench_train:run",
     "metrics": "tierstore.tools.bench_metrics:run",
+    "capacity": "tierstore.tools.capacity:bench",
 }
 DEFAULT = ("read", "cold", "memory")
 

@@ -1,0 +1,1119 @@
+"""Capacity analysis of access traces: how many HBM and DDR rows a table needs.
+
+Everything here predicts what a :class:`tierstore.TieredStore` of a given size
+measures when the trace is replayed through it, under the store's batch
+semantics (tierstore/store.py):
+
+- A call's unique ids are its *uses*; the store counts each once (a hit at the
+  highest tier that held it, a miss at each existing tier above). A use's key
+  is ``clock_at_call_start + first_position_in_call``. Only the order of keys
+  matters, and tiers are per table, so each table is analysed on its own clock
+  (its own positions); that preserves the order of the store's one clock.
+- LRU over (HBM h, DDR d) is one LRU list of h + d rows, HBM its top h. The
+  *stack distance* of a use is the number of distinct rows of its table whose
+  last use is more recent, counted against the state before its call (uses of
+  the same call do not see each other); a first touch has infinite distance.
+  The use hits HBM iff distance < h, DDR iff h <= distance < h + d. One pass
+  gives every size: the exact miss-ratio curve.
+- LFU and lookahead are not stack algorithms; :class:`CacheSim` replays a table
+  at one size through a data-free copy of ``TieredStore._access``'s planning,
+  with the same policies (``tierstore.eviction``), so its counts equal the
+  store's. Belady's MIN (farthest next use evicted first, one level of h + d
+  rows) bounds the hits any policy can get at that size.
+- SHARDS (Waldspurger et al., FAST'15): keep the rows whose hash falls below
+  rate * 2**64, compute exact distances on that sub-trace, scale them by
+  1/rate. Its error is estimated from the spread between four disjoint
+  sub-samples.
+
+Stack distances use a set of "removed" use positions: a use at position m is
+removed once its row is used again, so the distance of a use whose previous use
+is at p, in a call starting at b, is (b - p - 1) minus the removed positions in
+(p, b). :class:`RemovedSet` answers those counts for a whole batch of uses at a
+time (no Python loop per id); calls of different tables are independent and go
+through it together, one group of calls per step.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tierstore.eviction import make_policy
+from tierstore.eviction.lookahead import NOT_IN_WINDOW, LookaheadPolicy
+from tierstore.trace import Trace, gather_ranges
+
+INT64_MAX = np.iinfo(np.int64).max
+DEFAULT_ROW_BYTES = 512  # a dim-128 float32 row, when the trace does not say
+_ONE = np.uint64(1)
+
+
+# -- per-table use streams ----------------------------------------------------------------
+@dataclass
+class TableStream:
+    """One table's calls as the store sees them: each call's unique rows, in
+    order of first position, with their keys and previous uses."""
+
+    name: str
+    row: np.ndarray  # int64 dense row number of each use
+    key: np.ndarray  # int64 use clock on the table's own position axis
+    prev: np.ndarray  # int64 index of the previous use of the same row, -1 for a first touch
+    bounds: np.ndarray  # int64 [n_calls + 1]: uses of call j are [bounds[j], bounds[j + 1])
+    calls: np.ndarray  # int64 global call number of each of the table's calls
+    space: int  # size of the dense row space
+    n_accesses: int  # ids read (with repeats)
+    num_rows: int | None = None  # the table's id space (the store clamps tier sizes to it)
+    _next: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def n_uses(self) -> int:
+        return len(self.row)
+
+    @property
+    def n_calls(self) -> int:
+        return len(self.calls)
+
+    @property
+    def working_set(self) -> int:
+        """Distinct rows the trace touches."""
+        return int(np.count_nonzero(self.prev < 0))
+
+    def next_use(self) -> np.ndarray:
+        """Index of the next use of the same row, -1 if none."""
+        if self._next is None:
+            nxt = np.full(self.n_uses, -1, dtype=np.int64)
+            has = np.flatnonzero(self.prev >= 0)
+            nxt[self.prev[has]] = has
+            self._next = nxt
+        return self._next
+
+    def use_call(self) -> np.ndarray:
+        """Table-local call number of each use."""
+        return np.repeat(np.arange(self.n_calls, dtype=np.int64), np.diff(self.bounds))
+
+
+def _densify(ids: np.ndarray) -> tuple[np.ndarray, int]:
+    """Small non-negative ints for ids: the ids themselves when their range is
+    small enough for dense per-row arrays, else their rank among the distinct ids."""
+    if len(ids) == 0:
+        return np.empty(0, dtype=np.int64), 0
+    hi = int(ids.max())
+    if hi < min(4 * len(ids) + (1 << 20), 1 << 26):
+        return np.asarray(ids, dtype=np.int64), hi + 1
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    return inverse.astype(np.int64, copy=False), len(uniq)
+
+
+def build_stream(trace: Trace, table: int) -> TableStream:
+    """Deduplicate each call of one table the way the store does (a loop per call,
+    vectorized within it) and link every use to its row's previous use."""
+    ids, offsets, calls = trace.table_calls(table)
+    dense, space = _densify(ids)
+    n_ids, n_calls = len(ids), len(calls)
+    # int32 scratch where it fits: these arrays span the id space, and touching
+    # their pages is a good part of the cost
+    small = np.int32 if n_ids < np.iinfo(np.int32).max else np.int64
+    unset = np.iinfo(small).max
+    first_pos = np.full(space, unset, dtype=small)  # a row's first position in the current call
+    last_use = np.full(space, -1, dtype=small)
+    row = np.empty(n_ids, dtype=np.int64)
+    key = np.empty(n_ids, dtype=np.int64)
+    prev = np.empty(n_ids, dtype=np.int64)
+    bounds = np.zeros(n_calls + 1, dtype=np.int64)
+    n = 0
+    for j in range(n_calls):  # a loop per call, vectorized within it
+        s, e = int(offsets[j]), int(offsets[j + 1])
+        x = dense[s:e]
+        pos = np.arange(s, e, dtype=small)
+        np.minimum.at(first_pos, x, pos)
+        is_first = first_pos[x] == pos
+        u = x[is_first]
+        m = len(u)
+        first_pos[u] = unset
+        row[n : n + m] = u
+        key[n : n + m] = pos[is_first]
+        prev[n : n + m] = last_use[u]
+        last_use[u] = np.arange(n, n + m, dtype=small)
+        n += m
+        bounds[j + 1] = n
+    t = trace.tables[table]
+    return TableStream(t.name, row[:n], key[:n], prev[:n], bounds, calls.astype(np.int64), space, n_ids, t.num_rows)
+
+
+def build_streams(trace: Trace, tables: Sequence[str] | None = None) -> list[TableStream]:
+    names = list(tables) if tables else trace.table_names
+    return [build_stream(trace, trace.table_index(n)) for n in names]
+
+
+# -- stack distances ----------------------------------------------------------------------------
+class RemovedSet:
+    """A growing set of positions in [0, n) with vectorized rank queries.
+
+    Three levels sized to stay in cache: a bitmap word per 64 positions; per
+    word, the count in earlier words of its super block (2**sb words); per super
+    block, the count before it (a cumsum after each batch of additions). A
+    query is three gathers and a popcount; an addition touches its word, and
+    the super blocks it lands in are re-summed once per batch.
+    """
+
+    def __init__(self, n: int):
+        words = (n >> 6) + 1
+        self.sb = int(min(8, max(3, round(math.log2(max(words, 2)) / 2))))
+        supers = (words >> self.sb) + 1
+        words = supers << self.sb
+        self.words = np.zeros(words, dtype=np.uint64)
+        self.within = np.zeros(words, dtype=np.int32)  # removed in earlier words of the same super block
+        self.per_super = np.zeros(supers, dtype=np.int64)
+        self.before = np.zeros(supers, dtype=np.int64)  # removed in earlier super blocks
+        self._delta = np.zeros(words, dtype=np.int32)
+        self._touched = np.zeros(supers, dtype=bool)
+
+    def count_below(self, x: np.ndarray) -> np.ndarray:
+        """Number of members < x, for each x (0 <= x <= n)."""
+        x = np.asarray(x, dtype=np.int64)
+        w = x >> 6
+        low = self.words[w] & ((_ONE << (x & 63).astype(np.uint64)) - _ONE)
+        return self.before[x >> (6 + self.sb)] + self.within[w] + np.bitwise_count(low).astype(np.int64)
+
+    def add(self, p: np.ndarray) -> None:
+        """Add positions that are distinct and not members yet."""
+        p = np.asarray(p, dtype=np.int64)
+        if len(p) == 0:
+            return
+        w = p >> 6
+        # distinct unset bits of one word sum to their OR, and add.at is numpy's fast scatter
+        np.add.at(self.words, w, _ONE << (p & 63).astype(np.uint64))
+        np.add.at(self._delta, w, 1)
+        self._touched[p >> (6 + self.sb)] = True
+        touched = np.flatnonzero(self._touched)
+        self._touched[touched] = False
+        delta = self._delta.reshape(-1, 1 << self.sb)
+        rows = delta[touched]
+        inclusive = np.cumsum(rows, axis=1, dtype=np.int32)
+        self.within.reshape(-1, 1 << self.sb)[touched] += inclusive - rows
+        self.per_super[touched] += inclusive[:, -1]
+        delta[touched] = 0
+        np.cumsum(self.per_super[:-1], out=self.before[1:])
+
+
+def stack_distances(streams: Sequence[TableStream], progress: bool = False) -> list[np.ndarray]:
+    """LRU stack distance of every use of every stream (-1 for a first touch).
+
+    Calls are taken in trace order; consecutive calls of different tables form
+    one group and are answered together, since tables do not see each other.
+    """
+    if not streams:
+        return []
+    n_uses = np.array([s.n_uses for s in streams], dtype=np.int64)
+    base = np.zeros(len(streams) + 1, dtype=np.int64)
+    np.cumsum(n_uses, out=base[1:])
+    total = int(base[-1])
+    # every call of every stream, in trace order: (stream, start on the global axis, length)
+    call_num = np.concatenate([s.calls for s in streams])
+    call_stream = np.repeat(np.arange(len(streams)), [s.n_calls for s in streams])
+    call_lo = np.concatenate([base[i] + s.bounds[:-1] for i, s in enumerate(streams)])
+    call_len = np.concatenate([np.diff(s.bounds) for s in streams])
+    order = np.argsort(call_num, kind="stable")
+    call_stream, call_lo, call_len = call_stream[order], call_lo[order], call_len[order]
+    keep = call_len > 0
+    call_stream, call_lo, call_len = call_stream[keep], call_lo[keep], call_len[keep]
+    # the uses in trace order, their previous use and their call's start, on the global axis
+    coords = gather_ranges(np.arange(total, dtype=np.int64), call_lo, call_len)
+    prev_global = np.concatenate([np.where(s.prev >= 0, s.prev + base[i], -1) for i, s in enumerate(streams)])
+    prev_o = prev_global[coords]
+    start_o = np.repeat(call_lo, call_len)
+    group_ends = _group_ends(call_stream.tolist(), call_len)
+
+    dist = np.full(total, -1, dtype=np.int64)
+    removed = RemovedSet(total + 1)
+    bar = _progress(total, "stack distances", progress)
+    lo = 0
+    for hi in group_ends:
+        p = prev_o[lo:hi]
+        seen = np.flatnonzero(p >= 0)
+        if len(seen):
+            pm, bm = p[seen], start_o[lo:hi][seen]
+            between = removed.count_below(bm) - removed.count_below(pm + 1)
+            dist[coords[lo:hi][seen]] = (bm - pm - 1) - between
+            removed.add(pm)
+        bar.update(hi - lo)
+        lo = hi
+    bar.close()
+    return [dist[base[i] : base[i + 1]] for i in range(len(streams))]
+
+
+def _group_ends(call_stream: list[int], call_len: np.ndarray) -> list[int]:
+    """End (in uses) of each maximal run of calls with distinct tables."""
+    ends, seen, pos = [], set(), 0
+    lengths = call_len.tolist()
+    for s, n in zip(call_stream, lengths):  # a loop per call, not per id
+        if s in seen:
+            ends.append(pos)
+            seen = set()
+        seen.add(s)
+        pos += n
+    ends.append(pos)
+    return [e for i, e in enumerate(ends) if e > (ends[i - 1] if i else 0)]
+
+
+# -- miss-ratio curves ----------------------------------------------------------------------------
+@dataclass
+class LruCurve:
+    """A table's LRU hit counts at every size, from a histogram of stack distances.
+
+    Exact (``rate == 1``): ``hist[k]`` uses had distance k. SHARDS: the histogram
+    of the sampled uses' distances, which stand for distances k / rate, plus
+    ``adjust`` uses put at distance 0 (SHARDS_adj), all in sampled units.
+    """
+
+    name: str
+    hist: np.ndarray
+    cold: int
+    n_accesses: int
+    n_calls: int
+    rate: float = 1.0
+    adjust: float = 0.0
+    _cum: np.ndarray | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_distances(cls, stream: TableStream, dist: np.ndarray, rate: float = 1.0, adjust: float = 0.0) -> "LruCurve":
+        finite = dist[dist >= 0]
+        hist = np.bincount(finite, minlength=1) if len(finite) else np.zeros(1, dtype=np.int64)
+        return cls(stream.name, hist, int(len(dist) - len(finite)), stream.n_accesses, stream.n_calls, rate, adjust)
+
+    @property
+    def exact(self) -> bool:
+        return self.rate == 1.0 and self.adjust == 0.0
+
+    @property
+    def sampled_uses(self) -> float:
+        return float(self.hist.sum()) + self.cold + self.adjust
+
+    @property
+    def n_uses(self) -> float:
+        """Uses (unique ids per call, summed over calls); an estimate under SHARDS."""
+        return self.sampled_uses / self.rate
+
+    @property
+    def working_set(self) -> float:
+        return self.cold / self.rate
+
+    def cum(self) -> np.ndarray:
+        if self._cum is None:
+            self._cum = np.cumsum(self.hist) + self.adjust
+        return self._cum
+
+    def hits(self, rows) -> np.ndarray:
+        """Uses that hit a cache of ``rows`` rows (array or scalar); exact ints if exact."""
+        rows = np.asarray(rows)
+        idx = np.ceil(rows * self.rate).astype(np.int64) if self.rate != 1.0 else rows.astype(np.int64)
+        cum = self.cum()
+        out = np.where(idx <= 0, 0, cum[np.clip(idx, 1, len(cum)) - 1])
+        return out if self.exact else out / self.rate
+
+    def hit_ratio(self, rows) -> np.ndarray:
+        total = self.n_uses
+        return np.asarray(self.hits(rows), dtype=np.float64) / total if total else np.zeros(np.shape(rows))
+
+    def tiers(self, hbm_rows: int, ddr_rows: int) -> dict:
+        """What a store with these tiers counts: hits per tier and misses (SSD reads)."""
+        h = self.hits(hbm_rows)
+        hd = self.hits(hbm_rows + ddr_rows)
+        n = self.n_uses if not self.exact else int(self.sampled_uses)
+        return {"hbm_hits": h, "ddr_hits": hd - h, "misses": n - hd}
+
+    def max_hit_ratio(self) -> float:
+        return float(self.hit_ratio(self.working_set + 1 / self.rate)) if self.n_uses else 0.0
+
+    def rows_for(self, ratio: float) -> int | None:
+        """Smallest cache (rows) with hit ratio >= ratio; None when cold misses forbid it."""
+        if ratio <= 0:
+            return 0
+        need = ratio * self.sampled_uses
+        cum = self.cum()
+        i = int(np.searchsorted(cum, need - 1e-9 * max(need, 1), side="left"))
+        if i >= len(cum):
+            return None
+        return i + 1 if self.rate == 1.0 else int(math.floor(i / self.rate)) + 1
+
+    def reuse_histogram(self) -> dict:
+        """Uses per stack-distance bucket [0,1), [1,2), [2,4), ... (rows) plus first touches."""
+        n = len(self.hist)
+        edges_s = [0, 1]
+        while edges_s[-1] < n:
+            edges_s.append(edges_s[-1] * 2)
+        counts = np.add.reduceat(self.hist, np.minimum(edges_s[:-1], n - 1)) if n else np.zeros(0)
+        counts[np.array(edges_s[:-1]) >= n] = 0
+        counts = counts.astype(np.float64)
+        counts[0] += self.adjust
+        scale = 1 / self.rate
+        return {
+            "buckets": [[e * scale, edges_s[i + 1] * scale] for i, e in enumerate(edges_s[:-1])],
+            "uses": (counts * scale).tolist() if not self.exact else counts.astype(np.int64).tolist(),
+            "first_touches": self.working_set if not self.exact else int(self.cold),
+        }
+
+
+def lru_curves(trace: Trace, tables: Sequence[str] | None = None, progress: bool = False) -> list[LruCurve]:
+    """The exact LRU curve of each table (one pass over the trace)."""
+    streams = build_streams(trace, tables)
+    dists = stack_distances(streams, progress)
+    return [LruCurve.from_distances(s, d) for s, d in zip(streams, dists)]
+
+
+# -- SHARDS --------------------------------------------------------------------------------------
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _table_salt(name: str, seed: int) -> np.uint64:
+    import zlib
+
+    return np.uint64((zlib.crc32(name.encode()) * 0x9E3779B1 + seed * 0x85EBCA77) & 0xFFFFFFFFFFFFFFFF)
+
+
+def shards_sample(trace: Trace, rate: float, seed: int = 0, chunk: int = 1 << 20,
+                  progress: bool = False) -> tuple[Trace, np.ndarray]:
+    """The sub-trace of rows whose hash is below rate * 2**64 (same calls, fewer ids),
+    and each kept id's sub-sample number (0..3, from the hash's low bits)."""
+    if not 0 < rate <= 1:
+        raise ValueError(f"SHARDS rate must be in (0, 1], got {rate}")
+    threshold = np.uint64(min(int(rate * 2.0**64), 2**64 - 1))
+    salts = np.array([_table_salt(t.name, seed) for t in trace.tables], dtype=np.uint64)
+    lengths = np.diff(trace.offsets)
+    kept_ids, kept_pos, kept_sub = [], [], []
+    bar = _progress(trace.n_accesses, "SHARDS sampling", progress)
+    c0 = 0
+    buf = np.empty(0, dtype=np.uint64)
+    while c0 < trace.n_calls:
+        # whole calls per chunk, about `chunk` ids each, so the salts are one repeat
+        c1 = int(np.searchsorted(trace.offsets, trace.offsets[c0] + chunk, side="right")) - 1
+        c1 = min(max(c1, c0 + 1), trace.n_calls)
+        s, e = int(trace.offsets[c0]), int(trace.offsets[c1])
+        ids = np.asarray(trace.ids[s:e])
+        if len(buf) < e - s:
+            buf = np.empty(e - s, dtype=np.uint64)
+        h = buf[: e - s]
+        np.bitwise_xor(ids.view(np.uint64), np.repeat(salts[trace.call_table[c0:c1]], lengths[c0:c1]), out=h)
+        # splitmix64's finaliser: every id bit moves every hash bit
+        h ^= h >> np.uint64(30)
+        h *= _M1
+        h ^= h >> np.uint64(27)
+        h *= _M2
+        h ^= h >> np.uint64(31)
+        kept = np.flatnonzero(h < threshold)
+        kept_ids.append(ids[kept])
+        kept_pos.append(kept + s)
+        kept_sub.append((h[kept] & np.uint64(3)).astype(np.int8))
+        bar.update(e - s)
+        c0 = c1
+    bar.close()
+    pos = np.concatenate(kept_pos) if kept_pos else np.empty(0, dtype=np.int64)
+    offsets = np.searchsorted(pos, trace.offsets).astype(np.int64)
+    sub = Trace(trace.tables, np.concatenate(kept_ids) if kept_ids else np.empty(0, dtype=np.int64), offsets,
+                trace.call_table, trace.call_step, trace.complete)
+    return sub, (np.concatenate(kept_sub) if kept_sub else np.empty(0, dtype=np.int8))
+
+
+@dataclass
+class ShardsResult:
+    curves: list[LruCurve]
+    rate: float
+    sampled_accesses: int
+    expected_mae: list[float]  # per table: estimated mean absolute error of the miss ratio
+    seconds: float
+
+
+def shards_curves(trace: Trace, rate: float, tables: Sequence[str] | None = None, seed: int = 0,
+                  adjust: bool = True, progress: bool = False, estimate_error: bool = True) -> ShardsResult:
+    """Approximate LRU curves by SHARDS at ``rate``.
+
+    SHARDS_adj: the number of sampled uses is compared with its expectation,
+    rate * uses, and the difference is put at distance 0 (as hits); the uses of
+    the full trace come from a cheap per-call count of distinct ids. The error
+    is estimated as the standard error between four disjoint sub-samples.
+    """
+    t0 = time.perf_counter()
+    sub, part = shards_sample(trace, rate, seed, progress=progress)
+    names = list(tables) if tables else trace.table_names
+    expected = _uses_per_table(trace, names) if adjust else None
+    per_table = np.bincount(trace.call_table, weights=np.diff(trace.offsets), minlength=len(trace.tables))
+    accesses = [int(per_table[trace.table_index(n)]) for n in names]
+    curves = _sample_curves(sub, names, rate, expected, accesses, progress)
+    mae = [float("nan")] * len(names)
+    if estimate_error and sub.n_accesses:
+        parts = []
+        for k in range(4):
+            keep = part == k
+            pos = np.flatnonzero(keep)
+            offs = np.searchsorted(pos, sub.offsets).astype(np.int64)
+            parts.append(_sample_curves(Trace(sub.tables, sub.ids[keep], offs, sub.call_table, sub.call_step),
+                                        names, rate / 4, expected, accesses, False))
+        for i, c in enumerate(curves):
+            grid = _grid(c.working_set)
+            ratios = np.array([p[i].hit_ratio(grid) for p in parts])
+            # the full sample is about the mean of the four: its standard error is std / 2
+            se = ratios.std(axis=0, ddof=1) / 2
+            mae[i] = float(np.sqrt(2 / np.pi) * se.mean())
+    return ShardsResult(curves, rate, sub.n_accesses, mae, time.perf_counter() - t0)
+
+
+def _sample_curves(sub: Trace, names, rate, expected, accesses, progress) -> list[LruCurve]:
+    streams = build_streams(sub, names)
+    dists = stack_distances(streams, progress)
+    out = []
+    for i, (s, d) in enumerate(zip(streams, dists)):
+        adj = rate * expected[i] - s.n_uses if expected is not None else 0.0
+        out.append(LruCurve.from_distances(s, d, rate, adj))
+        out[-1].n_accesses = accesses[i]
+    return out
+
+
+def _uses_per_table(trace: Trace, names) -> list[int]:
+    """Unique ids per call, summed per table: one scatter and gather per call."""
+    out = []
+    for name in names:
+        ids, offsets, _ = trace.table_calls(trace.table_index(name))
+        dense, space = _densify(ids)
+        stamp = np.full(space, -1, dtype=np.int64)
+        n = 0
+        for j in range(len(offsets) - 1):
+            x = dense[offsets[j] : offsets[j + 1]]
+            pos = np.arange(len(x))
+            stamp[x] = pos  # whichever position wins, exactly one per distinct id matches
+            n += int(np.count_nonzero(stamp[x] == pos))
+        out.append(n)
+    return out
+
+
+def _grid(working_set: float, n: int = 200) -> np.ndarray:
+    """Cache sizes to evaluate a curve at: 0..working set, evenly spaced."""
+    ws = max(int(math.ceil(working_set)), 1)
+    return np.unique(np.linspace(0, ws, n).round().astype(np.int64))
+
+
+def mean_abs_error(approx: LruCurve, exact: LruCurve, sizes: np.ndarray | None = None) -> float:
+    """Mean |miss ratio difference| over evenly spaced sizes up to the working set."""
+    sizes = _grid(exact.working_set) if sizes is None else sizes
+    return float(np.mean(np.abs(approx.hit_ratio(sizes) - exact.hit_ratio(sizes))))
+
+
+# -- simulation at one size (LRU, LFU, lookahead, Belady) ---------------------------------------------
+@dataclass
+class TierCounts:
+    hbm_hits: int = 0
+    hbm_misses: int = 0
+    ddr_hits: int = 0
+    ddr_misses: int = 0
+    hbm_evictions: int = 0
+    ddr_evictions: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class CacheSim:
+    """The store's two exclusive tiers for one table, without data: the planning of
+    ``TieredStore._access`` on per-row arrays, one call at a time.
+
+    ``choose(rows, last, freq, k, now)`` returns positions of the k victims among
+    resident rows; ``choose_call`` (default: ``choose``) ranks the rows of a call
+    that is larger than a tier (the store uses the plain policy there).
+    """
+
+    def __init__(self, space: int, hbm_rows: int, ddr_rows: int,
+                 choose: Callable[[np.ndarray, np.ndarray, np.ndarray, int, int], np.ndarray],
+                 choose_call: Callable[[np.ndarray, np.ndarray, np.ndarray, int, int], np.ndarray] | None = None):
+        self.hcap, self.dcap = int(hbm_rows), int(ddr_rows)
+        self.choose = choose
+        self.choose_call = choose_call or choose
+        self.where = np.zeros(space, dtype=np.int8)  # 0 uncached, 1 HBM, 2 DDR
+        self.last = np.zeros(space, dtype=np.int64)
+        self.freq = np.zeros(space, dtype=np.int64)
+        self.in_call = np.zeros(space, dtype=bool)
+        self.hbm = np.empty(0, dtype=np.int64)
+        self.ddr = np.empty(0, dtype=np.int64)
+        self.counts = TierCounts()
+
+    def call(self, u: np.ndarray, key: np.ndarray, now: int) -> None:
+        H, D, c = self.hcap > 0, self.dcap > 0, self.counts
+        n = len(u)
+        w = self.where[u]
+        in_h, in_d = w == 1, w == 2
+        n_h = int(np.count_nonzero(in_h))
+        if H:
+            c.hbm_hits += n_h
+            c.hbm_misses += n - n_h
+            if n_h == n:
+                self.last[u] = key
+                self.freq[u] += 1
+                return
+        n_d = int(np.count_nonzero(in_d))
+        if D:
+            c.ddr_hits += n_d
+            c.ddr_misses += n - n_h - n_d
+            if not H and n_d == n:
+                self.last[u] = key
+                self.freq[u] += 1
+                return
+        if not (H or D):
+            return
+        new_freq = np.where(w > 0, self.freq[u], 0) + 1
+        self.in_call[u] = True
+        keep_h = np.zeros(n, dtype=bool)
+        demote = cand = np.empty(0, dtype=np.int64)
+        if H:
+            cand = self.hbm[~self.in_call[self.hbm]]
+            keep_h[:] = True
+            if n <= self.hcap:
+                need = (n - n_h) - (self.hcap - len(self.hbm))
+                if need > 0:
+                    demote = cand[self.choose(cand, self.last[cand], self.freq[cand], need, now)]
+            else:
+                keep_h[self.choose_call(u, key, new_freq, n - self.hcap, now)] = False
+                demote = cand
+        down = np.flatnonzero(~keep_h)
+        keep_d = np.zeros(n, dtype=bool)
+        drop = np.empty(0, dtype=np.int64)
+        survive = np.zeros(len(demote), dtype=bool)
+        others = np.empty(0, dtype=np.int64)
+        if D:
+            keep_d[down] = True
+            if len(down) > self.dcap:
+                keep_d[down[self.choose_call(u[down], key[down], new_freq[down], len(down) - self.dcap, now)]] = False
+            others = self.ddr[~self.in_call[self.ddr]]
+            survive[:] = True
+            k = len(others) + len(demote) - (self.dcap - int(np.count_nonzero(keep_d)))
+            if k > 0:
+                pool = np.concatenate([others, demote])
+                v = self.choose(pool, self.last[pool], self.freq[pool], k, now)
+                drop = others[v[v < len(others)]]
+                survive[v[v >= len(others)] - len(others)] = False
+        if H:
+            c.hbm_evictions += len(demote) + int(np.count_nonzero(in_h & ~keep_h))
+        if D:
+            c.ddr_evictions += int(np.count_nonzero(in_d & ~keep_d & ~keep_h)) + len(drop) + int(np.count_nonzero(~survive))
+        self.in_call[u] = False
+        self.where[u] = np.where(keep_h, 1, np.where(keep_d, 2, 0))
+        self.last[u] = key
+        self.freq[u] = new_freq
+        self.where[demote] = np.where(survive, 2, 0)
+        self.where[drop] = 0
+        self.hbm = np.concatenate([cand[self.where[cand] == 1], u[keep_h]])
+        self.ddr = np.concatenate([others[self.where[others] == 2], u[keep_d], demote[survive]])
+
+
+def simulate(stream: TableStream, hbm_rows: int, ddr_rows: int, policy: str = "lfu",
+             window: int | None = None, base: str = "lru") -> TierCounts:
+    """Replay one table through the store's tiers at one size.
+
+    ``policy``: "lru", "lfu" (the store's policies), "lookahead" (the store's
+    ``eviction="lookahead"`` with the next ``window`` calls of the table
+    announced by prefetch: resident rows they use are pinned and ranked by next
+    use, the rest by ``base``; a call larger than a tier keeps its rows by
+    ``base``, as the store does) or "belady" (farthest next use first over the
+    whole future, the call's own rows included: the offline bound).
+    """
+    if stream.num_rows is not None:  # as the store does
+        hbm_rows, ddr_rows = min(hbm_rows, stream.num_rows), min(ddr_rows, stream.num_rows)
+    choose_call = None
+    if policy in ("lru", "lfu"):
+        pol = make_policy(policy)
+        choose = lambda rows, last, freq, k, now: pol.select(last, freq, k)  # noqa: E731
+        next_call = None
+    elif policy in ("lookahead", "belady"):
+        look = LookaheadPolicy(make_policy(base), None if policy == "belady" else window)
+        if policy == "lookahead" and window is None:
+            raise ValueError("policy='lookahead' needs window=K (batches); policy='belady' is the infinite window")
+        nxt = stream.next_use()
+        calls = stream.use_call()
+        next_call = np.where(nxt >= 0, calls[np.maximum(nxt, 0)], NOT_IN_WINDOW)
+        row_next = np.full(stream.space, NOT_IN_WINDOW, dtype=np.int64)
+
+        def choose(rows, last, freq, k, now):
+            return look.select(look.next_use_in_window(row_next[rows], now), last, freq, k)
+
+        if policy == "lookahead":
+            choose_call = lambda rows, last, freq, k, now: look.base.select(last, freq, k)  # noqa: E731
+    else:
+        raise ValueError(f"unknown policy {policy!r}; choose lru, lfu, lookahead or belady")
+    sim = CacheSim(stream.space, hbm_rows, ddr_rows, choose, choose_call)
+    b = stream.bounds
+    for j in range(stream.n_calls):  # a loop per call; each call is vectorized
+        lo, hi = int(b[j]), int(b[j + 1])
+        if hi == lo:
+            continue
+        u = stream.row[lo:hi]
+        if next_call is not None:
+            row_next[u] = next_call[lo:hi]
+        sim.call(u, stream.key[lo:hi], j)
+    return sim.counts
+
+
+def belady_hits(stream: TableStream, rows: int) -> int:
+    """Hits of Belady's MIN with one level of ``rows`` rows under the store's batch
+    semantics (every row of a call is brought in; farthest next use leaves first):
+    the most any policy can hit with that many rows in total."""
+    return simulate(stream, rows, 0, "belady").hbm_hits if rows > 0 else 0
+
+
+# -- recommendations --------------------------------------------------------------------------------
+def rows_for_targets(curve: LruCurve, hbm_target: float | None, hit_target: float | None) -> dict:
+    """Smallest HBM rows reaching ``hbm_target`` HBM hit ratio, and smallest DDR rows
+    on top reaching ``hit_target`` cache hit ratio (LRU)."""
+    out = {"reachable": True, "max_hit_ratio": curve.max_hit_ratio()}
+    ws = int(math.ceil(curve.working_set))
+    h = 0
+    if hbm_target:
+        r = curve.rows_for(hbm_target)
+        out["reachable"] &= r is not None
+        h = ws if r is None else r
+    total = h
+    if hit_target:
+        r = curve.rows_for(hit_target)
+        out["reachable"] &= r is not None
+        total = max(h, ws if r is None else r)
+    out.update(hbm_rows=int(h), ddr_rows=int(total - h))
+    return out
+
+
+def split_budget(curves: Sequence[LruCurve], row_bytes: Sequence[int], budget: float,
+                 start: Sequence[int] | None = None, points: int = 400) -> list[int]:
+    """Rows per table that maximise total hits within ``budget`` bytes (on top of
+    ``start`` rows already given): a Lagrangian over each curve's hull, searched
+    on a grid of sizes per table, bisecting the price of a byte."""
+    start = np.zeros(len(curves), dtype=np.int64) if start is None else np.asarray(start, dtype=np.int64)
+    T = len(curves)
+    if T == 0 or budget <= 0:
+        return [0] * T
+    cand = np.zeros((T, points + 1), dtype=np.float64)
+    gain = np.zeros((T, points + 1), dtype=np.float64)
+    for i, c in enumerate(curves):  # a loop per table
+        room = max(int(math.ceil(c.working_set)) - int(start[i]), 0)
+        sizes = np.unique(np.concatenate([[0], np.geomspace(1, max(room, 1), points).round()]))[: points + 1] if room else np.zeros(1)
+        sizes = np.pad(sizes, (0, points + 1 - len(sizes)), mode="edge")
+        cand[i] = sizes
+        gain[i] = np.asarray(c.hits(start[i] + sizes), dtype=np.float64) - float(c.hits(start[i]))
+    cost = cand * np.asarray(row_bytes, dtype=np.float64)[:, None]
+
+    def pick(price):
+        k = np.argmax(gain - price * cost, axis=1)
+        return k, cost[np.arange(T), k].sum()
+
+    k, spent = pick(0.0)
+    if spent <= budget:
+        return cand[np.arange(T), k].astype(np.int64).tolist()
+    lo, hi = 0.0, 1.0
+    while pick(hi)[1] > budget:
+        hi *= 4
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if pick(mid)[1] > budget:
+            lo = mid
+        else:
+            hi = mid
+    k, _ = pick(hi)
+    return cand[np.arange(T), k].astype(np.int64).tolist()
+
+
+# -- the analysis --------------------------------------------------------------------------------------
+@dataclass
+class CapacityConfig:
+    """What ``tierstore capacity`` computes (validated)."""
+
+    tables: tuple[str, ...] | None = None
+    shards_rate: float | None = None  # None: exact curves
+    compare_exact: bool = False  # with shards_rate: also the exact curve, and SHARDS's measured error
+    sizes: tuple[tuple[str, str], ...] = ()  # (hbm, ddr) per simulated point: rows, or "N%" of the working set
+    policies: tuple[str, ...] = ("lru", "lfu")
+    window: int = 16
+    belady: bool = True
+    hbm_target: float | None = None
+    hit_target: float | None = None
+    hbm_bytes: float | None = None
+    ddr_bytes: float | None = None
+    steps_per_s: float = 1.0
+    row_bytes: int | None = None  # overrides the trace's
+    seed: int = 0
+    progress: bool = False
+
+    def __post_init__(self):
+        if self.shards_rate is not None and not 0 < self.shards_rate <= 1:
+            raise ValueError(f"--shards rate must be in (0, 1], got {self.shards_rate}")
+        for name in ("hbm_target", "hit_target"):
+            v = getattr(self, name)
+            if v is not None and not 0 < v <= 1:
+                raise ValueError(f"{name} must be a hit ratio in (0, 1], got {v}")
+        if self.hbm_target and self.hit_target and self.hit_target < self.hbm_target:
+            raise ValueError(f"hit_target ({self.hit_target}) counts HBM and DDR hits, so it cannot be below hbm_target ({self.hbm_target})")
+        for name in ("hbm_bytes", "ddr_bytes"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
+        bad = [p for p in self.policies if p not in ("lru", "lfu", "lookahead")]
+        if bad:
+            raise ValueError(f"unknown policies {bad}; simulate lru, lfu or lookahead")
+        if not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window must be an int >= 1 (batches), got {self.window!r}")
+        if not self.steps_per_s > 0:
+            raise ValueError(f"steps_per_s must be > 0, got {self.steps_per_s}")
+        if self.row_bytes is not None and self.row_bytes <= 0:
+            raise ValueError(f"row_bytes must be > 0, got {self.row_bytes}")
+        for h, d in self.sizes:
+            _size_rows(h, 1)
+            _size_rows(d, 1)
+
+
+def _size_rows(spec, working_set: float) -> int:
+    s = str(spec).strip()
+    try:
+        if s.endswith("%"):
+            v = float(s[:-1])
+            if v < 0:
+                raise ValueError
+            return int(math.ceil(v / 100 * working_set))
+        v = int(s)
+        if v < 0:
+            raise ValueError
+        return v
+    except ValueError:
+        raise ValueError(f"a size must be rows (int >= 0) or a percentage of the working set like '5%', got {spec!r}") from None
+
+
+def analyze(trace: Trace, config: CapacityConfig | None = None) -> dict:
+    """The full report as a JSON-ready dict (see ``tierstore capacity --help``)."""
+    cfg = config or CapacityConfig()
+    names = list(cfg.tables) if cfg.tables else trace.table_names
+    for n in names:
+        trace.table_index(n)
+    n_steps = max(trace.n_steps, 1)
+    per_s = cfg.steps_per_s / n_steps  # multiply a whole-trace count by this for a rate per second
+    t0 = time.perf_counter()
+    need_streams = cfg.shards_rate is None or cfg.compare_exact or bool(cfg.policies) or cfg.belady
+    streams = build_streams(trace, names) if need_streams else None
+    report: dict = {
+        "trace": {"calls": trace.n_calls, "steps": trace.n_steps, "accesses": trace.n_accesses, "tables": len(names)},
+        "steps_per_s": cfg.steps_per_s,
+    }
+    exact = None
+    if cfg.shards_rate is None or cfg.compare_exact:
+        te = time.perf_counter()
+        dists = stack_distances(streams, cfg.progress)
+        exact = [LruCurve.from_distances(s, d) for s, d in zip(streams, dists)]
+        report["exact"] = {"seconds": time.perf_counter() - te,
+                           "accesses_per_s": trace.n_accesses / max(time.perf_counter() - te, 1e-9)}
+    curves = exact
+    if cfg.shards_rate is not None:
+        sh = shards_curves(trace, cfg.shards_rate, names, cfg.seed, progress=cfg.progress)
+        curves = sh.curves
+        report["shards"] = {"rate": sh.rate, "sampled_accesses": sh.sampled_accesses, "seconds": sh.seconds,
+                            "accesses_per_s": trace.n_accesses / max(sh.seconds, 1e-9),
+                            "expected_mae": dict(zip(names, sh.expected_mae))}
+        if exact is not None:
+            report["shards"]["measured_mae"] = {c.name: mean_abs_error(a, c) for a, c in zip(sh.curves, exact)}
+    report["method"] = "exact" if cfg.shards_rate is None else f"shards@{cfg.shards_rate:g}"
+    row_bytes = [_row_bytes(trace.tables[trace.table_index(n)], cfg.row_bytes) for n in names]
+
+    tables = []
+    for i, c in enumerate(curves):
+        grid = np.unique(np.concatenate([[0], np.geomspace(1, max(c.working_set, 1), 120).round()])).astype(np.int64)
+        ratios = c.hit_ratio(grid)
+        t = {
+            "name": c.name, "accesses": c.n_accesses, "uses": _num(c.n_uses), "calls": c.n_calls,
+            "working_set": _num(c.working_set), "uses_per_step": c.n_uses / n_steps,
+            "row_bytes": row_bytes[i], "max_hit_ratio": c.max_hit_ratio(),
+            "curve": {"rows": grid.tolist(), "hit_ratio": ratios.tolist()},
+            "reuse_histogram": c.reuse_histogram(),
+            "ssd_no_cache": _rate(c.n_uses, per_s, row_bytes[i]),
+        }
+        if exact is not None and exact is not curves:
+            t["exact_curve"] = {"rows": grid.tolist(), "hit_ratio": exact[i].hit_ratio(grid).tolist()}
+        tables.append(t)
+
+    # recommendations: targets per table, or a byte budget split across tables
+    recs = None
+    if cfg.hbm_target or cfg.hit_target:
+        recs = [rows_for_targets(c, cfg.hbm_target, cfg.hit_target) for c in curves]
+    if cfg.hbm_bytes is not None or cfg.ddr_bytes is not None:
+        h = split_budget(curves, row_bytes, cfg.hbm_bytes or 0)
+        d = split_budget(curves, row_bytes, cfg.ddr_bytes or 0, start=h)
+        recs = [{"hbm_rows": hi, "ddr_rows": di, "reachable": True, "max_hit_ratio": c.max_hit_ratio()}
+                for hi, di, c in zip(h, d, curves)]
+        report["budget"] = {"hbm_bytes": cfg.hbm_bytes or 0, "ddr_bytes": cfg.ddr_bytes or 0,
+                            "hbm_bytes_used": int(sum(x * b for x, b in zip(h, row_bytes))),
+                            "ddr_bytes_used": int(sum(x * b for x, b in zip(d, row_bytes)))}
+    if recs is not None:
+        for t, c, r, rb in zip(tables, curves, recs, row_bytes):
+            tiers = c.tiers(r["hbm_rows"], r["ddr_rows"])
+            r.update(_tier_summary(tiers, c.n_uses, per_s, rb))
+            r["hbm_bytes"], r["ddr_bytes"] = r["hbm_rows"] * rb, r["ddr_rows"] * rb
+            t["recommendation"] = r
+
+    # simulations at chosen sizes (default: the recommendation, else 1% / 10% of the working set)
+    if cfg.policies or cfg.belady:
+        for i, (t, c) in enumerate(zip(tables, curves)):
+            points = [(_size_rows(h, c.working_set), _size_rows(d, c.working_set)) for h, d in cfg.sizes]
+            if not points:
+                points = [(t["recommendation"]["hbm_rows"], t["recommendation"]["ddr_rows"])] if "recommendation" in t else \
+                    [(_size_rows("1%", c.working_set), _size_rows("10%", c.working_set))]
+            sims = []
+            for h, d in points:
+                for pol in cfg.policies:
+                    counts = simulate(streams[i], h, d, pol, cfg.window)
+                    hh, dh = counts.hbm_hits, counts.ddr_hits
+                    misses = streams[i].n_uses - hh - dh
+                    sims.append({"policy": pol if pol != "lookahead" else f"lookahead(window={cfg.window}, base=lru)",
+                                 "hbm_rows": h, "ddr_rows": d, "predicted": "simulated",
+                                 **_tier_summary({"hbm_hits": hh, "ddr_hits": dh, "misses": misses}, streams[i].n_uses, per_s, row_bytes[i])})
+                if cfg.belady:
+                    bh = belady_hits(streams[i], h)
+                    bt = belady_hits(streams[i], h + d)
+                    sims.append({"policy": "belady (bound)", "hbm_rows": h, "ddr_rows": d, "predicted": "simulated",
+                                 **_tier_summary({"hbm_hits": bh, "ddr_hits": bt - bh, "misses": streams[i].n_uses - bt},
+                                                 streams[i].n_uses, per_s, row_bytes[i])})
+            t["simulations"] = sims
+    report["tables"] = tables
+    report["total"] = _totals(tables, per_s)
+    report["seconds"] = time.perf_counter() - t0
+    return report
+
+
+def _row_bytes(table, override) -> int:
+    if override:
+        return int(override)
+    if table.row_bytes:
+        return int(table.row_bytes)
+    if table.dim:
+        return 4 * int(table.dim)
+    return DEFAULT_ROW_BYTES
+
+
+def _num(x):
+    return int(round(x)) if float(x).is_integer() else float(x)
+
+
+def _rate(rows: float, per_s: float, row_bytes: int) -> dict:
+    r = float(rows) * per_s
+    return {"rows_per_s": r, "mb_per_s": r * row_bytes / 1e6}
+
+
+def _tier_summary(tiers: dict, uses: float, per_s: float, row_bytes: int) -> dict:
+    uses = float(uses) or 1.0
+    hh, dh, m = (float(tiers[k]) for k in ("hbm_hits", "ddr_hits", "misses"))
+    out = {"hbm_hits": _num(hh), "ddr_hits": _num(dh), "misses": _num(m),
+           "hbm_hit_ratio": hh / uses, "hit_ratio": (hh + dh) / uses}
+    out["ssd"] = _rate(m, per_s, row_bytes)
+    return out
+
+
+def _totals(tables: list[dict], per_s: float) -> dict:
+    out = {"accesses": sum(t["accesses"] for t in tables), "uses": sum(t["uses"] for t in tables),
+           "working_set_rows": sum(t["working_set"] for t in tables),
+           "working_set_bytes": sum(t["working_set"] * t["row_bytes"] for t in tables),
+           "ssd_no_cache": {k: sum(t["ssd_no_cache"][k] for t in tables) for k in ("rows_per_s", "mb_per_s")}}
+    if tables and all("recommendation" in t for t in tables):
+        r = [t["recommendation"] for t in tables]
+        uses = out["uses"] or 1
+        out["recommendation"] = {
+            "hbm_rows": sum(x["hbm_rows"] for x in r), "ddr_rows": sum(x["ddr_rows"] for x in r),
+            "hbm_bytes": sum(x["hbm_bytes"] for x in r), "ddr_bytes": sum(x["ddr_bytes"] for x in r),
+            "hbm_hit_ratio": sum(x["hbm_hits"] for x in r) / uses,
+            "hit_ratio": sum(x["hbm_hits"] + x["ddr_hits"] for x in r) / uses,
+            "ssd": {k: sum(x["ssd"][k] for x in r) for k in ("rows_per_s", "mb_per_s")},
+        }
+    return out
+
+
+# -- output -----------------------------------------------------------------------------------------------
+def format_report(report: dict) -> str:
+    """A terminal table per section."""
+    lines = []
+    tr = report["trace"]
+    lines.append(f"trace: {tr['accesses']:,} accesses, {tr['calls']:,} calls, {tr['steps']:,} steps, {tr['tables']} tables; "
+                 f"curves: {report['method']}; rates at {report['steps_per_s']:g} steps/s")
+    if "exact" in report:
+        lines.append(f"exact LRU curve: {report['exact']['seconds']:.2f} s ({report['exact']['accesses_per_s'] / 1e6:.1f}M accesses/s)")
+    if "shards" in report:
+        s = report["shards"]
+        mae = [v for v in s["expected_mae"].values() if v == v]
+        line = (f"SHARDS rate {s['rate']:g}: {s['sampled_accesses']:,} sampled accesses, {s['seconds']:.2f} s "
+                f"({s['accesses_per_s'] / 1e6:.1f}M accesses/s); expected MAE of the miss ratio ~{max(mae) if mae else float('nan'):.4f}")
+        if "measured_mae" in s:
+            line += f", measured {max(s['measured_mae'].values()):.4f} (worst table)"
+        lines.append(line)
+    lines.append("")
+    head = ["table", "accesses", "uses/step", "working set", "max hit", "hit@1%", "hit@10%", "SSD MB/s no cache"]
+    rows = []
+    for t in report["tables"]:
+        rows_grid, ratio = np.array(t["curve"]["rows"]), np.array(t["curve"]["hit_ratio"])
+        at = lambda f: float(np.interp(f * t["working_set"], rows_grid, ratio))  # noqa: E731
+        rows.append([t["name"], f"{t['accesses']:,}", f"{t['uses_per_step']:,.0f}", f"{_fmt(t['working_set'])} rows",
+                     f"{t['max_hit_ratio']:.3f}", f"{at(0.01):.3f}", f"{at(0.10):.3f}", f"{t['ssd_no_cache']['mb_per_s']:,.1f}"])
+    lines += _table(head, rows)
+    if any("recommendation" in t for t in report["tables"]):
+        lines.append("")
+        lines.append("recommendation (LRU" + (", byte budget split" if "budget" in report else ", targets") + "):")
+        head = ["table", "HBM rows", "DDR rows", "HBM hit", "hit", "SSD rows/s", "SSD MB/s", "note"]
+        rows = []
+        for t in report["tables"]:
+            r = t.get("recommendation")
+            if r:
+                rows.append([t["name"], f"{r['hbm_rows']:,}", f"{r['ddr_rows']:,}", f"{r['hbm_hit_ratio']:.3f}", f"{r['hit_ratio']:.3f}",
+                             f"{r['ssd']['rows_per_s']:,.0f}", f"{r['ssd']['mb_per_s']:,.1f}",
+                             "" if r["reachable"] else f"target unreachable (max {r['max_hit_ratio']:.3f}: first touches)"])
+        tot = report["total"].get("recommendation")
+        if tot:
+            rows.append(["TOTAL", f"{tot['hbm_rows']:,}", f"{tot['ddr_rows']:,}", f"{tot['hbm_hit_ratio']:.3f}", f"{tot['hit_ratio']:.3f}",
+                         f"{tot['ssd']['rows_per_s']:,.0f}", f"{tot['ssd']['mb_per_s']:,.1f}",
+                         f"{_fmt_bytes(tot['hbm_bytes'])} HBM + {_fmt_bytes(tot['ddr_bytes'])} DDR"])
+        lines += _table(head, rows)
+    if any("simulations" in t for t in report["tables"]):
+        lines.append("")
+        lines.append("simulated at chosen sizes (hits counted as the store counts them):")
+        head = ["table", "policy", "HBM rows", "DDR rows", "HBM hit", "hit", "SSD MB/s"]
+        rows = []
+        for t in report["tables"]:
+            for s in t.get("simulations", []):
+                rows.append([t["name"], s["policy"], f"{s['hbm_rows']:,}", f"{s['ddr_rows']:,}", f"{s['hbm_hit_ratio']:.3f}",
+                             f"{s['hit_ratio']:.3f}", f"{s['ssd']['mb_per_s']:,.1f}"])
+        lines += _table(head, rows)
+    tot = report["total"]
+    lines.append("")
+    lines.append(f"total: working set {_fmt(tot['working_set_rows'])} rows ({_fmt_bytes(tot['working_set_bytes'])}); "
+                 f"SSD demand with no cache {tot['ssd_no_cache']['mb_per_s']:,.1f} MB/s")
+    return "\n".join(lines)
+
+
+def _table(head, rows) -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)] if rows else [len(h) for h in head]
+    fmt = lambda r: "  ".join(str(x).rjust(w) if i else str(x).ljust(w) for i, (x, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+
+
+def _fmt(x) -> str:
+    return f"{x:,.0f}"
+
+
+def _fmt_bytes(b) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(b) < 1000 or unit == "TB":
+            return f"{b:,.1f} {unit}"
+        b /= 1000
+
+
+def plot_report(report: dict, out_dir: str | Path) -> list[Path]:
+    """PNG plots: the miss-ratio curves and the SSD bandwidth per table."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("--plot needs matplotlib: pip install 'tierstore[plot]'") from None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    tables = report["tables"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for t in tables[:20]:
+        rows = np.maximum(np.array(t["curve"]["rows"]), 1)
+        ax.plot(rows, 1 - np.array(t["curve"]["hit_ratio"]), label=t["name"])
+        if "exact_curve" in t:
+            ax.plot(rows, 1 - np.array(t["exact_curve"]["hit_ratio"]), "k:", lw=0.8)
+        for s in t.get("simulations", []):
+            ax.plot(max(s["hbm_rows"] + s["ddr_rows"], 1), 1 - s["hit_ratio"], "x" if "belady" in s["policy"] else "o",
+                    color=ax.lines[-1].get_color(), ms=4)
+    ax.set_xscale("log")
+    ax.set_xlabel("cache rows (HBM + DDR)")
+    ax.set_ylabel("miss ratio (LRU; o simulated policies, x Belady)")
+    ax.set_title(f"miss-ratio curves ({report['method']})")
+    if len(tables) <= 20:
+        ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    files.append(out / "miss_ratio.png")
+    fig.savefig(files[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = [t["name"] for t in tables]
+    x = np.arange(len(names))
+    ax.bar(x - 0.2, [t["ssd_no_cache"]["mb_per_s"] for t in tables], 0.4, label="no cache")
+    if all("recommendation" in t for t in tables):
+        ax.bar(x + 0.2, [t["recommendation"]["ssd"]["mb_per_s"] for t in tables], 0.4, label="recommended tiers")
+    ax.set_xticks(x, names, rotation=90 if len(names) > 10 else 0, fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel(f"SSD reads, MB/s at {report['steps_per_s']:g} steps/s")
+    ax.legend()
+    files.append(out / "ssd_bandwidth.png")
+    fig.savefig(files[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return files
+
+
+def to_json(report: dict) -> str:
+    return json.dumps(report, indent=1, default=lambda o: o.item() if hasattr(o, "item") else str(o))
+
+
+class _NoBar:
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="use" if "distance" in desc else "id", unit_scale=True, file=sys.stderr, leave=False)
+
+
+# -- benchmark ---------------------------------------------------------------------------------------------
+def bench(args) -> None:
+    """``tierstore bench capacity``: exact LRU and SHARDS speed on a Zipf trace, against
+    a plain-Python LRU simulation of one size on a prefix of the same trace."""
+    from collections import OrderedDict
+
+    from tierstore.tools.bench import report as bench_report
+    from tierstore.tools.synth import SynthConfig, synth
+
+    accesses = int(getattr(args, "accesses", 0) or 10_000_000)
+    batch = int(getattr(args, "batch", 65_536))
+    rows = max(int(getattr(args, "rows", 1_000_000)), 10 * 1_000_000) if not getattr(args, "accesses", 0) else int(args.rows)
+    steps = max(accesses // batch, 1)
+    cfg = SynthConfig(tables=(("t0", rows),), alpha=1.05, batch_size=batch, pooling=1, steps=steps, seed=int(getattr(args, "seed", 0)))
+    trace = synth(cfg)
+    # baseline: an OrderedDict LRU (one size), per id, on the first 1M accesses
+    n_base = min(1_000_000, trace.n_accesses)
+    ids = trace.ids[:n_base].tolist()
+    t0 = time.perf_counter()
+    lru, cap, hits = OrderedDict(), rows // 100, 0
+    for x in ids:
+        if x in lru:
+            hits += 1
+            lru.move_to_end(x)
+        else:
+            lru[x] = None
+            if len(lru) > cap:
+                lru.popitem(last=False)
+    base = n_base / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    lru_curves(trace)
+    exact = trace.n_accesses / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    shards_curves(trace, 0.01, estimate_error=False)
+    fast = trace.n_accesses / (time.perf_counter() - t0)
+    bench_report(
+        "capacity: miss-ratio curves of a Zipf trace",
+        {"accesses": f"{trace.n_accesses:,}", "rows": f"{rows:,}", "alpha": 1.05, "batch": batch},
+        [("plain-Python LRU, one size", f"{base / 1e6:.2f}M accesses/s"),
+         ("exact LRU curve, every size", f"{exact / 1e6:.2f}M accesses/s (goal >= 2M)"),
+         ("SHARDS rate 0.01", f"{fast / 1e6:.2f}M accesses/s (goal >= 20M)")],
+        "exact curve vs one-size Python LRU", exact / base, ">= 1x, while giving every size at once",
+    )

@@ -1,0 +1,252 @@
+"""``tierstore trace ...`` (synth, convert, info, calibrate) and ``tierstore capacity``."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_STATS_DIR = Path("../shared/data/dlrm_datasets")
+
+
+def register(sub) -> None:
+    _register_trace(sub)
+    _register_capacity(sub)
+
+
+def _cli(fn):
+    """Bad input ends the command with its message (which names the fix), not a traceback."""
+
+    def run(args) -> int:
+        try:
+            return fn(args)
+        except (ValueError, TypeError, KeyError, IndexError, FileNotFoundError, ImportError) as e:
+            msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+            print(f"tierstore: error: {msg}", file=sys.stderr)
+            return 2
+
+    run.__name__ = fn.__name__
+    return run
+
+
+# -- tierstore trace ---------------------------------------------------------------------------------
+def _register_trace(sub) -> None:
+    p = sub.add_parser("trace", help="make, convert and inspect access traces (see tierstore.trace for the format)")
+    verbs = p.add_subparsers(dest="trace_command", metavar="VERB")
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+    s = verbs.add_parser("synth", help="a synthetic trace: Zipf popularity per table, optionally drifting")
+    s.add_argument("out", help="output: a directory, or a file ending in .npz")
+    s.add_argument("--table", action="append", default=[], metavar="NAME:ROWS[:ALPHA[:POOLING]]",
+                   help="a table (repeatable); default: --tables tables of --rows rows")
+    s.add_argument("--tables", type=int, default=1, help="number of tables t0.. when no --table is given")
+    s.add_argument("--rows", type=int, default=1_000_000, help="rows per table when no --table is given")
+    s.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent (default 1.05)")
+    s.add_argument("--batch-size", type=int, default=2048, help="samples per step")
+    s.add_argument("--pooling", type=float, default=16.0, help="ids per sample per table (a call reads batch*pooling ids)")
+    s.add_argument("--steps", type=int, default=100)
+    s.add_argument("--drift", type=float, default=0.0, help="rows every popularity rank moves per step (temporal locality)")
+    s.add_argument("--dim", type=int, default=64, help="embedding dim recorded in the trace (for bandwidth)")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=_cli(_synth))
+
+    c = verbs.add_parser("convert", help="convert dlrm_datasets .pt files or a CSV (step,table,id) into a trace")
+    c.add_argument("inputs", nargs="+", help="fbgemm_t*_bs*.pt files (one batch each) or one .csv file")
+    c.add_argument("-o", "--out", required=True, help="output: a directory, or a file ending in .npz")
+    c.add_argument("--from", dest="fmt", choices=("auto", "dlrm", "csv"), default="auto")
+    c.add_argument("--batch-size", type=int, default=None, help="dlrm: split each file's batch into steps of this many samples")
+    c.add_argument("--dim", type=int, default=None, help="embedding dim to record (for bandwidth)")
+    c.set_defaults(func=_cli(_convert))
+
+    i = verbs.add_parser("info", help="summary of a trace")
+    i.add_argument("trace")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=_cli(_info))
+
+    k = verbs.add_parser("calibrate", help="fit synth's alpha and rows to dlrm_datasets per-batch reuse histograms")
+    k.add_argument("stats", nargs="*", help=f"*_locality_stats.txt files (default: {DEFAULT_STATS_DIR}/*_locality_stats.txt)")
+    k.add_argument("--section", type=int, default=0, help="which report in each file (default 0, the first)")
+    k.add_argument("--ids-per-table", type=int, default=None, help="ids per table and batch (default: from the stats)")
+    k.add_argument("--quick", action="store_true", help="a coarse grid (seconds instead of a minute)")
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(func=_cli(_calibrate))
+
+
+def _parse_tables(args):
+    from tierstore.tools.synth import SynthTable
+
+    if not args.table:
+        return tuple(SynthTable(f"t{i}", args.rows) for i in range(args.tables))
+    out = []
+    for spec in args.table:
+        parts = spec.split(":")
+        if not 2 <= len(parts) <= 4:
+            raise ValueError(f"--table {spec!r}: expected NAME:ROWS[:ALPHA[:POOLING]], e.g. user:1000000:1.1:8")
+        try:
+            out.append(SynthTable(parts[0], int(parts[1]), float(parts[2]) if len(parts) > 2 and parts[2] else None,
+                                  float(parts[3]) if len(parts) > 3 and parts[3] else None))
+        except ValueError:
+            raise ValueError(f"--table {spec!r}: ROWS must be an int, ALPHA and POOLING numbers") from None
+    return tuple(out)
+
+
+def _synth(args) -> int:
+    from tierstore.tools.synth import SynthConfig, synth
+
+    cfg = SynthConfig(_parse_tables(args), args.alpha, args.batch_size, args.pooling, args.steps, args.drift, args.dim, args.seed)
+    trace = synth(cfg)
+    path = trace.save(args.out)
+    print(f"wrote {path}: {trace.n_accesses:,} accesses, {trace.n_calls:,} calls, {trace.n_steps:,} steps, {len(trace.tables)} tables")
+    return 0
+
+
+def _convert(args) -> int:
+    from tierstore.trace import from_csv, from_dlrm
+
+    fmt = args.fmt
+    if fmt == "auto":
+        exts = {"csv" if str(f).endswith(".csv") else "dlrm" if re.search(r"\.pt(\.gz)?$", str(f)) else "?" for f in args.inputs}
+        if len(exts) != 1 or "?" in exts:
+            raise ValueError(f"cannot tell the input format of {args.inputs}; pass --from dlrm or --from csv")
+        fmt = exts.pop()
+    if fmt == "csv":
+        if len(args.inputs) != 1:
+            raise ValueError("--from csv takes one CSV file")
+        trace = from_csv(args.inputs[0], dim=args.dim)
+    else:
+        trace = from_dlrm(args.inputs, batch_size=args.batch_size, dim=args.dim)
+    path = trace.save(args.out)
+    print(f"wrote {path}: {trace.n_accesses:,} accesses, {trace.n_calls:,} calls, {trace.n_steps:,} steps, {len(trace.tables)} tables")
+    return 0
+
+
+def _info(args) -> int:
+    from tierstore.trace import Trace
+
+    trace = Trace.load(args.trace)
+    per = np.bincount(trace.call_table, weights=np.diff(trace.offsets), minlength=len(trace.tables)).astype(np.int64)
+    calls = np.bincount(trace.call_table, minlength=len(trace.tables))
+    info = {"accesses": trace.n_accesses, "calls": trace.n_calls, "steps": trace.n_steps, "complete": trace.complete,
+            "tables": [{**t.to_json(), "accesses": int(a), "calls": int(c)} for t, a, c in zip(trace.tables, per, calls)]}
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(f"{args.trace}: {trace.n_accesses:,} accesses, {trace.n_calls:,} calls, {trace.n_steps:,} steps"
+          + ("" if trace.complete else " (incomplete: the recorder was not closed)"))
+    for t in info["tables"]:
+        print(f"  {t['name']}: {t['accesses']:,} accesses in {t['calls']:,} calls, num_rows={t['num_rows']}, row_bytes={t['row_bytes']}")
+    return 0
+
+
+def _calibrate(args) -> int:
+    from tierstore.tools.synth import BUCKET_EDGES, calibrate, parse_locality_stats
+
+    files = [Path(f) for f in args.stats] or sorted(DEFAULT_STATS_DIR.glob("*_locality_stats.txt"))
+    if not files:
+        raise FileNotFoundError(f"no locality stats given and none in {DEFAULT_STATS_DIR}; pass the *_locality_stats.txt files")
+    grid = {}
+    if args.quick:
+        grid = {"alphas": [0.7, 0.9, 1.1, 1.3], "rows": [int(x) for x in np.geomspace(1e5, 1e8, 4)]}
+    results = []
+    for f in files:
+        sections = parse_locality_stats(f)
+        if not 0 <= args.section < len(sections):
+            raise IndexError(f"{f} has {len(sections)} reports; --section must be in 0..{len(sections) - 1}")
+        target = sections[args.section]
+        cal = calibrate(target, ids_per_table=args.ids_per_table, seed=args.seed, **grid)
+        results.append((f, cal))
+    if args.json:
+        print(json.dumps([{"file": str(f), "section": c.target.name, **c.as_dict()} for f, c in results], indent=1))
+        return 0
+    labels = [f"({a},{b}]" for a, b in zip(BUCKET_EDGES[:-1], BUCKET_EDGES[1:])] + [f"{BUCKET_EDGES[-1]}+"]
+    for f, c in results:
+        print(f"{f.name} [{c.target.name}]: {c.ids_per_table:,} ids per table and batch")
+        print(f"  best fit: alpha={c.alpha:g}, rows={c.rows:,}; total variation distance: distinct-rows histogram "
+              f"{c.rows_tv:.3f}, ids histogram {c.index_tv:.3f}; ids per distinct row {c.mean_reuse:.1f} "
+              f"(target {c.target.indices / c.target.unique:.1f})")
+        print(f"  {'accesses':>14}  {'rows: target':>12}  {'synthetic':>9}  {'ids: target':>11}  {'synthetic':>9}")
+        for i, lab in enumerate(labels):
+            print(f"  {lab:>14}  {c.target.rows_hist[i]:12.3f}  {c.synthetic_rows_hist[i]:9.3f}  "
+                  f"{c.target.index_hist[i]:11.3f}  {c.synthetic_index_hist[i]:9.3f}")
+        print(f"  reproduce: tierstore trace synth OUT --rows {c.rows} --alpha {c.alpha:g} "
+              f"--batch-size {c.target.batch_size} --pooling {c.ids_per_table / c.target.batch_size:.3g}")
+    return 0
+
+
+# -- tierstore capacity ---------------------------------------------------------------------------------
+def _register_capacity(sub) -> None:
+    p = sub.add_parser(
+        "capacity",
+        help="miss-ratio curves, tier sizing and SSD bandwidth of a trace",
+        description="Exact LRU miss-ratio curves (stack distances under the store's batch semantics), SHARDS for long "
+                    "traces, LFU/lookahead simulated and Belady's bound at chosen sizes, and the HBM/DDR rows per table "
+                    "that reach target hit rates or best split a byte budget, with the SSD read rate they leave.",
+    )
+    p.add_argument("trace", help="a trace directory or .npz (tierstore trace synth/convert, or TieredStore(record_trace=))")
+    p.add_argument("--tables", default=None, help="comma-separated tables to analyse (default: all)")
+    p.add_argument("--shards", type=float, default=None, metavar="RATE", help="approximate the curves by SHARDS at this sampling rate (e.g. 0.01)")
+    p.add_argument("--compare", action="store_true", help="with --shards: compute the exact curves too and report SHARDS's measured error")
+    p.add_argument("--hbm-hit", type=float, default=None, help="target HBM hit ratio per table (recommend HBM rows)")
+    p.add_argument("--hit", type=float, default=None, help="target cache (HBM + DDR) hit ratio per table (recommend DDR rows)")
+    p.add_argument("--hbm-bytes", default=None, help="HBM budget to split across tables, e.g. 16G or 16GiB")
+    p.add_argument("--ddr-bytes", default=None, help="DDR budget to split across tables, e.g. 256G")
+    p.add_argument("--sizes", action="append", default=[], metavar="HBM:DDR",
+                   help="simulate at these tier sizes per table, rows or %% of the working set, e.g. 10000:100000 or 1%%:10%% (repeatable; default: the recommendation, else 1%%:10%%)")
+    p.add_argument("--policies", default="lru,lfu", help="policies to simulate at those sizes: lru, lfu, lookahead (default lru,lfu; '' for none)")
+    p.add_argument("--window", type=int, default=16, help="lookahead window in batches (default 16)")
+    p.add_argument("--no-belady", action="store_true", help="skip Belady's bound")
+    p.add_argument("--steps-per-s", type=float, default=1.0, help="training steps per second, for SSD rates (default 1)")
+    p.add_argument("--row-bytes", type=int, default=None, help="bytes per row on SSD (default: from the trace, else 512)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots there (needs pip install 'tierstore[plot]')")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bars (default: on a terminal, for long traces)")
+    p.add_argument("--seed", type=int, default=0, help="SHARDS hash seed")
+    p.set_defaults(func=_cli(_capacity))
+
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(text: str | None) -> float | None:
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]i?)?b?\s*", str(text).lower())
+    if not m:
+        raise ValueError(f"cannot read {text!r} as bytes; write e.g. 16G, 16GiB or 17179869184")
+    return float(m.group(1)) * _UNITS[m.group(2) or ""]
+
+
+def _capacity(args) -> int:
+    from tierstore.tools.capacity import CapacityConfig, analyze, format_report, plot_report, to_json
+    from tierstore.trace import Trace
+
+    trace = Trace.load(args.trace)
+    sizes = []
+    for s in args.sizes:
+        parts = s.split(":")
+        if len(parts) != 2:
+            raise ValueError(f"--sizes {s!r}: expected HBM:DDR, e.g. 10000:100000 or 1%:10%")
+        sizes.append((parts[0], parts[1]))
+    progress = args.progress if args.progress is not None else (sys.stderr.isatty() and trace.n_accesses > 5_000_000)
+    cfg = CapacityConfig(
+        tables=tuple(t.strip() for t in args.tables.split(",")) if args.tables else None,
+        shards_rate=args.shards, compare_exact=args.compare, sizes=tuple(sizes),
+        policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()), window=args.window,
+        belady=not args.no_belady, hbm_target=args.hbm_hit, hit_target=args.hit,
+        hbm_bytes=parse_bytes(args.hbm_bytes), ddr_bytes=parse_bytes(args.ddr_bytes),
+        steps_per_s=args.steps_per_s, row_bytes=args.row_bytes, seed=args.seed, progress=progress,
+    )
+    if args.compare and args.shards is None:
+        raise ValueError("--compare compares SHARDS with the exact curve; pass --shards RATE too")
+    report = analyze(trace, cfg)
+    if args.plot:
+        files = plot_report(report, args.plot)
+        report["plots"] = [str(f) for f in files]
+    print(to_json(report) if args.json else format_report(report))
+    if args.plot and not args.json:
+        print(f"plots: {', '.join(report['plots'])}")
+    return 0
