@@ -67,6 +67,7 @@ class PrefetchTicket:
         self._error = error
         self._done = threading.Event()
         self._released = False
+        self.owned = False  # a LookaheadLoader delivers its failure at its batch
         self.rows_fetched = 0
         if error is not None or prefetcher is None:
             self._done.set()
@@ -271,10 +272,15 @@ class Prefetcher:
         self._write_seq += 1
 
     def check(self, table: str) -> None:
-        """Raise a background failure of this table that nobody waited for."""
-        pending = self._undelivered.get(table)
+        """Raise a background failure of this table that nobody waited for, once
+        no earlier announced batch of the table is still pending. Tickets a
+        LookaheadLoader owns are left to it: it raises them when their batch is due."""
+        pending = [t for t in self._undelivered.get(table, ()) if not t.owned]
         if pending:
-            pending[0].wait()
+            failed = min(pending, key=lambda t: t.step)
+            queue = self._outstanding.get(table, ())
+            if not any(t.step < failed.step and not t._released for t in queue):
+                failed.wait()
 
     def consumed(self, table: str, ids: torch.Tensor) -> None:
         """A read used these ids: release the oldest outstanding tickets it covers."""
@@ -395,7 +401,10 @@ class LookaheadLoader:
             # room is checked for all tables first: a batch is prefetched whole or not yet
             if any(pre.room(t) < len(torch.unique(ids)) for t, ids in reads.items() if t in self.store._tables):
                 return None
-            return PrefetchGroup(self.store.prefetch(t, ids) for t, ids in reads.items())
+            group = PrefetchGroup(self.store.prefetch(t, ids) for t, ids in reads.items())
+            for ticket in group.tickets:
+                ticket.owned = True
+            return group
 
     def __iter__(self) -> Iterator:
         it = iter(self.batches)
@@ -422,11 +431,13 @@ class LookaheadLoader:
                         self.shrunk_steps += 1
                     self._report()
                 batch, group = ahead.popleft()
-                if group is not None:
-                    group.wait()
-                yield batch
-                if group is not None:
-                    group.release()
+                try:
+                    if group is not None:
+                        group.wait()
+                    yield batch
+                finally:
+                    if group is not None:
+                        group.release()
         finally:
             for _, group in ahead:
                 if group is not None:

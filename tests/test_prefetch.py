@@ -1,0 +1,242 @@
+"""Prefetch: no stale data under races, errors at the step they concern, no leaks,
+bit-identical training whatever the depth, and a window that shrinks instead of deadlocking."""
+import random
+import threading
+import time
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+
+import tierstore
+from tierstore import TableSpec, TieredStore
+from tierstore.prefetch import LookaheadLoader, PrefetchConfig, PrefetchError
+
+
+def slow_reads(monkeypatch, store, delay=lambda: random.uniform(0, 0.004), fail=None):
+    """Delay reads made by prefetch threads (main-thread reads stay fast); optionally fail some."""
+    real = store._backend.get_rows
+
+    def get_rows(table, ids, out):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(delay())
+            if fail is not None and fail(ids):
+                raise lmdb.ReadersFullError("injected LMDB failure")
+        return real(table, ids, out)
+
+    monkeypatch.setattr(store._backend, "get_rows", get_rows)
+
+
+def no_prefetch_threads():
+    return not [t for t in threading.enumerate() if t.name.startswith("tierstore-prefetch")]
+
+
+@pytest.mark.parametrize("eviction", ["policy", "lookahead"])
+def test_prefetch_racing_with_reads_writes_evictions_never_serves_stale_rows(tmp_path, monkeypatch, eviction):
+    random.seed(1)
+    rng = np.random.default_rng(1)
+    n = 400
+    store = TieredStore(tmp_path, [TableSpec("t", n, 4, state_dim=1)], hbm_rows=16, ddr_rows=40, device="cpu",
+                        eviction=eviction, prefetch=PrefetchConfig(workers=4, staged_rows=120))
+    slow_reads(monkeypatch, store)
+    model = np.zeros((n, 5), dtype=np.float32)
+    tickets = []
+    try:
+        for step in range(400):
+            op = rng.integers(0, 6)
+            ids = rng.choice(n, rng.integers(1, 30))
+            if op == 0:
+                tickets.append(store.prefetch("t", ids))
+            elif op in (1, 2):
+                got = store.read("t", ids, with_state=True)
+                assert torch.equal(got, torch.from_numpy(model[ids])), f"stale row at step {step}"
+            elif op == 3:
+                vals = rng.standard_normal((len(ids), 5)).astype(np.float32)
+                store.write("t", ids, vals, with_state=True)
+                _, last = np.unique(ids[::-1], return_index=True)
+                uniq = np.unique(ids)
+                model[uniq] = vals[::-1][last]
+            elif op == 4:
+                store.flush()
+            elif tickets:
+                tickets.pop(random.randrange(len(tickets))).release()
+        for t in tickets:
+            t.wait()
+        assert torch.equal(store.read("t", np.arange(n), with_state=True), torch.from_numpy(model))
+        assert store.prefetch_stats()["tables"]["t"]["served_rows"] > 0  # the race was real
+    finally:
+        store.close()
+    assert no_prefetch_threads()
+
+
+def make_bag(path, **kw):
+    return tierstore.TieredEmbeddingBag(
+        2000, 8, mode="sum", path=path, optimizer=tierstore.optim.Adagrad(lr=0.1),
+        init=tierstore.RowInit.normal(0, 0.1, seed=3), device="cpu", **kw,
+    )
+
+
+def batches(count=30, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = (torch.rand(64, generator=g) ** 3 * 2000).long()
+        out.append((ids, torch.arange(0, 64, 4)))
+    return out
+
+
+def train(emb, loader):
+    for ids, offsets in loader:
+        emb(ids, offsets).pow(2).sum().backward()
+
+
+def test_training_is_bit_identical_for_depth_0_1_8(tmp_path, monkeypatch):
+    final = {}
+    for depth in (0, 1, 8):
+        emb = make_bag(tmp_path / f"d{depth}", hbm_rows=16, ddr_rows=64)
+        slow_reads(monkeypatch, emb.store)
+        train(emb, LookaheadLoader(batches(), emb, depth=depth))
+        final[depth] = emb.store.read(emb.table, torch.arange(2000), with_state=True)
+        assert emb.store.prefetch_stats()["staged_rows"] == 0
+        if depth:
+            assert emb.store.prefetch_stats()["tables"][emb.table]["served_rows"] > 0
+        emb.close()
+    assert torch.equal(final[0], final[1]) and torch.equal(final[0], final[8])
+
+
+def test_bad_id_in_a_future_batch_is_raised_at_its_step(tmp_path):
+    emb = make_bag(tmp_path, ddr_rows=64)
+    data = batches(10)
+    data[6] = (torch.tensor([1, 5000, 3, 4]), torch.tensor([0, 2]))
+    seen = []
+    with pytest.raises(PrefetchError, match="5000") as info:
+        for i, (ids, offsets) in enumerate(LookaheadLoader(data, emb, depth=4)):
+            seen.append(i)
+            emb(ids, offsets).sum().backward()
+    assert seen == [0, 1, 2, 3, 4, 5]
+    assert isinstance(info.value.__cause__, IndexError)
+    assert emb.store.prefetch_stats()["outstanding"] == 0
+    emb.close()
+
+
+def test_background_lmdb_failure_is_raised_at_its_step(tmp_path, monkeypatch):
+    emb = make_bag(tmp_path, ddr_rows=64)
+    data = batches(12)
+    poisoned = max(set(range(2000)) - set(torch.cat([ids for ids, _ in data]).tolist()))  # in batch 7 only
+    data[7] = (torch.tensor([poisoned, 2, 3, 4]), torch.tensor([0, 2]))
+    slow_reads(monkeypatch, emb.store, delay=lambda: 0.001, fail=lambda ids: poisoned in ids)
+    seen = []
+    with pytest.raises(PrefetchError, match="injected LMDB failure"):
+        for i, (ids, offsets) in enumerate(LookaheadLoader(data, emb, depth=3)):
+            seen.append(i)
+            emb(ids, offsets).sum().backward()
+    assert seen == list(range(7))
+    emb.close()
+
+
+def test_unwaited_background_failure_surfaces_at_the_next_read(tmp_path, monkeypatch):
+    with TieredStore(tmp_path, [TableSpec("t", 100, 2)], ddr_rows=10, device="cpu") as s:
+        slow_reads(monkeypatch, s, delay=lambda: 0, fail=lambda ids: True)
+        ticket = s.prefetch("t", [1, 2, 3])
+        while not ticket.done():
+            time.sleep(0.001)
+        with pytest.raises(PrefetchError, match="injected"):
+            s.read("t", [7])
+        assert s.read("t", [7]).shape == (1, 2)  # delivered once
+
+
+@pytest.mark.parametrize("how", ["end", "break", "raise", "forward_only"])
+def test_nothing_leaks_however_the_loop_ends(tmp_path, monkeypatch, how):
+    emb = make_bag(tmp_path, hbm_rows=8, ddr_rows=32)
+    slow_reads(monkeypatch, emb.store, delay=lambda: 0.002)
+    try:
+        for i, (ids, offsets) in enumerate(LookaheadLoader(batches(12), emb, depth=4)):
+            out = emb(ids, offsets)
+            if how == "forward_only":
+                continue
+            out.sum().backward()
+            if i == 3 and how == "break":
+                break
+            if i == 3 and how == "raise":
+                raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    # fetches in flight may still land: they must unpin themselves
+    deadline = time.time() + 10
+    while emb.store.prefetch_stats()["inflight"] and time.time() < deadline:
+        time.sleep(0.01)
+    state = emb.store.prefetch_stats()
+    assert (state["inflight"], state["staged_rows"], state["window_batches"], state["outstanding"]) == (0, 0, 0, 0), state
+    emb.close()
+    assert no_prefetch_threads()
+
+
+def test_window_larger_than_staging_shrinks_instead_of_deadlocking(tmp_path):
+    emb = tierstore.TieredEmbeddingBag(
+        10_000, 4, mode="sum", path=tmp_path, optimizer=tierstore.optim.SGD(lr=0.1), device="cpu",
+        ddr_rows=64,
+    )
+    emb.store._prefetcher._config.staged_rows = 100  # room for about two batches
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randperm(10_000, generator=g)[:40], torch.tensor([0, 20])) for _ in range(20)]
+    loader = LookaheadLoader(data, emb, depth=8)
+    depths = []
+    for ids, offsets in loader:
+        depths.append(loader.effective_depth)
+        emb(ids, offsets).sum().backward()
+    assert len(depths) == 20
+    assert max(depths) < 8 and max(depths) >= 1
+    assert loader.shrunk_steps > 0
+    assert emb.store.prefetch_stats()["tables"][emb.table]["shrunk_steps"] == loader.shrunk_steps
+    emb.close()
+
+
+def test_cold_reads_spread_over_the_pool(tmp_path, monkeypatch):
+    with TieredStore(tmp_path, [TableSpec("t", 50_000, 2)], ddr_rows=50_000, device="cpu",
+                     prefetch=PrefetchConfig(workers=4)) as s:
+        names = set()
+        real = s._backend.get_rows
+
+        def get_rows(table, ids, out):
+            names.add(threading.current_thread().name)
+            time.sleep(0.01)
+            return real(table, ids, out)
+
+        monkeypatch.setattr(s._backend, "get_rows", get_rows)
+        s.prefetch("t", np.arange(40_000)).wait()
+        assert len(names) == 4
+
+
+def residents_after(tmp_path, eviction, announce):
+    """DDR of 3 holding 1, 2, 3 (1 least recent), batches `announce` announced, then a read of 4."""
+    with TieredStore(tmp_path / f"{eviction}{announce}", [TableSpec("t", 100, 2)], ddr_rows=3, device="cpu", eviction=eviction) as s:
+        for x in (1, 2, 3):
+            s.read("t", [x])
+        tickets = [s.prefetch("t", ids) for ids in announce]
+        s.read("t", [4])
+        resident = set(s._tables["t"].ddr.ids.tolist())
+        for t in tickets:
+            t.release()
+        return resident
+
+
+@pytest.mark.parametrize("eviction", ["policy", "lookahead"])
+def test_rows_in_the_window_are_pinned(tmp_path, eviction):
+    assert residents_after(tmp_path, eviction, []) == {2, 3, 4}  # plain LRU
+    assert residents_after(tmp_path, eviction, [[1]]) == {1, 3, 4}  # 1 pinned: the next LRU row goes
+
+
+def test_lookahead_evicts_the_farthest_next_use_among_pinned_rows(tmp_path):
+    # all three pinned, next used in the order 1, 2, 3: LRU would drop 1, lookahead drops 3
+    assert residents_after(tmp_path, "policy", [[1], [2], [3]]) == {2, 3, 4}
+    assert residents_after(tmp_path, "lookahead", [[1], [2], [3]]) == {1, 2, 4}
+
+
+def test_bad_config_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="eviction"):
+        TieredStore(tmp_path, [TableSpec("t", 10, 2)], eviction="belady")
+    with pytest.raises(ValueError, match="workers"):
+        PrefetchConfig(workers=0)
+    with pytest.raises(ValueError, match="depth"):
+        LookaheadLoader([], TieredStore(tmp_path / "x", [TableSpec("t", 10, 2)], device="cpu"), depth=-1)
