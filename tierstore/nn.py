@@ -33,6 +33,7 @@ from .store import Sizes, TieredStore
 __all__ = [
     "BagIndexError",
     "BagOffsetsError",
+    "BagTypeError",
     "EmbeddingBagConfig",
     "TieredEmbeddingBag",
     "TieredEmbeddingBagCollection",
@@ -48,6 +49,10 @@ class BagIndexError(IndexError, RuntimeError):
 
 class BagOffsetsError(ValueError, RuntimeError):
     """Offsets that do not describe bags of the input. A RuntimeError too, as torch raises."""
+
+
+class BagTypeError(TypeError, RuntimeError):
+    """Ids, offsets or per-sample weights of the wrong dtype. A RuntimeError too, as torch raises."""
 
 
 def _is_int(x) -> bool:
@@ -91,8 +96,8 @@ class EmbeddingBagConfig:
             raise TypeError("init must be a tierstore.RowInit, e.g. RowInit.normal(0, 1)")
 
 
-def _index_dtype_error(what: str, t: torch.Tensor) -> RuntimeError:
-    return RuntimeError(
+def _index_dtype_error(what: str, t: torch.Tensor) -> BagTypeError:
+    return BagTypeError(
         f"Expected tensor for argument {what} to have one of the following scalar types: Long, Int; "
         f"but got {t.type()} instead"
     )
@@ -409,7 +414,7 @@ class TieredEmbeddingBag(nn.Module):
         if not _is_index_dtype(input):
             raise _index_dtype_error("#1 'indices'", input)
         if per_sample_weights is not None and per_sample_weights.dtype != torch.float32:
-            raise RuntimeError(
+            raise BagTypeError(
                 f"Expected tensor for argument #1 'weight' to have the same type as tensor for argument #1 "
                 f"'per_sample_weights'; but type torch.FloatTensor does not equal {per_sample_weights.type()}"
             )
