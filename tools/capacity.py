@@ -716,8 +716,29 @@ def split_budget(curves: Sequence[LruCurve], row_bytes: Sequence[int], budget: f
             lo = mid
         else:
             hi = mid
-    k, _ = pick(hi)
-    return cand[np.arange(T), k].astype(np.int64).tolist()
+    k, spent = pick(hi)
+    sizes = cand[np.arange(T), k].astype(np.int64)
+    # the price leaves part of the budget where a hull segment did not fit whole:
+    # spend it on the steepest next segments, the last one partly
+    left = budget - spent
+    open_ = np.ones(T, dtype=bool)
+    rb = np.asarray(row_bytes, dtype=np.float64)
+    for _ in range(4 * T):
+        nxt = np.minimum(k + 1, points)
+        step_rows = cand[np.arange(T), nxt] - cand[np.arange(T), k]
+        can = open_ & (step_rows > 0) & (rb <= left)
+        if not can.any():
+            break
+        slope = np.where(can, (gain[np.arange(T), nxt] - gain[np.arange(T), k]) / np.maximum(step_rows * rb, 1e-300), -np.inf)
+        i = int(np.argmax(slope))
+        rows = min(int(step_rows[i]), int(left // rb[i]))
+        sizes[i] += rows
+        left -= rows * rb[i]
+        if rows == step_rows[i]:
+            k[i] += 1
+        else:
+            open_[i] = False
+    return sizes.tolist()
 
 
 # -- the analysis --------------------------------------------------------------------------------------
