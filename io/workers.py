@@ -16,7 +16,7 @@ import numpy as np
 
 from .lmdb_backend import LmdbBackend
 
-MIN_PART = 1024  # rows; smaller parts cost more in task overhead than they overlap
+MIN_PART = 64  # rows; smaller parts cost more in task overhead than they overlap
 
 
 def read_rows_async(

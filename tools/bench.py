@@ -20,6 +20,8 @@ BENCHES = {
     "train": "tierstore.tools.bench_train:run",
     "metrics": "tierstore.tools.bench_metrics:run",
     "capacity": "tierstore.tools.capacity:bench",
+    "daemon": "tierstore.tools.daemon:bench",
+    "prefetch": "tierstore.tools.bench_prefetch:run",
 }
 DEFAULT = ("read", "cold", "memory")
 
