@@ -92,7 +92,16 @@ class TieredStore:
     creates or opens a store; ``TieredStore(path)`` reopens one with the table
     specs it has stored. ``hbm_rows``/``ddr_rows`` are per table (an int for
     every table or a {table: rows} dict); 0 means no such tier.
+    ``daemon=SOCK`` attaches to a ``tierstore prefetchd`` instead (a
+    tierstore.client.DaemonStore; ``claim=`` names the tables it writes).
     """
+
+    def __new__(cls, *args, daemon: str | Path | None = None, **kwargs):
+        if daemon is not None and cls is TieredStore:
+            from .client import DaemonStore
+
+            return super().__new__(DaemonStore)  # then DaemonStore.__init__ runs with the same arguments
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -112,7 +121,11 @@ class TieredStore:
         eviction: str = "policy",
         prefetch: PrefetchConfig | None = None,
         record_trace: str | Path | None = None,
+        daemon: None = None,
+        claim: Sequence[str] = (),
     ):
+        if claim:
+            raise ValueError(f"claim={list(claim)} only applies with daemon=SOCK (a client of `tierstore prefetchd`); an embedded store is its tables' only writer")
         self.config = StoreConfig(path, hbm_rows, ddr_rows, policy, device, readonly, map_size, clock, eviction)
         # metrics: exported to registry (default: prometheus_client's global one) under
         # the label name (default: the resolved path); metrics_port starts an endpoint

@@ -1,0 +1,358 @@
+"""`tierstore prefetchd`: a real daemon process, real client processes, real Unix
+sockets and a real LMDB store on disk. Faults are real signals (SIGKILL,
+SIGTERM, SIGSTOP) and hand-made frames on a raw socket."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+import tierstore
+from tierstore import wire
+from tierstore.trace import Trace
+
+USER = tierstore.TableSpec("user", 10_000, 8, init=tierstore.RowInit.uniform(-1, 1, seed=3))
+ITEM = tierstore.TableSpec("item", None, 4, state_dim=2)
+
+
+def _embedded(path, **kw):
+    return tierstore.TieredStore(path, registry=CollectorRegistry(), device="cpu", **kw)
+
+
+class Daemon:
+    def __init__(self, path, sock, *extra, ddr_rows=1000):
+        self.sock = sock
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tierstore.tools.cli", "prefetchd", str(path), "--socket", str(sock), "--ddr-rows", str(ddr_rows), *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        assert line.startswith("ready"), f"daemon did not start: {line!r} {self.proc.stderr.read() if self.proc.poll() is not None else ''}"
+
+    def stop(self, sig=signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        rc = self.proc.wait(30)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+        return rc
+
+
+@pytest.fixture
+def sockdir():
+    d = tempfile.mkdtemp(prefix="tsd-")  # short: Unix socket paths are limited to ~104 bytes
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def store_path(tmp_path):
+    path = tmp_path / "store"
+    with _embedded(path, tables=[USER, ITEM]) as s:
+        s.write("user", np.arange(100), np.full((100, 8), 0.5, dtype=np.float32))
+    return path
+
+
+@pytest.fixture
+def daemon(store_path, sockdir):
+    d = Daemon(store_path, sockdir / "d.sock")
+    yield d
+    d.stop(signal.SIGKILL if d.proc.poll() is None else signal.SIGTERM)
+
+
+def attach(daemon, store_path, **kw):
+    return tierstore.TieredStore(store_path, daemon=str(daemon.sock), **kw)
+
+
+def raw_conn(sock_path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(str(sock_path))
+    return s
+
+
+def test_socket_is_0600_and_reads_match_an_embedded_store(daemon, store_path):
+    assert stat.S_IMODE(os.stat(daemon.sock).st_mode) == 0o600
+    c = attach(daemon, store_path, readonly=True)
+    assert isinstance(c, tierstore.TieredStore) and c.tables == {"user": USER, "item": ITEM}
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 10_000, 3000)
+    got = c.read("user", ids)
+    with_state = c.read("item", [5, 2**40], with_state=True)
+    out = torch.empty((len(ids), 8))
+    assert c.read("user", ids, out=out) is out and torch.equal(out, got)
+    c.close()
+    daemon.stop()
+    with _embedded(store_path, readonly=True) as s:  # the oracle: the same store opened in-process
+        assert torch.equal(got, s.read("user", ids))
+        assert torch.equal(with_state, s.read("item", [5, 2**40], with_state=True))
+
+
+CLIENT = textwrap.dedent("""
+    import sys, numpy as np, tierstore
+    path, sock, table, dim, lo = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    c = tierstore.TieredStore(path, daemon=sock, claim=[table], client=f"writer-{table}")
+    ids = np.arange(lo, lo + 500)
+    c.write(table, ids, (ids[:, None] * 10 + np.arange(dim)).astype(np.float32))
+    c.flush()
+    print("wrote", flush=True)
+    sys.stdin.readline()
+    other = "item" if table == "user" else "user"
+    rows = c.read(other, np.arange(2000, 2500)).numpy()
+    print(float(rows.sum()), flush=True)
+    c.close()
+""")
+
+
+def test_two_client_processes_write_their_tables_and_read_each_others(daemon, store_path):
+    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, str(store_path), str(daemon.sock), t, str(dim), "2000"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for t, dim in (("user", 8), ("item", 4))]
+    for p in procs:
+        assert p.stdout.readline().strip() == "wrote"
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    sums = [float(p.stdout.readline()) for p in procs]
+    assert [p.wait(30) for p in procs] == [0, 0]
+    ids = np.arange(2000, 2500)
+    expect = {d: float((ids[:, None] * 10 + np.arange(d)).sum()) for d in (8, 4)}
+    assert sums == [expect[4], expect[8]]  # the user writer read item rows and vice versa
+
+
+def test_overlapping_claim_is_refused_naming_the_holder_and_released_on_close(daemon, store_path):
+    a = attach(daemon, store_path, claim=["user"], client="trainer-a")
+    with pytest.raises(PermissionError, match=r"'user'.*trainer-a.*pid %d" % os.getpid()):
+        attach(daemon, store_path, claim=["item", "user"], client="trainer-b")
+    b = attach(daemon, store_path, claim=["item"], client="trainer-b")  # the refused attach claimed nothing
+    with pytest.raises(PermissionError, match="no write claim on table 'user'.*trainer-a"):
+        b.write("user", [1], np.ones((1, 8)))
+    a.close()
+    c = attach(daemon, store_path, claim=["user"], client="trainer-c")
+    c.write("user", [1], np.ones((1, 8)))
+    with pytest.raises(KeyError, match="unknown tables"):
+        attach(daemon, store_path, claim=["nope"])
+    b.close()
+    c.close()
+
+
+def test_readonly_client_reads_anything_and_writes_nothing(daemon, store_path):
+    w = attach(daemon, store_path, claim=["user"])
+    w.write("user", [7], np.full((1, 8), 3.0))
+    r = attach(daemon, store_path, readonly=True)
+    assert torch.equal(r.read("user", [7]), torch.full((1, 8), 3.0))
+    with pytest.raises(PermissionError, match="readonly"):
+        r.write("user", [7], np.zeros((1, 8)))
+    with pytest.raises(ValueError, match="contradict"):
+        attach(daemon, store_path, readonly=True, claim=["user"])
+    with pytest.raises(ValueError, match="not supported yet"):
+        attach(daemon, store_path, hbm_rows=10)
+    with pytest.raises(ValueError, match="only applies with daemon="):
+        tierstore.TieredStore(store_path, claim=["user"])
+    # errors raised in the daemon come back as the same exception type, with its message
+    with pytest.raises(IndexError, match="out of range.*num_rows=10000"):
+        w.prefetch("user", [5, 10_000])
+    w.close()
+    r.close()
+
+
+def _hello(s: socket.socket, **kw) -> wire.Frame:
+    import json
+
+    wire.send_frame(s, wire.Frame(wire.HELLO, text=json.dumps({"client": "raw", "claims": [], "readonly": True, **kw})))
+    reply = wire.recv_frame(s, wire.Limits())
+    wire.raise_for(reply)
+    return reply
+
+
+def assert_closed(s: socket.socket) -> None:
+    try:  # a daemon that hangs up with our unread bytes in its buffer resets the connection
+        assert s.recv(1) == b""
+    except ConnectionResetError:
+        pass
+
+
+def test_malformed_and_oversized_frames_get_an_error_and_a_closed_connection(daemon, store_path):
+    good = attach(daemon, store_path, readonly=True)
+    cases = [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"x" * 10,  # not our magic
+        wire.HEADER.pack(wire.MAGIC, 99, wire.READ, 0, 0, 0, 0, 0),  # future version
+        wire.HEADER.pack(wire.MAGIC, wire.VERSION, 200, 0, 0, 0, 0, 0),  # unknown type
+        wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.READ, 0, 4, 1 << 40, 0, 0),  # 8 TiB of ids: refused before allocating
+        wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.WRITE, 0, 4, 10, 10, 1 << 30),  # absurd row width
+    ]
+    for i, payload in enumerate(cases):
+        s = raw_conn(daemon.sock)
+        if i:
+            _hello(s)
+        s.sendall(payload)
+        reply = wire.recv_frame(s, wire.Limits())
+        assert reply.status != wire.OK and reply.text, payload
+        with pytest.raises(ValueError):
+            wire.raise_for(reply)
+        assert_closed(s)
+        s.close()
+    # a request before HELLO is refused too
+    s = raw_conn(daemon.sock)
+    wire.send_frame(s, wire.Frame(wire.READ, text="user", ids=np.array([1])))
+    assert wire.recv_frame(s, wire.Limits()).status != wire.OK
+    assert_closed(s)
+    s.close()
+    # a bad request in a well-formed frame is answered and the connection stays usable
+    s = raw_conn(daemon.sock)
+    _hello(s)
+    wire.send_frame(s, wire.Frame(wire.READ, text="user", ids=np.array([-1])))
+    with pytest.raises(IndexError, match="negative"):
+        wire.raise_for(wire.recv_frame(s, wire.Limits()))
+    wire.send_frame(s, wire.Frame(wire.READ, text="user", ids=np.array([1])))
+    assert wire.recv_frame(s, wire.Limits()).rows.shape == (1, 8)
+    s.close()
+    assert torch.equal(good.read("user", [3]), torch.full((1, 8), 0.5))  # the others were served throughout
+    good.close()
+
+
+PARTIAL_WRITER = textwrap.dedent("""
+    import sys, numpy as np, tierstore
+    from tierstore import wire
+    c = tierstore.TieredStore(sys.argv[1], daemon=sys.argv[2], claim=["user"], client="doomed")
+    c.write("user", np.arange(200, 210), np.full((10, 8), 2.0, dtype=np.float32))
+    c.flush()
+    c.write("user", np.arange(210, 220), np.full((10, 8), 4.0, dtype=np.float32))  # never flushed by this client
+    # the header and half the payload of a write of rows 300..999, then stall: killed mid-frame
+    ids = np.arange(300, 1000)
+    rows = np.full((700, 8), 9.0, dtype=np.float32)
+    c._sock.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.WRITE, 0, 4, 700, 700, 8) + b"user" + ids.tobytes())
+    c._sock.sendall(rows.tobytes()[: rows.nbytes // 2])
+    print("stalled", flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_client_killed_mid_write_loses_only_that_frame_and_its_claim_is_released(daemon, store_path):
+    p = subprocess.Popen([sys.executable, "-c", PARTIAL_WRITER, str(store_path), str(daemon.sock)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "stalled"
+    p.send_signal(signal.SIGKILL)
+    p.wait(10)
+    deadline = time.monotonic() + 10
+    while True:  # the daemon notices the dead connection and releases the claim
+        try:
+            c = attach(daemon, store_path, claim=["user"])
+            break
+        except PermissionError:
+            assert time.monotonic() < deadline, "claim of a killed client was not released"
+            time.sleep(0.05)
+    rows = c.read("user", np.arange(200, 1000)).numpy()
+    assert (rows[:10] == 2.0).all()  # flushed
+    assert (rows[10:20] == 4.0).all()  # written, not flushed: still in the daemon's store
+    with _embedded(tmp := store_path.parent / "unused", tables=[USER]) as oracle:  # never-written rows: their initial values
+        assert np.array_equal(rows[100:], oracle.read("user", np.arange(300, 1000)).numpy())
+    shutil.rmtree(tmp)
+    c.close()
+
+
+def test_sigterm_flushes_then_exits_0(store_path, sockdir):
+    d = Daemon(store_path, sockdir / "d.sock")
+    c = tierstore.TieredStore(store_path, daemon=str(d.sock), claim=["item"])
+    ids = np.array([3, 2**50, 77])
+    values = np.arange(3 * 6, dtype=np.float32).reshape(3, 6)
+    c.write("item", ids, values, with_state=True)  # no flush
+    assert d.stop(signal.SIGTERM) == 0
+    assert not d.sock.exists()
+    with _embedded(store_path, readonly=True) as s:
+        assert np.array_equal(s.read("item", ids, with_state=True).numpy(), values)
+    with pytest.raises(ConnectionError, match="went away|closed the connection"):
+        c.read("item", ids)
+
+
+def test_daemon_gone_or_hung_gives_connection_error_quickly(store_path, sockdir):
+    with pytest.raises(ConnectionError, match="no tierstore daemon answers.*tierstore prefetchd"):
+        tierstore.TieredStore(store_path, daemon=str(sockdir / "none.sock"))
+    d = Daemon(store_path, sockdir / "d.sock")
+    c = tierstore.TieredStore(store_path, daemon=str(d.sock), readonly=True, timeout=1.0)
+    c.read("user", [1])
+    os.kill(d.proc.pid, signal.SIGSTOP)  # hung: the socket stays open but nobody answers
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match="did not answer within 1.0 s"):
+            c.read("user", [1])
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(RuntimeError, match="closed"):
+            c.read("user", [1])
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+    c2 = tierstore.TieredStore(store_path, daemon=str(d.sock), readonly=True, timeout=5.0)
+    d.stop(signal.SIGKILL)
+    with pytest.raises(ConnectionError):
+        c2.read("user", [1])
+
+
+def test_second_daemon_refused_while_one_lives_and_stale_socket_replaced(store_path, sockdir):
+    sock = sockdir / "d.sock"
+    d = Daemon(store_path, sock)
+    p = subprocess.run([sys.executable, "-m", "tierstore.tools.cli", "prefetchd", str(store_path), "--socket", str(sock), "--ddr-rows", "10"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "already serving" in p.stderr
+    d.stop(signal.SIGKILL)  # leaves a stale socket file behind
+    assert sock.exists()
+    d = Daemon(store_path, sock)
+    c = tierstore.TieredStore(store_path, daemon=str(sock), readonly=True)
+    assert c.read("user", [0]).shape == (1, 8)
+    c.close()
+    assert d.stop() == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_lookahead_follows_the_slowest_client_and_metrics_label_clients(store_path, sockdir, tmp_path):
+    rng = np.random.default_rng(1)
+    steps = {s: rng.choice(10_000, 50, replace=False) for s in range(6)}
+    trace = tmp_path / "trace"
+    Trace.from_calls([(s, "user", ids) for s, ids in steps.items()], tables=["user"]).save(trace)
+    port = _free_port()
+    d = Daemon(store_path, sockdir / "d.sock", "--lookahead-source", str(trace), "--depth", "2", "--metrics-port", str(port))
+    try:
+        fast = tierstore.TieredStore(store_path, daemon=str(d.sock), readonly=True, client="fast")
+        slow = tierstore.TieredStore(store_path, daemon=str(d.sock), readonly=True, client="slow")
+        slow.report_step(0)
+        fast.report_step(4)  # the window follows the slowest client: steps 1 and 2
+
+        def issued():
+            return fast.daemon_stats()["prefetch"]["user"]["issued_batches"]
+
+        deadline = time.monotonic() + 10
+        while issued() < 2:  # steps 1 and 2: depth 2 past the slow client's step 0
+            assert time.monotonic() < deadline, "lookahead issued nothing"
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert issued() == 2  # nothing beyond the slowest client's window
+        slow.report_step(2)
+        deadline = time.monotonic() + 10
+        while issued() < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        fast.read("user", steps[1])
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'tierstore_daemon_client_requests_total{client="fast",op="read"} 1.0' in body
+        assert 'tierstore_daemon_client_step{client="slow"} 2.0' in body
+        assert "tierstore_ddr_hits" in body or "tierstore_" in body
+        fast.close()
+        slow.close()
+    finally:
+        assert d.stop() == 0

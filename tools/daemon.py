@@ -1,0 +1,551 @@
+"""``tierstore prefetchd``: one process per host that owns a store's DDR tier and
+LMDB files and serves them to trainer processes over a Unix socket.
+
+Clients attach with ``tierstore.TieredStore(PATH, daemon=SOCK, claim=[...])``
+(tierstore/client.py); the frames are described in tierstore/wire.py.
+
+Durability: a client's writes go straight into the daemon's store (its DDR
+tier, else LMDB) and become durable at the next FLUSH from anyone, or when the
+daemon stops (SIGTERM/SIGINT flush before exit). A client killed mid-write
+loses at most the frame it was sending (a partial frame is never applied) and
+its claims are released at once; rows it wrote that nobody flushed stay in the
+daemon's cache and are flushed with everything else. A daemon killed with
+SIGKILL loses the rows written since the last flush, like an embedded store.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import stat
+import struct
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tierstore import wire
+
+log = logging.getLogger("tierstore.prefetchd")
+
+
+@dataclass
+class DaemonConfig:
+    path: Path
+    socket: Path
+    ddr_rows: int
+    policy: str = "lru"
+    lookahead_source: Path | None = None
+    depth: int = 2
+    metrics_port: int | None = None
+    limits: wire.Limits = field(default_factory=wire.Limits)
+    max_hints: int = 64  # outstanding prefetch hints per client; older ones are released (unpinned)
+
+    def __post_init__(self):
+        self.path, self.socket = Path(self.path), Path(self.socket)
+        if not isinstance(self.ddr_rows, int) or self.ddr_rows < 0:
+            raise ValueError(f"--ddr-rows must be an int >= 0, got {self.ddr_rows!r}")
+        if not isinstance(self.depth, int) or self.depth < 1:
+            raise ValueError(f"--depth must be an int >= 1, got {self.depth!r}")
+        if not isinstance(self.max_hints, int) or self.max_hints < 1:
+            raise ValueError(f"max_hints must be an int >= 1, got {self.max_hints!r}")
+        if self.lookahead_source is not None:
+            self.lookahead_source = Path(self.lookahead_source)
+        if len(os.fsencode(self.socket)) >= 104:  # sun_path is 108 bytes on Linux, 104 on BSDs
+            raise ValueError(f"socket path {self.socket} is too long for a Unix socket (< 104 bytes); use a shorter path")
+
+
+class _Session:
+    """One connected client."""
+
+    def __init__(self, conn: socket.socket, number: int):
+        self.conn = conn
+        self.number = number
+        self.name = f"conn{number}"
+        self.pid: int | None = None
+        self.claims: set[str] = set()
+        self.readonly = True
+        self.hello = False
+        self.step: int | None = None
+        self.hints: deque = deque()
+        self.requests: dict[str, int] = {}
+        self.rows: dict[str, int] = {}
+
+    def describe(self) -> str:
+        return f"client {self.name!r} (pid {self.pid})" if self.pid else f"client {self.name!r}"
+
+    def count(self, op: str, rows: int) -> None:
+        self.requests[op] = self.requests.get(op, 0) + 1
+        self.rows[op] = self.rows.get(op, 0) + rows
+
+
+class _ClientCollector:
+    """Per-client request and row counters, labelled by client name (scrape time)."""
+
+    def __init__(self, daemon: "Daemon"):
+        self._daemon = daemon
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        req = CounterMetricFamily("tierstore_daemon_client_requests", "Requests served per client and operation.", labels=["client", "op"])
+        rows = CounterMetricFamily("tierstore_daemon_client_rows", "Rows read, written or hinted per client and operation.", labels=["client", "op"])
+        steps = GaugeMetricFamily("tierstore_daemon_client_step", "Training step each client last reported.", labels=["client"])
+        clients = GaugeMetricFamily("tierstore_daemon_clients", "Connected clients.")
+        with self._daemon._lock:
+            totals = {k: (dict(v[0]), dict(v[1])) for k, v in self._daemon._totals.items()}
+            sessions = list(self._daemon._sessions.values())
+        for name, (r, n) in totals.items():
+            for op in r:
+                req.add_metric([name, op], r[op])
+                rows.add_metric([name, op], n.get(op, 0))
+        for s in sessions:
+            if s.step is not None:
+                steps.add_metric([s.name], s.step)
+        clients.add_metric([], len(sessions))
+        yield from (req, rows, steps, clients)
+
+
+class Daemon:
+    """Owns one TieredStore and serves it; ``serve()`` runs until ``stop()``."""
+
+    def __init__(self, config: DaemonConfig, registry: CollectorRegistry | None = None):
+        import tierstore
+
+        self.config = config
+        self._lock = threading.Lock()  # sessions, claims, totals (the store has its own lock)
+        self._sessions: dict[int, _Session] = {}
+        self._claims: dict[str, _Session] = {}
+        self._totals: dict[str, tuple[dict, dict]] = {}  # client name -> (requests, rows): survives disconnects
+        self._stop = threading.Event()
+        self._numbers = iter(range(1, 1 << 62))
+        self._threads: list[threading.Thread] = []
+        self._steps_changed = threading.Condition(self._lock)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._trace = None
+        if config.lookahead_source is not None:
+            from tierstore.trace import Trace
+
+            self._trace = Trace.load(config.lookahead_source)
+        self.listener = self._bind(config.socket)  # before opening the store: a live daemon means refuse
+        try:
+            self.store = tierstore.TieredStore(config.path, hbm_rows=0, ddr_rows=config.ddr_rows, policy=config.policy,
+                                               device="cpu", registry=self.registry, name="prefetchd",
+                                               metrics_port=config.metrics_port)
+        except BaseException:
+            self.listener.close()
+            config.socket.unlink(missing_ok=True)
+            raise
+        self.registry.register(_ClientCollector(self))
+        if self._trace is not None:
+            unknown = set(self._trace.table_names) - set(self.store.tables)
+            if unknown:
+                self.store.close()
+                self.listener.close()
+                config.socket.unlink(missing_ok=True)
+                raise ValueError(f"lookahead trace {config.lookahead_source} names tables {sorted(unknown)} that the store lacks; it has {sorted(self.store.tables)}")
+
+    # -- socket --------------------------------------------------------------------
+    @staticmethod
+    def _bind(path: Path) -> socket.socket:
+        if path.exists() or path.is_symlink():
+            if not stat.S_ISSOCK(path.lstat().st_mode):
+                raise FileExistsError(f"{path} exists and is not a socket; choose another --socket path")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            probe.settimeout(2.0)
+            try:
+                probe.connect(str(path))
+            except (ConnectionRefusedError, FileNotFoundError):
+                log.info("removing stale socket %s (nothing listens on it)", path)
+                path.unlink(missing_ok=True)
+            else:
+                raise RuntimeError(f"a daemon is already serving {path}; stop it first or choose another --socket path")
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket is born 0600: no window where others could connect
+        try:
+            sock.bind(str(path))
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        sock.listen(64)
+        sock.settimeout(0.2)  # the accept loop wakes up to notice stop()
+        return sock
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def serve(self) -> None:
+        log.info("serving %s on %s (ddr_rows=%d, tables %s)", self.config.path, self.config.socket, self.config.ddr_rows, sorted(self.store.tables))
+        if self._trace is not None:
+            t = threading.Thread(target=self._lookahead, name="prefetchd-lookahead", daemon=True)
+            t.start()
+            self._threads.append(t)
+        try:
+            while not self._stop.is_set():
+                try:
+                    conn, _ = self.listener.accept()
+                except socket.timeout:
+                    continue
+                except OSError:
+                    if self._stop.is_set():
+                        break
+                    raise
+                conn.settimeout(None)
+                session = _Session(conn, next(self._numbers))
+                with self._lock:
+                    self._sessions[session.number] = session
+                t = threading.Thread(target=self._serve_conn, args=(session,), name=f"prefetchd-{session.number}", daemon=True)
+                t.start()
+                self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        finally:
+            self._shutdown()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._steps_changed.notify_all()
+
+    def _shutdown(self) -> None:
+        self.listener.close()
+        self.config.socket.unlink(missing_ok=True)
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for s in sessions:  # wake the connection threads; a request in progress finishes first (store lock)
+            try:
+                s.conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(timeout=10)
+        self.store.close()  # flushes
+        log.info("flushed and closed %s", self.config.path)
+
+    # -- one connection --------------------------------------------------------------------
+    def _serve_conn(self, s: _Session) -> None:
+        limits = self.config.limits
+        try:
+            while True:
+                try:
+                    frame = wire.recv_frame(s.conn, limits)
+                except wire.ProtocolError as e:
+                    log.warning("%s sent a malformed frame (%s); closing its connection", s.describe(), e)
+                    self._reply_error(s, wire.ERROR, e)
+                    return
+                if frame is None:
+                    return
+                if not s.hello and frame.type != wire.HELLO:
+                    self._reply_error(s, frame.type, wire.ProtocolError("the first frame must be HELLO (the versioned handshake)"))
+                    return
+                try:
+                    reply = self._handle(s, frame)
+                except Exception as e:  # a bad request: the stream is still in step, keep serving
+                    self._reply_error(s, frame.type, e)
+                    if frame.type == wire.HELLO:
+                        return
+                    continue
+                wire.send_frame(s.conn, reply)
+        except (ConnectionError, OSError) as e:
+            if not self._stop.is_set():
+                log.info("%s went away: %s", s.describe(), e)
+        finally:
+            self._drop(s)
+
+    def _reply_error(self, s: _Session, ftype: int, e: BaseException) -> None:
+        try:
+            wire.send_frame(s.conn, wire.Frame(ftype, wire.error_status(e), wire.error_message(e)))
+        except OSError:
+            pass
+
+    def _drop(self, s: _Session) -> None:
+        with self._lock:
+            self._sessions.pop(s.number, None)
+            for table in s.claims:
+                if self._claims.get(table) is s:
+                    del self._claims[table]
+            self._steps_changed.notify_all()
+        for ticket in s.hints:
+            ticket.release()
+        s.hints.clear()
+        try:
+            s.conn.close()
+        except OSError:
+            pass
+        if s.hello:
+            log.info("%s disconnected; released claims %s", s.describe(), sorted(s.claims))
+
+    # -- requests -------------------------------------------------------------------------
+    def _handle(self, s: _Session, f: wire.Frame) -> wire.Frame:
+        store = self.store
+        if f.type == wire.HELLO:
+            return self._hello(s, f)
+        if f.type == wire.READ:
+            ids = self._ids(f)
+            rows = store.read(f.text, torch.from_numpy(ids), with_state=bool(f.status & wire.WITH_STATE))
+            self._count(s, "read", len(ids))
+            return wire.Frame(f.type, rows=rows.numpy())
+        if f.type == wire.WRITE:
+            if s.readonly:
+                raise PermissionError(f"{s.describe()} attached readonly; attach with claim=[{f.text!r}] to write table {f.text!r}")
+            if f.text not in s.claims:
+                holder = self._claims.get(f.text)
+                who = f"; it is claimed by {holder.describe()}" if holder is not None else ""
+                raise PermissionError(f"{s.describe()} has no write claim on table {f.text!r}{who}; attach with claim=[{f.text!r}] to write it")
+            ids = self._ids(f)
+            if f.rows is None and len(ids):
+                raise ValueError(f"WRITE of {len(ids)} ids carries no rows")
+            values = torch.from_numpy(f.rows) if f.rows is not None else torch.empty((0, 0))
+            store.write(f.text, torch.from_numpy(ids), values, with_state=bool(f.status & wire.WITH_STATE))
+            self._count(s, "write", len(ids))
+            return wire.Frame(f.type)
+        if f.type == wire.PREFETCH:
+            ids = self._ids(f)
+            self._check_ids(f.text, ids)  # a bad hint is refused now, so no later read fails for it
+            s.hints.append(store.prefetch(f.text, ids))
+            while len(s.hints) > self.config.max_hints:
+                s.hints.popleft().release()
+            self._count(s, "prefetch", len(ids))
+            return wire.Frame(f.type)
+        if f.type == wire.FLUSH:
+            store.flush()
+            self._count(s, "flush", 0)
+            return wire.Frame(f.type)
+        if f.type == wire.STEP:
+            ids = self._ids(f)
+            if len(ids) != 1 or ids[0] < 0:
+                raise ValueError("STEP carries exactly one id: the step number, >= 0")
+            with self._lock:
+                s.step = int(ids[0])
+                self._steps_changed.notify_all()
+            self._count(s, "step", 0)
+            return wire.Frame(f.type)
+        if f.type == wire.STATS:
+            per_table = f.text == "per_table"
+            with self._lock:
+                clients = [{"name": x.name, "pid": x.pid, "claims": sorted(x.claims), "readonly": x.readonly, "step": x.step}
+                           for x in self._sessions.values() if x.hello]
+            body = {"store": store.stats(per_table=per_table), "clients": clients,
+                    "prefetch": store.prefetch_stats()["tables"]}
+            return wire.Frame(f.type, text=json.dumps(body))
+        raise ValueError(f"frame type {f.type} is not a request")
+
+    def _hello(self, s: _Session, f: wire.Frame) -> wire.Frame:
+        if s.hello:
+            raise ValueError("HELLO was already sent on this connection")
+        try:
+            body = json.loads(f.text)
+        except json.JSONDecodeError as e:
+            raise wire.ProtocolError(f"HELLO text is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise wire.ProtocolError("HELLO text must be a JSON object")
+        name, claims, readonly, path = body.get("client"), body.get("claims", []), body.get("readonly", False), body.get("path")
+        if not isinstance(name, str) or not name or len(name) > 200:
+            raise ValueError(f"client name must be a non-empty string of <= 200 characters, got {name!r}")
+        if not isinstance(claims, list) or not all(isinstance(c, str) for c in claims):
+            raise ValueError(f"claims must be a list of table names, got {claims!r}")
+        if readonly and claims:
+            raise ValueError(f"a readonly client cannot claim tables for writing (claims {claims}); drop readonly=True or claim=")
+        if path is not None and Path(path).resolve() != self.config.path.resolve():
+            raise ValueError(f"this daemon serves {self.config.path.resolve()}, not {Path(path).resolve()}; attach to the daemon of that store")
+        unknown = sorted(set(claims) - set(self.store.tables))
+        if unknown:
+            raise KeyError(f"claims name unknown tables {unknown}; the store has tables {sorted(self.store.tables)}")
+        try:
+            pid = struct.unpack("3i", s.conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+        except (AttributeError, OSError):  # not Linux: no peer credentials
+            pid = None
+        with self._lock:
+            taken = {c: self._claims[c] for c in claims if c in self._claims}
+            if taken:
+                held = "; ".join(f"table {t!r} by {h.describe()}" for t, h in sorted(taken.items()))
+                raise PermissionError(f"write claim refused: {held} already; a table has one writer at a time "
+                                      "(attach with readonly=True to read it)")
+            s.name, s.pid, s.readonly, s.hello = name, pid, bool(readonly), True
+            s.claims = set(claims)
+            for c in claims:
+                self._claims[c] = s
+        log.info("%s attached: claims %s%s", s.describe(), sorted(claims), ", readonly" if readonly else "")
+        reply = {"version": wire.VERSION, "path": str(self.config.path.resolve()), "pid": os.getpid(),
+                 "tables": [spec.to_json() for spec in self.store.tables.values()]}
+        return wire.Frame(wire.HELLO, text=json.dumps(reply))
+
+    def _count(self, s: _Session, op: str, rows: int) -> None:
+        with self._lock:
+            req, n = self._totals.setdefault(s.name, ({}, {}))
+            req[op] = req.get(op, 0) + 1
+            n[op] = n.get(op, 0) + rows
+
+    @staticmethod
+    def _ids(f: wire.Frame) -> np.ndarray:
+        return f.ids if f.ids is not None else np.empty(0, dtype=np.int64)
+
+    def _check_ids(self, table: str, ids: np.ndarray) -> None:
+        spec = self.store.tables.get(table)
+        if spec is None:
+            raise KeyError(f"unknown table {table!r}; the store has tables {sorted(self.store.tables)}")
+        if len(ids):
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0:
+                raise IndexError(f"id {lo} is negative for table {table!r}; ids must be >= 0")
+            if spec.num_rows is not None and hi >= spec.num_rows:
+                raise IndexError(f"id {hi} out of range for table {table!r} with num_rows={spec.num_rows}")
+
+    # -- lookahead from a trace ----------------------------------------------------------------
+    def _lookahead(self) -> None:
+        """Prefetch the trace's calls of steps (slowest, slowest + depth], where
+        slowest is the lowest step any attached client has reported."""
+        trace, depth = self._trace, self.config.depth
+        steps = np.asarray(trace.call_step)
+        issued = np.empty(0, dtype=np.int64)  # steps whose calls are prefetched and not yet trained past
+        tickets: list = []
+        while not self._stop.is_set():
+            with self._lock:
+                reported = [x.step for x in self._sessions.values() if x.step is not None]
+                if not reported:
+                    self._steps_changed.wait(0.5)
+                    continue
+                slowest = min(reported)
+            for step, ticket in tickets:  # steps trained past: unpin what they did not read
+                if step <= slowest:
+                    ticket.release()
+            tickets = [(step, ticket) for step, ticket in tickets if step > slowest]
+            issued = issued[issued > slowest]
+            # a slower client may attach later: its window is filled in, never skipped
+            first, last = np.searchsorted(steps, slowest, side="right"), np.searchsorted(steps, slowest + depth, side="right")
+            calls = np.arange(first, last)
+            calls = calls[~np.isin(steps[calls], issued)]
+            for c in calls:
+                ids = np.asarray(trace.ids[trace.offsets[c]:trace.offsets[c + 1]])
+                table = trace.tables[trace.call_table[c]].name
+                try:
+                    tickets.append((int(steps[c]), self.store.prefetch(table, ids)))
+                except Exception as e:  # the store is closing
+                    log.warning("lookahead prefetch of step %d failed: %s", steps[c], e)
+                    return
+            issued = np.union1d(issued, steps[calls])
+            with self._lock:
+                if not self._stop.is_set():
+                    self._steps_changed.wait(0.5)
+        for _, t in tickets:
+            t.release()
+
+
+# -- the CLI verb --------------------------------------------------------------------------
+def register(sub) -> None:
+    p = sub.add_parser("prefetchd", help="serve a store's DDR tier and LMDB files to trainer processes over a Unix socket")
+    p.add_argument("path", help="store directory (created beforehand by a TieredStore with tables=)")
+    p.add_argument("--socket", required=True, help="Unix socket path (created with mode 0600)")
+    p.add_argument("--ddr-rows", type=int, required=True, help="rows of the DDR tier per table")
+    p.add_argument("--policy", default="lru", help="eviction policy: lru or lfu")
+    p.add_argument("--lookahead-source", default=None, help="trace (tierstore.trace format) to prefetch from, ahead of the slowest client's step")
+    p.add_argument("--depth", type=int, default=2, help="steps to prefetch ahead of the slowest client (with --lookahead-source)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on 127.0.0.1:PORT/metrics")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s prefetchd %(levelname)s %(message)s")
+    config = DaemonConfig(args.path, args.socket, args.ddr_rows, args.policy, args.lookahead_source, args.depth, args.metrics_port)
+    daemon = Daemon(config)
+    # handlers only set a flag: the accept loop notices it within 0.2 s, then flushes and exits 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: daemon.stop())
+    print(f"ready {config.socket}", flush=True)  # a line for supervisors and tests to wait on
+    daemon.serve()
+    return 0
+
+
+# -- the benchmark ---------------------------------------------------------------------------
+def bench(args) -> None:
+    """Reads through the daemon vs an in-process DDR tier; two clients vs one."""
+    import subprocess
+    import sys
+    import tempfile
+
+    import tierstore
+    from tierstore.tools.bench import median_seconds, report
+
+    n, dim, batch = min(args.rows, 1 << 20), args.dim, args.batch
+    with tempfile.TemporaryDirectory(prefix="tierstore-bench-", dir=args.dir) as d:
+        path = Path(d) / "store"
+        spec = tierstore.TableSpec("t", n, dim, init=tierstore.RowInit.uniform(-1, 1, seed=args.seed))
+        gen = torch.Generator().manual_seed(args.seed)
+        batches = [torch.randint(0, n, (batch,), generator=gen) for _ in range(8)]
+        # baseline: the same DDR tier in this process
+        with tierstore.TieredStore(path, [spec], hbm_rows=0, ddr_rows=n, device="cpu", registry=CollectorRegistry()) as store:
+            for lo in range(0, n, 262_144):
+                store.read("t", torch.arange(lo, min(n, lo + 262_144)))
+            it = iter(range(10**9))
+            t_local = median_seconds(lambda: store.read("t", batches[next(it) % 8]), args.repeat)
+            expect = store.read("t", batches[0])
+        sock = Path(tempfile.mkdtemp(prefix="tsd-")) / "d.sock"
+        proc = subprocess.Popen([sys.executable, "-m", "tierstore.tools.cli", "prefetchd", str(path), "--socket", str(sock), "--ddr-rows", str(n)],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            assert proc.stdout.readline().startswith("ready"), "the daemon did not start"
+            client = tierstore.TieredStore(path, daemon=str(sock), readonly=True, device="cpu")
+            for lo in range(0, n, 262_144):
+                client.read("t", torch.arange(lo, min(n, lo + 262_144)))
+            it = iter(range(10**9))
+            t_daemon = median_seconds(lambda: client.read("t", batches[next(it) % 8]), args.repeat)
+            assert torch.equal(client.read("t", batches[0]), expect)
+            one, two = _concurrent_rate(path, sock, n, batch, args, 1), _concurrent_rate(path, sock, n, batch, args, 2)
+            client.close()
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    report("daemon: 64k-id read, every row in the daemon's DDR tier",
+           {"rows": n, "dim": dim, "batch": batch, "transport": "unix socket, raw frames"},
+           [("in-process DDR tier read", f"{t_local * 1e3:8.2f} ms  {batch / t_local / 1e6:6.2f} M rows/s"),
+            ("read through the daemon", f"{t_daemon * 1e3:8.2f} ms  {batch / t_daemon / 1e6:6.2f} M rows/s")],
+           "daemon / in-process throughput", t_local / t_daemon, ">= 0.50")
+    report("daemon: client processes reading at once",
+           {"rows": n, "dim": dim, "batch": batch, "cpus": os.cpu_count()},
+           [("one client", f"{one / 1e6:6.2f} M rows/s"), ("two clients, aggregate", f"{two / 1e6:6.2f} M rows/s")],
+           "two / one aggregate throughput", two / one, ">= 1.50")
+
+
+_READER = """
+import sys, time, torch, tierstore
+path, sock, n, batch, reps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+c = tierstore.TieredStore(path, daemon=sock, readonly=True, device="cpu")
+g = torch.Generator().manual_seed(int(sys.argv[6]))
+bs = [torch.randint(0, n, (batch,), generator=g) for _ in range(4)]
+c.read("t", bs[0])
+print("ready", flush=True)
+sys.stdin.readline()
+t0 = time.perf_counter()
+for i in range(reps):
+    c.read("t", bs[i % 4])
+print(time.perf_counter() - t0, flush=True)
+c.close()
+"""
+
+
+def _concurrent_rate(path, sock, n, batch, args, clients: int) -> float:
+    import subprocess
+    import sys
+
+    reps = max(4, args.repeat)
+    procs = [subprocess.Popen([sys.executable, "-c", _READER, str(path), str(sock), str(n), str(batch), str(reps), str(args.seed + i)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in range(clients)]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"
+    t0 = time.perf_counter()
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    for p in procs:
+        p.stdout.readline()
+        p.wait(60)
+    wall = time.perf_counter() - t0
+    return clients * reps * batch / wall
