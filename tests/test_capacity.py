@@ -78,10 +78,18 @@ traces = st.builds(
 @given(traces)
 @settings(max_examples=40)
 def test_stack_distances_equal_a_per_id_python_stack(trace):
-    streams = cap.build_streams(trace)
     ref = naive_distances(trace)
-    for s, d in zip(streams, cap.stack_distances(streams)):
-        assert d.tolist() == ref[s.name]
+    uses, distinct = cap.trace_counts(trace, trace.table_names)
+    # both ways of deduplicating calls, with and without groups that repeat tables
+    for small_calls, cells in [(0, 0), (0, 1 << 16), (10**9, 0), (10**9, 1 << 16), (10**9, 50)]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cap, "SMALL_CALLS", small_calls)
+            mp.setattr(cap, "_GROUP_CELLS", cells)
+            streams = cap.build_streams(trace)
+            for s, d, u, w in zip(streams, cap.stack_distances(streams), uses, distinct):
+                assert d.tolist() == ref[s.name]
+                assert (s.n_uses, s.working_set) == (u, w)
+                assert cap.trace_counts(trace, [s.name]) == ([u], [w])
 
 
 def test_stack_distances_with_sparse_ids_and_many_tables():

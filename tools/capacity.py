@@ -22,8 +22,9 @@ semantics (tierstore/store.py):
   rows) bounds the hits any policy can get at that size.
 - SHARDS (Waldspurger et al., FAST'15): keep the rows whose hash falls below
   rate * 2**64, compute exact distances on that sub-trace, scale them by
-  1/rate. Its error is estimated from the spread between four disjoint
-  sub-samples.
+  1/rate; the trace's exact uses and distinct rows (cheap to count) pin the
+  first touches and the total (an extension of SHARDS_adj). Its error is
+  estimated from the spread between four disjoint sub-samples.
 
 Stack distances use a set of "removed" use positions: a use at position m is
 removed once its row is used again, so the distance of a use whose previous use
@@ -110,11 +111,25 @@ def _densify(ids: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 def build_stream(trace: Trace, table: int) -> TableStream:
-    """Deduplicate each call of one table the way the store does (a loop per call,
-    vectorized within it) and link every use to its row's previous use."""
+    """Deduplicate each call of one table the way the store does and link every
+    use to its row's previous use."""
     ids, offsets, calls = trace.table_calls(table)
     dense, space = _densify(ids)
-    n_ids, n_calls = len(ids), len(calls)
+    n_calls = len(calls)
+    t = trace.tables[table]
+    if n_calls and len(ids) < SMALL_CALLS * n_calls and space * n_calls < 2**62:
+        row, key, prev, bounds = _dedupe_by_sort(dense, offsets)
+    else:
+        row, key, prev, bounds = _dedupe_per_call(dense, offsets, space)
+    return TableStream(t.name, row, key, prev, bounds, calls.astype(np.int64), space, len(ids), t.num_rows)
+
+
+SMALL_CALLS = 64  # mean ids per call below which one sort beats a loop over calls
+
+
+def _dedupe_per_call(dense: np.ndarray, offsets: np.ndarray, space: int):
+    """A loop per call, vectorized within it; per-row scratch arrays."""
+    n_ids, n_calls = len(dense), len(offsets) - 1
     # int32 scratch where it fits: these arrays span the id space, and touching
     # their pages is a good part of the cost
     small = np.int32 if n_ids < np.iinfo(np.int32).max else np.int64
@@ -126,7 +141,7 @@ def build_stream(trace: Trace, table: int) -> TableStream:
     prev = np.empty(n_ids, dtype=np.int64)
     bounds = np.zeros(n_calls + 1, dtype=np.int64)
     n = 0
-    for j in range(n_calls):  # a loop per call, vectorized within it
+    for j in range(n_calls):
         s, e = int(offsets[j]), int(offsets[j + 1])
         x = dense[s:e]
         pos = np.arange(s, e, dtype=small)
@@ -141,8 +156,30 @@ def build_stream(trace: Trace, table: int) -> TableStream:
         last_use[u] = np.arange(n, n + m, dtype=small)
         n += m
         bounds[j + 1] = n
-    t = trace.tables[table]
-    return TableStream(t.name, row[:n], key[:n], prev[:n], bounds, calls.astype(np.int64), space, n_ids, t.num_rows)
+    return row[:n], key[:n], prev[:n], bounds
+
+
+def _dedupe_by_sort(dense: np.ndarray, offsets: np.ndarray):
+    """All calls at once, for many small calls: sort by (row, call); the first of
+    each run is a use, and the use before it in that order, if of the same row,
+    is its previous use."""
+    n_calls = len(offsets) - 1
+    call = np.repeat(np.arange(n_calls, dtype=np.int64), np.diff(offsets))
+    order = np.argsort(dense * n_calls + call, kind="stable")  # positions stay in order within a run
+    sorted_key = (dense * n_calls + call)[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = sorted_key[1:] != sorted_key[:-1]
+    pos = order[first]  # first position of each (row, call), by row then call
+    rows = dense[pos]
+    by_time = np.argsort(pos)
+    use = np.empty(len(pos), dtype=np.int64)
+    use[by_time] = np.arange(len(pos))
+    same_row = np.zeros(len(pos), dtype=bool)
+    same_row[1:] = rows[1:] == rows[:-1]
+    prev_sorted = np.full(len(pos), -1, dtype=np.int64)
+    prev_sorted[1:] = np.where(same_row[1:], use[:-1], -1)
+    key = pos[by_time]
+    return rows[by_time], key, prev_sorted[by_time], np.searchsorted(key, offsets).astype(np.int64)
 
 
 def build_streams(trace: Trace, tables: Sequence[str] | None = None) -> list[TableStream]:
@@ -204,8 +241,10 @@ class RemovedSet:
 def stack_distances(streams: Sequence[TableStream], progress: bool = False) -> list[np.ndarray]:
     """LRU stack distance of every use of every stream (-1 for a first touch).
 
-    Calls are taken in trace order; consecutive calls of different tables form
-    one group and are answered together, since tables do not see each other.
+    Calls are taken in trace order, in groups answered together: a run of calls
+    of different tables (they do not see each other), or a short run of small
+    calls that repeats tables, where a use also subtracts the removals made by
+    earlier calls of its group (counted from a (queries x calls) prefix table).
     """
     if not streams:
         return []
@@ -213,52 +252,76 @@ def stack_distances(streams: Sequence[TableStream], progress: bool = False) -> l
     base = np.zeros(len(streams) + 1, dtype=np.int64)
     np.cumsum(n_uses, out=base[1:])
     total = int(base[-1])
-    # every call of every stream, in trace order: (stream, start on the global axis, length)
+    # every call of every stream, in trace order: (stream, start on the global axis, length, uses seen before)
     call_num = np.concatenate([s.calls for s in streams])
     call_stream = np.repeat(np.arange(len(streams)), [s.n_calls for s in streams])
     call_lo = np.concatenate([base[i] + s.bounds[:-1] for i, s in enumerate(streams)])
     call_len = np.concatenate([np.diff(s.bounds) for s in streams])
+    call_q = np.concatenate([np.diff(np.concatenate([[0], np.cumsum(s.prev >= 0)])[s.bounds]) for s in streams])
     order = np.argsort(call_num, kind="stable")
-    call_stream, call_lo, call_len = call_stream[order], call_lo[order], call_len[order]
-    keep = call_len > 0
-    call_stream, call_lo, call_len = call_stream[keep], call_lo[keep], call_len[keep]
+    keep = call_len[order] > 0
+    order = order[keep]
+    call_stream, call_lo, call_len, call_q = call_stream[order], call_lo[order], call_len[order], call_q[order]
     # the uses in trace order, their previous use and their call's start, on the global axis
     coords = gather_ranges(np.arange(total, dtype=np.int64), call_lo, call_len)
     prev_global = np.concatenate([np.where(s.prev >= 0, s.prev + base[i], -1) for i, s in enumerate(streams)])
     prev_o = prev_global[coords]
     start_o = np.repeat(call_lo, call_len)
-    group_ends = _group_ends(call_stream.tolist(), call_len)
+    call_o = np.repeat(np.arange(len(call_len)), call_len)
 
     dist = np.full(total, -1, dtype=np.int64)
     removed = RemovedSet(total + 1)
     bar = _progress(total, "stack distances", progress)
     lo = 0
-    for hi in group_ends:
+    ends = np.concatenate([[0], np.cumsum(call_len)])
+    for c0, c1, repeats in _groups(call_stream.tolist(), call_q.tolist()):
+        lo, hi = int(ends[c0]), int(ends[c1])
         p = prev_o[lo:hi]
         seen = np.flatnonzero(p >= 0)
         if len(seen):
             pm, bm = p[seen], start_o[lo:hi][seen]
             between = removed.count_below(bm) - removed.count_below(pm + 1)
+            if repeats:
+                between += _earlier_removals(pm, bm, call_o[lo:hi][seen] - c0, c1 - c0)
             dist[coords[lo:hi][seen]] = (bm - pm - 1) - between
             removed.add(pm)
         bar.update(hi - lo)
-        lo = hi
     bar.close()
     return [dist[base[i] : base[i + 1]] for i in range(len(streams))]
 
 
-def _group_ends(call_stream: list[int], call_len: np.ndarray) -> list[int]:
-    """End (in uses) of each maximal run of calls with distinct tables."""
-    ends, seen, pos = [], set(), 0
-    lengths = call_len.tolist()
-    for s, n in zip(call_stream, lengths):  # a loop per call, not per id
-        if s in seen:
-            ends.append(pos)
-            seen = set()
+_GROUP_CELLS = 1 << 16  # queries x calls of a group that repeats tables
+
+
+def _groups(call_stream: list[int], call_q: list[int]) -> list[tuple[int, int, bool]]:
+    """(first call, end call, repeats a table) of each group, greedily."""
+    out, seen, q, start, repeats = [], set(), 0, 0, False
+    for c, (s, n) in enumerate(zip(call_stream, call_q)):  # a loop per call, not per id
+        again = s in seen
+        if (again or repeats) and (q + n) * (c + 1 - start) > _GROUP_CELLS and c > start:
+            out.append((start, c, repeats))
+            seen, q, start, repeats, again = set(), 0, c, False, False
         seen.add(s)
-        pos += n
-    ends.append(pos)
-    return [e for i, e in enumerate(ends) if e > (ends[i - 1] if i else 0)]
+        q += n
+        repeats |= again
+    if len(call_stream) > start:
+        out.append((start, len(call_stream), repeats))
+    return out
+
+
+def _earlier_removals(p: np.ndarray, b: np.ndarray, call: np.ndarray, n_calls: int) -> np.ndarray:
+    """For each query, removals by earlier calls of its group inside (p, b): the
+    queries e' with call(e') < call(e) and p < p' < b (which also keeps e' to the
+    same table, since tables own disjoint ranges of the axis)."""
+    order = np.argsort(p, kind="stable")
+    ps = p[order]
+    first_above = np.searchsorted(ps, p, side="right")
+    first_at_b = np.searchsorted(ps, b, side="left")
+    # below[k, c]: among the k smallest p', how many belong to calls before c
+    below = np.zeros((len(p) + 1, n_calls + 1), dtype=np.int32)
+    below[1:] = call[order][:, None] < np.arange(n_calls + 1)[None, :]
+    np.cumsum(below, axis=0, out=below)
+    return below[first_at_b, call] - below[first_above, call]
 
 
 # -- miss-ratio curves ----------------------------------------------------------------------------
@@ -273,7 +336,7 @@ class LruCurve:
 
     name: str
     hist: np.ndarray
-    cold: int
+    cold: float  # first touches (sampled units; an int when exact)
     n_accesses: int
     n_calls: int
     rate: float = 1.0
@@ -305,7 +368,7 @@ class LruCurve:
 
     def cum(self) -> np.ndarray:
         if self._cum is None:
-            self._cum = np.cumsum(self.hist) + self.adjust
+            self._cum = np.cumsum(self.hist) + self.adjust if self.adjust else np.cumsum(self.hist)
         return self._cum
 
     def hits(self, rows) -> np.ndarray:
@@ -432,18 +495,20 @@ def shards_curves(trace: Trace, rate: float, tables: Sequence[str] | None = None
                   adjust: bool = True, progress: bool = False, estimate_error: bool = True) -> ShardsResult:
     """Approximate LRU curves by SHARDS at ``rate``.
 
-    SHARDS_adj: the number of sampled uses is compared with its expectation,
-    rate * uses, and the difference is put at distance 0 (as hits); the uses of
-    the full trace come from a cheap per-call count of distinct ids. The error
-    is estimated as the standard error between four disjoint sub-samples.
+    Adjustment (SHARDS_adj, extended): the trace's exact uses U and distinct
+    rows W are cheap to count (a scatter per call, no streams), so the first
+    touches are set to W and the difference between the sampled uses and their
+    expectation is put at distance 0: hits(C) = U - W - (sampled reuses with
+    distance >= rate * C) / rate. Only the reuse distances are estimated. The
+    error is estimated as the standard error between four disjoint sub-samples.
     """
     t0 = time.perf_counter()
     sub, part = shards_sample(trace, rate, seed, progress=progress)
     names = list(tables) if tables else trace.table_names
-    expected = _uses_per_table(trace, names) if adjust else None
+    exact = trace_counts(trace, names) if adjust else None
     per_table = np.bincount(trace.call_table, weights=np.diff(trace.offsets), minlength=len(trace.tables))
     accesses = [int(per_table[trace.table_index(n)]) for n in names]
-    curves = _sample_curves(sub, names, rate, expected, accesses, progress)
+    curves = _sample_curves(sub, names, rate, exact, accesses, progress)
     mae = [float("nan")] * len(names)
     if estimate_error and sub.n_accesses:
         parts = []
@@ -452,7 +517,7 @@ def shards_curves(trace: Trace, rate: float, tables: Sequence[str] | None = None
             pos = np.flatnonzero(keep)
             offs = np.searchsorted(pos, sub.offsets).astype(np.int64)
             parts.append(_sample_curves(Trace(sub.tables, sub.ids[keep], offs, sub.call_table, sub.call_step),
-                                        names, rate / 4, expected, accesses, False))
+                                        names, rate / 4, exact, accesses, False))
         for i, c in enumerate(curves):
             grid = _grid(c.working_set)
             ratios = np.array([p[i].hit_ratio(grid) for p in parts])
@@ -462,32 +527,47 @@ def shards_curves(trace: Trace, rate: float, tables: Sequence[str] | None = None
     return ShardsResult(curves, rate, sub.n_accesses, mae, time.perf_counter() - t0)
 
 
-def _sample_curves(sub: Trace, names, rate, expected, accesses, progress) -> list[LruCurve]:
+def _sample_curves(sub: Trace, names, rate, exact, accesses, progress) -> list[LruCurve]:
     streams = build_streams(sub, names)
     dists = stack_distances(streams, progress)
     out = []
     for i, (s, d) in enumerate(zip(streams, dists)):
-        adj = rate * expected[i] - s.n_uses if expected is not None else 0.0
-        out.append(LruCurve.from_distances(s, d, rate, adj))
-        out[-1].n_accesses = accesses[i]
+        c = LruCurve.from_distances(s, d, rate)
+        if exact is not None:
+            uses, distinct = exact[0][i], exact[1][i]
+            c.cold = rate * distinct
+            c.adjust = rate * uses - float(c.hist.sum()) - c.cold
+        c.n_accesses = accesses[i]
+        out.append(c)
     return out
 
 
-def _uses_per_table(trace: Trace, names) -> list[int]:
-    """Unique ids per call, summed per table: one scatter and gather per call."""
-    out = []
+def trace_counts(trace: Trace, names) -> tuple[list[int], list[int]]:
+    """Per table: uses (unique ids per call, summed) and distinct rows, without
+    building streams: a scatter and a gather per call, or one sort for many small calls."""
+    uses, distinct = [], []
     for name in names:
         ids, offsets, _ = trace.table_calls(trace.table_index(name))
         dense, space = _densify(ids)
-        stamp = np.full(space, -1, dtype=np.int64)
-        n = 0
-        for j in range(len(offsets) - 1):
-            x = dense[offsets[j] : offsets[j + 1]]
-            pos = np.arange(len(x))
-            stamp[x] = pos  # whichever position wins, exactly one per distinct id matches
-            n += int(np.count_nonzero(stamp[x] == pos))
-        out.append(n)
-    return out
+        n_calls = len(offsets) - 1
+        if n_calls and len(ids) < SMALL_CALLS * n_calls and space * n_calls < 2**62:
+            call = np.repeat(np.arange(n_calls, dtype=np.int64), np.diff(offsets))
+            k = np.sort(dense * n_calls + call)
+            uses.append(int(len(k) and 1 + np.count_nonzero(k[1:] != k[:-1])))
+            seen = np.zeros(space, dtype=bool)
+            seen[dense] = True
+        else:
+            stamp = np.full(space, -1, dtype=np.int64)
+            n = 0
+            for j in range(n_calls):
+                x = dense[offsets[j] : offsets[j + 1]]
+                pos = np.arange(len(x))
+                stamp[x] = pos  # whichever position wins, exactly one per distinct id matches
+                n += int(np.count_nonzero(stamp[x] == pos))
+            uses.append(n)
+            seen = stamp >= 0
+        distinct.append(int(np.count_nonzero(seen)))
+    return uses, distinct
 
 
 def _grid(working_set: float, n: int = 200) -> np.ndarray:
