@@ -240,3 +240,24 @@ def test_bad_config_is_refused(tmp_path):
         PrefetchConfig(workers=0)
     with pytest.raises(ValueError, match="depth"):
         LookaheadLoader([], TieredStore(tmp_path / "x", [TableSpec("t", 10, 2)], device="cpu"), depth=-1)
+
+
+def test_module_prefetch_stages_the_rows_forward_reads(tmp_path):
+    emb = make_bag(tmp_path / "bag", ddr_rows=64)
+    ids, offsets = batches(1)[0]
+    emb.prefetch(ids, offsets).wait()
+    assert emb.store.prefetch_stats()["staged_rows"] == min(64, len(torch.unique(ids)))
+    emb(ids, offsets).sum().backward()
+    assert emb.store.prefetch_stats()["tables"][emb.table]["served_rows"] > 0
+    emb.close()
+    ebc = tierstore.TieredEmbeddingBagCollection(
+        tables=[TableSpec("a", 100, 4), TableSpec("b", 100, 4)], path=tmp_path / "ebc", ddr_rows=50,
+        optimizer=tierstore.optim.SGD(lr=0.1), device="cpu",
+    )
+    features = {"a": (torch.tensor([1, 2, 3]), torch.tensor([0])), "b": (torch.tensor([7]), torch.tensor([0]))}
+    group = ebc.prefetch(features)
+    group.wait()
+    assert [t.table for t in group.tickets] == ["a", "b"]
+    assert ebc.store.prefetch_stats()["staged_rows"] == 4
+    group.release()
+    ebc.close()

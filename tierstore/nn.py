@@ -10,10 +10,12 @@ cache's use counts, and several forwards may precede their backwards. The
 backward computes the summed gradient of every touched row, applies the fused
 optimizer step and writes the rows back in one ``store.write``.
 
-Determinism: the gradient of a row is summed in a fixed order (occurrence
-order within the row, via a stable sort) with CPU kernels that do not use
-atomics, and the update depends only on row values, so training is bit-identical
-whatever the tier sizes and eviction policy.
+Determinism: the gradient of a row is summed in an order that depends only on
+the ids of the batch (that of torch.sort, which torch's own sparse gradients
+use too), with kernels that use no atomics, and the update depends only on
+row values, so training is bit-identical whatever the tier sizes and eviction
+policy (on CPU: equal to nn.EmbeddingBag(sparse=True) + torch.optim.Adagrad
+bit for bit, sum or mean mode without per-sample weights).
 """
 from __future__ import annotations
 
@@ -116,7 +118,7 @@ class _Bags:
     bag_of: torch.Tensor  # [M] bag of each used entry
     sizes: torch.Tensor  # [B] used entries per bag
     offsets: torch.Tensor  # [B] start of each bag in ``local``
-    perm: torch.Tensor  # [M] entries sorted by row, stable (occurrence order within a row)
+    perm: torch.Tensor  # [M] entries sorted by row (torch.sort; a pure function of the ids)
     row_counts: torch.Tensor  # [U] entries per unique row
     used: torch.Tensor | None  # [M] positions in the flat input of the used entries; None = all, in order
     n_input: int  # entries in the flat input
@@ -195,17 +197,17 @@ def _row_grads(mode: str, bags: _Bags, grad_out: torch.Tensor, psw, max_idx) -> 
         g.index_add_(0, flat, grad_out[nonempty].reshape(-1))
         return g.reshape(U, dim)
     # sum/mean: the transpose of the forward, itself a bag sum: row u's bag is the
-    # list of (bag, weight) of its entries, in occurrence order.
+    # list of bags its entries fall in, summed in the order torch.sort puts the
+    # entries in. That is the order torch's sparse gradients are coalesced in,
+    # and the mean is applied as a division as torch does, so without
+    # per-sample weights the row gradients equal nn.EmbeddingBag(sparse=True)'s bit for bit.
     if mode == "mean":
-        scale = 1.0 / bags.sizes.clamp(min=1).to(grad_out.dtype)
-        weight = scale.index_select(0, bags.bag_of)
-    else:
-        weight = None if psw is None else psw.cpu()
+        grad_out = grad_out / bags.sizes.clamp(min=1).to(device=dev, dtype=grad_out.dtype).unsqueeze(1)
     perm = bags.perm
     row_offsets = torch.zeros(U, dtype=torch.int64)
     if U > 1:
         torch.cumsum(bags.row_counts[:-1], 0, out=row_offsets[1:])
-    w = None if weight is None else weight.index_select(0, perm).to(dev)
+    w = None if psw is None else psw.index_select(0, perm.to(psw.device))
     g, *_ = torch.embedding_bag(
         grad_out, bags.bag_of.index_select(0, perm).to(dev), row_offsets.to(dev), False, 0, False, w, False, None
     )
@@ -358,6 +360,14 @@ class TieredEmbeddingBag(nn.Module):
         bags = self._plan(input, offsets, per_sample_weights)  # validates before the store is touched
         return self._run(bags, per_sample_weights)
 
+    def prefetch(self, input: torch.Tensor, offsets: torch.Tensor | None = None):
+        """Start bringing up the rows a later ``forward(input, offsets)`` reads; returns at
+        once with a tierstore.PrefetchTicket (``wait()`` raises a failure, such as a bad id)."""
+        ids = torch.as_tensor(input).reshape(-1)
+        if self.config.padding_idx is not None:
+            ids = ids[ids != self.config.padding_idx]
+        return self.store.prefetch(self.table, ids)
+
     def close(self) -> None:
         """Close the store if this module opened it (flushes every row)."""
         if self._owns_store:
@@ -474,7 +484,8 @@ class TieredEmbeddingBag(nn.Module):
         bag_offsets = torch.zeros(nbags, dtype=torch.int64)
         if nbags > 1:
             torch.cumsum(sizes[:-1], 0, out=bag_offsets[1:])
-        sorted_ids, perm = torch.sort(ids, stable=True)
+        # not stable=True: the default sort orders equal ids as torch's sparse coalesce does (see _row_grads)
+        sorted_ids, perm = torch.sort(ids)
         uid, row_counts = torch.unique_consecutive(sorted_ids, return_counts=True)
         local = torch.empty_like(ids)
         local[perm] = torch.repeat_interleave(torch.arange(len(uid)), row_counts, output_size=len(ids))
@@ -591,6 +602,16 @@ class TieredEmbeddingBagCollection(nn.Module):
                 raise TypeError(f"feature {name!r} must be (values, offsets), (values, offsets, per_sample_weights) or a 2-D tensor")
             plans[name] = (bag, bag._plan(values, offsets, psw), psw)
         return {name: bag._run(bags, psw) for name, (bag, bags, psw) in plans.items()}
+
+    def prefetch(self, features: Mapping[str, object]):
+        """Start bringing up the rows of a later ``forward(features)``; returns at once
+        with a tierstore.prefetch.PrefetchGroup of one ticket per table."""
+        from .prefetch import PrefetchGroup
+
+        return PrefetchGroup(
+            self._bags[self._known(name)].prefetch(f[0] if isinstance(f, (tuple, list)) else f)
+            for name, f in features.items()
+        )
 
     def close(self) -> None:
         """Close the store if this collection opened it (flushes every row)."""
