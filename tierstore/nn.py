@@ -199,10 +199,10 @@ def _row_grads(mode: str, bags: _Bags, grad_out: torch.Tensor, psw, max_idx) -> 
     # sum/mean: the transpose of the forward, itself a bag sum: row u's bag is the
     # list of bags its entries fall in, summed in the order torch.sort puts the
     # entries in. That is the order torch's sparse gradients are coalesced in,
-    # and the mean is applied as a division as torch does, so without
+    # and the mean is applied as torch applies it, so without
     # per-sample weights the row gradients equal nn.EmbeddingBag(sparse=True)'s bit for bit.
-    if mode == "mean":
-        grad_out = grad_out / bags.sizes.clamp(min=1).to(device=dev, dtype=grad_out.dtype).unsqueeze(1)
+    if mode == "mean":  # times the reciprocal, as torch does (not a division: that rounds differently)
+        grad_out = grad_out * (1.0 / bags.sizes.clamp(min=1).to(device=dev, dtype=grad_out.dtype)).unsqueeze(1)
     perm = bags.perm
     row_offsets = torch.zeros(U, dtype=torch.int64)
     if U > 1:

@@ -98,9 +98,10 @@ class Adagrad(RowOptimizer):
         return dim
 
     def _step(self, rows, grad, dim):
+        # the same op sequence as torch.optim.Adagrad's sparse path, so results are bit-identical to it
         w, s = rows[:, :dim], rows[:, dim:]
-        s.addcmul_(grad, grad)
-        w.addcdiv_(grad, s.sqrt().add_(self.eps), value=-self.lr)
+        s.add_(grad.pow(2))
+        w.add_(grad / s.sqrt().add_(self.eps), alpha=-self.lr)
 
     def _hyper(self):
         return {"lr": self.lr, "eps": self.eps}
@@ -155,12 +156,13 @@ class Adam(RowOptimizer):
         t.add_(1.0)
         m.lerp_(grad, 1.0 - b1)
         v.mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
-        # bias corrections in float64, as torch computes them from a Python float step
+        # the op sequence of torch.optim.Adam (single-tensor path): bias corrections
+        # in float64 from the step count, then w + (-step_size * m) / denom
         t64 = t.double()
         step_size = (self.lr / (1.0 - torch.pow(b1, t64))).float()
-        bc2_sqrt = (1.0 - torch.pow(b2, t64)).sqrt().float()
+        bc2_sqrt = torch.pow(1.0 - torch.pow(b2, t64), 0.5).float()
         denom = v.sqrt().div_(bc2_sqrt).add_(self.eps)
-        w.sub_(m.div(denom).mul_(step_size))
+        w.add_(m.mul(-step_size).div_(denom))
 
     def _hyper(self):
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps}

@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # module (in tierstore.tools) -> verbs it registers
-COMMAND_MODULES = ("bench", "stats", "trace_cli", "daemon")
+COMMAND_MODULES = ("bench", "stats", "trace_cli", "daemon", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

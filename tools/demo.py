@@ -1,0 +1,353 @@
+"""``tierstore demo``: train a small DLRM whose embedding tables live in a TieredStore.
+
+The model: a bottom MLP over 13 dense features, several embedding tables
+(TieredEmbeddingBagCollection, fused Adagrad), pairwise dot-product
+interaction, a top MLP, logistic loss. The data: synthetic clicks whose ids
+follow a Zipf law, with labels drawn from a hidden logistic model, so the
+loss has something to learn. Every table is several times larger than its DDR
+tier, so rows move between HBM, DDR and LMDB all the time. ``--compare``
+trains the same model with torch.nn.EmbeddingBag in memory on the same data
+and checks that the two runs agree.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import shutil
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+DENSE_FEATURES = 13
+MARKER = "tierstore-demo.json"  # marks a directory this demo made, so a rerun may replace it
+LOSS_WINDOW = 50
+AGREE_RTOL = 1e-3  # --compare: the two runs' mean loss over the last window must agree this closely
+
+
+@dataclass
+class DemoConfig:
+    dir: Path = Path("tierstore-demo")
+    steps: int = 600
+    batch: int = 256
+    tables: int = 4
+    rows: int = 200_000
+    dim: int = 16
+    pooling: int = 8  # bags hold 1..2*pooling-1 ids, pooling on average
+    hbm_rows: int = 2_000
+    ddr_rows: int = 10_000
+    policy: str = "lru"
+    optimizer: str = "adagrad"
+    lr: float = 0.05
+    alpha: float = 1.05
+    seed: int = 0
+    threads: int = 1  # the demo's tensors are small: more intra-op threads mostly contend
+    compare: bool = False
+    progress: bool = True
+
+    def __post_init__(self):
+        self.dir = Path(self.dir)
+        for name in ("steps", "batch", "tables", "rows", "dim", "pooling", "threads"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"--{name} must be a positive integer, got {v!r}")
+        for name in ("hbm_rows", "ddr_rows"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not self.alpha > 0:
+            raise ValueError(f"--alpha must be > 0, got {self.alpha}")
+
+    @property
+    def table_names(self) -> list[str]:
+        return [f"cat{i}" for i in range(self.tables)]
+
+
+def _tierstore_opt(name, lr):
+    import tierstore
+    return {"adagrad": tierstore.optim.Adagrad, "sgd": tierstore.optim.SGD}[name](lr=lr)
+
+
+# embedding optimizer in the store, and its torch.optim twin for --compare
+OPTIMIZERS: dict[str, type] = {"adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
+
+
+class ZipfIds:
+    """Ids in [0, n) with P(rank k) proportional to k**-alpha; a fixed random
+    permutation scatters the ranks over the ids, so hot rows are not adjacent."""
+
+    def __init__(self, n: int, alpha: float, generator: torch.Generator):
+        p = torch.arange(1, n + 1, dtype=torch.float64).pow_(-alpha)
+        self.cdf = torch.cumsum(p, 0).div_(p.sum())
+        self.perm = torch.randperm(n, generator=generator)
+        self.n = n
+
+    def sample(self, size: int, generator: torch.Generator) -> torch.Tensor:
+        u = torch.rand(size, dtype=torch.float64, generator=generator)
+        rank = torch.searchsorted(self.cdf, u).clamp_(max=self.n - 1)
+        return self.perm[rank]
+
+
+class ClickData:
+    """Synthetic click batches. Labels come from a hidden logistic model: a
+    dense linear term plus a hidden affinity per (table, row), averaged over
+    each bag, so a model that learns the rows can predict the clicks."""
+
+    def __init__(self, cfg: DemoConfig, generator: torch.Generator):
+        self.cfg = cfg
+        self.zipf = [ZipfIds(cfg.rows, cfg.alpha, generator) for _ in cfg.table_names]
+        self.w_dense = torch.randn(DENSE_FEATURES, generator=generator) / math.sqrt(DENSE_FEATURES)
+        self.affinity = [torch.randn(cfg.rows, generator=generator) for _ in cfg.table_names]
+
+    def batch(self, generator: torch.Generator):
+        cfg, B = self.cfg, self.cfg.batch
+        dense = torch.randn(B, DENSE_FEATURES, generator=generator)
+        logit = dense @ self.w_dense - 0.5
+        sparse = {}
+        for name, zipf, aff in zip(cfg.table_names, self.zipf, self.affinity):
+            sizes = torch.randint(1, 2 * cfg.pooling, (B,), generator=generator)
+            ids = zipf.sample(int(sizes.sum()), generator)
+            offsets = torch.zeros(B, dtype=torch.int64)
+            offsets[1:] = torch.cumsum(sizes[:-1], 0)
+            bag_of = torch.repeat_interleave(torch.arange(B), sizes)
+            logit += 1.5 * torch.zeros(B).index_add_(0, bag_of, aff[ids]) / sizes
+            sparse[name] = (ids, offsets)
+        labels = torch.bernoulli(torch.sigmoid(logit), generator=generator)
+        return dense, sparse, labels
+
+
+def _mlp(sizes: list[int], generator: torch.Generator) -> nn.Sequential:
+    layers = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        lin = nn.Linear(a, b)
+        bound = 1 / math.sqrt(a)
+        nn.init.uniform_(lin.weight, -bound, bound, generator=generator)
+        nn.init.uniform_(lin.bias, -bound, bound, generator=generator)
+        layers.append(lin)
+        if i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class DLRM(nn.Module):
+    """Bottom MLP, embedding bags, pairwise dot interaction, top MLP."""
+
+    def __init__(self, embeddings: Callable[[Mapping], Mapping[str, torch.Tensor]], names: list[str], dim: int,
+                 generator: torch.Generator):
+        super().__init__()
+        self.embeddings, self.names = embeddings, names
+        self.bottom = _mlp([DENSE_FEATURES, 64, dim], generator)
+        k = len(names) + 1
+        self.register_buffer("pairs", torch.triu_indices(k, k, offset=1), persistent=False)
+        self.top = _mlp([dim + k * (k - 1) // 2, 64, 1], generator)
+
+    def forward(self, dense: torch.Tensor, sparse: Mapping) -> torch.Tensor:
+        x = self.bottom(dense)
+        pooled = self.embeddings(sparse)
+        z = torch.stack([x] + [pooled[n] for n in self.names], dim=1)
+        inter = torch.bmm(z, z.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
+        return self.top(torch.cat([x, inter], dim=1)).squeeze(1)
+
+
+class InMemoryBags(nn.Module):
+    """The --compare twin: one nn.EmbeddingBag(sparse=True) per table, same initial rows."""
+
+    def __init__(self, initial: Mapping[str, torch.Tensor]):
+        super().__init__()
+        self.bags = nn.ModuleDict({n: nn.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", sparse=True)
+                                   for n, w in initial.items()})
+
+    def forward(self, sparse):
+        return {n: self.bags[n](*f) for n, f in sparse.items()}
+
+
+@dataclass
+class RunResult:
+    losses: list[float]
+    seconds: float
+    eval_loss: float
+    eval_accuracy: float
+
+
+def _prepare_dir(path: Path) -> None:
+    if path.exists():
+        if (path / MARKER).exists():
+            shutil.rmtree(path)  # a previous demo run: start afresh
+        elif path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+        else:
+            raise FileExistsError(f"{path} exists and was not made by tierstore demo; pass --dir with a new directory")
+    path.mkdir(parents=True)
+
+
+def _served(stats: dict) -> np.ndarray:
+    """Lookups served by HBM, DDR and LMDB, cumulative."""
+    h, d = stats["hbm"], stats["ddr"]
+    lookups = h["hits"] + h["misses"]
+    return np.array([h["hits"], d["hits"], lookups - h["hits"] - d["hits"]], dtype=np.float64)
+
+
+def _shares(served: np.ndarray) -> str:
+    total = served.sum()
+    if not total:
+        return "-"
+    return " ".join(f"{name} {100 * v / total:.0f}%" for name, v in zip(("hbm", "ddr", "lmdb"), served))
+
+
+def _train(cfg: DemoConfig, model: DLRM, emb_opt, data: ClickData, generator: torch.Generator, clock, label: str,
+           stats: Callable[[], dict] | None) -> RunResult:
+    from tqdm import tqdm
+
+    dense_opt = torch.optim.Adagrad([*model.bottom.parameters(), *model.top.parameters()], lr=cfg.lr)
+    loss_fn = nn.BCEWithLogitsLoss()
+    losses = []
+    bar = tqdm(total=cfg.steps, desc=label, unit="step", disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True)
+    last = _served(stats()) if stats else None
+    start = clock()
+    for step in range(cfg.steps):
+        dense, sparse, labels = data.batch(generator)
+        loss = loss_fn(model(dense, sparse), labels)
+        dense_opt.zero_grad(set_to_none=True)
+        if emb_opt is not None:
+            emb_opt.zero_grad(set_to_none=True)
+        loss.backward()  # TieredEmbeddingBag rows are updated here, by the fused optimizer
+        dense_opt.step()
+        if emb_opt is not None:
+            emb_opt.step()
+        losses.append(loss.item())
+        if cfg.progress and (step % 10 == 9 or step == cfg.steps - 1):
+            post = {"loss": f"{np.mean(losses[-LOSS_WINDOW:]):.4f}"}
+            if stats:
+                now = _served(stats())
+                post["served"] = _shares(now - last)
+                last = now
+            bar.set_postfix(post, refresh=False)
+            bar.update(step + 1 - bar.n)
+    seconds = clock() - start
+    bar.close()
+    # held-out batches, forward only: no backward, nothing is updated
+    model.eval()
+    with torch.no_grad():
+        ev_loss, ev_acc = [], []
+        for _ in range(4):
+            dense, sparse, labels = data.batch(generator)
+            logits = model(dense, sparse)
+            ev_loss.append(loss_fn(logits, labels).item())
+            ev_acc.append(((logits > 0).float() == labels).float().mean().item())
+    model.train()
+    return RunResult(losses, seconds, float(np.mean(ev_loss)), float(np.mean(ev_acc)))
+
+
+def run_demo(cfg: DemoConfig, seed_generator: Callable[[int], torch.Generator] = lambda s: torch.Generator().manual_seed(s),
+             clock: Callable[[], float] = time.perf_counter, out=sys.stdout) -> int:
+    """Train the tiered model (and with cfg.compare the in-memory one); print a summary. 0 = success."""
+    import tierstore
+    from tierstore.spec import initial_rows
+
+    torch.set_num_threads(cfg.threads)
+    _prepare_dir(cfg.dir)
+    (cfg.dir / MARKER).write_text(json.dumps({k: str(v) for k, v in dataclasses.asdict(cfg).items()}, indent=1))
+    store_dir = cfg.dir / "store"
+    init = tierstore.RowInit.uniform(-0.05, 0.05, seed=cfg.seed)
+    specs = [tierstore.TableSpec(n, cfg.rows, cfg.dim, init=init) for n in cfg.table_names]
+
+    g = seed_generator(cfg.seed)
+    data = ClickData(cfg, g)
+    data_state = g.get_state()  # both runs see the same batches
+    ebc = tierstore.TieredEmbeddingBagCollection(tables=specs, path=store_dir, hbm_rows=cfg.hbm_rows, ddr_rows=cfg.ddr_rows,
+                                                 policy=cfg.policy, device="cpu", optimizer=_tierstore_opt(cfg.optimizer, cfg.lr))
+    model = DLRM(ebc, cfg.table_names, cfg.dim, seed_generator(cfg.seed + 1))
+    twin = copy.deepcopy((model.bottom, model.top)) if cfg.compare else None
+    g.set_state(data_state)
+    tiered = _train(cfg, model, None, data, g, clock, "tierstore", ebc.store.stats)
+    stats = ebc.store.stats()
+    resident = {n: ebc.store.resident_rows(n) for n in cfg.table_names}
+    ckpt = ebc.store.checkpoint(cfg.dir / "checkpoint")
+    ebc.close()
+
+    w = len(tiered.losses) and min(LOSS_WINDOW, len(tiered.losses))
+    served = _served(stats)
+    d = stats["ddr"]
+    lines = [
+        f"tierstore demo: {cfg.steps} steps of {cfg.batch} examples in {tiered.seconds:.1f} s "
+        f"({cfg.steps / tiered.seconds:.1f} steps/s)",
+        f"  model      DLRM: bottom MLP 13-64-{cfg.dim}, {cfg.tables} tables, dot interaction, top MLP; "
+        f"{cfg.optimizer} (fused into backward for the tables), lr {cfg.lr}",
+        f"  tables     {cfg.tables} x {cfg.rows:,} rows x {cfg.dim} dims, Zipf alpha {cfg.alpha}; per table "
+        f"HBM {cfg.hbm_rows:,} rows, DDR {cfg.ddr_rows:,} rows ({cfg.rows / max(cfg.ddr_rows, 1):.0f}x smaller than the table), policy {cfg.policy}",
+        f"  loss       first {w} steps {np.mean(tiered.losses[:w]):.4f} -> last {w} steps {np.mean(tiered.losses[-w:]):.4f}; "
+        f"held-out {tiered.eval_loss:.4f}, accuracy {100 * tiered.eval_accuracy:.1f}%",
+        f"  served     {_shares(served)} of {int(served.sum()):,} row lookups; DDR hit rate on HBM misses "
+        f"{100 * d['hits'] / max(d['hits'] + d['misses'], 1):.0f}%",
+        f"  lmdb       {stats['ssd']['reads']:,} rows read, {stats['ssd']['writes']:,} rows written; "
+        f"resident now {sum(r['hbm'] for r in resident.values()):,} HBM + {sum(r['ddr'] for r in resident.values()):,} DDR rows",
+        f"  store      {store_dir} (reopen: tierstore.TieredStore({str(store_dir)!r})); checkpoint {ckpt}",
+    ]
+    status = 0
+    if cfg.compare:
+        initial = {s.name: torch.from_numpy(initial_rows(s, np.arange(cfg.rows))) for s in specs}
+        bags = InMemoryBags(initial)
+        twin_model = DLRM(bags, cfg.table_names, cfg.dim, seed_generator(cfg.seed + 1))
+        twin_model.bottom, twin_model.top = twin
+        emb_opt = OPTIMIZERS[cfg.optimizer](bags.parameters(), lr=cfg.lr)
+        g.set_state(data_state)
+        mem = _train(cfg, twin_model, emb_opt, data, g, clock, "in memory", None)
+        a, b = np.mean(tiered.losses[-w:]), np.mean(mem.losses[-w:])
+        worst = float(np.max(np.abs(np.array(tiered.losses) - np.array(mem.losses))))
+        agree = abs(a - b) <= AGREE_RTOL * abs(b) and abs(tiered.eval_loss - mem.eval_loss) <= AGREE_RTOL * abs(mem.eval_loss)
+        status = 0 if agree else 1
+        lines += [
+            f"  compare    nn.EmbeddingBag in memory: last {w} steps loss {b:.4f} vs tierstore {a:.4f}; held-out "
+            f"{mem.eval_loss:.4f} vs {tiered.eval_loss:.4f}; largest per-step loss difference {worst:.1e} -> "
+            + ("AGREE" if agree else f"DISAGREE (beyond rtol {AGREE_RTOL})"),
+            f"  speed      in memory {cfg.steps / mem.seconds:.1f} steps/s, tierstore {cfg.steps / tiered.seconds:.1f} steps/s "
+            f"({mem.seconds / tiered.seconds:.2f}x of in-memory speed, with rows moving through HBM, DDR and LMDB)",
+        ]
+    print("\n".join(lines), file=out)
+    return status
+
+
+def register(sub) -> None:
+    d = DemoConfig()
+    p = sub.add_parser("demo", help="train a small DLRM whose embedding tables are larger than memory tiers",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", type=Path, default=d.dir, help=f"directory for the store and checkpoint (default ./{d.dir}; replaced on rerun)")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch", type=int, default=d.batch, help="examples per step")
+    p.add_argument("--tables", type=int, default=d.tables)
+    p.add_argument("--rows", type=int, default=d.rows, help="rows per table")
+    p.add_argument("--dim", type=int, default=d.dim)
+    p.add_argument("--pooling", type=int, default=d.pooling, help="mean ids per bag")
+    p.add_argument("--hbm-rows", type=int, default=d.hbm_rows, help="HBM tier rows per table")
+    p.add_argument("--ddr-rows", type=int, default=d.ddr_rows, help="DDR tier rows per table")
+    p.add_argument("--policy", choices=("lru", "lfu"), default=d.policy)
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=d.optimizer)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--alpha", type=float, default=d.alpha, help="Zipf exponent of the ids")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads (default 1)")
+    p.add_argument("--compare", action="store_true", help="also train with nn.EmbeddingBag in memory and compare")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    fields = {f.name for f in dataclasses.fields(DemoConfig)}
+    try:
+        cfg = DemoConfig(**{k: v for k, v in vars(args).items() if k in fields})
+        return run_demo(cfg)
+    except (ValueError, FileExistsError) as e:
+        print(f"tierstore demo: error: {e}", file=sys.stderr)
+        return 2
