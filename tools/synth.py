@@ -228,53 +228,182 @@ def histogram_distance(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(np.asarray(a) - np.asarray(b)).sum() / 2)
 
 
+# -- expected histograms: counts per row in a batch are Poisson(M p_r) --------------------------------------
+_LOG_LAM = np.linspace(np.log(1e-12), np.log(1e7), 6000)
+_PROBS: tuple[np.ndarray, np.ndarray] | None = None
+
+
+def _bucket_probs() -> tuple[np.ndarray, np.ndarray]:
+    """For each lambda on a log grid: P(X in bucket) and E[X; X in bucket], X ~ Poisson(lambda)."""
+    global _PROBS
+    if _PROBS is None:
+        lam = np.exp(_LOG_LAM)
+        edges = BUCKET_EDGES
+        points = np.unique(np.concatenate([edges, edges - 1]))
+        points = points[points >= 0]
+        cdf = np.empty((len(lam), len(points)))
+        small = lam <= 1000
+        kmax = 2400  # beyond lambda + 40 sd for every small lambda
+        k = np.arange(kmax + 1)
+        logfact = np.concatenate([[0.0], np.cumsum(np.log(np.arange(1, kmax + 1)))])
+        pmf = np.exp(k[None, :] * np.log(lam[small])[:, None] - lam[small][:, None] - logfact[None, :])
+        full = np.cumsum(pmf, axis=1)
+        cdf[small] = np.where(points[None, :] <= kmax, full[:, np.minimum(points, kmax)], 1.0)
+        big = lam[~small]
+        z = (points[None, :] + 0.5 - big[:, None]) / np.sqrt(big)[:, None]
+        cdf[~small] = 0.5 * (1 + _erf(z / np.sqrt(2)))  # normal approximation, lambda > 1000
+        F = lambda x: np.where(x < 0, 0.0, cdf[:, np.searchsorted(points, np.maximum(x, 0))]) if np.ndim(x) == 0 else None  # noqa: E731
+        rows = np.empty((len(lam), len(edges)))
+        ids = np.empty((len(lam), len(edges)))
+        for j in range(len(edges)):  # 17 buckets
+            lo, hi = edges[j], edges[j + 1] if j + 1 < len(edges) else None
+            f_hi = F(hi) if hi is not None else 1.0
+            rows[:, j] = f_hi - F(lo)
+            f_hi1 = F(hi - 1) if hi is not None else 1.0
+            ids[:, j] = lam * (f_hi1 - F(lo - 1))  # E[X; a < X <= b] = lambda P(a - 1 < X <= b - 1)
+        _PROBS = (np.clip(rows, 0, 1), np.clip(ids, 0, None))
+    return _PROBS
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    # Abramowitz-Stegun 7.1.26 (|error| < 1.5e-7): numpy has no erf
+    t = 1 / (1 + 0.3275911 * np.abs(x))
+    y = 1 - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t + 0.254829592) * t * np.exp(-x * x)
+    return np.sign(x) * y
+
+
+def _zipf_bins(n: int, alpha: float, head: int = 1000, ratio: float = 1.005) -> tuple[np.ndarray, np.ndarray]:
+    """Ranks 1..n grouped: (rows per group, sum of r**-alpha per group); the head
+    one rank per group, the tail in geometric groups (midpoint-rule sums)."""
+    h = np.arange(1, min(n, head) + 1, dtype=np.float64)
+    sizes, mass = [np.ones_like(h)], [h**-alpha]
+    if n > head:
+        edges = np.unique(np.geomspace(head + 1, n + 1, max(2, int(np.log((n + 1) / (head + 1)) / np.log(ratio)) + 2)).round())
+        a, b = edges[:-1] - 0.5, edges[1:] - 0.5
+        integral = np.log(b / a) if alpha == 1 else (b ** (1 - alpha) - a ** (1 - alpha)) / (1 - alpha)
+        sizes.append(np.diff(edges))
+        mass.append(integral)
+    return np.concatenate(sizes), np.concatenate(mass)
+
+
+def expected_histograms(n: int, alpha: float, m: float) -> tuple[np.ndarray, np.ndarray]:
+    """Expected (distinct rows, ids) per bucket for a batch of m ids from Zipf(alpha) over n rows."""
+    rows_p, ids_p = _bucket_probs()
+    size, mass = _zipf_bins(int(n), float(alpha))
+    lam = m * (mass / size) / mass.sum()
+    pos = np.clip((np.log(np.maximum(lam, 1e-300)) - _LOG_LAM[0]) / (_LOG_LAM[1] - _LOG_LAM[0]), 0, len(_LOG_LAM) - 1.001)
+    i = pos.astype(np.int64)
+    f = (pos - i)[:, None]
+    blend = lambda t: t[i] * (1 - f) + t[i + 1] * f  # noqa: E731
+    return size @ blend(rows_p), size @ blend(ids_p)
+
+
+# -- calibration -------------------------------------------------------------------------------------------
 @dataclass
 class Calibration:
-    alpha: float
-    rows: int
+    """Tables (rows, alpha, share of the batch's ids) whose batch histograms best match the target."""
+
+    classes: tuple[tuple[int, float, float], ...]
     ids_per_table: int
-    rows_tv: float  # TV distance of the distinct-rows histogram
-    index_tv: float  # TV distance of the ids histogram
+    model_tv: tuple[float, float]  # (distinct rows, ids) TV distance of the Poisson model
+    rows_tv: float  # of a generated batch: the figure to quote
+    index_tv: float
     synthetic_rows_hist: np.ndarray
     synthetic_index_hist: np.ndarray
-    mean_reuse: float  # ids per distinct row in the synthetic batch
+    mean_reuse: float  # ids per distinct row in the generated batch
     target: LocalityStats
 
+    def synth_args(self) -> str:
+        pooling = lambda share: self.ids_per_table * share / self.target.batch_size  # noqa: E731
+        tables = " ".join(f"--table c{i}:{n}:{a:g}:{pooling(w):.4g}" for i, (n, a, w) in enumerate(self.classes))
+        return f"{tables} --batch-size {self.target.batch_size}"
+
     def as_dict(self) -> dict:
-        return {"alpha": self.alpha, "rows": self.rows, "ids_per_table": self.ids_per_table,
+        return {"classes": [{"rows": n, "alpha": a, "share": w} for n, a, w in self.classes],
+                "ids_per_table": self.ids_per_table, "model_tv": list(self.model_tv),
                 "rows_tv": self.rows_tv, "index_tv": self.index_tv, "mean_reuse": self.mean_reuse,
-                "target_mean_reuse": self.target.indices / self.target.unique,
+                "target_mean_reuse": self.target.indices / self.target.unique, "synth_args": self.synth_args(),
                 "synthetic_rows_hist": self.synthetic_rows_hist.tolist(), "target_rows_hist": self.target.rows_hist.tolist(),
                 "synthetic_index_hist": self.synthetic_index_hist.tolist(), "target_index_hist": self.target.index_hist.tolist()}
 
 
-def calibrate(target: LocalityStats, alphas: Sequence[float] | None = None, rows: Sequence[int] | None = None,
-              ids_per_table: int | None = None, seed: int = 0) -> Calibration:
-    """Grid search of (alpha, rows) for one table whose batch of ``ids_per_table``
-    ids (default: the stats' ids per table and batch) best matches both histograms
-    (sum of the two TV distances), then a finer search of alpha around the best."""
+def _tv_rows(rows: np.ndarray, ids: np.ndarray, target: LocalityStats) -> np.ndarray:
+    """Sum of the two TV distances for stacked candidate histograms (..., 17)."""
+    r = rows / rows.sum(axis=-1, keepdims=True)
+    i = ids / ids.sum(axis=-1, keepdims=True)
+    return (np.abs(r - target.rows_hist).sum(-1) + np.abs(i - target.index_hist).sum(-1)) / 2
+
+
+def calibrate(target: LocalityStats, components: int = 2, ids_per_table: int | None = None, seed: int = 0,
+              quick: bool = False) -> Calibration:
+    """Fit one Zipf table (components=1), or a mix of two (a share of the ids on a
+    second table with its own rows and alpha), to the target's histograms.
+
+    The search scores expected histograms (row counts in a batch are Poisson,
+    ranks grouped geometrically), on a grid then a finer grid around the best;
+    the figures returned are measured on a batch drawn with :class:`ZipfSampler`.
+    """
+    if components not in (1, 2):
+        raise ValueError(f"components must be 1 or 2, got {components}")
     m = int(ids_per_table or round(target.ids_per_table))
-    alphas = list(alphas) if alphas is not None else list(np.round(np.arange(0.5, 1.51, 0.1), 3))
-    rows = list(rows) if rows is not None else [int(x) for x in np.geomspace(1e5, 1e8, 7).round(-3)]
+    step = 2 if quick else 1
+    alphas = np.round(np.arange(0.3, 1.61, 0.05 * step), 3)
+    log_rows = np.arange(3, 9.51, 0.25 * step)
 
-    def score(a, n):
-        rng = np.random.default_rng(seed)
-        ids = ZipfSampler(int(n), float(a)).sample(rng, m)
-        rh, ih = batch_histograms(ids)
-        return histogram_distance(rh, target.rows_hist) + histogram_distance(ih, target.index_hist), rh, ih, len(ids) / len(np.unique(ids))
+    def grid_hists(al, lr, mm):
+        return [[expected_histograms(int(10**x), a, mm) for x in lr] for a in al]
 
-    best = None
-    for a in alphas:  # a loop per grid point; each draws a batch in bulk
-        for n in rows:
-            s = score(a, n)
-            if best is None or s[0] < best[0][0]:
-                best = (s, a, n)
-    (_, _, _, _), a0, n0 = best
-    for a in np.round(np.arange(a0 - 0.08, a0 + 0.081, 0.02), 3):
-        if a > 0:
-            s = score(a, n0)
-            if s[0] < best[0][0]:
-                best = (s, float(a), n0)
-    (_, rh, ih, reuse), a, n = best
-    return Calibration(float(a), int(n), m, histogram_distance(rh, target.rows_hist), histogram_distance(ih, target.index_hist),
-                       rh, ih, float(reuse), target)
+    best_single = None
+    H = grid_hists(alphas, log_rows, m)
+    for ia, a in enumerate(alphas):
+        for ir, x in enumerate(log_rows):
+            score = float(_tv_rows(H[ia][ir][0], H[ia][ir][1], target))
+            if best_single is None or score < best_single[0]:
+                best_single = (score, ((int(10**x), float(a), 1.0),))
+    best = best_single
+    if components == 2:
+        shares = np.round(np.arange(0.05, 0.951, 0.05 * step), 3)
+        flat = [(int(10**x), float(a)) for a in alphas for x in log_rows]
+        for w in shares:
+            A = np.array([expected_histograms(n, a, w * m) for n, a in flat])  # (K, 2, 17)
+            B = np.array([expected_histograms(n, a, (1 - w) * m) for n, a in flat])
+            rows = A[:, None, 0, :] + B[None, :, 0, :]
+            ids = A[:, None, 1, :] + B[None, :, 1, :]
+            score = _tv_rows(rows, ids, target)
+            k1, k2 = np.unravel_index(int(np.argmin(score)), score.shape)
+            if score[k1, k2] < best[0]:
+                best = (float(score[k1, k2]), ((*flat[k1], float(w)), (*flat[k2], float(1 - w))))
+        # finer around the best mix
+        (n1, a1, w1), (n2, a2, _) = best[1]
+        for _ in range(2):
+            cands = []
+            for da1 in (-0.02, 0, 0.02):
+                for da2 in (-0.02, 0, 0.02):
+                    for dl1 in (-0.1, 0, 0.1):
+                        for dl2 in (-0.1, 0, 0.1):
+                            for dw in (-0.02, 0, 0.02):
+                                w = min(max(w1 + dw, 0.01), 0.99)
+                                c = ((int(n1 * 10**dl1), max(a1 + da1, 0.05), w), (int(n2 * 10**dl2), max(a2 + da2, 0.05), 1 - w))
+                                r = sum(expected_histograms(n, a, s * m)[0] for n, a, s in c)
+                                i = sum(expected_histograms(n, a, s * m)[1] for n, a, s in c)
+                                cands.append((float(_tv_rows(r, i, target)), c))
+            top = min(cands, key=lambda t: t[0])
+            if top[0] < best[0]:
+                best = top
+            (n1, a1, w1), (n2, a2, _) = best[1]
+    score, classes = best
+    classes = tuple((int(n), round(float(a), 3), round(float(w), 3)) for n, a, w in classes)
+    model_r = sum(expected_histograms(n, a, w * m)[0] for n, a, w in classes)
+    model_i = sum(expected_histograms(n, a, w * m)[1] for n, a, w in classes)
+    # measured on a generated batch: one table per class, rows of different tables distinct
+    rng = np.random.default_rng(seed)
+    parts, offset = [], 0
+    for n, a, w in classes:
+        parts.append(ZipfSampler(n, a).sample(rng, max(1, int(round(w * m)))) + offset)
+        offset += n
+    ids = np.concatenate(parts)
+    rh, ih = batch_histograms(ids)
+    return Calibration(classes, m, (histogram_distance(model_r / model_r.sum(), target.rows_hist),
+                                    histogram_distance(model_i / model_i.sum(), target.index_hist)),
+                       histogram_distance(rh, target.rows_hist), histogram_distance(ih, target.index_hist),
+                       rh, ih, float(len(ids) / len(np.unique(ids))), target)

@@ -70,7 +70,8 @@ def _register_trace(sub) -> None:
     k.add_argument("stats", nargs="*", help=f"*_locality_stats.txt files (default: {DEFAULT_STATS_DIR}/*_locality_stats.txt)")
     k.add_argument("--section", type=int, default=0, help="which report in each file (default 0, the first)")
     k.add_argument("--ids-per-table", type=int, default=None, help="ids per table and batch (default: from the stats)")
-    k.add_argument("--quick", action="store_true", help="a coarse grid (seconds instead of a minute)")
+    k.add_argument("--components", type=int, choices=(1, 2), default=2, help="fit one Zipf table, or also a mix of two (default)")
+    k.add_argument("--quick", action="store_true", help="a coarser grid")
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=_cli(_calibrate))
@@ -148,32 +149,29 @@ def _calibrate(args) -> int:
     files = [Path(f) for f in args.stats] or sorted(DEFAULT_STATS_DIR.glob("*_locality_stats.txt"))
     if not files:
         raise FileNotFoundError(f"no locality stats given and none in {DEFAULT_STATS_DIR}; pass the *_locality_stats.txt files")
-    grid = {}
-    if args.quick:
-        grid = {"alphas": [0.7, 0.9, 1.1, 1.3], "rows": [int(x) for x in np.geomspace(1e5, 1e8, 4)]}
     results = []
     for f in files:
         sections = parse_locality_stats(f)
         if not 0 <= args.section < len(sections):
             raise IndexError(f"{f} has {len(sections)} reports; --section must be in 0..{len(sections) - 1}")
         target = sections[args.section]
-        cal = calibrate(target, ids_per_table=args.ids_per_table, seed=args.seed, **grid)
-        results.append((f, cal))
+        for k in sorted({1, args.components}):
+            results.append((f, calibrate(target, k, ids_per_table=args.ids_per_table, seed=args.seed, quick=args.quick)))
     if args.json:
         print(json.dumps([{"file": str(f), "section": c.target.name, **c.as_dict()} for f, c in results], indent=1))
         return 0
     labels = [f"({a},{b}]" for a, b in zip(BUCKET_EDGES[:-1], BUCKET_EDGES[1:])] + [f"{BUCKET_EDGES[-1]}+"]
     for f, c in results:
-        print(f"{f.name} [{c.target.name}]: {c.ids_per_table:,} ids per table and batch")
-        print(f"  best fit: alpha={c.alpha:g}, rows={c.rows:,}; total variation distance: distinct-rows histogram "
-              f"{c.rows_tv:.3f}, ids histogram {c.index_tv:.3f}; ids per distinct row {c.mean_reuse:.1f} "
-              f"(target {c.target.indices / c.target.unique:.1f})")
+        kind = "one Zipf table" if len(c.classes) == 1 else "two Zipf tables"
+        desc = ", ".join(f"{n:,} rows alpha {a:g} ({w:.0%} of ids)" for n, a, w in c.classes)
+        print(f"{f.name} [{c.target.name}], {kind}: {desc}; {c.ids_per_table:,} ids per table and batch")
+        print(f"  total variation distance of a generated batch: distinct-rows histogram {c.rows_tv:.3f}, "
+              f"ids histogram {c.index_tv:.3f}; ids per distinct row {c.mean_reuse:.1f} (target {c.target.indices / c.target.unique:.1f})")
         print(f"  {'accesses':>14}  {'rows: target':>12}  {'synthetic':>9}  {'ids: target':>11}  {'synthetic':>9}")
         for i, lab in enumerate(labels):
             print(f"  {lab:>14}  {c.target.rows_hist[i]:12.3f}  {c.synthetic_rows_hist[i]:9.3f}  "
                   f"{c.target.index_hist[i]:11.3f}  {c.synthetic_index_hist[i]:9.3f}")
-        print(f"  reproduce: tierstore trace synth OUT --rows {c.rows} --alpha {c.alpha:g} "
-              f"--batch-size {c.target.batch_size} --pooling {c.ids_per_table / c.target.batch_size:.3g}")
+        print(f"  reproduce: tierstore trace synth OUT {c.synth_args()}")
     return 0
 
 
