@@ -39,6 +39,18 @@ _S = ["store"]
 _T = ["store", "table"]
 _TT = ["store", "table", "tier"]
 
+# PrefetchCounters field -> (kind, name, help), per store and table
+PREFETCH = (
+    ("queued", "gauge", "tierstore_prefetch_queue_depth", "Prefetch fetches issued and not yet landed."),
+    ("effective_depth", "gauge", "tierstore_prefetch_lead_steps", "Batches ahead of the one being read whose prefetch is issued."),
+    ("issued_batches", "counter", "tierstore_prefetch_batches", "Batches announced to the prefetcher."),
+    ("issued_rows", "counter", "tierstore_prefetch_rows", "Rows fetched ahead into staging."),
+    ("staged_rows", "gauge", "tierstore_prefetch_staged_rows", "Rows fetched ahead and waiting in staging."),
+    ("served_rows", "counter", "tierstore_prefetch_served_rows", "Rows reads took from staging instead of LMDB."),
+    ("dropped_rows", "counter", "tierstore_prefetch_dropped_rows", "Fetched rows discarded: newer data appeared, or no room."),
+    ("shrunk_steps", "counter", "tierstore_prefetch_shrunk_steps", "Steps whose prefetch window was shorter than asked (no staging room)."),
+)
+
 # (kind, name, help, labels); counters are named without _total, which
 # prometheus_client appends. The README's metric table follows this list.
 METRICS = (
@@ -53,10 +65,7 @@ METRICS = (
     ("counter", "tierstore_ssd_write_rows", "Rows written to LMDB (write-backs, uncached writes, flushes).", _T),
     ("counter", "tierstore_ssd_write_bytes", "Bytes written to LMDB (8-byte key plus row payload per row).", _T),
     ("histogram", "tierstore_lookup_seconds", "Host wall time of read() calls by stage: dedupe, hbm, ddr, ssd_read, writeback, total.", _T + ["stage"]),
-    ("gauge", "tierstore_prefetch_queue_depth", "Prefetch batches waiting to be served.", _T),
-    ("gauge", "tierstore_prefetch_lead_steps", "Read steps the newest prefetched batch runs ahead of the read being served.", _T),
-    ("counter", "tierstore_prefetch_batches", "Batches the prefetcher has issued.", _T),
-    ("counter", "tierstore_prefetch_rows", "Unique rows the prefetcher has brought into the cache.", _T),
+    *((kind, name, doc, _T) for _, kind, name, doc in PREFETCH),
     ("counter", "tierstore_flushes", "Completed flush() calls since the store opened.", _S),
     ("gauge", "tierstore_last_flush_timestamp_seconds", "Store-clock time of the last flush, from disk at open; absent if never flushed.", _S),
     ("histogram", "tierstore_flush_seconds", "Wall time of flush() calls.", _S),
@@ -83,7 +92,7 @@ def _export_store(f: dict[str, Metric], label: str, store: "TieredStore") -> Non
     sc = store._counters
     for name, t in list(store._tables.items()):
         c = t.counters
-        ssd, pre, lat = asdict(c.ssd), asdict(c.prefetch), c.latency.snapshot()
+        ssd, pre, lat = asdict(c.ssd), c.prefetch, c.latency.snapshot()
         for tier, cache in (("hbm", t.hbm), ("ddr", t.ddr)):
             if cache is None:
                 continue
@@ -102,10 +111,8 @@ def _export_store(f: dict[str, Metric], label: str, store: "TieredStore") -> Non
         f["tierstore_ssd_read_bytes"].add_metric(key, ssd["read_bytes"])
         f["tierstore_ssd_write_rows"].add_metric(key, ssd["writes"])
         f["tierstore_ssd_write_bytes"].add_metric(key, ssd["write_bytes"])
-        f["tierstore_prefetch_queue_depth"].add_metric(key, pre["queued"])
-        f["tierstore_prefetch_lead_steps"].add_metric(key, pre["lead_steps"])
-        f["tierstore_prefetch_batches"].add_metric(key, pre["issued_batches"])
-        f["tierstore_prefetch_rows"].add_metric(key, pre["issued_rows"])
+        for field, _, metric, _ in PREFETCH:
+            f[metric].add_metric(key, getattr(pre, field))
         for stage, (counts, total) in sorted(lat.items()):
             _add_histogram(f["tierstore_lookup_seconds"], key + [stage], c.latency.bounds, counts, total)
     f["tierstore_flushes"].add_metric([label], sc.flushes)

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import tierstore
 from tierstore.counters import LATENCY_BUCKETS, StageHistogram
 from tierstore.metrics import METRICS, MetricsServer
+from tierstore.metrics.collector import PREFETCH
 
 STAT_OF = {"hits": ("tierstore_lookups_total", {"result": "hit"}), "misses": ("tierstore_lookups_total", {"result": "miss"}),
            "evictions": ("tierstore_evictions_total", {}), "writebacks": ("tierstore_writeback_rows_total", {})}
@@ -387,16 +388,31 @@ def test_scrapes_during_reads_in_another_thread_are_monotonic(tmp_path, registry
 
 
 def test_prefetch_counters_are_exported(tmp_path, registry):
-    """What the prefetcher (issue 4) bumps shows up on the next scrape."""
+    """A real prefetch shows up on the next scrape as the prefetcher counted it."""
     with two_table_store(tmp_path / "s", registry) as store:
-        pre = store._tables["item"].counters.prefetch
-        pre.queued, pre.lead_steps, pre.issued_batches, pre.issued_rows = 3, 2, 7, 900
+        store.write("item", np.arange(1_000, 1_020), np.ones((20, 4), dtype=np.float32))
+        ticket = store.prefetch("item", np.arange(1_000, 1_020))  # fits the staging area
+        ticket.wait()
         scrape = registry_scrape(registry)
-        assert scrape.value("tierstore_prefetch_queue_depth", table="item") == 3
-        assert scrape.value("tierstore_prefetch_lead_steps", table="item") == 2
-        assert scrape.value("tierstore_prefetch_batches_total", table="item") == 7
-        assert scrape.value("tierstore_prefetch_rows_total", table="item") == 900
-        assert scrape.value("tierstore_prefetch_rows_total", table="user") == 0
+        pre = store.prefetch_stats()["tables"]
+        assert pre["item"]["issued_rows"] == 20 and pre["item"]["staged_rows"] == 20
+        for field, kind, name, _ in PREFETCH:
+            sample = name + ("_total" if kind == "counter" else "")
+            for table in ("item", "user"):
+                assert scrape.value(sample, table=table) == pre[table][field], (table, field)
+        store.read("item", np.arange(1_000, 1_020))  # served from staging, not LMDB
+        ticket.release()
+        scrape = registry_scrape(registry)
+        assert scrape.value("tierstore_prefetch_served_rows_total", table="item") == 20
+        assert scrape.value("tierstore_prefetch_staged_rows", table="item") == 0
+        # the lead: batches ahead with their prefetch issued while a LookaheadLoader runs
+        batches = [np.arange(2_000 + 5 * i, 2_005 + 5 * i) for i in range(5)]
+        leads = []
+        for batch in tierstore.LookaheadLoader(batches, store, depth=2, ids=lambda b: {"item": b}):
+            leads.append(registry_scrape(registry).value("tierstore_prefetch_lead_steps", table="item"))
+            store.read("item", batch)
+        assert leads == [2, 2, 2, 1, 0]
+        assert registry_scrape(registry).value("tierstore_prefetch_lead_steps", table="item") == 0
 
 
 def test_last_flush_survives_reopen_and_is_absent_when_never_flushed(tmp_path, registry):

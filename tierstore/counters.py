@@ -83,23 +83,16 @@ class StageHistogram:
 
 @dataclass
 class PrefetchCounters:
-    """Bumped by the prefetcher (issue 4); exported as tierstore_prefetch_*.
+    """Bumped by the prefetcher (tierstore/prefetch.py); the metrics collector
+    exports each field as tierstore_prefetch_* (see metrics/collector.py)."""
 
-    queued: gauge, prefetch batches waiting to be served for this table.
-    lead_steps: gauge, read steps between the newest prefetched batch and the
-      read being served (how far ahead prefetch runs).
-    issued_batches / issued_rows: counters, batches and unique rows the
-      prefetcher brought into the cache.
-    """
-
-    queued: int = 0
-    lead_steps: int = 0
-    issued_batches: int = 0
-    issued_rows: int = 0
+    queued: int = 0  # gauge: prefetch fetches issued and not yet landed (the queue depth)
+    issued_batches: int = 0  # batches announced to the prefetcher
+    issued_rows: int = 0  # rows fetched ahead into staging
     staged_rows: int = 0  # gauge: rows fetched ahead, pinned until read or released
     served_rows: int = 0  # rows a read took from the staged rows instead of LMDB
     dropped_rows: int = 0  # fetched rows left out: newer data appeared, or no room
-    effective_depth: int = 0  # gauge: batches ahead with their prefetch issued (<= depth)
+    effective_depth: int = 0  # gauge: batches ahead with their prefetch issued (<= depth): the prefetch lead
     shrunk_steps: int = 0  # steps at which the window was shorter than asked (no room)
 
 

@@ -151,6 +151,8 @@ class TieredStore:
             self.metrics = StoreMetrics(self, metrics_config)
             self._prefetcher = Prefetcher(self, prefetch or PrefetchConfig())
         except BaseException:
+            if getattr(self, "metrics", None) is not None:
+                self.metrics.close()  # frees the store's label and endpoint
             self._backend.close()
             if self._recorder is not None:
                 self._recorder.close()
