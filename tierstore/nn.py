@@ -115,13 +115,20 @@ class _Bags:
 
     uid: torch.Tensor  # [U] sorted unique ids
     local: torch.Tensor  # [M] position in uid of each used input entry
-    bag_of: torch.Tensor  # [M] bag of each used entry
     sizes: torch.Tensor  # [B] used entries per bag
     offsets: torch.Tensor  # [B] start of each bag in ``local``
     perm: torch.Tensor  # [M] entries sorted by row (torch.sort; a pure function of the ids)
     row_counts: torch.Tensor  # [U] entries per unique row
     used: torch.Tensor | None  # [M] positions in the flat input of the used entries; None = all, in order
     n_input: int  # entries in the flat input
+    _bag_of: torch.Tensor | None = None
+
+    @property
+    def bag_of(self) -> torch.Tensor:
+        """[M] bag of each used entry; only backward needs it, so it is made on first use."""
+        if self._bag_of is None:
+            self._bag_of = torch.repeat_interleave(torch.arange(len(self.sizes)), self.sizes, output_size=len(self.local))
+        return self._bag_of
 
     def select(self, flat: torch.Tensor) -> torch.Tensor:
         """Per-entry values of the flat input restricted to the used entries."""
@@ -460,10 +467,11 @@ class TieredEmbeddingBag(nn.Module):
             end = n_input
         ids = flat[:end]
         if end:
-            bad = ids < 0
-            if c.num_embeddings is not None:
-                bad |= ids >= c.num_embeddings
-            if bool(bad.any()):
+            lo, hi = torch.aminmax(ids)
+            if lo < 0 or (c.num_embeddings is not None and hi >= c.num_embeddings):
+                bad = ids < 0
+                if c.num_embeddings is not None:
+                    bad |= ids >= c.num_embeddings
                 i = int(torch.nonzero(bad)[0])
                 hi = c.num_embeddings if c.num_embeddings is not None else "2**63"
                 raise BagIndexError(
@@ -472,14 +480,14 @@ class TieredEmbeddingBag(nn.Module):
                 )
         nbags = len(starts)
         sizes = torch.diff(starts, append=torch.tensor([end], dtype=torch.int64))
-        bag_of = torch.repeat_interleave(torch.arange(nbags), sizes, output_size=end)
+        bag_of = None
         used = None if end == n_input else torch.arange(end)
         if c.padding_idx is not None:
             keep = ids != c.padding_idx
             if not bool(keep.all()):
                 pos = torch.nonzero(keep).squeeze(1)
-                ids, bag_of = ids[pos], bag_of[pos]
-                used = pos
+                bag_of = torch.repeat_interleave(torch.arange(nbags), sizes, output_size=end)[pos]
+                ids, used = ids[pos], pos
                 sizes = torch.bincount(bag_of, minlength=nbags)
         bag_offsets = torch.zeros(nbags, dtype=torch.int64)
         if nbags > 1:
@@ -489,7 +497,7 @@ class TieredEmbeddingBag(nn.Module):
         uid, row_counts = torch.unique_consecutive(sorted_ids, return_counts=True)
         local = torch.empty_like(ids)
         local[perm] = torch.repeat_interleave(torch.arange(len(uid)), row_counts, output_size=len(ids))
-        return _Bags(uid, local, bag_of, sizes, bag_offsets, perm, row_counts, used, n_input)
+        return _Bags(uid, local, sizes, bag_offsets, perm, row_counts, used, n_input, bag_of)
 
     def _run(self, bags: _Bags, per_sample_weights) -> torch.Tensor:
         train = self.optimizer is not None and torch.is_grad_enabled()
