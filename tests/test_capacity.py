@@ -191,7 +191,9 @@ def test_a_recorded_trace_predicts_the_store_that_recorded_it(tmp_path):
     trace = Trace.load(tmp_path / "trace")
     report = cap.analyze(trace, cap.CapacityConfig(sizes=(("20", "60"),), policies=("lru",), belady=False))
     u = {t["name"]: t for t in report["tables"]}["u"]
-    sim = u["simulations"][0]
+    curve, sim = u["simulations"][0], u["simulations"][1]
+    assert (curve["predicted"], sim["predicted"]) == ("curve", "simulated")
+    assert (curve["hbm_hits"], curve["ddr_hits"]) == (measured["u"]["hbm"]["hits"], measured["u"]["ddr"]["hits"])
     assert (sim["hbm_hits"], sim["ddr_hits"]) == (measured["u"]["hbm"]["hits"], measured["u"]["ddr"]["hits"])
     (curve_v,) = cap.lru_curves(trace, ["v"])
     assert curve_v.tiers(5, 0)["hbm_hits"] == measured["v"]["hbm"]["hits"]
@@ -315,11 +317,15 @@ def test_analyze_report_is_consistent_and_json(tmp_path):
         r = t["recommendation"]
         if r["reachable"]:
             assert r["hbm_hit_ratio"] >= 0.2 and r["hit_ratio"] >= 0.4
-        lru = [s for s in t["simulations"] if s["policy"] == "lru"][0]
+        lru = [s for s in t["simulations"] if s["policy"] == "lru" and s["predicted"] == "simulated"][0]
         assert (lru["hbm_hits"], lru["ddr_hits"]) == (r["hbm_hits"], r["ddr_hits"])  # simulation agrees with the curve
         assert r["ssd"]["rows_per_s"] == pytest.approx(r["misses"] / trace.n_steps * 100)
         assert r["ssd"]["mb_per_s"] == pytest.approx(r["ssd"]["rows_per_s"] * 64 / 1e6)
         assert sum(t["reuse_histogram"]["uses"]) + t["reuse_histogram"]["first_touches"] == t["uses"]
+        assert sum(t["reuse_by_decade"]) == pytest.approx(1)
+        (stream,) = [s for s in cap.build_streams(trace) if s.name == t["name"]]
+        d = cap.stack_distances([stream])[0]
+        assert t["reuse_by_decade"][0] == pytest.approx(np.count_nonzero((d >= 0) & (d < 10)) / len(d))
     text = cap.format_report(report)
     assert "recommendation" in text and "belady" in text
 

@@ -597,99 +597,143 @@ class TierCounts:
         return dict(self.__dict__)
 
 
+class _SimTier:
+    """One tier's slots: row, use clock and step count per slot, like CacheTier without data."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.rows = np.full(capacity, -1, dtype=np.int64)
+        self.last = np.zeros(capacity, dtype=np.int64)
+        self.freq = np.zeros(capacity, dtype=np.int64)
+        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
+        self.n_free = capacity
+
+    def occupied_except(self, slots: np.ndarray) -> np.ndarray:
+        mask = self.rows >= 0
+        mask[slots] = False
+        return np.flatnonzero(mask)
+
+    def add(self, rows, last, freq) -> np.ndarray:
+        n = len(rows)
+        slots = self._free[self.n_free - n : self.n_free].copy()
+        self.n_free -= n
+        self.rows[slots], self.last[slots], self.freq[slots] = rows, last, freq
+        return slots
+
+    def remove(self, slots) -> None:
+        n = len(slots)
+        self.rows[slots] = -1
+        self._free[self.n_free : self.n_free + n] = slots
+        self.n_free += n
+
+
 class CacheSim:
     """The store's two exclusive tiers for one table, without data: the planning of
-    ``TieredStore._access`` on per-row arrays, one call at a time.
+    ``TieredStore._access`` on slot arrays, one call at a time.
 
     ``choose(rows, last, freq, k, now)`` returns positions of the k victims among
     resident rows; ``choose_call`` (default: ``choose``) ranks the rows of a call
-    that is larger than a tier (the store uses the plain policy there).
+    that is larger than a tier (the store uses the plain policy there). A call
+    costs O(call + tier) like the store's own planning: the victims are chosen
+    among every resident row.
     """
 
     def __init__(self, space: int, hbm_rows: int, ddr_rows: int,
                  choose: Callable[[np.ndarray, np.ndarray, np.ndarray, int, int], np.ndarray],
                  choose_call: Callable[[np.ndarray, np.ndarray, np.ndarray, int, int], np.ndarray] | None = None):
-        self.hcap, self.dcap = int(hbm_rows), int(ddr_rows)
+        self.H = _SimTier(int(hbm_rows)) if hbm_rows > 0 else None
+        self.D = _SimTier(int(ddr_rows)) if ddr_rows > 0 else None
         self.choose = choose
         self.choose_call = choose_call or choose
         self.where = np.zeros(space, dtype=np.int8)  # 0 uncached, 1 HBM, 2 DDR
-        self.last = np.zeros(space, dtype=np.int64)
-        self.freq = np.zeros(space, dtype=np.int64)
-        self.in_call = np.zeros(space, dtype=bool)
-        self.hbm = np.empty(0, dtype=np.int64)
-        self.ddr = np.empty(0, dtype=np.int64)
+        self.slot = np.zeros(space, dtype=np.int64)
         self.counts = TierCounts()
 
     def call(self, u: np.ndarray, key: np.ndarray, now: int) -> None:
-        H, D, c = self.hcap > 0, self.dcap > 0, self.counts
+        H, D, c = self.H, self.D, self.counts
         n = len(u)
         w = self.where[u]
+        sl = self.slot[u]
         in_h, in_d = w == 1, w == 2
         n_h = int(np.count_nonzero(in_h))
-        if H:
+        if H is not None:
             c.hbm_hits += n_h
             c.hbm_misses += n - n_h
             if n_h == n:
-                self.last[u] = key
-                self.freq[u] += 1
+                H.last[sl] = key
+                H.freq[sl] += 1
                 return
         n_d = int(np.count_nonzero(in_d))
-        if D:
+        if D is not None:
             c.ddr_hits += n_d
             c.ddr_misses += n - n_h - n_d
-            if not H and n_d == n:
-                self.last[u] = key
-                self.freq[u] += 1
+            if H is None and n_d == n:
+                D.last[sl] = key
+                D.freq[sl] += 1
                 return
-        if not (H or D):
+        if H is None and D is None:
             return
-        new_freq = np.where(w > 0, self.freq[u], 0) + 1
-        self.in_call[u] = True
+        new_freq = np.ones(n, dtype=np.int64)
+        if n_h:
+            new_freq[in_h] += H.freq[sl[in_h]]
+        if n_d:
+            new_freq[in_d] += D.freq[sl[in_d]]
         keep_h = np.zeros(n, dtype=bool)
-        demote = cand = np.empty(0, dtype=np.int64)
-        if H:
-            cand = self.hbm[~self.in_call[self.hbm]]
+        demote = np.empty(0, dtype=np.int64)  # HBM slots of non-call rows going down
+        if H is not None:
             keep_h[:] = True
-            if n <= self.hcap:
-                need = (n - n_h) - (self.hcap - len(self.hbm))
+            if n <= H.capacity:
+                need = (n - n_h) - H.n_free
                 if need > 0:
-                    demote = cand[self.choose(cand, self.last[cand], self.freq[cand], need, now)]
+                    cand = H.occupied_except(sl[in_h])
+                    demote = cand[self.choose(H.rows[cand], H.last[cand], H.freq[cand], need, now)]
             else:
-                keep_h[self.choose_call(u, key, new_freq, n - self.hcap, now)] = False
-                demote = cand
+                keep_h[self.choose_call(u, key, new_freq, n - H.capacity, now)] = False
+                demote = H.occupied_except(sl[in_h])
+        e_rows = H.rows[demote] if H is not None else demote
+        e_last = H.last[demote] if H is not None else demote
+        e_freq = H.freq[demote] if H is not None else demote
         down = np.flatnonzero(~keep_h)
         keep_d = np.zeros(n, dtype=bool)
-        drop = np.empty(0, dtype=np.int64)
+        drop = np.empty(0, dtype=np.int64)  # DDR slots of non-call rows leaving
         survive = np.zeros(len(demote), dtype=bool)
-        others = np.empty(0, dtype=np.int64)
-        if D:
+        if D is not None:
             keep_d[down] = True
-            if len(down) > self.dcap:
-                keep_d[down[self.choose_call(u[down], key[down], new_freq[down], len(down) - self.dcap, now)]] = False
-            others = self.ddr[~self.in_call[self.ddr]]
+            if len(down) > D.capacity:
+                keep_d[down[self.choose_call(u[down], key[down], new_freq[down], len(down) - D.capacity, now)]] = False
+            others = D.occupied_except(sl[in_d])
             survive[:] = True
-            k = len(others) + len(demote) - (self.dcap - int(np.count_nonzero(keep_d)))
+            k = len(others) + len(demote) - (D.capacity - int(np.count_nonzero(keep_d)))
             if k > 0:
-                pool = np.concatenate([others, demote])
-                v = self.choose(pool, self.last[pool], self.freq[pool], k, now)
+                v = self.choose(np.concatenate([D.rows[others], e_rows]), np.concatenate([D.last[others], e_last]),
+                                np.concatenate([D.freq[others], e_freq]), k, now)
                 drop = others[v[v < len(others)]]
                 survive[v[v >= len(others)] - len(others)] = False
-        if H:
+        if H is not None:
             c.hbm_evictions += len(demote) + int(np.count_nonzero(in_h & ~keep_h))
-        if D:
+        if D is not None:
             c.ddr_evictions += int(np.count_nonzero(in_d & ~keep_d & ~keep_h)) + len(drop) + int(np.count_nonzero(~survive))
-        self.in_call[u] = False
+        # commit, in the store's order
+        if H is not None:
+            H.remove(np.concatenate([demote, sl[in_h & ~keep_h]]))
+            stay = in_h & keep_h
+            H.last[sl[stay]], H.freq[sl[stay]] = key[stay], new_freq[stay]
+            enter = ~in_h & keep_h
+            self.slot[u[enter]] = H.add(u[enter], key[enter], new_freq[enter])
+        if D is not None:
+            self.where[D.rows[drop]] = 0
+            D.remove(np.concatenate([sl[in_d & ~keep_d], drop]))
+            stay = in_d & keep_d
+            D.last[sl[stay]], D.freq[sl[stay]] = key[stay], new_freq[stay]
+            enter = ~in_d & keep_d
+            self.slot[u[enter]] = D.add(u[enter], key[enter], new_freq[enter])
+            self.slot[e_rows[survive]] = D.add(e_rows[survive], e_last[survive], e_freq[survive])
+        self.where[e_rows] = np.where(survive, 2, 0)
         self.where[u] = np.where(keep_h, 1, np.where(keep_d, 2, 0))
-        self.last[u] = key
-        self.freq[u] = new_freq
-        self.where[demote] = np.where(survive, 2, 0)
-        self.where[drop] = 0
-        self.hbm = np.concatenate([cand[self.where[cand] == 1], u[keep_h]])
-        self.ddr = np.concatenate([others[self.where[others] == 2], u[keep_d], demote[survive]])
 
 
 def simulate(stream: TableStream, hbm_rows: int, ddr_rows: int, policy: str = "lfu",
-             window: int | None = None, base: str = "lru") -> TierCounts:
+             window: int | None = None, base: str = "lru", progress: bool = False) -> TierCounts:
     """Replay one table through the store's tiers at one size.
 
     ``policy``: "lru", "lfu" (the store's policies), "lookahead" (the store's
@@ -724,6 +768,7 @@ def simulate(stream: TableStream, hbm_rows: int, ddr_rows: int, policy: str = "l
         raise ValueError(f"unknown policy {policy!r}; choose lru, lfu, lookahead or belady")
     sim = CacheSim(stream.space, hbm_rows, ddr_rows, choose, choose_call)
     b = stream.bounds
+    bar = _progress(stream.n_uses, f"{policy} {stream.name} {hbm_rows}:{ddr_rows}", progress)
     for j in range(stream.n_calls):  # a loop per call; each call is vectorized
         lo, hi = int(b[j]), int(b[j + 1])
         if hi == lo:
@@ -732,6 +777,8 @@ def simulate(stream: TableStream, hbm_rows: int, ddr_rows: int, policy: str = "l
         if next_call is not None:
             row_next[u] = next_call[lo:hi]
         sim.call(u, stream.key[lo:hi], j)
+        bar.update(hi - lo)
+    bar.close()
     return sim.counts
 
 
@@ -831,7 +878,7 @@ class CapacityConfig:
     shards_rate: float | None = None  # None: exact curves
     compare_exact: bool = False  # with shards_rate: also the exact curve, and SHARDS's measured error
     sizes: tuple[tuple[str, str], ...] = ()  # (hbm, ddr) per simulated point: rows, or "N%" of the working set
-    policies: tuple[str, ...] = ("lru", "lfu")
+    policies: tuple[str, ...] = ("lfu",)  # simulated; LRU comes from the curve at every size
     window: int = 16
     belady: bool = True
     hbm_target: float | None = None
@@ -895,7 +942,7 @@ def analyze(trace: Trace, config: CapacityConfig | None = None) -> dict:
     n_steps = max(trace.n_steps, 1)
     per_s = cfg.steps_per_s / n_steps  # multiply a whole-trace count by this for a rate per second
     t0 = time.perf_counter()
-    need_streams = cfg.shards_rate is None or cfg.compare_exact or bool(cfg.policies) or cfg.belady
+    need_streams = cfg.shards_rate is None or cfg.compare_exact or bool(cfg.policies) or cfg.belady  # replays need every use
     streams = build_streams(trace, names) if need_streams else None
     report: dict = {
         "trace": {"calls": trace.n_calls, "steps": trace.n_steps, "accesses": trace.n_accesses, "tables": len(names)},
@@ -930,6 +977,7 @@ def analyze(trace: Trace, config: CapacityConfig | None = None) -> dict:
             "row_bytes": row_bytes[i], "max_hit_ratio": c.max_hit_ratio(),
             "curve": {"rows": grid.tolist(), "hit_ratio": ratios.tolist()},
             "reuse_histogram": c.reuse_histogram(),
+            "reuse_by_decade": _decade_shares(c),
             "ssd_no_cache": _rate(c.n_uses, per_s, row_bytes[i]),
         }
         if exact is not None and exact is not curves:
@@ -956,32 +1004,46 @@ def analyze(trace: Trace, config: CapacityConfig | None = None) -> dict:
             t["recommendation"] = r
 
     # simulations at chosen sizes (default: the recommendation, else 1% / 10% of the working set)
-    if cfg.policies or cfg.belady:
-        for i, (t, c) in enumerate(zip(tables, curves)):
-            points = [(_size_rows(h, c.working_set), _size_rows(d, c.working_set)) for h, d in cfg.sizes]
-            if not points:
-                points = [(t["recommendation"]["hbm_rows"], t["recommendation"]["ddr_rows"])] if "recommendation" in t else \
-                    [(_size_rows("1%", c.working_set), _size_rows("10%", c.working_set))]
-            sims = []
-            for h, d in points:
-                for pol in cfg.policies:
-                    counts = simulate(streams[i], h, d, pol, cfg.window)
-                    hh, dh = counts.hbm_hits, counts.ddr_hits
-                    misses = streams[i].n_uses - hh - dh
-                    sims.append({"policy": pol if pol != "lookahead" else f"lookahead(window={cfg.window}, base=lru)",
-                                 "hbm_rows": h, "ddr_rows": d, "predicted": "simulated",
-                                 **_tier_summary({"hbm_hits": hh, "ddr_hits": dh, "misses": misses}, streams[i].n_uses, per_s, row_bytes[i])})
-                if cfg.belady:
-                    bh = belady_hits(streams[i], h)
-                    bt = belady_hits(streams[i], h + d)
-                    sims.append({"policy": "belady (bound)", "hbm_rows": h, "ddr_rows": d, "predicted": "simulated",
-                                 **_tier_summary({"hbm_hits": bh, "ddr_hits": bt - bh, "misses": streams[i].n_uses - bt},
-                                                 streams[i].n_uses, per_s, row_bytes[i])})
-            t["simulations"] = sims
+    for i, (t, c) in enumerate(zip(tables, curves)):
+        points = [(_size_rows(h, c.working_set), _size_rows(d, c.working_set)) for h, d in cfg.sizes]
+        if not points:
+            points = [(t["recommendation"]["hbm_rows"], t["recommendation"]["ddr_rows"])] if "recommendation" in t else \
+                [(_size_rows("1%", c.working_set), _size_rows("10%", c.working_set))]
+        sims = []
+        for h, d in points:
+            # LRU needs no replay: the curve gives every size
+            sims.append({"policy": "lru", "hbm_rows": h, "ddr_rows": d, "predicted": "curve" if c.exact else report["method"],
+                         **_tier_summary(c.tiers(h, d), c.n_uses, per_s, row_bytes[i])})
+            if streams is None:
+                continue
+            s = streams[i]
+            for pol in cfg.policies:
+                counts = simulate(s, h, d, pol, cfg.window, progress=cfg.progress)
+                hh, dh = counts.hbm_hits, counts.ddr_hits
+                sims.append({"policy": pol if pol != "lookahead" else f"lookahead(window={cfg.window}, base=lru)",
+                             "hbm_rows": h, "ddr_rows": d, "predicted": "simulated",
+                             **_tier_summary({"hbm_hits": hh, "ddr_hits": dh, "misses": s.n_uses - hh - dh}, s.n_uses, per_s, row_bytes[i])})
+            if cfg.belady:
+                bh = simulate(s, h, 0, "belady", progress=cfg.progress).hbm_hits if h else 0
+                bt = simulate(s, h + d, 0, "belady", progress=cfg.progress).hbm_hits if h + d else 0
+                sims.append({"policy": "belady (bound)", "hbm_rows": h, "ddr_rows": d, "predicted": "simulated",
+                             **_tier_summary({"hbm_hits": bh, "ddr_hits": bt - bh, "misses": s.n_uses - bt}, s.n_uses, per_s, row_bytes[i])})
+        t["simulations"] = sims
     report["tables"] = tables
     report["total"] = _totals(tables, per_s)
     report["seconds"] = time.perf_counter() - t0
     return report
+
+
+DECADES = [10**k for k in range(1, 8)]
+
+
+def _decade_shares(c: LruCurve) -> list[float]:
+    """Share of uses with stack distance < 10, in [10, 100), ... >= 1e7, then first touches."""
+    n = c.n_uses or 1.0
+    below = np.asarray(c.hits(np.array(DECADES)), dtype=np.float64) / n
+    reuses = 1.0 - c.working_set / n
+    return np.maximum(np.diff(np.concatenate([[0.0], below, [reuses]])), 0.0).tolist() + [c.working_set / n]
 
 
 def _row_bytes(table, override) -> int:
@@ -1056,6 +1118,11 @@ def format_report(report: dict) -> str:
         rows.append([t["name"], f"{t['accesses']:,}", f"{t['uses_per_step']:,.0f}", f"{_fmt(t['working_set'])} rows",
                      f"{t['max_hit_ratio']:.3f}", f"{at(0.01):.3f}", f"{at(0.10):.3f}", f"{t['ssd_no_cache']['mb_per_s']:,.1f}"])
     lines += _table(head, rows)
+    lines.append("")
+    lines.append("reuse distances (share of uses by LRU stack distance, rows; first touch = cold miss at any size):")
+    head = ["table"] + [f"<{_fmt_rows(d)}" for d in DECADES] + [f">={_fmt_rows(DECADES[-1])}", "first touch"]
+    rows = [[t["name"]] + [f"{x:.3f}" for x in t["reuse_by_decade"]] for t in report["tables"]]
+    lines += _table(head, rows)
     if any("recommendation" in t for t in report["tables"]):
         lines.append("")
         lines.append("recommendation (LRU" + (", byte budget split" if "budget" in report else ", targets") + "):")
@@ -1075,13 +1142,14 @@ def format_report(report: dict) -> str:
         lines += _table(head, rows)
     if any("simulations" in t for t in report["tables"]):
         lines.append("")
-        lines.append("simulated at chosen sizes (hits counted as the store counts them):")
-        head = ["table", "policy", "HBM rows", "DDR rows", "HBM hit", "hit", "SSD MB/s"]
+        lines.append("at chosen sizes (LRU read off the curve, other policies replayed; hits as the store counts them):")
+        head = ["table", "policy", "HBM rows", "DDR rows", "HBM hit", "hit", "SSD rows/s", "SSD MB/s"]
         rows = []
         for t in report["tables"]:
             for s in t.get("simulations", []):
-                rows.append([t["name"], s["policy"], f"{s['hbm_rows']:,}", f"{s['ddr_rows']:,}", f"{s['hbm_hit_ratio']:.3f}",
-                             f"{s['hit_ratio']:.3f}", f"{s['ssd']['mb_per_s']:,.1f}"])
+                name = s["policy"] if s["predicted"] == "simulated" or "belady" in s["policy"] else f"{s['policy']} ({s['predicted']})"
+                rows.append([t["name"], name, f"{s['hbm_rows']:,}", f"{s['ddr_rows']:,}", f"{s['hbm_hit_ratio']:.3f}",
+                             f"{s['hit_ratio']:.3f}", f"{s['ssd']['rows_per_s']:,.0f}", f"{s['ssd']['mb_per_s']:,.1f}"])
         lines += _table(head, rows)
     tot = report["total"]
     lines.append("")
@@ -1094,6 +1162,10 @@ def _table(head, rows) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)] if rows else [len(h) for h in head]
     fmt = lambda r: "  ".join(str(x).rjust(w) if i else str(x).ljust(w) for i, (x, w) in enumerate(zip(r, widths)))  # noqa: E731
     return [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+
+
+def _fmt_rows(n: int) -> str:
+    return f"{n // 10**6}M" if n >= 10**6 else f"{n // 1000}k" if n >= 1000 else str(n)
 
 
 def _fmt(x) -> str:
@@ -1175,7 +1247,7 @@ def _progress(total: int, desc: str, enabled: bool):
         return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="use" if "distance" in desc else "id", unit_scale=True, file=sys.stderr, leave=False)
+    return tqdm(total=total, desc=desc, unit="id" if "SHARDS" in desc else "use", unit_scale=True, file=sys.stderr, leave=False)
 
 
 # -- benchmark ---------------------------------------------------------------------------------------------

@@ -194,7 +194,8 @@ def _register_capacity(sub) -> None:
     p.add_argument("--ddr-bytes", default=None, help="DDR budget to split across tables, e.g. 256G")
     p.add_argument("--sizes", action="append", default=[], metavar="HBM:DDR",
                    help="simulate at these tier sizes per table, rows or %% of the working set, e.g. 10000:100000 or 1%%:10%% (repeatable; default: the recommendation, else 1%%:10%%)")
-    p.add_argument("--policies", default="lru,lfu", help="policies to simulate at those sizes: lru, lfu, lookahead (default lru,lfu; '' for none)")
+    p.add_argument("--policies", default="lfu", help="policies to replay at those sizes: lfu, lookahead, lru (LRU is always read off the curve; "
+                   "replaying it cross-checks); default lfu, '' for none")
     p.add_argument("--window", type=int, default=16, help="lookahead window in batches (default 16)")
     p.add_argument("--no-belady", action="store_true", help="skip Belady's bound")
     p.add_argument("--steps-per-s", type=float, default=1.0, help="training steps per second, for SSD rates (default 1)")
