@@ -30,8 +30,10 @@ Stack distances use a set of "removed" use positions: a use at position m is
 removed once its row is used again, so the distance of a use whose previous use
 is at p, in a call starting at b, is (b - p - 1) minus the removed positions in
 (p, b). :class:`RemovedSet` answers those counts for a whole batch of uses at a
-time (no Python loop per id); calls of different tables are independent and go
-through it together, one group of calls per step.
+time (no Python loop per id): calls of different tables are independent and go
+through it together (a step of a many-table trace is one batch), and runs of
+small calls of one table share a batch with a correction for the removals of
+their earlier calls.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import json
 import math
 import sys
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -329,9 +332,11 @@ def _earlier_removals(p: np.ndarray, b: np.ndarray, call: np.ndarray, n_calls: i
 class LruCurve:
     """A table's LRU hit counts at every size, from a histogram of stack distances.
 
-    Exact (``rate == 1``): ``hist[k]`` uses had distance k. SHARDS: the histogram
-    of the sampled uses' distances, which stand for distances k / rate, plus
-    ``adjust`` uses put at distance 0 (SHARDS_adj), all in sampled units.
+    Exact (``rate == 1``): ``hist[k]`` uses had distance k, ``cold`` were first
+    touches. SHARDS: the histogram of the sampled uses' distances, which stand
+    for distances k / rate; ``cold`` = rate * the trace's distinct rows and
+    ``adjust`` uses put at distance 0 make the total rate * the trace's uses
+    (SHARDS_adj), all in sampled units.
     """
 
     name: str
@@ -435,8 +440,7 @@ _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
 def _table_salt(name: str, seed: int) -> np.uint64:
-    import zlib
-
+    # per table, so that tables do not all sample the same ids
     return np.uint64((zlib.crc32(name.encode()) * 0x9E3779B1 + seed * 0x85EBCA77) & 0xFFFFFFFFFFFFFFFF)
 
 
