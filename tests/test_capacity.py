@@ -307,6 +307,16 @@ def test_budget_split_is_within_budget_and_near_the_brute_force_best():
     assert got >= 0.99 * best
 
 
+def test_total_curve_rises_to_every_table_fully_cached():
+    trace = synth(SynthConfig(tables=(("hot", 3000, 1.2), ("cold", 8000, 0.6)), batch_size=64, pooling=4, steps=60, seed=3))
+    curves = cap.lru_curves(trace)
+    tc = cap.total_curve(curves, [64, 256])
+    assert np.all(np.diff(tc["hit_ratio"]) >= -1e-12)
+    full = sum(float(c.hits(c.working_set)) for c in curves) / sum(c.n_uses for c in curves)
+    assert tc["hit_ratio"][-1] == pytest.approx(full)
+    assert tc["bytes"][-1] <= 3000 * 64 + 8000 * 256
+
+
 def test_analyze_report_is_consistent_and_json(tmp_path):
     trace = synth(SynthConfig(tables=(("a", 4000), ("b", 500)), batch_size=64, pooling=4, steps=50, seed=2, dim=16))
     report = cap.analyze(trace, cap.CapacityConfig(hbm_target=0.2, hit_target=0.4, steps_per_s=100,

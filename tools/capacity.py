@@ -813,15 +813,11 @@ def rows_for_targets(curve: LruCurve, hbm_target: float | None, hit_target: floa
     return out
 
 
-def split_budget(curves: Sequence[LruCurve], row_bytes: Sequence[int], budget: float,
-                 start: Sequence[int] | None = None, points: int = 400) -> list[int]:
-    """Rows per table that maximise total hits within ``budget`` bytes (on top of
-    ``start`` rows already given): a Lagrangian over each curve's hull, searched
-    on a grid of sizes per table, bisecting the price of a byte."""
+def _size_grid(curves, row_bytes, start=None, points: int = 400):
+    """Per table, candidate extra rows (0 and geometric steps to the working set),
+    the hits they add on top of ``start`` rows, and their bytes: (T, points + 1) each."""
     start = np.zeros(len(curves), dtype=np.int64) if start is None else np.asarray(start, dtype=np.int64)
     T = len(curves)
-    if T == 0 or budget <= 0:
-        return [0] * T
     cand = np.zeros((T, points + 1), dtype=np.float64)
     gain = np.zeros((T, points + 1), dtype=np.float64)
     for i, c in enumerate(curves):  # a loop per table
@@ -830,7 +826,37 @@ def split_budget(curves: Sequence[LruCurve], row_bytes: Sequence[int], budget: f
         sizes = np.pad(sizes, (0, points + 1 - len(sizes)), mode="edge")
         cand[i] = sizes
         gain[i] = np.asarray(c.hits(start[i] + sizes), dtype=np.float64) - float(c.hits(start[i]))
-    cost = cand * np.asarray(row_bytes, dtype=np.float64)[:, None]
+    return cand, gain, cand * np.asarray(row_bytes, dtype=np.float64)[:, None]
+
+
+def total_curve(curves: Sequence[LruCurve], row_bytes: Sequence[int], points: int = 40) -> dict:
+    """The whole trace's LRU hit ratio against the bytes of one cache split across
+    the tables by :func:`split_budget` (each table its own tiers), at budgets from
+    one row to every working set."""
+    if not curves:
+        return {"bytes": [], "rows": [], "hit_ratio": []}
+    rb = np.asarray(row_bytes, dtype=np.float64)
+    full = float(sum(math.ceil(c.working_set) * b for c, b in zip(curves, rb)))
+    budgets = np.unique(np.geomspace(rb.min(), max(full, rb.min()), points).round())
+    uses = sum(c.n_uses for c in curves) or 1.0
+    out = {"bytes": [], "rows": [], "hit_ratio": []}
+    for b in budgets:  # a loop per budget
+        sizes = split_budget(curves, row_bytes, float(b))
+        out["bytes"].append(float(sum(x * r for x, r in zip(sizes, rb))))
+        out["rows"].append(int(sum(sizes)))
+        out["hit_ratio"].append(float(sum(float(c.hits(x)) for c, x in zip(curves, sizes))) / uses)
+    return out
+
+
+def split_budget(curves: Sequence[LruCurve], row_bytes: Sequence[int], budget: float,
+                 start: Sequence[int] | None = None, points: int = 400) -> list[int]:
+    """Rows per table that maximise total hits within ``budget`` bytes (on top of
+    ``start`` rows already given): a Lagrangian over each curve's hull, searched
+    on a grid of sizes per table, bisecting the price of a byte."""
+    T = len(curves)
+    if T == 0 or budget <= 0:
+        return [0] * T
+    cand, gain, cost = _size_grid(curves, row_bytes, start, points)
 
     def pick(price):
         k = np.argmax(gain - price * cost, axis=1)
@@ -1038,6 +1064,7 @@ def analyze(trace: Trace, config: CapacityConfig | None = None) -> dict:
         t["simulations"] = sims
     report["tables"] = tables
     report["total"] = _totals(tables, per_s)
+    report["total"]["curve"] = total_curve(curves, row_bytes)
     report["seconds"] = time.perf_counter() - t0
     return report
 
@@ -1162,6 +1189,12 @@ def format_report(report: dict) -> str:
     lines.append("")
     lines.append(f"total: working set {_fmt(tot['working_set_rows'])} rows ({_fmt_bytes(tot['working_set_bytes'])}); "
                  f"SSD demand with no cache {tot['ssd_no_cache']['mb_per_s']:,.1f} MB/s")
+    tc = tot.get("curve")
+    if tc and tc["hit_ratio"]:
+        ratio, spent = np.array(tc["hit_ratio"]), np.array(tc["bytes"])
+        top = float(ratio.max())
+        marks = [f"{q:.0%} of the max at {_fmt_bytes(float(spent[np.argmax(ratio >= q * top - 1e-12)]))}" for q in (0.5, 0.8, 0.9, 0.99)]
+        lines.append(f"total LRU hit ratio with a cache split well across tables: max {top:.3f}; " + ", ".join(marks))
     return "\n".join(lines)
 
 
@@ -1218,6 +1251,18 @@ def plot_report(report: dict, out_dir: str | Path) -> list[Path]:
         ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
     files.append(out / "miss_ratio.png")
+    fig.savefig(files[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+    tc = report.get("total", {}).get("curve")
+    fig, ax = plt.subplots(figsize=(8, 4))
+    if tc and tc["bytes"]:
+        ax.plot(np.maximum(np.array(tc["bytes"]), 1) / 1e6, 1 - np.array(tc["hit_ratio"]), "k-")
+    ax.set_xscale("log")
+    ax.set_xlabel("cache MB (HBM + DDR), split across tables for the most hits")
+    ax.set_ylabel("miss ratio, all tables (LRU)")
+    ax.grid(True, which="both", alpha=0.3)
+    files.append(out / "total_miss_ratio.png")
     fig.savefig(files[-1], dpi=120, bbox_inches="tight")
     plt.close(fig)
 
