@@ -401,7 +401,7 @@ class LruCurve:
 
     def rows_for(self, ratio: float) -> int | None:
         """Smallest cache (rows) with hit ratio >= ratio; None when cold misses forbid it."""
-        if ratio <= 0:
+        if ratio <= 0 or self.sampled_uses == 0:
             return 0
         need = ratio * self.sampled_uses
         cum = self.cum()
@@ -1074,7 +1074,9 @@ DECADES = [10**k for k in range(1, 8)]
 
 def _decade_shares(c: LruCurve) -> list[float]:
     """Share of uses with stack distance < 10, in [10, 100), ... >= 1e7, then first touches."""
-    n = c.n_uses or 1.0
+    n = c.n_uses
+    if not n:
+        return [0.0] * (len(DECADES) + 2)
     below = np.asarray(c.hits(np.array(DECADES)), dtype=np.float64) / n
     reuses = 1.0 - c.working_set / n
     return np.maximum(np.diff(np.concatenate([[0.0], below, [reuses]])), 0.0).tolist() + [c.working_set / n]
