@@ -118,27 +118,32 @@ def _scenario(args, title: str, hbm_rows: int, ddr_rows: int, warm_all: bool) ->
         it = iter(range(10**12))
         sync = torch.cuda.synchronize if store.device.type == "cuda" else (lambda: None)
 
-        def block(reads: int) -> float:
-            t0 = time.perf_counter()
+        def block(reads: int) -> tuple[float, float]:
+            """Wall and process CPU seconds per read; CPU time includes the
+            endpoint's threads and excludes waiting for other processes."""
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(reads):
                 store.read("t", batches[next(it) % len(batches)])
             sync()
-            return (time.perf_counter() - t0) / reads
+            return (time.perf_counter() - t0) / reads, (time.process_time() - c0) / reads
 
         server = store.serve_metrics(0)
         scraper = Scraper(server.url)
         time.sleep(0.5)  # let the scraper process start before anything is timed
-        reads = max(2, int(BLOCK_S / min(block(2) for _ in range(3))))
+        reads = max(2, int(BLOCK_S / min(block(2)[0] for _ in range(3))))
         hist = store._tables["t"].counters.latency
         obs0, calls0 = _observations(hist)
         before = store.stats()
         times: dict[str, list[float]] = {m: [] for m in MODES}
+        cpu: dict[str, list[float]] = {m: [] for m in MODES}
         order = list(MODES)
         try:
             for r in range(args.repeat):
                 for mode in order[r % 3:] + order[: r % 3]:
                     scraper.every(MODES[mode])
-                    times[mode].append(block(reads))
+                    wall, used = block(reads)
+                    times[mode].append(wall)
+                    cpu[mode].append(used)
             scraper.every(None)
         finally:
             scraper.close()
@@ -146,14 +151,16 @@ def _scenario(args, title: str, hbm_rows: int, ddr_rows: int, warm_all: bool) ->
         after = store.stats()
         store.close()
     med = {m: statistics.median(ts) for m, ts in times.items()}
+    med_cpu = {m: statistics.median(ts) for m, ts in cpu.items()}
     mark = _timing_mark_cost()
     obs_per_read = (obs1 - obs0) / max(1, calls1 - calls0)
     hbm = {k: after["hbm"][k] - before["hbm"][k] for k in ("hits", "misses")}
-    rows = [(f"{m}", f"{t * 1e3:8.2f} ms/read  {batch / t / 1e6:6.2f} M ids/s  ({med['off'] / t:.3f}x)") for m, t in med.items()]
+    rows = [(m, f"{t * 1e3:8.2f} ms/read  {batch / t / 1e6:6.2f} M ids/s  ({med['off'] / t:.3f}x);  "
+                f"CPU {med_cpu[m] * 1e3:8.2f} ms/read ({med_cpu['off'] / med_cpu[m]:.3f}x)") for m, t in med.items()]
     scrape_ms = statistics.median(scraper.seconds) * 1e3 if scraper.seconds else float("nan")
     rows.append(("scrapes", f"{len(scraper.seconds)}, median {scrape_ms:.2f} ms, {scraper.body_bytes:,} bytes each"))
     rows.append(("stage timings (always on)", f"{obs_per_read:.1f} observations/read x {mark * 1e9:.0f} ns = "
-                 f"{obs_per_read * mark * 1e6:.2f} us/read ({100 * obs_per_read * mark / med['off']:.3f}% of a read)"))
+                 f"{obs_per_read * mark * 1e6:.2f} us/read ({100 * obs_per_read * mark / med['off']:.4f}% of a read)"))
     report(
         f"metrics: {title}",
         {"rows": n, "dim": dim, "batch": batch, "hbm_rows": hbm_rows, "ddr_rows": ddr_rows, "device": args.device,
