@@ -278,11 +278,16 @@ class TieredStore:
             values = self._as_values(t.spec, values, len(ids), cols)
             if len(ids) == 0:
                 return
-            uid, inverse = torch.unique(ids.cpu(), return_inverse=True)
-            last_pos = torch.full((len(uid),), -1, dtype=torch.int64)
-            last_pos.scatter_reduce_(0, inverse, torch.arange(len(ids)), "amax")
+            ids = ids.cpu()
+            if len(ids) > 1 and bool((ids[1:] > ids[:-1]).all()):
+                uid = ids  # already sorted and unique (a backward's rows): nothing to dedupe or gather
+            else:
+                uid, inverse = torch.unique(ids, return_inverse=True)
+                last_pos = torch.full((len(uid),), -1, dtype=torch.int64)
+                last_pos.scatter_reduce_(0, inverse, torch.arange(len(ids)), "amax")
+                values = values.index_select(0, last_pos)
             with restored_on_error([t.counters]):
-                self._write_unique(t, uid, values.index_select(0, last_pos), cols)
+                self._write_unique(t, uid, values, cols)
 
     def prefetch(self, table: str, ids) -> PrefetchTicket:
         """Start bringing the rows of ``ids`` up in the background; returns at once.
@@ -666,5 +671,5 @@ class TieredStore:
             t.counters.ssd.write_bytes += len(cold) * (8 + 4 * t.spec.width)
         for tier, slot, pos in targets:
             s = slot.to(tier.device)
-            tier.data[s, :cols] = values[pos].to(tier.device)
+            tier.data[s, :cols] = (values if len(pos) == n else values[pos]).to(tier.device)  # all in one tier: no gather
             tier.dirty[s] = True
