@@ -7,7 +7,6 @@ plain row-wise Adagrad written here. Determinism is checked bit for bit
 """
 import gc
 import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
