@@ -85,7 +85,7 @@ class SGD(RowOptimizer):
 
 class Adagrad(RowOptimizer):
     """Element-wise Adagrad, as torch.optim.Adagrad on sparse gradients
-    (lr_decay=0, weight_decay=0, initial_accumulator_value=0).
+    (lr_decay=0, weight_decay=0, initial_accumulator_value=0), bit for bit on CPU.
 
     State: one accumulator per weight. s += g*g; w -= lr * g / (sqrt(s) + eps).
     """
@@ -137,7 +137,8 @@ class Adam(RowOptimizer):
     equals torch.optim.Adam run on that row alone over the steps that touched it:
     t += 1; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
     w -= lr/(1-b1**t) * m / (sqrt(v)/sqrt(1-b2**t) + eps).
-    t is a float32, exact up to 2**24 steps of one row.
+    Bit for bit on CPU what torch.optim.Adam (amsgrad=False, weight_decay=0) computes
+    for that row. t is a float32, exact up to 2**24 steps of one row.
     """
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
