@@ -27,20 +27,32 @@ class Float32RowCodec:
             raise ValueError(f"expected rows of width {self.width}, got shape {rows.shape}")
         return rows.view(self._void).ravel().tolist()
 
-    def decode(self, values: list[bytes], out: np.ndarray) -> np.ndarray:
-        """Fill ``out[i]`` from ``values[i]`` where present (b''); returns the found mask."""
-        lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
-        found = lengths > 0
-        bad = found & (lengths != self.row_bytes)
-        if bad.any():
+    def decode(self, values: list, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Rows from ``values[i]`` (bytes, or None where the row is absent).
+
+        Returns (rows, found). Without ``out`` and with every row present the
+        rows are a view of one joined buffer: no per-row work after the join.
+        """
+        n = len(values)
+        try:
+            buf = bytearray().join(values)  # bytearray: the rows stay writable
+            missing, found, present = False, np.ones(n, dtype=bool), values
+        except TypeError:  # some rows absent (None)
+            arr = np.empty(n, dtype=object)
+            arr[:] = values
+            found = arr != None  # noqa: E711 (elementwise, in C)
+            missing, present = True, arr[found].tolist()
+            buf = bytearray().join(present)
+        if len(buf) != len(present) * self.row_bytes:
             raise ValueError(
-                f"stored row has {int(lengths[bad][0])} bytes, expected {self.row_bytes}: "
-                "the table's width on disk does not match its spec"
+                f"stored rows are not {self.row_bytes} bytes each: the table's width on disk does not match its spec"
             )
-        if found.any():
-            data = np.frombuffer(b"".join(values), dtype="<f4").reshape(-1, self.width)
-            if found.all():
-                out[:] = data
-            else:
-                out[found] = data
-        return found
+        data = np.frombuffer(buf, dtype="<f4").reshape(-1, self.width)
+        if out is None and not missing:
+            return data, found
+        rows = out if out is not None else np.empty((n, self.width), dtype=np.float32)
+        if missing:
+            rows[found] = data
+        else:
+            rows[:] = data
+        return rows, found

@@ -34,7 +34,7 @@ def read_rows_async(
     def part(lo: int, hi: int) -> None:
         err = None
         try:
-            found[lo:hi] = backend.get_rows(table, ids[lo:hi], rows[lo:hi])
+            found[lo:hi] = backend.get_rows(table, ids[lo:hi], rows[lo:hi])[1]
         except BaseException as e:  # handed to on_done, which raises it where it concerns
             err = e
         with lock:

@@ -463,8 +463,7 @@ class TieredStore:
             rows[~staged] = self._fetch(t, ids[~staged]) if not staged.all() else rows[:0]
             return rows
         ids_np = ids.numpy()
-        rows = np.empty((len(ids_np), t.spec.width), dtype=np.float32)
-        found = self._backend.get_rows(t.spec.name, ids_np, rows)
+        rows, found = self._backend.get_rows(t.spec.name, ids_np, None)
         if not found.all():
             rows[~found] = initial_rows(t.spec, ids_np[~found])
         t.counters.ssd.reads += len(ids_np)
@@ -537,12 +536,16 @@ class TieredStore:
         new_freq = old_freq + 1
 
         dev = H.device if H else torch.device("cpu")
-        rows = torch.empty((n, t.spec.width), dtype=torch.float32, device=dev)
-        if n_h:
-            rows[in_h] = H.data[slot_h[in_h].to(dev)]
-        if n_d:
-            rows[in_d.to(dev)] = D.data[slot_d[in_d]].to(dev)
-        rows[miss.to(dev)] = (fetched.pin_memory() if dev.type == "cuda" else fetched).to(dev, non_blocking=True)
+        fetched = (fetched.pin_memory() if dev.type == "cuda" else fetched).to(dev, non_blocking=True)
+        if len(miss) == n:  # all cold: the fetched rows are the call's rows, in uid order
+            rows = fetched
+        else:
+            rows = torch.empty((n, t.spec.width), dtype=torch.float32, device=dev)
+            if n_h:
+                rows[in_h] = H.data[slot_h[in_h].to(dev)]
+            if n_d:
+                rows[in_d.to(dev)] = D.data[slot_d[in_d]].to(dev)
+            rows[miss.to(dev)] = fetched
 
         # Plan both levels before touching anything, so that a failed write-back
         # leaves the store exactly as it was.
