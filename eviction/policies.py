@@ -15,6 +15,7 @@ class EvictionPolicy:
     """Subclasses override :meth:`victims`; the base class checks the contract."""
 
     name = "base"
+    uses_frequency = True  # False lets the store skip counting steps on its hot path
 
     def victims(self, last: np.ndarray, freq: np.ndarray, k: int) -> np.ndarray:
         """Positions (into ``last``/``freq``) of the ``k`` rows to evict."""
@@ -36,6 +37,7 @@ class LRUPolicy(EvictionPolicy):
     """Evict the least recently used rows."""
 
     name = "lru"
+    uses_frequency = False
 
     def victims(self, last, freq, k):
         # use clocks are unique, so the k smallest are a well-defined set

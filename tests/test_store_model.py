@@ -80,7 +80,9 @@ class StoreMachine(RuleBasedStateMachine):
             if tier is not None:
                 for x, (last, freq) in want.items():
                     slot = int(tier.lookup(torch.tensor([x]))[0])
-                    assert int(tier.last[slot]) == last and int(tier.freq[slot]) == freq
+                    assert int(tier.last[slot]) == last
+                    if self.model.policy == "lfu":  # LRU never reads frequencies, so the store may skip them
+                        assert int(tier.freq[slot]) == freq
         stats = self.store.stats()
         counts = self.model.counts
         # the model's counts restart at reopen; the store's are per open too

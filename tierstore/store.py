@@ -228,13 +228,14 @@ class TieredStore:
                 # fast path: every id in the top tier, so no dedupe is needed
                 slots = top.lookup(ids)
                 if bool((slots >= 0).all()):
+                    result = self._gather(top.data, slots, cols, out)
                     clocks = torch.arange(self._use_clock, self._use_clock + n, device=top.device)
                     top.last.scatter_reduce_(0, slots, clocks, "amin", include_self=False)
                     first_use = top.last[slots] == clocks  # one True per unique row
-                    top.freq.index_add_(0, slots, first_use.long())
+                    if top.policy.uses_frequency:
+                        top.freq.index_add_(0, slots, first_use.long())
                     (t.counters.hbm if top is t.hbm else t.counters.ddr).hits += int(first_use.sum())
                     self._use_clock += n
-                    result = self._gather(top.data, slots, cols, out)
                     t.counters.latency.observe("total", time.perf_counter() - start)
                     self._prefetcher.consumed(table, ids)
                     return result
