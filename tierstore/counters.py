@@ -22,6 +22,14 @@ class SSDCounters:
     read_bytes: int = 0
     write_bytes: int = 0
 
+    def count_reads(self, rows: int, found: int, width: int) -> None:
+        self.reads += rows
+        self.read_bytes += found * 4 * width
+
+    def count_writes(self, rows: int, width: int) -> None:
+        self.writes += rows
+        self.write_bytes += rows * (8 + 4 * width)  # key and float32 row
+
 
 @dataclass
 class TableCounters:

@@ -32,7 +32,6 @@ import torch
 from tierstore.eviction.lookahead import NOT_IN_WINDOW
 from tierstore.io.workers import read_rows_async
 
-from .spec import initial_rows
 from .tiers import CacheTier
 
 
@@ -68,7 +67,6 @@ class PrefetchTicket:
         self._done = threading.Event()
         self._released = False
         self.owned = False  # a LookaheadLoader delivers its failure at its batch
-        self.rows_fetched = 0
         if error is not None or prefetcher is None:
             self._done.set()
 
@@ -226,10 +224,7 @@ class Prefetcher:
 
     def _stage(self, store_t, ticket: PrefetchTicket, ids, rows, found, began: int) -> None:
         c = store_t.counters
-        if not found.all():
-            rows[~found] = initial_rows(store_t.spec, ids[~found])
-        c.ssd.reads += len(ids)
-        c.ssd.read_bytes += int(found.sum()) * 4 * store_t.spec.width
+        self._store._fill_unwritten(store_t, ids, rows, found)
         keep = ~np.isin(ids, self._written_since(ticket.table, began))
         ids_t = torch.from_numpy(ids)
         staging = self._staged[ticket.table]
@@ -240,7 +235,6 @@ class Prefetcher:
         n = int(keep.sum())
         staging.add(ids_t[keep_t], torch.from_numpy(rows[keep]), torch.full((n,), ticket.step),
                     torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.bool))
-        ticket.rows_fetched = n
         c.prefetch.issued_rows += n
         c.prefetch.dropped_rows += len(ids) - n
         c.prefetch.staged_rows = staging.resident

@@ -332,12 +332,9 @@ class TieredStore:
                     order = torch.argsort(batch_ids)
                     batches.append((name, batch_ids[order].numpy(), batch_rows[order].numpy()))
             now = self.config.clock()
-            self._put(batches, meta={"last_flush": now})
-            self._backend.sync()
-            for name, batch_ids, _ in batches:
-                ssd = self._tables[name].counters.ssd
-                ssd.writes += len(batch_ids)
-                ssd.write_bytes += len(batch_ids) * (8 + 4 * self._tables[name].spec.width)
+            with restored_on_error([t.counters for t in self._tables.values()]):
+                self._put(batches, meta={"last_flush": now})
+                self._backend.sync()
             for tier, slots in dirty:
                 tier.dirty[slots] = False
             sc = self._counters
@@ -458,18 +455,22 @@ class TieredStore:
         """Rows of ids (sorted): prefetched ones from staging, the rest from LMDB,
         initial values for rows never written."""
         staged, staged_rows = self._prefetcher.take(t.spec.name, ids)
-        if staged.any():
-            rows = torch.empty((len(ids), t.spec.width), dtype=torch.float32)
-            rows[staged] = staged_rows
-            rows[~staged] = self._fetch(t, ids[~staged]) if not staged.all() else rows[:0]
-            return rows
-        ids_np = ids.numpy()
-        rows, found = self._backend.get_rows(t.spec.name, ids_np, None)
+        some_staged = bool(staged.any())
+        cold = ids[~staged].numpy() if some_staged else ids.numpy()
+        cold_rows = torch.from_numpy(self._fill_unwritten(t, cold, *self._backend.get_rows(t.spec.name, cold, None)))
+        if not some_staged:
+            return cold_rows
+        rows = torch.empty((len(ids), t.spec.width), dtype=torch.float32)
+        rows[staged] = staged_rows
+        rows[~staged] = cold_rows
+        return rows
+
+    def _fill_unwritten(self, t: _Table, ids: np.ndarray, rows: np.ndarray, found: np.ndarray) -> np.ndarray:
+        """Give rows LMDB does not hold their initial values, and count the read."""
         if not found.all():
-            rows[~found] = initial_rows(t.spec, ids_np[~found])
-        t.counters.ssd.reads += len(ids_np)
-        t.counters.ssd.read_bytes += int(found.sum()) * 4 * t.spec.width
-        return torch.from_numpy(rows)
+            rows[~found] = initial_rows(t.spec, ids[~found])
+        t.counters.ssd.count_reads(len(ids), int(found.sum()), t.spec.width)
+        return rows
 
     def _next_use(self, t: _Table, ids: torch.Tensor) -> np.ndarray | None:
         return self._prefetcher.next_use(t.spec.name, ids)
@@ -482,7 +483,8 @@ class TieredStore:
                 f"writing rows to {self.path} failed ({e}); nothing was changed and dirty rows stay cached, "
                 "so the call can be retried once the cause (often a full disk) is fixed"
             ) from e
-        for name, ids, _ in batches:
+        for name, ids, _ in batches:  # every LMDB row write passes here: count it once
+            self._tables[name].counters.ssd.count_writes(len(ids), self._tables[name].spec.width)
             self._prefetcher.written(name, ids)
 
     def _access(self, t: _Table, uid: torch.Tensor, use_clock: torch.Tensor):
@@ -610,8 +612,6 @@ class TieredStore:
             ids_all, rows_all = torch.cat(wb_ids), torch.cat(wb_rows)
             order = torch.argsort(ids_all)
             self._put([(t.spec.name, ids_all[order].numpy(), rows_all[order].numpy())])
-            c.ssd.writes += n_wb
-            c.ssd.write_bytes += n_wb * (8 + 4 * t.spec.width)
             c.latency.observe("writeback", time.perf_counter() - mark)
 
         # -- commit the plan (in memory only; cannot fail half-way) --
@@ -671,8 +671,6 @@ class TieredStore:
                 rows = self._fetch(t, uid[cold])
                 rows[:, :cols] = values[cold]
             self._put([(t.spec.name, uid[cold].numpy(), rows.numpy())])
-            t.counters.ssd.writes += len(cold)
-            t.counters.ssd.write_bytes += len(cold) * (8 + 4 * t.spec.width)
         for tier, slot, pos in targets:
             s = slot.to(tier.device)
             tier.data[s, :cols] = (values if len(pos) == n else values[pos]).to(tier.device)  # all in one tier: no gather
