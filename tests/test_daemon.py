@@ -137,7 +137,7 @@ def test_overlapping_claim_is_refused_naming_the_holder_and_released_on_close(da
     with pytest.raises(PermissionError, match=r"'user'.*trainer-a.*pid %d" % os.getpid()):
         attach(daemon, store_path, claim=["item", "user"], client="trainer-b")
     b = attach(daemon, store_path, claim=["item"], client="trainer-b")  # the refused attach claimed nothing
-    with pytest.raises(PermissionError, match="no write claim on table 'user'.*trainer-a"):
+    with pytest.raises(PermissionError, match="no write claim on row 1 of table 'user'.*trainer-a"):
         b.write("user", [1], np.ones((1, 8)))
     a.close()
     c = attach(daemon, store_path, claim=["user"], client="trainer-c")
@@ -157,8 +157,10 @@ def test_readonly_client_reads_anything_and_writes_nothing(daemon, store_path):
         r.write("user", [7], np.zeros((1, 8)))
     with pytest.raises(ValueError, match="contradict"):
         attach(daemon, store_path, readonly=True, claim=["user"])
-    with pytest.raises(ValueError, match="not supported yet"):
+    with pytest.raises(ValueError, match="caches only rows it has claimed"):
         attach(daemon, store_path, hbm_rows=10)
+    with pytest.raises(ValueError, match="'user', which this client has not claimed"):
+        attach(daemon, store_path, claim=[("item", 0, 10)], hbm_rows={"user": 10})
     with pytest.raises(ValueError, match="only applies with daemon="):
         tierstore.TieredStore(store_path, claim=["user"])
     # errors raised in the daemon come back as the same exception type, with its message
@@ -188,10 +190,10 @@ def test_malformed_and_oversized_frames_get_an_error_and_a_closed_connection(dae
     good = attach(daemon, store_path, readonly=True)
     cases = [
         b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"x" * 10,  # not our magic
-        wire.HEADER.pack(wire.MAGIC, 99, wire.READ, 0, 0, 0, 0, 0),  # future version
-        wire.HEADER.pack(wire.MAGIC, wire.VERSION, 200, 0, 0, 0, 0, 0),  # unknown type
-        wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.READ, 0, 4, 1 << 40, 0, 0),  # 8 TiB of ids: refused before allocating
-        wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.WRITE, 0, 4, 10, 10, 1 << 30),  # absurd row width
+        wire.HEADER.pack(wire.MAGIC, 99, wire.READ, 0, 0, 0, 0, 0, 0),  # future version
+        wire.HEADER.pack(wire.MAGIC, wire.VERSION, 200, 0, 0, 0, 0, 0, 0),  # unknown type
+        wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.READ, 0, 0, 4, 1 << 40, 0, 0),  # 8 TiB of ids: refused before allocating
+        wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.WRITE, 0, 0, 4, 10, 10, 1 << 30),  # absurd row width
     ]
     for i, payload in enumerate(cases):
         s = raw_conn(daemon.sock)
@@ -233,7 +235,7 @@ PARTIAL_WRITER = textwrap.dedent("""
     # the header and half the payload of a write of rows 300..999, then stall: killed mid-frame
     ids = np.arange(300, 1000)
     rows = np.full((700, 8), 9.0, dtype=np.float32)
-    c._sock.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.WRITE, 0, 4, 700, 700, 8) + b"user" + ids.tobytes())
+    c._sock.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.WRITE, 0, 0, 4, 700, 700, 8) + b"user" + ids.tobytes())
     c._sock.sendall(rows.tobytes()[: rows.nbytes // 2])
     print("stalled", flush=True)
     sys.stdin.readline()

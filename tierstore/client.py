@@ -3,12 +3,45 @@
 The daemon (tierstore/tools/daemon.py) owns the store's DDR tier and LMDB
 files; this class sends it READ/WRITE/PREFETCH/FLUSH frames (tierstore/wire.py)
 over a Unix socket and has the read/write/prefetch/flush API of an embedded
-store. Writes go into the daemon's store and are durable after ``flush()``
-(anyone's) or when the daemon stops; see the daemon's module docstring.
+store. Writes that reach the daemon go into its store and are durable after
+``flush()`` (anyone's) or when the daemon stops; see the daemon's docstring.
 
-Not yet supported: a client-side HBM tier (``hbm_rows`` must be 0; rows are
-returned on ``device``), row-range claims (claims are whole tables), and shared
-memory for large payloads (arrays go through the socket).
+Claims. ``claim=`` names what this client writes: a table name (every row of
+it) or a ``(table, lo, hi)`` half-open row range, e.g.
+``claim=["user", ("item", 0, 500_000)]``. The daemon refuses a claim that
+overlaps another client's (PermissionError naming the holder and the rows),
+and refuses writes outside the client's claims.
+
+Client-side HBM tier (``hbm_rows=N``, a :class:`tierstore.tiers.CacheTier`
+on ``device``; one per process). Consistency rests on the claims: a row has
+at most one writer, so that writer may keep the newest copy of the row to
+itself. Hence:
+
+- Only rows this client claimed are cached in its HBM tier; reads of any
+  other row (and every read of a readonly client) go to the daemon each time,
+  so they see the other writers' rows as soon as those reach the daemon.
+- A write to a row in the HBM tier updates it there and marks it dirty; a
+  write to any other row goes to the daemon (like the embedded store, where a
+  write to an uncached row goes to the level below). Writes are not uses.
+- A dirty row the HBM tier evicts goes back to the daemon with a WRITE (with
+  its state) before the tier lets it go. ``flush()`` writes every dirty HBM
+  row to the daemon, then asks the daemon to flush: when it returns, all of
+  this client's writes are durable. ``close()`` writes dirty rows back too.
+- Other clients read a claimed row's newest value only once it has reached
+  the daemon (eviction, flush, close). A client killed with dirty HBM rows
+  loses those rows only: the daemon's copy is the last one written back.
+- The HBM tier is inclusive over the daemon (the daemon may keep a copy of a
+  row the client caches); the embedded store's tiers are exclusive. Values are
+  bit-identical to an embedded store; counts follow the embedded rules inside
+  the HBM tier: each read call counts each unique id once, a hit if the HBM
+  tier held it, else a miss; ids of unclaimed rows are not counted there.
+  ``stats()`` gives the client's HBM counts with the daemon's DDR/SSD counts
+  (the daemon counts every client's reads). Frequencies (LFU) start at 1 when
+  a row enters the HBM tier.
+
+Large arrays go through a shared-memory segment the daemon creates for this
+connection (``shm_bytes``; see tierstore/wire.py); small frames through the
+socket.
 """
 from __future__ import annotations
 
@@ -16,87 +49,128 @@ import json
 import os
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from . import wire
+from .counters import TierCounters
+from .eviction import make_policy
 from .spec import TableSpec
 from .store import TieredStore
+from .tiers import CacheTier
+
+Claim = str | tuple[str, int, int]
 
 
 class DaemonStore(TieredStore):
     """A store served by a ``tierstore prefetchd`` daemon (same read/write API).
 
-    ``claim``: tables this client writes; a table has one writer at a time
-    (PermissionError naming the holder otherwise). ``readonly=True`` clients
-    read every table and write none. ``timeout``: seconds any one request may
-    take before the daemon counts as gone (ConnectionError).
+    ``claim``: table names or ``(table, lo, hi)`` half-open row ranges this
+    client writes (PermissionError naming the holder if someone else has any
+    of those rows). ``readonly=True`` clients read every table and write none.
+    ``hbm_rows``: rows of this client's own HBM tier per claimed table (an int,
+    or {table: rows}); ``policy`` is its eviction policy (the daemon's DDR tier
+    has its own). ``timeout``: seconds any one request may take before the
+    daemon counts as gone (ConnectionError). ``shm_bytes``: shared memory to
+    ask the daemon for (0 = every frame through the socket).
     """
 
     def __init__(
         self,
         path: str | Path,
         tables: Sequence[TableSpec] | None = None,
-        hbm_rows: int = 0,
+        hbm_rows: int | Mapping[str, int] = 0,
         ddr_rows: int = 0,
+        policy: str = "lru",
+        device: str | torch.device | None = "cpu",
+        readonly: bool = False,
         *,
         daemon: str | Path,
-        claim: Sequence[str] = (),
-        readonly: bool = False,
-        device: str | torch.device | None = "cpu",
+        claim: Sequence[Claim] = (),
         timeout: float = 30.0,
         client: str | None = None,
         limits: wire.Limits | None = None,
+        shm_bytes: int = 64 << 20,
         **unsupported,
     ):
         if unsupported:
             raise TypeError(f"{sorted(unsupported)} apply to the daemon's store, not to a client; set them on `tierstore prefetchd`")
-        if hbm_rows:
-            raise ValueError("a client-side HBM tier (hbm_rows > 0 with daemon=) is not supported yet; pass hbm_rows=0 "
-                             "(rows come from the daemon's DDR tier on every read)")
         if ddr_rows:
             raise ValueError("ddr_rows belongs to the daemon (`tierstore prefetchd --ddr-rows N`); drop ddr_rows= with daemon=")
-        if isinstance(claim, str):
-            claim = [claim]
-        if not all(isinstance(c, str) for c in claim):
-            raise TypeError(f"claim must be a list of table names, got {claim!r}")
-        if readonly and claim:
+        claims = wire.parse_claims([claim] if _is_range(claim) else list(claim) if isinstance(claim, tuple) else claim)
+        if readonly and claims:
             raise ValueError(f"readonly=True and claim={list(claim)} contradict each other; a readonly client writes nothing")
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        if not isinstance(shm_bytes, int) or shm_bytes < 0:
+            raise ValueError(f"shm_bytes must be an int >= 0 (0 = no shared memory), got {shm_bytes!r}")
         self.path = Path(path)
         self.socket_path = Path(daemon)
         self.readonly = bool(readonly)
-        self.claims = tuple(claim)
+        self.claims = tuple(claims)
+        self._ranges: dict[str, list[tuple[int, int]]] = {}
+        for t, lo, hi in claims:
+            self._ranges.setdefault(t, []).append((lo, hi))
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.timeout = float(timeout)
         self._limits = limits or wire.Limits()
-        self._lock = threading.Lock()  # one request in flight per connection
+        self._lock = threading.RLock()  # one request in flight per connection; the HBM tiers
         self._closed = False
+        self._shm: wire.Segment | None = None
+        self._shm_threshold = 1 << 16
+        self._hbm: dict[str, CacheTier] = {}
+        self._hbm_counts: dict[str, TierCounters] = {}
+        self._use_clock = 0
         self._sock = self._connect()
         name = client or f"{socket.gethostname()}:{os.getpid()}"
-        hello = {"client": name, "claims": list(claim), "readonly": self.readonly, "path": str(self.path.resolve())}
+        hello = {"client": name, "claims": [list(c) for c in claims], "readonly": self.readonly,
+                 "path": str(self.path.resolve()), "shm_bytes": shm_bytes}
         try:
             reply = self._request(wire.Frame(wire.HELLO, text=json.dumps(hello)))
+            body = reply.json()
+            if body.get("shm_bytes"):
+                self._shm = wire.recv_segment(self._sock, int(body["shm_bytes"]))
+                self._shm_threshold = int(body.get("shm_threshold", self._shm_threshold))
         except BaseException:
             self._sock.close()
             self._closed = True
             raise
-        body = reply.json()
         self._tables = {d["name"]: TableSpec.from_json(d) for d in body["tables"]}
         self.daemon_pid = body.get("pid")
-        for spec in tables or ():
-            have = self._tables.get(spec.name)
-            if have is None:
-                self.close()
-                raise KeyError(f"the daemon's store has no table {spec.name!r} (it has {sorted(self._tables)}); "
-                               "a client cannot create tables: create them with an embedded TieredStore before starting the daemon")
-            if have != spec:
-                self.close()
-                raise ValueError(f"table {spec.name!r}: {spec!r} contradicts the daemon's {have!r}; attach without tables=")
+        try:
+            for spec in tables or ():
+                have = self._tables.get(spec.name)
+                if have is None:
+                    raise KeyError(f"the daemon's store has no table {spec.name!r} (it has {sorted(self._tables)}); "
+                                   "a client cannot create tables: create them with an embedded TieredStore before starting the daemon")
+                if have != spec:
+                    raise ValueError(f"table {spec.name!r}: {spec!r} contradicts the daemon's {have!r}; attach without tables=")
+            self._make_hbm(hbm_rows, policy)
+        except BaseException:
+            self.close()
+            raise
+
+    def _make_hbm(self, hbm_rows, policy: str) -> None:
+        make_policy(policy)  # raises on unknown names
+        sizes = dict(hbm_rows) if isinstance(hbm_rows, Mapping) else {t: hbm_rows for t in self._ranges}
+        for table, rows in sizes.items():
+            if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or rows < 0:
+                raise ValueError(f"hbm_rows for {table} must be an int >= 0 (0 = no HBM tier), got {rows!r}")
+            spec = self._spec(table)
+            if rows and table not in self._ranges:
+                raise ValueError(f"hbm_rows for table {table!r}, which this client has not claimed: a client caches only rows "
+                                 f"it writes (its claims keep other writers away); claim it, e.g. claim=[{table!r}]")
+            if spec.num_rows is not None:
+                rows = min(rows, spec.num_rows)
+            if rows:
+                self._hbm[table] = CacheTier("hbm", int(rows), spec.width, self.device, make_policy(policy), spec.num_rows)
+                self._hbm_counts[table] = TierCounters()
+        if not isinstance(hbm_rows, Mapping) and hbm_rows and not self._hbm:
+            raise ValueError("hbm_rows > 0 with no claim=: a client caches only rows it has claimed for writing "
+                             "(readonly and unclaimed reads always go to the daemon); add claim=[...] or drop hbm_rows")
 
     # -- transport ----------------------------------------------------------------------
     def _connect(self) -> socket.socket:
@@ -113,26 +187,55 @@ class DaemonStore(TieredStore):
         return sock
 
     def _request(self, frame: wire.Frame, rows_out: np.ndarray | None = None) -> wire.Frame:
+        """Send one frame and wait for its reply. Rows of a reply that came through
+        shared memory are a view into it: valid until the next request."""
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"daemon store {self.path} (via {self.socket_path}) is closed")
             try:
-                wire.send_frame(self._sock, frame)
-                reply = wire.recv_frame(self._sock, self._limits, rows_out)
+                wire.send_frame(self._sock, frame, self._shm, self._shm_threshold)
+                reply = wire.recv_frame(self._sock, self._limits, rows_out, self._shm)
             except (socket.timeout, OSError, wire.ProtocolError) as e:
                 # the stream is out of step or dead: nothing more can be said on it
-                self._closed = True
-                self._sock.close()
+                self._drop_connection()
                 what = f"did not answer within {self.timeout} s" if isinstance(e, socket.timeout) else f"went away ({e})"
                 raise ConnectionError(f"the tierstore daemon at {self.socket_path} {what}; this client is closed, "
                                       "attach again once the daemon runs (unflushed writes may be lost)") from None
             if reply is None:
-                self._closed = True
-                self._sock.close()
+                self._drop_connection()
                 raise ConnectionError(f"the tierstore daemon at {self.socket_path} closed the connection; "
                                       "this client is closed, attach again once the daemon runs")
         wire.raise_for(reply)
         return reply
+
+    def _drop_connection(self) -> None:
+        self._closed = True
+        self._sock.close()
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+
+    def _daemon_read(self, table: str, ids: np.ndarray, cols: int, with_state: bool, out: torch.Tensor | None) -> torch.Tensor:
+        """Rows from the daemon, copied into ``out`` (CPU, contiguous) or a new tensor."""
+        n = len(ids)
+        direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
+        reply = self._request(wire.Frame(wire.READ, text=table, ids=ids, flags=wire.WITH_STATE if with_state else 0),
+                              rows_out=out.numpy() if direct else None)
+        if reply.rows is None or reply.rows.shape != (n, cols):
+            raise RuntimeError(f"the daemon answered a read of {n} x {cols} with {None if reply.rows is None else reply.rows.shape}")
+        if direct:
+            if reply.rows is not out.numpy():  # it came through shared memory
+                np.copyto(out.numpy(), reply.rows)
+            return out
+        rows = torch.from_numpy(reply.rows)
+        if out is not None:
+            return out.copy_(rows)
+        if reply.flags & wire.IN_SHM:  # the segment is reused by the next request
+            return rows.to(self.device, copy=True)
+        return rows.to(self.device)
+
+    def _daemon_write(self, table: str, ids: np.ndarray, rows: np.ndarray, with_state: bool) -> None:
+        self._request(wire.Frame(wire.WRITE, text=table, ids=ids, rows=rows, flags=wire.WITH_STATE if with_state else 0))
 
     # -- the store API -------------------------------------------------------------------
     @property
@@ -157,17 +260,96 @@ class DaemonStore(TieredStore):
             raise ValueError(f"out must be a float32 tensor of shape ({n}, {cols}) on {self.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
         if n == 0:
             return out if out is not None else torch.empty((0, cols), dtype=torch.float32, device=self.device)
-        direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
-        reply = self._request(wire.Frame(wire.READ, wire.WITH_STATE if with_state else 0, table, ids_np),
-                              rows_out=out.numpy() if direct else None)
-        if reply.rows is None or reply.rows.shape != (n, cols):
-            raise RuntimeError(f"the daemon answered a read of {n} x {cols} with {None if reply.rows is None else reply.rows.shape}")
-        if direct:
-            return out
-        rows = torch.from_numpy(reply.rows)
-        if out is not None:
-            return out.copy_(rows)
-        return rows.to(self.device)
+        tier = self._hbm.get(table)
+        if tier is None:
+            return self._daemon_read(table, ids_np, cols, with_state, out)
+        with self._lock:
+            self._check_open()
+            mine = wire.claimed(self._ranges[table], ids_np)
+            if mine.all():
+                return self._hbm_read(table, tier, torch.from_numpy(ids_np), cols, out)
+            # a call that spans claimed and unclaimed rows: each part from where it lives
+            result = out if out is not None else torch.empty((n, cols), dtype=torch.float32, device=self.device)
+            if mine.any():
+                at = torch.from_numpy(np.flatnonzero(mine)).to(self.device)
+                result[at] = self._hbm_read(table, tier, torch.from_numpy(ids_np[mine]), cols, None)
+            at = torch.from_numpy(np.flatnonzero(~mine)).to(self.device)
+            result[at] = self._daemon_read(table, ids_np[~mine], cols, with_state, None).to(self.device)
+            return result
+
+    def _hbm_read(self, table: str, H: CacheTier, ids: torch.Tensor, cols: int, out: torch.Tensor | None) -> torch.Tensor:
+        """One read step of the HBM tier, by the embedded store's rules: every
+        unique id is used at clock ``start + first position``; misses come from
+        the daemon with their state; evicted dirty rows go back to it first."""
+        c = self._hbm_counts[table]
+        n = len(ids)
+        slots = H.lookup(ids)
+        if bool((slots >= 0).all()):  # every row resident: no dedupe, no daemon
+            clocks = torch.arange(self._use_clock, self._use_clock + n, device=H.device)
+            H.last.scatter_reduce_(0, slots, clocks, "amin", include_self=False)
+            first_use = H.last[slots] == clocks  # one True per unique row
+            if H.policy.uses_frequency:
+                H.freq.index_add_(0, slots, first_use.long())
+            c.hits += int(first_use.sum())
+            self._use_clock += n
+            return self._gather(H.data, slots, cols, out)
+
+        uid, inverse = torch.unique(ids, return_inverse=True)
+        first = torch.full((len(uid),), n, dtype=torch.int64)
+        first.scatter_reduce_(0, inverse, torch.arange(n), "amin")
+        use_clock = first + self._use_clock
+        u = len(uid)
+        slot = H.lookup(uid).cpu()
+        hit = slot >= 0
+        miss = torch.nonzero(~hit).squeeze(1)
+        fetched = self._daemon_read(table, uid[miss].numpy(), H.data.shape[1], True, None)
+
+        rows = torch.empty((u, H.data.shape[1]), dtype=torch.float32, device=H.device)
+        rows[hit.to(H.device)] = H.data[slot[hit].to(H.device)]
+        rows[miss.to(H.device)] = fetched.to(H.device)
+        new_freq = torch.ones(u, dtype=torch.int64)
+        new_freq[hit] += H.freq[slot[hit].to(H.device)].cpu()
+
+        # plan: which call rows stay, which residents leave
+        keep = torch.ones(u, dtype=torch.bool)
+        if u <= H.capacity:
+            need = len(miss) - H.free
+            victims = torch.empty(0, dtype=torch.int64)
+            if need > 0:
+                cand = H.occupied_except(slot[hit].to(H.device))
+                victims = cand[H.pick_victims(H.last[cand], H.freq[cand], need).to(H.device)].cpu()
+        else:  # more rows than the tier holds: keep those the policy ranks highest
+            keep[torch.from_numpy(H.policy.select(use_clock.numpy(), new_freq.numpy(), u - H.capacity))] = False
+            victims = H.occupied_except(slot[hit].to(H.device)).cpu()
+        dropped_hits = torch.nonzero(hit & ~keep).squeeze(1)  # call rows that leave the tier
+        leaving = torch.cat([victims, slot[dropped_hits]])
+        self._write_back(table, H, leaving)  # before anything changes: a failure leaves the tier as it was
+
+        H.remove(leaving.to(H.device))
+        c.evictions += len(leaving)
+        stay = hit & keep
+        s = slot[stay].to(H.device)
+        H.last[s] = use_clock[stay].to(H.device)
+        H.freq[s] = new_freq[stay].to(H.device)
+        enter = ~hit & keep
+        H.add(uid[enter], rows[enter.to(H.device)], use_clock[enter], new_freq[enter], torch.zeros(int(enter.sum()), dtype=torch.bool))
+        c.hits += int(hit.sum())
+        c.misses += len(miss)
+        self._use_clock += n
+        return self._gather(rows, inverse.to(H.device), cols, out)
+
+    def _write_back(self, table: str, H: CacheTier, slots: torch.Tensor) -> int:
+        """WRITE the dirty rows among ``slots`` (with their state) to the daemon; marks them clean."""
+        s = slots.to(H.device)
+        dirty = s[H.dirty[s]]
+        if len(dirty) == 0:
+            return 0
+        ids = H.ids[dirty].cpu()
+        order = torch.argsort(ids)
+        self._daemon_write(table, ids[order].numpy(), H.data[dirty[order.to(H.device)]].cpu().numpy(), True)
+        H.dirty[dirty] = False
+        self._hbm_counts[table].writebacks += len(dirty)
+        return len(dirty)
 
     def write(self, table: str, ids, values, with_state: bool = False) -> None:
         if self.readonly:
@@ -175,14 +357,37 @@ class DaemonStore(TieredStore):
         spec = self._spec(table)
         ids_np = self._ids_np(table, ids)
         cols = spec.width if with_state else spec.dim
-        rows = self._as_values(spec, values, len(ids_np), cols).numpy()
+        values = self._as_values(spec, values, len(ids_np), cols)
         if len(ids_np) == 0:
             return
-        self._request(wire.Frame(wire.WRITE, wire.WITH_STATE if with_state else 0, table, ids_np, rows))
+        H = self._hbm.get(table)
+        if H is None:
+            self._daemon_write(table, ids_np, values.numpy(), with_state)
+            return
+        with self._lock:
+            self._check_open()
+            ids_t = torch.from_numpy(ids_np)
+            uid, inverse = torch.unique(ids_t, return_inverse=True)
+            if len(uid) < len(ids_t):  # the last value of a repeated id wins
+                last_pos = torch.full((len(uid),), -1, dtype=torch.int64)
+                last_pos.scatter_reduce_(0, inverse, torch.arange(len(ids_t)), "amax")
+                values = values.index_select(0, last_pos)
+            else:
+                values = values.index_select(0, torch.argsort(ids_t))
+            slot = H.lookup(uid).cpu()
+            cached = slot >= 0
+            if not bool(cached.all()):
+                # the rest goes to the daemon first: it refuses the whole write if any row
+                # is unclaimed (none of those can be cached here), and nothing has changed yet
+                self._daemon_write(table, uid[~cached].numpy(), values[~cached].numpy(), with_state)
+            s = slot[cached].to(H.device)
+            H.data[s, :cols] = values[cached].to(H.device)
+            H.dirty[s] = True
 
     def prefetch(self, table: str, ids) -> None:
         """Hint that the next batches read these rows; the daemon starts fetching
-        them and this returns at once (a bad id is refused here, not later)."""
+        them into its DDR tier and this returns at once (a bad id is refused here,
+        not later)."""
         self._request(wire.Frame(wire.PREFETCH, 0, table, self._ids_np(table, ids)))
 
     def report_step(self, step: int) -> None:
@@ -191,35 +396,69 @@ class DaemonStore(TieredStore):
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         self._request(wire.Frame(wire.STEP, ids=np.array([step], dtype=np.int64)))
 
+    def _write_back_all(self) -> None:
+        for table, H in self._hbm.items():
+            self._write_back(table, H, H.dirty_slots())
+
     def flush(self) -> None:
-        """Return once every dirty row in the daemon's store (every client's) is durable in LMDB."""
-        self._request(wire.Frame(wire.FLUSH))
+        """Write this client's dirty HBM rows to the daemon, then return once every
+        dirty row in the daemon's store (every client's) is durable in LMDB."""
+        with self._lock:
+            self._write_back_all()
+            self._request(wire.Frame(wire.FLUSH))
 
     def stats(self, per_table: bool = False) -> dict:
-        """The daemon's store counters (same shape as TieredStore.stats)."""
-        return self.daemon_stats(per_table)["store"]
+        """Counters like TieredStore.stats: "hbm" is this client's HBM tier, "ddr"
+        and "ssd" the daemon's store (every client's reads)."""
+        daemon = self.daemon_stats(per_table)["store"]
+        with self._lock:
+            mine = {t: vars(c).copy() for t, c in self._hbm_counts.items()}
+        if per_table:
+            for t, d in daemon.items():
+                d["hbm"] = mine.get(t, vars(TierCounters()).copy())
+            return daemon
+        total = vars(TierCounters()).copy()
+        for d in mine.values():
+            total = {k: v + d[k] for k, v in total.items()}
+        daemon["hbm"] = total
+        return daemon
 
     def daemon_stats(self, per_table: bool = False) -> dict:
-        """{"store": counters, "clients": [{name, pid, claims, readonly, step}]}."""
+        """{"store": counters, "clients": [{name, pid, claims, readonly, step, shm_bytes}], "prefetch": ...}."""
         return self._request(wire.Frame(wire.STATS, text="per_table" if per_table else "")).json()
 
+    def resident_rows(self, table: str) -> dict[str, int]:
+        """Rows in this client's HBM tier (the daemon's DDR tier is not counted)."""
+        self._spec(table)
+        H = self._hbm.get(table)
+        return {"hbm": H.resident if H else 0}
+
     def close(self) -> None:
-        """Disconnect (releases this client's claims). Does not flush: call flush() first
-        for durability. Idempotent."""
+        """Write dirty HBM rows back to the daemon, then disconnect (releases this
+        client's claims). Does not flush the daemon: call flush() first for
+        durability. Idempotent."""
         with self._lock:
-            if not self._closed:
-                self._closed = True
-                try:
-                    # wait for the daemon to hang up: by then it has released our claims,
-                    # so another client can claim them as soon as close() returns
-                    self._sock.shutdown(socket.SHUT_WR)
-                    self._sock.settimeout(min(self.timeout, 5.0))
-                    while self._sock.recv(65536):
-                        pass
-                except OSError:
-                    pass
-                finally:
-                    self._sock.close()
+            if self._closed:
+                return
+            try:
+                self._write_back_all()
+            finally:
+                if not self._closed:
+                    self._hang_up()
+
+    def _hang_up(self) -> None:
+        self._closed = True
+        try:
+            # wait for the daemon to hang up: by then it has released our claims,
+            # so another client can claim them as soon as close() returns
+            self._sock.shutdown(socket.SHUT_WR)
+            self._sock.settimeout(min(self.timeout, 5.0))
+            while self._sock.recv(65536):
+                pass
+        except OSError:
+            pass
+        finally:
+            self._drop_connection()
 
     def _unsupported(self, what: str):
         raise NotImplementedError(f"{what} is not available through the daemon client; run it on the daemon's host against a stopped daemon's store")
@@ -229,9 +468,6 @@ class DaemonStore(TieredStore):
 
     def serve_metrics(self, port: int, addr: str = "127.0.0.1"):
         self._unsupported("serve_metrics (use `tierstore prefetchd --metrics-port`)")
-
-    def resident_rows(self, table: str) -> dict[str, int]:
-        self._unsupported("resident_rows")
 
     def prefetch_stats(self) -> dict:
         self._unsupported("prefetch_stats")
@@ -243,4 +479,9 @@ class DaemonStore(TieredStore):
             pass
 
     def __repr__(self) -> str:
-        return f"DaemonStore({str(self.path)!r}, daemon={str(self.socket_path)!r}, claims={list(self.claims)}, readonly={self.readonly})"
+        return (f"DaemonStore({str(self.path)!r}, daemon={str(self.socket_path)!r}, "
+                f"claims={[wire.describe_claim(c) for c in self.claims]}, readonly={self.readonly})")
+
+
+def _is_range(c) -> bool:
+    return isinstance(c, tuple) and len(c) == 3 and isinstance(c[0], str) and not isinstance(c[1], str)

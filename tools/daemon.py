@@ -49,6 +49,8 @@ class DaemonConfig:
     metrics_port: int | None = None
     limits: wire.Limits = field(default_factory=wire.Limits)
     max_hints: int = 64  # outstanding prefetch hints per client; older ones are released (unpinned)
+    shm_max_bytes: int = 1 << 30  # largest shared-memory segment granted to one client; 0 = none
+    shm_threshold: int = 1 << 16  # frames with more array bytes than this go through the segment
 
     def __post_init__(self):
         self.path, self.socket = Path(self.path), Path(self.socket)
@@ -58,6 +60,10 @@ class DaemonConfig:
             raise ValueError(f"--depth must be an int >= 1, got {self.depth!r}")
         if not isinstance(self.max_hints, int) or self.max_hints < 1:
             raise ValueError(f"max_hints must be an int >= 1, got {self.max_hints!r}")
+        for name in ("shm_max_bytes", "shm_threshold"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
         if self.lookahead_source is not None:
             self.lookahead_source = Path(self.lookahead_source)
         if len(os.fsencode(self.socket)) >= 104:  # sun_path is 108 bytes on Linux, 104 on BSDs
@@ -72,7 +78,9 @@ class _Session:
         self.number = number
         self.name = f"conn{number}"
         self.pid: int | None = None
-        self.claims: set[str] = set()
+        self.claims: list[tuple[str, int, int]] = []  # (table, lo, hi) half-open; see wire.parse_claims
+        self.ranges: dict[str, list[tuple[int, int]]] = {}  # table -> its sorted claimed (lo, hi)
+        self.shm: wire.Segment | None = None
         self.readonly = True
         self.hello = False
         self.step: int | None = None
@@ -120,7 +128,7 @@ class Daemon:
         self.config = config
         self._lock = threading.Lock()  # sessions, claims, totals (the store has its own lock)
         self._sessions: dict[int, _Session] = {}
-        self._claims: dict[str, _Session] = {}
+        self._claims: dict[str, list[tuple[int, int, _Session]]] = {}  # table -> claimed row ranges
         self._totals: dict[str, tuple[dict, dict]] = {}  # client name -> (requests, rows): survives disconnects
         self._stop = threading.Event()
         self._numbers = iter(range(1, 1 << 62))
@@ -231,7 +239,7 @@ class Daemon:
         try:
             while True:
                 try:
-                    frame = wire.recv_frame(s.conn, limits)
+                    frame = wire.recv_frame(s.conn, limits, shm=s.shm)
                 except wire.ProtocolError as e:
                     log.warning("%s sent a malformed frame (%s); closing its connection", s.describe(), e)
                     self._reply_error(s, wire.ERROR, e)
@@ -248,7 +256,9 @@ class Daemon:
                     if frame.type == wire.HELLO:
                         return
                     continue
-                wire.send_frame(s.conn, reply)
+                wire.send_frame(s.conn, reply, s.shm, self.config.shm_threshold)
+                if frame.type == wire.HELLO and s.shm is not None:
+                    wire.send_segment(s.conn, s.shm)
         except (ConnectionError, OSError) as e:
             if not self._stop.is_set():
                 log.info("%s went away: %s", s.describe(), e)
@@ -264,9 +274,8 @@ class Daemon:
     def _drop(self, s: _Session) -> None:
         with self._lock:
             self._sessions.pop(s.number, None)
-            for table in s.claims:
-                if self._claims.get(table) is s:
-                    del self._claims[table]
+            for table in s.ranges:
+                self._claims[table] = [c for c in self._claims.get(table, []) if c[2] is not s]
             self._steps_changed.notify_all()
         for ticket in s.hints:
             ticket.release()
@@ -275,8 +284,10 @@ class Daemon:
             s.conn.close()
         except OSError:
             pass
+        if s.shm is not None:
+            s.shm.close()
         if s.hello:
-            log.info("%s disconnected; released claims %s", s.describe(), sorted(s.claims))
+            log.info("%s disconnected; released claims %s", s.describe(), [wire.describe_claim(c) for c in s.claims])
 
     # -- requests -------------------------------------------------------------------------
     def _handle(self, s: _Session, f: wire.Frame) -> wire.Frame:
@@ -285,28 +296,32 @@ class Daemon:
             return self._hello(s, f)
         if f.type == wire.READ:
             ids = self._ids(f)
-            with_state = bool(f.status & wire.WITH_STATE)
+            with_state = bool(f.flags & wire.WITH_STATE)
             spec = store.tables.get(f.text)
             if spec is None:  # the store's own KeyError message
                 store.read(f.text, ids[:0])
             cols = spec.width if with_state else spec.dim
-            if s.out.numel() < len(ids) * cols:  # a reply buffer per connection: no page faults per read
-                s.out = torch.empty(len(ids) * cols, dtype=torch.float32)
-            rows = store.read(f.text, torch.from_numpy(ids), with_state=with_state, out=s.out[: len(ids) * cols].view(len(ids), cols))
+            nbytes = 4 * len(ids) * cols
+            if s.shm is not None and nbytes > self.config.shm_threshold and nbytes <= s.shm.size:
+                # gathered straight into the client's segment: the reply is a header, no copy
+                out = torch.from_numpy(s.shm.array(0, "<f4", (len(ids), cols)))
+            else:
+                if s.out.numel() < len(ids) * cols:  # a reply buffer per connection: no page faults per read
+                    s.out = torch.empty(len(ids) * cols, dtype=torch.float32)
+                out = s.out[: len(ids) * cols].view(len(ids), cols)
+            rows = store.read(f.text, torch.from_numpy(ids), with_state=with_state, out=out)
             self._count(s, "read", len(ids))
             return wire.Frame(f.type, rows=rows.numpy())
         if f.type == wire.WRITE:
-            if s.readonly:
-                raise PermissionError(f"{s.describe()} attached readonly; attach with claim=[{f.text!r}] to write table {f.text!r}")
-            if f.text not in s.claims:
-                holder = self._claims.get(f.text)
-                who = f"; it is claimed by {holder.describe()}" if holder is not None else ""
-                raise PermissionError(f"{s.describe()} has no write claim on table {f.text!r}{who}; attach with claim=[{f.text!r}] to write it")
             ids = self._ids(f)
+            self._check_claimed(s, f.text, ids)
             if f.rows is None and len(ids):
                 raise ValueError(f"WRITE of {len(ids)} ids carries no rows")
-            values = torch.from_numpy(f.rows) if f.rows is not None else torch.empty((0, 0))
-            store.write(f.text, torch.from_numpy(ids), values, with_state=bool(f.status & wire.WITH_STATE))
+            rows = f.rows
+            if rows is not None and f.flags & wire.IN_SHM:
+                rows = rows.copy()  # the store may keep what it is given; the segment is reused by the next frame
+            values = torch.from_numpy(rows) if rows is not None else torch.empty((0, 0))
+            store.write(f.text, torch.from_numpy(ids), values, with_state=bool(f.flags & wire.WITH_STATE))
             self._count(s, "write", len(ids))
             return wire.Frame(f.type)
         if f.type == wire.PREFETCH:
@@ -333,7 +348,8 @@ class Daemon:
         if f.type == wire.STATS:
             per_table = f.text == "per_table"
             with self._lock:
-                clients = [{"name": x.name, "pid": x.pid, "claims": sorted(x.claims), "readonly": x.readonly, "step": x.step}
+                clients = [{"name": x.name, "pid": x.pid, "claims": [list(c) for c in x.claims], "readonly": x.readonly,
+                            "step": x.step, "shm_bytes": x.shm.size if x.shm is not None else 0}
                            for x in self._sessions.values() if x.hello]
             body = {"store": store.stats(per_table=per_table), "clients": clients,
                     "prefetch": store.prefetch_stats()["tables"]}
@@ -352,33 +368,66 @@ class Daemon:
         name, claims, readonly, path = body.get("client"), body.get("claims", []), body.get("readonly", False), body.get("path")
         if not isinstance(name, str) or not name or len(name) > 200:
             raise ValueError(f"client name must be a non-empty string of <= 200 characters, got {name!r}")
-        if not isinstance(claims, list) or not all(isinstance(c, str) for c in claims):
-            raise ValueError(f"claims must be a list of table names, got {claims!r}")
+        claims = wire.parse_claims(claims)  # TypeError/ValueError name the bad item
+        shm_bytes = body.get("shm_bytes", 0)
+        if not isinstance(shm_bytes, int) or isinstance(shm_bytes, bool) or shm_bytes < 0:
+            raise ValueError(f"shm_bytes must be an int >= 0, got {shm_bytes!r}")
         if readonly and claims:
             raise ValueError(f"a readonly client cannot claim tables for writing (claims {claims}); drop readonly=True or claim=")
         if path is not None and Path(path).resolve() != self.config.path.resolve():
             raise ValueError(f"this daemon serves {self.config.path.resolve()}, not {Path(path).resolve()}; attach to the daemon of that store")
-        unknown = sorted(set(claims) - set(self.store.tables))
+        unknown = sorted({c[0] for c in claims} - set(self.store.tables))
         if unknown:
             raise KeyError(f"claims name unknown tables {unknown}; the store has tables {sorted(self.store.tables)}")
         try:
             pid = struct.unpack("3i", s.conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
         except (AttributeError, OSError):  # not Linux: no peer credentials
             pid = None
-        with self._lock:
-            taken = {c: self._claims[c] for c in claims if c in self._claims}
-            if taken:
-                held = "; ".join(f"table {t!r} by {h.describe()}" for t, h in sorted(taken.items()))
-                raise PermissionError(f"write claim refused: {held} already; a table has one writer at a time "
-                                      "(attach with readonly=True to read it)")
-            s.name, s.pid, s.readonly, s.hello = name, pid, bool(readonly), True
-            s.claims = set(claims)
-            for c in claims:
-                self._claims[c] = s
-        log.info("%s attached: claims %s%s", s.describe(), sorted(claims), ", readonly" if readonly else "")
+        shm = None
+        granted = min(shm_bytes, self.config.shm_max_bytes)
+        if granted:
+            try:
+                shm = wire.Segment.create(granted)
+            except OSError as e:  # no memfd here: every frame goes through the socket
+                log.warning("no shared memory for %s (%s); using the socket", name, e)
+        try:
+            with self._lock:
+                clashes = [f"{wire.describe_claim((t, max(lo, hlo), min(hi, hhi)))} by {holder.describe()}"
+                           for t, lo, hi in claims for hlo, hhi, holder in self._claims.get(t, []) if lo < hhi and hlo < hi]
+                if clashes:
+                    raise PermissionError(f"write claim refused: {'; '.join(clashes)} already claimed; a row has one writer at a time "
+                                          "(claim other rows, or attach with readonly=True to read them)")
+                s.name, s.pid, s.readonly, s.hello = name, pid, bool(readonly), True
+                s.claims = claims
+                for t, lo, hi in claims:
+                    self._claims.setdefault(t, []).append((lo, hi, s))
+                    s.ranges.setdefault(t, []).append((lo, hi))
+        except BaseException:
+            if shm is not None:
+                shm.close()
+            raise
+        s.shm = shm
+        log.info("%s attached: claims %s%s%s", s.describe(), [wire.describe_claim(c) for c in claims],
+                 ", readonly" if readonly else "", f", {shm.size >> 20} MiB shared memory" if shm else "")
         reply = {"version": wire.VERSION, "path": str(self.config.path.resolve()), "pid": os.getpid(),
-                 "tables": [spec.to_json() for spec in self.store.tables.values()]}
+                 "tables": [spec.to_json() for spec in self.store.tables.values()],
+                 "shm_bytes": shm.size if shm else 0, "shm_threshold": self.config.shm_threshold}
         return wire.Frame(wire.HELLO, text=json.dumps(reply))
+
+    def _check_claimed(self, s: _Session, table: str, ids: np.ndarray) -> None:
+        """Refuse a write unless this client claimed every row it touches."""
+        if s.readonly:
+            raise PermissionError(f"{s.describe()} attached readonly; attach with claim=[{table!r}] to write table {table!r}")
+        inside = wire.claimed(s.ranges.get(table, []), ids)
+        if inside.all():
+            return
+        bad = int(ids[~inside][0])
+        with self._lock:
+            holder = next((h for lo, hi, h in self._claims.get(table, []) if lo <= bad < hi), None)
+        who = f"; it is claimed by {holder.describe()}" if holder is not None else ""
+        mine = ", ".join(wire.describe_claim((table, lo, hi)) for lo, hi in s.ranges.get(table, [])) or "none"
+        raise PermissionError(f"{s.describe()} has no write claim on row {bad} of table {table!r}{who} (its claims on "
+                              f"{table!r}: {mine}); attach with claim=[{table!r}] or a (table, lo, hi) range covering it")
 
     def _count(self, s: _Session, op: str, rows: int) -> None:
         with self._lock:
