@@ -358,3 +358,214 @@ def test_lookahead_follows_the_slowest_client_and_metrics_label_clients(store_pa
         slow.close()
     finally:
         assert d.stop() == 0
+
+
+# -- client-side HBM tier --------------------------------------------------------------------
+def _ops(seed: int, n_ops: int = 40):
+    """A random mix of reads and writes (repeated ids, with and without state) on both tables."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n_ops):
+        table, hi, width, dim = ("user", 300, 8, 8) if rng.random() < 0.6 else ("item", 250, 6, 4)
+        ids = rng.integers(0, hi, int(rng.integers(1, 120)))
+        with_state = table == "item" and rng.random() < 0.5
+        if rng.random() < 0.5:
+            yield "read", table, ids, with_state, None
+        else:
+            yield "write", table, ids, with_state, rng.standard_normal((len(ids), width if with_state else dim)).astype(np.float32)
+
+
+def _run(store, ops) -> list[np.ndarray]:
+    got = []
+    for op, table, ids, with_state, values in ops:
+        if op == "read":
+            got.append(store.read(table, ids, with_state=with_state).numpy().copy())
+        else:
+            store.write(table, ids, values, with_state=with_state)
+    return got
+
+
+def test_hbm_tier_reads_are_bit_identical_with_and_without_it_and_to_an_embedded_store(store_path, sockdir):
+    oracle_path, plain_path = store_path.parent / "oracle", store_path.parent / "plain"
+    shutil.copytree(store_path, oracle_path)
+    shutil.copytree(store_path, plain_path)
+    d1, d2 = Daemon(store_path, sockdir / "a.sock", ddr_rows=100), Daemon(plain_path, sockdir / "b.sock", ddr_rows=100)
+    try:
+        claim = ["user", ("item", 0, 10_000)]
+        cached = tierstore.TieredStore(store_path, daemon=str(d1.sock), claim=claim, hbm_rows={"user": 40, "item": 25})
+        plain = tierstore.TieredStore(plain_path, daemon=str(d2.sock), claim=claim)
+        with _embedded(oracle_path, hbm_rows=40, ddr_rows=100) as oracle:
+            runs = [_run(s, _ops(5)) for s in (cached, plain, oracle)]
+        for a, b, c in zip(*runs):
+            assert np.array_equal(a, b) and np.array_equal(a, c)
+        st = cached.stats()
+        assert st["hbm"]["hits"] > 0 and st["hbm"]["misses"] > 0 and st["hbm"]["evictions"] > 0
+        assert st["hbm"]["writebacks"] > 0  # dirty rows evicted from the tiny tier went back to the daemon
+        assert plain.stats()["hbm"] == {"hits": 0, "misses": 0, "evictions": 0, "writebacks": 0}
+        cached.flush()
+        ro = tierstore.TieredStore(store_path, daemon=str(d1.sock), readonly=True)
+        every = np.arange(300)
+        assert np.array_equal(ro.read("user", every).numpy(), plain.read("user", every).numpy())
+        assert np.array_equal(ro.read("item", every, with_state=True).numpy(), plain.read("item", every, with_state=True).numpy())
+        for c in (cached, plain, ro):
+            c.close()
+    finally:
+        assert d1.stop() == 0 and d2.stop() == 0
+
+
+def test_hbm_rows_reach_the_daemon_on_eviction_and_flush_and_others_see_them_then(daemon, store_path):
+    w = attach(daemon, store_path, claim=["user"], hbm_rows=10)
+    ro = attach(daemon, store_path, readonly=True)
+    w.read("user", np.arange(10))  # rows 0..9 now in w's HBM tier
+    w.write("user", np.arange(10), np.full((10, 8), 7.0))
+    assert w.resident_rows("user") == {"hbm": 10}
+    assert torch.equal(w.read("user", [3]), torch.full((1, 8), 7.0))
+    assert torch.equal(ro.read("user", [3]), torch.full((1, 8), 0.5))  # dirty in w's tier only: not yet at the daemon
+    w.read("user", np.arange(100, 104))  # evicts the 4 least recently used: rows 0..3 (the read of 3 used it last)
+    back = ro.read("user", np.arange(10)).numpy()[:, 0]
+    assert sorted(np.flatnonzero(back == 7.0)) == [0, 1, 2, 4]  # evicted dirty rows went back; 3 was used later
+    assert w.stats()["hbm"]["writebacks"] == 4
+    w.flush()
+    assert (ro.read("user", np.arange(10)).numpy() == 7.0).all()
+    w.write("user", [5], np.full((1, 8), 8.0))
+    w.close()  # close writes dirty rows back too
+    assert torch.equal(ro.read("user", [5]), torch.full((1, 8), 8.0))
+    ro.close()
+
+
+HBM_VICTIM = textwrap.dedent("""
+    import sys, numpy as np, tierstore
+    c = tierstore.TieredStore(sys.argv[1], daemon=sys.argv[2], claim=["user"], hbm_rows=100, client="victim")
+    c.read("user", np.arange(200, 260))
+    c.write("user", np.arange(200, 210), np.full((10, 8), 2.0, dtype=np.float32))
+    c.flush()
+    c.write("user", np.arange(210, 220), np.full((10, 8), 4.0, dtype=np.float32))  # dirty in the HBM tier, never flushed
+    c.write("user", np.arange(5000, 5010), np.full((10, 8), 6.0, dtype=np.float32))  # not cached: straight to the daemon
+    print("dirty", flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_client_killed_with_dirty_hbm_rows_loses_only_those(daemon, store_path):
+    other = attach(daemon, store_path, claim=["item"])
+    other.write("item", [1, 2], np.full((2, 4), 9.0))
+    p = subprocess.Popen([sys.executable, "-c", HBM_VICTIM, str(store_path), str(daemon.sock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "dirty"
+    p.kill()
+    p.wait(10)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            c = attach(daemon, store_path, claim=["user"])
+            break
+        except PermissionError:
+            assert time.monotonic() < deadline, "claim of a killed client was not released"
+            time.sleep(0.05)
+    rows = c.read("user", np.arange(200, 230)).numpy()
+    assert (rows[:10] == 2.0).all()  # flushed
+    with _embedded(tmp := store_path.parent / "unused", tables=[USER]) as oracle:
+        assert np.array_equal(rows[10:], oracle.read("user", np.arange(210, 230)).numpy())  # lost: initial values
+    shutil.rmtree(tmp)
+    assert (c.read("user", np.arange(5000, 5010)).numpy() == 6.0).all()  # reached the daemon before the kill
+    assert (other.read("item", [1, 2]).numpy() == 9.0).all()  # the other client's rows are untouched
+    c.close()
+    other.close()
+
+
+# -- row-range claims ---------------------------------------------------------------------------
+def test_row_range_claims_overlap_refused_and_writes_outside_them_refused(daemon, store_path):
+    a = attach(daemon, store_path, claim=[("user", 0, 500)], client="a", hbm_rows=50)
+    with pytest.raises(PermissionError, match=r"rows \[400, 500\) of table 'user' by client 'a'"):
+        attach(daemon, store_path, claim=[("user", 400, 600)], client="b")
+    with pytest.raises(PermissionError, match=r"rows \[0, 500\) of table 'user' by client 'a'"):
+        attach(daemon, store_path, claim=["user"], client="b")
+    b = attach(daemon, store_path, claim=[("user", 500, 1000), "item"], client="b")
+    with pytest.raises(PermissionError, match=r"no write claim on row 499 of table 'user'; it is claimed by client 'a'"):
+        b.write("user", [600, 499], np.zeros((2, 8)))
+    b.write("user", [600], np.full((1, 8), 3.0))
+    a.read("user", [10])  # row 10 in a's HBM tier
+    with pytest.raises(PermissionError, match=r"row 700 of table 'user'; it is claimed by client 'b'.*rows \[0, 500\)"):
+        a.write("user", [10, 700], np.full((2, 8), 1.0))
+    assert torch.equal(a.read("user", [10]), torch.full((1, 8), 0.5))  # the refused write changed nothing
+    # a read across a's range and b's rows: a's from its tier, b's from the daemon
+    a.write("user", [10], np.full((1, 8), 1.0))
+    assert a.read("user", [10, 600, 10]).numpy()[:, 0].tolist() == [1.0, 3.0, 1.0]
+    for bad, err in ((("user", 5, 5), ValueError), (("user", -1, 5), ValueError), ([("user", 0, 10), ("user", 5, 20)], ValueError),
+                     ([("user", "0", 10)], TypeError), ([3], TypeError)):
+        with pytest.raises(err):
+            attach(daemon, store_path, claim=bad)
+    assert [c["claims"] for c in a.daemon_stats()["clients"]] == [[["user", 0, 500]], [["item", 0, 1 << 63], ["user", 500, 1000]]]
+    a.close()
+    c = attach(daemon, store_path, claim=[("user", 0, 500)])  # released on close
+    c.close()
+    b.close()
+
+
+# -- shared memory ---------------------------------------------------------------------------
+def test_large_payloads_go_through_shared_memory_and_match_the_socket_path(daemon, store_path):
+    shm = attach(daemon, store_path, claim=["user"])
+    sock_only = attach(daemon, store_path, readonly=True, shm_bytes=0)
+    assert shm._shm is not None and sock_only._shm is None
+    ids = np.random.default_rng(2).integers(0, 10_000, 5000)  # 160 KB of rows: above the 64 KiB threshold
+    values = np.random.default_rng(3).standard_normal((5000, 8)).astype(np.float32)
+    shm.write("user", ids, values)
+    reply = shm._request(wire.Frame(wire.READ, text="user", ids=ids))
+    assert reply.flags & wire.IN_SHM and reply.rows.shape == (5000, 8)
+    got, out = shm.read("user", ids), torch.empty((5000, 8))
+    assert shm.read("user", ids, out=out) is out and torch.equal(out, got)
+    assert torch.equal(got, sock_only.read("user", ids))
+    last = {i: v for i, v in zip(ids.tolist(), values)}  # the last value of a repeated id wins
+    assert np.array_equal(got.numpy(), np.stack([last[i] for i in ids.tolist()]))
+    assert sorted(c["shm_bytes"] for c in shm.daemon_stats()["clients"]) == [0, 64 << 20]
+    shm.close()
+    sock_only.close()
+
+
+def _hello_shm(s: socket.socket, size: int = 1 << 20) -> wire.Segment:
+    import json
+
+    wire.send_frame(s, wire.Frame(wire.HELLO, text=json.dumps({"client": "raw", "claims": ["item"], "shm_bytes": size})))
+    reply = wire.recv_frame(s, wire.Limits())
+    wire.raise_for(reply)
+    return wire.recv_segment(s, reply.json()["shm_bytes"])
+
+
+def test_malformed_shared_memory_frames_are_rejected_and_the_daemon_keeps_serving(daemon, store_path):
+    good = attach(daemon, store_path, readonly=True)
+    size = 1 << 20
+    bad_refs = [
+        (wire.READ, 0, 10, 0, 0, (size - 8, 0)),  # ids run past the segment
+        (wire.WRITE, 0, 10, 10, 4, (0, size - 64)),  # rows run past the segment
+        (wire.WRITE, 0, 10, 10, 4, (0, 40)),  # ids and rows overlap
+        (wire.READ, 0, 10, 0, 0, (3, 0)),  # misaligned
+        (wire.READ, 0, 10, 0, 0, (1 << 63, 0)),  # absurd offset
+    ]
+    for ftype, flags, n_ids, n_rows, n_cols, ref in bad_refs:
+        s = raw_conn(daemon.sock)
+        seg = _hello_shm(s, size)
+        s.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, ftype, 0, flags | wire.IN_SHM, 4, n_ids, n_rows, n_cols)
+                  + wire.SHM_REF.pack(*ref) + b"item")
+        reply = wire.recv_frame(s, wire.Limits(), shm=seg)
+        assert reply.status != wire.OK and "shared-memory" in reply.text, ref
+        assert_closed(s)
+        s.close()
+        seg.close()
+    # an IN_SHM frame on a connection that negotiated no segment
+    s = raw_conn(daemon.sock)
+    _hello(s)
+    s.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.READ, 0, wire.IN_SHM, 4, 1, 0, 0) + wire.SHM_REF.pack(0, 0) + b"user")
+    reply = wire.recv_frame(s, wire.Limits())
+    assert reply.status != wire.OK and "none was set up" in reply.text
+    assert_closed(s)
+    s.close()
+    # a well-formed one on the raw connection works, ids read from the segment
+    s = raw_conn(daemon.sock)
+    seg = _hello_shm(s, size)
+    seg.array(0, "<i8", (3,))[:] = [5, 2**40, 5]
+    s.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.READ, 0, wire.IN_SHM, 4, 3, 0, 0) + wire.SHM_REF.pack(0, 0) + b"item")
+    reply = wire.recv_frame(s, wire.Limits(), shm=seg)
+    wire.raise_for(reply)
+    assert reply.rows.shape == (3, 4)
+    s.close()
+    seg.close()
+    assert torch.equal(good.read("user", [3]), torch.full((1, 8), 0.5))  # the others were served throughout
+    good.close()
