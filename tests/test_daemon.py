@@ -77,6 +77,17 @@ def attach(daemon, store_path, **kw):
     return tierstore.TieredStore(store_path, daemon=str(daemon.sock), **kw)
 
 
+def attach_once_released(daemon, store_path, claim):
+    """Attach with ``claim`` as soon as the daemon has noticed a killed holder and released it."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return attach(daemon, store_path, claim=claim)
+        except PermissionError:
+            assert time.monotonic() < deadline, "claim of a killed client was not released"
+            time.sleep(0.05)
+
+
 def raw_conn(sock_path) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(10)
@@ -248,21 +259,21 @@ def test_client_killed_mid_write_loses_only_that_frame_and_its_claim_is_released
     assert p.stdout.readline().strip() == "stalled"
     p.send_signal(signal.SIGKILL)
     p.wait(10)
-    deadline = time.monotonic() + 10
-    while True:  # the daemon notices the dead connection and releases the claim
-        try:
-            c = attach(daemon, store_path, claim=["user"])
-            break
-        except PermissionError:
-            assert time.monotonic() < deadline, "claim of a killed client was not released"
-            time.sleep(0.05)
+    c = attach_once_released(daemon, store_path, ["user"])
     rows = c.read("user", np.arange(200, 1000)).numpy()
     assert (rows[:10] == 2.0).all()  # flushed
     assert (rows[10:20] == 4.0).all()  # written, not flushed: still in the daemon's store
-    with _embedded(tmp := store_path.parent / "unused", tables=[USER]) as oracle:  # never-written rows: their initial values
-        assert np.array_equal(rows[100:], oracle.read("user", np.arange(300, 1000)).numpy())
-    shutil.rmtree(tmp)
+    assert np.array_equal(rows[100:], _initial_user_rows(store_path, np.arange(300, 1000)))  # never written
     c.close()
+
+
+def _initial_user_rows(store_path, ids) -> np.ndarray:
+    """The values rows of "user" have before any write (from a fresh store)."""
+    tmp = store_path.parent / "fresh"
+    with _embedded(tmp, tables=[USER]) as oracle:
+        rows = oracle.read("user", ids).numpy()
+    shutil.rmtree(tmp)
+    return rows
 
 
 def test_sigterm_flushes_then_exits_0(store_path, sockdir):
@@ -452,19 +463,10 @@ def test_client_killed_with_dirty_hbm_rows_loses_only_those(daemon, store_path):
     assert p.stdout.readline().strip() == "dirty"
     p.kill()
     p.wait(10)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            c = attach(daemon, store_path, claim=["user"])
-            break
-        except PermissionError:
-            assert time.monotonic() < deadline, "claim of a killed client was not released"
-            time.sleep(0.05)
+    c = attach_once_released(daemon, store_path, ["user"])
     rows = c.read("user", np.arange(200, 230)).numpy()
     assert (rows[:10] == 2.0).all()  # flushed
-    with _embedded(tmp := store_path.parent / "unused", tables=[USER]) as oracle:
-        assert np.array_equal(rows[10:], oracle.read("user", np.arange(210, 230)).numpy())  # lost: initial values
-    shutil.rmtree(tmp)
+    assert np.array_equal(rows[10:], _initial_user_rows(store_path, np.arange(210, 230)))  # lost: initial values
     assert (c.read("user", np.arange(5000, 5010)).numpy() == 6.0).all()  # reached the daemon before the kill
     assert (other.read("item", [1, 2]).numpy() == 9.0).all()  # the other client's rows are untouched
     c.close()
