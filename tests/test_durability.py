@@ -91,26 +91,32 @@ def test_map_grows_by_itself(tmp_path):
         assert s.read("t", [19999]).sum() == 64
 
 
-def test_failed_writeback_leaves_store_unchanged_and_flush_can_retry(tmp_path, monkeypatch):
+def test_failed_writeback_is_raised_by_the_next_call_and_flush_can_retry(tmp_path, monkeypatch):
     with TieredStore(tmp_path, [TableSpec("t", 100, 2)], hbm_rows=1, ddr_rows=1, device="cpu") as s:
         s.read("t", [1, 2])
         s.write("t", [1, 2], torch.tensor([[1.0, 1], [2, 2]]))
-        before = (s.stats(), s._tables["t"].hbm.ids.clone(), s._tables["t"].ddr.ids.clone())
         real = s._backend.put_rows
 
         def disk_full(*a, **k):
             raise lmdb.DiskError("mdb_put: No space left on device")
 
         monkeypatch.setattr(s._backend, "put_rows", disk_full)
-        with pytest.raises(OSError, match="retried"):
-            s.read("t", [3, 4])  # would evict the dirty rows 1 and 2
-        with pytest.raises(OSError, match="dirty rows stay cached"):
+        s.read("t", [3, 4])  # evicts the dirty rows 1 and 2 into the write-back queue; their commit fails
+        s._writeback._cond.acquire()
+        s._writeback._cond.wait_for(lambda: s._writeback._error is not None, timeout=30)
+        s._writeback._cond.release()
+        before = (s.stats(), s._tables["t"].hbm.ids.clone(), s._tables["t"].ddr.ids.clone())
+        with pytest.raises(OSError, match="No space left on device.*flush\\(\\) retries"):
+            s.read("t", [5, 6])  # the failure surfaces at the next call, which changes nothing
+        with pytest.raises(OSError, match="nothing was lost"):
+            s.write("t", [1], torch.tensor([[9.0, 9]]))
+        with pytest.raises(OSError, match="No space left"):
             s.flush()
-        # nothing moved, nothing counted as written
         assert s._tables["t"].hbm.ids.tolist() == before[1].tolist()
         assert s._tables["t"].ddr.ids.tolist() == before[2].tolist()
-        assert s.stats()["ssd"]["writes"] == before[0]["ssd"]["writes"]
-        monkeypatch.setattr(s._backend, "put_rows", real)
+        assert s.stats() == before[0]
+        monkeypatch.setattr(s._backend, "put_rows", real)  # space freed
         s.flush()
+        assert s.read("t", [1, 2]).tolist() == [[1.0, 1.0], [2.0, 2.0]]
     with TieredStore(tmp_path, device="cpu") as s:
         assert s.read("t", [1, 2]).tolist() == [[1.0, 1.0], [2.0, 2.0]]

@@ -391,6 +391,7 @@ def test_prefetch_counters_are_exported(tmp_path, registry):
     """A real prefetch shows up on the next scrape as the prefetcher counted it."""
     with two_table_store(tmp_path / "s", registry) as store:
         store.write("item", np.arange(1_000, 1_020), np.ones((20, 4), dtype=np.float32))
+        store.flush()  # in LMDB now: queued rows would be served from the write-back queue, not prefetched
         ticket = store.prefetch("item", np.arange(1_000, 1_020))  # fits the staging area
         ticket.wait()
         scrape = registry_scrape(registry)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import lmdb
 import numpy as np
@@ -77,6 +78,14 @@ def stats_json(path, capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+def stats_once_committed(path, capsys, rows: int) -> dict:
+    """The writer's thread commits queued writes shortly after write() returns."""
+    deadline = time.monotonic() + 30
+    while (facts := stats_json(path, capsys))["tables"][0]["rows_on_disk"] != rows and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return facts
+
+
 def test_stats_while_a_writer_process_holds_the_store(tmp_path, writer, capsys):
     path = tmp_path / "s"
     with pytest.raises(tierstore.StoreLockedError):  # the writer really holds it
@@ -87,14 +96,14 @@ def test_stats_while_a_writer_process_holds_the_store(tmp_path, writer, capsys):
     assert facts["last_flush"] is None and facts["last_flush_utc"] is None
 
     writer.send("write 0 100")
-    facts = stats_json(path, capsys)
+    facts = stats_once_committed(path, capsys, 100)
     assert facts["tables"][0]["rows_on_disk"] == 100
     assert facts["tables"][0]["payload_bytes"] == 100 * (8 + 4 * 4)
     assert facts["last_flush"] is None  # committed, not yet flushed
 
     writer.send("flush")
     writer.send("write 50 300")  # overlaps: 250 new rows
-    facts = stats_json(path, capsys)
+    facts = stats_once_committed(path, capsys, 300)
     assert facts["tables"][0]["rows_on_disk"] == 300
     assert facts["last_flush"] == 1_000.0  # the writer's injected clock
     assert facts["last_flush_utc"] == "1970-01-01T00:16:40.000+00:00"

@@ -150,16 +150,58 @@ def test_clean_rows_are_never_written(tmp_path):
         assert s._backend.table_stats()["t"] == 0
 
 
-def test_dirty_rows_are_written_back_on_eviction(tmp_path):
+def test_dirty_rows_are_written_back_on_eviction(tmp_path, monkeypatch):
     with TieredStore(tmp_path, [TableSpec("t", 100, 2)], hbm_rows=1, ddr_rows=1, device="cpu") as s:
+        gate = threading.Event()
+        real = s._backend.put_rows
+
+        def held_put_rows(*args, **kwargs):  # an LMDB commit that takes as long as the test wants
+            gate.wait(30)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(s._backend, "put_rows", held_put_rows)
         s.read("t", [1])
         s.write("t", [1], torch.tensor([[5.0, 5]]))
         s.read("t", [2])
-        s.read("t", [3])  # row 1 leaves the cache
+        s.read("t", [3])  # row 1 leaves the cache: queued for LMDB, the step does not wait
         st = s.stats()
         assert st["ddr"]["writebacks"] == 1 and st["ssd"]["writes"] == 1
+        assert s._backend.table_stats()["t"] == 0  # not committed yet
+        assert s.read("t", [1]).tolist() == [[5.0, 5.0]]  # the queued value, not LMDB's older one
+        gate.set()
+        s.flush()
         assert s._backend.table_stats()["t"] == 1
+        assert s.stats()["ssd"]["writes"] == 1  # row 1 came back clean: nothing more to write
+    with TieredStore(tmp_path, device="cpu") as s:
         assert s.read("t", [1]).tolist() == [[5.0, 5.0]]
+
+
+def test_a_row_queued_twice_ends_with_its_newest_value(tmp_path, monkeypatch):
+    with TieredStore(tmp_path, [TableSpec("t", 100, 2)], ddr_rows=1, device="cpu") as s:
+        gate = threading.Event()
+        real = s._backend.put_rows
+        monkeypatch.setattr(s._backend, "put_rows", lambda *a, **k: (gate.wait(30), real(*a, **k))[1])
+        for value in (1.0, 2.0, 3.0):  # each round: row 5 cached, made dirty, evicted into the queue
+            s.read("t", [5])
+            s.write("t", [5], torch.full((1, 2), value))
+            s.read("t", [6])
+            assert s.read("t", [5]).tolist() == [[value, value]]  # from the queue: its newest value
+            s.read("t", [6])
+        assert s._writeback.queued_rows == 3
+        gate.set()
+        s.flush()
+        assert s._writeback.queued_rows == 0
+    with TieredStore(tmp_path, device="cpu") as s:
+        assert s.read("t", [5]).tolist() == [[3.0, 3.0]]
+
+
+def test_writeback_rows_bounds_the_queue(tmp_path, monkeypatch):
+    with TieredStore(tmp_path, [TableSpec("t", 1000, 2)], ddr_rows=10, device="cpu", writeback_rows=0) as s:
+        s.write("t", np.arange(100), np.ones((100, 2), dtype=np.float32))  # not cached: queued for LMDB
+        s.read("t", [0])  # waits until the queue is under the limit first
+        assert s._writeback.queued_rows == 0 and s._backend.table_stats()["t"] == 100
+    with pytest.raises(ValueError, match="writeback_rows"):
+        TieredStore(tmp_path, device="cpu", writeback_rows=-1)
 
 
 def test_threads_share_a_store(tmp_path):

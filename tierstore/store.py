@@ -25,13 +25,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import lmdb
 import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
 
 from tierstore.eviction import make_policy
-from tierstore.io import FORMAT_VERSION, LmdbBackend
+from tierstore.io import FORMAT_VERSION, LmdbBackend, WriteBack, WriteBatch
 from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
 from .counters import StoreCounters, TableCounters, add_dicts, restored_on_error
@@ -54,9 +53,12 @@ class StoreConfig:
     map_size: int | None = None
     clock: Callable[[], float] = field(default=time.time)
     eviction: str = "policy"
+    writeback_rows: int = 65536
 
     def __post_init__(self):
         self.path = Path(self.path)
+        if not isinstance(self.writeback_rows, (int, np.integer)) or isinstance(self.writeback_rows, bool) or self.writeback_rows < 0:
+            raise ValueError(f"writeback_rows must be an int >= 0 (rows queued for LMDB before a call waits; 0 = wait for every write), got {self.writeback_rows!r}")
         if self.eviction not in ("policy", "lookahead"):
             raise ValueError(f"eviction must be 'policy' or 'lookahead' (next use in the prefetch window first), got {self.eviction!r}")
         for name in ("hbm_rows", "ddr_rows"):
@@ -121,12 +123,13 @@ class TieredStore:
         eviction: str = "policy",
         prefetch: PrefetchConfig | None = None,
         record_trace: str | Path | None = None,
+        writeback_rows: int = 65536,
         daemon: None = None,
         claim: Sequence[str] = (),
     ):
         if claim:
             raise ValueError(f"claim={list(claim)} only applies with daemon=SOCK (a client of `tierstore prefetchd`); an embedded store is its tables' only writer")
-        self.config = StoreConfig(path, hbm_rows, ddr_rows, policy, device, readonly, map_size, clock, eviction)
+        self.config = StoreConfig(path, hbm_rows, ddr_rows, policy, device, readonly, map_size, clock, eviction, writeback_rows)
         # metrics: exported to registry (default: prometheus_client's global one) under
         # the label name (default: the resolved path); metrics_port starts an endpoint
         metrics_config = MetricsConfig(registry, name, metrics_port, metrics_addr)
@@ -137,6 +140,8 @@ class TieredStore:
         self._use_clock = 0
         self._closed = False
         self._backend = LmdbBackend(self.path, readonly=readonly, map_size=map_size)
+        # every LMDB row write goes through this queue and its one writer thread
+        self._writeback = WriteBack(self._backend, self._lock, self.config.writeback_rows, self._committed)
         self._recorder = None  # record_trace: every read call goes to a trace (tierstore.trace)
         try:
             specs = self._reconcile_specs(list(tables or []))
@@ -212,6 +217,7 @@ class TieredStore:
         with self._lock:
             self._check_open()
             t = self._table(table)
+            self._reap()
             self._prefetcher.check(table)  # a background failure nobody waited for surfaces here
             start = time.perf_counter()  # stage timings: one observation per call and stage, never per id
             ids = self._as_ids(t.spec, ids)
@@ -274,6 +280,7 @@ class TieredStore:
             if self.readonly:
                 raise PermissionError(f"store {self.path} is open readonly; reopen without readonly=True to write")
             t = self._table(table)
+            self._reap()
             ids = self._as_ids(t.spec, ids)
             cols = t.spec.width if with_state else t.spec.dim
             values = self._as_values(t.spec, values, len(ids), cols)
@@ -299,6 +306,7 @@ class TieredStore:
         """
         with self._lock:
             self._check_open()
+            self._reap()
             return self._prefetcher.prefetch(table, ids)
 
     def prefetch_stats(self) -> dict:
@@ -316,7 +324,8 @@ class TieredStore:
             if self.readonly:
                 return
             start = time.perf_counter()
-            batches, dirty = [], []
+            self._writeback.retry()
+            batches = []
             for name, t in self._tables.items():
                 ids, rows = [], []
                 for tier in (t.hbm, t.ddr):
@@ -324,19 +333,17 @@ class TieredStore:
                         continue
                     slots = tier.dirty_slots()
                     if len(slots):
-                        dirty.append((tier, slots))
                         ids.append(tier.ids[slots].cpu())
                         rows.append(tier.data[slots].cpu())
+                        tier.dirty[slots] = False  # the queue holds their values now, and keeps them until committed
                 if ids:
                     batch_ids, batch_rows = torch.cat(ids), torch.cat(rows)
                     order = torch.argsort(batch_ids)
                     batches.append((name, batch_ids[order].numpy(), batch_rows[order].numpy()))
             now = self.config.clock()
-            with restored_on_error([t.counters for t in self._tables.values()]):
-                self._put(batches, meta={"last_flush": now})
-                self._backend.sync()
-            for tier, slots in dirty:
-                tier.dirty[slots] = False
+            self._queue_write(batches, meta={"last_flush": now})
+            self._reap(drain=True)
+            self._backend.sync()
             sc = self._counters
             sc.flushes += 1
             sc.last_flush = now
@@ -361,6 +368,7 @@ class TieredStore:
                 self.flush()
             finally:
                 self._closed = True
+                self._writeback.stop()  # after a failed flush this gives up what it could not write
                 self._backend.close()
                 if self._recorder is not None:
                     self._recorder.close()
@@ -452,18 +460,27 @@ class TieredStore:
 
     # -- the data path ----------------------------------------------------------------------
     def _fetch(self, t: _Table, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of ids (sorted): prefetched ones from staging, the rest from LMDB,
-        initial values for rows never written."""
+        """Rows of ids (sorted) not in any tier: queued for LMDB (newest), prefetched
+        into staging, else from LMDB, initial values for rows never written."""
+        ids_np = ids.numpy()
+        queued, queued_rows = self._writeback.lookup(t.spec.name, ids_np)
         staged, staged_rows = self._prefetcher.take(t.spec.name, ids)
-        some_staged = bool(staged.any())
-        cold = ids[~staged].numpy() if some_staged else ids.numpy()
-        cold_rows = torch.from_numpy(self._fill_unwritten(t, cold, *self._backend.get_rows(t.spec.name, cold, None)))
-        if not some_staged:
-            return cold_rows
-        rows = torch.empty((len(ids), t.spec.width), dtype=torch.float32)
-        rows[staged] = staged_rows
-        rows[~staged] = cold_rows
-        return rows
+        staged = staged.numpy()
+        cold = ~(queued | staged)
+        cold_ids = ids_np[cold]
+        mark = time.perf_counter()
+        cold_rows = self._fill_unwritten(t, cold_ids, *self._backend.get_rows(t.spec.name, cold_ids, None))
+        if len(cold_ids):
+            t.counters.latency.observe("ssd_read", time.perf_counter() - mark)
+        if len(cold_ids) == len(ids_np):
+            return torch.from_numpy(cold_rows)
+        rows = np.empty((len(ids_np), t.spec.width), dtype=np.float32)
+        rows[cold] = cold_rows
+        if staged_rows is not None:
+            rows[staged] = staged_rows.numpy()
+        if queued_rows is not None:
+            rows[queued] = queued_rows
+        return torch.from_numpy(rows)
 
     def _fill_unwritten(self, t: _Table, ids: np.ndarray, rows: np.ndarray, found: np.ndarray) -> np.ndarray:
         """Give rows LMDB does not hold their initial values, and count the read."""
@@ -475,17 +492,31 @@ class TieredStore:
     def _next_use(self, t: _Table, ids: torch.Tensor) -> np.ndarray | None:
         return self._prefetcher.next_use(t.spec.name, ids)
 
-    def _put(self, batches, meta=None) -> None:
+    def _queue_write(self, batches, meta=None) -> None:
+        """Every LMDB row write starts here, and is counted here: counts do not
+        depend on when the writer thread commits."""
+        self._writeback.submit(batches, meta)
+        for name, ids, _ in batches:
+            t = self._tables[name]
+            t.counters.ssd.count_writes(len(ids), t.spec.width)
+            self._prefetcher.written(name, ids)  # staged copies are older now
+
+    def _committed(self, batch: WriteBatch) -> None:
+        for name, ids, _ in batch.items:
+            self._prefetcher.written(name, ids)  # fetches begun before the commit read older values
+
+    def _reap(self, drain: bool = False) -> None:
+        """Account for committed write-backs; raise a failed one (the call then changes nothing)."""
         try:
-            self._backend.put_rows(batches, meta)
-        except lmdb.Error as e:
+            if drain:
+                self._writeback.drain()
+            else:
+                self._writeback.reap()
+        except Exception as e:
             raise OSError(
-                f"writing rows to {self.path} failed ({e}); nothing was changed and dirty rows stay cached, "
-                "so the call can be retried once the cause (often a full disk) is fixed"
+                f"writing rows to {self.path} failed ({e}); nothing was lost: the rows stay queued in memory, "
+                "and flush() retries once the cause (often a full disk) is fixed"
             ) from e
-        for name, ids, _ in batches:  # every LMDB row write passes here: count it once
-            self._tables[name].counters.ssd.count_writes(len(ids), self._tables[name].spec.width)
-            self._prefetcher.written(name, ids)
 
     def _access(self, t: _Table, uid: torch.Tensor, use_clock: torch.Tensor):
         """Serve one step's unique ids and apply the policy.
@@ -523,11 +554,8 @@ class TieredStore:
                 self._touch(D, slot_d, use_clock)
                 return D, slot_d, None
 
-        mark = time.perf_counter()
         miss = torch.nonzero(~in_h & ~in_d).squeeze(1)
         fetched = self._fetch(t, uid[miss])
-        if len(miss):
-            c.latency.observe("ssd_read", time.perf_counter() - mark)
 
         old_freq = torch.zeros(n, dtype=torch.int64)
         old_dirty = torch.zeros(n, dtype=torch.bool)
@@ -611,7 +639,7 @@ class TieredStore:
             mark = time.perf_counter()
             ids_all, rows_all = torch.cat(wb_ids), torch.cat(wb_rows)
             order = torch.argsort(ids_all)
-            self._put([(t.spec.name, ids_all[order].numpy(), rows_all[order].numpy())])
+            self._queue_write([(t.spec.name, ids_all[order].numpy(), rows_all[order].numpy())])
             c.latency.observe("writeback", time.perf_counter() - mark)
 
         # -- commit the plan (in memory only; cannot fail half-way) --
@@ -670,7 +698,7 @@ class TieredStore:
             else:
                 rows = self._fetch(t, uid[cold])
                 rows[:, :cols] = values[cold]
-            self._put([(t.spec.name, uid[cold].numpy(), rows.numpy())])
+            self._queue_write([(t.spec.name, uid[cold].numpy(), rows.numpy())])
         for tier, slot, pos in targets:
             s = slot.to(tier.device)
             tier.data[s, :cols] = (values if len(pos) == n else values[pos]).to(tier.device)  # all in one tier: no gather

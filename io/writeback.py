@@ -1,0 +1,146 @@
+"""Rows on their way to LMDB, written by one background thread.
+
+Dirty rows leaving the cache and writes of rows that are not cached are queued
+here, so a training step never waits for an LMDB commit. Until its batch is
+committed and reaped, a queued row's value is newer than LMDB's: the store
+reads it from here before LMDB, and prefetch does not stage it.
+
+Order keeps values right: batches commit in the order they were queued, so a
+row queued twice ends with its newer value in LMDB. A failed commit stops the
+writer (a later batch must not overtake it) and keeps the batch queued; the
+failure is raised by the store's next call, and ``retry()`` (flush) resumes.
+Nothing queued is ever dropped, except at close after a failed final flush.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .lmdb_backend import LmdbBackend
+
+Items = list[tuple[str, np.ndarray, np.ndarray]]  # (table, sorted unique ids, rows)
+
+
+@dataclass
+class WriteBatch:
+    items: Items
+    meta: dict | None
+    rows: int
+    committed: bool = False
+
+
+class WriteBack:
+    """The queue and its writer thread. Every method runs with ``lock`` (the
+    store's) held by the caller; waits release it, as Condition waits do."""
+
+    def __init__(self, backend: LmdbBackend, lock: threading.RLock, limit_rows: int, on_committed: Callable[[WriteBatch], None]):
+        self._backend = backend
+        self._cond = threading.Condition(lock)
+        self._limit = limit_rows
+        self._on_committed = on_committed
+        self._queue: deque[WriteBatch] = deque()
+        self._queued_rows = 0
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._exited = False
+
+    @property
+    def queued_rows(self) -> int:
+        return self._queued_rows
+
+    def submit(self, items: Items, meta: dict | None = None) -> None:
+        """Queue rows (and store metadata) for one LMDB transaction; returns at once."""
+        batch = WriteBatch(items, meta, sum(len(ids) for _, ids, _ in items))
+        self._queue.append(batch)
+        self._queued_rows += batch.rows
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tierstore-writeback", daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
+
+    def reap(self, wait_below_limit: bool = True) -> None:
+        """Hand committed batches to ``on_committed``; raise the writer's failure.
+
+        With ``wait_below_limit``, first wait while more rows are queued than the
+        limit: the backpressure that bounds the queue's memory. Call it only
+        where the caller holds no plan that another thread could invalidate.
+        """
+        if wait_below_limit and self._queued_rows > self._limit:
+            self._cond.wait_for(lambda: self._queued_rows - self._committed_rows() <= self._limit or self._error is not None)
+        while self._queue and self._queue[0].committed:
+            batch = self._queue.popleft()
+            self._queued_rows -= batch.rows
+            self._on_committed(batch)
+        if self._error is not None:
+            raise self._error
+
+    def drain(self) -> None:
+        """Wait until every queued batch is committed (or the writer failed), then reap."""
+        self._cond.wait_for(lambda: self._error is not None or all(b.committed for b in self._queue))
+        self.reap(wait_below_limit=False)
+
+    def retry(self) -> None:
+        """Clear a failure: the writer tries the failed batch again."""
+        self._error = None
+        self._cond.notify_all()
+
+    def lookup(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Newest queued value of each of the sorted ``ids``: (found mask, rows of the found ones)."""
+        found = np.zeros(len(ids), dtype=bool)
+        if not self._queue or len(ids) == 0:
+            return found, None
+        rows = None
+        for batch in reversed(self._queue):  # newest first: the first value found wins
+            for name, qids, qrows in batch.items:
+                if name != table or len(qids) == 0:
+                    continue
+                pos = np.minimum(np.searchsorted(qids, ids), len(qids) - 1)
+                hit = (qids[pos] == ids) & ~found
+                if hit.any():
+                    if rows is None:
+                        rows = np.empty((len(ids), qrows.shape[1]), dtype=np.float32)
+                    rows[hit] = qrows[pos[hit]]
+                    found |= hit
+        return found, (rows[found] if rows is not None else None)
+
+    def stop(self) -> None:
+        """Stop the writer (after drain(), or giving up a failed batch) and join it."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._cond.notify_all()
+        self._cond.wait_for(lambda: self._exited)
+        self._thread.join()  # it released the lock for this wait to return: it is leaving
+        self._thread = None
+
+    def _committed_rows(self) -> int:
+        return sum(b.rows for b in self._queue if b.committed)
+
+    def _next(self) -> WriteBatch | None:
+        return next((b for b in self._queue if not b.committed), None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopping or (self._error is None and self._next() is not None))
+                batch = self._next() if self._error is None else None
+                if batch is None:  # stopping, with nothing (left) to write
+                    self._exited = True
+                    self._cond.notify_all()
+                    return
+            try:
+                self._backend.put_rows(batch.items, batch.meta)  # outside the lock: the trainer goes on meanwhile
+                error = None
+            except Exception as e:  # kept and raised in the caller's thread by reap()
+                error = e
+            with self._cond:
+                if error is None:
+                    batch.committed = True
+                else:
+                    self._error = error
+                self._cond.notify_all()
