@@ -43,7 +43,6 @@ class WriteBack:
         self._limit = limit_rows
         self._on_committed = on_committed
         self._queue: deque[WriteBatch] = deque()
-        self._queued_rows = 0
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -51,13 +50,13 @@ class WriteBack:
 
     @property
     def queued_rows(self) -> int:
-        return self._queued_rows
+        """Rows not yet committed."""
+        return sum(b.rows for b in self._queue if not b.committed)
 
     def submit(self, items: Items, meta: dict | None = None) -> None:
         """Queue rows (and store metadata) for one LMDB transaction; returns at once."""
         batch = WriteBatch(items, meta, sum(len(ids) for _, ids, _ in items))
         self._queue.append(batch)
-        self._queued_rows += batch.rows
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="tierstore-writeback", daemon=True)
             self._thread.start()
@@ -70,18 +69,17 @@ class WriteBack:
         limit: the backpressure that bounds the queue's memory. Call it only
         where the caller holds no plan that another thread could invalidate.
         """
-        if wait_below_limit and self._queued_rows > self._limit:
-            self._cond.wait_for(lambda: self._queued_rows - self._committed_rows() <= self._limit or self._error is not None)
+        if wait_below_limit and self.queued_rows > self._limit:
+            self._cond.wait_for(lambda: self.queued_rows <= self._limit or self._error is not None)
         while self._queue and self._queue[0].committed:
             batch = self._queue.popleft()
-            self._queued_rows -= batch.rows
             self._on_committed(batch)
         if self._error is not None:
             raise self._error
 
     def drain(self) -> None:
         """Wait until every queued batch is committed (or the writer failed), then reap."""
-        self._cond.wait_for(lambda: self._error is not None or all(b.committed for b in self._queue))
+        self._cond.wait_for(lambda: self._error is not None or self.queued_rows == 0)
         self.reap(wait_below_limit=False)
 
     def retry(self) -> None:
@@ -117,9 +115,6 @@ class WriteBack:
         self._cond.wait_for(lambda: self._exited)
         self._thread.join()  # it released the lock for this wait to return: it is leaving
         self._thread = None
-
-    def _committed_rows(self) -> int:
-        return sum(b.rows for b in self._queue if b.committed)
 
     def _next(self) -> WriteBatch | None:
         return next((b for b in self._queue if not b.committed), None)

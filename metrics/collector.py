@@ -69,6 +69,7 @@ METRICS = (
     ("counter", "tierstore_flushes", "Completed flush() calls since the store opened.", _S),
     ("gauge", "tierstore_last_flush_timestamp_seconds", "Store-clock time of the last flush, from disk at open; absent if never flushed.", _S),
     ("histogram", "tierstore_flush_seconds", "Wall time of flush() calls.", _S),
+    ("gauge", "tierstore_writeback_queue_rows", "Rows queued for LMDB that the writer thread has not committed yet.", _S),
     ("gauge", "tierstore_store_info", "Always 1; labels describe the store.", _S + ["path", "policy", "device", "readonly"]),
 )
 _FAMILY_TYPES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}
@@ -121,6 +122,7 @@ def _export_store(f: dict[str, Metric], label: str, store: "TieredStore") -> Non
     flush = sc.flush_latency.snapshot().get("flush")
     if flush is not None:
         _add_histogram(f["tierstore_flush_seconds"], [label], sc.flush_latency.bounds, *flush)
+    f["tierstore_writeback_queue_rows"].add_metric([label], store._writeback.queued_rows)
     info = [label, str(store.path), store.config.policy, str(store.device), str(store.readonly).lower()]
     f["tierstore_store_info"].add_metric(info, 1)
 

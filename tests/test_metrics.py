@@ -485,3 +485,15 @@ def test_metrics_server_serves_any_registry_and_closes_idempotently(registry):
         assert http_scrape(server.url).samples == []
     server.close()
     assert server.closed
+
+
+def test_writeback_queue_gauge_counts_rows_not_yet_committed(tmp_path, registry, monkeypatch):
+    with tierstore.TieredStore(tmp_path / "s", [tierstore.TableSpec("t", 100, 2)], device="cpu", registry=registry) as store:
+        gate = threading.Event()
+        real = store._backend.put_rows
+        monkeypatch.setattr(store._backend, "put_rows", lambda *a, **k: (gate.wait(30), real(*a, **k))[1])
+        store.write("t", np.arange(7), np.ones((7, 2), dtype=np.float32))  # not cached: queued for LMDB
+        assert registry_scrape(registry).value("tierstore_writeback_queue_rows") == 7
+        gate.set()
+        store.flush()
+        assert registry_scrape(registry).value("tierstore_writeback_queue_rows") == 0
