@@ -4,7 +4,6 @@ from __future__ import annotations
 import collections
 import gzip
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -20,7 +19,7 @@ import tierstore
 from tierstore.tools.cli import main as cli_main
 from tierstore.tools.synth import (BUCKET_EDGES, SynthConfig, ZipfSampler, batch_histograms, calibrate, expected_histograms,
                                    histogram_distance, parse_locality_stats, synth)
-from tierstore.trace import Trace, TraceRecorder, TraceTable, from_csv, from_dlrm, gather_ranges
+from tierstore.trace import Trace, TraceTable, from_csv, from_dlrm, gather_ranges
 
 STATS_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "dlrm_datasets"
 
