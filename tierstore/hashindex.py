@@ -118,8 +118,10 @@ class HashIndex:
 class DenseIndex:
     """id -> slot as one int32 array over the whole id space.
 
-    Used only where it is no larger than the HashIndex would be (num_rows <= 8
-    x capacity); a lookup is then one gather, ~4x faster than hash probing.
+    Used only where it costs at most 4x the HashIndex's memory (num_rows <= 32
+    x capacity: 128 bytes per slot of capacity): a lookup is then one gather,
+    several times faster than hash probing, which matters most for the small
+    tiers that prefetch keeps busy.
     """
 
     def __init__(self, num_rows: int, device: torch.device | str = "cpu"):
@@ -147,7 +149,8 @@ class DenseIndex:
 
 
 def make_index(capacity: int, num_rows: int | None, device: torch.device | str = "cpu") -> HashIndex | DenseIndex:
-    """The smaller of the two: memory stays proportional to tier capacity."""
-    if num_rows is not None and num_rows <= 8 * capacity:
+    """Dense where that stays within 128 bytes per slot, else hashed: either way
+    memory is proportional to tier capacity, never to the id space alone."""
+    if num_rows is not None and num_rows <= 32 * capacity:
         return DenseIndex(num_rows, device)
     return HashIndex(capacity, device)

@@ -1,0 +1,54 @@
+"""HashIndex against a dict: inserts, removes (tombstones), rebuilds, and probe
+sequences longer than one window, on tables small enough to collide a lot."""
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierstore.hashindex import PROBE_WINDOW, DenseIndex, HashIndex, make_index
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["insert", "remove", "lookup"]), st.lists(st.integers(0, 2**62), min_size=1, max_size=12)),
+    max_size=40,
+)
+
+
+@given(capacity=st.integers(1, 24), ops=ops)
+@settings(max_examples=200, deadline=None)
+def test_hash_index_agrees_with_a_dict(capacity, ops):
+    index, model, next_slot = HashIndex(capacity), {}, 0
+    for op, ids in ops:
+        ids = list(dict.fromkeys(ids))
+        if op == "insert":
+            new = [i for i in ids if i not in model][: capacity - len(model)]
+            index.insert(torch.tensor(new, dtype=torch.int64), torch.arange(next_slot, next_slot + len(new)))
+            model.update({i: next_slot + k for k, i in enumerate(new)})
+            next_slot += len(new)
+        elif op == "remove":
+            gone = [i for i in ids if i in model]
+            index.remove(torch.tensor(gone, dtype=torch.int64))
+            for i in gone:
+                del model[i]
+        q = torch.tensor(ids + list(model), dtype=torch.int64)
+        assert index.lookup(q).tolist() == [model.get(i, -1) for i in q.tolist()]
+        assert len(index) == len(model)
+    keys, vals = index.items()
+    assert dict(zip(keys.tolist(), vals.tolist())) == model
+
+
+def test_probe_sequences_longer_than_a_window_are_followed():
+    index = HashIndex(64)  # 128 slots
+    home = index._hash(torch.arange(200_000))
+    same = torch.nonzero(home == home[0]).squeeze(1)[: 3 * PROBE_WINDOW]  # ids that all hash to one slot
+    assert len(same) == 3 * PROBE_WINDOW
+    index.insert(same, torch.arange(len(same)))
+    assert index.lookup(same).tolist() == list(range(len(same)))
+    index.remove(same[:PROBE_WINDOW])  # tombstones at the start of the run must not end the probe
+    assert index.lookup(same).tolist() == [-1] * PROBE_WINDOW + list(range(PROBE_WINDOW, len(same)))
+
+
+def test_dense_only_where_it_costs_at_most_128_bytes_per_slot():
+    assert isinstance(make_index(1000, 32_000), DenseIndex)
+    assert isinstance(make_index(1000, 32_001), HashIndex)
+    assert isinstance(make_index(1000, None), HashIndex)
