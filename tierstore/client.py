@@ -223,11 +223,11 @@ class DaemonStore(TieredStore):
                               rows_out=out.numpy() if direct else None)
         if reply.rows is None or reply.rows.shape != (n, cols):
             raise RuntimeError(f"the daemon answered a read of {n} x {cols} with {None if reply.rows is None else reply.rows.shape}")
-        if direct:
-            if reply.rows is not out.numpy():  # it came through shared memory
-                np.copyto(out.numpy(), reply.rows)
-            return out
         rows = torch.from_numpy(reply.rows)
+        if direct:
+            if reply.flags & wire.IN_SHM:  # torch's copy runs on the intra-op threads; np.copyto on one
+                out.copy_(rows)
+            return out
         if out is not None:
             return out.copy_(rows)
         if reply.flags & wire.IN_SHM:  # the segment is reused by the next request
