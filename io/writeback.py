@@ -44,9 +44,7 @@ class WriteBack:
         self._on_committed = on_committed
         self._queue: deque[WriteBatch] = deque()
         self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._exited = False
+        self._thread: threading.Thread | None = None  # alive while there is something to write
 
     @property
     def queued_rows(self) -> int:
@@ -57,10 +55,7 @@ class WriteBack:
         """Queue rows (and store metadata) for one LMDB transaction; returns at once."""
         batch = WriteBatch(items, meta, sum(len(ids) for _, ids, _ in items))
         self._queue.append(batch)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="tierstore-writeback", daemon=True)
-            self._thread.start()
-        self._cond.notify_all()
+        self._wake()
 
     def reap(self, wait_below_limit: bool = True) -> None:
         """Hand committed batches to ``on_committed``; raise the writer's failure.
@@ -85,7 +80,7 @@ class WriteBack:
     def retry(self) -> None:
         """Clear a failure: the writer tries the failed batch again."""
         self._error = None
-        self._cond.notify_all()
+        self._wake()
 
     def lookup(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """Newest queued value of each of the sorted ``ids``: (found mask, rows of the found ones)."""
@@ -107,25 +102,26 @@ class WriteBack:
         return found, (rows[found] if rows is not None else None)
 
     def stop(self) -> None:
-        """Stop the writer (after drain(), or giving up a failed batch) and join it."""
-        if self._thread is None:
-            return
-        self._stopping = True
-        self._cond.notify_all()
-        self._cond.wait_for(lambda: self._exited)
-        self._thread.join()  # it released the lock for this wait to return: it is leaving
-        self._thread = None
+        """Wait until the writer has written what it can (all, or up to a failure) and left."""
+        self._cond.wait_for(lambda: self._thread is None)
 
     def _next(self) -> WriteBatch | None:
         return next((b for b in self._queue if not b.committed), None)
 
+    def _wake(self) -> None:
+        # The thread lives only while there is work, and is not a daemon thread:
+        # at interpreter exit Python joins it, so queued rows still reach LMDB
+        # when a program ends without close().
+        if self._thread is None and self._error is None and self._next() is not None:
+            self._thread = threading.Thread(target=self._run, name="tierstore-writeback")
+            self._thread.start()
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopping or (self._error is None and self._next() is not None))
                 batch = self._next() if self._error is None else None
-                if batch is None:  # stopping, with nothing (left) to write
-                    self._exited = True
+                if batch is None:  # nothing left, or stopped by a failure until retry()
+                    self._thread = None
                     self._cond.notify_all()
                     return
             try:

@@ -120,3 +120,19 @@ def test_failed_writeback_is_raised_by_the_next_call_and_flush_can_retry(tmp_pat
         assert s.read("t", [1, 2]).tolist() == [[1.0, 1.0], [2.0, 2.0]]
     with TieredStore(tmp_path, device="cpu") as s:
         assert s.read("t", [1, 2]).tolist() == [[1.0, 1.0], [2.0, 2.0]]
+
+
+def test_queued_writes_reach_lmdb_when_a_program_ends_without_close(tmp_path, monkeypatch):
+    code = (
+        "import sys, time, numpy as np, tierstore\n"
+        "s = tierstore.TieredStore(sys.argv[1], [tierstore.TableSpec('t', 10**6, 4)], device='cpu')\n"
+        "real = s._backend.put_rows\n"
+        "s._backend.put_rows = lambda *a, **k: (time.sleep(0.5), real(*a, **k))[1]  # a slow disk\n"
+        "s.write('t', np.arange(100_000), np.full((100_000, 4), 7, dtype=np.float32))  # uncached: queued\n"
+        "assert s._writeback.queued_rows == 100_000\n"  # still queued as the program ends, without close()
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    with TieredStore(tmp_path, device="cpu") as s:
+        assert s._backend.table_stats()["t"] == 100_000
+        assert s.read("t", [0, 99_999]).tolist() == [[7.0] * 4] * 2
