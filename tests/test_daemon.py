@@ -571,3 +571,31 @@ def test_malformed_shared_memory_frames_are_rejected_and_the_daemon_keeps_servin
     seg.close()
     assert torch.equal(good.read("user", [3]), torch.full((1, 8), 0.5))  # the others were served throughout
     good.close()
+
+
+def test_embedding_bag_with_adagrad_through_a_daemon_client_with_hbm_matches_an_embedded_store(tmp_path, sockdir):
+    from tierstore.optim import Adagrad
+
+    spec = tierstore.TableSpec("t", 1000, 8, init=tierstore.RowInit.uniform(-1, 1, seed=1), state_dim=Adagrad(lr=0.1).state_dim(8))
+    with _embedded(tmp_path / "a", tables=[spec]):
+        pass
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    d = Daemon(tmp_path / "a", sockdir / "d.sock", ddr_rows=100)
+    try:
+        client = tierstore.TieredStore(tmp_path / "a", daemon=str(d.sock), claim=["t"], hbm_rows=50)
+        with _embedded(tmp_path / "b", hbm_rows=50, ddr_rows=100) as local:
+            bags = [tierstore.TieredEmbeddingBag(1000, 8, store=s, table="t", optimizer=Adagrad(lr=0.1), mode="sum") for s in (client, local)]
+            g = torch.Generator().manual_seed(0)
+            for step in range(12):
+                x, offsets = torch.randint(0, 1000, (64,), generator=g), torch.arange(0, 64, 4)
+                assert bags[0].prefetch(x, offsets).done()
+                outs = [bag(x, offsets) for bag in bags]
+                assert torch.equal(outs[0], outs[1]), step
+                for y in outs:
+                    (y ** 2).sum().backward()
+            every = np.arange(1000)
+            assert torch.equal(client.read("t", every, with_state=True), local.read("t", every, with_state=True))
+            assert client.stats()["hbm"]["writebacks"] > 0
+        client.close()
+    finally:
+        assert d.stop() == 0

@@ -58,6 +58,7 @@ import torch
 from . import wire
 from .counters import TierCounters
 from .eviction import make_policy
+from .prefetch import PrefetchTicket
 from .spec import TableSpec
 from .store import TieredStore
 from .tiers import CacheTier
@@ -384,11 +385,12 @@ class DaemonStore(TieredStore):
             H.data[s, :cols] = values[cached].to(H.device)
             H.dirty[s] = True
 
-    def prefetch(self, table: str, ids) -> None:
+    def prefetch(self, table: str, ids) -> PrefetchTicket:
         """Hint that the next batches read these rows; the daemon starts fetching
-        them into its DDR tier and this returns at once (a bad id is refused here,
-        not later)."""
+        them into its DDR tier and this returns at once. A bad id is refused here,
+        not later, so the ticket returned is already done."""
         self._request(wire.Frame(wire.PREFETCH, 0, table, self._ids_np(table, ids)))
+        return PrefetchTicket(None, table, 0, None)
 
     def report_step(self, step: int) -> None:
         """Tell the daemon this trainer's step (its trace lookahead follows the slowest client)."""
@@ -473,8 +475,13 @@ class DaemonStore(TieredStore):
         self._unsupported("prefetch_stats")
 
     def __del__(self):
+        # only hang up: writing HBM rows back would run torch ops, which is unsafe while
+        # the interpreter shuts down (and an embedded store does not flush on collection
+        # either); close() or flush() keeps them
         try:
-            self.close()
+            with self._lock:
+                if not self._closed:
+                    self._hang_up()
         except Exception:
             pass
 
