@@ -518,6 +518,14 @@ def test_large_payloads_go_through_shared_memory_and_match_the_socket_path(daemo
     last = {i: v for i, v in zip(ids.tolist(), values)}  # the last value of a repeated id wins
     assert np.array_equal(got.numpy(), np.stack([last[i] for i in ids.tolist()]))
     assert sorted(c["shm_bytes"] for c in shm.daemon_stats()["clients"]) == [0, 64 << 20]
+    # threads sharing one client take turns with its segment: each gets its own rows
+    from concurrent.futures import ThreadPoolExecutor
+
+    sets = [np.random.default_rng(10 + i).integers(0, 10_000, 6000) for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda k: shm.read("user", sets[k % 4]), range(16)))
+    for k, rows in enumerate(results):
+        assert torch.equal(rows, sock_only.read("user", sets[k % 4]))
     shm.close()
     sock_only.close()
 

@@ -220,20 +220,21 @@ class DaemonStore(TieredStore):
         """Rows from the daemon, copied into ``out`` (CPU, contiguous) or a new tensor."""
         n = len(ids)
         direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
-        reply = self._request(wire.Frame(wire.READ, text=table, ids=ids, flags=wire.WITH_STATE if with_state else 0),
-                              rows_out=out.numpy() if direct else None)
-        if reply.rows is None or reply.rows.shape != (n, cols):
-            raise RuntimeError(f"the daemon answered a read of {n} x {cols} with {None if reply.rows is None else reply.rows.shape}")
-        rows = torch.from_numpy(reply.rows)
-        if direct:
-            if reply.flags & wire.IN_SHM:  # torch's copy runs on the intra-op threads; np.copyto on one
-                out.copy_(rows)
-            return out
-        if out is not None:
-            return out.copy_(rows)
-        if reply.flags & wire.IN_SHM:  # the segment is reused by the next request
-            return rows.to(self.device, copy=True)
-        return rows.to(self.device)
+        with self._lock:  # rows in the segment are valid until the next request: copy them before another thread sends one
+            reply = self._request(wire.Frame(wire.READ, text=table, ids=ids, flags=wire.WITH_STATE if with_state else 0),
+                                  rows_out=out.numpy() if direct else None)
+            if reply.rows is None or reply.rows.shape != (n, cols):
+                raise RuntimeError(f"the daemon answered a read of {n} x {cols} with {None if reply.rows is None else reply.rows.shape}")
+            rows = torch.from_numpy(reply.rows)
+            if direct:
+                if reply.flags & wire.IN_SHM:  # torch's copy runs on the intra-op threads; np.copyto on one
+                    out.copy_(rows)
+                return out
+            if out is not None:
+                return out.copy_(rows)
+            if reply.flags & wire.IN_SHM:
+                return rows.to(self.device, copy=True)
+            return rows.to(self.device)
 
     def _daemon_write(self, table: str, ids: np.ndarray, rows: np.ndarray, with_state: bool) -> None:
         self._request(wire.Frame(wire.WRITE, text=table, ids=ids, rows=rows, flags=wire.WITH_STATE if with_state else 0))
