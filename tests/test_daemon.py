@@ -320,9 +320,10 @@ def test_second_daemon_refused_while_one_lives_and_stale_socket_replaced(store_p
     assert p.returncode != 0 and "already serving" in p.stderr
     d.stop(signal.SIGKILL)  # leaves a stale socket file behind
     assert sock.exists()
-    d = Daemon(store_path, sock)
+    d = Daemon(store_path, sock, "--shm-max-mib", "0", "--threads", "1")
     c = tierstore.TieredStore(store_path, daemon=str(sock), readonly=True)
-    assert c.read("user", [0]).shape == (1, 8)
+    assert c._shm is None  # the daemon grants no segment: every frame goes through the socket
+    assert c.read("user", np.arange(5000)).shape == (5000, 8)
     c.close()
     assert d.stop() == 0
 

@@ -4,13 +4,25 @@ LMDB files and serves them to trainer processes over a Unix socket.
 Clients attach with ``tierstore.TieredStore(PATH, daemon=SOCK, claim=[...])``
 (tierstore/client.py); the frames are described in tierstore/wire.py.
 
-Durability: a client's writes go straight into the daemon's store (its DDR
-tier, else LMDB) and become durable at the next FLUSH from anyone, or when the
+Claims: each client names the tables or ``(table, lo, hi)`` row ranges it
+writes in its HELLO; the daemon keeps them per table, refuses a claim that
+overlaps another client's, and refuses WRITE frames touching rows outside the
+sender's claims. A client with an HBM tier caches only its claimed rows (see
+tierstore/client.py), so no other client's write can make its copy stale.
+
+Durability: WRITE frames go straight into the daemon's store (its DDR tier,
+else LMDB) and become durable at the next FLUSH from anyone, or when the
 daemon stops (SIGTERM/SIGINT flush before exit). A client killed mid-write
-loses at most the frame it was sending (a partial frame is never applied) and
-its claims are released at once; rows it wrote that nobody flushed stay in the
-daemon's cache and are flushed with everything else. A daemon killed with
-SIGKILL loses the rows written since the last flush, like an embedded store.
+loses at most the frame it was sending (a partial frame is never applied)
+plus the dirty rows of its own HBM tier, and its claims are released at once;
+rows it wrote that nobody flushed stay in the daemon's cache and are flushed
+with everything else. A daemon killed with SIGKILL loses the rows written
+since the last flush, like an embedded store.
+
+Concurrency: one thread per connection. Frames are read and written outside
+the store's lock, and READ rows are gathered straight into the client's
+shared-memory segment; but ``store.read`` holds the store's lock for the whole
+read, gather included, so reads from several clients are served one at a time.
 """
 from __future__ import annotations
 
