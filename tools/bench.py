@@ -50,6 +50,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def interleaved_medians(fns, repeat: int, warmup: int = 2) -> list[float]:
+    """Median seconds of each function, called in turn each round, so that a change
+    in machine load during the run hits the baseline and tierstore alike."""
+    times = [[] for _ in fns]
+    for r in range(warmup + repeat):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            if r >= warmup:
+                ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
+
+
 def median_seconds(fn, repeat: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
@@ -110,10 +123,7 @@ def bench_read(args) -> None:
             store.read("t", dev_batches[next(it) % 8])
             sync()
 
-        t_base = median_seconds(baseline, args.repeat)
-        t_store = median_seconds(tiered, args.repeat)
-        t_base_alloc = median_seconds(baseline_alloc, args.repeat)
-        t_store_alloc = median_seconds(tiered_alloc, args.repeat)
+        t_base, t_store, t_base_alloc, t_store_alloc = interleaved_medians((baseline, tiered, baseline_alloc, tiered_alloc), args.repeat)
         assert torch.equal(store.read("t", batches[0]), plain[batches[0].to(device)])
         store.close()
     report(
@@ -160,8 +170,7 @@ def bench_cold(args) -> None:
         for b in batches:  # warm the page cache
             baseline()
         before = store.stats()["ddr"]["hits"]
-        t_base = median_seconds(baseline, args.repeat)
-        t_store = median_seconds(tiered, args.repeat)
+        t_base, t_store = interleaved_medians((baseline, tiered), args.repeat)
         hits = store.stats()["ddr"]["hits"] - before
         store.close()
     report(
