@@ -290,6 +290,14 @@ def test_sigterm_flushes_then_exits_0(store_path, sockdir):
         c.read("item", ids)
 
 
+def _wait_stopped(pid: int) -> None:
+    deadline = time.monotonic() + 10
+    tasks = Path(f"/proc/{pid}/task")
+    while not all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for t in tasks.iterdir()):
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.01)
+
+
 def test_daemon_gone_or_hung_gives_connection_error_quickly(store_path, sockdir):
     with pytest.raises(ConnectionError, match="no tierstore daemon answers.*tierstore prefetchd"):
         tierstore.TieredStore(store_path, daemon=str(sockdir / "none.sock"))
@@ -298,6 +306,7 @@ def test_daemon_gone_or_hung_gives_connection_error_quickly(store_path, sockdir)
     c.read("user", [1])
     os.kill(d.proc.pid, signal.SIGSTOP)  # hung: the socket stays open but nobody answers
     try:
+        _wait_stopped(d.proc.pid)  # kill() returns before every thread has stopped
         t0 = time.monotonic()
         with pytest.raises(ConnectionError, match="did not answer within 1.0 s"):
             c.read("user", [1])
