@@ -102,7 +102,7 @@ class DaemonStore(TieredStore):
             raise TypeError(f"{sorted(unsupported)} apply to the daemon's store, not to a client; set them on `tierstore prefetchd`")
         if ddr_rows:
             raise ValueError("ddr_rows belongs to the daemon (`tierstore prefetchd --ddr-rows N`); drop ddr_rows= with daemon=")
-        claims = wire.parse_claims([claim] if _is_range(claim) else list(claim) if isinstance(claim, tuple) else claim)
+        claims = wire.parse_claims([claim] if _is_range(claim) else claim)  # one bare (table, lo, hi) is one claim
         if readonly and claims:
             raise ValueError(f"readonly=True and claim={list(claim)} contradict each other; a readonly client writes nothing")
         if not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -165,8 +165,8 @@ class DaemonStore(TieredStore):
             if rows and table not in self._ranges:
                 raise ValueError(f"hbm_rows for table {table!r}, which this client has not claimed: a client caches only rows "
                                  f"it writes (its claims keep other writers away); claim it, e.g. claim=[{table!r}]")
-            if spec.num_rows is not None:
-                rows = min(rows, spec.num_rows)
+            if table in self._ranges:  # never more slots than rows it may cache
+                rows = min(rows, sum(min(hi, spec.num_rows or hi) - lo for lo, hi in self._ranges[table]))
             if rows:
                 self._hbm[table] = CacheTier("hbm", int(rows), spec.width, self.device, make_policy(policy), spec.num_rows)
                 self._hbm_counts[table] = TierCounters()
