@@ -598,7 +598,7 @@ def bench(args) -> None:
                 proc.terminate()
                 proc.wait(30)
                 sock.parent.rmdir()
-        ceiling = [(_rate(_GATHER, [], n, batch, args, 1, 1), _rate(_GATHER, [], n, batch, args, 1, 2)) for _ in range(rounds)]
+        ceiling = [(_rate(_GATHER, [dim], n, batch, args, 1, 1), _rate(_GATHER, [dim], n, batch, args, 1, 2)) for _ in range(rounds)]
     torch.set_num_threads(default_threads)
     load = f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after"
     params = {"rows": n, "dim": dim, "batch": batch, "repeat": args.repeat, "transport": "unix socket + shared memory",
@@ -613,7 +613,7 @@ def bench(args) -> None:
                  (f"through the daemon, {threads} thread(s)", f"{ms(through[threads])}  ({local[threads] / through[threads]:.2f}x)")]
     best = min(local.values())
     rows.append(("daemon at its best / in-process at its best", f"{best / min(through.values()):.2f}x"))
-    report("daemon: 64k-id read(out=), every row in the daemon's DDR tier", params, rows,
+    report(f"daemon: {batch}-id read(out=), every row in the daemon's DDR tier", params, rows,
            f"daemon / in-process throughput, {default_threads} threads on both sides",
            local[default_threads] / through[default_threads], ">= 0.50")
 
@@ -660,12 +660,12 @@ c.close()
 # the ceiling: the same gather from a tensor of the process's own, no daemon
 _GATHER = """
 import sys, time, torch
-n, batch, reps, seed, threads = map(int, sys.argv[1:])
+dim, n, batch, reps, seed, threads = map(int, sys.argv[1:])
 torch.set_num_threads(threads)
-data = torch.rand(n, 128)
+data = torch.rand(n, dim)
 g = torch.Generator().manual_seed(seed)
 bs = [torch.randint(0, n, (batch,), generator=g) for _ in range(4)]
-out = torch.empty((batch, 128))
+out = torch.empty((batch, dim))
 torch.index_select(data, 0, bs[0], out=out)
 print("ready", flush=True)
 sys.stdin.readline()
