@@ -34,8 +34,11 @@ def _embedded(path, **kw):
 
 
 class Daemon:
+    started: list["Daemon"] = []  # every daemon a test starts; leftovers are killed after it (see below)
+
     def __init__(self, path, sock, *extra, ddr_rows=1000):
         self.sock = sock
+        Daemon.started.append(self)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tierstore.tools.cli", "prefetchd", str(path), "--socket", str(sock), "--ddr-rows", str(ddr_rows), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -49,6 +52,17 @@ class Daemon:
         self.proc.stdout.close()
         self.proc.stderr.close()
         return rc
+
+
+@pytest.fixture(autouse=True)
+def no_daemon_outlives_its_test():
+    """A test that fails half-way leaves no daemon behind (SIGKILL ends a SIGSTOPped one too)."""
+    yield
+    for d in Daemon.started:
+        if d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait(30)
+    Daemon.started.clear()
 
 
 @pytest.fixture
