@@ -85,21 +85,33 @@ class WriteBack:
     def lookup(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """Newest queued value of each of the sorted ``ids``: (found mask, rows of the found ones)."""
         found = np.zeros(len(ids), dtype=bool)
-        if not self._queue or len(ids) == 0:
-            return found, None
         rows = None
-        for batch in reversed(self._queue):  # newest first: the first value found wins
+        for hit, qrows, pos in self._matches(table, ids, found):
+            if rows is None:
+                rows = np.empty((len(ids), qrows.shape[1]), dtype=np.float32)
+            rows[hit] = qrows[pos[hit]]
+        return found, (rows[found] if rows is not None else None)
+
+    def queued(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """Mask of the sorted ``ids`` that are queued (rows not copied)."""
+        found = np.zeros(len(ids), dtype=bool)
+        for _ in self._matches(table, ids, found):
+            pass
+        return found
+
+    def _matches(self, table: str, ids: np.ndarray, found: np.ndarray):
+        """Newest batch first, yield (newly found mask, batch rows, positions) and mark ``found``."""
+        if len(ids) == 0:
+            return
+        for batch in reversed(self._queue):
             for name, qids, qrows in batch.items:
                 if name != table or len(qids) == 0:
                     continue
                 pos = np.minimum(np.searchsorted(qids, ids), len(qids) - 1)
                 hit = (qids[pos] == ids) & ~found
                 if hit.any():
-                    if rows is None:
-                        rows = np.empty((len(ids), qrows.shape[1]), dtype=np.float32)
-                    rows[hit] = qrows[pos[hit]]
                     found |= hit
-        return found, (rows[found] if rows is not None else None)
+                    yield hit, qrows, pos
 
     def stop(self) -> None:
         """Wait until the writer has written what it can (all, or up to a failure) and left."""

@@ -61,7 +61,7 @@ from .eviction import make_policy
 from .prefetch import PrefetchTicket
 from .spec import TableSpec
 from .store import TieredStore
-from .tiers import CacheTier
+from .tiers import CacheTier, by_id, first_uses, last_values
 
 Claim = str | tuple[str, int, int]
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -294,18 +294,11 @@ class DaemonStore(TieredStore):
         n = len(ids)
         slots = H.lookup(ids)
         if bool((slots >= 0).all()):  # every row resident: no dedupe, no daemon
-            clocks = torch.arange(self._use_clock, self._use_clock + n, device=H.device)
-            H.last.scatter_reduce_(0, slots, clocks, "amin", include_self=False)
-            first_use = H.last[slots] == clocks  # one True per unique row
-            if H.policy.uses_frequency:
-                H.freq.index_add_(0, slots, first_use.long())
-            c.hits += int(first_use.sum())
+            c.hits += H.use_resident(slots, self._use_clock)
             self._use_clock += n
             return self._gather(H.data, slots, cols, out)
 
-        uid, inverse = torch.unique(ids, return_inverse=True)
-        first = torch.full((len(uid),), n, dtype=torch.int64)
-        first.scatter_reduce_(0, inverse, torch.arange(n), "amin")
+        uid, inverse, first = first_uses(ids)
         use_clock = first + self._use_clock
         u = len(uid)
         slot = H.lookup(uid).cpu()
@@ -353,9 +346,7 @@ class DaemonStore(TieredStore):
         dirty = s[H.dirty[s]]
         if len(dirty) == 0:
             return 0
-        ids = H.ids[dirty].cpu()
-        order = torch.argsort(ids)
-        self._daemon_write(table, ids[order].numpy(), H.data[dirty[order.to(H.device)]].cpu().numpy(), True)
+        self._daemon_write(table, *by_id(H.ids[dirty], H.data[dirty]), True)
         H.dirty[dirty] = False
         self._hbm_counts[table].writebacks += len(dirty)
         return len(dirty)
@@ -375,14 +366,7 @@ class DaemonStore(TieredStore):
             return
         with self._lock:
             self._check_open()
-            ids_t = torch.from_numpy(ids_np)
-            uid, inverse = torch.unique(ids_t, return_inverse=True)
-            if len(uid) < len(ids_t):  # the last value of a repeated id wins
-                last_pos = torch.full((len(uid),), -1, dtype=torch.int64)
-                last_pos.scatter_reduce_(0, inverse, torch.arange(len(ids_t)), "amax")
-                values = values.index_select(0, last_pos)
-            else:
-                values = values.index_select(0, torch.argsort(ids_t))
+            uid, values = last_values(torch.from_numpy(ids_np), values)
             slot = H.lookup(uid).cpu()
             cached = slot >= 0
             if not bool(cached.all()):

@@ -174,7 +174,7 @@ class Prefetcher:
         c.queued += 1
         staging = self._staging(table)
         # only rows neither cached, queued for LMDB nor staged need reading
-        need = ~self._store._writeback.lookup(table, uid)[0]
+        need = ~self._store._writeback.queued(table, uid)
         uid_t = torch.from_numpy(uid)
         for tier in (t.hbm, t.ddr):
             if tier is not None and need.any():
@@ -225,7 +225,7 @@ class Prefetcher:
     def _stage(self, store_t, ticket: PrefetchTicket, ids, rows, found, began: int) -> None:
         c = store_t.counters
         self._store._fill_unwritten(store_t, ids, rows, found)
-        keep = ~np.isin(ids, self._written_since(ticket.table, began)) & ~self._store._writeback.lookup(ticket.table, ids)[0]
+        keep = ~np.isin(ids, self._written_since(ticket.table, began)) & ~self._store._writeback.queued(ticket.table, ids)
         ids_t = torch.from_numpy(ids)
         staging = self._staged[ticket.table]
         for tier in (store_t.hbm, store_t.ddr, staging):

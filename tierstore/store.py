@@ -37,7 +37,7 @@ from .counters import StoreCounters, TableCounters, add_dicts, restored_on_error
 from .spec import MAX_ID, TableSpec, initial_rows
 from .trace import TraceRecorder
 from .prefetch import PrefetchConfig, Prefetcher, PrefetchTicket
-from .tiers import CacheTier
+from .tiers import CacheTier, by_id, first_uses, last_values
 
 Sizes = int | Mapping[str, int]
 
@@ -235,20 +235,13 @@ class TieredStore:
                 slots = top.lookup(ids)
                 if bool((slots >= 0).all()):
                     result = self._gather(top.data, slots, cols, out)
-                    clocks = torch.arange(self._use_clock, self._use_clock + n, device=top.device)
-                    top.last.scatter_reduce_(0, slots, clocks, "amin", include_self=False)
-                    first_use = top.last[slots] == clocks  # one True per unique row
-                    if top.policy.uses_frequency:
-                        top.freq.index_add_(0, slots, first_use.long())
-                    (t.counters.hbm if top is t.hbm else t.counters.ddr).hits += int(first_use.sum())
+                    (t.counters.hbm if top is t.hbm else t.counters.ddr).hits += top.use_resident(slots, self._use_clock)
                     self._use_clock += n
                     t.counters.latency.observe("total", time.perf_counter() - start)
                     self._prefetcher.consumed(table, ids)
                     return result
             mark = time.perf_counter()
-            uid, inverse = torch.unique(ids.cpu(), return_inverse=True)
-            first = torch.full((len(uid),), n, dtype=torch.int64)
-            first.scatter_reduce_(0, inverse, torch.arange(n), "amin")
+            uid, inverse, first = first_uses(ids.cpu())
             t.counters.latency.observe("dedupe", time.perf_counter() - mark)
             with restored_on_error([t.counters]):
                 source, slots, rows = self._access(t, uid, first + self._use_clock)
@@ -286,14 +279,7 @@ class TieredStore:
             values = self._as_values(t.spec, values, len(ids), cols)
             if len(ids) == 0:
                 return
-            ids = ids.cpu()
-            if len(ids) > 1 and bool((ids[1:] > ids[:-1]).all()):
-                uid = ids  # already sorted and unique (a backward's rows): nothing to dedupe or gather
-            else:
-                uid, inverse = torch.unique(ids, return_inverse=True)
-                last_pos = torch.full((len(uid),), -1, dtype=torch.int64)
-                last_pos.scatter_reduce_(0, inverse, torch.arange(len(ids)), "amax")
-                values = values.index_select(0, last_pos)
+            uid, values = last_values(ids.cpu(), values)
             with restored_on_error([t.counters]):
                 self._write_unique(t, uid, values, cols)
 
@@ -337,9 +323,7 @@ class TieredStore:
                         rows.append(tier.data[slots].cpu())
                         tier.dirty[slots] = False  # the queue holds their values now, and keeps them until committed
                 if ids:
-                    batch_ids, batch_rows = torch.cat(ids), torch.cat(rows)
-                    order = torch.argsort(batch_ids)
-                    batches.append((name, batch_ids[order].numpy(), batch_rows[order].numpy()))
+                    batches.append((name, *by_id(torch.cat(ids), torch.cat(rows))))
             now = self.config.clock()
             self._queue_write(batches, meta={"last_flush": now})
             self._reap(drain=True)
@@ -637,9 +621,7 @@ class TieredStore:
         n_wb = sum(len(i) for i in wb_ids)
         if n_wb:
             mark = time.perf_counter()
-            ids_all, rows_all = torch.cat(wb_ids), torch.cat(wb_rows)
-            order = torch.argsort(ids_all)
-            self._queue_write([(t.spec.name, ids_all[order].numpy(), rows_all[order].numpy())])
+            self._queue_write([(t.spec.name, *by_id(torch.cat(wb_ids), torch.cat(wb_rows)))])
             c.latency.observe("writeback", time.perf_counter() - mark)
 
         # -- commit the plan (in memory only; cannot fail half-way) --

@@ -89,5 +89,40 @@ class CacheTier:
         self._free[self._nfree : self._nfree + n] = slots
         self._nfree += n
 
+    def use_resident(self, slots: torch.Tensor, clock: int) -> int:
+        """One step that uses only resident rows: row at position i is used at
+        ``clock + i`` (a repeated row keeps its first position). Returns the
+        number of distinct rows used; no dedupe is needed."""
+        clocks = torch.arange(clock, clock + len(slots), device=self.device)
+        self.last.scatter_reduce_(0, slots, clocks, "amin", include_self=False)
+        first_use = self.last[slots] == clocks  # one True per distinct row
+        if self.policy.uses_frequency:
+            self.freq.index_add_(0, slots, first_use.long())
+        return int(first_use.sum())
+
     def dirty_slots(self) -> torch.Tensor:
         return torch.nonzero(self.dirty).squeeze(1)
+
+
+def first_uses(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sorted unique ids, the inverse map, and each unique id's first position."""
+    uid, inverse = torch.unique(ids, return_inverse=True)
+    first = torch.full((len(uid),), len(ids), dtype=torch.int64)
+    first.scatter_reduce_(0, inverse, torch.arange(len(ids)), "amin")
+    return uid, inverse, first
+
+
+def last_values(ids: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted unique ids with the last value given for each (a repeated id's last one wins)."""
+    if len(ids) > 1 and bool((ids[1:] > ids[:-1]).all()):
+        return ids, values  # already sorted and unique (a backward's rows): nothing to gather
+    uid, inverse = torch.unique(ids, return_inverse=True)
+    last_pos = torch.full((len(uid),), -1, dtype=torch.int64)
+    last_pos.scatter_reduce_(0, inverse, torch.arange(len(ids)), "amax")
+    return uid, values.index_select(0, last_pos)
+
+
+def by_id(ids: torch.Tensor, rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Rows as LMDB takes them: host numpy, sorted by id."""
+    order = torch.argsort(ids.cpu())
+    return ids.cpu()[order].numpy(), rows.cpu()[order].numpy()

@@ -35,7 +35,6 @@ import socket
 import stat
 import struct
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -452,15 +451,7 @@ class Daemon:
         return f.ids if f.ids is not None else np.empty(0, dtype=np.int64)
 
     def _check_ids(self, table: str, ids: np.ndarray) -> None:
-        spec = self.store.tables.get(table)
-        if spec is None:
-            raise KeyError(f"unknown table {table!r}; the store has tables {sorted(self.store.tables)}")
-        if len(ids):
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0:
-                raise IndexError(f"id {lo} is negative for table {table!r}; ids must be >= 0")
-            if spec.num_rows is not None and hi >= spec.num_rows:
-                raise IndexError(f"id {hi} out of range for table {table!r} with num_rows={spec.num_rows}")
+        self.store._as_ids(self.store._table(table).spec, ids)  # the embedded store's checks and messages
 
     # -- lookahead from a trace ----------------------------------------------------------------
     def _lookahead(self) -> None:
