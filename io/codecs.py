@@ -27,32 +27,25 @@ class Float32RowCodec:
             raise ValueError(f"expected rows of width {self.width}, got shape {rows.shape}")
         return rows.view(self._void).ravel().tolist()
 
-    def decode(self, values: list, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Rows from ``values[i]`` (bytes, or None where the row is absent).
-
-        Returns (rows, found). Without ``out`` and with every row present the
-        rows are a view of one joined buffer: no per-row work after the join.
-        """
-        n = len(values)
+    def decode(self, values: list, out: np.ndarray) -> np.ndarray:
+        """Copy ``values[i]`` (bytes, or None where the row is absent) into
+        ``out[i]`` (C-contiguous); returns the mask of rows found. Absent rows
+        are left unset."""
         try:
-            buf = bytearray().join(values)  # bytearray: the rows stay writable
-            missing, found, present = False, np.ones(n, dtype=bool), values
+            buf = b"".join(values)
+            found = None
         except TypeError:  # some rows absent (None)
-            arr = np.empty(n, dtype=object)
+            arr = np.empty(len(values), dtype=object)
             arr[:] = values
             found = arr != None  # noqa: E711 (elementwise, in C)
-            missing, present = True, arr[found].tolist()
-            buf = bytearray().join(present)
-        if len(buf) != len(present) * self.row_bytes:
+            buf = b"".join(arr[found].tolist())
+        n_present = len(values) if found is None else int(found.sum())
+        if len(buf) != n_present * self.row_bytes:
             raise ValueError(
                 f"stored rows are not {self.row_bytes} bytes each: the table's width on disk does not match its spec"
             )
-        data = np.frombuffer(buf, dtype="<f4").reshape(-1, self.width)
-        if out is None and not missing:
-            return data, found
-        rows = out if out is not None else np.empty((n, self.width), dtype=np.float32)
-        if missing:
-            rows[found] = data
-        else:
-            rows[:] = data
-        return rows, found
+        if found is None:
+            memoryview(out).cast("B")[:] = buf  # one memcpy
+            return np.ones(len(values), dtype=bool)
+        out[found] = np.frombuffer(buf, dtype="<f4").reshape(-1, self.width)
+        return found

@@ -24,6 +24,7 @@ FORMAT_VERSION = 1
 _META_DB = b"__meta__"
 _INITIAL_MAP = 1 << 30
 _MAX_GROWTH_RETRIES = 16
+_READ_CHUNK = 2048  # rows per get-and-copy round of get_rows
 
 
 class _ResizeGuard:
@@ -127,13 +128,20 @@ class LmdbBackend:
     # -- rows ----------------------------------------------------------------------
     def get_rows(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Stored rows of ``ids`` (sorted ascending) and the mask of those found;
-        into ``out`` when given. Rows not found are left unset."""
-        if len(ids) == 0:
-            return (out if out is not None else np.empty((0, self._codecs[table].width), dtype=np.float32)), np.zeros(0, dtype=bool)
+        into ``out`` (C-contiguous) when given. Rows not found are left unset."""
+        codec = self._codecs[table]
+        rows = np.empty((len(ids), codec.width), dtype=np.float32) if out is None else out
+        found = np.ones(len(ids), dtype=bool)
         keys = encode_keys(ids)
         with self._resize.shared(), self.env.begin(db=self._dbs[table], buffers=False) as txn:
-            values = list(map(txn.get, keys))  # the loop runs in C: no Python frame per key
-        return self._codecs[table].decode(values, out)
+            get = txn.get
+            # Copied out a chunk at a time: the row objects are still in cache and
+            # their memory is reused by the next chunk (64k rows at once cost 40%
+            # more than the get loop itself).
+            for lo in range(0, len(keys), _READ_CHUNK):
+                hi = lo + _READ_CHUNK
+                found[lo:hi] = codec.decode(list(map(get, keys[lo:hi])), rows[lo:hi])
+        return rows, found
 
     def put_rows(self, batches: list[tuple[str, np.ndarray, np.ndarray]], meta: dict | None = None) -> int:
         """Write (table, sorted ids, rows) batches and meta in one transaction; returns bytes written."""

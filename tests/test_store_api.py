@@ -141,6 +141,36 @@ def test_call_larger_than_every_tier_returns_correct_rows(tmp_path):
         assert set(s._tables["t"].hbm.ids.tolist()) == set(ids[-3:].tolist())
 
 
+def test_rows_read_from_lmdb_are_not_overwritten_by_later_reads(tmp_path):
+    # cold reads go through a buffer the store reuses; what a read returned must not change
+    values = torch.randn(6000, 3)
+    with TieredStore(tmp_path, [TableSpec("t", 6000, 3)], ddr_rows=0, device="cpu") as s:
+        s.write("t", torch.arange(6000), values)
+    with TieredStore(tmp_path, ddr_rows=2500, device="cpu") as s:
+        first = s.read("t", torch.arange(2500))
+        second = s.read("t", torch.arange(2500, 5000))
+        third = s.read("t", torch.arange(5000, 6000))
+        assert torch.equal(first, values[:2500]) and torch.equal(second, values[2500:5000])
+        assert torch.equal(third, values[5000:])
+
+
+def test_lmdb_reads_span_chunks_with_absent_rows(tmp_path):
+    # get_rows copies rows out a chunk at a time; rows never written are absent from LMDB
+    written = np.arange(0, 7000, 3)
+    with TieredStore(tmp_path, [TableSpec("t", 7000, 2, init=RowInit.uniform(-1, 1, seed=4))], device="cpu") as s:
+        s.write("t", written, np.stack([written, -written], 1).astype(np.float32))
+        s.flush()
+        rows, found = s._backend.get_rows("t", np.arange(7000))
+        assert found.tolist() == [i % 3 == 0 for i in range(7000)]
+        assert rows[found].tolist() == np.stack([written, -written], 1).tolist()
+    with TieredStore(tmp_path, ddr_rows=100, device="cpu") as s:
+        got = s.read("t", torch.arange(7000))
+        from tierstore.spec import initial_rows
+        expected = initial_rows(s.tables["t"], np.arange(7000))[:, :2]
+        expected[written] = np.stack([written, -written], 1)
+        assert torch.equal(got, torch.from_numpy(expected))
+
+
 def test_clean_rows_are_never_written(tmp_path):
     with TieredStore(tmp_path, [TableSpec("t", 1000, 4)], hbm_rows=2, ddr_rows=3, device="cpu") as s:
         for i in range(50):

@@ -287,6 +287,9 @@ class Prefetcher:
                 break
             queue[0].release()
 
+    def has_window(self, table: str) -> bool:
+        return bool(self._window.get(table))
+
     def next_use(self, table: str, ids: torch.Tensor) -> np.ndarray | None:
         """Step of each id's next announced use, NOT_IN_WINDOW if none; None without a window."""
         window = self._window.get(table)

@@ -40,6 +40,7 @@ from .prefetch import PrefetchConfig, Prefetcher, PrefetchTicket
 from .tiers import CacheTier, by_id, first_uses, last_values
 
 Sizes = int | Mapping[str, int]
+_SCRATCH_BYTES = 64 << 20
 
 
 @dataclass
@@ -79,12 +80,28 @@ class StoreConfig:
         return int(value.get(table, 0)) if isinstance(value, Mapping) else int(value)
 
 
+def _where(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """rows[mask] (mask on the CPU), without copying when every row is selected."""
+    return rows if bool(mask.all()) else rows[mask.to(rows.device)]
+
+
 class _Table:
     def __init__(self, spec: TableSpec, hbm: CacheTier | None, ddr: CacheTier | None):
         self.spec = spec
         self.hbm = hbm
         self.ddr = ddr
         self.counters = TableCounters.new()
+        self._scratch = np.empty((0, spec.width), dtype=np.float32)
+
+    def scratch(self, n: int) -> np.ndarray | None:
+        """A buffer for the rows one read fetches from LMDB, reused by the next
+        read: a fresh one page-faults on every call (~10 ms per 32 MB here).
+        None above _SCRATCH_BYTES, so one huge call does not pin its size."""
+        if n * self.spec.width * 4 > _SCRATCH_BYTES:
+            return None
+        if len(self._scratch) < n:
+            self._scratch = np.empty((n, self.spec.width), dtype=np.float32)
+        return self._scratch[:n]
 
 
 class TieredStore:
@@ -443,9 +460,10 @@ class TieredStore:
         return v.to(device="cpu", dtype=torch.float32)
 
     # -- the data path ----------------------------------------------------------------------
-    def _fetch(self, t: _Table, ids: torch.Tensor) -> torch.Tensor:
+    def _fetch(self, t: _Table, ids: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor:
         """Rows of ids (sorted) not in any tier: queued for LMDB (newest), prefetched
-        into staging, else from LMDB, initial values for rows never written."""
+        into staging, else from LMDB, initial values for rows never written.
+        Into ``out`` when given."""
         ids_np = ids.numpy()
         queued, queued_rows = self._writeback.lookup(t.spec.name, ids_np)
         staged, staged_rows = self._prefetcher.take(t.spec.name, ids)
@@ -453,12 +471,13 @@ class TieredStore:
         cold = ~(queued | staged)
         cold_ids = ids_np[cold]
         mark = time.perf_counter()
-        cold_rows = self._fill_unwritten(t, cold_ids, *self._backend.get_rows(t.spec.name, cold_ids, None))
+        all_cold = len(cold_ids) == len(ids_np)
+        cold_rows = self._fill_unwritten(t, cold_ids, *self._backend.get_rows(t.spec.name, cold_ids, out if all_cold else None))
         if len(cold_ids):
             t.counters.latency.observe("ssd_read", time.perf_counter() - mark)
-        if len(cold_ids) == len(ids_np):
+        if all_cold:
             return torch.from_numpy(cold_rows)
-        rows = np.empty((len(ids_np), t.spec.width), dtype=np.float32)
+        rows = np.empty((len(ids_np), t.spec.width), dtype=np.float32) if out is None else out
         rows[cold] = cold_rows
         if staged_rows is not None:
             rows[staged] = staged_rows.numpy()
@@ -473,8 +492,12 @@ class TieredStore:
         t.counters.ssd.count_reads(len(ids), int(found.sum()), t.spec.width)
         return rows
 
-    def _next_use(self, t: _Table, ids: torch.Tensor) -> np.ndarray | None:
-        return self._prefetcher.next_use(t.spec.name, ids)
+    def _next_use(self, t: _Table, ids: Callable[[], torch.Tensor]) -> np.ndarray | None:
+        """Next use in the prefetch window of the ids ``ids()`` gives, or None
+        without a window (then the ids are never gathered)."""
+        if not self._prefetcher.has_window(t.spec.name):
+            return None
+        return self._prefetcher.next_use(t.spec.name, ids())
 
     def _queue_write(self, batches, meta=None) -> None:
         """Every LMDB row write starts here, and is counted here: counts do not
@@ -539,7 +562,7 @@ class TieredStore:
                 return D, slot_d, None
 
         miss = torch.nonzero(~in_h & ~in_d).squeeze(1)
-        fetched = self._fetch(t, uid[miss])
+        fetched = self._fetch(t, uid[miss], t.scratch(len(miss)))  # rows is read from only: copied into tiers and output
 
         old_freq = torch.zeros(n, dtype=torch.int64)
         old_dirty = torch.zeros(n, dtype=torch.bool)
@@ -573,7 +596,7 @@ class TieredStore:
                 need = (n - n_h) - H.free
                 if need > 0:
                     cand = H.occupied_except(slot_h[in_h].to(H.device))
-                    demote = cand[H.pick_victims(H.last[cand], H.freq[cand], need, self._next_use(t, H.ids[cand])).to(H.device)].cpu()
+                    demote = cand[H.pick_victims(H.last[cand], H.freq[cand], need, self._next_use(t, lambda: H.ids[cand])).to(H.device)].cpu()
             else:
                 over = H.policy.select(use_clock.numpy(), new_freq.numpy(), n - H.capacity)
                 keep_h[:] = True
@@ -599,7 +622,7 @@ class TieredStore:
             e_drop = e_drop[:0]
             if k > 0:
                 v = D.pick_victims(torch.cat([D.last[others], e_last]), torch.cat([D.freq[others], e_freq]), k,
-                                   self._next_use(t, torch.cat([D.ids[others], e_ids])))
+                                   self._next_use(t, lambda: torch.cat([D.ids[others], e_ids])))
                 resident_drop = others[v[v < len(others)]]
                 e_drop = v[v >= len(others)] - len(others)
         leave = everyone[~keep_h & ~keep_d]  # call rows leaving the cache after this call
@@ -635,7 +658,7 @@ class TieredStore:
             stay = in_h & keep_h
             self._touch(H, slot_h[stay], use_clock[stay], new_freq[stay])
             enter = ~in_h & keep_h
-            H.add(uid[enter], rows[enter.to(dev)], use_clock[enter], new_freq[enter], old_dirty[enter])
+            H.add(uid[enter], _where(rows, enter), use_clock[enter], new_freq[enter], old_dirty[enter])
         if D:
             leaving_d = torch.cat([slot_d[in_d & ~keep_d], resident_drop])
             D.remove(leaving_d)
@@ -643,7 +666,7 @@ class TieredStore:
             stay = in_d & keep_d
             self._touch(D, slot_d[stay], use_clock[stay], new_freq[stay])
             enter = ~in_d & keep_d
-            D.add(uid[enter], rows[enter.to(dev)].cpu(), use_clock[enter], new_freq[enter], old_dirty[enter])
+            D.add(uid[enter], _where(rows, enter).cpu(), use_clock[enter], new_freq[enter], old_dirty[enter])
             if H and e_survive.any():
                 D.add(e_ids[e_survive], e_rows, e_last[e_survive], e_freq[e_survive], e_dirty[e_survive])
             c.ddr.writebacks += n_wb

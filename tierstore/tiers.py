@@ -73,7 +73,7 @@ class CacheTier:
         dev = self.device
         self.index.insert(ids.to(dev), slots)
         self.ids[slots] = ids.to(dev)
-        self.data[slots] = rows.to(dev)
+        self.data.index_copy_(0, slots, rows.to(dev))  # faster than index_put here (2 threads)
         self.last[slots] = last.to(dev)
         self.freq[slots] = freq.to(dev)
         self.dirty[slots] = dirty.to(dev)
