@@ -1,5 +1,6 @@
 """Public API, bad input and its errors, reopen, threads."""
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -254,6 +255,34 @@ def test_threads_share_a_store(tmp_path):
         [t.start() for t in threads]
         [t.join() for t in threads]
         assert not errors, errors
+
+
+@pytest.mark.parametrize("overwrite", ["evict", "write"])
+def test_a_gather_outside_the_lock_sees_its_rows(tmp_path, monkeypatch, overwrite):
+    # an all-resident read gathers after releasing the lock; a call that would
+    # overwrite those tier slots meanwhile must wait for it
+    with TieredStore(tmp_path, [TableSpec("t", 200, 2)], ddr_rows=100, device="cpu") as s:
+        s.write("t", np.arange(200), np.repeat(np.arange(200, dtype=np.float32)[:, None], 2, 1))
+        s.read("t", np.arange(100))  # rows 0..99 resident, filling the tier
+        real, started = s._gather, threading.Event()
+
+        def slow_gather(*args):
+            if threading.current_thread() is not threading.main_thread():
+                started.set()
+                time.sleep(0.3)
+            return real(*args)
+
+        monkeypatch.setattr(s, "_gather", slow_gather)
+        got = {}
+        reader = threading.Thread(target=lambda: got.setdefault("rows", s.read("t", np.arange(100))))
+        reader.start()
+        assert started.wait(10)
+        if overwrite == "evict":
+            s.read("t", np.arange(100, 200))  # evicts every row the reader is gathering
+        else:
+            s.write("t", np.arange(100), np.full((100, 2), -1.0))
+        reader.join()
+        assert got["rows"][:, 0].tolist() == list(range(100))
 
 
 def test_closed_store_refuses_calls(tmp_path):

@@ -154,6 +154,12 @@ class TieredStore:
         self.device = self.config.device
         self.readonly = readonly
         self._lock = threading.RLock()
+        # All-resident reads gather outside the lock, so that several readers
+        # (the daemon's clients) gather at once. Whoever overwrites tier rows
+        # first waits, holding the lock, until no such gather is in flight;
+        # holding it means no new one starts meanwhile.
+        self._gathers = 0
+        self._gathers_done = threading.Condition(threading.Lock())
         self._use_clock = 0
         self._closed = False
         self._backend = LmdbBackend(self.path, readonly=readonly, map_size=map_size)
@@ -232,44 +238,65 @@ class TieredStore:
         (``[len(ids), dim + state_dim]`` with ``with_state=True``), written
         into ``out`` when given (reusing a buffer saves an allocation per call)."""
         with self._lock:
-            self._check_open()
-            t = self._table(table)
-            self._reap()
-            self._prefetcher.check(table)  # a background failure nobody waited for surfaces here
-            start = time.perf_counter()  # stage timings: one observation per call and stage, never per id
-            ids = self._as_ids(t.spec, ids)
-            if self._recorder is not None:
-                self._recorder.record(table, ids)
-            cols = t.spec.width if with_state else t.spec.dim
-            n = len(ids)
-            if out is not None and (tuple(out.shape) != (n, cols) or out.dtype != torch.float32 or out.device != self.device):
-                raise ValueError(f"out must be a float32 tensor of shape ({n}, {cols}) on {self.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
-            if n == 0:
-                return out if out is not None else torch.empty((0, cols), dtype=torch.float32, device=self.device)
-            top = t.hbm or t.ddr
-            if top is not None:
-                # fast path: every id in the top tier, so no dedupe is needed
-                slots = top.lookup(ids)
-                if bool((slots >= 0).all()):
-                    result = self._gather(top.data, slots, cols, out)
-                    (t.counters.hbm if top is t.hbm else t.counters.ddr).hits += top.use_resident(slots, self._use_clock)
-                    self._use_clock += n
-                    t.counters.latency.observe("total", time.perf_counter() - start)
-                    self._prefetcher.consumed(table, ids)
-                    return result
-            mark = time.perf_counter()
-            uid, inverse, first = first_uses(ids.cpu())
-            t.counters.latency.observe("dedupe", time.perf_counter() - mark)
-            with restored_on_error([t.counters]):
-                source, slots, rows = self._access(t, uid, first + self._use_clock)
-            self._use_clock += n
-            if source is not None:  # every row in one tier
-                result = self._gather(source.data, slots.index_select(0, inverse.to(slots.device)), cols, out)
-            else:
-                result = self._gather(rows, inverse.to(rows.device), cols, out)
-            t.counters.latency.observe("total", time.perf_counter() - start)
-            self._prefetcher.consumed(table, ids)
-            return result
+            resident = self._read_locked(table, ids, with_state, out)
+            if isinstance(resident, torch.Tensor):
+                return resident
+            data, slots, cols, latency, start = resident
+            self._gathers += 1  # under the lock: a writer holding it waits for this gather
+        try:
+            result = self._gather(data, slots, cols, out)
+        finally:
+            with self._gathers_done:
+                self._gathers -= 1
+                self._gathers_done.notify_all()
+        with self._lock:
+            latency.observe("total", time.perf_counter() - start)
+        return result
+
+    def _await_gathers(self) -> None:
+        """Called with the lock held before tier rows are overwritten."""
+        with self._gathers_done:
+            self._gathers_done.wait_for(lambda: self._gathers == 0)
+
+    def _read_locked(self, table: str, ids, with_state: bool, out: torch.Tensor | None):
+        """read() under the lock: the rows, or, when every id is in the top tier,
+        what the caller needs to gather them outside the lock."""
+        self._check_open()
+        t = self._table(table)
+        self._reap()
+        self._prefetcher.check(table)  # a background failure nobody waited for surfaces here
+        start = time.perf_counter()  # stage timings: one observation per call and stage, never per id
+        ids = self._as_ids(t.spec, ids)
+        if self._recorder is not None:
+            self._recorder.record(table, ids)
+        cols = t.spec.width if with_state else t.spec.dim
+        n = len(ids)
+        if out is not None and (tuple(out.shape) != (n, cols) or out.dtype != torch.float32 or out.device != self.device):
+            raise ValueError(f"out must be a float32 tensor of shape ({n}, {cols}) on {self.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+        if n == 0:
+            return out if out is not None else torch.empty((0, cols), dtype=torch.float32, device=self.device)
+        top = t.hbm or t.ddr
+        if top is not None:
+            # fast path: every id in the top tier, so no dedupe is needed
+            slots = top.lookup(ids)
+            if bool((slots >= 0).all()):
+                (t.counters.hbm if top is t.hbm else t.counters.ddr).hits += top.use_resident(slots, self._use_clock)
+                self._use_clock += n
+                self._prefetcher.consumed(table, ids)
+                return top.data, slots, cols, t.counters.latency, start
+        mark = time.perf_counter()
+        uid, inverse, first = first_uses(ids.cpu())
+        t.counters.latency.observe("dedupe", time.perf_counter() - mark)
+        with restored_on_error([t.counters]):
+            source, slots, rows = self._access(t, uid, first + self._use_clock)
+        self._use_clock += n
+        if source is not None:  # every row in one tier
+            result = self._gather(source.data, slots.index_select(0, inverse.to(slots.device)), cols, out)
+        else:
+            result = self._gather(rows, inverse.to(rows.device), cols, out)
+        t.counters.latency.observe("total", time.perf_counter() - start)
+        self._prefetcher.consumed(table, ids)
+        return result
 
     def _gather(self, rows: torch.Tensor, index: torch.Tensor, cols: int, out: torch.Tensor | None) -> torch.Tensor:
         src = rows if cols == rows.shape[1] else rows[:, :cols]
@@ -368,6 +395,7 @@ class TieredStore:
             try:
                 self.flush()
             finally:
+                self._await_gathers()
                 self._closed = True
                 self._writeback.stop()  # after a failed flush this gives up what it could not write
                 self._backend.close()
@@ -648,6 +676,7 @@ class TieredStore:
             c.latency.observe("writeback", time.perf_counter() - mark)
 
         # -- commit the plan (in memory only; cannot fail half-way) --
+        self._await_gathers()
         if H:
             e_survive = torch.ones(len(demote), dtype=torch.bool)
             e_survive[e_drop] = False
@@ -704,6 +733,7 @@ class TieredStore:
                 rows = self._fetch(t, uid[cold])
                 rows[:, :cols] = values[cold]
             self._queue_write([(t.spec.name, uid[cold].numpy(), rows.numpy())])
+        self._await_gathers()
         for tier, slot, pos in targets:
             s = slot.to(tier.device)
             tier.data[s, :cols] = (values if len(pos) == n else values[pos]).to(tier.device)  # all in one tier: no gather

@@ -21,8 +21,9 @@ since the last flush, like an embedded store.
 
 Concurrency: one thread per connection. Frames are read and written outside
 the store's lock, and READ rows are gathered straight into the client's
-shared-memory segment; but ``store.read`` holds the store's lock for the whole
-read, gather included, so reads from several clients are served one at a time.
+shared-memory segment. A read whose rows are all in the DDR tier holds the
+store's lock only for the lookup and the policy update, and gathers outside
+it, so several clients' gathers run at once (TieredStore.read).
 """
 from __future__ import annotations
 
