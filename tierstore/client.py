@@ -58,7 +58,7 @@ import torch
 from . import wire
 from .counters import TierCounters
 from .eviction import make_policy
-from .prefetch import PrefetchTicket
+from .prefetch import PrefetchGroup, PrefetchTicket
 from .spec import TableSpec
 from .store import TieredStore
 from .tiers import CacheTier, by_id, first_uses, last_values
@@ -383,6 +383,14 @@ class DaemonStore(TieredStore):
         not later, so the ticket returned is already done."""
         self._request(wire.Frame(wire.PREFETCH, 0, table, self._ids_np(table, ids)))
         return PrefetchTicket(None, table, 0, None)
+
+    def _prefetch_batch(self, reads) -> PrefetchGroup:
+        # hints only: the daemon stages rows in its own DDR tier, so there is
+        # always room and nothing here to pin or release
+        return PrefetchGroup(self.prefetch(t, ids) for t, ids in reads.items())
+
+    def _report_depth(self, effective_depth: int, shrunk_steps: int) -> None:
+        pass  # the daemon never shrinks a client's window: hints need no room here
 
     def report_step(self, step: int) -> None:
         """Tell the daemon this trainer's step (its trace lookahead follows the slowest client)."""

@@ -392,16 +392,7 @@ class LookaheadLoader:
         return {self.module.table: torch.as_tensor(values).reshape(-1)}
 
     def _issue(self, batch) -> PrefetchGroup | None:
-        reads = self._reads(batch)
-        pre = self.store._prefetcher
-        with self.store._lock:
-            # room is checked for all tables first: a batch is prefetched whole or not yet
-            if any(pre.room(t) < len(torch.unique(ids)) for t, ids in reads.items() if t in self.store._tables):
-                return None
-            group = PrefetchGroup(self.store.prefetch(t, ids) for t, ids in reads.items())
-            for ticket in group.tickets:
-                ticket.owned = True
-            return group
+        return self.store._prefetch_batch(self._reads(batch))
 
     def __iter__(self) -> Iterator:
         it = iter(self.batches)
@@ -443,6 +434,4 @@ class LookaheadLoader:
             self._report()
 
     def _report(self) -> None:
-        for t in self.store._tables.values():
-            t.counters.prefetch.effective_depth = self.effective_depth
-            t.counters.prefetch.shrunk_steps = self.shrunk_steps
+        self.store._report_depth(self.effective_depth, self.shrunk_steps)

@@ -36,7 +36,7 @@ from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 from .counters import StoreCounters, TableCounters, add_dicts, restored_on_error
 from .spec import MAX_ID, TableSpec, initial_rows
 from .trace import TraceRecorder
-from .prefetch import PrefetchConfig, Prefetcher, PrefetchTicket
+from .prefetch import PrefetchConfig, Prefetcher, PrefetchGroup, PrefetchTicket
 from .tiers import CacheTier, by_id, first_uses, last_values
 
 Sizes = int | Mapping[str, int]
@@ -338,6 +338,24 @@ class TieredStore:
             self._check_open()
             self._reap()
             return self._prefetcher.prefetch(table, ids)
+
+    def _prefetch_batch(self, reads: Mapping[str, torch.Tensor]) -> PrefetchGroup | None:
+        """One batch's prefetches, owned by a LookaheadLoader; None (nothing issued)
+        while staging lacks room for all of them: a batch is prefetched whole or not yet."""
+        with self._lock:
+            pre = self._prefetcher
+            if any(pre.room(t) < len(torch.unique(ids)) for t, ids in reads.items() if t in self._tables):
+                return None
+            group = PrefetchGroup(self.prefetch(t, ids) for t, ids in reads.items())
+            for ticket in group.tickets:
+                ticket.owned = True
+            return group
+
+    def _report_depth(self, effective_depth: int, shrunk_steps: int) -> None:
+        """A LookaheadLoader's depth, for stats and metrics."""
+        for t in self._tables.values():
+            t.counters.prefetch.effective_depth = effective_depth
+            t.counters.prefetch.shrunk_steps = shrunk_steps
 
     def prefetch_stats(self) -> dict:
         """Prefetch state now: fetches in flight, staged rows, announced batches,
