@@ -3,6 +3,7 @@ sockets and a real LMDB store on disk. Faults are real signals (SIGKILL,
 SIGTERM, SIGSTOP) and hand-made frames on a raw socket."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -23,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 import tierstore
 from tierstore import wire
+from tierstore.optim import Adagrad
 from tierstore.trace import Trace
 
 USER = tierstore.TableSpec("user", 10_000, 8, init=tierstore.RowInit.uniform(-1, 1, seed=3))
@@ -605,9 +607,11 @@ def test_malformed_shared_memory_frames_are_rejected_and_the_daemon_keeps_servin
     good.close()
 
 
-def test_embedding_bag_with_adagrad_through_a_daemon_client_with_hbm_matches_an_embedded_store(tmp_path, sockdir):
-    from tierstore.optim import Adagrad
 
+@contextlib.contextmanager
+def _client_and_embedded_twin(tmp_path, sockdir):
+    """A daemon client (HBM tier 50 rows, daemon DDR 100) and an embedded store
+    with the same tiers, over copies of one store with an Adagrad-ready table "t"."""
     spec = tierstore.TableSpec("t", 1000, 8, init=tierstore.RowInit.uniform(-1, 1, seed=1), state_dim=Adagrad(lr=0.1).state_dim(8))
     with _embedded(tmp_path / "a", tables=[spec]):
         pass
@@ -616,46 +620,39 @@ def test_embedding_bag_with_adagrad_through_a_daemon_client_with_hbm_matches_an_
     try:
         client = tierstore.TieredStore(tmp_path / "a", daemon=str(d.sock), claim=["t"], hbm_rows=50)
         with _embedded(tmp_path / "b", hbm_rows=50, ddr_rows=100) as local:
-            bags = [tierstore.TieredEmbeddingBag(1000, 8, store=s, table="t", optimizer=Adagrad(lr=0.1), mode="sum") for s in (client, local)]
-            g = torch.Generator().manual_seed(0)
-            for step in range(12):
-                x, offsets = torch.randint(0, 1000, (64,), generator=g), torch.arange(0, 64, 4)
-                assert bags[0].prefetch(x, offsets).done()
-                outs = [bag(x, offsets) for bag in bags]
-                assert torch.equal(outs[0], outs[1]), step
-                for y in outs:
-                    (y ** 2).sum().backward()
-            every = np.arange(1000)
-            assert torch.equal(client.read("t", every, with_state=True), local.read("t", every, with_state=True))
-            assert client.stats()["hbm"]["writebacks"] > 0
+            yield client, local
         client.close()
     finally:
         assert d.stop() == 0
+
+
+def test_embedding_bag_with_adagrad_through_a_daemon_client_with_hbm_matches_an_embedded_store(tmp_path, sockdir):
+    with _client_and_embedded_twin(tmp_path, sockdir) as (client, local):
+        bags = [tierstore.TieredEmbeddingBag(1000, 8, store=s, table="t", optimizer=Adagrad(lr=0.1), mode="sum") for s in (client, local)]
+        g = torch.Generator().manual_seed(0)
+        for step in range(12):
+            x, offsets = torch.randint(0, 1000, (64,), generator=g), torch.arange(0, 64, 4)
+            assert bags[0].prefetch(x, offsets).done()
+            outs = [bag(x, offsets) for bag in bags]
+            assert torch.equal(outs[0], outs[1]), step
+            for y in outs:
+                (y ** 2).sum().backward()
+        every = np.arange(1000)
+        assert torch.equal(client.read("t", every, with_state=True), local.read("t", every, with_state=True))
+        assert client.stats()["hbm"]["writebacks"] > 0
 
 
 def test_lookahead_loader_over_a_daemon_client_sends_hints_and_trains_like_an_embedded_store(tmp_path, sockdir):
-    from tierstore.optim import Adagrad
-
-    spec = tierstore.TableSpec("t", 1000, 8, init=tierstore.RowInit.uniform(-1, 1, seed=1), state_dim=Adagrad(lr=0.1).state_dim(8))
-    with _embedded(tmp_path / "a", tables=[spec]):
-        pass
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    d = Daemon(tmp_path / "a", sockdir / "d.sock", ddr_rows=100)
-    try:
-        client = tierstore.TieredStore(tmp_path / "a", daemon=str(d.sock), claim=["t"], hbm_rows=50)
-        with _embedded(tmp_path / "b", hbm_rows=50, ddr_rows=100) as local:
-            g = torch.Generator().manual_seed(0)
-            batches = [(torch.randint(0, 1000, (64,), generator=g), torch.arange(0, 64, 4)) for _ in range(10)]
-            for store in (client, local):
-                bag = tierstore.TieredEmbeddingBag(1000, 8, store=store, table="t", optimizer=Adagrad(lr=0.1), mode="sum")
-                seen = []
-                for x, offsets in tierstore.LookaheadLoader(batches, bag, depth=3):
-                    seen.append(x)
-                    (bag(x, offsets) ** 2).sum().backward()
-                assert all(torch.equal(a, b) for a, (b, _) in zip(seen, batches)) and len(seen) == len(batches)
-            every = np.arange(1000)
-            assert torch.equal(client.read("t", every, with_state=True), local.read("t", every, with_state=True))
-            assert client.daemon_stats()["prefetch"]["t"]["issued_rows"] > 0
-        client.close()
-    finally:
-        assert d.stop() == 0
+    with _client_and_embedded_twin(tmp_path, sockdir) as (client, local):
+        g = torch.Generator().manual_seed(0)
+        batches = [(torch.randint(0, 1000, (64,), generator=g), torch.arange(0, 64, 4)) for _ in range(10)]
+        for store in (client, local):
+            bag = tierstore.TieredEmbeddingBag(1000, 8, store=store, table="t", optimizer=Adagrad(lr=0.1), mode="sum")
+            seen = []
+            for x, offsets in tierstore.LookaheadLoader(batches, bag, depth=3):
+                seen.append(x)
+                (bag(x, offsets) ** 2).sum().backward()
+            assert all(torch.equal(a, b) for a, (b, _) in zip(seen, batches)) and len(seen) == len(batches)
+        every = np.arange(1000)
+        assert torch.equal(client.read("t", every, with_state=True), local.read("t", every, with_state=True))
+        assert client.daemon_stats()["prefetch"]["t"]["issued_rows"] > 0
