@@ -192,6 +192,26 @@ def test_window_larger_than_staging_shrinks_instead_of_deadlocking(tmp_path):
     emb.close()
 
 
+def test_cached_rows_take_no_staging_room(tmp_path):
+    # each batch reads 60 hot rows (cached) and 20 new ones: only the 20 need room,
+    # so a staging area of 100 rows holds the whole window of 4
+    emb = tierstore.TieredEmbeddingBag(
+        10_000, 4, mode="sum", path=tmp_path, optimizer=tierstore.optim.SGD(lr=0.1), device="cpu",
+        ddr_rows=200,
+    )
+    emb.store._prefetcher._config.staged_rows = 100
+    hot = torch.arange(60)
+    data = [(torch.cat([hot, torch.arange(100 + 20 * i, 120 + 20 * i)]), torch.tensor([0, 40])) for i in range(12)]
+    emb(*data[0]).sum().backward()  # the hot rows are cached from here on
+    loader = LookaheadLoader(data[1:], emb, depth=4)
+    depths = []
+    for ids, offsets in loader:
+        depths.append(loader.effective_depth)
+        emb(ids, offsets).sum().backward()
+    assert depths[:-4] == [4] * (len(data) - 5) and loader.shrunk_steps == 0
+    emb.close()
+
+
 def test_cold_reads_spread_over_the_pool(tmp_path, monkeypatch):
     with TieredStore(tmp_path, [TableSpec("t", 50_000, 2)], ddr_rows=50_000, device="cpu",
                      prefetch=PrefetchConfig(workers=4)) as s:

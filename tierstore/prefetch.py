@@ -156,6 +156,32 @@ class Prefetcher:
         return self._staged[table]
 
     # -- issuing -------------------------------------------------------------------
+    def _uncached(self, t, uid: np.ndarray) -> np.ndarray:
+        """Mask of the sorted unique ids that no tier holds and no write is queued for."""
+        need = ~self._store._writeback.queued(t.spec.name, uid)
+        uid_t = torch.from_numpy(uid)
+        for tier in (t.hbm, t.ddr):
+            if tier is not None and need.any():
+                need &= (tier.lookup(uid_t).cpu() < 0).numpy()
+        return need
+
+    def fits(self, reads: Mapping[str, torch.Tensor]) -> bool:
+        """Whether staging has room for every row these reads would fetch (rows
+        already cached or staged need none)."""
+        for table, ids in reads.items():
+            try:
+                t = self._store._table(table)
+                uid = torch.unique(self._store._as_ids(t.spec, ids).cpu()).numpy()
+            except Exception:
+                continue  # a bad batch takes no room: prefetch() fails it at its own step
+            need = self._uncached(t, uid)
+            staging = self._staging(table)
+            if staging is not None and need.any():
+                need &= (staging.lookup(torch.from_numpy(uid)).cpu() < 0).numpy()
+            if self.room(table) < int(need.sum()):
+                return False
+        return True
+
     def prefetch(self, table: str, ids) -> PrefetchTicket:
         step = self._step
         self._step += 1
@@ -173,14 +199,9 @@ class Prefetcher:
         c.issued_batches += 1
         c.queued += 1
         staging = self._staging(table)
-        # only rows neither cached, queued for LMDB nor staged need reading
-        need = ~self._store._writeback.queued(table, uid)
-        uid_t = torch.from_numpy(uid)
-        for tier in (t.hbm, t.ddr):
-            if tier is not None and need.any():
-                need &= (tier.lookup(uid_t).cpu() < 0).numpy()
+        need = self._uncached(t, uid)
         if staging is not None and need.any():
-            slots = staging.lookup(uid_t).cpu()
+            slots = staging.lookup(torch.from_numpy(uid)).cpu()
             held = slots >= 0
             staging.last[slots[held]] = torch.clamp(staging.last[slots[held]], min=step)  # pinned until this step is done
             need &= ~held.numpy()

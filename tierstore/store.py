@@ -343,8 +343,7 @@ class TieredStore:
         """One batch's prefetches, owned by a LookaheadLoader; None (nothing issued)
         while staging lacks room for all of them: a batch is prefetched whole or not yet."""
         with self._lock:
-            pre = self._prefetcher
-            if any(pre.room(t) < len(torch.unique(ids)) for t, ids in reads.items() if t in self._tables):
+            if not self._prefetcher.fits(reads):
                 return None
             group = PrefetchGroup(self.prefetch(t, ids) for t, ids in reads.items())
             for ticket in group.tickets:
