@@ -95,7 +95,7 @@ class _Table:
 
     def scratch(self, n: int) -> np.ndarray | None:
         """A buffer for the rows one read fetches from LMDB, reused by the next
-        read: a fresh one page-faults on every call (~10 ms per 32 MB here).
+        read: a fresh one page-faults on every call (10-20 ms per 32 MiB here).
         None above _SCRATCH_BYTES, so one huge call does not pin its size."""
         if n * self.spec.width * 4 > _SCRATCH_BYTES:
             return None
