@@ -212,6 +212,17 @@ def test_cached_rows_take_no_staging_room(tmp_path):
     emb.close()
 
 
+def test_a_read_releases_a_ticket_only_when_it_covers_the_ticket(tmp_path):
+    with TieredStore(tmp_path, [TableSpec("t", 1000, 2)], ddr_rows=100, device="cpu") as s:
+        ticket = s.prefetch("t", [7, 3, 9, 3, 500])
+        ticket.wait()
+        assert s.prefetch_stats()["window_batches"] == 1
+        s.read("t", [3, 9, 500, 11])  # 7 is missing: the batch is not done with
+        assert s.prefetch_stats()["window_batches"] == 1
+        s.read("t", [500, 9, 8, 7, 3, 3])  # unsorted, repeated, with extra ids
+        assert s.prefetch_stats()["window_batches"] == 0
+
+
 def test_cold_reads_spread_over_the_pool(tmp_path, monkeypatch):
     with TieredStore(tmp_path, [TableSpec("t", 50_000, 2)], ddr_rows=50_000, device="cpu",
                      prefetch=PrefetchConfig(workers=4)) as s:

@@ -297,14 +297,15 @@ class Prefetcher:
             if not any(t.step < failed.step and not t._released for t in queue):
                 failed.wait()
 
-    def consumed(self, table: str, ids: torch.Tensor) -> None:
+    def consumed(self, table: str, ids: torch.Tensor, sorted_unique: bool = False) -> None:
         """A read used these ids: release the oldest outstanding tickets it covers."""
         queue = self._outstanding.get(table)
-        ids_np = None
+        uid = None
         while queue and queue[0].done():
-            if ids_np is None:
-                ids_np = ids.cpu().numpy()
-            if not np.isin(queue[0].ids, ids_np).all():
+            if uid is None:
+                uid = ids.cpu().numpy() if sorted_unique else np.unique(ids.cpu().numpy())
+            want = queue[0].ids  # sorted and unique too: membership by binary search
+            if len(want) and not (uid[np.minimum(np.searchsorted(uid, want), len(uid) - 1)] == want).all():
                 break
             queue[0].release()
 

@@ -295,7 +295,7 @@ class TieredStore:
         else:
             result = self._gather(rows, inverse.to(rows.device), cols, out)
         t.counters.latency.observe("total", time.perf_counter() - start)
-        self._prefetcher.consumed(table, ids)
+        self._prefetcher.consumed(table, uid, sorted_unique=True)
         return result
 
     def _gather(self, rows: torch.Tensor, index: torch.Tensor, cols: int, out: torch.Tensor | None) -> torch.Tensor:
