@@ -4,6 +4,7 @@ eviction against LRU, LFU and Belady's optimum."""
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -73,7 +74,9 @@ def _batches(bags: int, steps: int, seed: int) -> list:
     return [(torch.from_numpy(perm[zipf.sample(rng, bags * POOLING) - 1]), offsets) for _ in range(steps)]
 
 
-def _model(path, ddr_rows: int, latency_us: float, workers: int):
+def _model(path, ddr_rows: int, latency_us: float, workers: int, copy_of: str | None = None):
+    if copy_of is not None:  # a store of its own: the cold runs reopen the original
+        shutil.copytree(copy_of, path)
     store = tierstore.TieredStore(path, ddr_rows=ddr_rows, device="cpu", prefetch=PrefetchConfig(workers=workers))
     emb = tierstore.TieredEmbeddingBag(ROWS, DIM, mode="sum", store=store, table="t0", optimizer=tierstore.optim.SGD(lr=0.01))
     if latency_us:
@@ -116,23 +119,29 @@ def bench_steps(args) -> None:
             for lo in range(0, ROWS, 50_000):
                 ids = np.arange(lo, lo + 50_000)
                 s.write("t0", ids, rng.standard_normal((len(ids), DIM), dtype=np.float32))
-        for model, (bags, steps, mlp) in MODELS.items():
+        for i, (model, (bags, steps, mlp)) in enumerate(MODELS.items()):
             data = _batches(bags, steps, args.seed)
-            emb = _model(base, ROWS, 0, 8)
+            all_in = _model(os.path.join(d, f"resident-{i}"), ROWS, 0, 8, copy_of=base)
             for lo in range(0, ROWS, 50_000):
-                emb.store.read("t0", torch.arange(lo, lo + 50_000))
-            resident = _step_ms(_Step(emb, bags, mlp, args.seed), data, 0)
-            emb.store.close()
-            rows = [("every row resident in DDR", f"{resident:7.1f} ms/step", "1.00x")]
+                all_in.store.read("t0", torch.arange(lo, lo + 50_000))
+            # the resident step is timed before every cold run and the median taken:
+            # on a small machine the step's own time drifts by several percent between runs
+            residents, cold = [], []
             ddr = ROWS // 20
             for mode, lat in (("injected %.0f us/row per thread" % latency, latency), ("page cache dropped (this disk)", 0.0)):
                 for depth in (0, 2, 4, 8):
+                    residents.append(_step_ms(_Step(all_in, bags, mlp, args.seed), data, 0))
                     emb = _model(base, ddr, lat, 8)
                     _drop_page_cache(base)
                     med = _step_ms(_Step(emb, bags, mlp, args.seed), data, depth)
                     served = emb.store.prefetch_stats()["tables"]["t0"]["served_rows"]
                     emb.store.close()
-                    rows.append((f"{mode}, depth {depth}", f"{med:7.1f} ms/step  ({served} rows prefetched)", f"{med / resident:.2f}x"))
+                    cold.append((f"{mode}, depth {depth}", med, served))
+            all_in.store.close()
+            resident = statistics.median(residents)
+            rows = [("every row resident in DDR", f"{resident:7.1f} ms/step  (median of {len(residents)} runs, "
+                     f"{min(residents):.1f}-{max(residents):.1f})", "1.00x")]
+            rows += [(label, f"{med:7.1f} ms/step  ({served} rows prefetched)", f"{med / resident:.2f}x") for label, med, served in cold]
             print(f"\n== prefetch: training step with cold rows, {model}")
             dense = "" if mlp is None else f", bottom MLP {DENSE}-{'-'.join(map(str, mlp[0]))}-{DIM}, top MLP {2 * DIM + 1}-{'-'.join(map(str, mlp[1]))}-1"
             print(f"   rows={ROWS}, dim={DIM}, bags={bags} x pooling {POOLING} (Zipf 1.05){dense}; ddr_rows={ddr}, "
