@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from . import wire
-from .counters import TierCounters
+from .counters import TierCounters, add_dicts
 from .eviction import make_policy
 from .prefetch import PrefetchGroup, PrefetchTicket
 from .spec import TableSpec
@@ -265,8 +265,7 @@ class DaemonStore(TieredStore):
         spec = self._spec(table)
         ids_np = self._ids_np(table, ids)
         n, cols = len(ids_np), (spec.width if with_state else spec.dim)
-        if out is not None and (tuple(out.shape) != (n, cols) or out.dtype != torch.float32 or out.device != self.device):
-            raise ValueError(f"out must be a float32 tensor of shape ({n}, {cols}) on {self.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+        self._check_out(out, n, cols)
         if n == 0:
             return out if out is not None else torch.empty((0, cols), dtype=torch.float32, device=self.device)
         tier = self._hbm.get(table)
@@ -312,17 +311,7 @@ class DaemonStore(TieredStore):
         new_freq = torch.ones(u, dtype=torch.int64)
         new_freq[hit] += H.freq[slot[hit].to(H.device)].cpu()
 
-        # plan: which call rows stay, which residents leave
-        keep = torch.ones(u, dtype=torch.bool)
-        if u <= H.capacity:
-            need = len(miss) - H.free
-            victims = torch.empty(0, dtype=torch.int64)
-            if need > 0:
-                cand = H.occupied_except(slot[hit].to(H.device))
-                victims = cand[H.pick_victims(H.last[cand], H.freq[cand], need).to(H.device)].cpu()
-        else:  # more rows than the tier holds: keep those the policy ranks highest
-            keep[torch.from_numpy(H.policy.select(use_clock.numpy(), new_freq.numpy(), u - H.capacity))] = False
-            victims = H.occupied_except(slot[hit].to(H.device)).cpu()
+        keep, victims = H.make_room(slot[hit], len(miss), use_clock, new_freq)
         dropped_hits = torch.nonzero(hit & ~keep).squeeze(1)  # call rows that leave the tier
         leaving = torch.cat([victims, slot[dropped_hits]])
         self._write_back(table, H, leaving)  # before anything changes: a failure leaves the tier as it was
@@ -330,9 +319,7 @@ class DaemonStore(TieredStore):
         H.remove(leaving.to(H.device))
         c.evictions += len(leaving)
         stay = hit & keep
-        s = slot[stay].to(H.device)
-        H.last[s] = use_clock[stay].to(H.device)
-        H.freq[s] = new_freq[stay].to(H.device)
+        self._touch(H, slot[stay], use_clock[stay], new_freq[stay])
         enter = ~hit & keep
         H.add(uid[enter], rows[enter.to(H.device)], use_clock[enter], new_freq[enter], torch.zeros(int(enter.sum()), dtype=torch.bool))
         c.hits += int(hit.sum())
@@ -421,7 +408,7 @@ class DaemonStore(TieredStore):
             return daemon
         total = vars(TierCounters()).copy()
         for d in mine.values():
-            total = {k: v + d[k] for k, v in total.items()}
+            total = add_dicts(total, d)
         daemon["hbm"] = total
         return daemon
 

@@ -271,8 +271,7 @@ class TieredStore:
             self._recorder.record(table, ids)
         cols = t.spec.width if with_state else t.spec.dim
         n = len(ids)
-        if out is not None and (tuple(out.shape) != (n, cols) or out.dtype != torch.float32 or out.device != self.device):
-            raise ValueError(f"out must be a float32 tensor of shape ({n}, {cols}) on {self.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+        self._check_out(out, n, cols)
         if n == 0:
             return out if out is not None else torch.empty((0, cols), dtype=torch.float32, device=self.device)
         top = t.hbm or t.ddr
@@ -297,6 +296,10 @@ class TieredStore:
         t.counters.latency.observe("total", time.perf_counter() - start)
         self._prefetcher.consumed(table, uid, sorted_unique=True)
         return result
+
+    def _check_out(self, out: torch.Tensor | None, n: int, cols: int) -> None:
+        if out is not None and (tuple(out.shape) != (n, cols) or out.dtype != torch.float32 or out.device != self.device):
+            raise ValueError(f"out must be a float32 tensor of shape ({n}, {cols}) on {self.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
 
     def _gather(self, rows: torch.Tensor, index: torch.Tensor, cols: int, out: torch.Tensor | None) -> torch.Tensor:
         src = rows if cols == rows.shape[1] else rows[:, :cols]
@@ -633,20 +636,10 @@ class TieredStore:
         # Plan both levels before touching anything, so that a failed write-back
         # leaves the store exactly as it was.
         everyone = torch.arange(n)
-        keep_h = torch.zeros(n, dtype=torch.bool)
-        demote = torch.empty(0, dtype=torch.int64)  # HBM slots of non-call rows going down
-        if H:
-            if n <= H.capacity:
-                keep_h[:] = True
-                need = (n - n_h) - H.free
-                if need > 0:
-                    cand = H.occupied_except(slot_h[in_h].to(H.device))
-                    demote = cand[H.pick_victims(H.last[cand], H.freq[cand], need, self._next_use(t, lambda: H.ids[cand])).to(H.device)].cpu()
-            else:
-                over = H.policy.select(use_clock.numpy(), new_freq.numpy(), n - H.capacity)
-                keep_h[:] = True
-                keep_h[torch.from_numpy(over)] = False
-                demote = H.occupied_except(slot_h[in_h].to(H.device)).cpu()
+        if H:  # demote: HBM slots of non-call rows going down
+            keep_h, demote = H.make_room(slot_h[in_h], n - n_h, use_clock, new_freq, lambda cand: self._next_use(t, lambda: H.ids[cand]))
+        else:
+            keep_h, demote = torch.zeros(n, dtype=torch.bool), torch.empty(0, dtype=torch.int64)
         down = everyone[~keep_h]  # call rows below HBM
         demote_dev = demote.to(H.device) if H else demote
         e_ids = H.ids[demote_dev].cpu() if H else demote

@@ -7,6 +7,8 @@ exactly one tier, so its one cached copy is always the newest.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -63,6 +65,25 @@ class CacheTier:
         if not self.lookahead:  # pinned, but ranked among themselves by the policy
             next_use = np.where(next_use == NOT_IN_WINDOW, NOT_IN_WINDOW, 0)
         return torch.from_numpy(lookahead_victims(next_use, last, freq, k, self.policy))
+
+    def make_room(self, hit_slots: torch.Tensor, n_new: int, use_clock: torch.Tensor, freq: torch.Tensor,
+                  next_use: Callable[[torch.Tensor], np.ndarray | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plan one step of this tier, changing nothing: the call's unique rows
+        (used at ``use_clock``, step counts ``freq``) are resident at ``hit_slots``
+        or ``n_new`` rows to bring in. Returns the mask of call rows the tier keeps
+        (all of them unless the call is larger than the tier) and the CPU slots of
+        resident rows to evict. ``next_use(candidate slots)`` pins the prefetch window."""
+        n = len(use_clock)
+        keep = torch.ones(n, dtype=torch.bool)
+        if n > self.capacity:  # keep the call rows the policy ranks highest, and only them
+            keep[torch.from_numpy(self.policy.select(use_clock.numpy(), freq.numpy(), n - self.capacity))] = False
+            return keep, self.occupied_except(hit_slots.to(self.device)).cpu()
+        need = n_new - self.free
+        if need <= 0:
+            return keep, torch.empty(0, dtype=torch.int64)
+        cand = self.occupied_except(hit_slots.to(self.device))
+        victims = self.pick_victims(self.last[cand], self.freq[cand], need, next_use(cand) if next_use else None)
+        return keep, cand[victims.to(self.device)].cpu()
 
     def add(self, ids, rows, last, freq, dirty) -> torch.Tensor:
         n = len(ids)
