@@ -64,14 +64,13 @@ def interleaved_medians(fns, repeat: int, warmup: int = 2) -> list[float]:
 
 
 def median_seconds(fn, repeat: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return interleaved_medians((fn,), repeat, warmup)[0]
+
+
+def read_all(store, n: int, table: str = "t") -> None:
+    """Read every row once, in parts: brings them all into a cache that holds them."""
+    for lo in range(0, n, 262_144):
+        store.read(table, torch.arange(lo, min(n, lo + 262_144)))
 
 
 def report(title: str, params: dict, rows: list[tuple[str, str]], ratio_name: str, ratio: float, goal: str) -> None:
@@ -97,8 +96,7 @@ def bench_read(args) -> None:
     with _workdir(args) as d:
         spec = tierstore.TableSpec("t", n, dim, init=tierstore.RowInit.uniform(-1, 1, seed=args.seed))
         store = tierstore.TieredStore(d, [spec], hbm_rows=n if on_hbm else 0, ddr_rows=0 if on_hbm else n, device=device)
-        for lo in range(0, n, 262_144):  # bring every row into the cache
-            store.read("t", torch.arange(lo, min(n, lo + 262_144)))
+        read_all(store, n)
         plain = store.read("t", torch.arange(n)).to(device)
         gen = torch.Generator().manual_seed(args.seed)
         batches = [torch.randint(0, n, (batch,), generator=gen) for _ in range(8)]

@@ -104,7 +104,7 @@ def _observations(hist) -> tuple[int, int]:
 
 def _scenario(args, title: str, hbm_rows: int, ddr_rows: int, warm_all: bool) -> float:
     import tierstore
-    from tierstore.tools.bench import report
+    from tierstore.tools.bench import read_all, report
 
     n, dim, batch = args.rows, args.dim, args.batch
     rng = np.random.default_rng(args.seed)
@@ -112,8 +112,7 @@ def _scenario(args, title: str, hbm_rows: int, ddr_rows: int, warm_all: bool) ->
         store = tierstore.TieredStore(d, [tierstore.TableSpec("t", n, dim)], hbm_rows=hbm_rows, ddr_rows=ddr_rows,
                                       device=args.device, registry=CollectorRegistry(), name="bench")
         if warm_all:
-            for lo in range(0, n, 262_144):
-                store.read("t", torch.arange(lo, min(n, lo + 262_144)))
+            read_all(store, n)
         batches = [b.to(store.device) for b in _zipf_batches(rng, n, batch, 16)]
         it = iter(range(10**12))
         sync = torch.cuda.synchronize if store.device.type == "cuda" else (lambda: None)

@@ -548,7 +548,7 @@ def bench(args) -> None:
     import tempfile
 
     import tierstore
-    from tierstore.tools.bench import median_seconds, report
+    from tierstore.tools.bench import median_seconds, read_all, report
 
     n, dim, batch = min(args.rows, 1 << 20), args.dim, args.batch
     rounds = max(3, args.repeat // 3)
@@ -564,7 +564,7 @@ def bench(args) -> None:
         tierstore.TieredStore(path, [spec], device="cpu", registry=CollectorRegistry()).close()
         # baseline: the same DDR tier in this process, opened as the daemon opens it (an existing store)
         with tierstore.TieredStore(path, hbm_rows=0, ddr_rows=n, device="cpu", registry=CollectorRegistry()) as store:
-            _fill(store, n)
+            read_all(store, n)
             for threads in (default_threads, 1):
                 torch.set_num_threads(threads)
                 it = iter(range(10**9))
@@ -579,7 +579,7 @@ def bench(args) -> None:
             try:
                 assert proc.stdout.readline().startswith("ready"), "the daemon did not start"
                 client = tierstore.TieredStore(path, daemon=str(sock), readonly=True, device="cpu")
-                _fill(client, n)
+                read_all(client, n)
                 it = iter(range(10**9))
                 through[threads] = median_seconds(lambda: client.read("t", batches[next(it) % 8], out=buf), args.repeat)
                 assert torch.equal(client.read("t", batches[0]), expect), "the daemon's rows differ from the in-process store's"
@@ -623,11 +623,6 @@ def bench(args) -> None:
     report("daemon: client processes reading at once", {**params, "rounds": rounds}, rows,
            f"two / one aggregate throughput, median of rounds ({best} thread(s); "
            f"ceiling {statistics.median(ratios(ceiling)):.2f}x)", statistics.median(ratios(pairs[best])), ">= 1.50")
-
-
-def _fill(store, n: int) -> None:
-    for lo in range(0, n, 262_144):
-        store.read("t", torch.arange(lo, min(n, lo + 262_144)))
 
 
 # a client process: reads `reps` batches with read(out=) and prints its own start, end
