@@ -17,11 +17,13 @@ import numpy as np
 from .lmdb_backend import LmdbBackend
 
 MIN_PART = 64  # rows; smaller parts cost more in task overhead than they overlap
+PAUSE_EVERY = 64  # rows read between two calls of ``pause``
 
 
 def read_rows_async(
     backend: LmdbBackend, table: str, ids: np.ndarray, width: int, executor: Executor, parts: int,
     on_done: Callable[[np.ndarray, np.ndarray, BaseException | None], None],
+    pause: Callable[[], None] | None = None,
 ) -> None:
     """Read rows of sorted ``ids`` in parallel; then ``on_done(rows, found, error)``."""
     rows = np.empty((len(ids), width), dtype=np.float32)
@@ -34,7 +36,11 @@ def read_rows_async(
     def part(lo: int, hi: int) -> None:
         err = None
         try:
-            found[lo:hi] = backend.get_rows(table, ids[lo:hi], rows[lo:hi])[1]
+            for a in range(lo, hi, PAUSE_EVERY):
+                if pause is not None:
+                    pause()
+                b = min(hi, a + PAUSE_EVERY)
+                found[a:b] = backend.get_rows(table, ids[a:b], rows[a:b])[1]
         except BaseException as e:  # handed to on_done, which raises it where it concerns
             err = e
         with lock:

@@ -235,8 +235,29 @@ def test_cold_reads_spread_over_the_pool(tmp_path, monkeypatch):
             return real(table, ids, out)
 
         monkeypatch.setattr(s._backend, "get_rows", get_rows)
-        s.prefetch("t", np.arange(40_000)).wait()
+        s.prefetch("t", np.arange(4_000)).wait()
         assert len(names) == 4
+
+
+def test_prefetch_threads_wait_while_the_trainer_is_in_the_store(tmp_path, monkeypatch):
+    with TieredStore(tmp_path, [TableSpec("t", 50_000, 2)], ddr_rows=50_000, device="cpu",
+                     prefetch=PrefetchConfig(workers=4)) as s:
+        reads_while_held = []
+        held = threading.Event()
+        real = s._backend.get_rows
+
+        def get_rows(table, ids, out):
+            reads_while_held.append(held.is_set())
+            return real(table, ids, out)
+
+        monkeypatch.setattr(s._backend, "get_rows", get_rows)
+        with s._lock:  # as a trainer's read or write does
+            held.set()
+            ticket = s.prefetch("t", np.arange(4_000))
+            time.sleep(0.2)
+            held.clear()
+        ticket.wait()
+        assert reads_while_held and not any(reads_while_held)
 
 
 def residents_after(tmp_path, eviction, announce):

@@ -165,29 +165,41 @@ class Prefetcher:
                 need &= (tier.lookup(uid_t).cpu() < 0).numpy()
         return need
 
-    def fits(self, reads: Mapping[str, torch.Tensor]) -> bool:
-        """Whether staging has room for every row these reads would fetch (rows
-        already cached or staged need none)."""
+    def _needs(self, table: str, ids) -> tuple:
+        """A read's table, its sorted unique ids, the mask of those it would fetch,
+        and the staging slots of those already staged (-1 where not)."""
+        t = self._store._table(table)
+        uid = torch.unique(self._store._as_ids(t.spec, ids).cpu()).numpy()
+        need = self._uncached(t, uid)
+        staging = self._staging(table)
+        staged = None
+        if staging is not None and need.any():
+            staged = staging.lookup(torch.from_numpy(uid)).cpu()
+            need &= (staged < 0).numpy()
+        return t, uid, need, staged
+
+    def fits(self, reads: Mapping[str, torch.Tensor]) -> dict[str, tuple | Exception] | None:
+        """None unless staging has room for every row these reads would fetch (rows
+        already cached or staged need none); else each table's needs, for ``prefetch``."""
+        needs = {}
         for table, ids in reads.items():
             try:
-                t = self._store._table(table)
-                uid = torch.unique(self._store._as_ids(t.spec, ids).cpu()).numpy()
-            except Exception:
-                continue  # a bad batch takes no room: prefetch() fails it at its own step
-            need = self._uncached(t, uid)
-            staging = self._staging(table)
-            if staging is not None and need.any():
-                need &= (staging.lookup(torch.from_numpy(uid)).cpu() < 0).numpy()
-            if self.room(table) < int(need.sum()):
-                return False
-        return True
+                needs[table] = self._needs(table, ids)
+            except Exception as e:  # a bad batch takes no room: prefetch() fails it at its own step
+                needs[table] = e
+                continue
+            if self.room(table) < int(needs[table][2].sum()):
+                return None
+        return needs
 
-    def prefetch(self, table: str, ids) -> PrefetchTicket:
+    def prefetch(self, table: str, ids, needs: tuple | Exception | None = None) -> PrefetchTicket:
+        """``needs``: what ``fits`` found for these ids, under the same hold of the lock."""
         step = self._step
         self._step += 1
         try:
-            t = self._store._table(table)
-            uid = torch.unique(self._store._as_ids(t.spec, ids).cpu()).numpy()
+            if isinstance(needs, Exception):
+                raise needs
+            t, uid, need, staged = needs or self._needs(table, ids)
         except Exception as e:  # a bad future batch fails at its own step, not now
             ticket = PrefetchTicket(self, table, step, None, e)
             self._undelivered.setdefault(table, []).append(ticket)
@@ -198,13 +210,9 @@ class Prefetcher:
         c = t.counters.prefetch
         c.issued_batches += 1
         c.queued += 1
-        staging = self._staging(table)
-        need = self._uncached(t, uid)
-        if staging is not None and need.any():
-            slots = staging.lookup(torch.from_numpy(uid)).cpu()
-            held = slots >= 0
-            staging.last[slots[held]] = torch.clamp(staging.last[slots[held]], min=step)  # pinned until this step is done
-            need &= ~held.numpy()
+        if staged is not None:
+            held = staged[staged >= 0]
+            self._staged[table].last[held] = torch.clamp(self._staged[table].last[held], min=step)  # pinned until this step is done
         fetch = uid[need][: max(0, self.room(table))]
         c.dropped_rows += int(need.sum()) - len(fetch)
         if len(fetch) == 0:
@@ -217,9 +225,16 @@ class Prefetcher:
             self._executor = ThreadPoolExecutor(self._config.workers, thread_name_prefix="tierstore-prefetch")
         read_rows_async(
             self._store._backend, table, fetch, t.spec.width, self._executor, self._config.workers,
-            lambda rows, found, err: self._land(ticket, fetch, rows, found, err),
+            lambda rows, found, err: self._land(ticket, fetch, rows, found, err), self._yield_to_store,
         )
         return ticket
+
+    def _yield_to_store(self) -> None:
+        """Called by the workers between parts of a read: they wait while the
+        trainer is in the store. On a small machine they otherwise queue with it
+        for the GIL at each of its many tensor ops, which doubled its read time."""
+        with self._store._lock:
+            pass
 
     def _land(self, ticket: PrefetchTicket, ids: np.ndarray, rows: np.ndarray, found: np.ndarray, error) -> None:
         """Worker thread: install fetched rows under the store lock."""
@@ -317,16 +332,13 @@ class Prefetcher:
         window = self._window.get(table)
         if not window:
             return None
-        all_ids = np.concatenate(list(window.values()))
-        steps = np.concatenate([np.full(len(v), s) for s, v in window.items()])
-        order = np.lexsort((steps, all_ids))
-        all_ids, steps = all_ids[order], steps[order]
-        first = np.ones(len(all_ids), dtype=bool)
-        first[1:] = all_ids[1:] != all_ids[:-1]
-        all_ids, steps = all_ids[first], steps[first]
         q = ids.cpu().numpy()
-        pos = np.clip(np.searchsorted(all_ids, q), 0, len(all_ids) - 1)
-        return np.where(all_ids[pos] == q, steps[pos], NOT_IN_WINDOW)
+        out = np.full(len(q), NOT_IN_WINDOW, dtype=np.int64)
+        for step in sorted(window, reverse=True):  # the earliest step written last wins
+            uid = window[step]  # sorted and unique: membership by binary search
+            if len(uid):
+                out[uid[np.minimum(np.searchsorted(uid, q), len(uid) - 1)] == q] = step
+        return out
 
     # -- releasing -----------------------------------------------------------------------
     def _release(self, ticket: PrefetchTicket) -> None:

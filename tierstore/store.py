@@ -346,9 +346,12 @@ class TieredStore:
         """One batch's prefetches, owned by a LookaheadLoader; None (nothing issued)
         while staging lacks room for all of them: a batch is prefetched whole or not yet."""
         with self._lock:
-            if not self._prefetcher.fits(reads):
+            self._check_open()
+            self._reap()
+            needs = self._prefetcher.fits(reads)
+            if needs is None:
                 return None
-            group = PrefetchGroup(self.prefetch(t, ids) for t, ids in reads.items())
+            group = PrefetchGroup(self._prefetcher.prefetch(t, ids, needs[t]) for t, ids in reads.items())
             for ticket in group.tickets:
                 ticket.owned = True
             return group
