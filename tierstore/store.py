@@ -626,15 +626,7 @@ class TieredStore:
 
         dev = H.device if H else torch.device("cpu")
         fetched = (fetched.pin_memory() if dev.type == "cuda" else fetched).to(dev, non_blocking=True)
-        if len(miss) == n:  # all cold: the fetched rows are the call's rows, in uid order
-            rows = fetched
-        else:
-            rows = torch.empty((n, t.spec.width), dtype=torch.float32, device=dev)
-            if n_h:
-                rows[in_h] = H.data[slot_h[in_h].to(dev)]
-            if n_d:
-                rows[in_d.to(dev)] = D.data[slot_d[in_d]].to(dev)
-            rows[miss.to(dev)] = fetched
+        rows = fetched if len(miss) == n else None  # all cold: the fetched rows are the call's rows, in uid order
 
         # Plan both levels before touching anything, so that a failed write-back
         # leaves the store exactly as it was.
@@ -667,6 +659,16 @@ class TieredStore:
                 resident_drop = others[v[v < len(others)]]
                 e_drop = v[v >= len(others)] - len(others)
         leave = everyone[~keep_h & ~keep_d]  # call rows leaving the cache after this call
+        # One tier that keeps every call row: only the fetched rows enter it, and
+        # the output is gathered from it, so the call's rows are never assembled.
+        one_tier = (H is None or D is None) and bool(keep_h.all() if H else keep_d.all())
+        if rows is None and not one_tier:
+            rows = torch.empty((n, t.spec.width), dtype=torch.float32, device=dev)
+            if n_h:
+                rows[in_h] = H.data[slot_h[in_h].to(dev)]
+            if n_d:
+                rows[in_d.to(dev)] = D.data[slot_d[in_d]].to(dev)
+            rows[miss.to(dev)] = fetched
 
         # write back dirty rows that leave the cache
         wb_ids, wb_rows = [], []
@@ -700,7 +702,7 @@ class TieredStore:
             stay = in_h & keep_h
             self._touch(H, slot_h[stay], use_clock[stay], new_freq[stay])
             enter = ~in_h & keep_h
-            H.add(uid[enter], _where(rows, enter), use_clock[enter], new_freq[enter], old_dirty[enter])
+            added = H.add(uid[enter], fetched if one_tier else _where(rows, enter), use_clock[enter], new_freq[enter], old_dirty[enter])
         if D:
             leaving_d = torch.cat([slot_d[in_d & ~keep_d], resident_drop])
             D.remove(leaving_d)
@@ -708,12 +710,16 @@ class TieredStore:
             stay = in_d & keep_d
             self._touch(D, slot_d[stay], use_clock[stay], new_freq[stay])
             enter = ~in_d & keep_d
-            D.add(uid[enter], _where(rows, enter).cpu(), use_clock[enter], new_freq[enter], old_dirty[enter])
+            added = D.add(uid[enter], fetched if one_tier else _where(rows, enter).cpu(), use_clock[enter], new_freq[enter], old_dirty[enter])
             if H and e_survive.any():
                 D.add(e_ids[e_survive], e_rows, e_last[e_survive], e_freq[e_survive], e_dirty[e_survive])
             c.ddr.writebacks += n_wb
         elif H:
             c.hbm.writebacks += n_wb
+        if rows is None:  # one tier holds them all (all cold: the fetched rows are contiguous, faster to gather)
+            tier, slots = (H, slot_h.to(H.device)) if H else (D, slot_d)
+            slots[miss.to(tier.device)] = added
+            return tier, slots, None
         return None, None, rows
 
     @staticmethod
