@@ -9,6 +9,7 @@ nothing ever blocks a pool thread waiting for another.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 
@@ -22,33 +23,38 @@ PAUSE_EVERY = 64  # rows read between two calls of ``pause``
 
 def read_rows_async(
     backend: LmdbBackend, table: str, ids: np.ndarray, width: int, executor: Executor, parts: int,
-    on_done: Callable[[np.ndarray, np.ndarray, BaseException | None], None],
-    pause: Callable[[], None] | None = None,
+    on_done: Callable[[np.ndarray, np.ndarray, BaseException | None, float], None],
+    pause: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter,
 ) -> None:
-    """Read rows of sorted ``ids`` in parallel; then ``on_done(rows, found, error)``."""
+    """Read rows of sorted ``ids`` in ``parts`` tasks; then ``on_done(rows, found,
+    error, seconds)``, seconds being the time the tasks spent reading, summed.
+    ``pause()`` is called before every PAUSE_EVERY rows."""
     rows = np.empty((len(ids), width), dtype=np.float32)
     found = np.zeros(len(ids), dtype=bool)
     parts = max(1, min(parts, len(ids) // MIN_PART))
     bounds = np.linspace(0, len(ids), parts + 1).astype(np.int64)
-    state = {"left": parts, "error": None}
+    state = {"left": parts, "error": None, "seconds": 0.0}
     lock = threading.Lock()
 
     def part(lo: int, hi: int) -> None:
-        err = None
+        err, seconds = None, 0.0
         try:
             for a in range(lo, hi, PAUSE_EVERY):
                 if pause is not None:
                     pause()
                 b = min(hi, a + PAUSE_EVERY)
+                start = clock()
                 found[a:b] = backend.get_rows(table, ids[a:b], rows[a:b])[1]
+                seconds += clock() - start
         except BaseException as e:  # handed to on_done, which raises it where it concerns
             err = e
         with lock:
             state["error"] = state["error"] or err
+            state["seconds"] += seconds
             state["left"] -= 1
             last = state["left"] == 0
         if last:
-            on_done(rows, found, state["error"])
+            on_done(rows, found, state["error"], state["seconds"])
 
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         executor.submit(part, int(lo), int(hi))

@@ -1,5 +1,6 @@
 """Prefetch: no stale data under races, errors at the step they concern, no leaks,
 bit-identical training whatever the depth, and a window that shrinks instead of deadlocking."""
+import itertools
 import random
 import threading
 import time
@@ -258,6 +259,29 @@ def test_prefetch_threads_wait_while_the_trainer_is_in_the_store(tmp_path, monke
             held.clear()
         ticket.wait()
         assert reads_while_held and not any(reads_while_held)
+
+
+@pytest.mark.parametrize("trainer_step, threads_at_the_end", [(1000.0, 1), (1e-6, 4)])
+def test_a_fetch_takes_the_threads_it_needs_to_land_before_its_batch(tmp_path, monkeypatch, trainer_step, threads_at_the_end):
+    from tierstore import prefetch as prefetch_module
+
+    parts = []
+    real = prefetch_module.read_rows_async
+
+    def spy(*args, **kwargs):
+        parts.append(args[5])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prefetch_module, "read_rows_async", spy)
+    with TieredStore(tmp_path, [TableSpec("t", 100_000, 2)], ddr_rows=50_000, device="cpu",
+                     prefetch=PrefetchConfig(workers=4)) as s:
+        slow_reads(monkeypatch, s, delay=lambda: 0.002)
+        ticks = (i * trainer_step for i in itertools.count())
+        batches = [torch.arange(i * 1000, (i + 1) * 1000) for i in range(6)]
+        for b in LookaheadLoader(batches, s, depth=2, ids=lambda b: {"t": b}, clock=lambda: next(ticks)):
+            s.read("t", b)
+    assert parts[0] == 4  # nothing measured yet: every thread
+    assert parts[-1] == threads_at_the_end  # a slow trainer leaves one thread time enough
 
 
 def residents_after(tmp_path, eviction, announce):

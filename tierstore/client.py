@@ -379,6 +379,9 @@ class DaemonStore(TieredStore):
     def _report_depth(self, effective_depth: int, shrunk_steps: int) -> None:
         pass  # the daemon never shrinks a client's window: hints need no room here
 
+    def _report_step(self, seconds: float) -> None:
+        pass  # the daemon serves several trainers: it reads hints with all its threads
+
     def report_step(self, step: int) -> None:
         """Tell the daemon this trainer's step (its trace lookahead follows the slowest client)."""
         if not isinstance(step, (int, np.integer)) or step < 0:

@@ -356,6 +356,11 @@ class TieredStore:
                 ticket.owned = True
             return group
 
+    def _report_step(self, seconds: float) -> None:
+        """A LookaheadLoader's batch took the trainer this long: it sizes the prefetch reads."""
+        with self._lock:
+            self._prefetcher.trainer_step(seconds)
+
     def _report_depth(self, effective_depth: int, shrunk_steps: int) -> None:
         """A LookaheadLoader's depth, for stats and metrics."""
         for t in self._tables.values():
