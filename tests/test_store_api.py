@@ -297,3 +297,55 @@ def test_repr_names_the_store(tmp_path):
     with TieredStore(tmp_path, [TableSpec("t", 10, 2)], device="cpu") as s:
         assert "TieredStore" in repr(s) and "t" in repr(s)
     assert tierstore.__version__
+
+
+def _state(s):
+    """Counts and residents. (SSD reads are left out: a row still queued for writing is read from the queue.)"""
+    t = s._tables["t"]
+    stats = s.stats()
+    return {k: stats[k] for k in ("hbm", "ddr")}, {name: sorted(tier.ids[tier.ids >= 0].tolist()) for name, tier in (("hbm", t.hbm), ("ddr", t.ddr))}
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_planning_aside_a_long_fetch_changes_nothing(tmp_path, monkeypatch, policy):
+    """Reads whose misses reach _PLAN_ASIDE_ROWS plan on a helper thread: same rows, counts and residents."""
+    import tierstore.store as store_module
+
+    rng = np.random.default_rng(3)
+    calls = [("read", rng.integers(0, 3000, 700)) if i % 3 else ("write", rng.integers(0, 3000, 300)) for i in range(24)]
+    results = []
+    for aside in (10**12, 1):
+        monkeypatch.setattr(store_module, "_PLAN_ASIDE_ROWS", aside)
+        with TieredStore(tmp_path / str(aside), [TableSpec("t", 3000, 3)], hbm_rows=150, ddr_rows=400, policy=policy, device="cpu") as s:
+            got = []
+            for i, (op, ids) in enumerate(calls):
+                if op == "read":
+                    got.append(s.read("t", ids))
+                else:
+                    s.write("t", ids, torch.full((len(ids), 3), float(i)))
+            results.append((got, _state(s)))
+    (rows_inline, state_inline), (rows_aside, state_aside) = results
+    assert all(torch.equal(a, b) for a, b in zip(rows_inline, rows_aside))
+    assert state_inline == state_aside
+
+
+def test_a_failed_fetch_with_its_plan_aside_leaves_the_store_as_it_was(tmp_path, monkeypatch):
+    import tierstore.store as store_module
+
+    monkeypatch.setattr(store_module, "_PLAN_ASIDE_ROWS", 1)
+    with TieredStore(tmp_path, [TableSpec("t", 1000, 2)], hbm_rows=20, ddr_rows=50, device="cpu") as s:
+        s.write("t", np.arange(1000), np.arange(2000, dtype=np.float32).reshape(1000, 2))
+        s.read("t", np.arange(100))
+        before = _state(s)
+        real = s._backend.get_rows
+
+        def failing(table, ids, out=None):
+            time.sleep(0.05)  # the plan finishes first, while the read is still going
+            raise OSError("injected read failure")
+
+        monkeypatch.setattr(s._backend, "get_rows", failing)
+        with pytest.raises(OSError, match="injected"):
+            s.read("t", np.arange(100, 400))
+        assert _state(s) == before
+        monkeypatch.setattr(s._backend, "get_rows", real)
+        assert torch.equal(s.read("t", [0, 399]), torch.tensor([[0.0, 1.0], [798.0, 799.0]]))
