@@ -303,11 +303,12 @@ def _state(s):
     """Counts and residents. (SSD reads are left out: a row still queued for writing is read from the queue.)"""
     t = s._tables["t"]
     stats = s.stats()
-    return {k: stats[k] for k in ("hbm", "ddr")}, {name: sorted(tier.ids[tier.ids >= 0].tolist()) for name, tier in (("hbm", t.hbm), ("ddr", t.ddr))}
+    return {k: stats[k] for k in ("hbm", "ddr")}, {name: sorted(tier.ids[tier.ids >= 0].tolist()) for name, tier in (("hbm", t.hbm), ("ddr", t.ddr)) if tier}
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_planning_aside_a_long_fetch_changes_nothing(tmp_path, monkeypatch, policy):
+@pytest.mark.parametrize("hbm, ddr", [(150, 400), (0, 400), (400, 0)])
+def test_planning_aside_a_long_fetch_changes_nothing(tmp_path, monkeypatch, policy, hbm, ddr):
     """Reads whose misses reach _PLAN_ASIDE_ROWS plan on a helper thread: same rows, counts and residents."""
     import tierstore.store as store_module
 
@@ -316,7 +317,7 @@ def test_planning_aside_a_long_fetch_changes_nothing(tmp_path, monkeypatch, poli
     results = []
     for aside in (10**12, 1):
         monkeypatch.setattr(store_module, "_PLAN_ASIDE_ROWS", aside)
-        with TieredStore(tmp_path / str(aside), [TableSpec("t", 3000, 3)], hbm_rows=150, ddr_rows=400, policy=policy, device="cpu") as s:
+        with TieredStore(tmp_path / str(aside), [TableSpec("t", 3000, 3)], hbm_rows=hbm, ddr_rows=ddr, policy=policy, device="cpu") as s:
             got = []
             for i, (op, ids) in enumerate(calls):
                 if op == "read":

@@ -640,38 +640,29 @@ class TieredStore:
                 self._touch(D, slot_d, use_clock)
                 return D, slot_d, None
 
+        if (H is None) != (D is None):
+            tier, slot, hit = (H, slot_h, in_h) if D is None else (D, slot_d, in_d)
+            if n <= tier.capacity:
+                return self._access_one_tier(t, tier, uid, use_clock, slot, hit)
+
         miss = torch.nonzero(~in_h & ~in_d).squeeze(1)
-        # The plan needs no fetched row: for a long fetch it is made on a helper
-        # thread while this one reads LMDB (both release the GIL in their C calls).
-        plan_args = (t, use_clock, slot_h, in_h, slot_d, in_d)
-        if len(miss) >= _PLAN_ASIDE_ROWS:
-            planned = self._planner().submit(self._plan, *plan_args)
-            try:
-                fetched = self._fetch(t, uid[miss], t.scratch(len(miss)))
-            finally:
-                futures.wait([planned])  # never leave it reading tiers that a later call changes
-            plan = planned.result()
-        else:
-            plan = self._plan(*plan_args)
-            fetched = self._fetch(t, uid[miss], t.scratch(len(miss)))  # read from only: copied into tiers and output
+        plan, fetched = self._fetch_while_planning(t, uid[miss], lambda: self._plan(t, use_clock, slot_h, in_h, slot_d, in_d))
         old_dirty, new_freq, keep_h, keep_d, demote, e_ids, e_last, e_freq, e_dirty, e_drop, resident_drop = plan
         demote_dev = demote.to(H.device) if H else demote
 
         dev = H.device if H else torch.device("cpu")
         fetched = (fetched.pin_memory() if dev.type == "cuda" else fetched).to(dev, non_blocking=True)
-        rows = fetched if len(miss) == n else None  # all cold: the fetched rows are the call's rows, in uid order
-        everyone = torch.arange(n)
-        leave = everyone[~keep_h & ~keep_d]  # call rows leaving the cache after this call
-        # One tier that keeps every call row: only the fetched rows enter it, and
-        # the output is gathered from it, so the call's rows are never assembled.
-        one_tier = (H is None or D is None) and bool(keep_h.all() if H else keep_d.all())
-        if rows is None and not one_tier:
+        if len(miss) == n:  # all cold: the fetched rows are the call's rows, in uid order
+            rows = fetched
+        else:
             rows = torch.empty((n, t.spec.width), dtype=torch.float32, device=dev)
             if n_h:
                 rows[in_h] = H.data[slot_h[in_h].to(dev)]
             if n_d:
                 rows[in_d.to(dev)] = D.data[slot_d[in_d]].to(dev)
             rows[miss.to(dev)] = fetched
+        everyone = torch.arange(n)
+        leave = everyone[~keep_h & ~keep_d]  # call rows leaving the cache after this call
 
         # write back dirty rows that leave the cache
         wb_ids, wb_rows = [], []
@@ -705,7 +696,7 @@ class TieredStore:
             stay = in_h & keep_h
             self._touch(H, slot_h[stay], use_clock[stay], new_freq[stay])
             enter = ~in_h & keep_h
-            added = H.add(uid[enter], fetched if one_tier else _where(rows, enter), use_clock[enter], new_freq[enter], old_dirty[enter])
+            H.add(uid[enter], _where(rows, enter), use_clock[enter], new_freq[enter], old_dirty[enter])
         if D:
             leaving_d = torch.cat([slot_d[in_d & ~keep_d], resident_drop])
             D.remove(leaving_d)
@@ -713,17 +704,63 @@ class TieredStore:
             stay = in_d & keep_d
             self._touch(D, slot_d[stay], use_clock[stay], new_freq[stay])
             enter = ~in_d & keep_d
-            added = D.add(uid[enter], fetched if one_tier else _where(rows, enter).cpu(), use_clock[enter], new_freq[enter], old_dirty[enter])
+            D.add(uid[enter], _where(rows, enter).cpu(), use_clock[enter], new_freq[enter], old_dirty[enter])
             if H and e_survive.any():
                 D.add(e_ids[e_survive], e_rows, e_last[e_survive], e_freq[e_survive], e_dirty[e_survive])
             c.ddr.writebacks += n_wb
         elif H:
             c.hbm.writebacks += n_wb
-        if rows is None:  # one tier holds them all (all cold: the fetched rows are contiguous, faster to gather)
-            tier, slots = (H, slot_h.to(H.device)) if H else (D, slot_d)
-            slots[miss.to(tier.device)] = added
-            return tier, slots, None
         return None, None, rows
+
+    def _access_one_tier(self, t: _Table, T: CacheTier, uid: torch.Tensor, use_clock: torch.Tensor,
+                         slot: torch.Tensor, hit: torch.Tensor):
+        """_access where one tier, with none below it, takes every row of the call:
+        the fetched rows go straight into it, and the output is gathered from it.
+        A quarter of the tensor ops of the two-level plan, which for the few
+        thousand rows of a prefetched step cost more than the rows themselves."""
+        c = t.counters.hbm if T is t.hbm else t.counters.ddr
+        miss = torch.nonzero(~hit).squeeze(1)
+        hit_slots = slot[hit]
+        new_freq = torch.ones(len(uid), dtype=torch.int64)
+        new_freq[hit] = T.freq[hit_slots.to(T.device)].cpu() + 1
+
+        def plan() -> torch.Tensor:
+            return T.make_room(hit_slots, len(miss), use_clock, new_freq, lambda cand: self._next_use(t, lambda: T.ids[cand]))[1]
+
+        evict, fetched = self._fetch_while_planning(t, uid[miss], plan)
+        fetched = (fetched.pin_memory() if T.device.type == "cuda" else fetched).to(T.device, non_blocking=True)
+        evict_dev = evict.to(T.device)
+        dirty = evict_dev[T.dirty[evict_dev]]
+        if len(dirty):
+            mark = time.perf_counter()
+            self._queue_write([(t.spec.name, *by_id(T.ids[dirty], T.data[dirty]))])
+            t.counters.latency.observe("writeback", time.perf_counter() - mark)
+
+        # -- commit (in memory only; cannot fail half-way) --
+        self._await_gathers()
+        T.remove(evict_dev)
+        c.evictions += len(evict)
+        c.writebacks += len(dirty)
+        self._touch(T, hit_slots, use_clock[hit], new_freq[hit])
+        added = T.add(uid[miss], fetched, use_clock[miss], new_freq[miss], torch.zeros(len(miss), dtype=torch.bool))
+        if len(miss) == len(uid):  # all cold: the fetched rows are contiguous, faster to gather from
+            return None, None, fetched
+        slots = slot.to(T.device)
+        slots[miss.to(T.device)] = added
+        return T, slots, None
+
+    def _fetch_while_planning(self, t: _Table, ids: torch.Tensor, plan: Callable[[], object]) -> tuple[object, torch.Tensor]:
+        """``plan()`` and the rows of ids not cached. A plan needs no fetched row:
+        for a long fetch it is made on a helper thread while this one reads LMDB
+        (both release the GIL in their C calls)."""
+        if len(ids) < _PLAN_ASIDE_ROWS:
+            return plan(), self._fetch(t, ids, t.scratch(len(ids)))
+        planned = self._planner().submit(plan)
+        try:
+            fetched = self._fetch(t, ids, t.scratch(len(ids)))
+        finally:
+            futures.wait([planned])  # never leave it reading tiers that a later call changes
+        return planned.result(), fetched
 
     def _planner(self) -> futures.ThreadPoolExecutor:
         if self._plan_pool is None:

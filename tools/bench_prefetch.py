@@ -17,7 +17,7 @@ from tierstore.prefetch import LookaheadLoader, PrefetchConfig
 
 ROWS, DIM, POOLING = 200_000, 64, 16
 WORKERS = 8  # at most; a fetch takes as many as it needs to land in time
-ROUNDS = 3  # cold runs per setting, median reported
+ROUNDS = 5  # cold runs per setting, median reported
 DENSE = 13  # DLRM's dense features
 
 
