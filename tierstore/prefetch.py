@@ -17,6 +17,11 @@ rows of announced batches are evicted only when nothing outside the window is
 left (their next use is known: see eviction/lookahead.py). Staging has a fixed
 capacity; a prefetch that does not fit waits (LookaheadLoader shrinks its
 effective depth) instead of evicting anything, so pinning cannot deadlock.
+
+Sharing a small machine with the trainer: a fetch uses only the threads it needs
+to land before its batch is due (from measured read and step times), and the
+threads pause while the trainer is in the store; both keep them from taking the
+GIL from it.
 """
 from __future__ import annotations
 
@@ -249,8 +254,8 @@ class Prefetcher:
         self._step_seconds = _smoothed(self._step_seconds, seconds)
 
     def _yield_to_store(self) -> None:
-        """Called by the workers between parts of a read: they wait while the
-        trainer is in the store. On a small machine they otherwise queue with it
+        """Called by the workers before every few rows they read: they wait while
+        the trainer is in the store. On a small machine they otherwise queue with it
         for the GIL at each of its many tensor ops, which doubled its read time."""
         with self._store._lock:
             pass
@@ -340,8 +345,8 @@ class Prefetcher:
         while queue and queue[0].done():
             if uid is None:
                 uid = ids.cpu().numpy() if sorted_unique else np.unique(ids.cpu().numpy())
-            want = queue[0].ids  # sorted and unique too: membership by binary search
-            if len(want) and not (uid[np.minimum(np.searchsorted(uid, want), len(uid) - 1)] == want).all():
+            want = queue[0].ids
+            if len(want) and not _in_sorted(uid, want).all():
                 break
             queue[0].release()
 
@@ -356,9 +361,8 @@ class Prefetcher:
         q = ids.cpu().numpy()
         out = np.full(len(q), NOT_IN_WINDOW, dtype=np.int64)
         for step in sorted(window, reverse=True):  # the earliest step written last wins
-            uid = window[step]  # sorted and unique: membership by binary search
-            if len(uid):
-                out[uid[np.minimum(np.searchsorted(uid, q), len(uid) - 1)] == q] = step
+            if len(window[step]):
+                out[_in_sorted(window[step], q)] = step
         return out
 
     # -- releasing -----------------------------------------------------------------------
@@ -411,6 +415,11 @@ class Prefetcher:
                     ticket.release()
         if self._owns_executor and self._executor is not None:
             self._executor.shutdown(wait=True)
+
+
+def _in_sorted(haystack: np.ndarray, needles: np.ndarray) -> np.ndarray:
+    """Mask of needles found in a non-empty sorted array, by binary search (np.isin sorts both)."""
+    return haystack[np.minimum(np.searchsorted(haystack, needles), len(haystack) - 1)] == needles
 
 
 def _smoothed(average: float | None, value: float, weight: float = 0.25) -> float:

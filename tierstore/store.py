@@ -607,7 +607,7 @@ class TieredStore:
     def _access(self, t: _Table, uid: torch.Tensor, use_clock: torch.Tensor):
         """Serve one step's unique ids and apply the policy.
 
-        Returns (tier, slots, None) when every row was in that one tier, else
+        Returns (tier, slots, None) when every row is in that one tier now, else
         (None, None, rows) with rows [len(uid), width] on the HBM device.
         """
         H, D = t.hbm, t.ddr
