@@ -138,15 +138,17 @@ def bench_steps(args) -> None:
                         emb = _model(base, ddr, lat, WORKERS)
                         _drop_page_cache(base)
                         runs.append(_step_ms(_Step(emb, bags, mlp, args.seed), data, depth))
-                        served = emb.store.prefetch_stats()["tables"]["t0"]["served_rows"]
+                        stats = emb.store.prefetch_stats()["tables"]["t0"]
+                        served, shrunk = stats["served_rows"], stats["shrunk_steps"]
                         emb.store.close()
-                    cold.append((f"{mode}, depth {depth}", runs, served))
+                    cold.append((f"{mode}, depth {depth}", runs, served, shrunk))
             all_in.store.close()
             resident = statistics.median(residents)
             rows = [("every row resident in DDR", f"{resident:7.1f} ms/step  (median of {len(residents)} runs, "
                      f"{min(residents):.1f}-{max(residents):.1f})", "1.00x")]
-            rows += [(label, f"{statistics.median(runs):7.1f} ms/step  (runs {min(runs):.1f}-{max(runs):.1f}; {served} rows prefetched)",
-                      f"{statistics.median(runs) / resident:.2f}x") for label, runs, served in cold]
+            rows += [(label, f"{statistics.median(runs):7.1f} ms/step  (runs {min(runs):.1f}-{max(runs):.1f}; {served} rows prefetched; "
+                      f"window shrunk for staging room on {shrunk} of {steps} steps)",
+                      f"{statistics.median(runs) / resident:.2f}x") for label, runs, served, shrunk in cold]
             print(f"\n== prefetch: training step with cold rows, {model}")
             dense = "" if mlp is None else f", bottom MLP {DENSE}-{'-'.join(map(str, mlp[0]))}-{DIM}, top MLP {2 * DIM + 1}-{'-'.join(map(str, mlp[1]))}-1"
             print(f"   rows={ROWS}, dim={DIM}, bags={bags} x pooling {POOLING} (Zipf 1.05){dense}; ddr_rows={ddr}, "
