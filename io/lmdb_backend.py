@@ -76,6 +76,9 @@ class LmdbBackend:
                 max_dbs=1024,
                 readonly=readonly,
                 sync=False,
+                # Not writemap=True, although it cut a write-back of 3,700 random rows from
+                # 12.6 to 4.5 ms here: it makes data.mdb a sparse file of the map's size, and a
+                # full disk then kills the process with SIGBUS instead of failing the commit.
                 readahead=False,  # random row access: readahead wastes page cache
                 max_readers=256,
             )
