@@ -48,7 +48,7 @@ class PrefetchError(RuntimeError):
 
 @dataclass
 class PrefetchConfig:
-    workers: int = 8  # threads for cold reads
+    workers: int = 8  # threads for cold reads: the most one fetch uses (it takes those it needs to land in time)
     staged_rows: int | Mapping[str, int] | None = None  # per table; None: ddr_rows, else hbm_rows, else 65536
     executor: Executor | None = None  # injected pool (not shut down by the store)
 
