@@ -336,6 +336,7 @@ def test_a_failed_fetch_with_its_plan_aside_leaves_the_store_as_it_was(tmp_path,
     monkeypatch.setattr(store_module, "_PLAN_ASIDE_ROWS", 1)
     with TieredStore(tmp_path, [TableSpec("t", 1000, 2)], hbm_rows=20, ddr_rows=50, device="cpu") as s:
         s.write("t", np.arange(1000), np.arange(2000, dtype=np.float32).reshape(1000, 2))
+        s.flush()  # in LMDB, not in the write-back queue: the next read must go to LMDB
         s.read("t", np.arange(100))
         before = _state(s)
         real = s._backend.get_rows

@@ -308,20 +308,14 @@ class DaemonStore(TieredStore):
         rows = torch.empty((u, H.data.shape[1]), dtype=torch.float32, device=H.device)
         rows[hit.to(H.device)] = H.data[slot[hit].to(H.device)]
         rows[miss.to(H.device)] = fetched.to(H.device)
-        new_freq = torch.ones(u, dtype=torch.int64)
-        new_freq[hit] += H.freq[slot[hit].to(H.device)].cpu()
+        new_freq = H.counts_after(slot, hit)
 
         keep, victims = H.make_room(slot[hit], len(miss), use_clock, new_freq)
-        dropped_hits = torch.nonzero(hit & ~keep).squeeze(1)  # call rows that leave the tier
-        leaving = torch.cat([victims, slot[dropped_hits]])
-        self._write_back(table, H, leaving)  # before anything changes: a failure leaves the tier as it was
-
-        H.remove(leaving.to(H.device))
-        c.evictions += len(leaving)
-        stay = hit & keep
-        self._touch(H, slot[stay], use_clock[stay], new_freq[stay])
+        # before anything changes: a failure leaves the tier as it was
+        self._write_back(table, H, torch.cat([victims, slot[hit & ~keep]]))
         enter = ~hit & keep
-        H.add(uid[enter], rows[enter.to(H.device)], use_clock[enter], new_freq[enter], torch.zeros(int(enter.sum()), dtype=torch.bool))
+        _, left = H.apply_step(uid, slot, hit, keep, victims, rows[enter.to(H.device)], use_clock, new_freq)
+        c.evictions += left
         c.hits += int(hit.sum())
         c.misses += len(miss)
         self._use_clock += n

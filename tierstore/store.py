@@ -549,15 +549,16 @@ class TieredStore:
         staged = staged.numpy()
         cold = ~(queued | staged)
         cold_ids = ids_np[cold]
-        mark = time.perf_counter()
         all_cold = len(cold_ids) == len(ids_np)
-        cold_rows = self._fill_unwritten(t, cold_ids, *self._backend.get_rows(t.spec.name, cold_ids, out if all_cold else None))
         if len(cold_ids):
+            mark = time.perf_counter()
+            cold_rows = self._fill_unwritten(t, cold_ids, *self._backend.get_rows(t.spec.name, cold_ids, out if all_cold else None))
             t.counters.latency.observe("ssd_read", time.perf_counter() - mark)
-        if all_cold:
-            return torch.from_numpy(cold_rows)
+            if all_cold:
+                return torch.from_numpy(cold_rows)
         rows = np.empty((len(ids_np), t.spec.width), dtype=np.float32) if out is None else out
-        rows[cold] = cold_rows
+        if len(cold_ids):
+            rows[cold] = cold_rows
         if staged_rows is not None:
             rows[staged] = staged_rows.numpy()
         if queued_rows is not None:
@@ -622,7 +623,7 @@ class TieredStore:
             c.hbm.misses += n - n_h
             c.latency.observe("hbm", time.perf_counter() - mark)
         if n_h == n:
-            self._touch(H, slot_h, use_clock)
+            H.touch(slot_h, use_clock)
             return H, slot_h.to(H.device), None
 
         slot_d = torch.full((n,), -1, dtype=torch.int64)
@@ -637,7 +638,7 @@ class TieredStore:
             c.ddr.misses += n - n_h - n_d
             c.latency.observe("ddr", time.perf_counter() - mark)
             if n_d == n and H is None:
-                self._touch(D, slot_d, use_clock)
+                D.touch(slot_d, use_clock)
                 return D, slot_d, None
 
         if (H is None) != (D is None):
@@ -680,9 +681,7 @@ class TieredStore:
             wb_rows.append(D.data[dirty])
         n_wb = sum(len(i) for i in wb_ids)
         if n_wb:
-            mark = time.perf_counter()
-            self._queue_write([(t.spec.name, *by_id(torch.cat(wb_ids), torch.cat(wb_rows)))])
-            c.latency.observe("writeback", time.perf_counter() - mark)
+            self._queue_write_back(t, torch.cat(wb_ids), torch.cat(wb_rows))
 
         # -- commit the plan (in memory only; cannot fail half-way) --
         self._await_gathers()
@@ -694,7 +693,7 @@ class TieredStore:
             H.remove(leaving_h.to(H.device))
             c.hbm.evictions += len(leaving_h)
             stay = in_h & keep_h
-            self._touch(H, slot_h[stay], use_clock[stay], new_freq[stay])
+            H.touch(slot_h[stay], use_clock[stay], new_freq[stay])
             enter = ~in_h & keep_h
             H.add(uid[enter], _where(rows, enter), use_clock[enter], new_freq[enter], old_dirty[enter])
         if D:
@@ -702,7 +701,7 @@ class TieredStore:
             D.remove(leaving_d)
             c.ddr.evictions += int((in_d & ~keep_d & ~keep_h).sum()) + len(resident_drop) + len(e_drop)
             stay = in_d & keep_d
-            self._touch(D, slot_d[stay], use_clock[stay], new_freq[stay])
+            D.touch(slot_d[stay], use_clock[stay], new_freq[stay])
             enter = ~in_d & keep_d
             D.add(uid[enter], _where(rows, enter).cpu(), use_clock[enter], new_freq[enter], old_dirty[enter])
             if H and e_survive.any():
@@ -721,33 +720,34 @@ class TieredStore:
         c = t.counters.hbm if T is t.hbm else t.counters.ddr
         miss = torch.nonzero(~hit).squeeze(1)
         hit_slots = slot[hit]
-        new_freq = torch.ones(len(uid), dtype=torch.int64)
-        new_freq[hit] = T.freq[hit_slots.to(T.device)].cpu() + 1
+        new_freq = T.counts_after(slot, hit)
 
-        def plan() -> torch.Tensor:
-            return T.make_room(hit_slots, len(miss), use_clock, new_freq, lambda cand: self._next_use(t, lambda: T.ids[cand]))[1]
+        def plan() -> tuple[torch.Tensor, torch.Tensor]:
+            return T.make_room(hit_slots, len(miss), use_clock, new_freq, lambda cand: self._next_use(t, lambda: T.ids[cand]))
 
-        evict, fetched = self._fetch_while_planning(t, uid[miss], plan)
+        (keep, evict), fetched = self._fetch_while_planning(t, uid[miss], plan)
         fetched = (fetched.pin_memory() if T.device.type == "cuda" else fetched).to(T.device, non_blocking=True)
         evict_dev = evict.to(T.device)
         dirty = evict_dev[T.dirty[evict_dev]]
-        if len(dirty):
-            mark = time.perf_counter()
-            self._queue_write([(t.spec.name, *by_id(T.ids[dirty], T.data[dirty]))])
-            t.counters.latency.observe("writeback", time.perf_counter() - mark)
+        self._queue_write_back(t, T.ids[dirty], T.data[dirty])
 
         # -- commit (in memory only; cannot fail half-way) --
         self._await_gathers()
-        T.remove(evict_dev)
-        c.evictions += len(evict)
+        added, left = T.apply_step(uid, slot, hit, keep, evict, fetched, use_clock, new_freq)
+        c.evictions += left
         c.writebacks += len(dirty)
-        self._touch(T, hit_slots, use_clock[hit], new_freq[hit])
-        added = T.add(uid[miss], fetched, use_clock[miss], new_freq[miss], torch.zeros(len(miss), dtype=torch.bool))
         if len(miss) == len(uid):  # all cold: the fetched rows are contiguous, faster to gather from
             return None, None, fetched
         slots = slot.to(T.device)
         slots[miss.to(T.device)] = added
         return T, slots, None
+
+    def _queue_write_back(self, t: _Table, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Queue dirty rows leaving the cache for LMDB."""
+        if len(ids):
+            mark = time.perf_counter()
+            self._queue_write([(t.spec.name, *by_id(ids, rows))])
+            t.counters.latency.observe("writeback", time.perf_counter() - mark)
 
     def _fetch_while_planning(self, t: _Table, ids: torch.Tensor, plan: Callable[[], object]) -> tuple[object, torch.Tensor]:
         """``plan()`` and the rows of ids not cached. A plan needs no fetched row:
@@ -811,15 +811,6 @@ class TieredStore:
                 resident_drop = others[v[v < len(others)]]
                 e_drop = v[v >= len(others)] - len(others)
         return _Plan(old_dirty, new_freq, keep_h, keep_d, demote, e_ids, e_last, e_freq, e_dirty, e_drop, resident_drop)
-
-    @staticmethod
-    def _touch(tier: CacheTier, slots: torch.Tensor, use_clock: torch.Tensor, freq: torch.Tensor | None = None) -> None:
-        s = slots.to(tier.device)
-        tier.last[s] = use_clock.to(tier.device)
-        if freq is None:
-            tier.freq[s] += 1
-        else:
-            tier.freq[s] = freq.to(tier.device)
 
     def _write_unique(self, t: _Table, uid: torch.Tensor, values: torch.Tensor, cols: int) -> None:
         H, D = t.hbm, t.ddr

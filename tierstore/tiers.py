@@ -85,6 +85,36 @@ class CacheTier:
         victims = self.pick_victims(self.last[cand], self.freq[cand], need, next_use(cand) if next_use else None)
         return keep, cand[victims.to(self.device)].cpu()
 
+    def counts_after(self, slot: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
+        """Step counts of one step's unique rows after it: one more than a resident
+        row (at ``slot`` where ``hit``) had, 1 for a row coming in (on the CPU)."""
+        freq = torch.ones(len(slot), dtype=torch.int64)
+        freq[hit] += self.freq[slot[hit].to(self.device)].cpu()
+        return freq
+
+    def apply_step(self, uid: torch.Tensor, slot: torch.Tensor, hit: torch.Tensor, keep: torch.Tensor, evict: torch.Tensor,
+                   entering: torch.Tensor, use_clock: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Carry out what ``make_room`` planned for one step's unique rows ``uid``
+        (resident at ``slot`` where ``hit``): evict ``evict`` and the call rows not
+        kept, update the kept hits, add the kept misses (``entering``, their rows in
+        uid order) clean. Returns the slots they were added at and how many rows left."""
+        leaving = torch.cat([evict, slot[hit & ~keep]])
+        self.remove(leaving.to(self.device))
+        stay = hit & keep
+        self.touch(slot[stay], use_clock[stay], freq[stay])
+        enter = ~hit & keep
+        added = self.add(uid[enter], entering, use_clock[enter], freq[enter], torch.zeros(int(enter.sum()), dtype=torch.bool))
+        return added, len(leaving)
+
+    def touch(self, slots: torch.Tensor, use_clock: torch.Tensor, freq: torch.Tensor | None = None) -> None:
+        """Resident rows used again: their use clock, and their step count (one more, or ``freq``)."""
+        s = slots.to(self.device)
+        self.last[s] = use_clock.to(self.device)
+        if freq is None:
+            self.freq[s] += 1
+        else:
+            self.freq[s] = freq.to(self.device)
+
     def add(self, ids, rows, last, freq, dirty) -> torch.Tensor:
         n = len(ids)
         if n > self._nfree:
