@@ -178,7 +178,8 @@ class Prefetcher:
         """A read's table, its sorted unique ids, the mask of those it would fetch,
         and the staging slots of those already staged (-1 where not)."""
         t = self._store._table(table)
-        uid = torch.unique(self._store._as_ids(t.spec, ids).cpu()).numpy()
+        ids = self._store._as_ids(t.spec, ids).cpu()
+        uid = (ids if _sorted_unique(ids) else torch.unique(ids)).numpy()
         need = self._uncached(t, uid)
         staging = self._staging(table)
         staged = None
@@ -302,19 +303,24 @@ class Prefetcher:
         c.prefetch.staged_rows = staging.resident
 
     # -- the store's hooks -----------------------------------------------------------
-    def take(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Staged rows of ids (the found mask, their rows); taken out of staging."""
+    def take(self, table: str, ids: torch.Tensor, out: torch.Tensor) -> np.ndarray:
+        """Move the staged rows of ids out of staging into their rows of ``out``;
+        returns the mask of those found."""
         staging = self._staged.get(table)
         if staging is None or staging.resident == 0:
-            return torch.zeros(len(ids), dtype=torch.bool), None
+            return np.zeros(len(ids), dtype=bool)
         slots = staging.lookup(ids)
         found = slots >= 0
-        rows = staging.data[slots[found]]
-        staging.remove(slots[found])
+        if bool(found.all()):  # the usual prefetched step: one gather, no scatter
+            torch.index_select(staging.data, 0, slots, out=out)
+        else:
+            slots = slots[found]
+            out[found] = staging.data[slots]
+        staging.remove(slots)
         c = self._store._tables[table].counters.prefetch
         c.served_rows += int(found.sum())
         c.staged_rows = staging.resident
-        return found, rows
+        return found.numpy()
 
     def written(self, table: str, ids: np.ndarray) -> None:
         """ids of table were just written to LMDB: staged copies are stale now."""
@@ -422,6 +428,10 @@ def _in_sorted(haystack: np.ndarray, needles: np.ndarray) -> np.ndarray:
     return haystack[np.minimum(np.searchsorted(haystack, needles), len(haystack) - 1)] == needles
 
 
+def _sorted_unique(ids: torch.Tensor) -> bool:
+    return len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
+
+
 def _smoothed(average: float | None, value: float, weight: float = 0.25) -> float:
     return value if average is None else (1 - weight) * average + weight * value
 
@@ -461,18 +471,23 @@ class LookaheadLoader:
         values = batch[0] if isinstance(batch, (tuple, list)) else batch
         return {self.module.table: torch.as_tensor(values).reshape(-1)}
 
-    def _issue(self, batch) -> PrefetchGroup | None:
-        return self.store._prefetch_batch(self._reads(batch))
+    def _issue(self, entry: list) -> PrefetchGroup | None:
+        if entry[2] is None:  # deduped once: a batch that waits for room is tried again each step
+            try:
+                entry[2] = {table: torch.unique(ids) for table, ids in self._reads(entry[0]).items()}
+            except Exception:  # not ids at all: the store reports it at the batch's step
+                entry[2] = self._reads(entry[0])
+        return self.store._prefetch_batch(entry[2])
 
     def __iter__(self) -> Iterator:
         it = iter(self.batches)
-        ahead: deque[list] = deque()  # [batch, group or None]
+        ahead: deque[list] = deque()  # [batch, group or None, its reads once computed]
         exhausted = False
         try:
             while True:
                 while not exhausted and len(ahead) < self.depth + 1:
                     try:
-                        ahead.append([next(it), None])
+                        ahead.append([next(it), None, None])
                     except StopIteration:
                         exhausted = True
                 if not ahead:
@@ -480,7 +495,7 @@ class LookaheadLoader:
                 if self.depth:
                     for entry in ahead:  # in order; a batch that does not fit waits
                         if entry[1] is None:
-                            entry[1] = self._issue(entry[0])
+                            entry[1] = self._issue(entry)
                             if entry[1] is None:
                                 break
                     issued = sum(e[1] is not None for e in list(ahead)[1:])
@@ -488,7 +503,7 @@ class LookaheadLoader:
                     if issued < min(self.depth, len(ahead) - 1):
                         self.shrunk_steps += 1
                     self._report()
-                batch, group = ahead.popleft()
+                batch, group, _ = ahead.popleft()
                 try:
                     if group is not None:
                         group.wait()
@@ -500,7 +515,7 @@ class LookaheadLoader:
                     if group is not None:
                         group.release()
         finally:
-            for _, group in ahead:
+            for _, group, _ in ahead:
                 if group is not None:
                     group.release()
             self.effective_depth = 0

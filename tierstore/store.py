@@ -544,25 +544,27 @@ class TieredStore:
         into staging, else from LMDB, initial values for rows never written.
         Into ``out`` when given."""
         ids_np = ids.numpy()
-        queued, queued_rows = self._writeback.lookup(t.spec.name, ids_np)
-        staged, staged_rows = self._prefetcher.take(t.spec.name, ids)
-        staged = staged.numpy()
-        cold = ~(queued | staged)
-        cold_ids = ids_np[cold]
-        all_cold = len(cold_ids) == len(ids_np)
-        if len(cold_ids):
-            mark = time.perf_counter()
-            cold_rows = self._fill_unwritten(t, cold_ids, *self._backend.get_rows(t.spec.name, cold_ids, out if all_cold else None))
-            t.counters.latency.observe("ssd_read", time.perf_counter() - mark)
-            if all_cold:
-                return torch.from_numpy(cold_rows)
         rows = np.empty((len(ids_np), t.spec.width), dtype=np.float32) if out is None else out
-        if len(cold_ids):
-            rows[cold] = cold_rows
-        if staged_rows is not None:
-            rows[staged] = staged_rows.numpy()
+        queued, queued_rows = self._writeback.lookup(t.spec.name, ids_np)
         if queued_rows is not None:
             rows[queued] = queued_rows
+        cold = ~queued
+        if cold.all():
+            cold = ~self._prefetcher.take(t.spec.name, ids, torch.from_numpy(rows))
+        elif cold.any():
+            where = np.flatnonzero(cold)
+            part = np.empty((len(where), t.spec.width), dtype=np.float32)
+            got = self._prefetcher.take(t.spec.name, ids[torch.from_numpy(where)], torch.from_numpy(part))
+            rows[where[got]] = part[got]
+            cold[where[got]] = False
+        cold_ids = ids_np[cold]
+        if len(cold_ids):
+            mark = time.perf_counter()
+            all_cold = len(cold_ids) == len(ids_np)
+            cold_rows = self._fill_unwritten(t, cold_ids, *self._backend.get_rows(t.spec.name, cold_ids, rows if all_cold else None))
+            t.counters.latency.observe("ssd_read", time.perf_counter() - mark)
+            if not all_cold:
+                rows[cold] = cold_rows
         return torch.from_numpy(rows)
 
     def _fill_unwritten(self, t: _Table, ids: np.ndarray, rows: np.ndarray, found: np.ndarray) -> np.ndarray:
