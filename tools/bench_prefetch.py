@@ -169,16 +169,19 @@ def bench_hit_rates(args) -> None:
     rows = 100_000
     trace = synth(SynthConfig(tables=(SynthTable("t0", rows),), alpha=1.05, batch_size=256, pooling=8.0, steps=300, seed=args.seed))
     stream = build_streams(trace)[0]
-    print("\n== prefetch: hit rate of lookahead eviction (window of K batches, base LRU) vs LRU, LFU, Belady")
+    print("\n== prefetch: hit rate of lookahead eviction (window of K batches, base LRU or LFU) vs LRU, LFU, Belady")
     print(f"   synthetic Zipf(1.05) trace: {rows} rows, 300 steps x 2048 ids; one tier")
+    windows = (8, 16, 32, 128)
     for frac in (0.05, 0.10):
         size = int(rows * frac)
         hits = {}
-        for policy, window in (("lru", None), ("lfu", None), ("belady", None), ("lookahead", 8), ("lookahead", 32), ("lookahead", 128)):
-            c = simulate(stream, size, 0, policy, window=window)
-            hits[policy if window is None else f"lookahead K={window}"] = c.hbm_hits / max(1, c.hbm_hits + c.hbm_misses)
+        for name, policy, window, base in [("lru", "lru", None, "lru"), ("lfu", "lfu", None, "lfu"), ("belady", "belady", None, "lru")] + [
+                (f"lookahead K={k} {base}", "lookahead", k, base) for base in ("lru", "lfu") for k in windows]:
+            c = simulate(stream, size, 0, policy, window=window, base=base)
+            hits[name] = c.hbm_hits / max(1, c.hbm_hits + c.hbm_misses)
         print(f"   {frac:.0%} cached ({size} rows): " + ", ".join(f"{p} {h:.3f}" for p, h in hits.items()))
-        print("      lookahead / belady: " + ", ".join(f"K={k} {hits[f'lookahead K={k}'] / hits['belady']:.2f}x" for k in (8, 32, 128)) + "  (goal >= 0.90)")
+        for base in ("lru", "lfu"):
+            print(f"      lookahead (base {base}) / belady: " + ", ".join(f"K={k} {hits[f'lookahead K={k} {base}'] / hits['belady']:.3f}x" for k in windows) + "  (goal >= 0.90)")
 
 
 def run(args) -> None:
