@@ -106,17 +106,21 @@ def test_training_is_bit_identical_for_depth_0_1_8(tmp_path, monkeypatch):
     assert torch.equal(final[0], final[1]) and torch.equal(final[0], final[8])
 
 
-def test_bad_id_in_a_future_batch_is_raised_at_its_step(tmp_path):
+@pytest.mark.parametrize("bad, match, cause", [
+    (torch.tensor([1, 5000, 3, 4]), "5000", IndexError),
+    (torch.tensor([1.0, 2.5, 3.0, 4.0]), "integer", TypeError),
+])
+def test_bad_id_in_a_future_batch_is_raised_at_its_step(tmp_path, bad, match, cause):
     emb = make_bag(tmp_path, ddr_rows=64)
     data = batches(10)
-    data[6] = (torch.tensor([1, 5000, 3, 4]), torch.tensor([0, 2]))
+    data[6] = (bad, torch.tensor([0, 2]))
     seen = []
-    with pytest.raises(PrefetchError, match="5000") as info:
+    with pytest.raises(PrefetchError, match=match) as info:
         for i, (ids, offsets) in enumerate(LookaheadLoader(data, emb, depth=4)):
             seen.append(i)
             emb(ids, offsets).sum().backward()
     assert seen == [0, 1, 2, 3, 4, 5]
-    assert isinstance(info.value.__cause__, IndexError)
+    assert isinstance(info.value.__cause__, cause)
     assert emb.store.prefetch_stats()["outstanding"] == 0
     emb.close()
 

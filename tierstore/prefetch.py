@@ -473,10 +473,12 @@ class LookaheadLoader:
 
     def _issue(self, entry: list) -> PrefetchGroup | None:
         if entry[2] is None:  # deduped once: a batch that waits for room is tried again each step
+            reads = self._reads(entry[0])
             try:
-                entry[2] = {table: torch.unique(ids) for table, ids in self._reads(entry[0]).items()}
-            except Exception:  # not ids at all: the store reports it at the batch's step
-                entry[2] = self._reads(entry[0])
+                reads = {table: torch.unique(ids) for table, ids in reads.items()}
+            except (RuntimeError, TypeError):  # not ids: the store says so at the batch's step
+                pass
+            entry[2] = reads
         return self.store._prefetch_batch(entry[2])
 
     def __iter__(self) -> Iterator:
