@@ -39,7 +39,7 @@ import torch
 from tierstore.eviction.lookahead import NOT_IN_WINDOW
 from tierstore.io.workers import read_rows_async
 
-from .tiers import CacheTier
+from .tiers import CacheTier, is_sorted_unique
 
 
 class PrefetchError(RuntimeError):
@@ -179,7 +179,7 @@ class Prefetcher:
         and the staging slots of those already staged (-1 where not)."""
         t = self._store._table(table)
         ids = self._store._as_ids(t.spec, ids).cpu()
-        uid = (ids if _sorted_unique(ids) else torch.unique(ids)).numpy()
+        uid = (ids if is_sorted_unique(ids) else torch.unique(ids)).numpy()
         need = self._uncached(t, uid)
         staging = self._staging(table)
         staged = None
@@ -426,10 +426,6 @@ class Prefetcher:
 def _in_sorted(haystack: np.ndarray, needles: np.ndarray) -> np.ndarray:
     """Mask of needles found in a non-empty sorted array, by binary search (np.isin sorts both)."""
     return haystack[np.minimum(np.searchsorted(haystack, needles), len(haystack) - 1)] == needles
-
-
-def _sorted_unique(ids: torch.Tensor) -> bool:
-    return len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
 
 
 def _smoothed(average: float | None, value: float, weight: float = 0.25) -> float:

@@ -163,9 +163,13 @@ def first_uses(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return uid, inverse, first
 
 
+def is_sorted_unique(ids: torch.Tensor) -> bool:
+    return len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
+
+
 def last_values(ids: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted unique ids with the last value given for each (a repeated id's last one wins)."""
-    if len(ids) > 1 and bool((ids[1:] > ids[:-1]).all()):
+    if len(ids) > 1 and is_sorted_unique(ids):
         return ids, values  # already sorted and unique (a backward's rows): nothing to gather
     uid, inverse = torch.unique(ids, return_inverse=True)
     last_pos = torch.full((len(uid),), -1, dtype=torch.int64)
