@@ -574,12 +574,13 @@ class TieredStore:
         t.counters.ssd.count_reads(len(ids), int(found.sum()), t.spec.width)
         return rows
 
-    def _next_use(self, t: _Table, ids: Callable[[], torch.Tensor]) -> np.ndarray | None:
-        """Next use in the prefetch window of the ids ``ids()`` gives, or None
-        without a window (then the ids are never gathered)."""
-        if not self._prefetcher.has_window(t.spec.name):
+    def _next_use(self, t: _Table, *parts: tuple[CacheTier, torch.Tensor]) -> np.ndarray | None:
+        """Next use in the prefetch window of the rows at these (tier, slots), in
+        order; None without a window."""
+        name = t.spec.name
+        if not self._prefetcher.has_window(name):
             return None
-        return self._prefetcher.next_use(t.spec.name, ids())
+        return np.concatenate([self._prefetcher.next_use(name, tier)[slots.cpu().numpy()] for tier, slots in parts])
 
     def _queue_write(self, batches, meta=None) -> None:
         """Every LMDB row write starts here, and is counted here: counts do not
@@ -725,7 +726,7 @@ class TieredStore:
         new_freq = T.counts_after(slot, hit)
 
         def plan() -> tuple[torch.Tensor, torch.Tensor]:
-            return T.make_room(hit_slots, len(miss), use_clock, new_freq, lambda cand: self._next_use(t, lambda: T.ids[cand]))
+            return T.make_room(hit_slots, len(miss), use_clock, new_freq, lambda cand: self._next_use(t, (T, cand)))
 
         (keep, evict), fetched = self._fetch_while_planning(t, uid[miss], plan)
         fetched = (fetched.pin_memory() if T.device.type == "cuda" else fetched).to(T.device, non_blocking=True)
@@ -786,7 +787,7 @@ class TieredStore:
 
         everyone = torch.arange(n)
         if H:  # demote: HBM slots of non-call rows going down
-            keep_h, demote = H.make_room(slot_h[in_h], n - int(in_h.sum()), use_clock, new_freq, lambda cand: self._next_use(t, lambda: H.ids[cand]))
+            keep_h, demote = H.make_room(slot_h[in_h], n - int(in_h.sum()), use_clock, new_freq, lambda cand: self._next_use(t, (H, cand)))
         else:
             keep_h, demote = torch.zeros(n, dtype=torch.bool), torch.empty(0, dtype=torch.int64)
         down = everyone[~keep_h]  # call rows below HBM
@@ -809,7 +810,7 @@ class TieredStore:
             e_drop = e_drop[:0]
             if k > 0:
                 v = D.pick_victims(torch.cat([D.last[others], e_last]), torch.cat([D.freq[others], e_freq]), k,
-                                   self._next_use(t, lambda: torch.cat([D.ids[others], e_ids])))
+                                   self._next_use(t, (D, others), *([(H, demote)] if H else [])))
                 resident_drop = others[v[v < len(others)]]
                 e_drop = v[v >= len(others)] - len(others)
         return _Plan(old_dirty, new_freq, keep_h, keep_d, demote, e_ids, e_last, e_freq, e_dirty, e_drop, resident_drop)
