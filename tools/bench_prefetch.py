@@ -126,23 +126,27 @@ def bench_steps(args) -> None:
             all_in = _model(os.path.join(d, f"resident-{i}"), ROWS, 0, WORKERS, copy_of=base)
             for lo in range(0, ROWS, 50_000):
                 all_in.store.read("t0", torch.arange(lo, lo + 50_000))
-            # every cold run is paired with a resident run just before it, and the ratio
-            # is the median of the pairs' ratios: on a small shared machine the step's own
-            # time drifts by several percent from minute to minute, and a pair sees one load
-            residents, cold = [], []
+            # every cold run is set against the resident runs just before and just after
+            # it (their mean): on a small shared machine the step's own time drifts by
+            # several percent from minute to minute, and the two neighbours see the load
+            # the cold run saw; the ratio reported is the median over a setting's runs
+            def resident_step() -> float:
+                return _step_ms(_Step(all_in, bags, mlp, args.seed), data, 0)
+
+            residents, cold = [resident_step()], []
             ddr = ROWS // 20
             for mode, lat in (("injected %.0f us/row per thread" % latency, latency), ("page cache dropped (this disk)", 0.0)):
                 for depth in (0, 2, 4, 8):
                     runs, ratios = [], []
                     for _ in range(ROUNDS):  # one run can land on a burst of load from the VM's neighbours
-                        residents.append(_step_ms(_Step(all_in, bags, mlp, args.seed), data, 0))
                         emb = _model(base, ddr, lat, WORKERS)
                         _drop_page_cache(base)
                         runs.append(_step_ms(_Step(emb, bags, mlp, args.seed), data, depth))
-                        ratios.append(runs[-1] / residents[-1])
                         stats = emb.store.prefetch_stats()["tables"]["t0"]
                         served, shrunk = stats["served_rows"], stats["shrunk_steps"]
                         emb.store.close()
+                        residents.append(resident_step())
+                        ratios.append(runs[-1] / statistics.mean(residents[-2:]))
                     cold.append((f"{mode}, depth {depth}", runs, ratios, served, shrunk))
             all_in.store.close()
             resident = statistics.median(residents)
@@ -155,7 +159,7 @@ def bench_steps(args) -> None:
             dense = "" if mlp is None else f", bottom MLP {DENSE}-{'-'.join(map(str, mlp[0]))}-{DIM}, top MLP {2 * DIM + 1}-{'-'.join(map(str, mlp[1]))}-1"
             print(f"   rows={ROWS}, dim={DIM}, bags={bags} x pooling {POOLING} (Zipf 1.05){dense}; ddr_rows={ddr}, "
                   f"hbm_rows=0, up to {WORKERS} prefetch threads, {torch.get_num_threads()} torch threads, {steps} steps (median of the last 3/4), "
-                  f"each cold setting run {ROUNDS} times, each run after a resident one (median of the {ROUNDS} ratios)")
+                  f"each cold setting run {ROUNDS} times, each run between two resident ones (median of the {ROUNDS} ratios to their mean)")
             w = max(len(r[0]) for r in rows)
             for label, value, ratio in rows:
                 print(f"   {label:<{w}}  {value}  {ratio} of resident")
