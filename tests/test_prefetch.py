@@ -288,9 +288,10 @@ def test_a_fetch_takes_the_threads_it_needs_to_land_before_its_batch(tmp_path, m
     assert parts[-1] == threads_at_the_end  # a slow trainer leaves one thread time enough
 
 
-def residents_after(tmp_path, eviction, announce):
+def residents_after(tmp_path, eviction, announce, num_rows=100):
     """DDR of 3 holding 1, 2, 3 (1 least recent), batches `announce` announced, then a read of 4."""
-    with TieredStore(tmp_path / f"{eviction}{announce}", [TableSpec("t", 100, 2)], ddr_rows=3, device="cpu", eviction=eviction) as s:
+    with TieredStore(tmp_path / f"{eviction}{announce}", [TableSpec("t", num_rows, 2)], ddr_rows=3, device="cpu", eviction=eviction) as s:
+        assert s._tables["t"].ddr.dense_index == (num_rows <= 32 * 3)
         for x in (1, 2, 3):
             s.read("t", [x])
         tickets = [s.prefetch("t", ids) for ids in announce]
@@ -301,16 +302,21 @@ def residents_after(tmp_path, eviction, announce):
         return resident
 
 
+INDEXES = pytest.mark.parametrize("num_rows", [10, 100], ids=["dense-index", "hash-index"])  # the window's lookup differs
+
+
+@INDEXES
 @pytest.mark.parametrize("eviction", ["policy", "lookahead"])
-def test_rows_in_the_window_are_pinned(tmp_path, eviction):
-    assert residents_after(tmp_path, eviction, []) == {2, 3, 4}  # plain LRU
-    assert residents_after(tmp_path, eviction, [[1]]) == {1, 3, 4}  # 1 pinned: the next LRU row goes
+def test_rows_in_the_window_are_pinned(tmp_path, eviction, num_rows):
+    assert residents_after(tmp_path, eviction, [], num_rows) == {2, 3, 4}  # plain LRU
+    assert residents_after(tmp_path, eviction, [[1]], num_rows) == {1, 3, 4}  # 1 pinned: the next LRU row goes
 
 
-def test_lookahead_evicts_the_farthest_next_use_among_pinned_rows(tmp_path):
+@INDEXES
+def test_lookahead_evicts_the_farthest_next_use_among_pinned_rows(tmp_path, num_rows):
     # all three pinned, next used in the order 1, 2, 3: LRU would drop 1, lookahead drops 3
-    assert residents_after(tmp_path, "policy", [[1], [2], [3]]) == {2, 3, 4}
-    assert residents_after(tmp_path, "lookahead", [[1], [2], [3]]) == {1, 2, 4}
+    assert residents_after(tmp_path, "policy", [[1], [2], [3]], num_rows) == {2, 3, 4}
+    assert residents_after(tmp_path, "lookahead", [[1], [2], [3]], num_rows) == {1, 2, 4}
 
 
 def test_bad_config_is_refused(tmp_path):

@@ -361,16 +361,26 @@ class Prefetcher:
 
     def next_use(self, table: str, tier: CacheTier) -> np.ndarray | None:
         """Per slot of ``tier``, the step of its row's next announced use, NOT_IN_WINDOW
-        if none or the slot is free; None without a window. Looks the window's ids
-        up in the tier's index: ~10x faster than a binary search of the tier's rows
-        in each announced batch."""
+        if none or the slot is free; None without a window."""
         window = self._window.get(table)
         if not window:
             return None
         out = np.full(tier.capacity, NOT_IN_WINDOW, dtype=np.int64)
+        if tier.dense_index:  # a gather per announced id: ~10x faster than searching
+
+            def slots_of(ids: np.ndarray) -> np.ndarray:
+                return tier.lookup(torch.from_numpy(ids)).cpu().numpy()
+        else:  # hash probes cost more than one sort of the tier's ids and binary searches
+            tier_ids = tier.ids.cpu().numpy()
+            order = np.argsort(tier_ids)
+            by_id = tier_ids[order]
+
+            def slots_of(ids: np.ndarray) -> np.ndarray:
+                pos = np.minimum(np.searchsorted(by_id, ids), len(by_id) - 1)
+                return np.where(by_id[pos] == ids, order[pos], -1)
         for step in sorted(window, reverse=True):  # the earliest step written last wins
             if len(window[step]):
-                slots = tier.lookup(torch.from_numpy(window[step])).cpu().numpy()
+                slots = slots_of(window[step])
                 out[slots[slots >= 0]] = step
         return out
 

@@ -15,7 +15,7 @@ import torch
 from tierstore.eviction import EvictionPolicy
 from tierstore.eviction.lookahead import NOT_IN_WINDOW, lookahead_victims
 
-from .hashindex import make_index
+from .hashindex import DenseIndex, make_index
 
 
 class CacheTier:
@@ -33,6 +33,11 @@ class CacheTier:
         self.dirty = torch.zeros(capacity, dtype=torch.bool, device=device)
         self._free = torch.arange(capacity - 1, -1, -1, dtype=torch.int64, device=device)
         self._nfree = capacity
+
+    @property
+    def dense_index(self) -> bool:
+        """Whether a lookup is one gather (a DenseIndex) rather than hash probes."""
+        return isinstance(self.index, DenseIndex)
 
     @property
     def resident(self) -> int:
