@@ -352,12 +352,9 @@ class Prefetcher:
             if uid is None:
                 uid = ids.cpu().numpy() if sorted_unique else np.unique(ids.cpu().numpy())
             want = queue[0].ids
-            if len(want) and not _in_sorted(uid, want).all():
+            if len(want) and not _find_sorted(uid, want)[1].all():
                 break
             queue[0].release()
-
-    def has_window(self, table: str) -> bool:
-        return bool(self._window.get(table))
 
     def next_use(self, table: str, tier: CacheTier) -> np.ndarray | None:
         """Per slot of ``tier``, the step of its row's next announced use, NOT_IN_WINDOW
@@ -376,8 +373,8 @@ class Prefetcher:
             by_id = tier_ids[order]
 
             def slots_of(ids: np.ndarray) -> np.ndarray:
-                pos = np.minimum(np.searchsorted(by_id, ids), len(by_id) - 1)
-                return np.where(by_id[pos] == ids, order[pos], -1)
+                pos, found = _find_sorted(by_id, ids)
+                return np.where(found, order[pos], -1)
         for step in sorted(window, reverse=True):  # the earliest step written last wins
             if len(window[step]):
                 slots = slots_of(window[step])
@@ -436,9 +433,11 @@ class Prefetcher:
             self._executor.shutdown(wait=True)
 
 
-def _in_sorted(haystack: np.ndarray, needles: np.ndarray) -> np.ndarray:
-    """Mask of needles found in a non-empty sorted array, by binary search (np.isin sorts both)."""
-    return haystack[np.minimum(np.searchsorted(haystack, needles), len(haystack) - 1)] == needles
+def _find_sorted(haystack: np.ndarray, needles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Position of each needle in a non-empty sorted array and the mask of those
+    found, by binary search (np.isin sorts both)."""
+    pos = np.minimum(np.searchsorted(haystack, needles), len(haystack) - 1)
+    return pos, haystack[pos] == needles
 
 
 def _smoothed(average: float | None, value: float, weight: float = 0.25) -> float:

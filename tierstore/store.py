@@ -577,10 +577,10 @@ class TieredStore:
     def _next_use(self, t: _Table, *parts: tuple[CacheTier, torch.Tensor]) -> np.ndarray | None:
         """Next use in the prefetch window of the rows at these (tier, slots), in
         order; None without a window."""
-        name = t.spec.name
-        if not self._prefetcher.has_window(name):
+        per_slot = [self._prefetcher.next_use(t.spec.name, tier) for tier, _ in parts]
+        if per_slot[0] is None:
             return None
-        return np.concatenate([self._prefetcher.next_use(name, tier)[slots.cpu().numpy()] for tier, slots in parts])
+        return np.concatenate([nu[slots.cpu().numpy()] for nu, (_, slots) in zip(per_slot, parts)])
 
     def _queue_write(self, batches, meta=None) -> None:
         """Every LMDB row write starts here, and is counted here: counts do not

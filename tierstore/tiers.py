@@ -174,7 +174,7 @@ def is_sorted_unique(ids: torch.Tensor) -> bool:
 
 def last_values(ids: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted unique ids with the last value given for each (a repeated id's last one wins)."""
-    if len(ids) > 1 and is_sorted_unique(ids):
+    if is_sorted_unique(ids):
         return ids, values  # already sorted and unique (a backward's rows): nothing to gather
     uid, inverse = torch.unique(ids, return_inverse=True)
     last_pos = torch.full((len(uid),), -1, dtype=torch.int64)
