@@ -60,11 +60,15 @@ class StoreConfig:
     clock: Callable[[], float] = field(default=time.time)
     eviction: str = "policy"
     writeback_rows: int = 65536
+    writeback_group_rows: int = 16384
 
     def __post_init__(self):
         self.path = Path(self.path)
-        if not isinstance(self.writeback_rows, (int, np.integer)) or isinstance(self.writeback_rows, bool) or self.writeback_rows < 0:
-            raise ValueError(f"writeback_rows must be an int >= 0 (rows queued for LMDB before a call waits; 0 = wait for every write), got {self.writeback_rows!r}")
+        for name, meaning in (("writeback_rows", "rows queued for LMDB before a call waits; 0 = wait for every write"),
+                              ("writeback_group_rows", "rows the writer gathers into one LMDB commit; 0 = commit each write at once")):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0 ({meaning}), got {value!r}")
         if self.eviction not in ("policy", "lookahead"):
             raise ValueError(f"eviction must be 'policy' or 'lookahead' (next use in the prefetch window first), got {self.eviction!r}")
         for name in ("hbm_rows", "ddr_rows"):
@@ -161,12 +165,13 @@ class TieredStore:
         prefetch: PrefetchConfig | None = None,
         record_trace: str | Path | None = None,
         writeback_rows: int = 65536,
+        writeback_group_rows: int = 16384,
         daemon: None = None,
         claim: Sequence[str] = (),
     ):
         if claim:
             raise ValueError(f"claim={list(claim)} only applies with daemon=SOCK (a client of `tierstore prefetchd`); an embedded store is its tables' only writer")
-        self.config = StoreConfig(path, hbm_rows, ddr_rows, policy, device, readonly, map_size, clock, eviction, writeback_rows)
+        self.config = StoreConfig(path, hbm_rows, ddr_rows, policy, device, readonly, map_size, clock, eviction, writeback_rows, writeback_group_rows)
         # metrics: exported to registry (default: prometheus_client's global one) under
         # the label name (default: the resolved path); metrics_port starts an endpoint
         metrics_config = MetricsConfig(registry, name, metrics_port, metrics_addr)
@@ -184,7 +189,8 @@ class TieredStore:
         self._closed = False
         self._backend = LmdbBackend(self.path, readonly=readonly, map_size=map_size)
         # every LMDB row write goes through this queue and its one writer thread
-        self._writeback = WriteBack(self._backend, self._lock, self.config.writeback_rows, self._committed)
+        self._writeback = WriteBack(self._backend, self._lock, self.config.writeback_rows, self._committed,
+                                    group_rows=self.config.writeback_group_rows)
         self._plan_pool: futures.ThreadPoolExecutor | None = None
         self._recorder = None  # record_trace: every read call goes to a trace (tierstore.trace)
         try:
