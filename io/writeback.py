@@ -44,15 +44,13 @@ class WriteBack:
     """The queue and its writer thread. Every method runs with ``lock`` (the
     store's) held by the caller; waits release it, as Condition waits do."""
 
-    def __init__(self, backend: LmdbBackend, lock: threading.RLock, limit_rows: int, on_committed: Callable[[WriteBatch], None],
-                 group_rows: int = 0, linger: float = 1.0):
+    def __init__(self, backend: LmdbBackend, lock: threading.RLock, limit_rows: int, group_rows: int = 0, linger: float = 1.0):
         self._backend = backend
         self._cond = threading.Condition(lock)
         self._limit = limit_rows
         self._group = min(group_rows, limit_rows)
         self._linger = linger
         self._waiters = 0  # callers waiting for commits: the writer does not linger
-        self._on_committed = on_committed
         self._queue: deque[WriteBatch] = deque()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None  # alive while there is something to write
@@ -63,13 +61,13 @@ class WriteBack:
         return sum(b.rows for b in self._queue if not b.committed)
 
     def submit(self, items: Items, meta: dict | None = None) -> None:
-        """Queue rows (and store metadata) for one LMDB transaction; returns at once."""
+        """Queue rows (and store metadata), committed together, perhaps with other batches; returns at once."""
         batch = WriteBatch(items, meta, sum(len(ids) for _, ids, _ in items))
         self._queue.append(batch)
         self._wake()
 
     def reap(self, wait_below_limit: bool = True) -> None:
-        """Hand committed batches to ``on_committed``; raise the writer's failure.
+        """Drop committed batches from the queue; raise the writer's failure.
 
         With ``wait_below_limit``, first wait while more rows are queued than the
         limit: the backpressure that bounds the queue's memory. Call it only
@@ -78,8 +76,7 @@ class WriteBack:
         if wait_below_limit and self.queued_rows > self._limit:
             self._wait(lambda: self.queued_rows <= self._limit or self._error is not None)
         while self._queue and self._queue[0].committed:
-            batch = self._queue.popleft()
-            self._on_committed(batch)
+            self._queue.popleft()
         if self._error is not None:
             raise self._error
 
@@ -89,7 +86,7 @@ class WriteBack:
         self.reap(wait_below_limit=False)
 
     def retry(self) -> None:
-        """Clear a failure: the writer tries the failed batch again."""
+        """Clear a failure: the writer tries the failed batches again."""
         self._error = None
         self._wake()
 

@@ -33,14 +33,27 @@ def no_prefetch_threads():
     return not [t for t in threading.enumerate() if t.name.startswith("tierstore-prefetch")]
 
 
-@pytest.mark.parametrize("eviction", ["policy", "lookahead"])
-def test_prefetch_racing_with_reads_writes_evictions_never_serves_stale_rows(tmp_path, monkeypatch, eviction):
+def slow_commits(monkeypatch, store, delay=lambda: random.uniform(0, 0.004)):
+    real = store._backend.put_rows
+
+    def put_rows(*args, **kwargs):
+        time.sleep(delay())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store._backend, "put_rows", put_rows)
+
+
+# group_rows 0 commits each write at once; 64 commits every few steps, so rows sit
+# in the write-back queue while their batches are announced and fetched
+@pytest.mark.parametrize("eviction, group_rows", [("policy", 0), ("lookahead", 0), ("policy", 64), ("lookahead", 64)])
+def test_prefetch_racing_with_reads_writes_evictions_never_serves_stale_rows(tmp_path, monkeypatch, eviction, group_rows):
     random.seed(1)
     rng = np.random.default_rng(1)
     n = 400
     store = TieredStore(tmp_path, [TableSpec("t", n, 4, state_dim=1)], hbm_rows=16, ddr_rows=40, device="cpu",
-                        eviction=eviction, prefetch=PrefetchConfig(workers=4, staged_rows=120))
+                        eviction=eviction, prefetch=PrefetchConfig(workers=4, staged_rows=120), writeback_group_rows=group_rows)
     slow_reads(monkeypatch, store)
+    slow_commits(monkeypatch, store)
     model = np.zeros((n, 5), dtype=np.float32)
     tickets = []
     try:
@@ -215,6 +228,23 @@ def test_cached_rows_take_no_staging_room(tmp_path):
         emb(ids, offsets).sum().backward()
     assert depths[:-4] == [4] * (len(data) - 5) and loader.shrunk_steps == 0
     emb.close()
+
+
+def test_rows_queued_for_lmdb_are_staged_from_the_queue(tmp_path, monkeypatch):
+    # a batch announced while its rows wait in the write-back queue: once the queue
+    # commits them only LMDB has them, so they are staged from the queue at once
+    with TieredStore(tmp_path, [TableSpec("t", 1000, 2)], ddr_rows=10, device="cpu", prefetch=PrefetchConfig(staged_rows=50)) as s:
+        ids = np.arange(100, 150)
+        values = np.random.default_rng(0).standard_normal((50, 2)).astype(np.float32)
+        s.write("t", ids, values)  # not cached: queued
+        assert s._writeback.queued_rows == 50
+        s.prefetch("t", ids).wait()
+        s.flush()  # commits the queue
+        reads = []
+        real = s._backend.get_rows
+        monkeypatch.setattr(s._backend, "get_rows", lambda *a: reads.append(a[1]) or real(*a))
+        assert torch.equal(s.read("t", ids), torch.from_numpy(values))
+        assert reads == [] and s.prefetch_stats()["tables"]["t"]["served_rows"] == 50
 
 
 def test_a_read_releases_a_ticket_only_when_it_covers_the_ticket(tmp_path):

@@ -6,11 +6,13 @@ read that misses every cache tier takes its rows from staging instead of LMDB
 and promotes them through the normal path, so prefetch changes where rows come
 from, never what the cache policy does with them.
 
-No stale data: staging only ever holds rows that are not cached and whose LMDB
-value has not changed since they were read. When a fetch lands (under the store
-lock) it drops rows that are now cached (the cached copy is newer or equal) and
-rows written to LMDB after the fetch began (a short per-table write log); any
-later LMDB write of a staged row drops the staged copy.
+No stale data: staging only ever holds the newest value of rows that are not
+cached. Rows queued for LMDB (tierstore.io.writeback) are staged from the queue
+when their batch is announced: LMDB lags the queue, and once the queue commits
+them only LMDB has them. When a fetch from LMDB lands (under the store lock) it
+drops rows that are now cached (the cached copy is newer or equal) and rows
+written after the fetch began (a short per-table write log); any later write of
+a staged row drops the staged copy.
 
 Pinning: rows of announced batches that are staged cannot be evicted; cached
 rows of announced batches are evicted only when nothing outside the window is
@@ -166,11 +168,11 @@ class Prefetcher:
 
     # -- issuing -------------------------------------------------------------------
     def _uncached(self, t, uid: np.ndarray) -> np.ndarray:
-        """Mask of the sorted unique ids that no tier holds and no write is queued for."""
-        need = ~self._store._writeback.queued(t.spec.name, uid)
+        """Mask of the sorted unique ids that no tier holds."""
+        need = np.ones(len(uid), dtype=bool)
         uid_t = torch.from_numpy(uid)
         for tier in (t.hbm, t.ddr):
-            if tier is not None and need.any():
+            if tier is not None:
                 need &= (tier.lookup(uid_t).cpu() < 0).numpy()
         return need
 
@@ -225,6 +227,10 @@ class Prefetcher:
             self._staged[table].last[held] = torch.clamp(self._staged[table].last[held], min=step)  # pinned until this step is done
         fetch = uid[need][: max(0, self.room(table))]
         c.dropped_rows += int(need.sum()) - len(fetch)
+        queued, queued_rows = self._store._writeback.lookup(table, fetch)
+        if queued_rows is not None:
+            self._add_staged(t, table, fetch[queued], queued_rows, step)
+            fetch = fetch[~queued]
         if len(fetch) == 0:
             ticket._finish()
             c.queued -= 1
@@ -290,17 +296,20 @@ class Prefetcher:
         self._store._fill_unwritten(store_t, ids, rows, found)
         keep = ~np.isin(ids, self._written_since(ticket.table, began)) & ~self._store._writeback.queued(ticket.table, ids)
         ids_t = torch.from_numpy(ids)
-        staging = self._staged[ticket.table]
-        for tier in (store_t.hbm, store_t.ddr, staging):
+        for tier in (store_t.hbm, store_t.ddr, self._staged[ticket.table]):
             if tier is not None:
                 keep &= (tier.lookup(ids_t).cpu() < 0).numpy()
-        keep_t = torch.from_numpy(keep)
-        n = int(keep.sum())
-        staging.add(ids_t[keep_t], torch.from_numpy(rows[keep]), torch.full((n,), ticket.step),
+        c.prefetch.dropped_rows += len(ids) - int(keep.sum())
+        self._add_staged(store_t, ticket.table, ids[keep], rows[keep], ticket.step)
+
+    def _add_staged(self, store_t, table: str, ids: np.ndarray, rows: np.ndarray, step: int) -> None:
+        """Stage rows, pinned until announced step ``step`` is done."""
+        staging = self._staged[table]
+        n = len(ids)
+        staging.add(torch.from_numpy(ids), torch.from_numpy(rows), torch.full((n,), step),
                     torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.bool))
-        c.prefetch.issued_rows += n
-        c.prefetch.dropped_rows += len(ids) - n
-        c.prefetch.staged_rows = staging.resident
+        store_t.counters.prefetch.issued_rows += n
+        store_t.counters.prefetch.staged_rows = staging.resident
 
     # -- the store's hooks -----------------------------------------------------------
     def take(self, table: str, ids: torch.Tensor, out: torch.Tensor) -> np.ndarray:
@@ -323,7 +332,7 @@ class Prefetcher:
         return found.numpy()
 
     def written(self, table: str, ids: np.ndarray) -> None:
-        """ids of table were just written to LMDB: staged copies are stale now."""
+        """ids of table were just written (queued for LMDB): staged copies are stale now."""
         staging = self._staged.get(table)
         if staging is not None and staging.resident:
             slots = staging.lookup(torch.from_numpy(ids))

@@ -32,7 +32,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from tierstore.eviction import make_policy
-from tierstore.io import FORMAT_VERSION, LmdbBackend, WriteBack, WriteBatch
+from tierstore.io import FORMAT_VERSION, LmdbBackend, WriteBack
 from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
 from .counters import StoreCounters, TableCounters, add_dicts, restored_on_error
@@ -189,8 +189,7 @@ class TieredStore:
         self._closed = False
         self._backend = LmdbBackend(self.path, readonly=readonly, map_size=map_size)
         # every LMDB row write goes through this queue and its one writer thread
-        self._writeback = WriteBack(self._backend, self._lock, self.config.writeback_rows, self._committed,
-                                    group_rows=self.config.writeback_group_rows)
+        self._writeback = WriteBack(self._backend, self._lock, self.config.writeback_rows, self.config.writeback_group_rows)
         self._plan_pool: futures.ThreadPoolExecutor | None = None
         self._recorder = None  # record_trace: every read call goes to a trace (tierstore.trace)
         try:
@@ -546,23 +545,18 @@ class TieredStore:
 
     # -- the data path ----------------------------------------------------------------------
     def _fetch(self, t: _Table, ids: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor:
-        """Rows of ids (sorted) not in any tier: queued for LMDB (newest), prefetched
-        into staging, else from LMDB, initial values for rows never written.
-        Into ``out`` when given."""
+        """Rows of ids (sorted) not in any tier: prefetched into staging, else queued
+        for LMDB (newest first), else from LMDB, initial values for rows never
+        written. Into ``out`` when given."""
         ids_np = ids.numpy()
         rows = np.empty((len(ids_np), t.spec.width), dtype=np.float32) if out is None else out
-        queued, queued_rows = self._writeback.lookup(t.spec.name, ids_np)
-        if queued_rows is not None:
-            rows[queued] = queued_rows
-        cold = ~queued
-        if cold.all():
-            cold = ~self._prefetcher.take(t.spec.name, ids, torch.from_numpy(rows))
-        elif cold.any():
+        cold = ~self._prefetcher.take(t.spec.name, ids, torch.from_numpy(rows))  # staged rows are the newest
+        if cold.any():
             where = np.flatnonzero(cold)
-            part = np.empty((len(where), t.spec.width), dtype=np.float32)
-            got = self._prefetcher.take(t.spec.name, ids[torch.from_numpy(where)], torch.from_numpy(part))
-            rows[where[got]] = part[got]
-            cold[where[got]] = False
+            queued, queued_rows = self._writeback.lookup(t.spec.name, ids_np[where])
+            if queued_rows is not None:
+                rows[where[queued]] = queued_rows
+                cold[where[queued]] = False
         cold_ids = ids_np[cold]
         if len(cold_ids):
             mark = time.perf_counter()
@@ -596,10 +590,6 @@ class TieredStore:
             t = self._tables[name]
             t.counters.ssd.count_writes(len(ids), t.spec.width)
             self._prefetcher.written(name, ids)  # staged copies are older now
-
-    def _committed(self, batch: WriteBatch) -> None:
-        for name, ids, _ in batch.items:
-            self._prefetcher.written(name, ids)  # fetches begun before the commit read older values
 
     def _reap(self, drain: bool = False) -> None:
         """Account for committed write-backs; raise a failed one (the call then changes nothing)."""
