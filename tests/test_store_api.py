@@ -233,6 +233,8 @@ def test_writeback_rows_bounds_the_queue(tmp_path, monkeypatch):
         assert s._writeback.queued_rows == 0 and s._backend.table_stats()["t"] == 100
     with pytest.raises(ValueError, match="writeback_rows"):
         TieredStore(tmp_path, device="cpu", writeback_rows=-1)
+    with pytest.raises(ValueError, match="writeback_group_rows"):
+        TieredStore(tmp_path, device="cpu", writeback_group_rows=1.5)
 
 
 def test_threads_share_a_store(tmp_path):

@@ -60,12 +60,12 @@ class StoreConfig:
     clock: Callable[[], float] = field(default=time.time)
     eviction: str = "policy"
     writeback_rows: int = 65536
-    writeback_group_rows: int = 16384
+    writeback_group_rows: int = 32768
 
     def __post_init__(self):
         self.path = Path(self.path)
         for name, meaning in (("writeback_rows", "rows queued for LMDB before a call waits; 0 = wait for every write"),
-                              ("writeback_group_rows", "rows the writer gathers into one LMDB commit; 0 = commit each write at once")):
+                              ("writeback_group_rows", "rows the writer gathers into one LMDB commit, at most writeback_rows // 2; 0 = commit each write at once")):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0 ({meaning}), got {value!r}")
@@ -165,7 +165,7 @@ class TieredStore:
         prefetch: PrefetchConfig | None = None,
         record_trace: str | Path | None = None,
         writeback_rows: int = 65536,
-        writeback_group_rows: int = 16384,
+        writeback_group_rows: int = 32768,
         daemon: None = None,
         claim: Sequence[str] = (),
     ):

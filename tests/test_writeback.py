@@ -1,0 +1,71 @@
+"""The write-back queue's writer: commits grouped batches in queue order, and
+does not linger when someone waits for it."""
+import threading
+import time
+
+import numpy as np
+
+from tierstore.io import LmdbBackend, WriteBack
+
+
+def writer(tmp_path, **kwargs):
+    backend = LmdbBackend(tmp_path)
+    backend.open_table("t", 2)
+    commits = []
+    real = backend.put_rows
+
+    def put_rows(batches, meta=None):
+        commits.append(sum(len(ids) for _, ids, _ in batches))
+        return real(batches, meta)
+
+    backend.put_rows = put_rows  # a spy: the real LMDB write runs
+    lock = threading.RLock()
+    return backend, WriteBack(backend, lock, **kwargs), lock, commits
+
+
+def rows(ids, value):
+    return np.full((len(ids), 2), value, dtype=np.float32)
+
+
+def test_batches_wait_for_a_group_then_commit_together_newest_value_last(tmp_path):
+    backend, wb, lock, commits = writer(tmp_path, limit_rows=1000, group_rows=100, linger=60.0)
+    with lock:
+        wb.submit([("t", np.arange(0, 40), rows(range(40), 1.0))])
+        wb.submit([("t", np.arange(20, 60), rows(range(40), 2.0))])  # 20..39 again, newer
+    time.sleep(0.3)  # a writer that did not wait for the group would have committed by now
+    with lock:
+        assert commits == [] and wb.queued_rows == 80
+        wb.submit([("t", np.arange(100, 120), rows(range(20), 3.0))])  # 100 rows queued: due
+        wb._cond.wait_for(lambda: wb.queued_rows == 0, timeout=30)
+        wb.reap()
+    assert commits == [80]  # 20..39 once, with its newer value
+    got, found = backend.get_rows("t", np.arange(0, 120))
+    expected = np.concatenate([np.full(20, 1.0), np.full(40, 2.0), np.full(40, np.nan), np.full(20, 3.0)])
+    assert np.array_equal(found, ~np.isnan(expected))
+    assert np.array_equal(got[found, 0], expected[found])
+    with lock:
+        wb.stop()
+    backend.close()
+
+
+def test_a_caller_waiting_for_the_queue_does_not_wait_for_the_group(tmp_path):
+    backend, wb, lock, commits = writer(tmp_path, limit_rows=1000, group_rows=100, linger=60.0)
+    start = time.perf_counter()
+    with lock:
+        wb.submit([("t", np.arange(5), rows(range(5), 1.0))], meta={"k": 1})
+        wb.drain()
+    assert commits == [5] and time.perf_counter() - start < 30
+    assert backend.read_meta() == {"k": 1}
+    with lock:
+        wb.stop()
+    backend.close()
+
+
+def test_a_lone_batch_commits_after_the_linger(tmp_path):
+    backend, wb, lock, commits = writer(tmp_path, limit_rows=1000, group_rows=100, linger=0.05)
+    with lock:
+        wb.submit([("t", np.arange(5), rows(range(5), 1.0))])
+        assert wb._cond.wait_for(lambda: wb.queued_rows == 0, timeout=30)
+        wb.stop()
+    assert commits == [5]
+    backend.close()
