@@ -17,7 +17,7 @@ from tierstore.prefetch import LookaheadLoader, PrefetchConfig
 
 ROWS, DIM, POOLING = 200_000, 64, 16
 WORKERS = 8  # at most; a fetch takes as many as it needs to land in time
-ROUNDS = 5  # cold runs per setting, median reported
+ROUNDS = 7  # cold runs per setting, median reported: bursts of load from the VM's neighbours moved single runs by up to 1.47x
 DENSE = 13  # DLRM's dense features
 
 
