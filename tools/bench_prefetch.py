@@ -129,37 +129,39 @@ def bench_steps(args) -> None:
             # every cold run is set against the resident runs just before and just after
             # it (their mean): on a small shared machine the step's own time drifts by
             # several percent from minute to minute, and the two neighbours see the load
-            # the cold run saw; the ratio reported is the median over a setting's runs
+            # the cold run saw; the ratio reported is the median over a setting's runs.
+            # The settings take turns, so that a minute of load from the VM's neighbours
+            # touches one run of several settings, not several runs of one.
             def resident_step() -> float:
                 return _step_ms(_Step(all_in, bags, mlp, args.seed), data, 0)
 
-            residents, cold = [resident_step()], []
+            residents = [resident_step()]
             ddr = ROWS // 20
-            for mode, lat in (("injected %.0f us/row per thread" % latency, latency), ("page cache dropped (this disk)", 0.0)):
-                for depth in (0, 2, 4, 8):
-                    runs, ratios = [], []
-                    for _ in range(ROUNDS):  # one run can land on a burst of load from the VM's neighbours
-                        emb = _model(base, ddr, lat, WORKERS)
-                        _drop_page_cache(base)
-                        runs.append(_step_ms(_Step(emb, bags, mlp, args.seed), data, depth))
-                        stats = emb.store.prefetch_stats()["tables"]["t0"]
-                        served, shrunk = stats["served_rows"], stats["shrunk_steps"]
-                        emb.store.close()
-                        residents.append(resident_step())
-                        ratios.append(runs[-1] / statistics.mean(residents[-2:]))
-                    cold.append((f"{mode}, depth {depth}", runs, ratios, served, shrunk))
+            settings = [(f"{mode}, depth {depth}", lat, depth) for mode, lat in (
+                ("injected %.0f us/row per thread" % latency, latency), ("page cache dropped (this disk)", 0.0)) for depth in (0, 2, 4, 8)]
+            cold = {label: ([], [], {}) for label, _, _ in settings}  # runs, ratios, prefetch stats
+            for _ in range(ROUNDS):
+                for label, lat, depth in settings:
+                    runs, ratios, stats = cold[label]
+                    emb = _model(base, ddr, lat, WORKERS)
+                    _drop_page_cache(base)
+                    runs.append(_step_ms(_Step(emb, bags, mlp, args.seed), data, depth))
+                    stats.update(emb.store.prefetch_stats()["tables"]["t0"])
+                    emb.store.close()
+                    residents.append(resident_step())
+                    ratios.append(runs[-1] / statistics.mean(residents[-2:]))
             all_in.store.close()
             resident = statistics.median(residents)
             rows = [("every row resident in DDR", f"{resident:7.1f} ms/step  (median of {len(residents)} runs, "
                      f"{min(residents):.1f}-{max(residents):.1f})", "1.00x")]
             rows += [(label, f"{statistics.median(runs):7.1f} ms/step  (runs {min(runs):.1f}-{max(runs):.1f}, x resident "
-                      f"{min(ratios):.2f}-{max(ratios):.2f}; {served} rows prefetched; window shrunk for staging room on {shrunk} of {steps} steps)",
-                      f"{statistics.median(ratios):.2f}x") for label, runs, ratios, served, shrunk in cold]
+                      f"{min(ratios):.2f}-{max(ratios):.2f}; {stats['served_rows']} rows prefetched; window shrunk for staging room "
+                      f"on {stats['shrunk_steps']} of {steps} steps)", f"{statistics.median(ratios):.2f}x") for label, (runs, ratios, stats) in cold.items()]
             print(f"\n== prefetch: training step with cold rows, {model}")
             dense = "" if mlp is None else f", bottom MLP {DENSE}-{'-'.join(map(str, mlp[0]))}-{DIM}, top MLP {2 * DIM + 1}-{'-'.join(map(str, mlp[1]))}-1"
             print(f"   rows={ROWS}, dim={DIM}, bags={bags} x pooling {POOLING} (Zipf 1.05){dense}; ddr_rows={ddr}, "
                   f"hbm_rows=0, up to {WORKERS} prefetch threads, {torch.get_num_threads()} torch threads, {steps} steps (median of the last 3/4), "
-                  f"each cold setting run {ROUNDS} times, each run between two resident ones (median of the {ROUNDS} ratios to their mean)")
+                  f"each cold setting run {ROUNDS} times, the settings in turn, each run between two resident ones (median of the {ROUNDS} ratios to their mean)")
             w = max(len(r[0]) for r in rows)
             for label, value, ratio in rows:
                 print(f"   {label:<{w}}  {value}  {ratio} of resident")
