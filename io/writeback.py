@@ -95,24 +95,7 @@ class WriteBack:
         """Newest queued value of each of the sorted ``ids``: (found mask, rows of the found ones)."""
         found = np.zeros(len(ids), dtype=bool)
         rows = None
-        for hit, qrows, pos in self._matches(table, ids, found):
-            if rows is None:
-                rows = np.empty((len(ids), qrows.shape[1]), dtype=np.float32)
-            rows[hit] = qrows[pos[hit]]
-        return found, (rows[found] if rows is not None else None)
-
-    def queued(self, table: str, ids: np.ndarray) -> np.ndarray:
-        """Mask of the sorted ``ids`` that are queued (rows not copied)."""
-        found = np.zeros(len(ids), dtype=bool)
-        for _ in self._matches(table, ids, found):
-            pass
-        return found
-
-    def _matches(self, table: str, ids: np.ndarray, found: np.ndarray):
-        """Newest batch first, yield (newly found mask, batch rows, positions) and mark ``found``."""
-        if len(ids) == 0:
-            return
-        for batch in reversed(self._queue):
+        for batch in reversed(self._queue) if len(ids) else ():  # newest first
             for name, qids, qrows in batch.items:
                 if name != table or len(qids) == 0:
                     continue
@@ -120,7 +103,10 @@ class WriteBack:
                 hit = (qids[pos] == ids) & ~found
                 if hit.any():
                     found |= hit
-                    yield hit, qrows, pos
+                    if rows is None:
+                        rows = np.empty((len(ids), qrows.shape[1]), dtype=np.float32)
+                    rows[hit] = qrows[pos[hit]]
+        return found, (rows[found] if rows is not None else None)
 
     def stop(self) -> None:
         """Wait until the writer has written what it can (all, or up to a failure) and left."""

@@ -61,7 +61,7 @@ from .eviction import make_policy
 from .prefetch import PrefetchGroup, PrefetchTicket
 from .spec import TableSpec
 from .store import TieredStore
-from .tiers import CacheTier, by_id, first_uses, last_values
+from .tiers import CacheTier, first_uses, last_values
 
 Claim = str | tuple[str, int, int]
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -327,7 +327,7 @@ class DaemonStore(TieredStore):
         dirty = s[H.dirty[s]]
         if len(dirty) == 0:
             return 0
-        self._daemon_write(table, *by_id(H.ids[dirty], H.data[dirty]), True)
+        self._daemon_write(table, *H.rows_by_id(dirty), True)
         H.dirty[dirty] = False
         self._hbm_counts[table].writebacks += len(dirty)
         return len(dirty)

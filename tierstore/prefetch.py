@@ -294,7 +294,9 @@ class Prefetcher:
     def _stage(self, store_t, ticket: PrefetchTicket, ids, rows, found, began: int) -> None:
         c = store_t.counters
         self._store._fill_unwritten(store_t, ids, rows, found)
-        keep = ~np.isin(ids, self._written_since(ticket.table, began)) & ~self._store._writeback.queued(ticket.table, ids)
+        # a row queued for LMDB before the fetch began was staged from the queue, not
+        # fetched; one queued since is in the write log
+        keep = ~np.isin(ids, self._written_since(ticket.table, began))
         ids_t = torch.from_numpy(ids)
         for tier in (store_t.hbm, store_t.ddr, self._staged[ticket.table]):
             if tier is not None:

@@ -680,7 +680,7 @@ class TieredStore:
             wb_rows.append(D.data[dirty])
         n_wb = sum(len(i) for i in wb_ids)
         if n_wb:
-            self._queue_write_back(t, torch.cat(wb_ids), torch.cat(wb_rows))
+            self._queue_write_back(t, *by_id(torch.cat(wb_ids), torch.cat(wb_rows)))
 
         # -- commit the plan (in memory only; cannot fail half-way) --
         self._await_gathers()
@@ -728,7 +728,7 @@ class TieredStore:
         fetched = (fetched.pin_memory() if T.device.type == "cuda" else fetched).to(T.device, non_blocking=True)
         evict_dev = evict.to(T.device)
         dirty = evict_dev[T.dirty[evict_dev]]
-        self._queue_write_back(t, T.ids[dirty], T.data[dirty])
+        self._queue_write_back(t, *T.rows_by_id(dirty))
 
         # -- commit (in memory only; cannot fail half-way) --
         self._await_gathers()
@@ -741,11 +741,11 @@ class TieredStore:
         slots[miss.to(T.device)] = added
         return T, slots, None
 
-    def _queue_write_back(self, t: _Table, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Queue dirty rows leaving the cache for LMDB."""
+    def _queue_write_back(self, t: _Table, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Queue dirty rows leaving the cache (sorted by id) for LMDB."""
         if len(ids):
             mark = time.perf_counter()
-            self._queue_write([(t.spec.name, *by_id(ids, rows))])
+            self._queue_write([(t.spec.name, ids, rows)])
             t.counters.latency.observe("writeback", time.perf_counter() - mark)
 
     def _fetch_while_planning(self, t: _Table, ids: torch.Tensor, plan: Callable[[], object]) -> tuple[object, torch.Tensor]:

@@ -120,6 +120,12 @@ class CacheTier:
         else:
             self.freq[s] = freq.to(self.device)
 
+    def rows_by_id(self, slots: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """The ids and rows at ``slots`` as LMDB takes them (host numpy, sorted by id), in one gather."""
+        ids = self.ids[slots]
+        order = torch.argsort(ids)
+        return ids[order].cpu().numpy(), self.data[slots[order]].cpu().numpy()
+
     def add(self, ids, rows, last, freq, dirty) -> torch.Tensor:
         n = len(ids)
         if n > self._nfree:
