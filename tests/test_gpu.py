@@ -14,7 +14,7 @@ def test_cuda_hbm_matches_cpu(tmp_path, policy):
     rng = np.random.default_rng(0)
     with TieredStore(tmp_path / "gpu", spec, hbm_rows=300, ddr_rows=700, policy=policy, device="cuda") as g, \
          TieredStore(tmp_path / "cpu", spec, hbm_rows=300, ddr_rows=700, policy=policy, device="cpu") as c:
-        assert g._tables["t"].hbm.data.is_cuda and not g._tables["t"].ddr.data.is_cuda
+        assert g._tables["t"].hbm.weights.is_cuda and not g._tables["t"].ddr.weights.is_cuda
         for step in range(60):
             ids = rng.zipf(1.2, 500) % 5000
             a = g.read("t", torch.from_numpy(ids).cuda(), with_state=True)

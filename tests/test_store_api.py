@@ -266,7 +266,7 @@ def test_a_gather_outside_the_lock_sees_its_rows(tmp_path, monkeypatch, overwrit
     with TieredStore(tmp_path, [TableSpec("t", 200, 2)], ddr_rows=100, device="cpu") as s:
         s.write("t", np.arange(200), np.repeat(np.arange(200, dtype=np.float32)[:, None], 2, 1))
         s.read("t", np.arange(100))  # rows 0..99 resident, filling the tier
-        real, started = s._gather, threading.Event()
+        real, started = s._gather_tier, threading.Event()
 
         def slow_gather(*args):
             if threading.current_thread() is not threading.main_thread():
@@ -274,7 +274,7 @@ def test_a_gather_outside_the_lock_sees_its_rows(tmp_path, monkeypatch, overwrit
                 time.sleep(0.3)
             return real(*args)
 
-        monkeypatch.setattr(s, "_gather", slow_gather)
+        monkeypatch.setattr(s, "_gather_tier", slow_gather)
         got = {}
         reader = threading.Thread(target=lambda: got.setdefault("rows", s.read("t", np.arange(100))))
         reader.start()

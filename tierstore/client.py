@@ -45,6 +45,8 @@ socket.
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import socket
@@ -168,7 +170,7 @@ class DaemonStore(TieredStore):
             if table in self._ranges:  # never more slots than rows it may cache
                 rows = min(rows, sum(min(hi, spec.num_rows or hi) - lo for lo, hi in self._ranges[table]))
             if rows:
-                self._hbm[table] = CacheTier("hbm", int(rows), spec.width, self.device, make_policy(policy), spec.num_rows)
+                self._hbm[table] = CacheTier("hbm", int(rows), spec.dim, spec.state_dim, self.device, make_policy(policy), spec.num_rows)
                 self._hbm_counts[table] = TierCounters()
         if not isinstance(hbm_rows, Mapping) and hbm_rows and not self._hbm:
             raise ValueError("hbm_rows > 0 with no claim=: a client caches only rows it has claimed for writing "
@@ -295,7 +297,7 @@ class DaemonStore(TieredStore):
         if bool((slots >= 0).all()):  # every row resident: no dedupe, no daemon
             c.hits += H.use_resident(slots, self._use_clock)
             self._use_clock += n
-            return self._gather(H.data, slots, cols, out)
+            return self._gather_tier(H, slots, cols, out)
 
         uid, inverse, first = first_uses(ids)
         use_clock = first + self._use_clock
@@ -303,10 +305,10 @@ class DaemonStore(TieredStore):
         slot = H.lookup(uid).cpu()
         hit = slot >= 0
         miss = torch.nonzero(~hit).squeeze(1)
-        fetched = self._daemon_read(table, uid[miss].numpy(), H.data.shape[1], True, None)
+        fetched = self._daemon_read(table, uid[miss].numpy(), H.width, True, None)
 
-        rows = torch.empty((u, H.data.shape[1]), dtype=torch.float32, device=H.device)
-        rows[hit.to(H.device)] = H.data[slot[hit].to(H.device)]
+        rows = torch.empty((u, H.width), dtype=torch.float32, device=H.device)
+        rows[hit.to(H.device)] = H.gather(slot[hit].to(H.device))
         rows[miss.to(H.device)] = fetched.to(H.device)
         new_freq = H.counts_after(slot, hit)
 
@@ -355,7 +357,7 @@ class DaemonStore(TieredStore):
                 # is unclaimed (none of those can be cached here), and nothing has changed yet
                 self._daemon_write(table, uid[~cached].numpy(), values[~cached].numpy(), with_state)
             s = slot[cached].to(H.device)
-            H.data[s, :cols] = values[cached].to(H.device)
+            H.put(s, values[cached], cols)
             H.dirty[s] = True
 
     def prefetch(self, table: str, ids) -> PrefetchTicket:
@@ -364,6 +366,10 @@ class DaemonStore(TieredStore):
         not later, so the ticket returned is already done."""
         self._request(wire.Frame(wire.PREFETCH, 0, table, self._ids_np(table, ids)))
         return PrefetchTicket(None, table, 0, None)
+
+    @contextlib.contextmanager
+    def _resident(self, table: str, ids: torch.Tensor):
+        yield None  # a module's forward reads through read(): rows may be at the daemon
 
     def _prefetch_batch(self, reads) -> PrefetchGroup:
         # hints only: the daemon stages rows in its own DDR tier, so there is

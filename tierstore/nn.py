@@ -111,24 +111,29 @@ def _is_index_dtype(t: torch.Tensor) -> bool:
 
 @dataclass
 class _Bags:
-    """One forward's bags in terms of the unique rows it reads (all CPU tensors)."""
+    """One forward's bags over the used entries of its input (all CPU tensors)."""
 
-    uid: torch.Tensor  # [U] sorted unique ids
-    local: torch.Tensor  # [M] position in uid of each used input entry
+    ids: torch.Tensor  # [M] id of each used input entry
     sizes: torch.Tensor  # [B] used entries per bag
-    offsets: torch.Tensor  # [B] start of each bag in ``local``
-    perm: torch.Tensor  # [M] entries sorted by row (torch.sort; a pure function of the ids)
-    row_counts: torch.Tensor  # [U] entries per unique row
+    offsets: torch.Tensor  # [B] start of each bag among the used entries
     used: torch.Tensor | None  # [M] positions in the flat input of the used entries; None = all, in order
     n_input: int  # entries in the flat input
     _bag_of: torch.Tensor | None = None
+    _rows: "_Rows | None" = None
 
     @property
     def bag_of(self) -> torch.Tensor:
         """[M] bag of each used entry; only backward needs it, so it is made on first use."""
         if self._bag_of is None:
-            self._bag_of = torch.repeat_interleave(torch.arange(len(self.sizes)), self.sizes, output_size=len(self.local))
+            self._bag_of = torch.repeat_interleave(torch.arange(len(self.sizes)), self.sizes, output_size=len(self.ids))
         return self._bag_of
+
+    @property
+    def rows(self) -> "_Rows":
+        """The entries grouped by row."""
+        if self._rows is None:
+            self._rows = _Rows.group(self.ids)
+        return self._rows
 
     def select(self, flat: torch.Tensor) -> torch.Tensor:
         """Per-entry values of the flat input restricted to the used entries."""
@@ -141,6 +146,35 @@ class _Bags:
         out = torch.zeros(self.n_input, dtype=per_used.dtype, device=per_used.device)
         out[self.used.to(per_used.device)] = per_used
         return out
+
+
+@dataclass
+class _Rows:
+    """A forward's entries grouped by row: sorted by id with torch.sort's default
+    (not stable=True), which orders equal ids as torch's sparse coalesce does,
+    so a row's summed gradient equals torch's (see _row_grads)."""
+
+    uid: torch.Tensor  # [U] sorted unique ids
+    perm: torch.Tensor  # [M] entries in id order
+    counts: torch.Tensor  # [U] entries per row
+    _local: torch.Tensor | None = None
+
+    @classmethod
+    def group(cls, ids: torch.Tensor) -> "_Rows":
+        sorted_ids, perm = torch.sort(ids)
+        uid, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+        return cls(uid, perm, counts)
+
+    def positions(self) -> torch.Tensor:
+        """[M] position in ``uid`` of each entry."""
+        if self._local is None:
+            self._local = torch.empty_like(self.perm)
+            self._local[self.perm] = torch.repeat_interleave(torch.arange(len(self.uid)), self.counts, output_size=len(self.perm))
+        return self._local
+
+    def firsts(self) -> torch.Tensor:
+        """[U] one entry of each row."""
+        return self.perm.index_select(0, torch.cumsum(self.counts, 0) - self.counts)
 
 
 # Rows a module's backward wrote, per (store, table): a backward whose forward
@@ -158,20 +192,22 @@ class _TieredBagFunction(torch.autograd.Function):
 
     ``anchor`` is an empty tensor that requires grad when the rows are trained:
     it puts the function in the graph (the rows are not torch Parameters) and
-    gets None back.
+    gets None back. ``weights``/``index`` are what the bags are pooled from: the
+    unique rows read and each entry's position among them, or, when every row
+    is resident in the top tier (``resident``), that tier's weight matrix and
+    each entry's slot, so no row is copied.
     """
 
     @staticmethod
-    def forward(ctx, anchor, per_sample_weights, weights, rows, bags: _Bags, owner: "TieredEmbeddingBag"):
+    def forward(ctx, anchor, per_sample_weights, weights, index, rows, resident, bags: _Bags, owner: "TieredEmbeddingBag"):
         dev = weights.device
         psw = None
         if per_sample_weights is not None:
             psw = bags.select(per_sample_weights.reshape(-1).to(dev))
         mode = MODES[owner.config.mode]
-        out, _, _, max_idx = torch.embedding_bag(
-            weights, bags.local.to(dev), bags.offsets.to(dev), False, mode, False, psw, False, None
-        )
-        ctx.bags, ctx.owner, ctx.rows, ctx.weights = bags, owner, rows, weights
+        out, _, _, max_idx = torch.embedding_bag(weights, index.to(dev), bags.offsets.to(dev), False, mode, False, psw, False, None)
+        ctx.bags, ctx.owner, ctx.rows, ctx.resident, ctx.index = bags, owner, rows, resident, index
+        ctx.weights = None if resident is not None else weights
         ctx.psw, ctx.psw_shape, ctx.max_idx = psw, None if per_sample_weights is None else per_sample_weights.shape, max_idx
         ctx.writes = _write_count(owner.store, owner.table)
         return out
@@ -182,19 +218,22 @@ class _TieredBagFunction(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         dev = grad_out.device
         grad_psw = None
-        if ctx.needs_input_grad[1]:
-            per = (grad_out.index_select(0, bags.bag_of.to(dev)) * ctx.weights.index_select(0, bags.local.to(dev))).sum(1)
+        if ctx.needs_input_grad[1]:  # never with a resident forward: see TieredEmbeddingBag._run
+            per = (grad_out.index_select(0, bags.bag_of.to(dev)) * ctx.weights.index_select(0, bags.rows.positions().to(dev))).sum(1)
             grad_psw = bags.expand(per).reshape(ctx.psw_shape)
         if ctx.needs_input_grad[0]:
-            grads = _row_grads(owner.config.mode, bags, grad_out, ctx.psw, ctx.max_idx)
-            rows, ctx.rows = ctx.rows, None  # a failed or repeated backward re-reads
-            owner._apply_update(bags.uid, grads, rows, ctx.writes)
-        return None, grad_psw, None, None, None, None
+            if ctx.resident is not None:
+                owner._update_resident(bags, ctx.resident, ctx.index, grad_out, ctx.psw)
+            else:
+                grads = _row_grads(owner.config.mode, bags, bags.rows, grad_out, ctx.psw, ctx.max_idx)
+                rows, ctx.rows = ctx.rows, None  # a failed or repeated backward re-reads
+                owner._apply_update(bags.rows.uid, grads, rows, ctx.writes)
+        return None, grad_psw, None, None, None, None, None, None
 
 
-def _row_grads(mode: str, bags: _Bags, grad_out: torch.Tensor, psw, max_idx) -> torch.Tensor:
+def _row_grads(mode: str, bags: _Bags, rows: _Rows, grad_out: torch.Tensor, psw, max_idx) -> torch.Tensor:
     """Summed gradient of each unique row, [U, dim], in a fixed summation order."""
-    U, dim = len(bags.uid), grad_out.shape[1]
+    U, dim = len(rows.uid), grad_out.shape[1]
     dev = grad_out.device
     if mode == "max":
         # the row that gave each (bag, column) its maximum gets that column's gradient
@@ -204,20 +243,19 @@ def _row_grads(mode: str, bags: _Bags, grad_out: torch.Tensor, psw, max_idx) -> 
         g.index_add_(0, flat, grad_out[nonempty].reshape(-1))
         return g.reshape(U, dim)
     # sum/mean: the transpose of the forward, itself a bag sum: row u's bag is the
-    # list of bags its entries fall in, summed in the order torch.sort puts the
-    # entries in. That is the order torch's sparse gradients are coalesced in,
-    # and the mean is applied as torch applies it, so without
-    # per-sample weights the row gradients equal nn.EmbeddingBag(sparse=True)'s bit for bit.
+    # list of bags its entries fall in, in the order of _Rows. That is the order
+    # torch's sparse gradients are coalesced in, and the mean is applied as torch
+    # applies it, so without per-sample weights the row gradients equal
+    # nn.EmbeddingBag(sparse=True)'s bit for bit.
     if mode == "mean":  # times the reciprocal, as torch does (not a division: that rounds differently)
         grad_out = grad_out * (1.0 / bags.sizes.clamp(min=1).to(device=dev, dtype=grad_out.dtype)).unsqueeze(1)
-    perm = bags.perm
-    row_offsets = torch.zeros(U, dtype=torch.int64)
+    perm = rows.perm.to(dev)
+    counts = rows.counts.to(dev)
+    row_offsets = torch.zeros(U, dtype=torch.int64, device=dev)
     if U > 1:
-        torch.cumsum(bags.row_counts[:-1], 0, out=row_offsets[1:])
-    w = None if psw is None else psw.index_select(0, perm.to(psw.device))
-    g, *_ = torch.embedding_bag(
-        grad_out, bags.bag_of.index_select(0, perm).to(dev), row_offsets.to(dev), False, 0, False, w, False, None
-    )
+        torch.cumsum(counts[:-1], 0, out=row_offsets[1:])
+    w = None if psw is None else psw.index_select(0, perm)
+    g, *_ = torch.embedding_bag(grad_out, bags.bag_of.to(dev).index_select(0, perm), row_offsets, False, 0, False, w, False, None)
     return g
 
 
@@ -492,29 +530,49 @@ class TieredEmbeddingBag(nn.Module):
         bag_offsets = torch.zeros(nbags, dtype=torch.int64)
         if nbags > 1:
             torch.cumsum(sizes[:-1], 0, out=bag_offsets[1:])
-        # not stable=True: the default sort orders equal ids as torch's sparse coalesce does (see _row_grads)
-        sorted_ids, perm = torch.sort(ids)
-        uid, row_counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-        local = torch.empty_like(ids)
-        local[perm] = torch.repeat_interleave(torch.arange(len(uid)), row_counts, output_size=len(ids))
-        return _Bags(uid, local, sizes, bag_offsets, perm, row_counts, used, n_input, bag_of)
+        return _Bags(ids, sizes, bag_offsets, used, n_input, bag_of)
 
     def _run(self, bags: _Bags, per_sample_weights) -> torch.Tensor:
         train = self.optimizer is not None and torch.is_grad_enabled()
-        rows = self.store.read(self.table, bags.uid, with_state=train)
+        anchor = torch.empty(0, requires_grad=True) if train else None
+        # Pool straight from the top tier's weights when every row is there. Not for
+        # max pooling (its backward indexes the rows read) nor per-sample weights
+        # that need a gradient (it reads the rows as the forward saw them).
+        psw_grad = per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled()
+        if self.config.mode != "max" and not psw_grad:
+            with self.store._resident(self.table, bags.ids) as hit:
+                if hit is not None:
+                    return _TieredBagFunction.apply(anchor, per_sample_weights, hit.tier.weights, hit.slots, None,
+                                                    hit if train else None, bags, self)
+        rows = self.store.read(self.table, bags.rows.uid, with_state=train)
         dim = self.config.embedding_dim
         weights = rows if rows.shape[1] == dim else rows[:, :dim].contiguous()
-        if weights is rows and train and per_sample_weights is not None and per_sample_weights.requires_grad:
+        if weights is rows and train and psw_grad:
             weights = rows.clone()  # the update must not alter what the per-sample-weight gradient reads
-        anchor = torch.empty(0, requires_grad=True) if train else None
-        return _TieredBagFunction.apply(anchor, per_sample_weights, weights, rows if train else None, bags, self)
+        return _TieredBagFunction.apply(anchor, per_sample_weights, weights, bags.rows.positions(), rows if train else None,
+                                        None, bags, self)
+
+    def _update_resident(self, bags: _Bags, hit, slots: torch.Tensor, grad_out: torch.Tensor, psw) -> None:
+        """The backward of a resident forward: the update runs on the tier's rows in
+        place, unless a slot changed owner since the forward (then by id, as
+        _apply_update does). The same row gradients and update either way."""
+        rows = bags.rows
+        grads = _row_grads(self.config.mode, bags, rows, grad_out, psw, None)
+        row_slots = slots.index_select(0, rows.firsts().to(slots.device))
+        direction = lambda state: self.optimizer.direction(state, grads.to(state.device))  # noqa: E731
+        if self.store._update_resident(self.table, row_slots, hit.generation, direction):
+            counts = _WRITES.setdefault(self.store, {})
+            counts[self.table] = counts.get(self.table, 0) + 1
+        else:
+            self._apply_update(rows.uid, grads, None, 0)
 
     def _apply_update(self, uid: torch.Tensor, grads: torch.Tensor, rows: torch.Tensor | None, writes: int) -> None:
         counts = _WRITES.setdefault(self.store, {})
         if rows is None or counts.get(self.table, 0) != writes:
             # another backward wrote rows since this forward read them: update the current values
             rows = self.store.read(self.table, uid, with_state=True)
-        self.optimizer.update(rows, grads.to(rows.device))
+        dim = self.config.embedding_dim
+        self.optimizer.step(rows[:, :dim], rows[:, dim:], grads.to(rows.device))
         self.store.write(self.table, uid, rows, with_state=True)
         counts[self.table] = counts.get(self.table, 0) + 1
 

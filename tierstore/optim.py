@@ -58,9 +58,19 @@ class RowOptimizer:
                 f"got width {rows.shape[1]}; create the table with state_dim=optimizer.state_dim(dim)"
             )
         if len(rows):
-            self._step(rows, grad, dim)
+            self.step(rows[:, :dim], rows[:, dim:], grad.clone())
 
-    def _step(self, rows: torch.Tensor, grad: torch.Tensor, dim: int) -> None:
+    def step(self, weights: torch.Tensor, state: torch.Tensor, grad: torch.Tensor) -> None:
+        """Apply one step in place to ``weights`` [n, dim] and ``state`` [n, state_dim]
+        (views of stored rows); ``grad`` [n, dim] is overwritten."""
+        x, alpha = self.direction(state, grad)
+        weights.add_(x, alpha=alpha)
+
+    def direction(self, state: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Update ``state`` in place and return ``(x, alpha)``: the step is weights +=
+        alpha * x, done as one ``add_(x, alpha=alpha)``. Element-wise
+        ops on ``state`` only (and reductions over ``grad``, which may be overwritten),
+        so the result does not depend on the layout of either."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -79,8 +89,8 @@ class SGD(RowOptimizer):
     def state_dim(self, dim: int) -> int:
         return 0
 
-    def _step(self, rows, grad, dim):
-        rows.add_(grad, alpha=-self.lr)
+    def direction(self, state, grad):
+        return grad, -self.lr
 
 
 class Adagrad(RowOptimizer):
@@ -97,11 +107,10 @@ class Adagrad(RowOptimizer):
     def state_dim(self, dim: int) -> int:
         return dim
 
-    def _step(self, rows, grad, dim):
+    def direction(self, s, grad):
         # the same op sequence as torch.optim.Adagrad's sparse path, so results are bit-identical to it
-        w, s = rows[:, :dim], rows[:, dim:]
         s.add_(grad.pow(2))
-        w.add_(grad / s.sqrt().add_(self.eps), alpha=-self.lr)
+        return grad.div_(s.sqrt().add_(self.eps)), -self.lr
 
     def _hyper(self):
         return {"lr": self.lr, "eps": self.eps}
@@ -120,10 +129,9 @@ class RowWiseAdagrad(RowOptimizer):
     def state_dim(self, dim: int) -> int:
         return 1
 
-    def _step(self, rows, grad, dim):
-        w, s = rows[:, :dim], rows[:, dim:]
-        s.add_(grad.square().mean(dim=1, keepdim=True))
-        w.addcdiv_(grad, s.sqrt().add_(self.eps), value=-self.lr)
+    def direction(self, s, grad):
+        s.add_(torch.linalg.vecdot(grad, grad).div_(grad.shape[1]).unsqueeze(1))  # mean(g*g), without a [n, dim] temporary
+        return grad.div_(s.sqrt().add_(self.eps)), -self.lr
 
     def _hyper(self):
         return {"lr": self.lr, "eps": self.eps}
@@ -151,9 +159,10 @@ class Adam(RowOptimizer):
     def state_dim(self, dim: int) -> int:
         return 2 * dim + 1
 
-    def _step(self, rows, grad, dim):
+    def direction(self, state, grad):
         b1, b2 = self.betas
-        w, m, v, t = rows[:, :dim], rows[:, dim : 2 * dim], rows[:, 2 * dim : 3 * dim], rows[:, 3 * dim :]
+        dim = grad.shape[1]
+        m, v, t = state[:, :dim], state[:, dim : 2 * dim], state[:, 2 * dim :]
         t.add_(1.0)
         m.lerp_(grad, 1.0 - b1)
         v.mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
@@ -163,7 +172,7 @@ class Adam(RowOptimizer):
         step_size = (self.lr / (1.0 - torch.pow(b1, t64))).float()
         bc2_sqrt = torch.pow(1.0 - torch.pow(b2, t64), 0.5).float()
         denom = v.sqrt().div_(bc2_sqrt).add_(self.eps)
-        w.add_(m.mul(-step_size).div_(denom))
+        return m.mul(-step_size).div_(denom), 1.0
 
     def _hyper(self):
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps}

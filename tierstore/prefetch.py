@@ -163,7 +163,7 @@ class Prefetcher:
         if table not in self._staged:
             cap = self.capacity(table)
             spec = self._store._tables[table].spec
-            self._staged[table] = CacheTier("staged", cap, spec.width, torch.device("cpu"), None, spec.num_rows) if cap else None
+            self._staged[table] = CacheTier("staged", cap, spec.dim, spec.state_dim, torch.device("cpu"), None, spec.num_rows) if cap else None
         return self._staged[table]
 
     # -- issuing -------------------------------------------------------------------
@@ -323,10 +323,10 @@ class Prefetcher:
         slots = staging.lookup(ids)
         found = slots >= 0
         if bool(found.all()):  # the usual prefetched step: one gather, no scatter
-            torch.index_select(staging.data, 0, slots, out=out)
+            staging.gather(slots, out=out)
         else:
             slots = slots[found]
-            out[found] = staging.data[slots]
+            out[found] = staging.gather(slots)
         staging.remove(slots)
         c = self._store._tables[table].counters.prefetch
         c.served_rows += int(found.sum())

@@ -18,10 +18,11 @@ Semantics (what the capacity tools predict, to the row):
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +88,13 @@ class StoreConfig:
     def rows_for(self, name: str, table: str) -> int:
         value = getattr(self, name)
         return int(value.get(table, 0)) if isinstance(value, Mapping) else int(value)
+
+
+class Resident(NamedTuple):
+    """Where the rows of a call are when every one is in a table's top tier."""
+    tier: CacheTier
+    slots: torch.Tensor  # of each id of the call, on the tier's device
+    generation: int  # the tier's, when the slots were taken
 
 
 class _Plan(NamedTuple):
@@ -248,7 +256,7 @@ class TieredStore:
             rows = self.config.rows_for(size_name, spec.name)
             if spec.num_rows is not None:
                 rows = min(rows, spec.num_rows)
-            tier = CacheTier(tier_name, rows, spec.width, device, make_policy(self.config.policy), spec.num_rows) if rows else None
+            tier = CacheTier(tier_name, rows, spec.dim, spec.state_dim, device, make_policy(self.config.policy), spec.num_rows) if rows else None
             if tier is not None:
                 tier.lookahead = self.config.eviction == "lookahead"
             tiers.append(tier)
@@ -267,17 +275,82 @@ class TieredStore:
             resident = self._read_locked(table, ids, with_state, out)
             if isinstance(resident, torch.Tensor):
                 return resident
-            data, slots, cols, latency, start = resident
+            hit, cols, latency, start = resident
             self._gathers += 1  # under the lock: a writer holding it waits for this gather
         try:
-            result = self._gather(data, slots, cols, out)
+            result = self._gather_tier(hit.tier, hit.slots, cols, out)
         finally:
-            with self._gathers_done:
-                self._gathers -= 1
-                self._gathers_done.notify_all()
+            self._gather_done()
         with self._lock:
             latency.observe("total", time.perf_counter() - start)
         return result
+
+    @contextlib.contextmanager
+    def _resident(self, table: str, ids: torch.Tensor) -> Iterator[Resident | None]:
+        """A module's forward: when every id (int64, in range) is in the top tier,
+        count the use exactly as ``read(table, ids)`` would and yield where the rows
+        are, held steady (calls that would overwrite tier rows wait) while the
+        caller computes from ``hit.tier.weights``; else yield None, having changed
+        nothing, and the caller reads."""
+        with self._lock:
+            self._check_open()
+            t = self._table(table)
+            self._reap()
+            self._prefetcher.check(table)
+            hit = self._use_top_tier(t, ids) if len(ids) else None
+            if hit is not None:
+                self._gathers += 1
+        if hit is None:
+            yield None
+            return
+        try:
+            yield hit
+        finally:
+            self._gather_done()
+
+    def _update_resident(self, table: str, slots: torch.Tensor, generation: int,
+                         direction: Callable[[torch.Tensor], tuple[torch.Tensor, float]]) -> bool:
+        """A module's backward: update the top-tier rows at ``slots`` (unique) in
+        place and mark them dirty, as ``write(..., with_state=True)`` of the updated
+        rows would, if no slot of the tier changed owner since ``generation``.
+        ``direction(state)`` updates the rows' state and returns (x, alpha):
+        weights += alpha * x. Returns False, having changed nothing, if a slot did."""
+        with self._lock:
+            t = self._table_to_write(table)
+            top = t.hbm or t.ddr
+            if top is None or top.generation != generation:
+                return False
+            state = top.state.index_select(0, slots)
+            x, alpha = direction(state)
+            self._await_gathers()
+            if state.shape[1]:
+                top.state.index_copy_(0, slots, state)
+            # gather, add, copy back: rounds as the general path's weights.add_(x, alpha=alpha)
+            # (index_add_ with alpha != 1 rounds the same but took 2x as long here)
+            top.weights.index_copy_(0, slots, top.weights.index_select(0, slots).add_(x.to(top.device), alpha=alpha))
+            top.dirty[slots] = True
+            return True
+
+    def _use_top_tier(self, t: _Table, ids: torch.Tensor) -> Resident | None:
+        """When every id is in the top tier: count the use (ids in call order, a
+        repeated row at its first position) and return where the rows are."""
+        top = t.hbm or t.ddr
+        if top is None:
+            return None
+        slots = top.lookup(ids)
+        if not bool((slots >= 0).all()):
+            return None
+        if self._recorder is not None:
+            self._recorder.record(t.spec.name, ids)
+        (t.counters.hbm if top is t.hbm else t.counters.ddr).hits += top.use_resident(slots, self._use_clock)
+        self._use_clock += len(ids)
+        self._prefetcher.consumed(t.spec.name, ids)
+        return Resident(top, slots, top.generation)
+
+    def _gather_done(self) -> None:
+        with self._gathers_done:
+            self._gathers -= 1
+            self._gathers_done.notify_all()
 
     def _await_gathers(self) -> None:
         """Called with the lock held before tier rows are overwritten."""
@@ -293,22 +366,16 @@ class TieredStore:
         self._prefetcher.check(table)  # a background failure nobody waited for surfaces here
         start = time.perf_counter()  # stage timings: one observation per call and stage, never per id
         ids = self._as_ids(t.spec, ids)
-        if self._recorder is not None:
-            self._recorder.record(table, ids)
         cols = t.spec.width if with_state else t.spec.dim
         n = len(ids)
         self._check_out(out, n, cols)
         if n == 0:
             return out if out is not None else torch.empty((0, cols), dtype=torch.float32, device=self.device)
-        top = t.hbm or t.ddr
-        if top is not None:
-            # fast path: every id in the top tier, so no dedupe is needed
-            slots = top.lookup(ids)
-            if bool((slots >= 0).all()):
-                (t.counters.hbm if top is t.hbm else t.counters.ddr).hits += top.use_resident(slots, self._use_clock)
-                self._use_clock += n
-                self._prefetcher.consumed(table, ids)
-                return top.data, slots, cols, t.counters.latency, start
+        hit = self._use_top_tier(t, ids)  # fast path: no dedupe is needed
+        if hit is not None:
+            return hit, cols, t.counters.latency, start
+        if self._recorder is not None:
+            self._recorder.record(table, ids)
         mark = time.perf_counter()
         uid, inverse, first = first_uses(ids.cpu())
         t.counters.latency.observe("dedupe", time.perf_counter() - mark)
@@ -316,7 +383,7 @@ class TieredStore:
             source, slots, rows = self._access(t, uid, first + self._use_clock)
         self._use_clock += n
         if source is not None:  # every row in one tier
-            result = self._gather(source.data, slots.index_select(0, inverse.to(slots.device)), cols, out)
+            result = self._gather_tier(source, slots.index_select(0, inverse.to(slots.device)), cols, out)
         else:
             result = self._gather(rows, inverse.to(rows.device), cols, out)
         t.counters.latency.observe("total", time.perf_counter() - start)
@@ -326,6 +393,17 @@ class TieredStore:
     def _check_out(self, out: torch.Tensor | None, n: int, cols: int) -> None:
         if out is not None and (tuple(out.shape) != (n, cols) or out.dtype != torch.float32 or out.device != self.device):
             raise ValueError(f"out must be a float32 tensor of shape ({n}, {cols}) on {self.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+
+    def _gather_tier(self, tier: CacheTier, slots: torch.Tensor, cols: int, out: torch.Tensor | None) -> torch.Tensor:
+        if out is None or out.device != tier.device:
+            return self._place(tier.gather(slots, cols), out)
+        return tier.gather(slots, cols, out)
+
+    def _place(self, rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Rows (of the caller's columns) on the store's device, in ``out`` when given."""
+        if out is None:
+            return rows.to(self.device, non_blocking=True)
+        return out.copy_(rows, non_blocking=True)
 
     def _gather(self, rows: torch.Tensor, index: torch.Tensor, cols: int, out: torch.Tensor | None) -> torch.Tensor:
         src = rows if cols == rows.shape[1] else rows[:, :cols]
@@ -342,11 +420,7 @@ class TieredStore:
         ``with_state=True``; without it, a row's state is kept.
         """
         with self._lock:
-            self._check_open()
-            if self.readonly:
-                raise PermissionError(f"store {self.path} is open readonly; reopen without readonly=True to write")
-            t = self._table(table)
-            self._reap()
+            t = self._table_to_write(table)
             ids = self._as_ids(t.spec, ids)
             cols = t.spec.width if with_state else t.spec.dim
             values = self._as_values(t.spec, values, len(ids), cols)
@@ -418,7 +492,7 @@ class TieredStore:
                     slots = tier.dirty_slots()
                     if len(slots):
                         ids.append(tier.ids[slots].cpu())
-                        rows.append(tier.data[slots].cpu())
+                        rows.append(tier.gather(slots).cpu())
                         tier.dirty[slots] = False  # the queue holds their values now, and keeps them until committed
                 if ids:
                     batches.append((name, *by_id(torch.cat(ids), torch.cat(rows))))
@@ -495,6 +569,15 @@ class TieredStore:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"store {self.path} is closed")
+
+    def _table_to_write(self, name: str) -> _Table:
+        """The table a write goes to, under the lock; raises first if none may."""
+        self._check_open()
+        if self.readonly:
+            raise PermissionError(f"store {self.path} is open readonly; reopen without readonly=True to write")
+        t = self._table(name)
+        self._reap()
+        return t
 
     def _table(self, name: str) -> _Table:
         try:
@@ -657,9 +740,9 @@ class TieredStore:
         else:
             rows = torch.empty((n, t.spec.width), dtype=torch.float32, device=dev)
             if n_h:
-                rows[in_h] = H.data[slot_h[in_h].to(dev)]
+                rows[in_h] = H.gather(slot_h[in_h].to(dev))
             if n_d:
-                rows[in_d.to(dev)] = D.data[slot_d[in_d]].to(dev)
+                rows[in_d.to(dev)] = D.gather(slot_d[in_d]).to(dev)
             rows[miss.to(dev)] = fetched
         everyone = torch.arange(n)
         leave = everyone[~keep_h & ~keep_d]  # call rows leaving the cache after this call
@@ -673,11 +756,11 @@ class TieredStore:
         if len(e_drop):
             dirty = e_drop[e_dirty[e_drop]]
             wb_ids.append(e_ids[dirty])
-            wb_rows.append(H.data[demote[dirty].to(H.device)].cpu())
+            wb_rows.append(H.gather(demote[dirty].to(H.device)).cpu())
         if len(resident_drop):
             dirty = resident_drop[D.dirty[resident_drop]]
             wb_ids.append(D.ids[dirty])
-            wb_rows.append(D.data[dirty])
+            wb_rows.append(D.gather(dirty))
         n_wb = sum(len(i) for i in wb_ids)
         if n_wb:
             self._queue_write_back(t, *by_id(torch.cat(wb_ids), torch.cat(wb_rows)))
@@ -687,7 +770,7 @@ class TieredStore:
         if H:
             e_survive = torch.ones(len(demote), dtype=torch.bool)
             e_survive[e_drop] = False
-            e_rows = H.data[demote_dev[e_survive.to(H.device)]].cpu() if D else None
+            e_rows = H.gather(demote_dev[e_survive.to(H.device)]).cpu() if D else None
             leaving_h = torch.cat([demote, slot_h[in_h & ~keep_h]])
             H.remove(leaving_h.to(H.device))
             c.hbm.evictions += len(leaving_h)
@@ -835,5 +918,5 @@ class TieredStore:
         self._await_gathers()
         for tier, slot, pos in targets:
             s = slot.to(tier.device)
-            tier.data[s, :cols] = (values if len(pos) == n else values[pos]).to(tier.device)  # all in one tier: no gather
+            tier.put(s, values if len(pos) == n else values[pos], cols)  # all in one tier: no gather
             tier.dirty[s] = True

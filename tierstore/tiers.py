@@ -1,8 +1,11 @@
 """One cache level (HBM or DDR) of one table: rows, id->slot index, policy metadata.
 
 Everything a row carries between tiers lives in per-slot tensors on the tier's
-device: its id, its use clock (``last``), its step count (``freq``) and whether
-it differs from LMDB (``dirty``). Tiers are exclusive: a cached row lives in
+device: its weights and its optimizer state (two tensors, so that the weights
+are one contiguous [capacity, dim] matrix that embedding kernels index by slot
+directly), its id, its use clock (``last``), its step count (``freq``) and
+whether it differs from LMDB (``dirty``). A stored row, as LMDB and the read
+API see it, is its weights followed by its state. Tiers are exclusive: a cached row lives in
 exactly one tier, so its one cached copy is always the newest.
 """
 from __future__ import annotations
@@ -19,14 +22,21 @@ from .hashindex import DenseIndex, make_index
 
 
 class CacheTier:
-    def __init__(self, name: str, capacity: int, width: int, device: torch.device, policy: EvictionPolicy, num_rows: int | None = None):
+    def __init__(self, name: str, capacity: int, dim: int, state_dim: int, device: torch.device, policy: EvictionPolicy,
+                 num_rows: int | None = None):
         self.name = name
         self.capacity = capacity
         self.device = device
         self.policy = policy
         self.lookahead = False  # rank pinned rows by next use (eviction="lookahead")
         self.index = make_index(capacity, num_rows, device)
-        self.data = torch.empty((capacity, width), dtype=torch.float32, device=device)
+        self.dim = dim
+        self.width = dim + state_dim
+        self.weights = torch.empty((capacity, dim), dtype=torch.float32, device=device)
+        self.state = torch.empty((capacity, state_dim), dtype=torch.float32, device=device)
+        # bumped whenever a slot changes owner: slots taken at one generation still
+        # hold the same rows while it is unchanged
+        self.generation = 0
         self.ids = torch.full((capacity,), -1, dtype=torch.int64, device=device)
         self.last = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.freq = torch.zeros(capacity, dtype=torch.int64, device=device)
@@ -124,7 +134,30 @@ class CacheTier:
         """The ids and rows at ``slots`` as LMDB takes them (host numpy, sorted by id), in one gather."""
         ids = self.ids[slots]
         order = torch.argsort(ids)
-        return ids[order].cpu().numpy(), self.data[slots[order]].cpu().numpy()
+        return ids[order].cpu().numpy(), self.gather(slots[order]).cpu().numpy()
+
+    def gather(self, slots: torch.Tensor, cols: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows at ``slots`` (on this tier's device): the weights, or with ``cols``
+        = width (the default) the weights then the state. Into ``out`` when given."""
+        cols = self.width if cols is None else cols
+        if cols == self.dim:
+            return self.weights.index_select(0, slots) if out is None else torch.index_select(self.weights, 0, slots, out=out)
+        if out is None:
+            out = torch.empty((len(slots), self.width), dtype=torch.float32, device=self.device)
+        out[:, : self.dim] = self.weights.index_select(0, slots)
+        out[:, self.dim :] = self.state.index_select(0, slots)
+        return out
+
+    def put(self, slots: torch.Tensor, rows: torch.Tensor, cols: int | None = None) -> None:
+        """Set the first ``cols`` columns (default: all) of the rows at ``slots``."""
+        cols = self.width if cols is None else cols
+        rows = rows.to(self.device)
+        if cols == self.dim == rows.shape[1]:
+            self.weights.index_copy_(0, slots, rows)  # faster than index_put here (2 threads)
+            return
+        self.weights.index_copy_(0, slots, rows[:, : self.dim].contiguous())
+        if cols > self.dim:
+            self.state.index_copy_(0, slots, rows[:, self.dim : cols].contiguous())
 
     def add(self, ids, rows, last, freq, dirty) -> torch.Tensor:
         n = len(ids)
@@ -135,7 +168,8 @@ class CacheTier:
         dev = self.device
         self.index.insert(ids.to(dev), slots)
         self.ids[slots] = ids.to(dev)
-        self.data.index_copy_(0, slots, rows.to(dev))  # faster than index_put here (2 threads)
+        self.put(slots, rows)
+        self.generation += 1
         self.last[slots] = last.to(dev)
         self.freq[slots] = freq.to(dev)
         self.dirty[slots] = dirty.to(dev)
@@ -146,6 +180,7 @@ class CacheTier:
         if n == 0:
             return
         self.index.remove(self.ids[slots])
+        self.generation += 1
         self.ids[slots] = -1
         self.dirty[slots] = False
         self._free[self._nfree : self._nfree + n] = slots
@@ -157,7 +192,7 @@ class CacheTier:
         number of distinct rows used; no dedupe is needed."""
         clocks = torch.arange(clock, clock + len(slots), device=self.device)
         self.last.scatter_reduce_(0, slots, clocks, "amin", include_self=False)
-        first_use = self.last[slots] == clocks  # one True per distinct row
+        first_use = self.last.index_select(0, slots) == clocks  # one True per distinct row
         if self.policy.uses_frequency:
             self.freq.index_add_(0, slots, first_use.long())
         return int(first_use.sum())

@@ -22,6 +22,7 @@ BENCHES = {
     "capacity": "tierstore.tools.capacity:bench",
     "daemon": "tierstore.tools.daemon:bench",
     "prefetch": "tierstore.tools.bench_prefetch:run",
+    "peers": "tierstore.tools.bench_peers:run",
 }
 DEFAULT = ("read", "cold", "memory")
 

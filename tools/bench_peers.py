@@ -1,0 +1,148 @@
+"""``tierstore bench peers``: tierstore's resident training step and lookup
+against FBGEMM's fused table-batched embedding (fbgemm-gpu-cpu) on the same batches.
+
+Every row the batches touch is resident on both sides. Each optimizer is timed
+at torch's thread count and at 1 thread, the two sides interleaved round by
+round so that both see the same machine load; figures are medians. Afterwards
+the trained rows of both sides are compared. FBGEMM is optional: without it the
+bench says how to install it and times tierstore alone.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import warnings
+
+import torch
+
+from tierstore.tools.bench import interleaved_medians, report
+
+POOLING = 32
+N_BATCHES = 8
+ALPHA = 1.05
+INSTALL = "pip install 'tierstore[fbgemm]'  (fbgemm-gpu-cpu==1.8.0, which goes with torch 2.13)"
+# tierstore optimizer -> (FBGEMM OptimType name or None where FBGEMM's CPU build lacks it, kwargs for both)
+OPTIMIZERS = {
+    "SGD": ("EXACT_SGD", {"lr": 0.01}),
+    "RowWiseAdagrad": ("EXACT_ROWWISE_ADAGRAD", {"lr": 0.01, "eps": 1e-8}),
+    "Adagrad": ("EXACT_ADAGRAD", {"lr": 0.01, "eps": 1e-8}),
+    "Adam": (None, {"lr": 0.001, "eps": 1e-8}),
+}
+
+
+def fbgemm_module(rows: int, dim: int, optim_name: str, hyper: dict, device: torch.device):
+    """FBGEMM's SplitTableBatchedEmbeddingBagsCodegen holding one zeroed table, or None if FBGEMM is absent."""
+    try:
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice, OptimType, SplitTableBatchedEmbeddingBagsCodegen)
+    except ImportError:
+        return None
+    on_gpu = device.type == "cuda"
+    location = EmbeddingLocation.DEVICE if on_gpu else EmbeddingLocation.HOST
+    compute = ComputeDevice.CUDA if on_gpu else ComputeDevice.CPU
+    m = SplitTableBatchedEmbeddingBagsCodegen(
+        [(rows, dim, location, compute)], optimizer=getattr(OptimType, optim_name), pooling_mode=PoolingMode.SUM,
+        learning_rate=hyper["lr"], eps=hyper.get("eps", 1e-8), device=device)
+    with torch.no_grad():
+        for w in m.split_embedding_weights():
+            w.zero_()
+    return m
+
+
+def run(args: argparse.Namespace) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning)  # FBGEMM warns about CPU-only builds on import
+        _run(args)
+
+
+def _run(args: argparse.Namespace) -> None:
+    import tierstore
+    from tierstore.tools.demo import ZipfIds
+
+    device = torch.device(getattr(args, "device", "cpu") or "cpu")
+    rows, dim = args.rows, args.dim
+    bags = max(1, args.batch // POOLING) if args.batch != 65_536 else 2048  # default: FBGEMM's 2048 bags x 32 ids
+    gen = torch.Generator().manual_seed(args.seed)
+    zipf = ZipfIds(rows, ALPHA, gen)
+    batches = [zipf.sample(bags * POOLING, gen) for _ in range(N_BATCHES)]
+    offsets = torch.arange(bags + 1) * POOLING
+    grads = [torch.randn(bags, dim, generator=gen).to(device) for _ in range(N_BATCHES)]
+    working = torch.unique(torch.cat(batches))
+    unique_per_batch = statistics.mean(len(torch.unique(b)) for b in batches)
+    dev_batches, dev_offsets = [b.to(device) for b in batches], offsets.to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    threads = torch.get_num_threads()
+    settings = [threads] + ([1] if threads > 1 and device.type == "cpu" else [])
+    have_fbgemm = fbgemm_module(8, 8, "EXACT_SGD", {"lr": 0.01}, device) is not None
+    lines, ratios = [], {}
+    if not have_fbgemm:
+        lines.append(("FBGEMM", f"not installed: timing tierstore alone. Install it with {INSTALL}"))
+
+    for name, (fb_name, hyper) in OPTIMIZERS.items():
+        opt = getattr(tierstore.optim, name)(**hyper)
+        with tempfile.TemporaryDirectory(prefix="tierstore-bench-peers-", dir=args.dir) as d:
+            emb = tierstore.TieredEmbeddingBag(rows, dim, mode="sum", path=d, hbm_rows=len(working) + 1024, optimizer=opt,
+                                               init=tierstore.RowInit(), device=device)
+            for chunk in working.split(1 << 18):  # make the working rows resident
+                emb.store.read(emb.table, chunk)
+            fb = fbgemm_module(rows, dim, fb_name, hyper, device) if fb_name and have_fbgemm else None
+            ours_i, theirs_i = iter(range(10**9)), iter(range(10**9))  # each side steps through the batches in turn
+
+            def ours_step():
+                i = next(ours_i) % N_BATCHES
+                emb(dev_batches[i], dev_offsets[:-1]).backward(grads[i])
+                sync()
+
+            def theirs_step():
+                i = next(theirs_i) % N_BATCHES
+                fb(dev_batches[i], dev_offsets).backward(grads[i])
+                sync()
+
+            def ours_lookup():
+                with torch.no_grad():
+                    emb(dev_batches[next(ours_i) % N_BATCHES], dev_offsets[:-1])
+                sync()
+
+            def theirs_lookup():
+                with torch.no_grad():
+                    fb(dev_batches[next(theirs_i) % N_BATCHES], dev_offsets)
+                sync()
+
+            try:
+                for n_threads in settings:
+                    torch.set_num_threads(n_threads)
+                    tag = f"[{n_threads} thread{'s' if n_threads > 1 else ''}] {name}"
+                    kinds = [("step", ours_step, theirs_step)]
+                    if name == "SGD":  # the lookup does not depend on the optimizer
+                        kinds.append(("lookup", ours_lookup, theirs_lookup))
+                    for kind, ours, theirs in kinds:
+                        if fb is None:
+                            (t_ours,) = interleaved_medians([ours], args.repeat)
+                            why = "" if fb_name or not have_fbgemm else " (FBGEMM's CPU build has no Adam)"
+                            lines.append((f"{tag} {kind}", f"tierstore {t_ours * 1e3:7.2f} ms{why}"))
+                            continue
+                        t_ours, t_theirs = interleaved_medians([ours, theirs], args.repeat)
+                        ratios[(name, n_threads, kind)] = t_ours / t_theirs
+                        lines.append((f"{tag} {kind}", f"tierstore {t_ours * 1e3:7.2f} ms   FBGEMM {t_theirs * 1e3:7.2f} ms   "
+                                                       f"{t_ours / t_theirs:.2f}x"))
+            finally:
+                torch.set_num_threads(threads)
+            if fb is not None:  # both trained on the same batches the same number of times
+                ours_rows = emb.store.read(emb.table, working.to(device)).cpu()
+                theirs_rows = fb.split_embedding_weights()[0][working.to(device)].float().cpu()
+                diff = (ours_rows - theirs_rows).abs().max().item()
+                scale = theirs_rows.abs().max().item()
+                lines.append((f"{name} check", f"max |tierstore - FBGEMM| over trained rows {diff:.1e} (rows up to {scale:.1e})"))
+            emb.close()
+            del fb
+
+    step = [r for (n, _, k), r in ratios.items() if k == "step"]
+    lookup = [r for (n, _, k), r in ratios.items() if k == "lookup"]
+    params = {"rows": rows, "dim": dim, "bags": bags, "pooling": POOLING, "zipf alpha": ALPHA, "device": device,
+              "unique ids/batch": f"{unique_per_batch:.0f}", "working set": len(working)}
+    if lookup:
+        params["lookup x FBGEMM (goal <= 1.5)"] = ", ".join(f"{r:.2f}" for r in lookup)
+    report("peers: resident training step and lookup, tierstore / FBGEMM time (lower is better)", params, lines,
+           "worst training step, tierstore / FBGEMM time", max(step) if step else float("nan"), "<= 1.20")
