@@ -72,9 +72,10 @@ def test_adagrad_matches_torch_adagrad_on_sparse_grads(seed):
     for rows, grad in steps:
         p.grad = _sparse(rows, grad)
         ref.step()
-    # same op sequence as torch's sparse Adagrad: bit-identical, not just close
-    assert torch.equal(ours[:, :D], p.detach())
+    # torch's op sequence: the state bit for bit; the weights within the one rounding
+    # of -lr * (g / d) that torch fuses into its add (a few ulp of the step per update)
     assert torch.equal(ours[:, D:], ref.state[p]["sum"])
+    torch.testing.assert_close(ours[:, :D], p.detach(), rtol=1e-6, atol=1e-7)
 
 
 def _plain_rowwise_adagrad(w0, steps, lr, eps):

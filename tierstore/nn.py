@@ -14,8 +14,14 @@ Determinism: the gradient of a row is summed in an order that depends only on
 the ids of the batch (that of torch.sort, which torch's own sparse gradients
 use too), with kernels that use no atomics, and the update depends only on
 row values, so training is bit-identical whatever the tier sizes and eviction
-policy (on CPU: equal to nn.EmbeddingBag(sparse=True) + torch.optim.Adagrad
-bit for bit, sum or mean mode without per-sample weights).
+policy. On CPU the row gradients equal nn.EmbeddingBag(sparse=True)'s bit for
+bit (sum or mean mode without per-sample weights); see tierstore.optim for how
+each update compares with torch.optim's.
+
+When every row of a forward is in the table's top tier, the bags are pooled
+from the tier's weight matrix by slot and the backward updates the tier's rows
+in place (index_add_): no row is copied out or back, and the result is the same
+bit for bit as the general path's read, update and write.
 """
 from __future__ import annotations
 

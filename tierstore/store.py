@@ -309,25 +309,23 @@ class TieredStore:
             self._gather_done()
 
     def _update_resident(self, table: str, slots: torch.Tensor, generation: int,
-                         direction: Callable[[torch.Tensor], tuple[torch.Tensor, float]]) -> bool:
+                         direction: Callable[[torch.Tensor], torch.Tensor]) -> bool:
         """A module's backward: update the top-tier rows at ``slots`` (unique) in
         place and mark them dirty, as ``write(..., with_state=True)`` of the updated
         rows would, if no slot of the tier changed owner since ``generation``.
-        ``direction(state)`` updates the rows' state and returns (x, alpha):
-        weights += alpha * x. Returns False, having changed nothing, if a slot did."""
+        ``direction(state)`` updates the rows' state and returns the weights' step.
+        Returns False, having changed nothing, if a slot did."""
         with self._lock:
             t = self._table_to_write(table)
             top = t.hbm or t.ddr
             if top is None or top.generation != generation:
                 return False
             state = top.state.index_select(0, slots)
-            x, alpha = direction(state)
+            step = direction(state).to(top.device)
             self._await_gathers()
             if state.shape[1]:
                 top.state.index_copy_(0, slots, state)
-            # gather, add, copy back: rounds as the general path's weights.add_(x, alpha=alpha)
-            # (index_add_ with alpha != 1 rounds the same but took 2x as long here)
-            top.weights.index_copy_(0, slots, top.weights.index_select(0, slots).add_(x.to(top.device), alpha=alpha))
+            top.weights.index_add_(0, slots, step)  # w + 1 * x rounds as the general path's w.add_(x)
             top.dirty[slots] = True
             return True
 
