@@ -393,15 +393,11 @@ class TieredStore:
             raise ValueError(f"out must be a float32 tensor of shape ({n}, {cols}) on {self.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
 
     def _gather_tier(self, tier: CacheTier, slots: torch.Tensor, cols: int, out: torch.Tensor | None) -> torch.Tensor:
-        if out is None or out.device != tier.device:
-            return self._place(tier.gather(slots, cols), out)
-        return tier.gather(slots, cols, out)
-
-    def _place(self, rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        """Rows (of the caller's columns) on the store's device, in ``out`` when given."""
         if out is None:
-            return rows.to(self.device, non_blocking=True)
-        return out.copy_(rows, non_blocking=True)
+            return tier.gather(slots, cols).to(self.device, non_blocking=True)
+        if out.device != tier.device:
+            return out.copy_(tier.gather(slots, cols), non_blocking=True)
+        return tier.gather(slots, cols, out)
 
     def _gather(self, rows: torch.Tensor, index: torch.Tensor, cols: int, out: torch.Tensor | None) -> torch.Tensor:
         src = rows if cols == rows.shape[1] else rows[:, :cols]
