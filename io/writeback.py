@@ -13,8 +13,15 @@ a page cost one copy: grouping a DLRM trainer's ~3,700 evicted rows a step about
 six steps at a time cut the writer's CPU by about a quarter (200k rows of 256
 bytes on 15k pages).
 
-Order keeps values right: batches commit in the order they were queued, so a
-row queued twice ends with its newer value in LMDB. A failed commit stops the
+Queued rows are kept once per table, newest value only, in a row pool under a
+hash index (id -> pool slot): finding a step's rows among a few dozen queued
+batches is one probe and one gather, where a search per batch cost ~1.5 ms a
+step. A batch records only its ids; a commit writes the newest value of each,
+taken under the lock, so a row queued twice is written once. A committed batch
+leaves the index only the rows that no later batch queued again.
+
+Order keeps values right: batches commit in the order they were queued, and a
+commit writes the newest queued values, so LMDB never goes back to an older one. A failed commit stops the
 writer (a later batch must not overtake it) and keeps the batch queued; the
 failure is raised by the store's next call, and ``retry()`` (flush) resumes.
 Nothing queued is ever dropped, except at close after a failed final flush.
@@ -35,10 +42,81 @@ Items = list[tuple[str, np.ndarray, np.ndarray]]  # (table, sorted unique ids, r
 
 @dataclass
 class WriteBatch:
-    items: Items
+    ids: list[tuple[str, np.ndarray]]  # (table, sorted unique ids): their values are in the pool
     meta: dict | None
     rows: int
+    seq: int
     committed: bool = False
+
+
+class QueuedRows:
+    """The newest queued value of each row of one table: its ids sorted, each
+    with the slot of a row pool holding its value (np.insert and np.delete move
+    a few hundred KiB at most, far less than a search per queued batch)."""
+
+    def __init__(self, width: int, capacity: int = 1024):
+        self.width = width
+        self.ids = np.empty(0, dtype=np.int64)  # sorted
+        self.slots = np.empty(0, dtype=np.int64)  # of each id, into pool
+        self.pool = np.empty((capacity, width), dtype=np.float32)
+        self.seq = np.zeros(capacity, dtype=np.int64)  # the batch that queued each slot's value
+        self._free = np.arange(capacity - 1, -1, -1)  # a stack of free slots
+        self._nfree = capacity
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def _find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        pos = np.searchsorted(self.ids, ids)
+        found = pos < len(self.ids)
+        found[found] = self.ids[pos[found]] == ids[found]
+        return pos, found
+
+    def put(self, ids: np.ndarray, rows: np.ndarray, seq: int) -> None:
+        """Queue the rows of sorted unique ``ids`` as batch ``seq``'s, replacing older queued values."""
+        pos, found = self._find(ids)
+        n_new = len(ids) - int(found.sum())
+        if n_new > self._nfree:
+            self._grow(len(self.pool) + n_new - self._nfree)
+        fresh = self._free[self._nfree - n_new: self._nfree]
+        self._nfree -= n_new
+        slots = np.empty(len(ids), dtype=np.int64)
+        slots[found] = self.slots[pos[found]]
+        slots[~found] = fresh
+        self.ids = np.insert(self.ids, pos[~found], ids[~found])
+        self.slots = np.insert(self.slots, pos[~found], fresh)
+        self.pool[slots] = rows
+        self.seq[slots] = seq
+
+    def _grow(self, extra: int) -> None:
+        old = len(self.pool)
+        new = max(2 * old, old + extra)
+        self.pool = np.concatenate([self.pool, np.empty((new - old, self.width), dtype=np.float32)])
+        self.seq = np.concatenate([self.seq, np.zeros(new - old, dtype=np.int64)])
+        free = np.empty(new, dtype=np.int64)
+        free[: new - old] = np.arange(new - 1, old - 1, -1)
+        free[new - old: new - old + self._nfree] = self._free[: self._nfree]
+        self._free, self._nfree = free, new - old + self._nfree
+
+    def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """(mask of the sorted ``ids`` queued, their newest rows; None if none is)."""
+        if not len(self.ids) or not len(ids):
+            return np.zeros(len(ids), dtype=bool), None
+        pos, found = self._find(ids)
+        if not found.any():
+            return found, None
+        return found, self.pool[self.slots[pos[found]]]
+
+    def drop(self, ids: np.ndarray, seq: int) -> None:
+        """Batch ``seq`` is committed: forget those of its rows that no later batch queued."""
+        pos, found = self._find(ids)
+        pos = pos[found]
+        pos = pos[self.seq[self.slots[pos]] == seq]
+        gone = self.slots[pos]
+        self._free[self._nfree: self._nfree + len(gone)] = gone
+        self._nfree += len(gone)
+        self.ids = np.delete(self.ids, pos)
+        self.slots = np.delete(self.slots, pos)
 
 
 class WriteBack:
@@ -53,6 +131,8 @@ class WriteBack:
         self._linger = linger
         self._waiters = 0  # callers waiting for commits: the writer does not linger
         self._queue: deque[WriteBatch] = deque()
+        self._queued: dict[str, QueuedRows] = {}
+        self._seq = 0
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None  # alive while there is something to write
 
@@ -63,8 +143,12 @@ class WriteBack:
 
     def submit(self, items: Items, meta: dict | None = None) -> None:
         """Queue rows (and store metadata), committed together, perhaps with other batches; returns at once."""
-        batch = WriteBatch(items, meta, sum(len(ids) for _, ids, _ in items))
-        self._queue.append(batch)
+        self._seq += 1
+        for table, ids, rows in items:
+            if table not in self._queued:
+                self._queued[table] = QueuedRows(rows.shape[1])
+            self._queued[table].put(ids, rows, self._seq)
+        self._queue.append(WriteBatch([(table, ids) for table, ids, _ in items], meta, sum(len(ids) for _, ids, _ in items), self._seq))
         self._wake()
 
     def reap(self, wait_below_limit: bool = True) -> None:
@@ -77,7 +161,9 @@ class WriteBack:
         if wait_below_limit and self.queued_rows > self._limit:
             self._wait(lambda: self.queued_rows <= self._limit or self._error is not None)
         while self._queue and self._queue[0].committed:
-            self._queue.popleft()
+            batch = self._queue.popleft()
+            for table, ids in batch.ids:
+                self._queued[table].drop(ids, batch.seq)
         if self._error is not None:
             raise self._error
 
@@ -93,20 +179,10 @@ class WriteBack:
 
     def lookup(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """Newest queued value of each of the sorted ``ids``: (found mask, rows of the found ones)."""
-        found = np.zeros(len(ids), dtype=bool)
-        rows = None
-        for batch in reversed(self._queue) if len(ids) else ():  # newest first
-            for name, qids, qrows in batch.items:
-                if name != table or len(qids) == 0:
-                    continue
-                pos = np.minimum(np.searchsorted(qids, ids), len(qids) - 1)
-                hit = (qids[pos] == ids) & ~found
-                if hit.any():
-                    found |= hit
-                    if rows is None:
-                        rows = np.empty((len(ids), qrows.shape[1]), dtype=np.float32)
-                    rows[hit] = qrows[pos[hit]]
-        return found, (rows[found] if rows is not None else None)
+        queued = self._queued.get(table)
+        if queued is None or not len(ids):
+            return np.zeros(len(ids), dtype=bool), None
+        return queued.get(ids)
 
     def stop(self) -> None:
         """Wait until the writer has written what it can (all, or up to a failure) and left."""
@@ -147,9 +223,10 @@ class WriteBack:
                     self._thread = None
                     self._cond.notify_all()
                     return
+                items, meta = self._newest(batches)
             try:
                 # outside the lock: the trainer goes on meanwhile
-                self._backend.put_rows(*_merged(batches))
+                self._backend.put_rows(items, meta)
                 error = None
             except Exception as e:  # kept and raised in the caller's thread by reap()
                 error = e
@@ -162,24 +239,20 @@ class WriteBack:
                 self._cond.notify_all()
 
 
-def _merged(batches: list[WriteBatch]) -> tuple[Items, dict]:
-    """One table's rows of several batches as one sorted run, the newest value of
-    a row repeated; LMDB's cursor then finds consecutive rows on the page it is on."""
-    by_table: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-    meta: dict = {}
-    for batch in batches:
-        for table, ids, rows in batch.items:
-            by_table.setdefault(table, []).append((ids, rows))
-        meta.update(batch.meta or {})
-    items = []
-    for table, parts in by_table.items():
-        if len(parts) == 1:
-            items.append((table, *parts[0]))
-            continue
-        ids = np.concatenate([p[0] for p in parts])
-        rows = np.concatenate([p[1] for p in parts])
-        order = np.argsort(ids, kind="stable")  # a repeated row: queue order, the newest last
-        ids, rows = ids[order], rows[order]
-        newest = np.append(ids[1:] != ids[:-1], True)
-        items.append((table, ids[newest], rows[newest]))
-    return items, meta
+    def _newest(self, batches: list[WriteBatch]) -> tuple[Items, dict]:
+        """The rows of several batches as one sorted run per table, each row once
+        with its newest value (LMDB's cursor then finds consecutive rows on the
+        page it is on), and their metadata, the newest last."""
+        by_table: dict[str, list[np.ndarray]] = {}
+        meta: dict = {}
+        for batch in batches:
+            for table, ids in batch.ids:
+                by_table.setdefault(table, []).append(ids)
+            meta.update(batch.meta or {})
+        items = []
+        for table, parts in by_table.items():
+            ids = parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
+            queued = self._queued[table]
+            rows = queued.get(ids)[1]
+            items.append((table, ids, rows if rows is not None else np.empty((0, queued.width), dtype=np.float32)))
+        return items, meta

@@ -4,8 +4,11 @@ import threading
 import time
 
 import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tierstore.io import LmdbBackend, WriteBack
+from tierstore.io.writeback import QueuedRows
 
 
 def writer(tmp_path, **kwargs):
@@ -69,3 +72,26 @@ def test_a_lone_batch_commits_after_the_linger(tmp_path):
         wb.stop()
     assert commits == [5]
     backend.close()
+
+
+@given(st.lists(st.tuples(st.booleans(), st.sets(st.integers(0, 40), max_size=12)), max_size=30))
+def test_queued_rows_hold_the_newest_value_of_each_row_until_its_last_batch_commits(ops):
+    """QueuedRows against a dict: put(batch) replaces values; dropping a committed
+    batch forgets only the rows no later batch queued again (in any order of drops)."""
+    queued, model = QueuedRows(width=2, capacity=4), {}  # id -> (seq, value); capacity 4 grows
+    batches = []
+    for seq, (is_put, ids) in enumerate(ops, 1):
+        if is_put or not batches:
+            ids = np.array(sorted(ids), dtype=np.int64)
+            queued.put(ids, rows(ids, float(seq)), seq)
+            model.update({int(i): (seq, float(seq)) for i in ids})
+            batches.append((seq, ids))
+        else:
+            old_seq, old_ids = batches.pop(len(ids) % len(batches))
+            queued.drop(old_ids, old_seq)
+            model = {i: v for i, v in model.items() if not (v[0] == old_seq and i in set(old_ids.tolist()))}
+        probe = np.arange(0, 41)
+        found, got = queued.get(probe)
+        assert found.tolist() == [i in model for i in range(41)]
+        assert (got[:, 0].tolist() if got is not None else []) == [model[i][1] for i in range(41) if i in model]
+    assert len(queued) == len(model)

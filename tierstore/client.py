@@ -368,7 +368,7 @@ class DaemonStore(TieredStore):
         return PrefetchTicket(None, table, 0, None)
 
     @contextlib.contextmanager
-    def _resident(self, table: str, ids: torch.Tensor):
+    def _resident(self, table: str, ids: torch.Tensor, admit: bool = False):
         yield None  # a module's forward reads through read(): rows may be at the daemon
 
     def _prefetch_batch(self, reads) -> PrefetchGroup:

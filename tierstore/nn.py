@@ -541,12 +541,13 @@ class TieredEmbeddingBag(nn.Module):
     def _run(self, bags: _Bags, per_sample_weights) -> torch.Tensor:
         train = self.optimizer is not None and torch.is_grad_enabled()
         anchor = torch.empty(0, requires_grad=True) if train else None
-        # Pool straight from the top tier's weights when every row is there. Not for
-        # max pooling (its backward indexes the rows read) nor per-sample weights
-        # that need a gradient (it reads the rows as the forward saw them).
+        # Pool straight from the top tier's weights, once every row is there (the
+        # backward then updates them in place). Not for max pooling (its backward
+        # indexes the rows read) nor per-sample weights that need a gradient (it
+        # reads the rows as the forward saw them).
         psw_grad = per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled()
         if self.config.mode != "max" and not psw_grad:
-            with self.store._resident(self.table, bags.ids) as hit:
+            with self.store._resident(self.table, bags.ids, admit=True) as hit:
                 if hit is not None:
                     return _TieredBagFunction.apply(anchor, per_sample_weights, hit.tier.weights, hit.slots, None,
                                                     hit if train else None, bags, self)

@@ -286,18 +286,22 @@ class TieredStore:
         return result
 
     @contextlib.contextmanager
-    def _resident(self, table: str, ids: torch.Tensor) -> Iterator[Resident | None]:
+    def _resident(self, table: str, ids: torch.Tensor, admit: bool = False) -> Iterator[Resident | None]:
         """A module's forward: when every id (int64, in range) is in the top tier,
-        count the use exactly as ``read(table, ids)`` would and yield where the rows
-        are, held steady (calls that would overwrite tier rows wait) while the
-        caller computes from ``hit.tier.weights``; else yield None, having changed
-        nothing, and the caller reads."""
+        or, with ``admit``, once the use has brought them all there (unless the
+        call has more rows than the tier holds), count the use exactly as
+        ``read(table, ids)`` would and yield where the rows are, held steady
+        (calls that would overwrite tier rows wait) while the caller computes
+        from ``hit.tier.weights``; else yield None, having changed nothing, and
+        the caller reads."""
         with self._lock:
             self._check_open()
             t = self._table(table)
             self._reap()
             self._prefetcher.check(table)
             hit = self._use_top_tier(t, ids) if len(ids) else None
+            if hit is None and admit and len(ids):
+                hit = self._admit(t, ids)
             if hit is not None:
                 self._gathers += 1
         if hit is None:
@@ -328,6 +332,31 @@ class TieredStore:
             top.weights.index_add_(0, slots, step)  # w + 1 * x rounds as the general path's w.add_(x)
             top.dirty[slots] = True
             return True
+
+    def _admit(self, t: _Table, ids: torch.Tensor) -> Resident | None:
+        """A read of ids through the tiers that leaves every row in the top tier,
+        returning where they are; None, having changed nothing, when the call has
+        more rows than the top tier holds. The step and its bookkeeping are the
+        read's; only the rows are not copied out (the caller computes in place,
+        and its backward updates them there)."""
+        start = time.perf_counter()
+        top = t.hbm or t.ddr
+        if top is None:
+            return None
+        uid, inverse, first = first_uses(ids.cpu())
+        if len(uid) > top.capacity:
+            return None
+        t.counters.latency.observe("dedupe", time.perf_counter() - start)
+        if self._recorder is not None:
+            self._recorder.record(t.spec.name, ids)
+        with restored_on_error([t.counters]):
+            source, slots, _ = self._access(t, uid, first + self._use_clock)
+        self._use_clock += len(ids)
+        if source is not top:
+            slots = top.lookup(uid)
+        t.counters.latency.observe("total", time.perf_counter() - start)
+        self._prefetcher.consumed(t.spec.name, uid, sorted_unique=True)
+        return Resident(top, slots.index_select(0, inverse.to(slots.device)), top.generation)
 
     def _use_top_tier(self, t: _Table, ids: torch.Tensor) -> Resident | None:
         """When every id is in the top tier: count the use (ids in call order, a
