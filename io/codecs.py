@@ -13,24 +13,53 @@ def encode_keys(ids: np.ndarray) -> list[bytes]:
     return np.ascontiguousarray(ids, dtype=">u8").view("V8").ravel().tolist()
 
 
-class Float32RowCodec:
-    """Rows of ``width`` float32 values stored as raw little-endian bytes."""
+# weights' storage types: numpy dtype of the stored bits, and float32 <-> bits
+_WEIGHTS = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}
 
-    def __init__(self, width: int):
-        self.width = width
-        self.row_bytes = 4 * width
+
+def _to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, rounded to nearest even (numpy has no bfloat16)."""
+    u = np.ascontiguousarray(values, dtype="<f4").view("<u4")
+    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype("<u2")
+
+
+def _from_bfloat16_bits(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype("<u4") << np.uint32(16)).view("<f4")
+
+
+class RowCodec:
+    """Rows as ``dim`` weights in ``dtype`` (float32, float16 or bfloat16) then
+    ``state_dim`` float32 values, as raw little-endian bytes; float32 [n, dim +
+    state_dim] on the outside."""
+
+    def __init__(self, dim: int, state_dim: int = 0, dtype: str = "float32"):
+        if dtype not in _WEIGHTS:
+            raise ValueError(f"unknown weights dtype {dtype!r}; one of {sorted(_WEIGHTS)}")
+        self.dim, self.state_dim, self.dtype = dim, state_dim, dtype
+        self.width = dim + state_dim
+        self._weight_bytes = dim * np.dtype(_WEIGHTS[dtype]).itemsize
+        self.row_bytes = self._weight_bytes + 4 * state_dim
         self._void = f"V{self.row_bytes}"
 
     def encode(self, rows: np.ndarray) -> list[bytes]:
-        rows = np.ascontiguousarray(rows, dtype="<f4")
-        if rows.shape[1:] != (self.width,):
+        if rows.ndim != 2 or rows.shape[1] != self.width:
             raise ValueError(f"expected rows of width {self.width}, got shape {rows.shape}")
-        return rows.view(self._void).ravel().tolist()
+        if self.dtype == "float32":
+            packed = np.ascontiguousarray(rows, dtype="<f4")
+        else:
+            packed = np.empty((len(rows), self.row_bytes), dtype=np.uint8)
+            weights = rows[:, : self.dim]
+            bits = _to_bfloat16_bits(weights) if self.dtype == "bfloat16" else np.ascontiguousarray(weights, dtype="<f2")
+            packed[:, : self._weight_bytes] = bits.view(np.uint8)
+            packed[:, self._weight_bytes:] = np.ascontiguousarray(rows[:, self.dim:], dtype="<f4").view(np.uint8)
+        return packed.view(self._void).ravel().tolist()
 
     def decode(self, values: list, out: np.ndarray) -> np.ndarray:
         """Copy ``values[i]`` (bytes, or None where the row is absent) into
-        ``out[i]`` (C-contiguous); returns the mask of rows found. Absent rows
-        are left unset."""
+        ``out[i]`` (C-contiguous float32); returns the mask of rows found. Absent
+        rows are left unset."""
+        if not values:
+            return np.zeros(0, dtype=bool)
         try:
             buf = b"".join(values)
             found = None
@@ -42,10 +71,24 @@ class Float32RowCodec:
         n_present = len(values) if found is None else int(found.sum())
         if len(buf) != n_present * self.row_bytes:
             raise ValueError(
-                f"stored rows are not {self.row_bytes} bytes each: the table's width on disk does not match its spec"
+                f"stored rows are not {self.row_bytes} bytes each: the table's width or dtype on disk does not match its spec"
             )
-        if found is None:
+        if found is None and self.dtype == "float32":
             memoryview(out).cast("B")[:] = buf  # one memcpy
             return np.ones(len(values), dtype=bool)
-        out[found] = np.frombuffer(buf, dtype="<f4").reshape(-1, self.width)
+        rows = self._unpack(buf, n_present)
+        if found is None:
+            out[:] = rows
+            return np.ones(len(values), dtype=bool)
+        out[found] = rows
         return found
+
+    def _unpack(self, buf: bytes, n: int) -> np.ndarray:
+        if self.dtype == "float32":
+            return np.frombuffer(buf, dtype="<f4").reshape(n, self.width)
+        packed = np.frombuffer(buf, dtype=np.uint8).reshape(n, self.row_bytes)
+        rows = np.empty((n, self.width), dtype=np.float32)
+        bits = np.ascontiguousarray(packed[:, : self._weight_bytes]).view(_WEIGHTS[self.dtype])
+        rows[:, : self.dim] = _from_bfloat16_bits(bits) if self.dtype == "bfloat16" else bits
+        rows[:, self.dim:] = np.ascontiguousarray(packed[:, self._weight_bytes:]).view("<f4")
+        return rows

@@ -18,7 +18,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from .codecs import Float32RowCodec, encode_keys
+from .codecs import RowCodec, encode_keys
 
 FORMAT_VERSION = 1
 _META_DB = b"__meta__"
@@ -88,7 +88,7 @@ class LmdbBackend:
             raise
         self._dbs: dict[str, object] = {}
         self._resize = _ResizeGuard()
-        self._codecs: dict[str, Float32RowCodec] = {}
+        self._codecs: dict[str, RowCodec] = {}
 
     # -- process-level single writer ------------------------------------------------
     def _take_writer_lock(self) -> None:
@@ -124,9 +124,9 @@ class LmdbBackend:
                 txn.put(k.encode(), json.dumps(v).encode(), db=self._meta)
         self._write(op)
 
-    def open_table(self, name: str, width: int) -> None:
+    def open_table(self, name: str, dim: int, state_dim: int = 0, dtype: str = "float32") -> None:
         self._dbs[name] = self.env.open_db(b"t:" + name.encode(), create=not self.readonly)
-        self._codecs[name] = Float32RowCodec(width)
+        self._codecs[name] = RowCodec(dim, state_dim, dtype)
 
     # -- rows ----------------------------------------------------------------------
     def get_rows(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import tierstore
 from tierstore import TableSpec, TieredEmbeddingBag, TieredEmbeddingBagCollection, TieredStore, optim
 from tierstore.nn import BagOffsetsError, BagTypeError
+from tierstore.precision import round_nearest
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")  # raised inside torch.optim.Adagrad
 
@@ -287,14 +288,18 @@ def _train(path, opt, mode, steps, use_psw, flush_every=0, **tiers):
     return emb
 
 
-@pytest.mark.parametrize("make_opt,mode,use_psw", [
-    (lambda: optim.Adam(lr=0.05), "sum", True),
-    (lambda: optim.RowWiseAdagrad(lr=0.3), "mean", False),
-    (lambda: optim.Adagrad(lr=0.3), "max", False),
-    (lambda: optim.SGD(lr=0.3), "sum", False),
-    (lambda: optim.Adagrad(lr=0.3), "sum", True),
-], ids=["adam-sum-psw", "rowwise-mean", "adagrad-max", "sgd-sum", "adagrad-sum-psw"])
-def test_bit_identical_whatever_the_tiers_and_policy(tmp_path, make_opt, mode, use_psw):
+@pytest.mark.parametrize("make_opt,mode,use_psw,dtype", [
+    (lambda: optim.Adam(lr=0.05), "sum", True, "float32"),
+    (lambda: optim.RowWiseAdagrad(lr=0.3), "mean", False, "float32"),
+    (lambda: optim.Adagrad(lr=0.3), "max", False, "float32"),
+    (lambda: optim.SGD(lr=0.3), "sum", False, "float32"),
+    (lambda: optim.Adagrad(lr=0.3), "sum", True, "float32"),
+    (lambda: optim.RowWiseAdagrad(lr=0.3), "mean", False, "float16"),
+    (lambda: optim.SGD(lr=0.3), "sum", True, "bfloat16"),
+    (lambda: optim.Adam(lr=0.05), "max", False, "bfloat16"),
+], ids=["adam-sum-psw", "rowwise-mean", "adagrad-max", "sgd-sum", "adagrad-sum-psw", "rowwise-mean-fp16", "sgd-sum-psw-bf16",
+        "adam-max-bf16"])
+def test_bit_identical_whatever_the_tiers_and_policy(tmp_path, make_opt, mode, use_psw, dtype):
     steps = batches(5, 40)
     configs = {
         "all in hbm": dict(hbm_rows=N),
@@ -306,27 +311,31 @@ def test_bit_identical_whatever_the_tiers_and_policy(tmp_path, make_opt, mode, u
     }
     final = {}
     for name, tiers in configs.items():
-        emb = _train(tmp_path / name.replace(" ", "_"), make_opt(), mode, steps, use_psw, flush_every=7, **tiers)
+        emb = _train(tmp_path / name.replace(" ", "_"), make_opt(), mode, steps, use_psw, flush_every=7, dtype=dtype, **tiers)
         final[name] = all_rows(emb)
         emb.close()
         with TieredStore(tmp_path / name.replace(" ", "_"), readonly=True) as reopened:  # state survived flush and close
             assert torch.equal(reopened.read(emb.table, torch.arange(N), with_state=True), final[name])
     base = final["all in hbm"]
     assert base.shape[1] == D or base[:, D:].any(), "the optimizer state must be non-trivial"
+    assert torch.equal(round_nearest(base[:, :D], dtype), base[:, :D]), f"weights must be {dtype} values"
     for name, rows in final.items():
         assert torch.equal(rows, base), f"{name} differs from all-in-HBM"
 
 
-def test_state_survives_reopen_and_training_continues_bit_identically(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_state_survives_reopen_and_training_continues_bit_identically(tmp_path, dtype):
+    """A reduced-precision table's update count (its rounding's key) is durable too."""
     steps = batches(6, 30)
     opt = optim.Adam(lr=0.05)
-    whole = _train(tmp_path / "whole", opt, "sum", steps, True, hbm_rows=N)
+    whole = _train(tmp_path / "whole", opt, "sum", steps, True, hbm_rows=N, dtype=dtype)
     expect = all_rows(whole)
     whole.close()
 
-    first = _train(tmp_path / "split", optim.Adam(lr=0.05), "sum", steps[:15], True, hbm_rows=4, ddr_rows=4)
+    first = _train(tmp_path / "split", optim.Adam(lr=0.05), "sum", steps[:15], True, hbm_rows=4, ddr_rows=4, dtype=dtype)
     first.close()
-    again = TieredEmbeddingBag(N, D, mode="sum", path=tmp_path / "split", optimizer=optim.Adam(lr=0.05), hbm_rows=4, ddr_rows=4)
+    again = TieredEmbeddingBag(N, D, mode="sum", path=tmp_path / "split", optimizer=optim.Adam(lr=0.05), hbm_rows=4, ddr_rows=4,
+                               dtype=dtype)
     for ids, offsets, psw, target in steps[15:]:
         loss_of(again(ids, offsets, per_sample_weights=psw), target).backward()
     assert torch.equal(all_rows(again), expect)

@@ -61,6 +61,7 @@ from . import wire
 from .counters import TierCounters, add_dicts
 from .eviction import make_policy
 from .prefetch import PrefetchGroup, PrefetchTicket
+from .precision import storage_dtype
 from .spec import TableSpec
 from .store import TieredStore
 from .tiers import CacheTier, first_uses, last_values
@@ -128,6 +129,7 @@ class DaemonStore(TieredStore):
         self._hbm: dict[str, CacheTier] = {}
         self._hbm_counts: dict[str, TierCounters] = {}
         self._use_clock = 0
+        self._updates: dict[str, int] = {}  # per table, for _update_key (kept by this client only)
         self._sock = self._connect()
         name = client or f"{socket.gethostname()}:{os.getpid()}"
         hello = {"client": name, "claims": [list(c) for c in claims], "readonly": self.readonly,
@@ -170,7 +172,8 @@ class DaemonStore(TieredStore):
             if table in self._ranges:  # never more slots than rows it may cache
                 rows = min(rows, sum(min(hi, spec.num_rows or hi) - lo for lo, hi in self._ranges[table]))
             if rows:
-                self._hbm[table] = CacheTier("hbm", int(rows), spec.dim, spec.state_dim, self.device, make_policy(policy), spec.num_rows)
+                self._hbm[table] = CacheTier("hbm", int(rows), spec.dim, spec.state_dim, self.device, make_policy(policy), spec.num_rows,
+                                             storage_dtype(spec.dtype))
                 self._hbm_counts[table] = TierCounters()
         if not isinstance(hbm_rows, Mapping) and hbm_rows and not self._hbm:
             raise ValueError("hbm_rows > 0 with no claim=: a client caches only rows it has claimed for writing "

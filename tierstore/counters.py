@@ -22,13 +22,13 @@ class SSDCounters:
     read_bytes: int = 0
     write_bytes: int = 0
 
-    def count_reads(self, rows: int, found: int, width: int) -> None:
+    def count_reads(self, rows: int, found: int, row_bytes: int) -> None:
         self.reads += rows
-        self.read_bytes += found * 4 * width
+        self.read_bytes += found * row_bytes
 
-    def count_writes(self, rows: int, width: int) -> None:
+    def count_writes(self, rows: int, row_bytes: int) -> None:
         self.writes += rows
-        self.write_bytes += rows * (8 + 4 * width)  # key and float32 row
+        self.write_bytes += rows * (8 + row_bytes)  # key and row
 
 
 @dataclass

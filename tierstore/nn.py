@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from .optim import RowOptimizer
+from .precision import round_stochastic
 from .spec import MAX_ID, RowInit, TableSpec
 from .store import Sizes, TieredStore
 
@@ -212,7 +213,7 @@ class _TieredBagFunction(torch.autograd.Function):
             psw = bags.select(per_sample_weights.reshape(-1).to(dev))
         mode = MODES[owner.config.mode]
         out, _, _, max_idx = torch.embedding_bag(weights, index.to(dev), bags.offsets.to(dev), False, mode, False, psw, False, None)
-        ctx.bags, ctx.owner, ctx.rows, ctx.resident, ctx.index = bags, owner, rows, resident, index
+        ctx.bags, ctx.owner, ctx.rows, ctx.resident = bags, owner, rows, resident
         ctx.weights = None if resident is not None else weights
         ctx.psw, ctx.psw_shape, ctx.max_idx = psw, None if per_sample_weights is None else per_sample_weights.shape, max_idx
         ctx.writes = _write_count(owner.store, owner.table)
@@ -229,11 +230,11 @@ class _TieredBagFunction(torch.autograd.Function):
             grad_psw = bags.expand(per).reshape(ctx.psw_shape)
         if ctx.needs_input_grad[0]:
             if ctx.resident is not None:
-                owner._update_resident(bags, ctx.resident, ctx.index, grad_out, ctx.psw)
+                owner._update_resident(bags, ctx.resident, grad_out, ctx.psw)
             else:
                 grads = _row_grads(owner.config.mode, bags, bags.rows, grad_out, ctx.psw, ctx.max_idx)
                 rows, ctx.rows = ctx.rows, None  # a failed or repeated backward re-reads
-                owner._apply_update(bags.rows.uid, grads, rows, ctx.writes)
+                owner._apply_update(bags.rows.uid, grads, rows, ctx.writes, owner.store._update_key(owner.table))
         return None, grad_psw, None, None, None, None, None, None
 
 
@@ -297,6 +298,7 @@ class TieredEmbeddingBag(nn.Module):
         padding_idx: int | None = None,
         include_last_offset: bool = False,
         init: RowInit | None = None,
+        dtype: str | None = None,
         max_norm: float | None = None,
         scale_grad_by_freq: bool = False,
         sparse: bool = True,
@@ -321,7 +323,7 @@ class TieredEmbeddingBag(nn.Module):
             cfg = EmbeddingBagConfig(num_embeddings, embedding_dim, mode, include_last_offset, padding_idx, table,
                                      init if init is not None else RowInit.normal(0.0, 1.0))
             state_dim = optimizer.state_dim(embedding_dim) if optimizer else 0
-            spec = TableSpec(table, num_embeddings, embedding_dim, init=cfg.init, state_dim=state_dim)
+            spec = TableSpec(table, num_embeddings, embedding_dim, dtype=dtype or "float32", init=cfg.init, state_dim=state_dim)
             store = TieredStore(path, tables=[spec], hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device)
         else:
             if path is not None or device is not None or hbm_rows or ddr_rows or policy != "lru":
@@ -340,6 +342,9 @@ class TieredEmbeddingBag(nn.Module):
             _check_spec(spec, num_embeddings, embedding_dim, optimizer)
             if init is not None and init != spec.init:
                 raise ValueError(f"init={init!r} contradicts table {table!r}'s stored init {spec.init!r}")
+            if dtype is not None and dtype != spec.dtype:
+                raise ValueError(f"dtype={dtype!r} contradicts table {table!r}'s dtype {spec.dtype!r}; drop dtype= to use the table's")
+        self.dtype = spec.dtype  # of the stored weights; forward returns float32
         self.config = cfg
         self.store = store
         self.table = table
@@ -549,7 +554,11 @@ class TieredEmbeddingBag(nn.Module):
         if self.config.mode != "max" and not psw_grad:
             with self.store._resident(self.table, bags.ids, admit=True) as hit:
                 if hit is not None:
-                    return _TieredBagFunction.apply(anchor, per_sample_weights, hit.tier.weights, hit.slots, None,
+                    weights, index = hit.tier.weights, hit.slots
+                    if weights.dtype != torch.float32:  # pool in float32, as from rows read: gather the rows once
+                        weights = weights.index_select(0, hit.slots.index_select(0, bags.rows.firsts().to(hit.slots.device))).to(torch.float32)
+                        index = bags.rows.positions()
+                    return _TieredBagFunction.apply(anchor, per_sample_weights, weights, index, None,
                                                     hit if train else None, bags, self)
         rows = self.store.read(self.table, bags.rows.uid, with_state=train)
         dim = self.config.embedding_dim
@@ -559,27 +568,30 @@ class TieredEmbeddingBag(nn.Module):
         return _TieredBagFunction.apply(anchor, per_sample_weights, weights, bags.rows.positions(), rows if train else None,
                                         None, bags, self)
 
-    def _update_resident(self, bags: _Bags, hit, slots: torch.Tensor, grad_out: torch.Tensor, psw) -> None:
+    def _update_resident(self, bags: _Bags, hit, grad_out: torch.Tensor, psw) -> None:
         """The backward of a resident forward: the update runs on the tier's rows in
         place, unless a slot changed owner since the forward (then by id, as
         _apply_update does). The same row gradients and update either way."""
         rows = bags.rows
         grads = _row_grads(self.config.mode, bags, rows, grad_out, psw, None)
-        row_slots = slots.index_select(0, rows.firsts().to(slots.device))
+        row_slots = hit.slots.index_select(0, rows.firsts().to(hit.slots.device))
         direction = lambda state: self.optimizer.direction(state, grads.to(state.device))  # noqa: E731
-        if self.store._update_resident(self.table, row_slots, hit.generation, direction):
+        key = self.store._update_key(self.table)
+        if self.store._update_resident(self.table, row_slots, hit.generation, direction, key):
             counts = _WRITES.setdefault(self.store, {})
             counts[self.table] = counts.get(self.table, 0) + 1
         else:
-            self._apply_update(rows.uid, grads, None, 0)
+            self._apply_update(rows.uid, grads, None, 0, key)
 
-    def _apply_update(self, uid: torch.Tensor, grads: torch.Tensor, rows: torch.Tensor | None, writes: int) -> None:
+    def _apply_update(self, uid: torch.Tensor, grads: torch.Tensor, rows: torch.Tensor | None, writes: int, key: int) -> None:
         counts = _WRITES.setdefault(self.store, {})
         if rows is None or counts.get(self.table, 0) != writes:
             # another backward wrote rows since this forward read them: update the current values
             rows = self.store.read(self.table, uid, with_state=True)
         dim = self.config.embedding_dim
         self.optimizer.step(rows[:, :dim], rows[:, dim:], grads.to(rows.device))
+        if self.dtype != "float32":
+            rows[:, :dim] = round_stochastic(rows[:, :dim], self.dtype, uid, key)
         self.store.write(self.table, uid, rows, with_state=True)
         counts[self.table] = counts.get(self.table, 0) + 1
 

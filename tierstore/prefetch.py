@@ -41,6 +41,7 @@ import torch
 from tierstore.eviction.lookahead import NOT_IN_WINDOW
 from tierstore.io.workers import read_rows_async
 
+from .precision import storage_dtype
 from .tiers import CacheTier, is_sorted_unique
 
 
@@ -163,7 +164,8 @@ class Prefetcher:
         if table not in self._staged:
             cap = self.capacity(table)
             spec = self._store._tables[table].spec
-            self._staged[table] = CacheTier("staged", cap, spec.dim, spec.state_dim, torch.device("cpu"), None, spec.num_rows) if cap else None
+            self._staged[table] = CacheTier("staged", cap, spec.dim, spec.state_dim, torch.device("cpu"), None, spec.num_rows,
+                                            storage_dtype(spec.dtype)) if cap else None
         return self._staged[table]
 
     # -- issuing -------------------------------------------------------------------

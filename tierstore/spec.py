@@ -6,6 +6,9 @@ import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+
+from .precision import DTYPES, round_nearest
 
 MAX_ID = (1 << 63) - 1
 INIT_KINDS = ("zeros", "uniform", "normal")
@@ -47,6 +50,8 @@ class TableSpec:
     ``num_rows=None`` is an unbounded id space: any id in [0, 2**63) is valid and
     rows come into being on first touch. ``state_dim`` extra float32 values per
     row travel with the weights through every tier (optimizer state).
+    ``dtype`` "float16" or "bfloat16" stores the weights at half the bytes
+    (tierstore.precision); rows are still read and written as float32.
     """
 
     name: str
@@ -63,8 +68,8 @@ class TableSpec:
             raise ValueError(f"TableSpec.num_rows must be a positive int or None, got {self.num_rows!r}")
         if not _is_int(self.dim) or self.dim <= 0:
             raise ValueError(f"TableSpec.dim must be a positive int, got {self.dim!r}")
-        if self.dtype != "float32":
-            raise ValueError(f"TableSpec.dtype: only 'float32' is supported, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"TableSpec.dtype must be one of {sorted(DTYPES)} (the weights' storage type), got {self.dtype!r}")
         if not isinstance(self.init, RowInit):
             raise TypeError("TableSpec.init must be a tierstore.RowInit (e.g. RowInit.normal(0, 0.01))")
         if not _is_int(self.state_dim) or self.state_dim < 0:
@@ -72,8 +77,13 @@ class TableSpec:
 
     @property
     def width(self) -> int:
-        """float32 values per stored row: weights then state."""
+        """float32 values per row as read and written: weights then state."""
         return self.dim + self.state_dim
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one stored row: weights in ``dtype``, then float32 state."""
+        return self.dim * DTYPES[self.dtype].itemsize + 4 * self.state_dim
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -118,4 +128,6 @@ def initial_rows(spec: TableSpec, ids: np.ndarray) -> np.ndarray:
             v = _unit_uniform(spec, ids, 1)
             w = spec.init.a + spec.init.b * np.sqrt(-2.0 * np.log1p(-u)) * np.cos(2 * np.pi * v)
     out[:, : spec.dim] = w
+    if spec.dtype != "float32":
+        out[:, : spec.dim] = round_nearest(torch.from_numpy(out[:, : spec.dim]), spec.dtype).numpy()
     return out

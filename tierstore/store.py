@@ -37,6 +37,7 @@ from tierstore.io import FORMAT_VERSION, LmdbBackend, WriteBack
 from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
 from .counters import StoreCounters, TableCounters, add_dicts, restored_on_error
+from .precision import round_nearest, round_stochastic, storage_dtype, update_key
 from .spec import MAX_ID, TableSpec, initial_rows
 from .trace import TraceRecorder
 from .prefetch import PrefetchConfig, Prefetcher, PrefetchGroup, PrefetchTicket
@@ -209,7 +210,9 @@ class TieredStore:
                 if isinstance(value, Mapping) and set(value) - set(specs):
                     raise KeyError(f"{name} names unknown tables {sorted(set(value) - set(specs))}; tables are {sorted(specs)}")
             self._tables = {name: self._make_table(spec) for name, spec in specs.items()}
-            self._counters = StoreCounters(last_flush=self._backend.read_meta().get("last_flush"))
+            meta = self._backend.read_meta()
+            self._counters = StoreCounters(last_flush=meta.get("last_flush"))
+            self._updates: dict[str, int] = dict(meta.get("updates", {}))  # per table, for _update_key
             self.metrics = StoreMetrics(self, metrics_config)
             self._prefetcher = Prefetcher(self, prefetch or PrefetchConfig())
         except BaseException:
@@ -250,13 +253,14 @@ class TieredStore:
         return specs
 
     def _make_table(self, spec: TableSpec) -> _Table:
-        self._backend.open_table(spec.name, spec.width)
+        self._backend.open_table(spec.name, spec.dim, spec.state_dim, spec.dtype)
         tiers = []
         for size_name, tier_name, device in (("hbm_rows", "hbm", self.device), ("ddr_rows", "ddr", torch.device("cpu"))):
             rows = self.config.rows_for(size_name, spec.name)
             if spec.num_rows is not None:
                 rows = min(rows, spec.num_rows)
-            tier = CacheTier(tier_name, rows, spec.dim, spec.state_dim, device, make_policy(self.config.policy), spec.num_rows) if rows else None
+            tier = CacheTier(tier_name, rows, spec.dim, spec.state_dim, device, make_policy(self.config.policy), spec.num_rows,
+                             storage_dtype(spec.dtype)) if rows else None
             if tier is not None:
                 tier.lookahead = self.config.eviction == "lookahead"
             tiers.append(tier)
@@ -313,11 +317,12 @@ class TieredStore:
             self._gather_done()
 
     def _update_resident(self, table: str, slots: torch.Tensor, generation: int,
-                         direction: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+                         direction: Callable[[torch.Tensor], torch.Tensor], key: int) -> bool:
         """A module's backward: update the top-tier rows at ``slots`` (unique) in
         place and mark them dirty, as ``write(..., with_state=True)`` of the updated
         rows would, if no slot of the tier changed owner since ``generation``.
-        ``direction(state)`` updates the rows' state and returns the weights' step.
+        ``direction(state)`` updates the rows' state and returns the weights' step;
+        ``key`` (``_update_key``) rounds reduced-precision weights.
         Returns False, having changed nothing, if a slot did."""
         with self._lock:
             t = self._table_to_write(table)
@@ -329,9 +334,21 @@ class TieredStore:
             self._await_gathers()
             if state.shape[1]:
                 top.state.index_copy_(0, slots, state)
-            top.weights.index_add_(0, slots, step)  # w + 1 * x rounds as the general path's w.add_(x)
+            if top.weights.dtype == torch.float32:
+                top.weights.index_add_(0, slots, step)  # w + 1 * x rounds as the general path's w.add_(x)
+            else:
+                weights = top.weights.index_select(0, slots).to(torch.float32).add_(step)
+                weights = round_stochastic(weights, t.spec.dtype, top.ids.index_select(0, slots), key)
+                top.weights.index_copy_(0, slots, weights.to(top.weights.dtype))
             top.dirty[slots] = True
             return True
+
+    def _update_key(self, table: str) -> int:
+        """Key of the next update of a table's rows (tierstore.precision): counts
+        the table's updates, a count that flush() makes durable."""
+        count = self._updates.get(table, 0)
+        self._updates[table] = count + 1
+        return update_key(table, count)
 
     def _admit(self, t: _Table, ids: torch.Tensor) -> Resident | None:
         """A read of ids through the tiers that leaves every row in the top tier,
@@ -520,7 +537,7 @@ class TieredStore:
                 if ids:
                     batches.append((name, *by_id(torch.cat(ids), torch.cat(rows))))
             now = self.config.clock()
-            self._queue_write(batches, meta={"last_flush": now})
+            self._queue_write(batches, meta={"last_flush": now, "updates": dict(self._updates)})
             self._reap(drain=True)
             self._backend.sync()
             sc = self._counters
@@ -647,7 +664,10 @@ class TieredStore:
             raise TypeError(f"values for table {spec.name!r} must be floating point, got {v.dtype}")
         if tuple(v.shape) != (n, cols):
             raise ValueError(f"values for table {spec.name!r} must have shape ({n}, {cols}), got {tuple(v.shape)}")
-        return v.to(device="cpu", dtype=torch.float32)
+        v = v.to(device="cpu", dtype=torch.float32)
+        if spec.dtype != "float32":  # a new tensor: the caller's is not changed
+            v = torch.cat([round_nearest(v[:, : spec.dim], spec.dtype), v[:, spec.dim:]], dim=1)
+        return v
 
     # -- the data path ----------------------------------------------------------------------
     def _fetch(self, t: _Table, ids: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor:
@@ -677,7 +697,7 @@ class TieredStore:
         """Give rows LMDB does not hold their initial values, and count the read."""
         if not found.all():
             rows[~found] = initial_rows(t.spec, ids[~found])
-        t.counters.ssd.count_reads(len(ids), int(found.sum()), t.spec.width)
+        t.counters.ssd.count_reads(len(ids), int(found.sum()), t.spec.row_bytes)
         return rows
 
     def _next_use(self, t: _Table, *parts: tuple[CacheTier, torch.Tensor]) -> np.ndarray | None:
@@ -694,7 +714,7 @@ class TieredStore:
         self._writeback.submit(batches, meta)
         for name, ids, _ in batches:
             t = self._tables[name]
-            t.counters.ssd.count_writes(len(ids), t.spec.width)
+            t.counters.ssd.count_writes(len(ids), t.spec.row_bytes)
             self._prefetcher.written(name, ids)  # staged copies are older now
 
     def _reap(self, drain: bool = False) -> None:

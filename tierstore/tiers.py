@@ -23,7 +23,7 @@ from .hashindex import DenseIndex, make_index
 
 class CacheTier:
     def __init__(self, name: str, capacity: int, dim: int, state_dim: int, device: torch.device, policy: EvictionPolicy,
-                 num_rows: int | None = None):
+                 num_rows: int | None = None, dtype: torch.dtype = torch.float32):
         self.name = name
         self.capacity = capacity
         self.device = device
@@ -32,7 +32,7 @@ class CacheTier:
         self.index = make_index(capacity, num_rows, device)
         self.dim = dim
         self.width = dim + state_dim
-        self.weights = torch.empty((capacity, dim), dtype=torch.float32, device=device)
+        self.weights = torch.empty((capacity, dim), dtype=dtype, device=device)  # rows go in and out as float32
         self.state = torch.empty((capacity, state_dim), dtype=torch.float32, device=device)
         # bumped whenever a slot changes owner: slots taken at one generation still
         # hold the same rows while it is unchanged
@@ -141,6 +141,9 @@ class CacheTier:
         = width (the default) the weights then the state. Into ``out`` when given."""
         cols = self.width if cols is None else cols
         if cols == self.dim:
+            if self.weights.dtype != torch.float32:
+                rows = self.weights.index_select(0, slots).to(torch.float32)
+                return rows if out is None else out.copy_(rows)
             return self.weights.index_select(0, slots) if out is None else torch.index_select(self.weights, 0, slots, out=out)
         if out is None:
             out = torch.empty((len(slots), self.width), dtype=torch.float32, device=self.device)
@@ -152,10 +155,11 @@ class CacheTier:
         """Set the first ``cols`` columns (default: all) of the rows at ``slots``."""
         cols = self.width if cols is None else cols
         rows = rows.to(self.device)
+        dtype = self.weights.dtype  # rows hold values it represents: converting does not round
         if cols == self.dim == rows.shape[1]:
-            self.weights.index_copy_(0, slots, rows)  # faster than index_put here (2 threads)
+            self.weights.index_copy_(0, slots, rows.to(dtype))  # faster than index_put here (2 threads)
             return
-        self.weights.index_copy_(0, slots, rows[:, : self.dim].contiguous())
+        self.weights.index_copy_(0, slots, rows[:, : self.dim].to(dtype).contiguous())
         if cols > self.dim:
             self.state.index_copy_(0, slots, rows[:, self.dim : cols].contiguous())
 

@@ -295,7 +295,7 @@ class _GrowingNpy:
 class TraceRecorder:
     """Writes a trace directory while a store runs; ``record`` costs one file write.
 
-    ``tables``: the store's tables (objects with name, num_rows, dim, state_dim,
+    ``tables``: the store's tables (TableSpecs: name, num_rows, dim, row_bytes,
     or :class:`TraceTable`). A new step starts when a table is read a second time
     within the current step. Empty calls are not recorded (they use nothing).
     Headers are rewritten every ``sync_every`` calls and on close, so a crashed
@@ -325,8 +325,7 @@ class TraceRecorder:
 
     def _add_table(self, t) -> int:
         if not isinstance(t, TraceTable):
-            width = t.dim + getattr(t, "state_dim", 0)
-            t = TraceTable(t.name, t.num_rows, t.dim, 4 * width)
+            t = TraceTable(t.name, t.num_rows, t.dim, t.row_bytes)
         self._index[t.name] = len(self._tables)
         self._tables.append(t)
         return self._index[t.name]
