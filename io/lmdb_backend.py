@@ -25,6 +25,7 @@ _META_DB = b"__meta__"
 _INITIAL_MAP = 1 << 30
 _MAX_GROWTH_RETRIES = 16
 _READ_CHUNK = 2048  # rows per get-and-copy round of get_rows
+_WRITE_CHUNK = 65536  # rows per write transaction at most
 
 
 class _ResizeGuard:
@@ -147,16 +148,32 @@ class LmdbBackend:
         return rows, found
 
     def put_rows(self, batches: list[tuple[str, np.ndarray, np.ndarray]], meta: dict | None = None) -> int:
-        """Write (table, sorted ids, rows) batches and meta in one transaction; returns bytes written."""
-        encoded = [(self._dbs[t], encode_keys(ids), self._codecs[t].encode(rows)) for t, ids, rows in batches]
+        """Write (table, sorted ids, rows) batches, then meta; returns bytes written.
+        Transactions of at most _WRITE_CHUNK rows, meta with the last: past LMDB's
+        dirty-page limit a transaction spills pages and slows down (1M rows of 512 B
+        took 5.3 s in one transaction, 2.3 s in 16). A failure leaves the earlier
+        transactions committed; writing the rows again rewrites the same values."""
+        parts = [(t, ids[lo: lo + _WRITE_CHUNK], rows[lo: lo + _WRITE_CHUNK])
+                 for t, ids, rows in batches for lo in range(0, len(ids), _WRITE_CHUNK)]
+        groups, group, size = [], [], 0
+        for part in parts:
+            if group and size + len(part[1]) > _WRITE_CHUNK:
+                groups.append(group)
+                group, size = [], 0
+            group.append(part)
+            size += len(part[1])
+        groups.append(group)
+        for i, group in enumerate(groups):
+            encoded = [(self._dbs[t], encode_keys(ids), self._codecs[t].encode(rows)) for t, ids, rows in group]
+            last = i == len(groups) - 1
 
-        def op(txn):
-            for db, keys, values in encoded:
-                with txn.cursor(db=db) as cur:
-                    cur.putmulti(zip(keys, values))
-            for k, v in (meta or {}).items():
-                txn.put(k.encode(), json.dumps(v).encode(), db=self._meta)
-        self._write(op)
+            def op(txn, encoded=encoded, last=last):
+                for db, keys, values in encoded:
+                    with txn.cursor(db=db) as cur:
+                        cur.putmulti(zip(keys, values))
+                for k, v in (meta or {}).items() if last else ():
+                    txn.put(k.encode(), json.dumps(v).encode(), db=self._meta)
+            self._write(op)
         return sum(len(ids) * (8 + self._codecs[t].row_bytes) for t, ids, _ in batches)
 
     def _write(self, op) -> None:

@@ -31,9 +31,11 @@ OPTIMIZERS = {
 }
 
 
-def fbgemm_module(rows: int, dim: int, optim_name: str, hyper: dict, device: torch.device):
-    """FBGEMM's SplitTableBatchedEmbeddingBagsCodegen holding one zeroed table, or None if FBGEMM is absent."""
+def fbgemm_module(rows: int, dim: int, optim_name: str, hyper: dict, device: torch.device, fp16: bool = False):
+    """FBGEMM's SplitTableBatchedEmbeddingBagsCodegen holding one zeroed table (fp16
+    weights with ``fp16``), or None if FBGEMM is absent."""
     try:
+        from fbgemm_gpu.split_embedding_configs import SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
             ComputeDevice, OptimType, SplitTableBatchedEmbeddingBagsCodegen)
@@ -44,7 +46,8 @@ def fbgemm_module(rows: int, dim: int, optim_name: str, hyper: dict, device: tor
     compute = ComputeDevice.CUDA if on_gpu else ComputeDevice.CPU
     m = SplitTableBatchedEmbeddingBagsCodegen(
         [(rows, dim, location, compute)], optimizer=getattr(OptimType, optim_name), pooling_mode=PoolingMode.SUM,
-        learning_rate=hyper["lr"], eps=hyper.get("eps", 1e-8), device=device)
+        learning_rate=hyper["lr"], eps=hyper.get("eps", 1e-8), device=device,
+        weights_precision=SparseType.FP16 if fp16 else SparseType.FP32)
     with torch.no_grad():
         for w in m.split_embedding_weights():
             w.zero_()
@@ -138,6 +141,7 @@ def _run(args: argparse.Namespace) -> None:
             emb.close()
             del fb
 
+    lines += _half_lookups(args, rows, dim, working, dev_batches, dev_offsets, device, sync, have_fbgemm)
     step = [r for (n, _, k), r in ratios.items() if k == "step"]
     lookup = [r for (n, _, k), r in ratios.items() if k == "lookup"]
     params = {"rows": rows, "dim": dim, "bags": bags, "pooling": POOLING, "zipf alpha": ALPHA, "device": device,
@@ -146,3 +150,41 @@ def _run(args: argparse.Namespace) -> None:
         params["lookup x FBGEMM (goal <= 1.5)"] = ", ".join(f"{r:.2f}" for r in lookup)
     report("peers: resident training step and lookup, tierstore / FBGEMM time (lower is better)", params, lines,
            "worst training step, tierstore / FBGEMM time", max(step) if step else float("nan"), "<= 1.20")
+
+
+def _half_lookups(args, rows, dim, working, batches, offsets, device, sync, have_fbgemm) -> list[tuple[str, str]]:
+    """The forward-only lookup of tables with float16 and bfloat16 weights against
+    float32 (and FBGEMM's fp16 rows), every row resident, at torch's thread count."""
+    import tierstore
+
+    lines = []
+    with tempfile.TemporaryDirectory(prefix="tierstore-bench-peers-", dir=args.dir) as d:
+        embs = {}
+        for dtype in ("float32", "float16", "bfloat16"):
+            embs[dtype] = tierstore.TieredEmbeddingBag(rows, dim, mode="sum", path=f"{d}/{dtype}", hbm_rows=len(working) + 1024,
+                                                       init=tierstore.RowInit.normal(0, 0.01), device=device, dtype=dtype)
+            for chunk in working.split(1 << 18):
+                embs[dtype].store.read(embs[dtype].table, chunk)
+        fb = fbgemm_module(rows, dim, "EXACT_SGD", {"lr": 0.01}, device, fp16=True) if have_fbgemm else None
+
+        def lookup(module, fbgemm=False):
+            turn = iter(range(10**9))
+
+            def run():
+                i = next(turn) % N_BATCHES
+                with torch.no_grad():
+                    module(batches[i], offsets if fbgemm else offsets[:-1])
+                sync()
+            return run
+
+        sides = [lookup(e) for e in embs.values()] + ([lookup(fb, True)] if fb is not None else [])
+        times = dict(zip(list(embs) + ["FBGEMM fp16"], interleaved_medians(sides, args.repeat)))
+        for dtype, emb in embs.items():
+            spec = emb.store.tables[emb.table]
+            vs = f"   {times[dtype] / times['FBGEMM fp16']:.2f}x FBGEMM fp16" if fb is not None else ""
+            lines.append((f"lookup, {dtype} weights", f"tierstore {times[dtype] * 1e3:7.2f} ms   {times[dtype] / times['float32']:.2f}x "
+                                                      f"float32{vs}   {spec.row_bytes} bytes a row"))
+            emb.close()
+        if fb is not None:
+            lines.append(("lookup, FBGEMM fp16 weights", f"FBGEMM {times['FBGEMM fp16'] * 1e3:7.2f} ms   {2 * dim} bytes a row"))
+    return lines
