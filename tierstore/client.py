@@ -61,7 +61,7 @@ from . import wire
 from .counters import TierCounters, add_dicts
 from .eviction import make_policy
 from .prefetch import PrefetchGroup, PrefetchTicket
-from .precision import storage_dtype
+from .precision import DTYPES
 from .spec import TableSpec
 from .store import TieredStore
 from .tiers import CacheTier, first_uses, last_values
@@ -173,7 +173,7 @@ class DaemonStore(TieredStore):
                 rows = min(rows, sum(min(hi, spec.num_rows or hi) - lo for lo, hi in self._ranges[table]))
             if rows:
                 self._hbm[table] = CacheTier("hbm", int(rows), spec.dim, spec.state_dim, self.device, make_policy(policy), spec.num_rows,
-                                             storage_dtype(spec.dtype))
+                                             DTYPES[spec.dtype])
                 self._hbm_counts[table] = TierCounters()
         if not isinstance(hbm_rows, Mapping) and hbm_rows and not self._hbm:
             raise ValueError("hbm_rows > 0 with no claim=: a client caches only rows it has claimed for writing "

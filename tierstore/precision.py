@@ -28,10 +28,6 @@ _MIX2 = -7723592293110705685  # 0x94D049BB133111EB
 _COLUMN = -3372029247567499373  # 0xD1B54A32D192ED03
 
 
-def storage_dtype(name: str) -> torch.dtype:
-    return DTYPES[name]
-
-
 def round_nearest(values: torch.Tensor, dtype: str) -> torch.Tensor:
     """float32 values rounded to the nearest value of ``dtype`` (still float32)."""
     if dtype == "float32":

@@ -41,7 +41,7 @@ import torch
 from tierstore.eviction.lookahead import NOT_IN_WINDOW
 from tierstore.io.workers import read_rows_async
 
-from .precision import storage_dtype
+from .precision import DTYPES
 from .tiers import CacheTier, is_sorted_unique
 
 
@@ -165,7 +165,7 @@ class Prefetcher:
             cap = self.capacity(table)
             spec = self._store._tables[table].spec
             self._staged[table] = CacheTier("staged", cap, spec.dim, spec.state_dim, torch.device("cpu"), None, spec.num_rows,
-                                            storage_dtype(spec.dtype)) if cap else None
+                                            DTYPES[spec.dtype]) if cap else None
         return self._staged[table]
 
     # -- issuing -------------------------------------------------------------------

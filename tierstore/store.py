@@ -37,7 +37,7 @@ from tierstore.io import FORMAT_VERSION, LmdbBackend, WriteBack
 from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
 from .counters import StoreCounters, TableCounters, add_dicts, restored_on_error
-from .precision import round_nearest, round_stochastic, storage_dtype, update_key
+from .precision import DTYPES, round_nearest, round_stochastic, update_key
 from .spec import MAX_ID, TableSpec, initial_rows
 from .trace import TraceRecorder
 from .prefetch import PrefetchConfig, Prefetcher, PrefetchGroup, PrefetchTicket
@@ -260,7 +260,7 @@ class TieredStore:
             if spec.num_rows is not None:
                 rows = min(rows, spec.num_rows)
             tier = CacheTier(tier_name, rows, spec.dim, spec.state_dim, device, make_policy(self.config.policy), spec.num_rows,
-                             storage_dtype(spec.dtype)) if rows else None
+                             DTYPES[spec.dtype]) if rows else None
             if tier is not None:
                 tier.lookahead = self.config.eviction == "lookahead"
             tiers.append(tier)
