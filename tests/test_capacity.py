@@ -269,9 +269,34 @@ def test_shards_rate_001_on_10M_zipf_accesses_within_001_mae():
     res = cap.shards_curves(trace, 0.01)
     mae = cap.mean_abs_error(res.curves[0], exact)
     assert mae <= 0.01
-    # the reported expected error is of the right magnitude
-    assert res.expected_mae[0] < 0.01
+    assert res.table_rates[0] == pytest.approx(max(0.01, cap.MIN_SAMPLE_ROWS / exact.working_set))
+    assert mae <= res.mean_bound[0]
     assert 0.005 <= res.sampled_accesses / trace.n_accesses <= 0.02
+
+
+@pytest.mark.parametrize("alpha,seed,drift", [(0.8, 1, 0), (1.05, 1, 0), (1.2, 1, 0), (1.05, 2, 50)])
+def test_shards_error_bound_holds_at_every_size_of_a_100k_row_table(alpha, seed, drift):
+    """At rate 0.01 a 100k-row table's sample held ~1000 rows: off by up to 0.108 at small
+    sizes while its estimate claimed 0.001. Now the rate rises until the sample is large
+    enough, and the reported band bounds the measured error at every size it reports."""
+    trace = synth(SynthConfig(tables=(("t", 100_000),), alpha=alpha, batch_size=512, pooling=8, steps=200,
+                              seed=seed, drift=drift))
+    (exact,) = cap.lru_curves(trace)
+    res = cap.shards_curves(trace, 0.01, seed=seed)
+    (c,) = res.curves
+    assert c.rate == pytest.approx(cap.MIN_SAMPLE_ROWS / exact.working_set)
+    sizes = np.unique(np.concatenate([res.error_sizes[0], np.arange(0, 300), np.geomspace(1, 2e5, 500).astype(int)]))
+    err = np.abs(c.hit_ratio(sizes) - exact.hit_ratio(sizes))
+    assert (err <= res.bound(0, sizes)).all()
+    assert err.max() < 0.05
+    # the report carries the same band on its curve, and says where the rate was raised
+    report = cap.analyze(trace, cap.CapacityConfig(shards_rate=0.01, compare_exact=True, policies=(), belady=False,
+                                                   seed=seed))
+    (t,) = report["tables"]
+    curve_err = np.abs(np.array(t["curve"]["hit_ratio"]) - np.array(t["exact_curve"]["hit_ratio"]))
+    assert (curve_err <= np.array(t["curve"]["error_bound"])).all()
+    assert report["shards"]["measured_max_error"]["t"] <= report["shards"]["error_bound"]["t"]
+    assert "rate raised to sample" in cap.format_report(report)
 
 
 # -- recommendations -------------------------------------------------------------------------------------------
@@ -394,3 +419,37 @@ def test_config_rejects_bad_values():
         cap.CapacityConfig(shards_rate=0)
     with pytest.raises(ValueError, match="window"):
         cap.simulate(cap.build_streams(Trace.from_calls([(0, "t", [1])]))[0], 1, 0, "lookahead")
+
+
+def test_sizes_beyond_the_working_set_are_clamped_and_said(tmp_path, capsys):
+    """--sizes 0:100000000000 on an unbounded table sized slot arrays by the ask (745 GiB)."""
+    import tracemalloc
+
+    trace = random_trace(np.random.default_rng(4), steps=30)
+    (s,) = cap.build_streams(trace, ["a"])
+    tracemalloc.start()
+    try:
+        big = cap.simulate(s, 3, 10**7, "lfu")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20  # the ask would be 4 arrays of 10^7 slots; the working set is under 60 rows
+    assert big == cap.simulate(s, 3, s.working_set - 3, "lfu")
+    trace.save(tmp_path / "t.npz")
+    assert cli_main(["capacity", str(tmp_path / "t.npz"), "--sizes", "0:100000000000", "--policies", "lfu,lookahead"]) == 0
+    out = capsys.readouterr().out
+    assert f"0:100,000,000,000 rows is beyond its working set of {s.working_set} rows" in out
+    assert f"reported as 0:{s.working_set:,}" in out
+    assert cli_main(["capacity", str(tmp_path / "t.npz"), "--hbm-bytes", "1GiB", "--policies", ""]) == 0
+    out = capsys.readouterr().out
+    assert "the HBM budget 1.0 GiB is beyond what the tables can use" in out and " MB" not in out and "MiB/s" in out
+
+
+def test_an_empty_trace_is_an_error_not_a_report(tmp_path, capsys):
+    Trace.from_calls([], [TraceTable("a", None)]).save(tmp_path / "empty.npz")
+    assert cli_main(["capacity", str(tmp_path / "empty.npz")]) == 2
+    assert "the trace has no accesses" in capsys.readouterr().err
+    trace = Trace.from_calls([(0, "a", [1, 2])], [TraceTable("a", None), TraceTable("b", None)])
+    with pytest.raises(ValueError, match="no accesses to 'b'"):
+        cap.analyze(trace, cap.CapacityConfig(tables=("b",)))
+    assert cap.analyze(trace)["notes"] == ["table 'b' has no accesses in this trace: its rows are zero"]

@@ -444,13 +444,20 @@ def _table_salt(name: str, seed: int) -> np.uint64:
     return np.uint64((zlib.crc32(name.encode()) * 0x9E3779B1 + seed * 0x85EBCA77) & 0xFFFFFFFFFFFFFFFF)
 
 
-def shards_sample(trace: Trace, rate: float, seed: int = 0, chunk: int = 1 << 20,
+SUB_SAMPLES = 16  # disjoint sub-samples whose spread estimates SHARDS's error
+MIN_SAMPLE_ROWS = 16_384  # a table's rate is raised until its sample holds about this many rows
+ERROR_SIGMAS = 4.0  # the error band, in standard errors (held on every Zipf trace of the tests)
+
+
+def shards_sample(trace: Trace, rate, seed: int = 0, chunk: int = 1 << 20,
                   progress: bool = False) -> tuple[Trace, np.ndarray]:
     """The sub-trace of rows whose hash is below rate * 2**64 (same calls, fewer ids),
-    and each kept id's sub-sample number (0..3, from the hash's low bits)."""
-    if not 0 < rate <= 1:
+    and each kept id's sub-sample number (0..SUB_SAMPLES-1, from the hash's low bits).
+    ``rate``: one rate, or one per table of the trace."""
+    rates = np.broadcast_to(np.asarray(rate, dtype=np.float64), (len(trace.tables),))
+    if not np.all((rates > 0) & (rates <= 1)):
         raise ValueError(f"SHARDS rate must be in (0, 1], got {rate}")
-    threshold = np.uint64(min(int(rate * 2.0**64), 2**64 - 1))
+    thresholds = np.array([min(int(r * 2.0**64), 2**64 - 1) for r in rates], dtype=np.uint64)
     salts = np.array([_table_salt(t.name, seed) for t in trace.tables], dtype=np.uint64)
     lengths = np.diff(trace.offsets)
     kept_ids, kept_pos, kept_sub = [], [], []
@@ -466,17 +473,18 @@ def shards_sample(trace: Trace, rate: float, seed: int = 0, chunk: int = 1 << 20
         if len(buf) < e - s:
             buf = np.empty(e - s, dtype=np.uint64)
         h = buf[: e - s]
-        np.bitwise_xor(ids.view(np.uint64), np.repeat(salts[trace.call_table[c0:c1]], lengths[c0:c1]), out=h)
+        tables = trace.call_table[c0:c1]
+        np.bitwise_xor(ids.view(np.uint64), np.repeat(salts[tables], lengths[c0:c1]), out=h)
         # splitmix64's finaliser: every id bit moves every hash bit
         h ^= h >> np.uint64(30)
         h *= _M1
         h ^= h >> np.uint64(27)
         h *= _M2
         h ^= h >> np.uint64(31)
-        kept = np.flatnonzero(h < threshold)
+        kept = np.flatnonzero(h < np.repeat(thresholds[tables], lengths[c0:c1]))
         kept_ids.append(ids[kept])
         kept_pos.append(kept + s)
-        kept_sub.append((h[kept] & np.uint64(3)).astype(np.int8))
+        kept_sub.append((h[kept] & np.uint64(SUB_SAMPLES - 1)).astype(np.int8))
         bar.update(e - s)
         c0 = c1
     bar.close()
@@ -490,53 +498,99 @@ def shards_sample(trace: Trace, rate: float, seed: int = 0, chunk: int = 1 << 20
 @dataclass
 class ShardsResult:
     curves: list[LruCurve]
-    rate: float
+    rate: float  # as asked; each curve's own rate may be higher (see table_rates)
     sampled_accesses: int
-    expected_mae: list[float]  # per table: estimated mean absolute error of the miss ratio
+    error_sizes: list[np.ndarray]  # per table: cache sizes (rows) where the error band is known
+    error_bound: list[np.ndarray]  # per table: bound on |miss ratio error| at those sizes
     seconds: float
+
+    @property
+    def table_rates(self) -> list[float]:
+        return [c.rate for c in self.curves]
+
+    def bound(self, i: int, rows) -> np.ndarray:
+        """Table i's error bound at any sizes: the larger of the two known sizes around each."""
+        x, b = self.error_sizes[i], self.error_bound[i]
+        if not len(x):
+            return np.full(np.shape(rows), np.nan)
+        j = np.clip(np.searchsorted(x, rows), 1, len(x) - 1) if len(x) > 1 else np.zeros(np.shape(rows), dtype=np.int64)
+        return np.maximum(b[j], b[np.maximum(j - 1, 0)])
+
+    @property
+    def max_bound(self) -> list[float]:
+        return [float(b.max()) if len(b) else float("nan") for b in self.error_bound]
+
+    @property
+    def mean_bound(self) -> list[float]:
+        return [float(b.mean()) if len(b) else float("nan") for b in self.error_bound]
 
 
 def shards_curves(trace: Trace, rate: float, tables: Sequence[str] | None = None, seed: int = 0,
-                  adjust: bool = True, progress: bool = False, estimate_error: bool = True) -> ShardsResult:
+                  adjust: bool = True, progress: bool = False, estimate_error: bool = True,
+                  min_sample_rows: int = MIN_SAMPLE_ROWS) -> ShardsResult:
     """Approximate LRU curves by SHARDS at ``rate``.
+
+    A table whose sample would hold fewer than ``min_sample_rows`` rows is sampled
+    at a higher rate (up to 1, exact): at rate 0.01 a 100k-row table keeps ~1000
+    rows, and the few hot rows that decide small caches are in or out by chance.
 
     Adjustment (SHARDS_adj, extended): the trace's exact uses U and distinct
     rows W are cheap to count (a scatter per call, no streams), so the first
     touches are set to W and the difference between the sampled uses and their
     expectation is put at distance 0: hits(C) = U - W - (sampled reuses with
-    distance >= rate * C) / rate. Only the reuse distances are estimated. The
-    error is estimated as the standard error between four disjoint sub-samples.
+    distance >= rate * C) / rate. Only the reuse distances are estimated.
+
+    Error band, per size: ERROR_SIGMAS standard errors (from the spread of
+    SUB_SAMPLES disjoint sub-samples, whose variance is SUB_SAMPLES times the
+    whole sample's; the largest within a factor 2 of the size, since one size's
+    spread is itself noisy) plus the curve's rise over +-1/rate rows (what one
+    sampled row of distance stands for).
     """
     t0 = time.perf_counter()
-    sub, part = shards_sample(trace, rate, seed, progress=progress)
     names = list(tables) if tables else trace.table_names
-    exact = trace_counts(trace, names) if adjust else None
+    exact = trace_counts(trace, names)
+    rates = np.full(len(trace.tables), float(rate))
+    for n, w in zip(names, exact[1]):
+        rates[trace.table_index(n)] = min(1.0, max(float(rate), min_sample_rows / max(w, 1)))
+    sub, part = shards_sample(trace, rates, seed, progress=progress)
     per_table = np.bincount(trace.call_table, weights=np.diff(trace.offsets), minlength=len(trace.tables))
     accesses = [int(per_table[trace.table_index(n)]) for n in names]
-    curves = _sample_curves(sub, names, rate, exact, accesses, progress)
-    mae = [float("nan")] * len(names)
+    name_rates = [float(rates[trace.table_index(n)]) for n in names]
+    curves = _sample_curves(sub, names, name_rates, exact if adjust else None, accesses, progress)
+    sizes = [_error_grid(c.working_set) for c in curves]
+    bounds = [np.full(len(g), np.nan) for g in sizes]
     if estimate_error and sub.n_accesses:
         parts = []
-        for k in range(4):
+        for k in range(SUB_SAMPLES):
             keep = part == k
-            pos = np.flatnonzero(keep)
-            offs = np.searchsorted(pos, sub.offsets).astype(np.int64)
+            offs = np.searchsorted(np.flatnonzero(keep), sub.offsets).astype(np.int64)
             parts.append(_sample_curves(Trace(sub.tables, sub.ids[keep], offs, sub.call_table, sub.call_step),
-                                        names, rate / 4, exact, accesses, False))
-        for i, c in enumerate(curves):
-            grid = _grid(c.working_set)
-            ratios = np.array([p[i].hit_ratio(grid) for p in parts])
-            # the full sample is about the mean of the four: its standard error is std / 2
-            se = ratios.std(axis=0, ddof=1) / 2
-            mae[i] = float(np.sqrt(2 / np.pi) * se.mean())
-    return ShardsResult(curves, rate, sub.n_accesses, mae, time.perf_counter() - t0)
+                                        names, [r / SUB_SAMPLES for r in name_rates], exact if adjust else None, accesses, False))
+        for i, (c, g) in enumerate(zip(curves, sizes)):
+            if c.rate == 1.0:
+                bounds[i] = np.zeros(len(g))
+                continue
+            se = np.array([p[i].hit_ratio(g) for p in parts]).std(axis=0, ddof=1) / math.sqrt(SUB_SAMPLES)
+            lo, hi = np.searchsorted(g, g / 2), np.searchsorted(g, g * 2, side="right")
+            se = np.array([se[a:b].max() for a, b in zip(lo, hi)])  # a loop over ~300 sizes
+            step = 1 / c.rate
+            rise = c.hit_ratio(g + step) - c.hit_ratio(np.maximum(g - step, 0))
+            bounds[i] = ERROR_SIGMAS * se + rise
+    return ShardsResult(curves, rate, sub.n_accesses, sizes, bounds, time.perf_counter() - t0)
 
 
-def _sample_curves(sub: Trace, names, rate, exact, accesses, progress) -> list[LruCurve]:
+def _error_grid(working_set: float) -> np.ndarray:
+    """Sizes for the error band: even steps and geometric ones (small caches) to the working set."""
+    ws = max(int(math.ceil(working_set)), 1)
+    return np.unique(np.concatenate([_grid(ws), np.geomspace(1, ws, 120).round().astype(np.int64)]))
+
+
+def _sample_curves(sub: Trace, names, rates, exact, accesses, progress) -> list[LruCurve]:
     streams = build_streams(sub, names)
     dists = stack_distances(streams, progress)
     out = []
     for i, (s, d) in enumerate(zip(streams, dists)):
+        rate = rates[i]
         c = LruCurve.from_distances(s, d, rate)
         if exact is not None:
             uses, distinct = exact[0][i], exact[1][i]
@@ -749,6 +803,7 @@ def simulate(stream: TableStream, hbm_rows: int, ddr_rows: int, policy: str = "l
     """
     if stream.num_rows is not None:  # as the store does
         hbm_rows, ddr_rows = min(hbm_rows, stream.num_rows), min(ddr_rows, stream.num_rows)
+    hbm_rows, ddr_rows = clamp_sizes(hbm_rows, ddr_rows, stream.working_set)
     choose_call = None
     if policy in ("lru", "lfu"):
         pol = make_policy(policy)
@@ -784,6 +839,16 @@ def simulate(stream: TableStream, hbm_rows: int, ddr_rows: int, policy: str = "l
         bar.update(hi - lo)
     bar.close()
     return sim.counts
+
+
+def clamp_sizes(hbm_rows: int, ddr_rows: int, working_set: float) -> tuple[int, int]:
+    """The same tiers, no larger than the rows the trace touches: counts do not change
+    (HBM fills before anything goes down and stays full, so DDR never holds more
+    than the working set less HBM), and slot arrays are not sized by a huge ask.
+    A tier stays at least one row, since a tier that exists counts its misses."""
+    ws = int(math.ceil(working_set))
+    h = min(int(hbm_rows), max(ws, 1))
+    return h, min(int(ddr_rows), max(ws - h, 1))
 
 
 def belady_hits(stream: TableStream, rows: int) -> int:
@@ -919,6 +984,7 @@ class CapacityConfig:
     row_bytes: int | None = None  # overrides the trace's
     seed: int = 0
     progress: bool = False
+    iec: bool = False  # report bytes in KiB/MiB/GiB (the budget was given so), else kB/MB/GB
 
     def __post_init__(self):
         if self.shards_rate is not None and not 0 < self.shards_rate <= 1:
@@ -971,6 +1037,12 @@ def analyze(trace: Trace, config: CapacityConfig | None = None) -> dict:
     names = list(cfg.tables) if cfg.tables else trace.table_names
     for n in names:
         trace.table_index(n)
+    per_table = np.bincount(trace.call_table, weights=np.diff(trace.offsets), minlength=len(trace.tables))
+    empty = [n for n in names if per_table[trace.table_index(n)] == 0]
+    if len(empty) == len(names):
+        raise ValueError(f"the trace has no accesses{' to ' + ', '.join(map(repr, names)) if cfg.tables else ''} "
+                         f"({trace.n_calls:,} calls): nothing to size. Record reads into it first "
+                         "(a killed recorder keeps only what it synced), or pick tables that were read")
     n_steps = max(trace.n_steps, 1)
     per_s = cfg.steps_per_s / n_steps  # multiply a whole-trace count by this for a rate per second
     t0 = time.perf_counter()
@@ -978,6 +1050,8 @@ def analyze(trace: Trace, config: CapacityConfig | None = None) -> dict:
     streams = build_streams(trace, names) if need_streams else None
     t_streams = time.perf_counter() - t0
     report: dict = {
+        "iec": cfg.iec,
+        "notes": [f"table {n!r} has no accesses in this trace: its rows are zero" for n in empty],
         "trace": {"calls": trace.n_calls, "steps": trace.n_steps, "accesses": trace.n_accesses, "tables": len(names)},
         "steps_per_s": cfg.steps_per_s,
     }
@@ -992,11 +1066,14 @@ def analyze(trace: Trace, config: CapacityConfig | None = None) -> dict:
     if cfg.shards_rate is not None:
         sh = shards_curves(trace, cfg.shards_rate, names, cfg.seed, progress=cfg.progress)
         curves = sh.curves
-        report["shards"] = {"rate": sh.rate, "sampled_accesses": sh.sampled_accesses, "seconds": sh.seconds,
-                            "accesses_per_s": trace.n_accesses / max(sh.seconds, 1e-9),
-                            "expected_mae": dict(zip(names, sh.expected_mae))}
+        report["shards"] = {"rate": sh.rate, "table_rates": dict(zip(names, sh.table_rates)),
+                            "min_sample_rows": MIN_SAMPLE_ROWS, "sampled_accesses": sh.sampled_accesses,
+                            "seconds": sh.seconds, "accesses_per_s": trace.n_accesses / max(sh.seconds, 1e-9),
+                            "error_bound": dict(zip(names, sh.max_bound)), "error_bound_mean": dict(zip(names, sh.mean_bound))}
         if exact is not None:
             report["shards"]["measured_mae"] = {c.name: mean_abs_error(a, c) for a, c in zip(sh.curves, exact)}
+            report["shards"]["measured_max_error"] = {
+                c.name: float(np.abs(a.hit_ratio(g) - c.hit_ratio(g)).max()) for a, c, g in zip(sh.curves, exact, sh.error_sizes)}
     report["method"] = "exact" if cfg.shards_rate is None else f"shards@{cfg.shards_rate:g}"
     row_bytes = [_row_bytes(trace.tables[trace.table_index(n)], cfg.row_bytes) for n in names]
 
@@ -1008,7 +1085,8 @@ def analyze(trace: Trace, config: CapacityConfig | None = None) -> dict:
             "name": c.name, "accesses": c.n_accesses, "uses": _num(c.n_uses), "calls": c.n_calls,
             "working_set": _num(c.working_set), "uses_per_step": c.n_uses / n_steps,
             "row_bytes": row_bytes[i], "max_hit_ratio": c.max_hit_ratio(),
-            "curve": {"rows": grid.tolist(), "hit_ratio": ratios.tolist()},
+            "curve": {"rows": grid.tolist(), "hit_ratio": ratios.tolist(),
+                      **({"error_bound": sh.bound(i, grid).tolist()} if cfg.shards_rate is not None else {})},
             "reuse_histogram": c.reuse_histogram(),
             "reuse_by_decade": _decade_shares(c),
             "ssd_no_cache": _rate(c.n_uses, per_s, row_bytes[i]),
@@ -1029,6 +1107,12 @@ def analyze(trace: Trace, config: CapacityConfig | None = None) -> dict:
         report["budget"] = {"hbm_bytes": cfg.hbm_bytes or 0, "ddr_bytes": cfg.ddr_bytes or 0,
                             "hbm_bytes_used": int(sum(x * b for x, b in zip(h, row_bytes))),
                             "ddr_bytes_used": int(sum(x * b for x, b in zip(d, row_bytes)))}
+        full = all(float(c.hits(hi + di)) >= float(c.hits(math.ceil(c.working_set))) for c, hi, di in zip(curves, h, d))
+        for tier, asked in (("HBM", cfg.hbm_bytes or 0), ("DDR", cfg.ddr_bytes or 0)):
+            used = report["budget"][f"{tier.lower()}_bytes_used"]
+            if asked > used and full:
+                report["notes"].append(f"the {tier} budget {_fmt_bytes(asked, cfg.iec)} is beyond what the tables can use: "
+                                       f"{_fmt_bytes(used, cfg.iec)} of it already get every hit the trace allows")
     if recs is not None:
         for t, c, r, rb in zip(tables, curves, recs, row_bytes):
             tiers = c.tiers(r["hbm_rows"], r["ddr_rows"])
@@ -1043,7 +1127,12 @@ def analyze(trace: Trace, config: CapacityConfig | None = None) -> dict:
             points = [(t["recommendation"]["hbm_rows"], t["recommendation"]["ddr_rows"])] if "recommendation" in t else \
                 [(_size_rows("1%", c.working_set), _size_rows("10%", c.working_set))]
         sims = []
-        for h, d in points:
+        for ask in points:
+            h, d = clamp_sizes(*ask, c.working_set)
+            if (h, d) != ask:
+                report["notes"].append(
+                    f"table {c.name!r}: {ask[0]:,}:{ask[1]:,} rows is beyond its working set of {_fmt(c.working_set)} rows "
+                    f"(more rows cannot hit more); reported as {h:,}:{d:,}")
             # LRU needs no replay: the curve gives every size
             sims.append({"policy": "lru", "hbm_rows": h, "ddr_rows": d, "predicted": "curve" if c.exact else report["method"],
                          **_tier_summary(c.tiers(h, d), c.n_uses, per_s, row_bytes[i])})
@@ -1132,6 +1221,8 @@ def _totals(tables: list[dict], per_s: float) -> dict:
 def format_report(report: dict) -> str:
     """A terminal table per section."""
     lines = []
+    iec = report.get("iec", False)
+    div, mb = _mb(report)
     tr = report["trace"]
     lines.append(f"trace: {tr['accesses']:,} accesses, {tr['calls']:,} calls, {tr['steps']:,} steps, {tr['tables']} tables; "
                  f"curves: {report['method']}; rates at {report['steps_per_s']:g} steps/s")
@@ -1139,20 +1230,28 @@ def format_report(report: dict) -> str:
         lines.append(f"exact LRU curve: {report['exact']['seconds']:.2f} s ({report['exact']['accesses_per_s'] / 1e6:.1f}M accesses/s)")
     if "shards" in report:
         s = report["shards"]
-        mae = [v for v in s["expected_mae"].values() if v == v]
+        worst = lambda d: max([v for v in d.values() if v == v], default=float("nan"))  # noqa: E731
+        raised = {n: r for n, r in s["table_rates"].items() if r > s["rate"]}
         line = (f"SHARDS rate {s['rate']:g}: {s['sampled_accesses']:,} sampled accesses, {s['seconds']:.2f} s "
-                f"({s['accesses_per_s'] / 1e6:.1f}M accesses/s); expected MAE of the miss ratio ~{max(mae) if mae else float('nan'):.4f}")
-        if "measured_mae" in s:
-            line += f", measured {max(s['measured_mae'].values()):.4f} (worst table)"
+                f"({s['accesses_per_s'] / 1e6:.1f}M accesses/s)")
+        if raised:
+            line += (f"; rate raised to sample >= {s['min_sample_rows']:,} rows in {len(raised)} table(s) ("
+                     + ", ".join(f"{n} {r:.3g}" for n, r in list(raised.items())[:5]) + (", ..." if len(raised) > 5 else "") + ")")
         lines.append(line)
+        line = (f"SHARDS miss-ratio error bound ({ERROR_SIGMAS:g} sigma of {SUB_SAMPLES} sub-samples + resolution, worst table): "
+                f"<= {worst(s['error_bound']):.4f} at any size, {worst(s['error_bound_mean']):.4f} on average")
+        if "measured_mae" in s:
+            line += f"; measured max {worst(s['measured_max_error']):.4f}, mean {worst(s['measured_mae']):.4f}"
+        lines.append(line)
+    lines += [f"note: {n}" for n in report.get("notes", [])]
     lines.append("")
-    head = ["table", "accesses", "uses/step", "working set", "max hit", "hit@1%", "hit@10%", "SSD MB/s no cache"]
+    head = ["table", "accesses", "uses/step", "working set", "max hit", "hit@1%", "hit@10%", f"SSD {mb}/s no cache"]
     rows = []
     for t in report["tables"]:
         rows_grid, ratio = np.array(t["curve"]["rows"]), np.array(t["curve"]["hit_ratio"])
         at = lambda f: float(np.interp(f * t["working_set"], rows_grid, ratio))  # noqa: E731
         rows.append([t["name"], f"{t['accesses']:,}", f"{t['uses_per_step']:,.0f}", f"{_fmt(t['working_set'])} rows",
-                     f"{t['max_hit_ratio']:.3f}", f"{at(0.01):.3f}", f"{at(0.10):.3f}", f"{t['ssd_no_cache']['mb_per_s']:,.1f}"])
+                     f"{t['max_hit_ratio']:.3f}", f"{at(0.01):.3f}", f"{at(0.10):.3f}", f"{t['ssd_no_cache']['mb_per_s'] * 1e6 / div:,.1f}"])
     lines += _table(head, rows)
     lines.append("")
     lines.append("reuse distances (share of uses by LRU stack distance, rows; first touch = cold miss at any size):")
@@ -1162,40 +1261,40 @@ def format_report(report: dict) -> str:
     if any("recommendation" in t for t in report["tables"]):
         lines.append("")
         lines.append("recommendation (LRU" + (", byte budget split" if "budget" in report else ", targets") + "):")
-        head = ["table", "HBM rows", "DDR rows", "HBM hit", "hit", "SSD rows/s", "SSD MB/s", "note"]
+        head = ["table", "HBM rows", "DDR rows", "HBM hit", "hit", "SSD rows/s", f"SSD {mb}/s", "note"]
         rows = []
         for t in report["tables"]:
             r = t.get("recommendation")
             if r:
                 rows.append([t["name"], f"{r['hbm_rows']:,}", f"{r['ddr_rows']:,}", f"{r['hbm_hit_ratio']:.3f}", f"{r['hit_ratio']:.3f}",
-                             f"{r['ssd']['rows_per_s']:,.0f}", f"{r['ssd']['mb_per_s']:,.1f}",
+                             f"{r['ssd']['rows_per_s']:,.0f}", f"{r['ssd']['mb_per_s'] * 1e6 / div:,.1f}",
                              "" if r["reachable"] else f"target unreachable (max {r['max_hit_ratio']:.3f}: first touches)"])
         tot = report["total"].get("recommendation")
         if tot:
             rows.append(["TOTAL", f"{tot['hbm_rows']:,}", f"{tot['ddr_rows']:,}", f"{tot['hbm_hit_ratio']:.3f}", f"{tot['hit_ratio']:.3f}",
-                         f"{tot['ssd']['rows_per_s']:,.0f}", f"{tot['ssd']['mb_per_s']:,.1f}",
-                         f"{_fmt_bytes(tot['hbm_bytes'])} HBM + {_fmt_bytes(tot['ddr_bytes'])} DDR"])
+                         f"{tot['ssd']['rows_per_s']:,.0f}", f"{tot['ssd']['mb_per_s'] * 1e6 / div:,.1f}",
+                         f"{_fmt_bytes(tot['hbm_bytes'], iec)} HBM + {_fmt_bytes(tot['ddr_bytes'], iec)} DDR"])
         lines += _table(head, rows)
     if any("simulations" in t for t in report["tables"]):
         lines.append("")
         lines.append("at chosen sizes (LRU read off the curve, other policies replayed; hits as the store counts them):")
-        head = ["table", "policy", "HBM rows", "DDR rows", "HBM hit", "hit", "SSD rows/s", "SSD MB/s"]
+        head = ["table", "policy", "HBM rows", "DDR rows", "HBM hit", "hit", "SSD rows/s", f"SSD {mb}/s"]
         rows = []
         for t in report["tables"]:
             for s in t.get("simulations", []):
                 name = s["policy"] if s["predicted"] == "simulated" or "belady" in s["policy"] else f"{s['policy']} ({s['predicted']})"
                 rows.append([t["name"], name, f"{s['hbm_rows']:,}", f"{s['ddr_rows']:,}", f"{s['hbm_hit_ratio']:.3f}",
-                             f"{s['hit_ratio']:.3f}", f"{s['ssd']['rows_per_s']:,.0f}", f"{s['ssd']['mb_per_s']:,.1f}"])
+                             f"{s['hit_ratio']:.3f}", f"{s['ssd']['rows_per_s']:,.0f}", f"{s['ssd']['mb_per_s'] * 1e6 / div:,.1f}"])
         lines += _table(head, rows)
     tot = report["total"]
     lines.append("")
-    lines.append(f"total: working set {_fmt(tot['working_set_rows'])} rows ({_fmt_bytes(tot['working_set_bytes'])}); "
-                 f"SSD demand with no cache {tot['ssd_no_cache']['mb_per_s']:,.1f} MB/s")
+    lines.append(f"total: working set {_fmt(tot['working_set_rows'])} rows ({_fmt_bytes(tot['working_set_bytes'], iec)}); "
+                 f"SSD demand with no cache {tot['ssd_no_cache']['mb_per_s'] * 1e6 / div:,.1f} {mb}/s")
     tc = tot.get("curve")
     if tc and tc["hit_ratio"]:
         ratio, spent = np.array(tc["hit_ratio"]), np.array(tc["bytes"])
         top = float(ratio.max())
-        marks = [f"{q:.0%} of the max at {_fmt_bytes(float(spent[np.argmax(ratio >= q * top - 1e-12)]))}" for q in (0.5, 0.8, 0.9, 0.99)]
+        marks = [f"{q:.0%} of the max at {_fmt_bytes(float(spent[np.argmax(ratio >= q * top - 1e-12)]), iec)}" for q in (0.5, 0.8, 0.9, 0.99)]
         lines.append(f"total LRU hit ratio with a cache split well across tables: max {top:.3f}; " + ", ".join(marks))
     return "\n".join(lines)
 
@@ -1214,11 +1313,17 @@ def _fmt(x) -> str:
     return f"{x:,.0f}"
 
 
-def _fmt_bytes(b) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(b) < 1000 or unit == "TB":
+def _fmt_bytes(b, iec: bool = False) -> str:
+    step, units = (1024, ("B", "KiB", "MiB", "GiB", "TiB")) if iec else (1000, ("B", "kB", "MB", "GB", "TB"))
+    for unit in units:
+        if abs(b) < step or unit == units[-1]:
             return f"{b:,.1f} {unit}"
-        b /= 1000
+        b /= step
+
+
+def _mb(report: dict) -> tuple[float, str]:
+    """The unit of the report's bandwidths: MiB/s when bytes were given in binary units."""
+    return (2**20, "MiB") if report.get("iec") else (1e6, "MB")
 
 
 def plot_report(report: dict, out_dir: str | Path) -> list[Path]:

@@ -9,27 +9,14 @@ from pathlib import Path
 
 import numpy as np
 
+from tierstore.tools.cli import nonneg_float, nonneg_int, positive_float, positive_int, ratio
+
 DEFAULT_STATS_DIR = Path("../shared/data/dlrm_datasets")
 
 
 def register(sub) -> None:
     _register_trace(sub)
     _register_capacity(sub)
-
-
-def _cli(fn):
-    """Bad input ends the command with its message (which names the fix), not a traceback."""
-
-    def run(args) -> int:
-        try:
-            return fn(args)
-        except (ValueError, TypeError, KeyError, IndexError, FileNotFoundError, ImportError) as e:
-            msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-            print(f"tierstore: error: {msg}", file=sys.stderr)
-            return 2
-
-    run.__name__ = fn.__name__
-    return run
 
 
 # -- tierstore trace ---------------------------------------------------------------------------------
@@ -41,40 +28,42 @@ def _register_trace(sub) -> None:
     s = verbs.add_parser("synth", help="a synthetic trace: Zipf popularity per table, optionally drifting")
     s.add_argument("out", help="output: a directory, or a file ending in .npz")
     s.add_argument("--table", action="append", default=[], metavar="NAME:ROWS[:ALPHA[:POOLING]]",
-                   help="a table (repeatable); default: --tables tables of --rows rows")
-    s.add_argument("--tables", type=int, default=1, help="number of tables t0.. when no --table is given")
-    s.add_argument("--rows", type=int, default=1_000_000, help="rows per table when no --table is given")
-    s.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent (default 1.05)")
-    s.add_argument("--batch-size", type=int, default=2048, help="samples per step")
-    s.add_argument("--pooling", type=float, default=16.0, help="ids per sample per table (a call reads batch*pooling ids)")
-    s.add_argument("--steps", type=int, default=100)
-    s.add_argument("--drift", type=float, default=0.0, help="rows every popularity rank moves per step (temporal locality)")
-    s.add_argument("--dim", type=int, default=64, help="embedding dim recorded in the trace (for bandwidth)")
-    s.add_argument("--seed", type=int, default=0)
-    s.set_defaults(func=_cli(_synth))
+                   help="a table (repeatable): NAME, ROWS rows, Zipf exponent ALPHA (default --alpha) and POOLING ids per "
+                        "sample (default --pooling), e.g. user:1000000:1.1:8; without --table: --tables tables of --rows rows")
+    s.add_argument("--tables", type=positive_int, default=1, help="number of tables t0.. when no --table is given")
+    s.add_argument("--rows", type=positive_int, default=1_000_000, help="rows per table when no --table is given")
+    s.add_argument("--alpha", type=positive_float, default=1.05, help="Zipf exponent of tables without their own")
+    s.add_argument("--batch-size", type=positive_int, default=2048, help="samples per step")
+    s.add_argument("--pooling", type=positive_float, default=16.0,
+                   help="ids per sample per table, of tables without their own (a call reads batch-size x pooling ids)")
+    s.add_argument("--steps", type=positive_int, default=100, help="training steps (one call per table each)")
+    s.add_argument("--drift", type=nonneg_float, default=0.0, help="rows every popularity rank moves per step (temporal locality)")
+    s.add_argument("--dim", type=positive_int, default=64, help="embedding dim recorded in the trace (for bandwidth)")
+    s.add_argument("--seed", type=int, default=0, help="random seed")
+    s.set_defaults(func=_synth)
 
     c = verbs.add_parser("convert", help="convert dlrm_datasets .pt files or a CSV (step,table,id) into a trace")
     c.add_argument("inputs", nargs="+", help="fbgemm_t*_bs*.pt files (one batch each) or one .csv file")
     c.add_argument("-o", "--out", required=True, help="output: a directory, or a file ending in .npz")
-    c.add_argument("--from", dest="fmt", choices=("auto", "dlrm", "csv"), default="auto")
-    c.add_argument("--batch-size", type=int, default=None, help="dlrm: split each file's batch into steps of this many samples")
-    c.add_argument("--dim", type=int, default=None, help="embedding dim to record (for bandwidth)")
-    c.set_defaults(func=_cli(_convert))
+    c.add_argument("--from", dest="fmt", choices=("auto", "dlrm", "csv"), default="auto", help="input format (auto: by file name)")
+    c.add_argument("--batch-size", type=positive_int, default=None, help="dlrm: split each file's batch into steps of this many samples")
+    c.add_argument("--dim", type=positive_int, default=None, help="embedding dim to record (for bandwidth)")
+    c.set_defaults(func=_convert)
 
     i = verbs.add_parser("info", help="summary of a trace")
-    i.add_argument("trace")
-    i.add_argument("--json", action="store_true")
-    i.set_defaults(func=_cli(_info))
+    i.add_argument("trace", help="a trace directory (the one holding trace.json) or .npz file")
+    i.add_argument("--json", action="store_true", help="print one JSON object")
+    i.set_defaults(func=_info)
 
     k = verbs.add_parser("calibrate", help="fit synth's alpha and rows to dlrm_datasets per-batch reuse histograms")
     k.add_argument("stats", nargs="*", help=f"*_locality_stats.txt files (default: {DEFAULT_STATS_DIR}/*_locality_stats.txt)")
-    k.add_argument("--section", type=int, default=0, help="which report in each file (default 0, the first)")
-    k.add_argument("--ids-per-table", type=int, default=None, help="ids per table and batch (default: from the stats)")
-    k.add_argument("--components", type=int, choices=(1, 2), default=2, help="fit one Zipf table, or also a mix of two (default)")
+    k.add_argument("--section", type=nonneg_int, default=0, help="which report in each file (0: the first)")
+    k.add_argument("--ids-per-table", type=positive_int, default=None, help="ids per table and batch (default: from the stats)")
+    k.add_argument("--components", type=int, choices=(1, 2), default=2, help="fit one Zipf table, or also a mix of two")
     k.add_argument("--quick", action="store_true", help="a coarser grid")
-    k.add_argument("--seed", type=int, default=0)
-    k.add_argument("--json", action="store_true")
-    k.set_defaults(func=_cli(_calibrate))
+    k.add_argument("--seed", type=int, default=0, help="random seed of the generated batches")
+    k.add_argument("--json", action="store_true", help="print JSON")
+    k.set_defaults(func=_calibrate)
 
 
 def _parse_tables(args):
@@ -153,7 +142,7 @@ def _calibrate(args) -> int:
     for f in files:
         sections = parse_locality_stats(f)
         if not 0 <= args.section < len(sections):
-            raise IndexError(f"{f} has {len(sections)} reports; --section must be in 0..{len(sections) - 1}")
+            raise ValueError(f"{f} has {len(sections)} reports; --section must be in 0..{len(sections) - 1}")
         target = sections[args.section]
         for k in sorted({1, args.components}):
             results.append((f, calibrate(target, k, ids_per_table=args.ids_per_table, seed=args.seed, quick=args.quick)))
@@ -186,25 +175,25 @@ def _register_capacity(sub) -> None:
     )
     p.add_argument("trace", help="a trace directory or .npz (tierstore trace synth/convert, or TieredStore(record_trace=))")
     p.add_argument("--tables", default=None, help="comma-separated tables to analyse (default: all)")
-    p.add_argument("--shards", type=float, default=None, metavar="RATE", help="approximate the curves by SHARDS at this sampling rate (e.g. 0.01)")
+    p.add_argument("--shards", type=ratio, default=None, metavar="RATE", help="approximate the curves by SHARDS at this sampling rate (e.g. 0.01)")
     p.add_argument("--compare", action="store_true", help="with --shards: compute the exact curves too and report SHARDS's measured error")
-    p.add_argument("--hbm-hit", type=float, default=None, help="target HBM hit ratio per table (recommend HBM rows)")
-    p.add_argument("--hit", type=float, default=None, help="target cache (HBM + DDR) hit ratio per table (recommend DDR rows)")
+    p.add_argument("--hbm-hit", type=ratio, default=None, help="target HBM hit ratio per table (recommend HBM rows)")
+    p.add_argument("--hit", type=ratio, default=None, help="target cache (HBM + DDR) hit ratio per table (recommend DDR rows)")
     p.add_argument("--hbm-bytes", default=None, help="HBM budget to split across tables, e.g. 16G or 16GiB")
     p.add_argument("--ddr-bytes", default=None, help="DDR budget to split across tables, e.g. 256G")
     p.add_argument("--sizes", action="append", default=[], metavar="HBM:DDR",
                    help="simulate at these tier sizes per table, rows or %% of the working set, e.g. 10000:100000 or 1%%:10%% (repeatable; default: the recommendation, else 1%%:10%%)")
     p.add_argument("--policies", default="lfu", help="policies to replay at those sizes: lfu, lookahead, lru (LRU is always read off the curve; "
                    "replaying it cross-checks); default lfu, '' for none")
-    p.add_argument("--window", type=int, default=16, help="lookahead window in batches (default 16)")
+    p.add_argument("--window", type=positive_int, default=16, help="lookahead window in batches")
     p.add_argument("--no-belady", action="store_true", help="skip Belady's bound")
-    p.add_argument("--steps-per-s", type=float, default=1.0, help="training steps per second, for SSD rates (default 1)")
-    p.add_argument("--row-bytes", type=int, default=None, help="bytes per row on SSD (default: from the trace, else 512)")
+    p.add_argument("--steps-per-s", type=positive_float, default=1.0, help="training steps per second, for SSD rates")
+    p.add_argument("--row-bytes", type=positive_int, default=None, help="bytes per row on SSD (default: from the trace, else 512)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots there (needs pip install 'tierstore[plot]')")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bars (default: on a terminal, for long traces)")
     p.add_argument("--seed", type=int, default=0, help="SHARDS hash seed")
-    p.set_defaults(func=_cli(_capacity))
+    p.set_defaults(func=_capacity)
 
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -238,6 +227,7 @@ def _capacity(args) -> int:
         belady=not args.no_belady, hbm_target=args.hbm_hit, hit_target=args.hit,
         hbm_bytes=parse_bytes(args.hbm_bytes), ddr_bytes=parse_bytes(args.ddr_bytes),
         steps_per_s=args.steps_per_s, row_bytes=args.row_bytes, seed=args.seed, progress=progress,
+        iec=any("i" in str(b).lower() for b in (args.hbm_bytes, args.ddr_bytes) if b),
     )
     if args.compare and args.shards is None:
         raise ValueError("--compare compares SHARDS with the exact curve; pass --shards RATE too")
