@@ -5,9 +5,9 @@ from .spec import RowInit, TableSpec
 from .store import StoreConfig, TieredStore
 from . import optim
 from .nn import TieredEmbeddingBag, TieredEmbeddingBagCollection
-from .prefetch import LookaheadLoader, PrefetchConfig, PrefetchError, PrefetchTicket
+from .prefetch import LookaheadLoader, PrefetchConfig, PrefetchTicket
 
 __all__ = ["RowInit", "StoreConfig", "StoreLockedError", "TableSpec", "TieredStore"]
 __all__ += ["TieredEmbeddingBag", "TieredEmbeddingBagCollection", "optim"]
-__all__ += ["LookaheadLoader", "PrefetchConfig", "PrefetchError", "PrefetchTicket"]
+__all__ += ["LookaheadLoader", "PrefetchConfig", "PrefetchTicket"]
 __version__ = "0.1.0"

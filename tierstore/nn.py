@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import fbgemm
 from .optim import RowOptimizer
 from .precision import round_stochastic
 from .spec import MAX_ID, RowInit, TableSpec
@@ -142,6 +143,10 @@ class _Bags:
             self._rows = _Rows.group(self.ids)
         return self._rows
 
+    def ends(self) -> torch.Tensor:
+        """[B + 1] bag offsets ending with the number of entries (FBGEMM's form)."""
+        return torch.cat([self.offsets, torch.tensor([len(self.ids)])])
+
     def select(self, flat: torch.Tensor) -> torch.Tensor:
         """Per-entry values of the flat input restricted to the used entries."""
         return flat if self.used is None else flat.index_select(0, self.used.to(flat.device))
@@ -232,9 +237,8 @@ class _TieredBagFunction(torch.autograd.Function):
             if ctx.resident is not None:
                 owner._update_resident(bags, ctx.resident, grad_out, ctx.psw)
             else:
-                grads = _row_grads(owner.config.mode, bags, bags.rows, grad_out, ctx.psw, ctx.max_idx)
                 rows, ctx.rows = ctx.rows, None  # a failed or repeated backward re-reads
-                owner._apply_update(bags.rows.uid, grads, rows, ctx.writes, owner.store._update_key(owner.table))
+                owner._update_read(bags, grad_out, ctx.psw, ctx.max_idx, rows, ctx.writes)
         return None, grad_psw, None, None, None, None, None, None
 
 
@@ -302,8 +306,11 @@ class TieredEmbeddingBag(nn.Module):
         max_norm: float | None = None,
         scale_grad_by_freq: bool = False,
         sparse: bool = True,
+        kernels: str = "torch",
     ):
         super().__init__()
+        if kernels not in ("torch", "fbgemm"):
+            raise ValueError(f'kernels must be "torch" or "fbgemm" (FBGEMM\'s fused backward), got {kernels!r}')
         if max_norm is not None or scale_grad_by_freq:
             raise ValueError(
                 "max_norm and scale_grad_by_freq are not supported by TieredEmbeddingBag; "
@@ -344,6 +351,14 @@ class TieredEmbeddingBag(nn.Module):
                 raise ValueError(f"init={init!r} contradicts table {table!r}'s stored init {spec.init!r}")
             if dtype is not None and dtype != spec.dtype:
                 raise ValueError(f"dtype={dtype!r} contradicts table {table!r}'s dtype {spec.dtype!r}; drop dtype= to use the table's")
+        if kernels == "fbgemm":
+            try:
+                fbgemm.check(optimizer, cfg.mode, spec.dtype, store.device)
+            except Exception:
+                if self._owns_store:
+                    store.close()
+                raise
+        self.kernels = kernels
         self.dtype = spec.dtype  # of the stored weights; forward returns float32
         self.config = cfg
         self.store = store
@@ -571,27 +586,54 @@ class TieredEmbeddingBag(nn.Module):
     def _update_resident(self, bags: _Bags, hit, grad_out: torch.Tensor, psw) -> None:
         """The backward of a resident forward: the update runs on the tier's rows in
         place, unless a slot changed owner since the forward (then by id, as
-        _apply_update does). The same row gradients and update either way."""
-        rows = bags.rows
-        grads = _row_grads(self.config.mode, bags, rows, grad_out, psw, None)
-        row_slots = hit.slots.index_select(0, rows.firsts().to(hit.slots.device))
-        direction = lambda state: self.optimizer.direction(state, grads.to(state.device))  # noqa: E731
+        _update_read does). The same update either way."""
         key = self.store._update_key(self.table)
-        if self.store._update_resident(self.table, row_slots, hit.generation, direction, key):
+        if self.kernels == "fbgemm":
+            slots = hit.slots
+
+            def update(top) -> None:
+                fbgemm.fused_step(self.optimizer, top.weights, top.state, slots, bags.ends(), grad_out, psw, self.config.mode)
+        else:
+            grads = _row_grads(self.config.mode, bags, bags.rows, grad_out, psw, None)
+            slots = hit.slots.index_select(0, bags.rows.firsts().to(hit.slots.device))
+
+            def update(top) -> None:
+                state = top.state.index_select(0, slots)
+                step = self.optimizer.direction(state, grads.to(top.device))
+                if state.shape[1]:
+                    top.state.index_copy_(0, slots, state)
+                if top.weights.dtype == torch.float32:
+                    top.weights.index_add_(0, slots, step)  # w + 1 * x rounds as the read path's w.add_(x)
+                else:
+                    weights = top.weights.index_select(0, slots).to(torch.float32).add_(step)
+                    weights = round_stochastic(weights, self.dtype, top.ids.index_select(0, slots), key)
+                    top.weights.index_copy_(0, slots, weights.to(top.weights.dtype))
+        if self.store._update_resident(self.table, slots, hit.generation, update):
             counts = _WRITES.setdefault(self.store, {})
             counts[self.table] = counts.get(self.table, 0) + 1
         else:
-            self._apply_update(rows.uid, grads, None, 0, key)
+            self._update_read(bags, grad_out, psw, None, None, 0, key)
 
-    def _apply_update(self, uid: torch.Tensor, grads: torch.Tensor, rows: torch.Tensor | None, writes: int, key: int) -> None:
+    def _update_read(self, bags: _Bags, grad_out: torch.Tensor, psw, max_idx, rows: torch.Tensor | None, writes: int,
+                     key: int | None = None) -> None:
+        """The backward of a forward that read its rows (``rows``, with state):
+        update them and write them back."""
+        uid, dim = bags.rows.uid, self.config.embedding_dim
+        if key is None:
+            key = self.store._update_key(self.table)
         counts = _WRITES.setdefault(self.store, {})
         if rows is None or counts.get(self.table, 0) != writes:
             # another backward wrote rows since this forward read them: update the current values
             rows = self.store.read(self.table, uid, with_state=True)
-        dim = self.config.embedding_dim
-        self.optimizer.step(rows[:, :dim], rows[:, dim:], grads.to(rows.device))
-        if self.dtype != "float32":
-            rows[:, :dim] = round_stochastic(rows[:, :dim], self.dtype, uid, key)
+        if self.kernels == "fbgemm":
+            weights, state = rows[:, :dim].contiguous(), rows[:, dim:].contiguous()
+            fbgemm.fused_step(self.optimizer, weights, state, bags.rows.positions(), bags.ends(), grad_out, psw, self.config.mode)
+            rows = torch.cat([weights, state], dim=1)
+        else:
+            grads = _row_grads(self.config.mode, bags, bags.rows, grad_out, psw, max_idx)
+            self.optimizer.step(rows[:, :dim], rows[:, dim:], grads.to(rows.device))
+            if self.dtype != "float32":
+                rows[:, :dim] = round_stochastic(rows[:, :dim], self.dtype, uid, key)
         self.store.write(self.table, uid, rows, with_state=True)
         counts[self.table] = counts.get(self.table, 0) + 1
 
@@ -632,6 +674,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         optimizer: RowOptimizer | None = None,
         mode: str = "sum",
         include_last_offset: bool = False,
+        kernels: str = "torch",
     ):
         super().__init__()
         tables = list(tables)
@@ -657,7 +700,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         self.optimizer = optimizer
         self._bags = {
             s.name: TieredEmbeddingBag(s.num_rows, s.dim, mode=mode, store=store, table=s.name, optimizer=optimizer,
-                                       include_last_offset=include_last_offset)
+                                       include_last_offset=include_last_offset, kernels=kernels)
             for s in specs
         }
 

@@ -45,10 +45,6 @@ from .precision import DTYPES
 from .tiers import CacheTier, is_sorted_unique
 
 
-class PrefetchError(RuntimeError):
-    """A background prefetch failed; raised in the trainer's thread at the step it concerns."""
-
-
 @dataclass
 class PrefetchConfig:
     workers: int = 8  # threads for cold reads: the most one fetch uses (it takes those it needs to land in time)
@@ -77,6 +73,7 @@ class PrefetchTicket:
         self._done = threading.Event()
         self._released = False
         self.owned = False  # a LookaheadLoader delivers its failure at its batch
+        self.rejected = error is not None  # the ids themselves were bad: nothing was fetched
         if error is not None or prefetcher is None:
             self._done.set()
 
@@ -90,9 +87,13 @@ class PrefetchTicket:
             error, self._error = self._error, None  # delivered once
             if self._prefetcher is not None:
                 self._prefetcher._delivered(self)
-            raise PrefetchError(
-                f"prefetch of table {self.table!r} for batch {self.step} failed: {error}"
-            ) from error
+            raise _naming_batch(error, self.table, self.step)
+
+    def dismiss(self) -> None:
+        """Forget a rejected batch's failure: the read of the batch raises it itself."""
+        self._error = None
+        if self._prefetcher is not None:
+            self._prefetcher._delivered(self)
 
     def release(self) -> None:
         if not self._released:
@@ -115,8 +116,13 @@ class PrefetchGroup:
         return all(t.done() for t in self.tickets)
 
     def wait(self, timeout: float | None = None) -> None:
+        """Raise a failure of the fetches; a rejected batch is the read's to raise
+        (the same exception, at the same place, as without prefetch)."""
         for t in self.tickets:
-            t.wait(timeout)
+            if t.rejected:
+                t.dismiss()
+            else:
+                t.wait(timeout)
 
     def release(self) -> None:
         for t in self.tickets:
@@ -446,6 +452,18 @@ class Prefetcher:
             self._executor.shutdown(wait=True)
 
 
+def _naming_batch(error: BaseException, table: str, step: int) -> BaseException:
+    """A prefetch's failure as the trainer's thread raises it at its batch: the
+    exception the same read raises without prefetch (a bad id stays an IndexError,
+    an LMDB fault the backend's error), its message naming the batch."""
+    where = f"(raised by the prefetch of table {table!r} for batch {step})"
+    if len(error.args) == 1 and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]} {where}",)
+    elif hasattr(error, "add_note"):
+        error.add_note(where)
+    return error
+
+
 def _find_sorted(haystack: np.ndarray, needles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Position of each needle in a non-empty sorted array and the mask of those
     found, by binary search (np.isin sorts both)."""
@@ -494,7 +512,10 @@ class LookaheadLoader:
 
     def _issue(self, entry: list) -> PrefetchGroup | None:
         if entry[2] is None:  # deduped once: a batch that waits for room is tried again each step
-            reads = self._reads(entry[0])
+            try:
+                reads = self._reads(entry[0])
+            except Exception:  # not a batch of this module: its own forward says so, at its step
+                return PrefetchGroup(())
             try:
                 reads = {table: torch.unique(ids) for table, ids in reads.items()}
             except (RuntimeError, TypeError):  # not ids: the store says so at the batch's step

@@ -37,7 +37,7 @@ from tierstore.io import FORMAT_VERSION, LmdbBackend, WriteBack
 from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
 from .counters import StoreCounters, TableCounters, add_dicts, restored_on_error
-from .precision import DTYPES, round_nearest, round_stochastic, update_key
+from .precision import DTYPES, round_nearest, update_key
 from .spec import MAX_ID, TableSpec, initial_rows
 from .trace import TraceRecorder
 from .prefetch import PrefetchConfig, Prefetcher, PrefetchGroup, PrefetchTicket
@@ -316,30 +316,19 @@ class TieredStore:
         finally:
             self._gather_done()
 
-    def _update_resident(self, table: str, slots: torch.Tensor, generation: int,
-                         direction: Callable[[torch.Tensor], torch.Tensor], key: int) -> bool:
-        """A module's backward: update the top-tier rows at ``slots`` (unique) in
-        place and mark them dirty, as ``write(..., with_state=True)`` of the updated
-        rows would, if no slot of the tier changed owner since ``generation``.
-        ``direction(state)`` updates the rows' state and returns the weights' step;
-        ``key`` (``_update_key``) rounds reduced-precision weights.
-        Returns False, having changed nothing, if a slot did."""
+    def _update_resident(self, table: str, slots: torch.Tensor, generation: int, update: Callable[[CacheTier], None]) -> bool:
+        """A module's backward: ``update(top tier)`` changes the rows at ``slots`` in
+        place (their weights and state), which are then dirty, as after a
+        ``write(..., with_state=True)`` of the updated rows, if no slot of the tier
+        changed owner since ``generation``. Returns False, having changed nothing,
+        if a slot did."""
         with self._lock:
             t = self._table_to_write(table)
             top = t.hbm or t.ddr
             if top is None or top.generation != generation:
                 return False
-            state = top.state.index_select(0, slots)
-            step = direction(state).to(top.device)
             self._await_gathers()
-            if state.shape[1]:
-                top.state.index_copy_(0, slots, state)
-            if top.weights.dtype == torch.float32:
-                top.weights.index_add_(0, slots, step)  # w + 1 * x rounds as the general path's w.add_(x)
-            else:
-                weights = top.weights.index_select(0, slots).to(torch.float32).add_(step)
-                weights = round_stochastic(weights, t.spec.dtype, top.ids.index_select(0, slots), key)
-                top.weights.index_copy_(0, slots, weights.to(top.weights.dtype))
+            update(top)
             top.dirty[slots] = True
             return True
 
@@ -473,8 +462,8 @@ class TieredStore:
     def prefetch(self, table: str, ids) -> PrefetchTicket:
         """Start bringing the rows of ``ids`` up in the background; returns at once.
 
-        The ticket's ``wait()`` raises a failure (a bad id, an LMDB error) as
-        PrefetchError; ``release()`` unpins rows the batch did not read (a read
+        The ticket's ``wait()`` raises a failure (a bad id, an LMDB error) as the
+        read itself would, naming the batch; ``release()`` unpins rows the batch did not read (a read
         that covers the ticket's ids releases it too). See tierstore/prefetch.py.
         """
         with self._lock:

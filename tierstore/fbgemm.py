@@ -1,0 +1,69 @@
+"""FBGEMM's fused backward as the compute of ``TieredEmbeddingBag(kernels="fbgemm")``.
+
+FBGEMM's table-batched backward computes each row's gradient and applies the
+optimizer to the row in one pass over the batch's entries, where the torch path
+(tierstore.nn) materializes the row gradients, then steps the rows. Here the
+kernel runs on tierstore's own tensors: the top tier's weight and state matrices
+are the kernel's table (a slot is the kernel's row index), or, for a step whose
+rows are not all in that tier, the rows the step read (a row's position is its
+index). FBGEMM sorts a batch's entries stably by index and adds each row's
+gradients in entry order, so both give the same bits: rows stay bit-identical
+whatever the tier sizes, policy or prefetch depth. They differ from the torch
+path by the order the kernel rounds in (see the README).
+
+Needs fbgemm_gpu (``pip install "tierstore[fbgemm]"``); CPU tiers, float32 rows,
+SGD, Adagrad and row-wise Adagrad, sum and mean pooling.
+"""
+from __future__ import annotations
+
+import torch
+
+from .optim import SGD, Adagrad, RowOptimizer, RowWiseAdagrad
+
+INSTALL = 'pip install "tierstore[fbgemm]" (fbgemm-gpu-cpu 1.8.0 goes with torch 2.13)'
+_KERNELS = {SGD: "sgd", Adagrad: "adagrad", RowWiseAdagrad: "rowwise_adagrad"}
+_POOLING = {"sum": 0, "mean": 1}
+_HOST = 3  # FBGEMM's EmbeddingLocation.HOST: the table lives in host memory
+
+
+def _ops():
+    try:
+        import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+    except ImportError as e:
+        raise ImportError(f'kernels="fbgemm" needs FBGEMM: {INSTALL}') from e
+    return torch.ops.fbgemm
+
+
+def check(optimizer: RowOptimizer | None, mode: str, dtype: str, device: torch.device) -> None:
+    """Raise, naming the fix, unless FBGEMM's kernels can train this module."""
+    _ops()
+    if optimizer is not None and type(optimizer) not in _KERNELS:
+        names = ", ".join(k.__name__ for k in _KERNELS)
+        raise ValueError(f'kernels="fbgemm" supports the optimizers {names}, not {type(optimizer).__name__}; use kernels="torch"')
+    if mode not in _POOLING:
+        raise ValueError(f'kernels="fbgemm" supports mode "sum" and "mean", not {mode!r}; use kernels="torch"')
+    if dtype != "float32":
+        raise ValueError(f'kernels="fbgemm" trains float32 rows, not {dtype}; use kernels="torch"')
+    if device.type != "cpu":
+        raise ValueError(f'kernels="fbgemm" runs on CPU tiers, not {device}; use kernels="torch"')
+
+
+def fused_step(optimizer: RowOptimizer, weights: torch.Tensor, state: torch.Tensor, index: torch.Tensor,
+               offsets: torch.Tensor, grad_out: torch.Tensor, per_sample_weights: torch.Tensor | None, mode: str) -> None:
+    """Backward and optimizer step of bags ``offsets`` (B + 1 of them, the last the
+    number of entries) over rows ``index`` of ``weights`` [n, dim] and ``state``
+    [n, state_dim] (contiguous; updated in place), given the pooled gradient ``grad_out``."""
+    n, dim = weights.shape
+    long = dict(dtype=torch.int64)
+    table = (torch.tensor([_HOST], dtype=torch.int32), torch.zeros(1, **long))  # placement, offset: one table
+    args = [
+        grad_out.contiguous(), weights.view(-1), *table, torch.tensor([0, dim], dtype=torch.int32), dim,
+        torch.tensor([0, n], **long), max(n, 1).bit_length(), index, offsets, _POOLING[mode],
+        torch.empty(0) if per_sample_weights is None else per_sample_weights, False,
+    ]
+    if state.shape[1]:
+        args += [state.view(-1), *table]
+    args.append(torch.tensor(optimizer.lr, dtype=torch.float32))
+    if not isinstance(optimizer, SGD):
+        args.append(optimizer.eps)
+    getattr(_ops(), f"split_embedding_backward_codegen_{_KERNELS[type(optimizer)]}_cpu")(*args)
