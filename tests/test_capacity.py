@@ -145,6 +145,16 @@ def test_simulation_equals_store_on_random_traces(tmp_path_factory, trace, hbm, 
         assert cap.simulate(s, hbm, ddr, policy).as_dict() == store_counts(measured[s.name])
 
 
+@given(traces, st.integers(0, 12), st.integers(0, 12), st.sampled_from(["lru", "lfu", "lookahead", "belady"]),
+       st.sampled_from(["lru", "lfu"]), st.integers(1, 5))
+@settings(max_examples=60)
+def test_heap_replay_counts_like_the_vectorized_one(trace, hbm, ddr, policy, base, window):
+    """HeapSim (O(log tier) per id) against CacheSim, the data-free copy of the store's planning."""
+    for s in cap.build_streams(trace):
+        kw = {"window": window, "base": base} if policy in ("lookahead", "belady") else {}
+        assert cap.simulate(s, hbm, ddr, policy, method="heap", **kw) == cap.simulate(s, hbm, ddr, policy, method="scan", **kw)
+
+
 def test_bounded_tables_clamp_tiers_like_the_store(tmp_path):
     trace = random_trace(np.random.default_rng(5), steps=30, tables=(("small", 8), ("big", 40)), bounded=True)
     for hbm, ddr in [(20, 5), (5, 30), (100, 100)]:

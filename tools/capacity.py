@@ -37,6 +37,7 @@ their earlier calls.
 """
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import sys
@@ -790,8 +791,193 @@ class CacheSim:
         self.where[u] = np.where(keep_h, 1, np.where(keep_d, 2, 0))
 
 
+_BIG = 1 << 64  # above any use clock: freq * _BIG + last orders by (freq, last), as LFU does
+
+
+class HeapSim:
+    """:class:`CacheSim`'s tiers with each tier's rows in heaps ordered by the policy, so a
+    call costs O((call + victims) log tier) instead of O(call + tier): the replay of many
+    small calls (one id per call at worst) that CacheSim pays a whole tier scan for.
+
+    Every policy here is a total order on resident rows (LRU: last; LFU: (freq, last);
+    lookahead: rows outside the window by the base order, then in-window rows by
+    (farthest next use, base order)), and the store's victims are the k smallest, so
+    popping k times picks the same rows. Entries go stale when their row is used or
+    leaves (checked against the row's ``last`` on pop); a lookahead row whose next use
+    enters the window is found on pop and moved to the in-window heap.
+    """
+
+    def __init__(self, hbm_rows: int, ddr_rows: int, lfu: bool, window: int | None, look: bool,
+                 choose_call: Callable[[np.ndarray, np.ndarray, np.ndarray, int, int], np.ndarray]):
+        self.cap = (0, int(hbm_rows), int(ddr_rows))  # tiers 1 (HBM) and 2 (DDR); 0 rows: no tier
+        self.members: tuple[set, set, set] = (set(), set(), set())
+        self.tier: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+        self.freq: dict[int, int] = {}
+        self.next: dict[int, int] = {}  # lookahead: the call that next uses the row
+        self.lfu, self.window, self.look = lfu, window, look
+        self.heaps: tuple[list, list, list] = ([], [], [])  # by base order (lookahead: rows outside the window)
+        self.inside: tuple[list, list, list] = ([], [], [])  # lookahead: in-window rows by (-next use, base order)
+        self.choose_call = choose_call
+        self.counts = TierCounts()
+        self.now = 0
+
+    def _in_window(self, row: int) -> bool:
+        nxt = self.next.get(row, NOT_IN_WINDOW)
+        return nxt != NOT_IN_WINDOW and (self.window is None or nxt <= self.now + self.window)
+
+    def _push(self, t: int, row: int) -> None:
+        last = self.last[row]
+        base = self.freq[row] * _BIG + last if self.lfu else last
+        if self.look and self._in_window(row):
+            heapq.heappush(self.inside[t], ((-self.next[row], base), last, row))
+        else:
+            heapq.heappush(self.heaps[t], (base, last, row))
+        if len(self.heaps[t]) + len(self.inside[t]) > 2 * len(self.members[t]) + 1024:
+            self._compact(t)
+
+    def _valid(self, t: int, entry, exclude) -> bool:
+        row = entry[2]
+        return self.tier.get(row) == t and self.last[row] == entry[1] and row not in exclude
+
+    def _compact(self, t: int) -> None:
+        for h in (self.heaps[t], self.inside[t]):
+            h[:] = [e for e in h if self._valid(t, e, ())]
+            heapq.heapify(h)
+
+    def _pop(self, t: int, exclude) -> int:
+        """The smallest resident row of tier t outside ``exclude`` (there is one)."""
+        h = self.heaps[t]
+        while h:
+            entry = heapq.heappop(h)
+            if not self._valid(t, entry, exclude):
+                continue
+            if self.look and self._in_window(entry[2]):
+                heapq.heappush(self.inside[t], ((-self.next[entry[2]], entry[0]), entry[1], entry[2]))
+                continue
+            return entry[2]
+        h = self.inside[t]
+        while True:
+            entry = heapq.heappop(h)
+            if self._valid(t, entry, exclude):
+                return entry[2]
+
+    def _move(self, row: int, t: int) -> None:
+        """Row to tier t (0: out of the cache)."""
+        old = self.tier.get(row, 0)
+        if old:
+            self.members[old].discard(row)
+        if t:
+            self.tier[row] = t
+            self.members[t].add(row)
+            self._push(t, row)
+        else:
+            self.tier.pop(row, None)
+            self.last.pop(row, None)
+            self.freq.pop(row, None)
+
+    def call(self, u: list, key: list, nxt: list | None, now: int) -> None:
+        self.now = now
+        if nxt is not None:
+            self.next.update(zip(u, nxt))
+        if len(u) == 1:
+            return self._call_one(u[0], key[0])
+        H, D = self.cap[1] > 0, self.cap[2] > 0
+        c, tier, n = self.counts, self.tier, len(u)
+        where = [tier.get(r, 0) for r in u]
+        n_h, n_d = where.count(1), where.count(2)
+        if H:
+            c.hbm_hits += n_h
+            c.hbm_misses += n - n_h
+        if D:
+            c.ddr_hits += n_d
+            c.ddr_misses += n - n_h - n_d
+        if (H and n_h == n) or (not H and D and n_d == n):
+            for r, k in zip(u, key):  # all resident in the top tier: a touch
+                self.last[r], self.freq[r] = k, self.freq[r] + 1
+                self._push(tier[r], r)
+            return
+        if not (H or D):
+            return
+        new_freq = [self.freq[r] + 1 if w else 1 for r, w in zip(u, where)]
+        exclude = set(u)
+        keep_h = [H] * n
+        demote = []
+        if H:
+            if n <= self.cap[1]:
+                need = (n - n_h) - (self.cap[1] - len(self.members[1]))
+                demote = [self._pop(1, exclude) for _ in range(need)]
+            else:
+                for i in self.choose_call(np.array(u), np.array(key), np.array(new_freq), n - self.cap[1], now).tolist():
+                    keep_h[i] = False
+                demote = list(self.members[1] - exclude)
+        down = [i for i in range(n) if not keep_h[i]]
+        keep_d = [False] * n
+        dead = set()  # rows leaving the cache: DDR victims, demoted rows with no room
+        if D:
+            for i in down:
+                keep_d[i] = True
+            if len(down) > self.cap[2]:
+                cand = np.array(down)
+                for i in self.choose_call(np.array(u)[cand], np.array(key)[cand], np.array(new_freq)[cand],
+                                          len(down) - self.cap[2], now).tolist():
+                    keep_d[down[i]] = False
+            for r in demote:  # demoted rows compete for DDR with their HBM order
+                self._move(r, 2)
+            k = len(self.members[2]) - n_d - (self.cap[2] - keep_d.count(True))
+            dead = {self._pop(2, exclude) for _ in range(k)}
+        else:
+            dead = set(demote)
+        if H:
+            c.hbm_evictions += len(demote) + sum(1 for w, kh in zip(where, keep_h) if w == 1 and not kh)
+        if D:
+            c.ddr_evictions += len(dead) + sum(1 for w, kh, kd in zip(where, keep_h, keep_d) if w == 2 and not kh and not kd)
+        for r in dead:
+            self._move(r, 0)
+        for r, k, f, kh, kd in zip(u, key, new_freq, keep_h, keep_d):
+            self.last[r], self.freq[r] = k, f
+            self._move(r, 1 if kh else 2 if kd else 0)
+
+    def _call_one(self, r: int, k: int) -> None:
+        """``call`` for one id, where every branch of the general case is known."""
+        H, D = self.cap[1] > 0, self.cap[2] > 0
+        c, w = self.counts, self.tier.get(r, 0)
+        if H:
+            c.hbm_hits += w == 1
+            c.hbm_misses += w != 1
+        if D:
+            c.ddr_hits += w == 2
+            c.ddr_misses += w == 0
+        if (H and w == 1) or (not H and D and w == 2):
+            self.last[r], self.freq[r] = k, self.freq[r] + 1
+            self._push(w, r)
+            return
+        if not (H or D):
+            return
+        f = self.freq[r] + 1 if w else 1
+        exclude = (r,)
+        dead = []
+        if H:
+            demote = [self._pop(1, exclude)] if len(self.members[1]) >= self.cap[1] else []
+            c.hbm_evictions += len(demote)
+            if D:
+                for d in demote:
+                    self._move(d, 2)
+                dead = [self._pop(2, exclude) for _ in range(len(self.members[2]) - (w == 2) - self.cap[2])]
+                c.ddr_evictions += len(dead)
+            else:
+                dead = demote
+        else:
+            dead = [self._pop(2, exclude) for _ in range(len(self.members[2]) - self.cap[2] + 1)]
+            c.ddr_evictions += len(dead)
+        for d in dead:
+            self._move(d, 0)
+        self.last[r], self.freq[r] = k, f
+        self._move(r, 1 if H else 2)
+
+
 def simulate(stream: TableStream, hbm_rows: int, ddr_rows: int, policy: str = "lfu",
-             window: int | None = None, base: str = "lru", progress: bool = False) -> TierCounts:
+             window: int | None = None, base: str = "lru", progress: bool = False, method: str = "auto") -> TierCounts:
     """Replay one table through the store's tiers at one size.
 
     ``policy``: "lru", "lfu" (the store's policies), "lookahead" (the store's
@@ -800,6 +986,9 @@ def simulate(stream: TableStream, hbm_rows: int, ddr_rows: int, policy: str = "l
     use, the rest by ``base``; a call larger than a tier keeps its rows by
     ``base``, as the store does) or "belady" (farthest next use first over the
     whole future, the call's own rows included: the offline bound).
+    ``method``: "heap" (:class:`HeapSim`, O(log tier) per id), "scan"
+    (:class:`CacheSim`, O(call + tier) per call, vectorized) or "auto": the
+    cheaper for the stream's mean call size. Both count the same.
     """
     if stream.num_rows is not None:  # as the store does
         hbm_rows, ddr_rows = min(hbm_rows, stream.num_rows), min(ddr_rows, stream.num_rows)
@@ -825,9 +1014,33 @@ def simulate(stream: TableStream, hbm_rows: int, ddr_rows: int, policy: str = "l
             choose_call = lambda rows, last, freq, k, now: look.base.select(last, freq, k)  # noqa: E731
     else:
         raise ValueError(f"unknown policy {policy!r}; choose lru, lfu, lookahead or belady")
-    sim = CacheSim(stream.space, hbm_rows, ddr_rows, choose, choose_call)
+    if method == "auto":
+        method = "heap" if _heap_is_cheaper(stream, hbm_rows + ddr_rows) else "scan"
+    if method not in ("heap", "scan"):
+        raise ValueError(f"unknown method {method!r}; choose auto, heap or scan")
     b = stream.bounds
     bar = _progress(stream.n_uses, f"{policy} {stream.name} {hbm_rows}:{ddr_rows}", progress)
+    if method == "heap":
+        sim = HeapSim(hbm_rows, ddr_rows, "lfu" in (policy, base if next_call is not None else None),
+                      window if policy == "lookahead" else None, next_call is not None, choose_call or choose)
+        rows, keys = stream.row.tolist(), stream.key.tolist()
+        nxt = next_call.tolist() if next_call is not None else None
+        bl = b.tolist()
+        done = 0
+        for j in range(stream.n_calls):  # a loop per call; O(log tier) per id
+            lo, hi = bl[j], bl[j + 1]
+            if hi == lo:
+                continue
+            if policy == "belady":  # its choose_call reads row_next
+                row_next[stream.row[lo:hi]] = next_call[lo:hi]
+            sim.call(rows[lo:hi], keys[lo:hi], nxt[lo:hi] if nxt is not None else None, j)
+            if hi - done >= 1 << 16:
+                bar.update(hi - done)
+                done = hi
+        bar.update(stream.n_uses - done)
+        bar.close()
+        return sim.counts
+    sim = CacheSim(stream.space, hbm_rows, ddr_rows, choose, choose_call)
     for j in range(stream.n_calls):  # a loop per call; each call is vectorized
         lo, hi = int(b[j]), int(b[j + 1])
         if hi == lo:
@@ -839,6 +1052,16 @@ def simulate(stream: TableStream, hbm_rows: int, ddr_rows: int, policy: str = "l
         bar.update(hi - lo)
     bar.close()
     return sim.counts
+
+
+def _heap_is_cheaper(stream: TableStream, cached_rows: int) -> bool:
+    """HeapSim costs ~HEAP_ID_NS per id; CacheSim ~SCAN_CALL_NS per call plus
+    ~SCAN_ROW_NS per id and cached row (measured on the 2-core machine)."""
+    per_call = stream.n_uses / max(stream.n_calls, 1)
+    return per_call * HEAP_ID_NS < SCAN_CALL_NS + (per_call + cached_rows) * SCAN_ROW_NS
+
+
+HEAP_ID_NS, SCAN_CALL_NS, SCAN_ROW_NS = 8000, 60000, 20
 
 
 def clamp_sizes(hbm_rows: int, ddr_rows: int, working_set: float) -> tuple[int, int]:
