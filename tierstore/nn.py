@@ -431,6 +431,11 @@ class TieredEmbeddingBag(nn.Module):
         bags = self._plan(input, offsets, per_sample_weights)  # validates before the store is touched
         return self._run(bags, per_sample_weights)
 
+    def batch_reads(self, batch) -> dict[str, torch.Tensor]:
+        """The ids a batch in forward's input form (``input`` or ``(input, offsets[, ...])``)
+        reads, by table: what LookaheadLoader prefetches."""
+        return {self.table: torch.as_tensor(batch[0] if isinstance(batch, (tuple, list)) else batch).reshape(-1)}
+
     def prefetch(self, input: torch.Tensor, offsets: torch.Tensor | None = None):
         """Start bringing up the rows a later ``forward(input, offsets)`` reads; returns at
         once with a tierstore.PrefetchTicket (``wait()`` raises a failure, such as a bad id)."""
@@ -730,6 +735,10 @@ class TieredEmbeddingBagCollection(nn.Module):
                 raise TypeError(f"feature {name!r} must be (values, offsets), (values, offsets, per_sample_weights) or a 2-D tensor")
             plans[name] = (bag, bag._plan(values, offsets, psw), psw)
         return {name: bag._run(bags, psw) for name, (bag, bags, psw) in plans.items()}
+
+    def batch_reads(self, features: Mapping[str, object]) -> dict[str, torch.Tensor]:
+        """The ids a forward of ``features`` reads, by table."""
+        return {table: ids for name, f in features.items() for table, ids in self[name].batch_reads(f).items()}
 
     def prefetch(self, features: Mapping[str, object]):
         """Start bringing up the rows of a later ``forward(features)``; returns at once

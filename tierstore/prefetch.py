@@ -478,9 +478,9 @@ def _smoothed(average: float | None, value: float, weight: float = 0.25) -> floa
 class LookaheadLoader:
     """Yield ``batches`` in order while keeping ``depth`` batches ahead prefetched.
 
-    ``ids(batch) -> {table: ids}`` says what a batch reads; by default the batch
-    is in the module's input form (a tensor, an (input, offsets) tuple, or a
-    features dict for a TieredEmbeddingBagCollection). ``depth=0``: no prefetch.
+    ``ids(batch) -> {table: ids}`` says what a batch reads; by default the
+    module's ``batch_reads(batch)`` does (a TieredEmbeddingBag's or collection's
+    batch is in its forward's input form); a store needs ``ids``. ``depth=0``: no prefetch.
     A failure of batch i's prefetch is raised when batch i is due.
     """
 
@@ -491,6 +491,8 @@ class LookaheadLoader:
         self.batches = batches
         self.module = module
         self.store = module.store if hasattr(module, "store") else module
+        if ids is None and not hasattr(module, "batch_reads"):
+            raise TypeError(f"pass ids= (a function batch -> {{table: ids}}): a {type(module).__name__} cannot say what a batch reads")
         self.depth = depth
         self.ids = ids
         self.clock = clock
@@ -498,17 +500,8 @@ class LookaheadLoader:
         self.shrunk_steps = 0
 
     def _reads(self, batch) -> dict[str, torch.Tensor]:
-        if self.ids is not None:
-            return {k: torch.as_tensor(v) for k, v in self.ids(batch).items()}
-        from .nn import TieredEmbeddingBagCollection
-        if isinstance(self.module, TieredEmbeddingBagCollection):
-            out = {}
-            for name, value in batch.items():
-                values = value[0] if isinstance(value, (tuple, list)) else value
-                out[self.module[name].table] = torch.as_tensor(values).reshape(-1)
-            return out
-        values = batch[0] if isinstance(batch, (tuple, list)) else batch
-        return {self.module.table: torch.as_tensor(values).reshape(-1)}
+        reads = self.ids(batch) if self.ids is not None else self.module.batch_reads(batch)
+        return {table: torch.as_tensor(ids).reshape(-1) for table, ids in reads.items()}
 
     def _issue(self, entry: list) -> PrefetchGroup | None:
         if entry[2] is None:  # deduped once: a batch that waits for room is tried again each step

@@ -329,7 +329,7 @@ class TieredStore:
                 return False
             self._await_gathers()
             update(top)
-            top.dirty[slots] = True
+            top.dirty.index_fill_(0, slots, True)  # slots may repeat: cheaper than index_put
             return True
 
     def _update_key(self, table: str) -> int:
