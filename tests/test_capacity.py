@@ -463,3 +463,20 @@ def test_an_empty_trace_is_an_error_not_a_report(tmp_path, capsys):
     with pytest.raises(ValueError, match="no accesses to 'b'"):
         cap.analyze(trace, cap.CapacityConfig(tables=("b",)))
     assert cap.analyze(trace)["notes"] == ["table 'b' has no accesses in this trace: its rows are zero"]
+
+
+def test_a_long_run_shows_progress_on_stderr_when_it_is_not_a_terminal(tmp_path, capsys, monkeypatch):
+    """Progress was only on a terminal: a capacity run in a log printed nothing for minutes."""
+    trace = synth(SynthConfig(tables=(("a", 3000),), batch_size=32, pooling=4, steps=30))
+    trace.save(tmp_path / "t.npz")
+    monkeypatch.setattr(cap, "PROGRESS_ACCESSES", trace.n_accesses - 1)  # a "long" trace
+    monkeypatch.setattr(cap, "PROGRESS_SECONDS", 0.0)  # a line at every update
+    assert cli_main(["capacity", str(tmp_path / "t.npz"), "--policies", "lfu"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert any(line.startswith("stack distances: ") and "uses/s" in line for line in lines)
+    assert any(line.startswith("lfu a ") and "done in" in line for line in lines)
+    assert "\r" not in captured.err and "stack distances" not in captured.out
+    monkeypatch.setattr(cap, "PROGRESS_ACCESSES", trace.n_accesses)
+    assert cli_main(["capacity", str(tmp_path / "t.npz"), "--policies", "lfu"]) == 0
+    assert capsys.readouterr().err == ""  # a short run stays quiet

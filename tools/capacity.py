@@ -1624,12 +1624,44 @@ class _NoBar:
         pass
 
 
+PROGRESS_SECONDS = 5.0  # between progress lines when stderr is not a terminal
+PROGRESS_ACCESSES = 2_000_000  # traces longer than this show progress by default (a run of seconds or more)
+
+
+class _LineBar:
+    """Progress for a log or a pipe: a line to stderr every PROGRESS_SECONDS, and one at the end."""
+
+    def __init__(self, total: int, desc: str, unit: str):
+        self.total, self.desc, self.unit, self.n = total, desc, unit, 0
+        self.t0 = self.shown = time.monotonic()
+
+    def _line(self, now: float, end: str = "") -> None:
+        rate = self.n / max(now - self.t0, 1e-9)
+        left = f", ~{(self.total - self.n) / rate:,.0f} s left" if rate and self.n < self.total else ""
+        print(f"{self.desc}: {self.n:,}/{self.total:,} {self.unit}s ({self.n / max(self.total, 1):.0%}, "
+              f"{rate:,.0f} {self.unit}s/s{left}){end}", file=sys.stderr, flush=True)
+        self.shown = now
+
+    def update(self, n):
+        self.n += n
+        now = time.monotonic()
+        if now - self.shown >= PROGRESS_SECONDS:
+            self._line(now)
+
+    def close(self):
+        self._line(time.monotonic(), f", done in {time.monotonic() - self.t0:.1f} s")
+
+
 def _progress(total: int, desc: str, enabled: bool):
+    """tqdm on a terminal, timed lines otherwise (both to stderr), or nothing."""
     if not enabled:
         return _NoBar()
+    unit = "id" if "SHARDS" in desc else "use"
+    if not sys.stderr.isatty():
+        return _LineBar(total, desc, unit)
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="id" if "SHARDS" in desc else "use", unit_scale=True, file=sys.stderr, leave=False)
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, leave=False)
 
 
 # -- benchmark ---------------------------------------------------------------------------------------------

@@ -191,7 +191,7 @@ def _register_capacity(sub) -> None:
     p.add_argument("--row-bytes", type=positive_int, default=None, help="bytes per row on SSD (default: from the trace, else 512)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots there (needs pip install 'tierstore[plot]')")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bars (default: on a terminal, for long traces)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress on stderr: bars on a terminal, a line every few seconds otherwise (default: on for traces over 2M accesses)")
     p.add_argument("--seed", type=int, default=0, help="SHARDS hash seed")
     p.set_defaults(func=_capacity)
 
@@ -209,6 +209,7 @@ def parse_bytes(text: str | None) -> float | None:
 
 
 def _capacity(args) -> int:
+    from tierstore.tools import capacity
     from tierstore.tools.capacity import CapacityConfig, analyze, format_report, plot_report, to_json
     from tierstore.trace import Trace
 
@@ -219,7 +220,8 @@ def _capacity(args) -> int:
         if len(parts) != 2:
             raise ValueError(f"--sizes {s!r}: expected HBM:DDR, e.g. 10000:100000 or 1%:10%")
         sizes.append((parts[0], parts[1]))
-    progress = args.progress if args.progress is not None else (sys.stderr.isatty() and trace.n_accesses > 5_000_000)
+    # a long run shows progress: tqdm on a terminal, a line every few seconds in a log
+    progress = args.progress if args.progress is not None else trace.n_accesses > capacity.PROGRESS_ACCESSES
     cfg = CapacityConfig(
         tables=tuple(t.strip() for t in args.tables.split(",")) if args.tables else None,
         shards_rate=args.shards, compare_exact=args.compare, sizes=tuple(sizes),
