@@ -46,8 +46,8 @@ class MetricsServer:
         except OSError as e:
             raise OSError(
                 e.errno,
-                f"cannot serve metrics on {addr}:{port} ({e.strerror or e}); pass another port, "
-                "or port=0 for a free one (stores sharing a registry can share one endpoint)",
+                f"cannot serve metrics on {addr}:{port} ({e.strerror or e}); choose another metrics port, "
+                "or 0 for a free one (stores sharing a registry can share one endpoint)",  # whichever option set it
             ) from e
         self.addr = addr
         self.port: int = self._httpd.server_address[1]

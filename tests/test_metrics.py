@@ -348,7 +348,7 @@ def test_busy_port_says_how_to_fix_it_and_releases_the_store(tmp_path, registry)
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(OSError, match="port=0 for a free one"):
+        with pytest.raises(OSError, match="another metrics port, or 0 for a free one"):
             tierstore.TieredStore(tmp_path / "s", [tierstore.TableSpec("t", 10, 2)], device="cpu", registry=registry, metrics_port=port)
     assert not list(registry.collect())
     tierstore.TieredStore(tmp_path / "s", [tierstore.TableSpec("t", 10, 2)], device="cpu", registry=registry).close()

@@ -167,9 +167,10 @@ def test_console_script_prints_the_table(tmp_path):
 
 
 def test_missing_store_is_a_clear_error(tmp_path, capsys):
-    assert main(["stats", str(tmp_path / "nothing")]) == 1
+    assert main(["stats", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err
-    assert "no tierstore at" in err and "missing data.mdb" in err
+    assert err.startswith("tierstore: error: no tierstore at") and "(no data.mdb)" in err
+    assert not (tmp_path / "nothing").exists()
 
 
 def test_foreign_lmdb_environment_is_a_clear_error(tmp_path, capsys):
@@ -177,8 +178,9 @@ def test_foreign_lmdb_environment_is_a_clear_error(tmp_path, capsys):
     with env.begin(write=True) as txn:
         txn.put(b"k", b"v")
     env.close()
-    assert main(["stats", str(tmp_path / "x")]) == 1
-    assert "without complete tierstore metadata" in capsys.readouterr().err
+    assert main(["stats", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tierstore: error: ") and "LMDB" in err and "tierstore" in err.split("error: ", 1)[1]
 
 
 def test_stats_is_a_registered_verb(capsys):

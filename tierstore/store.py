@@ -628,7 +628,9 @@ class TieredStore:
                 raise TypeError(f"ids for table {spec.name!r} must be integers, got {arr.dtype}")
             if arr.dtype == np.uint64 and arr.size and arr.max() > MAX_ID:
                 raise IndexError(f"id {int(arr.max())} out of range for table {spec.name!r} (ids are < 2**63)")
-            t = torch.from_numpy(arr.astype(np.int64, copy=False))
+            # a read-only array (a memory-mapped trace, np.frombuffer) is copied: torch tensors
+            # are always writable, and torch warns when it must share an array that is not
+            t = torch.from_numpy(arr.astype(np.int64, copy=not arr.flags.writeable))
         if t.dim() != 1:
             raise ValueError(f"ids for table {spec.name!r} must be 1-D, got shape {tuple(t.shape)}")
         t = t.to(dtype=torch.int64)  # stays on its device: on CUDA the HBM probe runs there
@@ -648,7 +650,7 @@ class TieredStore:
             arr = np.asarray(values)
             if arr.dtype.kind not in "fiu":
                 raise TypeError(f"values for table {spec.name!r} must be floating point, got {arr.dtype}")
-            v = torch.from_numpy(arr)
+            v = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # as ids above
         if v.dtype.is_complex or not (v.dtype.is_floating_point or v.dtype in (torch.int32, torch.int64)):
             raise TypeError(f"values for table {spec.name!r} must be floating point, got {v.dtype}")
         if tuple(v.shape) != (n, cols):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import zipfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,6 +219,10 @@ class Trace:
                     raise ValueError(f"trace directory {path} lacks {name}.npy")
                 arrays[name] = np.load(f, mmap_mode="r" if mmap and name == "ids" else None)
         else:
+            if not zipfile.is_zipfile(path):  # np.load would return a lone .npy array, or fail on the format
+                part = (path.parent / "trace.json").exists()
+                raise ValueError(f"{path} is neither a trace directory nor a trace .npz"
+                                 + (f"; it is one array of the trace directory {path.parent}: pass that" if part else ""))
             with np.load(path, allow_pickle=False) as z:
                 missing = [n for n in ("meta", *ARRAYS) if n not in z.files]
                 if missing:

@@ -37,7 +37,7 @@ def register(sub) -> None:
     p.add_argument("--repeat", type=int, default=15, help="timed repetitions (median reported)")
     p.add_argument("--device", default="cpu", help="HBM device for the read bench (cuda puts every row in HBM)")
     p.add_argument("--dir", default=None, help="directory for bench stores (default: a temporary one)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--rounds", type=int, default=None, help="cold runs per setting (prefetch; default 7)")
     p.set_defaults(func=run)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -52,6 +51,23 @@ class StoreFacts:
 
     def to_json(self) -> dict:
         return {**asdict(self), "last_flush_utc": self.last_flush_utc}
+
+
+def require_store(path: str | Path, needs_tables: bool = False) -> Path:
+    """``path`` as a Path if it holds a store (with tables, if ``needs_tables``);
+    else FileNotFoundError or ValueError saying how to get one from the command line."""
+    path = Path(path)
+    if not (path / "data.mdb").is_file():
+        inside = sorted(str(p.parent) for p in path.glob("*/data.mdb")) if path.is_dir() else []
+        if inside:  # e.g. the demo's directory, which holds its store and checkpoint
+            raise FileNotFoundError(f"no tierstore at {path} (no data.mdb), but it holds the stores {', '.join(inside)}: pass one of them")
+        raise FileNotFoundError(
+            f"no tierstore at {path} (no data.mdb); `tierstore demo` trains a demo model and leaves its store in "
+            "tierstore-demo/store (--dir DIR: DIR/store); a training script creates its own with TieredStore(path, tables=[...])")
+    if needs_tables and not read_facts(path).tables:
+        raise ValueError(f"the store at {path} holds no tables; create them first with TieredStore({str(path)!r}, tables=[...]) "
+                         "(as the training script does), then start this again")
+    return path
 
 
 def read_facts(path: str | Path) -> StoreFacts:
@@ -120,10 +136,6 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        facts = read_facts(args.path)
-    except (OSError, ValueError, lmdb.Error) as e:
-        print(f"tierstore stats: {e}", file=sys.stderr)
-        return 1
+    facts = read_facts(require_store(args.path))  # errors: tierstore.tools.cli prints them
     print(json.dumps(facts.to_json(), indent=2) if args.json else format_facts(facts))
     return 0
