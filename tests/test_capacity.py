@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -389,11 +390,34 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
         cap.plot_report({"tables": []}, tmp_path)
 
 
-def test_plots_are_written_when_matplotlib_is_there(tmp_path):
-    pytest.importorskip("matplotlib")
-    trace = synth(SynthConfig(tables=(("a", 2000),), batch_size=32, pooling=4, steps=20))
-    files = cap.plot_report(cap.analyze(trace, cap.CapacityConfig(policies=())), tmp_path)
+def test_plots_mark_policies_sizes_and_budget_and_show_every_bar(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib", reason="plots need the optional peer matplotlib")
+    from matplotlib.figure import Figure
+
+    figures = {}
+    save = Figure.savefig
+
+    def spy(fig, path, *a, **k):  # what each saved figure holds; it is still written
+        figures[Path(path).name] = fig
+        return save(fig, path, *a, **k)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    trace = synth(SynthConfig(tables=(("a", 20000), ("b", 3000, 1.2)), batch_size=64, pooling=4, steps=60, dim=32))
+    report = cap.analyze(trace, cap.CapacityConfig(policies=("lfu", "lookahead"), hbm_bytes=2**17, ddr_bytes=2**19, iec=True))
+    files = cap.plot_report(report, tmp_path)
     assert all(f.stat().st_size > 1000 for f in files)
+    assert set(figures) == {"miss_ratio.png", "total_miss_ratio.png", "ssd_bandwidth.png"}
+    assert all(f.axes[0].get_title() for f in figures.values())
+    style = {line.get_label(): (line.get_marker(), line.get_color()) for line in figures["miss_ratio.png"].axes[0].lines}
+    assert style["LFU"] != style["lookahead"] and style["LFU"][0] != style["lookahead"][0]
+    assert {"recommended HBM rows", "recommended HBM + DDR rows"} <= set(style)
+    budget = [line.get_label() for line in figures["total_miss_ratio.png"].axes[0].lines]
+    assert "HBM budget 128.0 KiB" in budget and "HBM + DDR budget 640.0 KiB" in budget
+    ax = figures["ssd_bandwidth.png"].axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["a", "b", "TOTAL"]
+    heights = [p.get_y() + p.get_height() for p in ax.patches]
+    assert min(heights) > ax.get_ylim()[0]  # the smallest bar rises above the axis floor
+    assert "MiB/s" in ax.get_ylabel() and len([t for t in ax.texts if t.get_text()]) == len(ax.patches)
 
 
 # -- the command line ---------------------------------------------------------------------------------------------
