@@ -353,16 +353,22 @@ class TieredStore:
         if len(uid) > top.capacity:
             return None
         t.counters.latency.observe("dedupe", time.perf_counter() - start)
-        if self._recorder is not None:
-            self._recorder.record(t.spec.name, ids)
-        with restored_on_error([t.counters]):
-            source, slots, _ = self._access(t, uid, first + self._use_clock)
-        self._use_clock += len(ids)
+        source, slots, _ = self._step(t, ids, uid, first)
         if source is not top:
             slots = top.lookup(uid)
         t.counters.latency.observe("total", time.perf_counter() - start)
-        self._prefetcher.consumed(t.spec.name, uid, sorted_unique=True)
         return Resident(top, slots.index_select(0, inverse.to(slots.device)), top.generation)
+
+    def _step(self, t: _Table, ids: torch.Tensor, uid: torch.Tensor, first: torch.Tensor):
+        """A read's step through the tiers for ids (sorted unique ``uid``, each at
+        its ``first`` position in the call): traced, counted, clocked; _access's result."""
+        if self._recorder is not None:
+            self._recorder.record(t.spec.name, ids)
+        with restored_on_error([t.counters]):
+            result = self._access(t, uid, first + self._use_clock)
+        self._use_clock += len(ids)
+        self._prefetcher.consumed(t.spec.name, uid, sorted_unique=True)
+        return result
 
     def _use_top_tier(self, t: _Table, ids: torch.Tensor) -> Resident | None:
         """When every id is in the top tier: count the use (ids in call order, a
@@ -407,20 +413,15 @@ class TieredStore:
         hit = self._use_top_tier(t, ids)  # fast path: no dedupe is needed
         if hit is not None:
             return hit, cols, t.counters.latency, start
-        if self._recorder is not None:
-            self._recorder.record(table, ids)
         mark = time.perf_counter()
         uid, inverse, first = first_uses(ids.cpu())
         t.counters.latency.observe("dedupe", time.perf_counter() - mark)
-        with restored_on_error([t.counters]):
-            source, slots, rows = self._access(t, uid, first + self._use_clock)
-        self._use_clock += n
+        source, slots, rows = self._step(t, ids, uid, first)
         if source is not None:  # every row in one tier
             result = self._gather_tier(source, slots.index_select(0, inverse.to(slots.device)), cols, out)
         else:
             result = self._gather(rows, inverse.to(rows.device), cols, out)
         t.counters.latency.observe("total", time.perf_counter() - start)
-        self._prefetcher.consumed(table, uid, sorted_unique=True)
         return result
 
     def _check_out(self, out: torch.Tensor | None, n: int, cols: int) -> None:
