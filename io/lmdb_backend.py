@@ -11,7 +11,11 @@ import errno
 import fcntl
 import json
 import os
+import shutil
+import struct
 import threading
+import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -55,58 +59,230 @@ class _ResizeGuard:
 
 
 class StoreLockedError(RuntimeError):
-    """Another process has the store open for writing."""
+    """Another writer (another process, or another store object in this one) has the store open."""
+
+
+class StoreCorruptError(RuntimeError):
+    """data.mdb is damaged (truncated, overwritten, emptied) or its metadata is unreadable."""
+
+
+def corrupt(path: Path, what: str) -> StoreCorruptError:
+    return StoreCorruptError(
+        f"{path} is damaged: {what}. Restore the store from a checkpoint or another copy "
+        "(a checkpoint directory opens as a store), or move the directory aside to start afresh"
+    )
+
+
+# LMDB 0.9's file layout (lmdb.h / mdb.c): pages 0 and 1 are meta pages, each a
+# 16-byte page header (pgno, pad, flags, ...) then MDB_meta: magic, version,
+# address, map size, the free and main databases (MDB_db: pad, flags, depth,
+# branch, leaf and overflow page counts, entries, root; the free database's pad
+# is the page size), last page number, transaction id.
+_MAGIC = 0xBEEFC0DE
+_DATA_VERSION = 1
+_P_META = 0x08
+_P_INVALID = (1 << 64) - 1
+_PAGE_HEADER = struct.Struct("=QHHI")  # pgno, pad, flags, lower and upper bounds
+_META = struct.Struct("=IIQQ" + "IHHQQQQQ" * 2 + "QQ")
+
+
+def check_data_file(data: Path) -> None:
+    """Raise StoreCorruptError unless ``data`` (a data.mdb) has LMDB's two meta
+    pages and holds every page the newer one names. LMDB maps the file and trusts
+    it: touching a page past the end of a truncated file kills the process with
+    SIGBUS, which no exception handler can catch, so this runs before lmdb.open."""
+    size = data.stat().st_size
+    if size == 0:
+        raise corrupt(data, "it is empty (0 bytes), so every row it held is gone")
+    metas = []
+    with open(data, "rb") as f:
+        psize = 0
+        for i in range(2):
+            f.seek(i * psize)
+            page = f.read(_PAGE_HEADER.size + _META.size)
+            if len(page) < _PAGE_HEADER.size + _META.size:
+                raise corrupt(data, f"it is truncated ({size} bytes, too short for LMDB's meta page {i})")
+            flags = _PAGE_HEADER.unpack_from(page)[2]
+            m = _META.unpack_from(page, _PAGE_HEADER.size)
+            if m[0] != _MAGIC or not flags & _P_META:
+                raise corrupt(data, f"meta page {i} is not LMDB's (overwritten, or not an LMDB file)")
+            if m[1] != _DATA_VERSION:
+                raise corrupt(data, f"meta page {i} has LMDB data version {m[1]}; this LMDB reads version {_DATA_VERSION}")
+            if i == 0:
+                psize = m[4]
+                if psize & (psize - 1) or not 512 <= psize <= 65536:
+                    raise corrupt(data, f"meta page 0 names page size {psize}")
+            metas.append(m)
+    meta = metas[metas[0][-1] < metas[1][-1]]  # LMDB uses the meta page of the newer transaction
+    map_size, last_pg = meta[3], meta[-2]
+    need = (last_pg + 1) * psize
+    if size < need:
+        raise corrupt(data, f"it is truncated ({size} bytes; its last transaction wrote {need})")
+    if map_size < need:
+        raise corrupt(data, f"its meta page names a map of {map_size} bytes, smaller than its {need} bytes of pages")
+    for root in (meta[11], meta[19]):  # the free and main databases' root pages
+        if root != _P_INVALID and not 2 <= root <= last_pg:
+            raise corrupt(data, f"its meta page names root page {root}, outside its pages 2..{last_pg}")
+
+
+# LMDB errors that mean the file's pages are not what LMDB wrote
+_CORRUPT = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError)
+_LOW_SPACE = 64 << 20  # free bytes below which a failed write is reported as a full disk
+
+
+class _Env:
+    """One process's LMDB environment of a store, shared by its LmdbBackends: LMDB
+    allows an environment to be open once per process (a second open would break
+    its locks), so a reader opened beside a writer uses the writer's."""
+
+    def __init__(self, env: lmdb.Environment, meta, key: tuple[int, int]):
+        self.env = env
+        self.meta = meta  # the __meta__ database's handle
+        self.key = key
+        self.pid = os.getpid()  # a forked child must not use its parent's environment
+        self.resize = _ResizeGuard()
+        self.users = 0
+        self.writer = False
+
+
+_OPEN: dict[tuple[int, int], _Env] = {}  # (st_dev, st_ino) of the store's directory
+_OPEN_LOCK = threading.Lock()
+
+
+def _shared_env(path: Path) -> _Env | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    shared = _OPEN.get((st.st_dev, st.st_ino))
+    return shared if shared is not None and shared.pid == os.getpid() else None
 
 
 class LmdbBackend:
-    def __init__(self, path: str | os.PathLike, readonly: bool = False, map_size: int | None = None):
+    def __init__(self, path: str | os.PathLike, readonly: bool = False, map_size: int | None = None,
+                 create: bool = True):
+        """``create=False``: a store must already be at ``path``; nothing is created otherwise."""
         self.path = Path(path)
         self.readonly = readonly
         self._lock_fd = None
-        if readonly:
-            if not (self.path / "data.mdb").exists():
-                raise FileNotFoundError(f"no tierstore at {self.path} (missing data.mdb); open it once for writing to create it")
-        else:
+        self._dbs: dict[str, object] = {}
+        self._codecs: dict[str, RowCodec] = {}
+        with _OPEN_LOCK:
+            shared = _shared_env(self.path)
+            if shared is not None:
+                if not readonly:
+                    self._join_as_writer(shared)
+            else:
+                shared = self._open(map_size, create)
+                _OPEN[shared.key] = shared
+            shared.users += 1
+            self._shared = shared
+        self._meta = shared.meta
+
+    def _join_as_writer(self, shared: _Env) -> None:
+        if shared.writer:
+            raise StoreLockedError(
+                f"tierstore at {self.path} is already open for writing in this process (pid {os.getpid()}), "
+                "by another TieredStore; use that store, close it first, or open this one with readonly=True"
+            )
+        if shared.env.flags()["readonly"]:
+            raise StoreLockedError(
+                f"tierstore at {self.path} is open readonly in this process; open the writer first "
+                "(readonly stores opened after it share its environment), or close the readonly stores"
+            )
+        self._take_writer_lock()
+        shared.writer = True
+
+    def _open(self, map_size: int | None, create: bool) -> _Env:
+        data = self.path / "data.mdb"
+        if not data.exists() and (self.readonly or not create):
+            # nothing is created: a mistyped path must not become an empty store
+            advice = "open it once for writing with tables=[...] to create it" if self.readonly else \
+                "pass tables=[tierstore.TableSpec(...)] to create a store there"
+            raise FileNotFoundError(f"no tierstore at {self.path} (missing data.mdb); {advice}")
+        if data.exists():
+            # before anything is created; a running writer only appends pages, then names them
+            check_data_file(data)
+        if not self.readonly:
             self.path.mkdir(parents=True, exist_ok=True)
             self._take_writer_lock()
         try:
-            existing = (self.path / "data.mdb").stat().st_size if (self.path / "data.mdb").exists() else 0
-            self.env = lmdb.open(
-                str(self.path),
-                map_size=max(map_size or _INITIAL_MAP, existing),
-                max_dbs=1024,
-                readonly=readonly,
-                sync=False,
-                # Not writemap=True, although it cut a write-back of 3,700 random rows from
-                # 12.6 to 4.5 ms here: it makes data.mdb a sparse file of the map's size, and a
-                # full disk then kills the process with SIGBUS instead of failing the commit.
-                readahead=False,  # random row access: readahead wastes page cache
-                max_readers=256,
-            )
-            self._meta = self.env.open_db(_META_DB, create=not readonly)
-        except Exception:
+            existing = data.stat().st_size if data.exists() else 0
+            try:
+                env = lmdb.open(
+                    str(self.path),
+                    map_size=max(map_size or _INITIAL_MAP, existing),
+                    max_dbs=1024,
+                    readonly=self.readonly,
+                    sync=False,
+                    # Not writemap=True, although it cut a write-back of 3,700 random rows from
+                    # 12.6 to 4.5 ms here: it makes data.mdb a sparse file of the map's size, and a
+                    # full disk then kills the process with SIGBUS instead of failing the commit.
+                    readahead=False,  # random row access: readahead wastes page cache
+                    max_readers=256,
+                )
+            except lmdb.ReadonlyError as e:
+                raise PermissionError(
+                    f"cannot open the tierstore at {self.path}: LMDB must create or write lock.mdb there, "
+                    f"even to read ({e}); make the directory writable for this user, or copy the store"
+                ) from None
+            except _CORRUPT as e:
+                raise corrupt(data, str(e)) from e
+            try:
+                self._check_is_tierstore(env, existing)
+                meta = env.open_db(_META_DB, create=not self.readonly)
+            except BaseException:
+                env.close()
+                raise
+        except BaseException:
             self._release_writer_lock()
             raise
-        self._dbs: dict[str, object] = {}
-        self._resize = _ResizeGuard()
-        self._codecs: dict[str, RowCodec] = {}
+        st = self.path.stat()
+        shared = _Env(env, meta, (st.st_dev, st.st_ino))
+        shared.writer = not self.readonly
+        return shared
+
+    def _check_is_tierstore(self, env: lmdb.Environment, existing: int) -> None:
+        """Refuse, before writing anything, an LMDB environment that another program
+        wrote: it has databases or keys, but not tierstore's metadata."""
+        if not existing:
+            return
+        with env.begin() as txn:
+            has_meta = txn.get(_META_DB) is not None
+        foreign = not has_meta and env.stat()["entries"] > 0
+        if foreign:
+            raise ValueError(
+                f"{self.path} holds an LMDB environment that tierstore did not write (no {_META_DB.decode()} "
+                "database); choose another directory for the store"
+            )
+
+    @property
+    def env(self) -> lmdb.Environment:
+        return self._shared.env
+
+    @property
+    def _resize(self) -> "_ResizeGuard":
+        return self._shared.resize
 
     # -- process-level single writer ------------------------------------------------
     def _take_writer_lock(self) -> None:
         fd = os.open(self.path / "writer.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
                 raise StoreLockedError(
                     f"tierstore at {self.path} is open for writing by another process (pid {holder}); "
                     "open it with readonly=True to read while that writer runs"
                 ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except BaseException:
+            os.close(fd)  # drops the flock: a failed open (a full disk) must not keep the store locked
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd
 
     def _release_writer_lock(self) -> None:
@@ -116,8 +292,38 @@ class LmdbBackend:
 
     # -- metadata ----------------------------------------------------------------
     def read_meta(self) -> dict:
-        with self.env.begin(db=self._meta) as txn:
-            return {k.decode(): json.loads(v) for k, v in txn.cursor()}
+        with self._reading(db=self._meta) as txn:
+            items = list(txn.cursor())
+        try:
+            return {k.decode(): json.loads(v) for k, v in items}
+        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError among them
+            raise corrupt(self.path / "data.mdb", f"its metadata record is unreadable ({e})") from None
+
+    @contextmanager
+    def _reading(self, **kwargs) -> Iterator[lmdb.Transaction]:
+        """A read transaction that follows the map's growth: when another process's
+        writer has grown the file past this process's map, LMDB refuses every new
+        transaction (MDB_MAP_RESIZED) until the map adopts the new size."""
+        for _ in range(_MAX_GROWTH_RETRIES):
+            with self._resize.shared():
+                try:
+                    txn = self.env.begin(**kwargs)
+                except lmdb.MapResizedError:
+                    txn = None
+                if txn is not None:
+                    with self._named_errors(), txn:
+                        yield txn
+                    return
+            with self._resize.exclusive():  # no transaction of this process is open
+                self.env.set_mapsize(0)  # 0: the size the writer has set
+        raise lmdb.MapResizedError(f"LMDB map at {self.path} kept growing while this process read it")
+
+    @contextmanager
+    def _named_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except _CORRUPT as e:
+            raise corrupt(self.path / "data.mdb", f"LMDB found a damaged page ({e})") from e
 
     def write_meta(self, items: dict) -> None:
         def op(txn):
@@ -137,7 +343,7 @@ class LmdbBackend:
         rows = np.empty((len(ids), codec.width), dtype=np.float32) if out is None else out
         found = np.ones(len(ids), dtype=bool)
         keys = encode_keys(ids)
-        with self._resize.shared(), self.env.begin(db=self._dbs[table], buffers=False) as txn:
+        with self._reading(db=self._dbs[table], buffers=False) as txn:
             get = txn.get
             # Copied out a chunk at a time: the row objects are still in cache and
             # their memory is reused by the next chunk (64k rows at once cost 40%
@@ -181,20 +387,28 @@ class LmdbBackend:
             raise PermissionError(f"tierstore at {self.path} is open readonly; reopen without readonly=True to write")
         for _ in range(_MAX_GROWTH_RETRIES):
             try:
-                with self.env.begin(write=True) as txn:
+                with self._named_errors(), self.env.begin(write=True) as txn:
                     op(txn)
                 return
             except lmdb.MapFullError:
                 # the transaction aborted; grow the map and replay it
                 with self._resize.exclusive():
                     self.env.set_mapsize(self.env.info()["map_size"] * 2)
+            except lmdb.Error as e:
+                # LMDB reports a commit cut short by a full disk as EIO ("Input/output error")
+                free = shutil.disk_usage(self.path).free
+                if free < _LOW_SPACE:
+                    raise OSError(errno.ENOSPC, f"disk full: LMDB could not write {self.path / 'data.mdb'} "
+                                  f"({e}; {free} bytes free). Free disk space, then flush() again: "
+                                  "rows not yet written stay queued while the store is open") from e
+                raise
         raise lmdb.MapFullError(f"LMDB map at {self.path} still full after growing it {_MAX_GROWTH_RETRIES} times")
 
     def sync(self) -> None:
         self.env.sync(True)
 
     def table_stats(self) -> dict[str, int]:
-        with self.env.begin() as txn:
+        with self._reading() as txn:
             return {name: txn.stat(db)["entries"] for name, db in self._dbs.items()}
 
     def disk_bytes(self) -> int:
@@ -208,12 +422,41 @@ class LmdbBackend:
             raise ValueError(f"cannot copy the store at {self.path} onto itself; choose another directory")
         if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
             raise FileExistsError(f"{dest} exists and is not an empty directory; choose a new directory for the copy")
-        dest.mkdir(parents=True, exist_ok=True)
-        self.env.copy(str(dest), compact=compact)
+        # Written aside, synced, then renamed: a copy cut short (a kill, a full disk)
+        # never appears under dest's name, where it would open as a damaged store.
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        partial = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.partial"
+        partial.mkdir()
+        try:
+            self.env.copy(str(partial), compact=compact)
+            _fsync(partial / "data.mdb")
+            _fsync(partial)
+            os.rename(partial, dest)  # replaces dest if it is an empty directory
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        _fsync(dest.parent)
         return dest
 
     def close(self) -> None:
-        try:
-            self.env.close()
-        finally:
-            self._release_writer_lock()
+        with _OPEN_LOCK:
+            shared, self._shared = self._shared, None
+            if shared is None:
+                return
+            try:
+                shared.users -= 1
+                if self._lock_fd is not None:
+                    shared.writer = False
+                if shared.users == 0:
+                    del _OPEN[shared.key]
+                    shared.env.close()
+            finally:
+                self._release_writer_lock()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -136,11 +136,16 @@ class TierstoreCollector(Collector):
         self._lock = threading.Lock()
 
     def attach(self, store: "TieredStore", name: str | None) -> str:
-        """Add ``store`` under label ``name`` (default: its resolved path, unique
-        among open stores because LMDB opens a path once per process)."""
+        """Add ``store`` under label ``name`` (default: its resolved path, then
+        "path#2", "path#3", ... for readers open beside it in this process)."""
         label = name if name is not None else str(Path(store.path).resolve())
         with self._lock:
             self._stores = {k: r for k, r in self._stores.items() if r() is not None}
+            if name is None:
+                base, n = label, 1
+                while label in self._stores:
+                    n += 1
+                    label = f"{base}#{n}"
             if label in self._stores:
                 raise ValueError(
                     f"store name {label!r} is already exported to this registry by another open store; "

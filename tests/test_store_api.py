@@ -115,7 +115,7 @@ def test_spec_validation():
 
 
 def test_new_store_needs_tables(tmp_path):
-    with pytest.raises(ValueError, match="TableSpec"):
+    with pytest.raises(FileNotFoundError, match="TableSpec"):
         TieredStore(tmp_path / "empty", device="cpu")
 
 

@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry
 
 from tierstore.eviction import make_policy
 from tierstore.io import FORMAT_VERSION, LmdbBackend, WriteBack
+from tierstore.io.lmdb_backend import corrupt
 from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
 from .counters import StoreCounters, TableCounters, add_dicts, restored_on_error
@@ -196,7 +197,8 @@ class TieredStore:
         self._gathers_done = threading.Condition(threading.Lock())
         self._use_clock = 0
         self._closed = False
-        self._backend = LmdbBackend(self.path, readonly=readonly, map_size=map_size)
+        # without tables= nothing is created: a mistyped path fails, leaving nothing behind
+        self._backend = LmdbBackend(self.path, readonly=readonly, map_size=map_size, create=bool(tables))
         # every LMDB row write goes through this queue and its one writer thread
         self._writeback = WriteBack(self._backend, self._lock, self.config.writeback_rows, self.config.writeback_group_rows)
         self._plan_pool: futures.ThreadPoolExecutor | None = None
@@ -228,7 +230,10 @@ class TieredStore:
         meta = self._backend.read_meta()
         if meta and meta.get("format") != FORMAT_VERSION:
             raise ValueError(f"{self.path} has store format {meta.get('format')}, this tierstore reads {FORMAT_VERSION}")
-        stored = {d["name"]: TableSpec.from_json(d) for d in meta.get("tables", [])}
+        try:
+            stored = {d["name"]: TableSpec.from_json(d) for d in meta.get("tables", [])}
+        except (TypeError, KeyError, ValueError) as e:
+            raise corrupt(self.path / "data.mdb", f"its table specs are unreadable ({type(e).__name__}: {e})") from None
         names = [s.name for s in given]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate table names in tables=: {names}")

@@ -1,0 +1,163 @@
+"""Damaged files, failed opens and misuse end in named errors, never a signal,
+and leave nothing behind (issue 18). Whatever could kill the process runs in a
+child, so a signal fails the test instead of ending the run."""
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+import tierstore
+from tierstore import StoreCorruptError, StoreLockedError, TableSpec, TieredStore
+from tierstore.io import lmdb_backend
+
+SPEC = TableSpec("t", None, 16)
+
+
+def open_store(path, *args, **kwargs) -> TieredStore:
+    return TieredStore(path, *args, device="cpu", registry=CollectorRegistry(), **kwargs)
+
+
+def make_store(path: Path, rows: int = 20000) -> Path:
+    with open_store(path, [SPEC]) as s:
+        s.write("t", np.arange(rows), torch.arange(rows * 16, dtype=torch.float32).reshape(rows, 16))
+    return path
+
+
+def run_child(code: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+                          capture_output=True, text=True, timeout=120, **kwargs)
+
+
+# opens each store named on the command line, readonly and for writing, reads
+# every row, and prints the outcome: a signal kills the child instead
+OPEN_EACH = """
+    import sys, numpy as np
+    from prometheus_client import CollectorRegistry
+    from tierstore import TieredStore
+    for path in sys.argv[1:]:
+        for readonly in (True, False):
+            try:
+                with TieredStore(path, readonly=readonly, device="cpu", registry=CollectorRegistry()) as s:
+                    s.read("t", np.arange(20000))
+                print(path, readonly, "opened")
+            except Exception as e:
+                print(path, readonly, type(e).__name__, e)
+"""
+
+
+def copy_store(src: Path, dest: Path) -> Path:
+    dest.mkdir()
+    (dest / "data.mdb").write_bytes((src / "data.mdb").read_bytes())
+    return dest
+
+
+def test_damaged_data_file_raises_a_named_error_not_a_signal(tmp_path):
+    src = make_store(tmp_path / "good")
+    size = (src / "data.mdb").stat().st_size
+    damaged = []
+    for cut in (8192, 12288, size // 2, size * 9 // 10, 0):
+        d = copy_store(src, tmp_path / f"cut{cut}")
+        os.truncate(d / "data.mdb", cut)
+        damaged.append(d)
+    # scribbles over both meta pages' fields: magic, map size, page size, the roots, last page
+    big = (1 << 40).to_bytes(8, "little")
+    for offset, data in ((16, b"\0" * 4), (32, (4096).to_bytes(8, "little")), (40, (1000).to_bytes(4, "little")),
+                         (80, big), (128, big), (136, big)):
+        d = copy_store(src, tmp_path / f"scribble{offset}")
+        with open(d / "data.mdb", "r+b") as f:
+            for page in (0, 4096):
+                f.seek(page + offset)
+                f.write(data)
+        damaged.append(d)
+    r = run_child(OPEN_EACH, *damaged)
+    assert r.returncode == 0, f"child died with {r.returncode} (a signal if negative): {r.stderr[-2000:]}"
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 * len(damaged)
+    for line in lines:
+        assert "StoreCorruptError" in line and "data.mdb is damaged" in line and "checkpoint" in line, line
+    assert "empty (0 bytes)" in r.stdout  # the zero-length file is flagged, not turned into a new store
+    assert all(not (d / "lock.mdb").exists() and not (d / "writer.lock").exists() for d in damaged)
+
+
+def test_stats_cli_on_a_truncated_store_is_an_error_line(tmp_path):
+    d = copy_store(make_store(tmp_path / "good"), tmp_path / "cut")
+    os.truncate(d / "data.mdb", 12288)
+    r = run_child("from tierstore.tools.cli import main; import sys; sys.exit(main(['stats', sys.argv[1]]))", d)
+    assert r.returncode > 0, r.stderr[-2000:]
+    assert "damaged" in r.stderr and "truncated" in r.stderr
+
+
+def test_zero_length_data_file_with_tables_is_not_a_new_store(tmp_path):
+    d = copy_store(make_store(tmp_path / "good"), tmp_path / "emptied")
+    os.truncate(d / "data.mdb", 0)
+    with pytest.raises(StoreCorruptError, match="empty"):
+        open_store(d, [SPEC])
+    assert (d / "data.mdb").stat().st_size == 0
+
+
+def test_checkpoint_cut_short_never_appears_under_its_name(tmp_path):
+    """A checkpoint killed midway (SIGXFSZ when the copy passes a file size
+    limit: a kill at a known point) leaves its name absent, or complete."""
+    src = make_store(tmp_path / "store", rows=40000)
+    dest = tmp_path / "ckpt"
+    r = run_child("""
+        import resource, signal, sys
+        from prometheus_client import CollectorRegistry
+        from tierstore import TieredStore
+        with TieredStore(sys.argv[1], device="cpu", registry=CollectorRegistry()) as s:
+            s.flush()
+            # only the copy writes from here: the limit kills the process in its middle
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+            signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; its default kills
+            s._backend.copy_to(sys.argv[2])
+        """, src, dest)
+    assert r.returncode == -signal.SIGXFSZ, (r.returncode, r.stderr[-2000:])
+    assert not dest.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")]  # what the kill left, set aside
+    with open_store(src) as s:
+        s.checkpoint(dest)
+    with open_store(dest, readonly=True) as s:
+        assert s.read("t", [39999])[0, 0] == 39999 * 16
+
+
+def test_failed_open_releases_the_writer_lock(tmp_path, monkeypatch):
+    make_store(tmp_path / "s")
+
+    def disk_full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(lmdb_backend.os, "pwrite", disk_full)
+        with pytest.raises(OSError, match="No space left"):
+            open_store(tmp_path / "s")
+    with open_store(tmp_path / "s") as s:  # not StoreLockedError naming "pid ?"
+        assert s.read("t", [1])[0, 0] == 16
+
+
+def test_mistyped_path_creates_nothing(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"pass tables=\[tierstore.TableSpec"):
+        open_store(tmp_path / "typo")
+    assert not (tmp_path / "typo").exists()
+    (tmp_path / "notes").mkdir()
+    with pytest.raises(FileNotFoundError, match="missing data.mdb"):
+        open_store(tmp_path / "notes")
+    assert list((tmp_path / "notes").iterdir()) == []
+
+
+def test_foreign_lmdb_environment_is_refused_untouched(tmp_path):
+    import lmdb
+
+    with lmdb.open(str(tmp_path), max_dbs=2) as env, env.begin(write=True) as txn:
+        txn.put(b"someone", b"else's data")
+    before = (tmp_path / "data.mdb").read_bytes()
+    with pytest.raises(ValueError, match="LMDB environment that tierstore did not write"):
+        open_store(tmp_path, [SPEC])
+    assert (tmp_path / "data.mdb").read_bytes() == before
