@@ -161,3 +161,19 @@ def test_foreign_lmdb_environment_is_refused_untouched(tmp_path):
     with pytest.raises(ValueError, match="LMDB environment that tierstore did not write"):
         open_store(tmp_path, [SPEC])
     assert (tmp_path / "data.mdb").read_bytes() == before
+
+
+@pytest.mark.parametrize("name", ["a\0x", "a\0y", "", "x y", "-a", "é", "a\n", "a" * 129, "a/b"])
+def test_table_names_outside_the_rule_are_refused(name):
+    # "a\0x" and "a\0y" were one LMDB database: writing one overwrote the other
+    with pytest.raises(ValueError, match=r"1 to 128 ASCII letters, digits, '_', '.' or '-'"):
+        TableSpec(name, None, 4)
+
+
+def test_table_names_by_the_rule_are_separate_tables(tmp_path):
+    specs = [TableSpec(n, None, 2) for n in ("a", "a.b", "a-b", "_" + "a" * 127)]
+    with open_store(tmp_path, specs) as s:
+        for i, spec in enumerate(specs):
+            s.write(spec.name, [0], torch.full((1, 2), float(i)))
+    with open_store(tmp_path, readonly=True) as s:
+        assert [s.read(spec.name, [0])[0, 0].item() for spec in specs] == [0, 1, 2, 3]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import zlib
 from dataclasses import dataclass, field
 
@@ -11,6 +12,8 @@ import torch
 from .precision import DTYPES, round_nearest
 
 MAX_ID = (1 << 63) - 1
+MAX_NAME = 128
+_NAME = re.compile(rf"[A-Za-z0-9_][A-Za-z0-9_.-]{{0,{MAX_NAME - 1}}}", re.ASCII)
 INIT_KINDS = ("zeros", "uniform", "normal")
 
 
@@ -62,8 +65,10 @@ class TableSpec:
     state_dim: int = 0
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or not self.name or len(self.name.encode()) > 200:
-            raise ValueError(f"TableSpec.name must be a non-empty string (<=200 bytes), got {self.name!r}")
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            # LMDB names are C strings: "a\0x" and "a\0y" would be one database
+            raise ValueError(f"TableSpec.name must be 1 to {MAX_NAME} ASCII letters, digits, '_', '.' or '-', "
+                             f"starting with a letter, digit or '_', got {self.name!r}")
         if self.num_rows is not None and (not _is_int(self.num_rows) or not 0 < self.num_rows <= MAX_ID + 1):
             raise ValueError(f"TableSpec.num_rows must be a positive int or None, got {self.num_rows!r}")
         if not _is_int(self.dim) or self.dim <= 0:
