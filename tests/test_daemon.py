@@ -38,12 +38,12 @@ def _embedded(path, **kw):
 class Daemon:
     started: list["Daemon"] = []  # every daemon a test starts; leftovers are killed after it (see below)
 
-    def __init__(self, path, sock, *extra, ddr_rows=1000):
+    def __init__(self, path, sock, *extra, ddr_rows=1000, **popen):
         self.sock = sock
         Daemon.started.append(self)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tierstore.tools.cli", "prefetchd", str(path), "--socket", str(sock), "--ddr-rows", str(ddr_rows), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
         line = self.proc.stdout.readline()
         assert line.startswith("ready"), f"daemon did not start: {line!r} {self.proc.stderr.read() if self.proc.poll() is not None else ''}"
 
@@ -200,7 +200,10 @@ def test_readonly_client_reads_anything_and_writes_nothing(daemon, store_path):
 def _hello(s: socket.socket, **kw) -> wire.Frame:
     import json
 
-    wire.send_frame(s, wire.Frame(wire.HELLO, text=json.dumps({"client": "raw", "claims": [], "readonly": True, **kw})))
+    try:
+        wire.send_frame(s, wire.Frame(wire.HELLO, text=json.dumps({"client": "raw", "claims": [], "readonly": True, **kw})))
+    except BrokenPipeError:
+        pass  # a refused connection: the daemon's reply says why
     reply = wire.recv_frame(s, wire.Limits())
     wire.raise_for(reply)
     return reply
@@ -656,3 +659,165 @@ def test_lookahead_loader_over_a_daemon_client_sends_hints_and_trains_like_an_em
         every = np.arange(1000)
         assert torch.equal(client.read("t", every, with_state=True), local.read("t", every, with_state=True))
         assert client.daemon_stats()["prefetch"]["t"]["issued_rows"] > 0
+
+
+# -- limits: descriptors, memory, connection bursts ----------------------------------------
+def _fd_limit(n: int):
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+
+def test_connections_past_the_fd_limit_are_refused_and_stalled_ones_dropped(store_path, sockdir):
+    d = Daemon(store_path, sockdir / "d.sock", "--frame-timeout", "1", preexec_fn=_fd_limit(128))
+    held, refused = [], []
+    for _ in range(120):  # attached and idle: each holds a descriptor in the daemon until it hangs up
+        s = raw_conn(d.sock)
+        try:
+            _hello(s)
+            held.append(s)
+        except wire.DaemonBusyError as e:
+            refused.append(str(e))
+            assert_closed(s)
+            s.close()
+    assert held and refused and "--max-clients" in refused[0], (len(held), refused[:1])
+    with pytest.raises(wire.DaemonBusyError, match="maximum of"):  # the documented ConnectionError, from the client
+        attach(d, store_path, readonly=True)
+    for s in held:
+        s.close()
+    deadline = time.monotonic() + 30
+    while True:  # the daemon notices the hang-ups, then serves again
+        try:
+            c = attach(d, store_path, readonly=True)
+            break
+        except wire.DaemonBusyError:
+            assert time.monotonic() < deadline, "closed connections were never released"
+            time.sleep(0.05)
+    # a connection that never says HELLO, and one that sends half a header and stalls, are
+    # closed after --frame-timeout with an error saying so
+    silent, stalled = raw_conn(d.sock), raw_conn(d.sock)
+    _hello(stalled)
+    stalled.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.READ, 0, 0, 4, 1, 0, 0)[:10])
+    with pytest.raises(ConnectionError, match="no HELLO within 1 s"):
+        wire.raise_for(wire.recv_frame(silent, wire.Limits()))
+    with pytest.raises(ValueError, match="frame timeout"):
+        wire.raise_for(wire.recv_frame(stalled, wire.Limits()))
+    for s in (silent, stalled):
+        assert_closed(s)
+        s.close()
+    assert torch.equal(c.read("user", [3]), torch.full((1, 8), 0.5))
+    c.close()
+    assert d.proc.poll() is None and d.stop() == 0
+
+
+def test_calls_past_the_frame_limit_are_split_and_match_an_embedded_store(tmp_path, store_path, sockdir):
+    shutil.copytree(store_path, tmp_path / "twin")
+    d = Daemon(store_path, sockdir / "d.sock", "--max-inflight-mib", "1")  # frames of at most 1 MiB
+    c = attach(d, store_path, claim=["user", ("item", 0, 1000)])
+    assert c._max_frame == 1 << 20
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, 10_000, 100_000)  # 4 MB of rows: several frames each way, repeated ids among them
+    values = rng.standard_normal((len(ids), 8)).astype(np.float32)
+    c.write("user", ids, values)
+    item_ids = rng.integers(0, 1000, 60_000)
+    item_rows = rng.standard_normal((len(item_ids), 6)).astype(np.float32)
+    c.write("item", item_ids, item_rows, with_state=True)
+    before = c.read("item", np.arange(1000), with_state=True)
+    with pytest.raises(PermissionError, match="no write claim on row 1000"):  # refused whole: no frame of it applied
+        c.write("item", np.r_[np.arange(60_000), 1000], np.ones((60_001, 6), np.float32), with_state=True)
+    assert torch.equal(c.read("item", np.arange(1000), with_state=True), before)
+    got = c.read("user", ids)
+    got_item = c.read("item", item_ids, with_state=True)
+    c.close()
+    assert d.stop() == 0
+    with _embedded(tmp_path / "twin") as twin:
+        twin.write("user", ids, values)
+        twin.write("item", item_ids, item_rows, with_state=True)
+        assert torch.equal(got, twin.read("user", ids))
+        assert torch.equal(got_item, twin.read("item", item_ids, with_state=True))
+
+
+def _status(pid: int, key: str) -> int:
+    """A /proc/PID/status figure in bytes (VmRSS, VmHWM: kB there)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) << 10
+    raise KeyError(key)
+
+
+def test_daemon_memory_follows_the_inflight_bound_not_the_clients(store_path, sockdir):
+    from concurrent.futures import ThreadPoolExecutor
+
+    inflight = 32 << 20
+    d = Daemon(store_path, sockdir / "d.sock", "--max-inflight-mib", str(inflight >> 20), "--shm-total-mib", "8")
+    warm = attach(d, store_path, readonly=True)
+    warm.read("user", np.arange(10_000))  # the store's own first-use allocations, before the baseline
+    clients = [attach(d, store_path, readonly=True, shm_bytes=0) for _ in range(8)]  # private buffers: the worst case
+    Path(f"/proc/{d.proc.pid}/clear_refs").write_text("5")  # VmHWM restarts from the RSS now
+    base = _status(d.proc.pid, "VmRSS")
+    ids = np.random.default_rng(0).integers(0, 10_000, 1_000_000)  # 40 MB per call: max-size frames, eight clients at once
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda c: c.read("user", ids), clients * 2))
+    peak = _status(d.proc.pid, "VmHWM") - base
+    print(f"daemon RSS peak {peak >> 20} MiB above its {base >> 20} MiB baseline")
+    assert peak <= 2 * inflight + (64 << 20), f"daemon RSS grew by {peak >> 20} MiB"  # the README's bound
+    assert all(torch.equal(r, results[0]) for r in results)
+    for c in clients:
+        c.close()
+    # a finished client's segment is unmapped at once, not at the next connection
+    seg = attach(d, store_path, readonly=True, shm_bytes=8 << 20)
+    assert seg._shm is not None and attach(d, store_path, readonly=True)._shm is None  # past --shm-total-mib: the socket
+    seg.read("user", ids[:200_000])
+    maps = Path(f"/proc/{d.proc.pid}/maps")
+    assert "tierstore-prefetchd" in maps.read_text()
+    seg.close()
+    deadline = time.monotonic() + 30
+    while "tierstore-prefetchd" in maps.read_text():
+        assert time.monotonic() < deadline, "a closed client's segment is still mapped in the daemon"
+        time.sleep(0.05)
+    warm.close()
+    assert d.stop() == 0
+
+
+def test_a_burst_of_100_clients_attaches_and_a_full_queue_gives_the_documented_error(daemon, store_path, sockdir):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    start = threading.Barrier(100)
+
+    def one(_):
+        start.wait()
+        c = attach(daemon, store_path, readonly=True, shm_bytes=0)
+        try:
+            return c.read("user", [3])
+        finally:
+            c.close()
+
+    with ThreadPoolExecutor(100) as pool:
+        rows = list(pool.map(one, range(100)))
+    assert all(torch.equal(r, torch.full((1, 8), 0.5)) for r in rows)
+    # a listener that never accepts: once its queue is full, connect() retries, then DaemonBusyError
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sockdir / "q.sock"))
+    listener.listen(0)
+    queued = []
+    with pytest.raises(BlockingIOError):  # fill its queue
+        while True:
+            queued.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            queued[-1].setblocking(False)
+            queued[-1].connect(str(sockdir / "q.sock"))
+    with pytest.raises(wire.DaemonBusyError, match="listen queue stayed full"):
+        tierstore.TieredStore(store_path, daemon=str(sockdir / "q.sock"), readonly=True, timeout=0.5)
+    for s in queued + [listener]:
+        s.close()
+
+
+def test_socket_in_a_missing_directory_is_named_with_the_fix(store_path, sockdir):
+    from tierstore.tools.daemon import Daemon as Prefetchd, DaemonConfig
+
+    missing = sockdir / "nope" / "d.sock"
+    with pytest.raises(FileNotFoundError, match=f"{sockdir / 'nope'}.*mkdir -p"):
+        Prefetchd(DaemonConfig(store_path, missing, 10))
+    assert not (sockdir / "nope").exists()
+    with pytest.raises(ConnectionError, match=f"directory of daemon socket {missing} does not exist"):
+        tierstore.TieredStore(store_path, daemon=str(missing), readonly=True)

@@ -41,16 +41,19 @@ itself. Hence:
 
 Large arrays go through a shared-memory segment the daemon creates for this
 connection (``shm_bytes``; see tierstore/wire.py); small frames through the
-socket.
+socket. A call larger than the daemon's frame limit (its HELLO says it) is
+sent as several frames, in order: the rows read are the same; a write checks
+its claims first, so it is refused whole (only a daemon lost mid-call can
+leave part of it applied, as a killed client can).
 """
 from __future__ import annotations
 
 import contextlib
-
 import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -126,6 +129,7 @@ class DaemonStore(TieredStore):
         self._closed = False
         self._shm: wire.Segment | None = None
         self._shm_threshold = 1 << 16
+        self._max_frame, self._max_ids = self._limits.max_bytes, self._limits.max_ids  # until the daemon says its own
         self._hbm: dict[str, CacheTier] = {}
         self._hbm_counts: dict[str, TierCounters] = {}
         self._use_clock = 0
@@ -140,6 +144,8 @@ class DaemonStore(TieredStore):
             if body.get("shm_bytes"):
                 self._shm = wire.recv_segment(self._sock, int(body["shm_bytes"]))
                 self._shm_threshold = int(body.get("shm_threshold", self._shm_threshold))
+            self._max_frame = min(self._max_frame, int(body.get("max_frame_bytes", self._max_frame)))
+            self._max_ids = min(self._max_ids, int(body.get("max_ids", self._max_ids)))
         except BaseException:
             self._sock.close()
             self._closed = True
@@ -181,17 +187,32 @@ class DaemonStore(TieredStore):
 
     # -- transport ----------------------------------------------------------------------
     def _connect(self) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(str(self.socket_path))
-        except (FileNotFoundError, ConnectionRefusedError, socket.timeout) as e:
-            sock.close()
-            raise ConnectionError(
-                f"no tierstore daemon answers at {self.socket_path} ({e.__class__.__name__}); start one with "
-                f"`tierstore prefetchd {self.path} --socket {self.socket_path} --ddr-rows N`"
-            ) from None
-        return sock
+        if not self.socket_path.parent.is_dir():
+            raise ConnectionError(f"the directory of daemon socket {self.socket_path} does not exist: no daemon listens there; "
+                                  "check the path, or start `tierstore prefetchd ... --socket PATH` in an existing directory")
+        # A full listen queue (many clients connecting at once) answers EAGAIN: retry with
+        # a growing pause, for at most `timeout`, before saying the daemon is busy.
+        deadline, pause = time.monotonic() + self.timeout, 0.001
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(str(self.socket_path))
+                return sock
+            except BlockingIOError:
+                sock.close()
+                if time.monotonic() + pause > deadline:
+                    raise wire.DaemonBusyError(
+                        f"the tierstore daemon at {self.socket_path} accepted no connection within {self.timeout:g} s "
+                        "(its listen queue stayed full); retry later, or raise timeout=") from None
+                time.sleep(pause)
+                pause = min(2 * pause, 0.1)
+            except (FileNotFoundError, ConnectionRefusedError, socket.timeout) as e:
+                sock.close()
+                raise ConnectionError(
+                    f"no tierstore daemon answers at {self.socket_path} ({e.__class__.__name__}); start one with "
+                    f"`tierstore prefetchd {self.path} --socket {self.socket_path} --ddr-rows N`"
+                ) from None
 
     def _request(self, frame: wire.Frame, rows_out: np.ndarray | None = None) -> wire.Frame:
         """Send one frame and wait for its reply. Rows of a reply that came through
@@ -200,7 +221,10 @@ class DaemonStore(TieredStore):
             if self._closed:
                 raise RuntimeError(f"daemon store {self.path} (via {self.socket_path}) is closed")
             try:
-                wire.send_frame(self._sock, frame, self._shm, self._shm_threshold)
+                try:
+                    wire.send_frame(self._sock, frame, self._shm, self._shm_threshold)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the daemon hung up; the frame it sent first (busy, idle) says why, if any
                 reply = wire.recv_frame(self._sock, self._limits, rows_out, self._shm)
             except (socket.timeout, OSError, wire.ProtocolError) as e:
                 # the stream is out of step or dead: nothing more can be said on it
@@ -212,6 +236,8 @@ class DaemonStore(TieredStore):
                 self._drop_connection()
                 raise ConnectionError(f"the tierstore daemon at {self.socket_path} closed the connection; "
                                       "this client is closed, attach again once the daemon runs")
+            if issubclass(wire.ERRORS.get(reply.status, RuntimeError), ConnectionError):
+                self._drop_connection()  # the daemon closed the connection after this reply
         wire.raise_for(reply)
         return reply
 
@@ -222,8 +248,27 @@ class DaemonStore(TieredStore):
             self._shm.close()
             self._shm = None
 
+    def _chunk(self, cols: int) -> int:
+        """Ids per frame for rows of ``cols`` floats: ids and rows within the daemon's
+        frame limit and, so that they go through it, the segment."""
+        limit = min(self._max_frame, self._shm.size) if self._shm is not None else self._max_frame
+        return max(1, min(self._max_ids, (limit - wire.SHM_ALIGN) // (8 + 4 * cols)))
+
     def _daemon_read(self, table: str, ids: np.ndarray, cols: int, with_state: bool, out: torch.Tensor | None) -> torch.Tensor:
-        """Rows from the daemon, copied into ``out`` (CPU, contiguous) or a new tensor."""
+        """Rows from the daemon, copied into ``out`` (CPU, contiguous) or a new tensor;
+        a call past the frame limit as consecutive frames."""
+        n, chunk = len(ids), self._chunk(cols)
+        if n <= chunk:
+            return self._daemon_read_frame(table, ids, cols, with_state, out)
+        direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
+        rows = out if direct else torch.empty((n, cols), dtype=torch.float32)
+        for lo in range(0, n, chunk):
+            self._daemon_read_frame(table, ids[lo:lo + chunk], cols, with_state, rows[lo:lo + chunk])
+        if direct:
+            return rows
+        return rows.to(self.device) if out is None else out.copy_(rows)
+
+    def _daemon_read_frame(self, table: str, ids: np.ndarray, cols: int, with_state: bool, out: torch.Tensor | None) -> torch.Tensor:
         n = len(ids)
         direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
         with self._lock:  # rows in the segment are valid until the next request: copy them before another thread sends one
@@ -239,7 +284,19 @@ class DaemonStore(TieredStore):
             return rows.to(self.device) if out is None else out.copy_(rows)
 
     def _daemon_write(self, table: str, ids: np.ndarray, rows: np.ndarray, with_state: bool) -> None:
-        self._request(wire.Frame(wire.WRITE, text=table, ids=ids, rows=rows, flags=wire.WITH_STATE if with_state else 0))
+        flags = wire.WITH_STATE if with_state else 0
+        chunk = self._chunk(rows.shape[1])
+        if len(ids) > chunk:
+            # the daemon checks each frame's claims; check the whole call here first, so no
+            # frame is applied of a write that a later frame would have refused
+            inside = wire.claimed(self._ranges.get(table, []), ids)
+            if not inside.all():
+                mine = ", ".join(wire.describe_claim((table, lo, hi)) for lo, hi in self._ranges.get(table, [])) or "none"
+                raise PermissionError(f"this client has no write claim on row {int(ids[~inside][0])} of table {table!r} (its claims on "
+                                      f"{table!r}: {mine}); attach with claim=[{table!r}] or a (table, lo, hi) range covering it")
+        with self._lock:  # one writer's frames stay in order (a later value of an id wins)
+            for lo in range(0, len(ids), chunk):
+                self._request(wire.Frame(wire.WRITE, text=table, ids=ids[lo:lo + chunk], rows=rows[lo:lo + chunk], flags=flags))
 
     # -- the store API -------------------------------------------------------------------
     @property

@@ -42,6 +42,8 @@ import mmap
 import os
 import socket
 import struct
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,10 +65,18 @@ _KNOWN_FLAGS = WITH_STATE | IN_SHM
 SHM_ALIGN = 64  # array offsets in the segment are cache-line aligned
 SHM_FD_BYTE = b"S"  # the byte the segment's descriptor rides on after the HELLO reply
 
-# reply statuses: 0 is OK; the others name the exception the client raises
+
+class DaemonBusyError(ConnectionError):
+    """The daemon cannot take this client now: it serves its maximum of clients
+    (``--max-clients``), or its listen queue stayed full while the client retried."""
+
+
+# reply statuses: 0 is OK; the others name the exception the client raises.
+# A ConnectionError status means the daemon closed the connection after the reply.
 OK = 0
 ERRORS: dict[int, type[Exception]] = {
     1: KeyError, 2: IndexError, 3: ValueError, 4: PermissionError, 5: RuntimeError, 6: TypeError, 7: OSError,
+    8: ConnectionError, 9: DaemonBusyError,
 }
 STATUS_OF = {cls: code for code, cls in ERRORS.items()}
 
@@ -257,11 +267,23 @@ def send_frame(sock: socket.socket, frame: Frame, shm: Segment | None = None, th
         sock.sendall(memoryview(np.ascontiguousarray(rows, dtype="<f4")).cast("B"))
 
 
-def recv_exact(sock: socket.socket, buf) -> None:
+def recv_exact(sock: socket.socket, buf, deadline: float | None = None) -> None:
+    """Fill ``buf`` from the socket; by ``deadline`` (time.monotonic()) if given,
+    else raises ProtocolError: a peer that sends part of a frame and stalls."""
     view = memoryview(buf).cast("B")
     got, n = 0, len(view)
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ProtocolError(f"the peer sent {got} of {n} bytes of a frame section, then nothing until the frame timeout")
+            sock.settimeout(left)
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except socket.timeout:
+            if deadline is None:
+                raise
+            continue  # the deadline check above says what happened
         if k == 0:
             raise ConnectionError("the peer closed the connection in the middle of a frame")
         got += k
@@ -284,8 +306,15 @@ def _check_shm_ref(shm: Segment | None, ids_off: int, n_ids: int, rows_off: int,
         raise ProtocolError(f"shared-memory ids {spans[0]} and rows {spans[1]} overlap")
 
 
-def recv_frame(sock: socket.socket, limits: Limits, rows_out: np.ndarray | None = None, shm: Segment | None = None) -> Frame | None:
+def recv_frame(sock: socket.socket, limits: Limits, rows_out: np.ndarray | None = None, shm: Segment | None = None,
+               frame_timeout: float | None = None, admit: Callable[[int, int, int], None] | None = None) -> Frame | None:
     """Read one frame; None if the peer closed cleanly between frames.
+
+    The daemon's guards (the client passes neither): ``frame_timeout`` seconds
+    for a begun frame to arrive whole (else ProtocolError; the wait for a frame
+    to begin is the socket's own timeout), and ``admit(type, n_ids, nbytes)``
+    with the frame's text + ids + rows bytes, called once the header passed the
+    limits and before anything is allocated for them.
 
     Raises ProtocolError on a frame that breaks the format or the limits (the
     caller replies with an error and closes the connection: the stream can no
@@ -296,14 +325,11 @@ def recv_frame(sock: socket.socket, limits: Limits, rows_out: np.ndarray | None 
     """
     header = bytearray(HEADER.size)
     view = memoryview(header)
-    got = 0
-    while got < HEADER.size:
-        k = sock.recv_into(view[got:], HEADER.size - got)
-        if k == 0:
-            if got == 0:
-                return None
-            raise ConnectionError("the peer closed the connection in the middle of a frame header")
-        got += k
+    k = sock.recv_into(view, HEADER.size)
+    if k == 0:
+        return None
+    deadline = time.monotonic() + frame_timeout if frame_timeout is not None else None
+    recv_exact(sock, view[k:], deadline)
     magic, version, ftype, status, flags, text_len, n_ids, n_rows, n_cols = HEADER.unpack(header)
     if magic != MAGIC:
         raise ProtocolError(f"bad frame magic {magic!r} (expected {MAGIC!r}): not a tierstore daemon frame")
@@ -324,16 +350,20 @@ def recv_frame(sock: socket.socket, limits: Limits, rows_out: np.ndarray | None 
     payload = 8 * n_ids + 4 * n_rows * n_cols
     if payload > limits.max_bytes:
         raise ProtocolError(f"frame payload of {payload} bytes exceeds the limit of {limits.max_bytes}; split the call")
+    if admit is not None:
+        admit(ftype, n_ids, text_len + payload)
+        if deadline is not None:  # time spent waiting for admission is the daemon's, not the peer's
+            deadline = time.monotonic() + frame_timeout
     ids_off = rows_off = 0
     if flags & IN_SHM:
         ref = bytearray(SHM_REF.size)
-        recv_exact(sock, ref)
+        recv_exact(sock, ref, deadline)
         ids_off, rows_off = SHM_REF.unpack(ref)
         _check_shm_ref(shm, ids_off, n_ids, rows_off, 4 * n_rows * n_cols)
     text = ""
     if text_len:
         raw = bytearray(text_len)
-        recv_exact(sock, raw)
+        recv_exact(sock, raw, deadline)
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -344,7 +374,7 @@ def recv_frame(sock: socket.socket, limits: Limits, rows_out: np.ndarray | None 
             ids = shm.array(ids_off, "<i8", (n_ids,)).copy()
         else:
             ids = np.empty(n_ids, dtype="<i8")
-            recv_exact(sock, ids)
+            recv_exact(sock, ids, deadline)
     rows = None
     if n_rows:
         if flags & IN_SHM:
@@ -354,7 +384,7 @@ def recv_frame(sock: socket.socket, limits: Limits, rows_out: np.ndarray | None 
                 rows = rows_out
             else:
                 rows = np.empty((n_rows, n_cols), dtype="<f4")
-            recv_exact(sock, rows)
+            recv_exact(sock, rows, deadline)
     return Frame(ftype, status, text, ids, rows, flags)
 
 

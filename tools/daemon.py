@@ -19,6 +19,17 @@ rows it wrote that nobody flushed stay in the daemon's cache and are flushed
 with everything else. A daemon killed with SIGKILL loses the rows written
 since the last flush, like an embedded store.
 
+Limits: at most ``max_clients`` connections (by default as many as the
+open-file limit allows, up to 1024); the excess is told DaemonBusyError and
+closed, and an accept() that finds no free descriptor refuses that one
+connection, never the daemon. A connection must send HELLO within
+``frame_timeout``, finish each frame it begins within it, and read each
+reply within it; one idle for ``idle_timeout`` is closed (with a
+ConnectionError reply saying so). Memory: each frame's payload, plus a
+READ's reply, is reserved from ``max_inflight_bytes`` before anything is
+allocated for it (a frame waits until it fits), and segments are granted from
+``shm_total_bytes``; a finished connection's segment and buffers go at once.
+
 Concurrency: one thread per connection. Frames are read and written outside
 the store's lock, and READ rows are gathered straight into the client's
 shared-memory segment. A read whose rows are all in the DDR tier holds the
@@ -28,16 +39,18 @@ it, so several clients' gathers run at once (TieredStore.read).
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
+import resource
 import signal
 import socket
 import stat
 import struct
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -59,10 +72,15 @@ class DaemonConfig:
     lookahead_source: Path | None = None
     depth: int = 2
     metrics_port: int | None = None
-    limits: wire.Limits = field(default_factory=wire.Limits)
+    limits: wire.Limits | None = None  # frames it accepts; default: max_bytes = min(64 MiB, max_inflight_bytes)
     max_hints: int = 64  # outstanding prefetch hints per client; older ones are released (unpinned)
     shm_max_bytes: int = 1 << 30  # largest shared-memory segment granted to one client; 0 = none
     shm_threshold: int = 1 << 16  # frames with more array bytes than this go through the segment
+    max_clients: int | None = None  # None: as many as the open-file limit allows, at most 1024
+    idle_timeout: float = 3600.0  # seconds an attached client may send nothing; 0 = forever
+    frame_timeout: float = 30.0  # seconds to send HELLO, finish a begun frame, read a reply
+    max_inflight_bytes: int = 256 << 20  # frame payloads + READ replies being handled at once
+    shm_total_bytes: int = 4 << 30  # all clients' shared-memory segments together
 
     def __post_init__(self):
         self.path, self.socket = Path(self.path), Path(self.socket)
@@ -72,10 +90,23 @@ class DaemonConfig:
             raise ValueError(f"--depth must be an int >= 1, got {self.depth!r}")
         if not isinstance(self.max_hints, int) or self.max_hints < 1:
             raise ValueError(f"max_hints must be an int >= 1, got {self.max_hints!r}")
-        for name in ("shm_max_bytes", "shm_threshold"):
+        for name in ("shm_max_bytes", "shm_threshold", "shm_total_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if not isinstance(self.max_inflight_bytes, int) or self.max_inflight_bytes < 1 << 16:
+            raise ValueError(f"--max-inflight-mib: max_inflight_bytes must be an int >= 65536, got {self.max_inflight_bytes!r}")
+        if self.max_clients is not None and (not isinstance(self.max_clients, int) or self.max_clients < 1):
+            raise ValueError(f"--max-clients must be an int >= 1, got {self.max_clients!r}")
+        for name in ("idle_timeout", "frame_timeout"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or v < 0 or (name == "frame_timeout" and v == 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a number of seconds >= 0 (> 0 for the frame timeout), got {v!r}")
+        if self.limits is None:
+            self.limits = wire.Limits(max_bytes=min(64 << 20, self.max_inflight_bytes))
+        if self.limits.max_bytes > self.max_inflight_bytes:
+            raise ValueError(f"limits.max_bytes {self.limits.max_bytes} exceeds max_inflight_bytes {self.max_inflight_bytes}: "
+                             "one frame could never be admitted; lower the one or raise the other")
         if self.lookahead_source is not None:
             self.lookahead_source = Path(self.lookahead_source)
         if len(os.fsencode(self.socket)) >= 104:  # sun_path is 108 bytes on Linux, 104 on BSDs
@@ -97,10 +128,32 @@ class _Session:
         self.hello = False
         self.step: int | None = None
         self.hints: deque = deque()
-        self.out = torch.empty(0, dtype=torch.float32)  # READ replies are gathered here
 
     def describe(self) -> str:
         return f"client {self.name!r} (pid {self.pid})" if self.pid else f"client {self.name!r}"
+
+
+class _Budget:
+    """Bytes handed out to frames in flight; a frame waits until its share fits,
+    so memory follows this total, not the number of connections."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.used = 0
+        self._freed = threading.Condition()
+
+    def acquire(self, nbytes: int) -> int:
+        nbytes = min(nbytes, self.total)  # one frame alone always fits
+        with self._freed:
+            self._freed.wait_for(lambda: self.used + nbytes <= self.total)
+            self.used += nbytes
+        return nbytes
+
+    def release(self, nbytes: int) -> None:
+        if nbytes:
+            with self._freed:
+                self.used -= nbytes
+                self._freed.notify_all()
 
 
 class _ClientCollector:
@@ -152,6 +205,8 @@ class Daemon:
             from tierstore.trace import Trace
 
             self._trace = Trace.load(config.lookahead_source)
+        self._memory = _Budget(config.max_inflight_bytes)
+        self._shm_left = config.shm_total_bytes
         self.listener = self._bind(config.socket)  # before opening the store: a live daemon means refuse
         try:
             self.store = tierstore.TieredStore(config.path, hbm_rows=0, ddr_rows=config.ddr_rows, policy=config.policy,
@@ -162,6 +217,17 @@ class Daemon:
             config.socket.unlink(missing_ok=True)
             raise
         self.registry.register(_ClientCollector(self))
+        self._read_row_bytes = 4 * max((spec.width for spec in self.store.tables.values()), default=0)
+        try:
+            self.max_clients = self._client_cap()
+            # held for the moment accept() finds no free descriptor: closed, it lets the daemon
+            # accept and refuse that one connection instead of failing
+            self._spare_fd = os.open(os.devnull, os.O_RDONLY)
+        except BaseException:
+            self.store.close()
+            self.listener.close()
+            config.socket.unlink(missing_ok=True)
+            raise
         if self._trace is not None:
             unknown = set(self._trace.table_names) - set(self.store.tables)
             if unknown:
@@ -170,9 +236,31 @@ class Daemon:
                 config.socket.unlink(missing_ok=True)
                 raise ValueError(f"lookahead trace {config.lookahead_source} names tables {sorted(unknown)} that the store lacks; it has {sorted(self.store.tables)}")
 
+    def _client_cap(self) -> int:
+        """max_clients, checked against the open-file limit: a client takes its
+        socket and, during its handshake, its segment's descriptor."""
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        try:
+            in_use = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            in_use = 64
+        room = (soft - in_use - 16) // 2 if soft != resource.RLIM_INFINITY else 1 << 20
+        if room < 1:
+            raise RuntimeError(f"the open-file limit ({soft}, {in_use} in use) leaves no room for clients; raise it (ulimit -n)")
+        wanted = self.config.max_clients
+        if wanted is None:
+            return min(1024, room)
+        if wanted > room:
+            log.warning("--max-clients %d needs more descriptors than the open-file limit (%d, %d in use) allows; "
+                        "serving at most %d clients (raise ulimit -n for more)", wanted, soft, in_use, room)
+        return min(wanted, room)
+
     # -- socket --------------------------------------------------------------------
     @staticmethod
     def _bind(path: Path) -> socket.socket:
+        if not path.parent.is_dir():
+            raise FileNotFoundError(f"the directory of --socket {path} does not exist; create it first "
+                                    f"(mkdir -p {path.parent}) or choose a socket path in an existing directory")
         if path.exists() or path.is_symlink():
             if not stat.S_ISSOCK(path.lstat().st_mode):
                 raise FileExistsError(f"{path} exists and is not a socket; choose another --socket path")
@@ -194,7 +282,7 @@ class Daemon:
         finally:
             os.umask(old)
         os.chmod(path, 0o600)
-        sock.listen(64)
+        sock.listen(socket.SOMAXCONN)  # the kernel's cap (net.core.somaxconn): a burst of connects waits here
         sock.settimeout(0.2)  # the accept loop wakes up to notice stop()
         return sock
 
@@ -207,23 +295,66 @@ class Daemon:
             self._threads.append(t)
         try:
             while not self._stop.is_set():
-                try:
-                    conn, _ = self.listener.accept()
-                except socket.timeout:
+                conn = self._accept()
+                if conn is None:
                     continue
-                except OSError:
-                    if self._stop.is_set():
-                        break
-                    raise
-                conn.settimeout(None)
-                session = _Session(conn, next(self._numbers))
                 with self._lock:
-                    self._sessions[session.number] = session
-                t = threading.Thread(target=self._serve_conn, args=(session,), name=f"prefetchd-{session.number}", daemon=True)
-                t.start()
-                self._threads = [x for x in self._threads if x.is_alive()] + [t]
+                    full = len(self._sessions) >= self.max_clients
+                if full:
+                    self._refuse(conn, wire.DaemonBusyError(
+                        f"the tierstore daemon at {self.config.socket} serves its maximum of {self.max_clients} clients "
+                        "(--max-clients); close idle clients, or restart it with a higher --max-clients (and ulimit -n)"))
+                    continue
+                self._start(conn)
         finally:
             self._shutdown()
+
+    def _accept(self) -> socket.socket | None:
+        """One connection, or None; never raises while serving (a full fd table included)."""
+        try:
+            conn, _ = self.listener.accept()
+            return conn
+        except socket.timeout:
+            return None
+        except OSError as e:
+            if self._stop.is_set():
+                return None
+            if e.errno not in (errno.EMFILE, errno.ENFILE):
+                log.warning("accept() failed (%s); still serving", e)
+                return None
+        # no descriptor left: free the spare one, take the connection and refuse it, so the
+        # client hears why instead of waiting in the listen queue
+        os.close(self._spare_fd)
+        try:
+            conn, _ = self.listener.accept()
+            self._refuse(conn, wire.DaemonBusyError(
+                f"the tierstore daemon at {self.config.socket} has no file descriptor left for another client "
+                "(open-file limit); close idle clients, or restart it with a higher ulimit -n"))
+        except OSError as e:
+            log.warning("accept() failed (%s); still serving", e)
+            self._stop.wait(0.05)  # the condition may persist: do not spin
+        finally:
+            self._spare_fd = os.open(os.devnull, os.O_RDONLY)
+        return None
+
+    def _refuse(self, conn: socket.socket, e: Exception) -> None:
+        log.warning("refused a connection: %s", e)
+        conn.settimeout(1.0)  # the reply fits the socket buffer; never wait on a refused client
+        try:
+            wire.send_frame(conn, wire.Frame(wire.ERROR, wire.error_status(e), wire.error_message(e)))
+            conn.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def _start(self, conn: socket.socket) -> None:
+        session = _Session(conn, next(self._numbers))
+        with self._lock:
+            self._sessions[session.number] = session
+        t = threading.Thread(target=self._serve_conn, args=(session,), name=f"prefetchd-{session.number}", daemon=True)
+        t.start()
+        self._threads = [x for x in self._threads if x.is_alive()] + [t]
 
     def stop(self) -> None:
         self._stop.set()
@@ -243,39 +374,62 @@ class Daemon:
         for t in self._threads:
             t.join(timeout=10)
         self.store.close()  # flushes
+        os.close(self._spare_fd)
         log.info("flushed and closed %s", self.config.path)
 
     # -- one connection --------------------------------------------------------------------
     def _serve_conn(self, s: _Session) -> None:
-        limits = self.config.limits
         try:
-            while True:
-                try:
-                    frame = wire.recv_frame(s.conn, limits, shm=s.shm)
-                except wire.ProtocolError as e:
-                    log.warning("%s sent a malformed frame (%s); closing its connection", s.describe(), e)
-                    self._reply_error(s, wire.ERROR, e)
-                    return
-                if frame is None:
-                    return
-                if not s.hello and frame.type != wire.HELLO:
-                    self._reply_error(s, frame.type, wire.ProtocolError("the first frame must be HELLO (the versioned handshake)"))
-                    return
-                try:
-                    reply = self._handle(s, frame)
-                except Exception as e:  # a bad request: the stream is still in step, keep serving
-                    self._reply_error(s, frame.type, e)
-                    if frame.type == wire.HELLO:
-                        return
-                    continue
-                wire.send_frame(s.conn, reply, s.shm, self.config.shm_threshold)
-                if frame.type == wire.HELLO and s.shm is not None:
-                    wire.send_segment(s.conn, s.shm)
+            while self._serve_frame(s):
+                pass
         except (ConnectionError, OSError) as e:
             if not self._stop.is_set():
                 log.info("%s went away: %s", s.describe(), e)
         finally:
+            # the frames and replies died with _serve_frame's locals: nothing maps the segment any more
             self._drop(s)
+
+    def _serve_frame(self, s: _Session) -> bool:
+        """Receive, handle and answer one frame; False when the connection is done."""
+        cfg = self.config
+        held = 0
+
+        def admit(ftype: int, n_ids: int, nbytes: int) -> None:
+            nonlocal held  # a READ's reply is gathered in memory too, unless in the segment
+            held = self._memory.acquire(nbytes + (n_ids * self._read_row_bytes if ftype == wire.READ else 0))
+
+        # before HELLO a connection gets frame_timeout to speak, after it idle_timeout (0: forever)
+        s.conn.settimeout((cfg.idle_timeout or None) if s.hello else cfg.frame_timeout)
+        try:
+            try:
+                frame = wire.recv_frame(s.conn, cfg.limits, shm=s.shm, frame_timeout=cfg.frame_timeout, admit=admit)
+            except socket.timeout:
+                what = f"after {cfg.idle_timeout:g} s without a request (prefetchd --idle-timeout)" if s.hello else \
+                    f"as it sent no HELLO within {cfg.frame_timeout:g} s (prefetchd --frame-timeout)"
+                log.info("closing the connection of %s %s", s.describe(), what)
+                self._reply_error(s, wire.ERROR, ConnectionError(f"the tierstore daemon closed this connection {what}; attach again"))
+                return False
+            except wire.ProtocolError as e:
+                log.warning("%s sent a malformed frame (%s); closing its connection", s.describe(), e)
+                self._reply_error(s, wire.ERROR, e)
+                return False
+            if frame is None:
+                return False
+            s.conn.settimeout(cfg.frame_timeout)  # a client that does not read its reply is dropped
+            if not s.hello and frame.type != wire.HELLO:
+                self._reply_error(s, frame.type, wire.ProtocolError("the first frame must be HELLO (the versioned handshake)"))
+                return False
+            try:
+                reply = self._handle(s, frame)
+            except Exception as e:  # a bad request: the stream is still in step, keep serving
+                self._reply_error(s, frame.type, e)
+                return frame.type != wire.HELLO
+            wire.send_frame(s.conn, reply, s.shm, cfg.shm_threshold)
+            if frame.type == wire.HELLO and s.shm is not None:
+                wire.send_segment(s.conn, s.shm)
+            return True
+        finally:
+            self._memory.release(held)
 
     def _reply_error(self, s: _Session, ftype: int, e: BaseException) -> None:
         try:
@@ -298,6 +452,9 @@ class Daemon:
             pass
         if s.shm is not None:
             s.shm.close()
+            with self._lock:
+                self._shm_left += s.shm.size
+            s.shm = None
         if s.hello:
             log.info("%s disconnected; released claims %s", s.describe(), [wire.describe_claim(c) for c in s.claims])
 
@@ -314,13 +471,15 @@ class Daemon:
                 store.read(f.text, ids[:0])
             cols = spec.width if with_state else spec.dim
             nbytes = 4 * len(ids) * cols
+            if 8 * len(ids) + nbytes > self.config.limits.max_bytes:
+                raise ValueError(f"a read of {len(ids)} ids x {cols} columns ({8 * len(ids) + nbytes} bytes with its reply) "
+                                 f"exceeds the daemon's frame limit of {self.config.limits.max_bytes} bytes; split the call "
+                                 "(tierstore's client does)")
             if s.shm is not None and nbytes > self.config.shm_threshold and nbytes <= s.shm.size:
                 # gathered straight into the client's segment: the reply is a header, no copy
                 out = torch.from_numpy(s.shm.array(0, "<f4", (len(ids), cols)))
             else:
-                if s.out.numel() < len(ids) * cols:  # a reply buffer per connection: no page faults per read
-                    s.out = torch.empty(len(ids) * cols, dtype=torch.float32)
-                out = s.out[: len(ids) * cols].view(len(ids), cols)
+                out = torch.empty((len(ids), cols), dtype=torch.float32)  # freed with the reply: memory follows the budget
             rows = store.read(f.text, torch.from_numpy(ids), with_state=with_state, out=out)
             self._count(s, "read", len(ids))
             return wire.Frame(f.type, rows=rows.numpy())
@@ -397,11 +556,16 @@ class Daemon:
             pid = None
         shm = None
         granted = min(shm_bytes, self.config.shm_max_bytes)
+        with self._lock:  # segments come out of one total; past it a client uses the socket
+            granted = granted if granted <= self._shm_left else 0
+            self._shm_left -= granted
         if granted:
             try:
                 shm = wire.Segment.create(granted)
             except OSError as e:  # no memfd here: every frame goes through the socket
                 log.warning("no shared memory for %s (%s); using the socket", name, e)
+                with self._lock:
+                    self._shm_left += granted
         try:
             with self._lock:
                 clashes = [f"{wire.describe_claim((t, max(lo, hlo), min(hi, hhi)))} by {holder.describe()}"
@@ -417,13 +581,16 @@ class Daemon:
         except BaseException:
             if shm is not None:
                 shm.close()
+                with self._lock:
+                    self._shm_left += shm.size
             raise
         s.shm = shm
         log.info("%s attached: claims %s%s%s", s.describe(), [wire.describe_claim(c) for c in claims],
                  ", readonly" if readonly else "", f", {shm.size >> 20} MiB shared memory" if shm else "")
         reply = {"version": wire.VERSION, "path": str(self.config.path.resolve()), "pid": os.getpid(),
                  "tables": [spec.to_json() for spec in self.store.tables.values()],
-                 "shm_bytes": shm.size if shm else 0, "shm_threshold": self.config.shm_threshold}
+                 "shm_bytes": shm.size if shm else 0, "shm_threshold": self.config.shm_threshold,
+                 "max_frame_bytes": self.config.limits.max_bytes, "max_ids": self.config.limits.max_ids}
         return wire.Frame(wire.HELLO, text=json.dumps(reply))
 
     def _check_claimed(self, s: _Session, table: str, ids: np.ndarray) -> None:
@@ -508,19 +675,47 @@ def register(sub) -> None:
                    help="torch intra-op threads (default: torch's). Clients are served on a thread each; with N >= 2 "
                         "clients reading at once, 1 keeps their gathers from fighting over the cores")
     p.add_argument("--shm-max-mib", type=int, default=1024, help="largest shared-memory segment per client in MiB (0: socket only)")
+    p.add_argument("--shm-total-mib", type=int, default=4096, help="all clients' segments together in MiB; past it a client uses the socket")
+    p.add_argument("--max-inflight-mib", type=int, default=256,
+                   help="frame payloads and READ replies handled at once, in MiB; frames wait for room (one frame: at most 64 MiB or this)")
+    p.add_argument("--max-clients", type=int, default=None,
+                   help="connections served at once; more are refused with DaemonBusyError (default: what ulimit -n allows, at most 1024)")
+    p.add_argument("--idle-timeout", type=float, default=3600.0, help="seconds a client may send nothing before it is disconnected (0: never)")
+    p.add_argument("--frame-timeout", type=float, default=30.0,
+                   help="seconds a client has to send HELLO, finish a frame it began, and read a reply")
     p.set_defaults(func=main)
+
+
+def _return_freed_memory() -> None:
+    """Big buffers (frames, replies, a read's working copies) from mmap, returned to the
+    system when freed. glibc's default raises its mmap threshold up to 32 MiB after the
+    first big free, and each connection thread's arena then keeps what it freed: the
+    daemon's memory would follow its connections, not the frames in flight."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: fixed, which also turns the dynamic raise off
+        libc.mallopt(-8, 1)  # M_ARENA_MAX: connection threads share one arena, so what one frees serves the next
+    except (OSError, AttributeError):  # not glibc: its own allocator's policy applies
+        pass
 
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefetchd %(levelname)s %(message)s")
+    _return_freed_memory()
     if args.threads is not None:
         if args.threads < 1:
             raise SystemExit(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    if args.shm_max_mib < 0:
-        raise SystemExit(f"--shm-max-mib must be >= 0, got {args.shm_max_mib}")
+    for flag in ("shm_max_mib", "shm_total_mib", "max_inflight_mib"):
+        if getattr(args, flag) < 0:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     config = DaemonConfig(args.path, args.socket, args.ddr_rows, args.policy, args.lookahead_source, args.depth, args.metrics_port,
-                          shm_max_bytes=args.shm_max_mib << 20)
+                          shm_max_bytes=args.shm_max_mib << 20, shm_total_bytes=args.shm_total_mib << 20,
+                          max_inflight_bytes=args.max_inflight_mib << 20, max_clients=args.max_clients,
+                          idle_timeout=args.idle_timeout, frame_timeout=args.frame_timeout)
     daemon = Daemon(config)
     # handlers only set a flag: the accept loop notices it within 0.2 s, then flushes and exits 0
     for sig in (signal.SIGTERM, signal.SIGINT):
