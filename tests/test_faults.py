@@ -177,3 +177,33 @@ def test_table_names_by_the_rule_are_separate_tables(tmp_path):
             s.write(spec.name, [0], torch.full((1, 2), float(i)))
     with open_store(tmp_path, readonly=True) as s:
         assert [s.read(spec.name, [0])[0, 0].item() for spec in specs] == [0, 1, 2, 3]
+
+
+def test_reader_in_another_process_follows_the_writers_map_growth(tmp_path):
+    """A writer grows LMDB's map past the size a reader mapped (small map_size:
+    1 MiB): the reader's next transactions got MDB_MAP_RESIZED for good."""
+    with open_store(tmp_path, [SPEC], map_size=1 << 20) as w:
+        w.write("t", [0], torch.zeros(1, 16))
+        w.flush()
+        reader = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+            import sys
+            from prometheus_client import CollectorRegistry
+            from tierstore import TieredStore
+            with TieredStore(sys.argv[1], readonly=True, map_size=1 << 20, device="cpu", registry=CollectorRegistry()) as s:
+                for line in sys.stdin:
+                    print(float(s.read("t", [int(line)])[0, 0]), flush=True)
+            """), str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            reader.stdin.write("0\n")
+            reader.stdin.flush()
+            assert reader.stdout.readline() == "0.0\n"
+            rows = 60000  # ~4.6 MiB of rows: the map doubles past the reader's
+            w.write("t", np.arange(rows), torch.arange(rows, dtype=torch.float32)[:, None].expand(rows, 16))
+            w.flush()
+            assert (tmp_path / "data.mdb").stat().st_size > 2 << 20
+            reader.stdin.write(f"{rows - 1}\n")
+            reader.stdin.flush()
+            assert reader.stdout.readline() == f"{rows - 1}.0\n", reader.stderr.read()
+        finally:
+            reader.stdin.close()
+            assert reader.wait(60) == 0, reader.stderr.read()
