@@ -453,6 +453,60 @@ class LmdbBackend:
             finally:
                 self._release_writer_lock()
 
+    def compact(self) -> tuple[int, int]:
+        """Rewrite data.mdb without LMDB's free pages, then close this backend; returns
+        data.mdb's bytes before and after. Needs this writer to be the store's only
+        user: no other store of it open in this process, no process reading it (a
+        reader would go on reading the old file). The compacted copy is written aside,
+        synced, and renamed over data.mdb while LMDB's own lock keeps every opener
+        out: a kill at any point leaves one whole data.mdb, the old or the new."""
+        if self._lock_fd is None:
+            raise PermissionError(f"tierstore at {self.path} is open readonly; compacting needs it open for writing")
+        if self._shared.users > 1:
+            raise StoreLockedError(f"tierstore at {self.path} is also open readonly in this process; close those stores, then compact")
+        data, aside = self.path / "data.mdb", self.path / "data.mdb.compacting"
+        before = data.stat().st_size
+        try:
+            fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # a killed compaction's leftover is reused
+            try:
+                self.env.copyfd(fd, compact=True)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException:  # a full disk: the store stays as it was
+            aside.unlink(missing_ok=True)
+            raise
+        writer_lock, self._lock_fd = self._lock_fd, None  # held until data.mdb is swapped: no writer opens meanwhile
+        try:
+            self.close()
+            with _OPEN_LOCK:  # nothing in this process opens the store meanwhile
+                others = _shared_env(self.path)
+                # Every open environment holds LMDB's lock byte (0 of lock.mdb) shared; an opener waits on it.
+                # Opening lock.mdb here is safe only while this process has no environment of it open:
+                # closing any descriptor of a file drops all of this process's fcntl locks on it.
+                lock = None if others else os.open(self.path / "lock.mdb", os.O_RDWR)
+                try:
+                    if lock is not None:
+                        try:
+                            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+                        except OSError as e:
+                            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                                raise
+                            others = True
+                    if others:
+                        aside.unlink()
+                        raise StoreLockedError(
+                            f"tierstore at {self.path} is open in another process (a reader: tierstore stats, a readonly "
+                            "store, prefetchd); close it, then compact; nothing changed")
+                    os.rename(aside, data)
+                    _fsync(self.path)  # the rename itself survives a power loss
+                finally:
+                    if lock is not None:
+                        os.close(lock)
+        finally:
+            os.close(writer_lock)
+        return before, data.stat().st_size
+
 
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)

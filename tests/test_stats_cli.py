@@ -187,3 +187,110 @@ def test_stats_is_a_registered_verb(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "stats" in capsys.readouterr().out
+
+
+# -- tierstore compact -----------------------------------------------------------------------------
+def dump(path) -> dict:
+    """Every key and value of every LMDB database of the store, as stored."""
+    env = lmdb.open(str(path), readonly=True, max_dbs=1024, lock=False)
+    try:
+        with env.begin() as txn:
+            names = [k for k, _ in txn.cursor()]
+            return {n: list(txn.cursor(db=env.open_db(n, txn=txn, create=False))) for n in names}
+    finally:
+        env.close()
+
+
+@pytest.fixture
+def churned(tmp_path):
+    """A store whose rows were overwritten often: LMDB keeps the pages copy-on-write freed."""
+    rng = np.random.default_rng(0)
+    with tierstore.TieredStore(tmp_path / "s", [tierstore.TableSpec("a", 30_000, 16), tierstore.TableSpec("b", None, 8, state_dim=2)],
+                               hbm_rows=0, ddr_rows=0, device="cpu", registry=CollectorRegistry()) as store:
+        for _ in range(6):
+            store.write("a", rng.permutation(30_000)[:20_000], rng.standard_normal((20_000, 16)).astype(np.float32))
+            store.write("b", rng.integers(0, 10**12, 5_000), rng.standard_normal((5_000, 10)).astype(np.float32), with_state=True)
+            store.flush()
+    return tmp_path / "s"
+
+
+def test_compact_keeps_every_row_and_meta_and_shrinks_the_file(churned, capsys):
+    before = dump(churned)
+    size = os.stat(churned / "data.mdb").st_size
+    assert main(["compact", str(churned)]) == 0
+    out = capsys.readouterr().out
+    after = os.stat(churned / "data.mdb").st_size
+    assert after < 0.7 * size and f"({size:,} -> {after:,} bytes)" in out
+    assert dump(churned) == before
+    assert sorted(os.listdir(churned)) == ["data.mdb", "lock.mdb", "writer.lock"]
+    with tierstore.TieredStore(churned, device="cpu", registry=CollectorRegistry()) as store:  # opens and writes on
+        store.write("a", np.arange(3), np.ones((3, 16), dtype=np.float32))
+        assert (store.read("a", np.arange(3)) == 1).all()
+
+
+def test_compact_refuses_a_store_that_is_open_and_changes_nothing(churned, capsys):
+    before = dump(churned)
+    size = os.stat(churned / "data.mdb").st_size
+    reader = subprocess.Popen([sys.executable, "-c", "import lmdb, sys; e = lmdb.open(sys.argv[1], readonly=True, max_dbs=1024); "
+                               "print('ready', flush=True); sys.stdin.read()", str(churned)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "ready"
+        assert main(["compact", str(churned)]) == 2
+        assert "open in another process" in capsys.readouterr().err
+    finally:
+        reader.communicate("", timeout=60)
+    with tierstore.TieredStore(churned, readonly=True, device="cpu", registry=CollectorRegistry()):  # in this process
+        with pytest.raises(tierstore.StoreLockedError):
+            tierstore.TieredStore.compact(churned)
+    assert os.stat(churned / "data.mdb").st_size == size and dump(churned) == before
+    assert not (churned / "data.mdb.compacting").exists()
+
+
+# Compacts the store at argv[1] and is killed (SIGKILL) mid-way: "copy" after the
+# compacted copy's first MiB (its writes go through a pipe to the real file),
+# "rename" with the copy complete and synced, just before it replaces data.mdb.
+KILLED_COMPACTION = textwrap.dedent("""
+    import os, signal, sys, threading
+    import tierstore
+    path, phase = sys.argv[1], sys.argv[2]
+    real_open, real_rename = os.open, os.rename
+
+    def killed_after_a_mib(p, flags, mode=0o777):
+        fd = real_open(p, flags, mode)
+        if not str(p).endswith(".compacting"):
+            return fd
+        r, w = os.pipe()
+
+        def relay(n=0):
+            while n < 1 << 20:
+                n += os.write(fd, os.read(r, 1 << 16))
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=relay, daemon=True).start()
+        return w
+
+    def killed_at_rename(src, dst):
+        if str(dst).endswith("data.mdb"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_rename(src, dst)
+    if phase == "copy":
+        os.open = killed_after_a_mib
+    else:
+        os.rename = killed_at_rename
+    tierstore.TieredStore.compact(path)
+""")
+
+
+@pytest.mark.parametrize("phase", ["copy", "rename"])
+def test_a_killed_compaction_leaves_the_store_whole(churned, phase, capsys):
+    before = dump(churned)
+    size = os.stat(churned / "data.mdb").st_size
+    r = subprocess.run([sys.executable, "-c", KILLED_COMPACTION, str(churned), phase], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -9, r.stderr
+    aside = os.stat(churned / "data.mdb.compacting").st_size
+    assert aside >= 1 << 20 and (aside < size if phase == "copy" else True)
+    assert os.stat(churned / "data.mdb").st_size == size and dump(churned) == before
+    with tierstore.TieredStore(churned, readonly=True, device="cpu", registry=CollectorRegistry()) as store:
+        assert store.read("a", np.arange(30_000)).shape == (30_000, 16)
+    assert main(["compact", str(churned)]) == 0  # again: the leftover copy is overwritten
+    assert dump(churned) == before and not (churned / "data.mdb.compacting").exists()

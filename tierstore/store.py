@@ -548,6 +548,13 @@ class TieredStore:
             self.flush()
             return self._backend.copy_to(path, compact=compact)
 
+    @staticmethod
+    def compact(path: str | Path) -> tuple[int, int]:
+        """Rewrite the store at ``path``, closed everywhere, without LMDB's free pages
+        (a crash leaves the old file or the new, whole); returns data.mdb's bytes
+        before and after. An open store's checkpoint() is compact already."""
+        return LmdbBackend(path, create=False).compact()
+
     def close(self) -> None:
         """Stop prefetch, flush, then release memory, LMDB and the writer lock. Idempotent."""
         if not self._closed:

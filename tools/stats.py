@@ -133,9 +133,20 @@ def register(sub) -> None:
     p.add_argument("path", help="store directory (the one holding data.mdb)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=run)
+    c = sub.add_parser("compact", help="rewrite a closed store's data.mdb without LMDB's free pages; prints its size before and after")
+    c.add_argument("path", help="store directory (the one holding data.mdb); no process may have it open")
+    c.set_defaults(func=run_compact)
 
 
 def run(args: argparse.Namespace) -> int:
     facts = read_facts(require_store(args.path))  # errors: tierstore.tools.cli prints them
     print(json.dumps(facts.to_json(), indent=2) if args.json else format_facts(facts))
+    return 0
+
+
+def run_compact(args: argparse.Namespace) -> int:
+    from tierstore import TieredStore
+
+    before, after = TieredStore.compact(require_store(args.path))
+    print(f"compacted {args.path}/data.mdb: {_size(before)} -> {_size(after)} ({before:,} -> {after:,} bytes)")
     return 0
