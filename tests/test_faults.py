@@ -207,3 +207,29 @@ def test_reader_in_another_process_follows_the_writers_map_growth(tmp_path):
         finally:
             reader.stdin.close()
             assert reader.wait(60) == 0, reader.stderr.read()
+
+
+def test_reader_beside_a_writer_in_one_process(tmp_path):
+    """The README's snippet in one script: a writer, then a reader of the same path."""
+    registry = CollectorRegistry()  # one registry for both, as the default one would be
+    w = TieredStore(tmp_path, [SPEC], device="cpu", registry=registry)
+    w.write("t", [1], torch.ones(1, 16))
+    w.flush()
+    r = TieredStore(tmp_path, readonly=True, device="cpu", registry=registry)
+    assert r.read("t", [1])[0, 0] == 1
+    with pytest.raises(StoreLockedError, match=f"in this process \\(pid {os.getpid()}\\)"):
+        TieredStore(tmp_path, device="cpu", registry=CollectorRegistry())
+    with pytest.raises(PermissionError, match="readonly"):
+        r.write("t", [1], torch.zeros(1, 16))
+    w.write("t", [2], torch.full((1, 16), 2.0))
+    w.close()  # the reader goes on reading the environment they share
+    assert r.read("t", [2])[0, 0] == 2
+    with open_store(tmp_path) as w:  # the writer gone, another may join the reader
+        w.write("t", [3], torch.full((1, 16), 3.0))
+    assert r.read("t", [3])[0, 0] == 3
+    r.close()
+    with open_store(tmp_path, readonly=True) as r:  # a reader first maps the store readonly
+        with pytest.raises(StoreLockedError, match="open the writer first"):
+            open_store(tmp_path)
+    with open_store(tmp_path) as w:  # all closed: a writer opens again
+        assert w.read("t", [3])[0, 0] == 3
