@@ -710,13 +710,32 @@ def test_connections_past_the_fd_limit_are_refused_and_stalled_ones_dropped(stor
     assert d.proc.poll() is None and d.stop() == 0
 
 
+def test_an_idle_client_is_disconnected_and_its_next_call_says_why(store_path, sockdir):
+    d = Daemon(store_path, sockdir / "d.sock", "--idle-timeout", "1")
+    c = attach(d, store_path, readonly=True)
+    c.read("user", [1])
+    import select
+
+    hangup = select.poll()
+    hangup.register(c._sock, select.POLLRDHUP)
+    assert hangup.poll(30_000)  # the daemon closed the connection (its parting frame waits unread)
+    with pytest.raises(ConnectionError, match="after 1 s without a request .*--idle-timeout"):
+        c.read("user", [1])
+    with pytest.raises(RuntimeError, match="is closed"):
+        c.read("user", [1])
+    again = attach(d, store_path, readonly=True)
+    assert torch.equal(again.read("user", [3]), torch.full((1, 8), 0.5))
+    again.close()
+    assert d.stop() == 0
+
+
 def test_calls_past_the_frame_limit_are_split_and_match_an_embedded_store(tmp_path, store_path, sockdir):
     shutil.copytree(store_path, tmp_path / "twin")
     d = Daemon(store_path, sockdir / "d.sock", "--max-inflight-mib", "1")  # frames of at most 1 MiB
     c = attach(d, store_path, claim=["user", ("item", 0, 1000)])
     assert c._max_frame == 1 << 20
     rng = np.random.default_rng(7)
-    ids = rng.integers(0, 10_000, 100_000)  # 4 MB of rows: several frames each way, repeated ids among them
+    ids = rng.integers(0, 10_000, 60_000)  # 2.4 MB of rows: several frames each way, repeated ids among them
     values = rng.standard_normal((len(ids), 8)).astype(np.float32)
     c.write("user", ids, values)
     item_ids = rng.integers(0, 1000, 60_000)
