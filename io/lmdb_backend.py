@@ -399,8 +399,7 @@ class LmdbBackend:
                 free = shutil.disk_usage(self.path).free
                 if free < _LOW_SPACE:
                     raise OSError(errno.ENOSPC, f"disk full: LMDB could not write {self.path / 'data.mdb'} "
-                                  f"({e}; {free} bytes free). Free disk space, then flush() again: "
-                                  "rows not yet written stay queued while the store is open") from e
+                                  f"({e}; {free} bytes free); free disk space") from e
                 raise
         raise lmdb.MapFullError(f"LMDB map at {self.path} still full after growing it {_MAX_GROWTH_RETRIES} times")
 

@@ -233,3 +233,86 @@ def test_reader_beside_a_writer_in_one_process(tmp_path):
             open_store(tmp_path)
     with open_store(tmp_path) as w:  # all closed: a writer opens again
         assert w.read("t", [3])[0, 0] == 3
+
+
+def test_bad_ids_and_values_get_named_errors(tmp_path):
+    with open_store(tmp_path, [SPEC]) as s:
+        huge = torch.tensor([3, (1 << 63) + 5], dtype=torch.uint64)  # torch casts it to a negative int64
+        with pytest.raises(IndexError, match=f"id {(1 << 63) + 5} out of range .* < 2\\*\\*63"):
+            s.read("t", huge)
+        with pytest.raises(IndexError, match=f"id {(1 << 63) + 5} out of range"):
+            s.write("t", huge, torch.zeros(2, 16))
+        assert s.read("t", torch.tensor([3], dtype=torch.uint64)).shape == (1, 16)
+        with pytest.raises(ValueError, match="ids for table 't' are a tensor on the meta device"):
+            s.read("t", torch.zeros(2, dtype=torch.int64, device="meta"))
+        with pytest.raises(ValueError, match="values for table 't' are a tensor on the meta device"):
+            s.write("t", [1, 2], torch.zeros(2, 16, device="meta"))
+
+
+def test_with_state_on_a_table_without_state_is_the_empty_state(tmp_path):
+    with open_store(tmp_path, [SPEC]) as s:
+        s.write("t", [1], torch.ones(1, 16))
+        assert torch.equal(s.read("t", [1, 2], with_state=True), s.read("t", [1, 2]))  # [n, dim + 0]
+        with pytest.raises(TypeError, match="with_state must be True or False"):
+            s.read("t", [1], with_state="yes")
+
+
+@pytest.mark.parametrize("key, value, error", [
+    (b"tables", b"{not json", "metadata record is unreadable"),
+    (b"tables", b'[{"name": "t", "dim": 16, "unknown_field": 1}]', "table specs are unreadable"),
+    (b"tables", b'[{"name": "t\\u0000x", "num_rows": null, "dim": 16, "init": {}}]', "table specs are unreadable"),
+])
+def test_corrupt_metadata_record_is_named(tmp_path, key, value, error):
+    import lmdb
+
+    make_store(tmp_path, rows=10)
+    with lmdb.open(str(tmp_path), max_dbs=4) as env:
+        meta = env.open_db(b"__meta__")
+        with env.begin(write=True, db=meta) as txn:
+            txn.put(key, value)
+    for readonly in (True, False):
+        with pytest.raises(StoreCorruptError, match=error):
+            open_store(tmp_path, readonly=readonly)
+
+
+def test_readonly_open_of_a_directory_it_cannot_write(tmp_path, monkeypatch):
+    make_store(tmp_path, rows=10)
+
+    def lmdb_open(*args, **kwargs):  # what LMDB says when it cannot create lock.mdb (root never sees it)
+        raise lmdb_backend.lmdb.ReadonlyError("mdb_env_open: Permission denied")
+
+    monkeypatch.setattr(lmdb_backend.lmdb, "open", lmdb_open)
+    with pytest.raises(PermissionError, match="must create or write lock.mdb there, even to read.*make the directory writable"):
+        open_store(tmp_path, readonly=True)
+
+
+def test_full_disk_is_reported_as_a_full_disk_and_loses_nothing(tmp_path):
+    """A commit cut short (a real short write, past a file size limit) is LMDB's
+    "Input/output error"; with the disk nearly full (the one thing faked here)
+    it is reported as ENOSPC, and flush() after the space is back writes it all."""
+    r = run_child("""
+        import collections, resource, sys
+        import numpy as np, torch
+        from prometheus_client import CollectorRegistry
+        from tierstore import TableSpec, TieredStore
+        from tierstore.io import lmdb_backend
+        path = sys.argv[1]
+        with TieredStore(path, [TableSpec("t", None, 16)], device="cpu", registry=CollectorRegistry()) as s:
+            s.write("t", np.arange(1000), torch.ones(1000, 16))
+            s.flush()
+            size = (lmdb_backend.Path(path) / "data.mdb").stat().st_size
+            resource.setrlimit(resource.RLIMIT_FSIZE, (size + 10000, resource.RLIM_INFINITY))
+            lmdb_backend.shutil.disk_usage = lambda p: collections.namedtuple("u", "total used free")(1 << 30, 1 << 30, 4096)
+            s.write("t", np.arange(50000), torch.full((50000, 16), 2.0))
+            try:
+                s.flush()
+            except OSError as e:
+                print("ERROR", e.errno, e)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+            s.flush()
+        with TieredStore(path, readonly=True, device="cpu", registry=CollectorRegistry()) as s:
+            print("ALL", bool((s.read("t", np.arange(50000)) == 2).all()))
+        """, tmp_path / "s")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"[Errno {errno.ENOSPC}] disk full" in r.stdout and "4096 bytes free" in r.stdout, r.stdout
+    assert "ALL True" in r.stdout

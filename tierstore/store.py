@@ -114,6 +114,12 @@ class _Plan(NamedTuple):
     resident_drop: torch.Tensor  # DDR slots of other rows leaving the cache
 
 
+def _check_has_values(t: torch.Tensor, what: str, spec: TableSpec) -> None:
+    if t.device.type == "meta":
+        raise ValueError(f"{what} for table {spec.name!r} are a tensor on the meta device, which holds no values; "
+                         "pass a tensor on the CPU or a GPU")
+
+
 def _where(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """rows[mask] (mask on the CPU), without copying when every row is selected."""
     return rows if bool(mask.all()) else rows[mask.to(rows.device)]
@@ -278,8 +284,11 @@ class TieredStore:
 
     def read(self, table: str, ids, with_state: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of ``ids`` as float32 [len(ids), dim] on ``store.device``
-        (``[len(ids), dim + state_dim]`` with ``with_state=True``), written
+        (``[len(ids), dim + state_dim]`` with ``with_state=True``; a table with
+        ``state_dim=0`` has an empty state, so that is ``[len(ids), dim]``), written
         into ``out`` when given (reusing a buffer saves an allocation per call)."""
+        if not isinstance(with_state, (bool, np.bool_)):
+            raise TypeError(f"with_state must be True or False, got {with_state!r}")
         with self._lock:
             resident = self._read_locked(table, ids, with_state, out)
             if isinstance(resident, torch.Tensor):
@@ -632,7 +641,13 @@ class TieredStore:
         if isinstance(ids, torch.Tensor):
             if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
                 raise TypeError(f"ids for table {spec.name!r} must be integers, got a tensor of {ids.dtype}")
+            _check_has_values(ids, "ids", spec)
             t = ids.detach()
+            if t.dtype == torch.uint64 and t.numel():  # torch casts ids >= 2**63 to negative int64s
+                wrapped = t.view(torch.int64)
+                if bool((wrapped < 0).any()):
+                    big = int(wrapped[wrapped < 0].max()) + (1 << 64)
+                    raise IndexError(f"id {big} out of range for table {spec.name!r} (ids are < 2**63)")
         else:
             arr = np.asarray(ids)
             if arr.size == 0:
@@ -658,6 +673,7 @@ class TieredStore:
     @staticmethod
     def _as_values(spec: TableSpec, values, n: int, cols: int) -> torch.Tensor:
         if isinstance(values, torch.Tensor):
+            _check_has_values(values, "values", spec)
             v = values.detach()
         else:
             arr = np.asarray(values)
