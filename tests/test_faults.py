@@ -117,6 +117,7 @@ def test_checkpoint_cut_short_never_appears_under_its_name(tmp_path):
             # only the copy writes from here: the limit kills the process in its middle
             resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
             signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; its default kills
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # and dumps core, but not here
             s._backend.copy_to(sys.argv[2])
         """, src, dest)
     assert r.returncode == -signal.SIGXFSZ, (r.returncode, r.stderr[-2000:])
