@@ -94,7 +94,7 @@ def test_prefetchd_start_up_errors_are_one_line_a_cli_user_can_act_on(served, ca
 def test_prefetchd_lookahead_leaks_no_warning(served):
     """The trace's ids are memory-mapped read-only: the store copies them instead
     of letting torch warn (under -W error the lookahead thread would fail)."""
-    client = tierstore.TieredStore(served.store, daemon=str(served.sockdir / "a.sock"), readonly=True, client="c")
+    client = tierstore.open_store(served.store, daemon=str(served.sockdir / "a.sock"), readonly=True, client="c")
     try:
         client.report_step(0)
         deadline = time.monotonic() + 60

@@ -90,7 +90,7 @@ def daemon(store_path, sockdir):
 
 
 def attach(daemon, store_path, **kw):
-    return tierstore.TieredStore(store_path, daemon=str(daemon.sock), **kw)
+    return tierstore.open_store(store_path, daemon=str(daemon.sock), **kw)
 
 
 def attach_once_released(daemon, store_path, claim):
@@ -131,7 +131,7 @@ def test_socket_is_0600_and_reads_match_an_embedded_store(daemon, store_path):
 CLIENT = textwrap.dedent("""
     import sys, numpy as np, tierstore
     path, sock, table, dim, lo = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-    c = tierstore.TieredStore(path, daemon=sock, claim=[table], client=f"writer-{table}")
+    c = tierstore.open_store(path, daemon=sock, claim=[table], client=f"writer-{table}")
     ids = np.arange(lo, lo + 500)
     c.write(table, ids, (ids[:, None] * 10 + np.arange(dim)).astype(np.float32))
     c.flush()
@@ -188,8 +188,10 @@ def test_readonly_client_reads_anything_and_writes_nothing(daemon, store_path):
         attach(daemon, store_path, hbm_rows=10)
     with pytest.raises(ValueError, match="'user', which this client has not claimed"):
         attach(daemon, store_path, claim=[("item", 0, 10)], hbm_rows={"user": 10})
-    with pytest.raises(ValueError, match="only applies with daemon="):
+    with pytest.raises(ValueError, match="only applies to a client of `tierstore prefetchd`"):
         tierstore.TieredStore(store_path, claim=["user"])
+    with pytest.raises(TypeError, match=r"open_store\(path, daemon=SOCK"):  # the embedded class never becomes a client
+        tierstore.TieredStore(store_path, daemon=str(daemon.sock))
     # errors raised in the daemon come back as the same exception type, with its message
     with pytest.raises(IndexError, match="out of range.*num_rows=10000"):
         w.prefetch("user", [5, 10_000])
@@ -258,7 +260,7 @@ def test_malformed_and_oversized_frames_get_an_error_and_a_closed_connection(dae
 PARTIAL_WRITER = textwrap.dedent("""
     import sys, numpy as np, tierstore
     from tierstore import wire
-    c = tierstore.TieredStore(sys.argv[1], daemon=sys.argv[2], claim=["user"], client="doomed")
+    c = tierstore.open_store(sys.argv[1], daemon=sys.argv[2], claim=["user"], client="doomed")
     c.write("user", np.arange(200, 210), np.full((10, 8), 2.0, dtype=np.float32))
     c.flush()
     c.write("user", np.arange(210, 220), np.full((10, 8), 4.0, dtype=np.float32))  # never flushed by this client
@@ -297,7 +299,7 @@ def _initial_user_rows(store_path, ids) -> np.ndarray:
 
 def test_sigterm_flushes_then_exits_0(store_path, sockdir):
     d = Daemon(store_path, sockdir / "d.sock")
-    c = tierstore.TieredStore(store_path, daemon=str(d.sock), claim=["item"])
+    c = tierstore.open_store(store_path, daemon=str(d.sock), claim=["item"])
     ids = np.array([3, 2**50, 77])
     values = np.arange(3 * 6, dtype=np.float32).reshape(3, 6)
     c.write("item", ids, values, with_state=True)  # no flush
@@ -319,9 +321,9 @@ def _wait_stopped(pid: int) -> None:
 
 def test_daemon_gone_or_hung_gives_connection_error_quickly(store_path, sockdir):
     with pytest.raises(ConnectionError, match="no tierstore daemon answers.*tierstore prefetchd"):
-        tierstore.TieredStore(store_path, daemon=str(sockdir / "none.sock"))
+        tierstore.open_store(store_path, daemon=str(sockdir / "none.sock"))
     d = Daemon(store_path, sockdir / "d.sock")
-    c = tierstore.TieredStore(store_path, daemon=str(d.sock), readonly=True, timeout=1.0)
+    c = tierstore.open_store(store_path, daemon=str(d.sock), readonly=True, timeout=1.0)
     c.read("user", [1])
     os.kill(d.proc.pid, signal.SIGSTOP)  # hung: the socket stays open but nobody answers
     try:
@@ -334,7 +336,7 @@ def test_daemon_gone_or_hung_gives_connection_error_quickly(store_path, sockdir)
             c.read("user", [1])
     finally:
         os.kill(d.proc.pid, signal.SIGCONT)
-    c2 = tierstore.TieredStore(store_path, daemon=str(d.sock), readonly=True, timeout=5.0)
+    c2 = tierstore.open_store(store_path, daemon=str(d.sock), readonly=True, timeout=5.0)
     d.stop(signal.SIGKILL)
     with pytest.raises(ConnectionError):
         c2.read("user", [1])
@@ -349,7 +351,7 @@ def test_second_daemon_refused_while_one_lives_and_stale_socket_replaced(store_p
     d.stop(signal.SIGKILL)  # leaves a stale socket file behind
     assert sock.exists()
     d = Daemon(store_path, sock, "--shm-max-mib", "0", "--threads", "1")
-    c = tierstore.TieredStore(store_path, daemon=str(sock), readonly=True)
+    c = tierstore.open_store(store_path, daemon=str(sock), readonly=True)
     assert c._shm is None  # the daemon grants no segment: every frame goes through the socket
     assert c.read("user", np.arange(5000)).shape == (5000, 8)
     c.close()
@@ -370,8 +372,8 @@ def test_lookahead_follows_the_slowest_client_and_metrics_label_clients(store_pa
     port = _free_port()
     d = Daemon(store_path, sockdir / "d.sock", "--lookahead-source", str(trace), "--depth", "2", "--metrics-port", str(port))
     try:
-        fast = tierstore.TieredStore(store_path, daemon=str(d.sock), readonly=True, client="fast")
-        slow = tierstore.TieredStore(store_path, daemon=str(d.sock), readonly=True, client="slow")
+        fast = tierstore.open_store(store_path, daemon=str(d.sock), readonly=True, client="fast")
+        slow = tierstore.open_store(store_path, daemon=str(d.sock), readonly=True, client="slow")
         slow.report_step(0)
         fast.report_step(4)  # the window follows the slowest client: steps 1 and 2
 
@@ -431,8 +433,8 @@ def test_hbm_tier_reads_are_bit_identical_with_and_without_it_and_to_an_embedded
     d1, d2 = Daemon(store_path, sockdir / "a.sock", ddr_rows=100), Daemon(plain_path, sockdir / "b.sock", ddr_rows=100)
     try:
         claim = ["user", ("item", 0, 10_000)]
-        cached = tierstore.TieredStore(store_path, daemon=str(d1.sock), claim=claim, hbm_rows={"user": 40, "item": 25})
-        plain = tierstore.TieredStore(plain_path, daemon=str(d2.sock), claim=claim)
+        cached = tierstore.open_store(store_path, daemon=str(d1.sock), claim=claim, hbm_rows={"user": 40, "item": 25})
+        plain = tierstore.open_store(plain_path, daemon=str(d2.sock), claim=claim)
         with _embedded(oracle_path, hbm_rows=40, ddr_rows=100) as oracle:
             runs = [_run(s, _ops(5)) for s in (cached, plain, oracle)]
         for a, b, c in zip(*runs):
@@ -442,7 +444,7 @@ def test_hbm_tier_reads_are_bit_identical_with_and_without_it_and_to_an_embedded
         assert st["hbm"]["writebacks"] > 0  # dirty rows evicted from the tiny tier went back to the daemon
         assert plain.stats()["hbm"] == {"hits": 0, "misses": 0, "evictions": 0, "writebacks": 0}
         cached.flush()
-        ro = tierstore.TieredStore(store_path, daemon=str(d1.sock), readonly=True)
+        ro = tierstore.open_store(store_path, daemon=str(d1.sock), readonly=True)
         every = np.arange(300)
         assert np.array_equal(ro.read("user", every).numpy(), plain.read("user", every).numpy())
         assert np.array_equal(ro.read("item", every, with_state=True).numpy(), plain.read("item", every, with_state=True).numpy())
@@ -474,7 +476,7 @@ def test_hbm_rows_reach_the_daemon_on_eviction_and_flush_and_others_see_them_the
 
 HBM_VICTIM = textwrap.dedent("""
     import sys, numpy as np, tierstore
-    c = tierstore.TieredStore(sys.argv[1], daemon=sys.argv[2], claim=["user"], hbm_rows=100, client="victim")
+    c = tierstore.open_store(sys.argv[1], daemon=sys.argv[2], claim=["user"], hbm_rows=100, client="victim")
     c.read("user", np.arange(200, 260))
     c.write("user", np.arange(200, 210), np.full((10, 8), 2.0, dtype=np.float32))
     c.flush()
@@ -621,7 +623,7 @@ def _client_and_embedded_twin(tmp_path, sockdir):
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     d = Daemon(tmp_path / "a", sockdir / "d.sock", ddr_rows=100)
     try:
-        client = tierstore.TieredStore(tmp_path / "a", daemon=str(d.sock), claim=["t"], hbm_rows=50)
+        client = tierstore.open_store(tmp_path / "a", daemon=str(d.sock), claim=["t"], hbm_rows=50)
         with _embedded(tmp_path / "b", hbm_rows=50, ddr_rows=100) as local:
             yield client, local
         client.close()
@@ -826,7 +828,7 @@ def test_a_burst_of_100_clients_attaches_and_a_full_queue_gives_the_documented_e
             queued[-1].setblocking(False)
             queued[-1].connect(str(sockdir / "q.sock"))
     with pytest.raises(wire.DaemonBusyError, match="listen queue stayed full"):
-        tierstore.TieredStore(store_path, daemon=str(sockdir / "q.sock"), readonly=True, timeout=0.5)
+        tierstore.open_store(store_path, daemon=str(sockdir / "q.sock"), readonly=True, timeout=0.5)
     for s in queued + [listener]:
         s.close()
 
@@ -839,4 +841,4 @@ def test_socket_in_a_missing_directory_is_named_with_the_fix(store_path, sockdir
         Prefetchd(DaemonConfig(store_path, missing, 10))
     assert not (sockdir / "nope").exists()
     with pytest.raises(ConnectionError, match=f"directory of daemon socket {missing} does not exist"):
-        tierstore.TieredStore(store_path, daemon=str(missing), readonly=True)
+        tierstore.open_store(store_path, daemon=str(missing), readonly=True)

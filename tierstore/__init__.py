@@ -6,8 +6,11 @@ from .store import StoreConfig, TieredStore
 from . import optim
 from .nn import TieredEmbeddingBag, TieredEmbeddingBagCollection
 from .prefetch import LookaheadLoader, PrefetchConfig, PrefetchTicket
+from .client import open_store
+from .wire import DaemonBusyError
 
 __all__ = ["RowInit", "StoreConfig", "StoreCorruptError", "StoreLockedError", "TableSpec", "TieredStore"]
 __all__ += ["TieredEmbeddingBag", "TieredEmbeddingBagCollection", "optim"]
 __all__ += ["LookaheadLoader", "PrefetchConfig", "PrefetchTicket"]
+__all__ += ["DaemonBusyError", "open_store"]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""A trainer's side of ``tierstore prefetchd``: ``TieredStore(PATH, daemon=SOCK, ...)``.
+"""A trainer's side of ``tierstore prefetchd``: ``tierstore.open_store(PATH, daemon=SOCK, ...)``.
 
 The daemon (tierstore/tools/daemon.py) owns the store's DDR tier and LMDB
 files; this class sends it READ/WRITE/PREFETCH/FLUSH frames (tierstore/wire.py)
@@ -71,6 +71,16 @@ from .tiers import CacheTier, first_uses, last_values
 
 Claim = str | tuple[str, int, int]
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def open_store(path: str | Path, tables: Sequence[TableSpec] | None = None, *, daemon: str | Path | None = None,
+               **options) -> TieredStore:
+    """The store at ``path``: embedded (a TieredStore), or with ``daemon=SOCK`` a
+    client of the ``tierstore prefetchd`` serving it there (a DaemonStore, the same
+    API; ``claim=`` names what it writes). ``options`` are the class's own."""
+    if daemon is None:
+        return TieredStore(path, tables, **options)
+    return DaemonStore(path, tables, daemon=daemon, **options)
 
 
 class DaemonStore(TieredStore):

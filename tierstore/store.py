@@ -151,16 +151,9 @@ class TieredStore:
     creates or opens a store; ``TieredStore(path)`` reopens one with the table
     specs it has stored. ``hbm_rows``/``ddr_rows`` are per table (an int for
     every table or a {table: rows} dict); 0 means no such tier.
-    ``daemon=SOCK`` attaches to a ``tierstore prefetchd`` instead (a
-    tierstore.client.DaemonStore; ``claim=`` names the tables it writes).
+    ``tierstore.open_store(path, daemon=SOCK, ...)`` attaches to a
+    ``tierstore prefetchd`` instead (tierstore.client.DaemonStore, the same API).
     """
-
-    def __new__(cls, *args, daemon: str | Path | None = None, **kwargs):
-        if daemon is not None and cls is TieredStore:
-            from .client import DaemonStore
-
-            return super().__new__(DaemonStore)  # then DaemonStore.__init__ runs with the same arguments
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -185,8 +178,12 @@ class TieredStore:
         daemon: None = None,
         claim: Sequence[str] = (),
     ):
+        if daemon is not None:
+            raise TypeError(f"TieredStore is the embedded store; attach to the `tierstore prefetchd` at {daemon} with "
+                            "tierstore.open_store(path, daemon=SOCK, ...)")
         if claim:
-            raise ValueError(f"claim={list(claim)} only applies with daemon=SOCK (a client of `tierstore prefetchd`); an embedded store is its tables' only writer")
+            raise ValueError(f"claim={list(claim)} only applies to a client of `tierstore prefetchd` "
+                             "(tierstore.open_store(path, daemon=SOCK, claim=...)); an embedded store is its tables' only writer")
         self.config = StoreConfig(path, hbm_rows, ddr_rows, policy, device, readonly, map_size, clock, eviction, writeback_rows, writeback_group_rows)
         # metrics: exported to registry (default: prometheus_client's global one) under
         # the label name (default: the resolved path); metrics_port starts an endpoint

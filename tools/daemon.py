@@ -1,7 +1,7 @@
 """``tierstore prefetchd``: one process per host that owns a store's DDR tier and
 LMDB files and serves them to trainer processes over a Unix socket.
 
-Clients attach with ``tierstore.TieredStore(PATH, daemon=SOCK, claim=[...])``
+Clients attach with ``tierstore.open_store(PATH, daemon=SOCK, claim=[...])``
 (tierstore/client.py); the frames are described in tierstore/wire.py.
 
 Claims: each client names the tables or ``(table, lo, hi)`` row ranges it
@@ -773,7 +773,7 @@ def bench(args) -> None:
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             try:
                 assert proc.stdout.readline().startswith("ready"), "the daemon did not start"
-                client = tierstore.TieredStore(path, daemon=str(sock), readonly=True, device="cpu")
+                client = tierstore.open_store(path, daemon=str(sock), readonly=True, device="cpu")
                 read_all(client, n)
                 it = iter(range(10**9))
                 through[threads] = median_seconds(lambda: client.read("t", batches[next(it) % 8], out=buf), args.repeat)
@@ -825,7 +825,7 @@ _READER = """
 import sys, time, torch, tierstore
 path, sock, n, batch, reps, seed, threads = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
 torch.set_num_threads(threads)
-c = tierstore.TieredStore(path, daemon=sock, readonly=True, device="cpu")
+c = tierstore.open_store(path, daemon=sock, readonly=True, device="cpu")
 g = torch.Generator().manual_seed(seed)
 bs = [torch.randint(0, n, (batch,), generator=g) for _ in range(4)]
 out = torch.empty((batch, c.tables["t"].dim))
