@@ -1,4 +1,6 @@
 """Public API, bad input and its errors, reopen, threads."""
+import subprocess
+import sys
 import threading
 import time
 
@@ -353,3 +355,10 @@ def test_a_failed_fetch_with_its_plan_aside_leaves_the_store_as_it_was(tmp_path,
         assert _state(s) == before
         monkeypatch.setattr(s._backend, "get_rows", real)
         assert torch.equal(s.read("t", [0, 399]), torch.tensor([[0.0, 1.0], [798.0, 799.0]]))
+
+
+def test_tierstore_torchrec_without_torchrec_says_how_to_install():
+    code = "import sys; sys.modules['torchrec'] = None  # as if not installed\nimport tierstore.torchrec"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "ImportError: tierstore.torchrec needs TorchRec: pip install --no-deps torchrec==1.8.0" in out.stderr

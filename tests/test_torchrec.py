@@ -1,0 +1,162 @@
+"""tierstore.torchrec against the real TorchRec: its EmbeddingBagCollection's
+output, and torchrec.models.dlrm.DLRM trained on both collections."""
+import warnings
+
+import pytest
+import torch
+
+import tierstore
+from tierstore.prefetch import LookaheadLoader
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # FBGEMM and TorchRec warn about CPU-only builds on import
+    torchrec = pytest.importorskip("torchrec", reason="TorchRec (optional peer) is not installed: see the README's TorchRec section")
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+    from torchrec.models.dlrm import DLRM
+    from torchrec.modules.embedding_configs import DataType
+    from tierstore.torchrec import TieredEmbeddingBagCollection
+
+B, DIM = 6, 4
+
+
+def configs(shared=True):
+    """Two tables, one with mean pooling; "shared" is a feature both pool (DLRM's
+    SparseArch, which looks features up by name, cannot take one)."""
+    return [
+        EmbeddingBagConfig(name="user", embedding_dim=DIM, num_embeddings=50, feature_names=["u_click"] + ["shared"] * shared),
+        EmbeddingBagConfig(name="item", embedding_dim=DIM, num_embeddings=40, feature_names=["i_view"] + ["shared"] * shared,
+                           pooling=PoolingType.MEAN),
+    ]
+
+
+def batch(g, weighted=False):
+    keys = ["u_click", "shared", "i_view"]
+    lengths = torch.randint(0, 4, (len(keys) * B,), generator=g)
+    values = (torch.rand(int(lengths.sum()), generator=g) ** 2 * 40).long()  # < 40: valid in both tables, repeats
+    weights = torch.rand(len(values), generator=g) + 0.5 if weighted else None
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths, weights=weights)
+
+
+def theirs_with_our_rows(ours):
+    ebc = EmbeddingBagCollection(tables=configs(len(ours.embedding_bag_configs()[0].feature_names) > 1), is_weighted=ours.is_weighted())
+    with torch.no_grad():
+        for cfg in ours.embedding_bag_configs():
+            ebc.embedding_bags[cfg.name].weight.copy_(ours.store.read(cfg.name, torch.arange(cfg.num_embeddings)))
+    return ebc
+
+
+def test_output_has_torchrecs_keys_layout_and_values(tmp_path):
+    ours = TieredEmbeddingBagCollection(configs(), path=tmp_path, ddr_rows=8, device="cpu")
+    theirs = theirs_with_our_rows(ours)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        kjt = batch(g)
+        a, b = ours(kjt), theirs(kjt)
+        assert a.keys() == b.keys() == ["u_click", "shared@user", "i_view", "shared@item"]
+        assert a.length_per_key() == b.length_per_key() and a.values().shape == b.values().shape == (B, 4 * DIM)
+        torch.testing.assert_close(a.values(), b.values(), rtol=0, atol=1e-6)
+    ours.close()
+
+
+def test_dlrm_trains_the_same_with_sgd_through_lmdb(tmp_path):
+    lr = 0.1
+    ours = TieredEmbeddingBagCollection(configs(shared=False), path=tmp_path, ddr_rows=6, device="cpu", optimizer=tierstore.optim.SGD(lr=lr))
+    theirs = theirs_with_our_rows(ours)
+    torch.manual_seed(0)
+    model_ours = DLRM(embedding_bag_collection=ours, dense_in_features=3, dense_arch_layer_sizes=[8, DIM],
+                      over_arch_layer_sizes=[8, 1])
+    model_theirs = DLRM(embedding_bag_collection=theirs, dense_in_features=3, dense_arch_layer_sizes=[8, DIM],
+                        over_arch_layer_sizes=[8, 1])
+    dense = {k: v for k, v in model_ours.state_dict().items() if "embedding_bag_collection" not in k}
+    model_theirs.load_state_dict(dense, strict=False)
+    opt_ours = torch.optim.SGD([p for p in model_ours.parameters()], lr=lr)  # the rows are not parameters: fused SGD
+    opt_theirs = torch.optim.SGD(model_theirs.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(1)
+    for step in range(12):
+        kjt, x, y = batch(g), torch.randn(B, 3, generator=g), (torch.rand(B, generator=g) < 0.5).float()
+        losses = []
+        for model, opt in ((model_ours, opt_ours), (model_theirs, opt_theirs)):
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x, kjt).squeeze(1), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5), step
+    assert ours.store.stats()["ssd"]["writes"] > 0  # rows went through LMDB
+    for cfg in configs(shared=False):
+        a, b = ours.store.read(cfg.name, torch.arange(cfg.num_embeddings)), theirs.embedding_bags[cfg.name].weight.detach()
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-8)  # 1e-10 seen: the step rounded before the add (torch's SGD fuses it)
+    ours.close()
+
+
+def test_lookahead_prefetch_over_keyed_jagged_batches_changes_nothing(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    data = [(batch(g, weighted=True), torch.randn(B, 4 * DIM, generator=g)) for _ in range(10)]
+    tables = [EmbeddingBagConfig(name=c.name, embedding_dim=DIM, num_embeddings=c.num_embeddings, feature_names=c.feature_names)
+              for c in configs()]  # weighted features: sum pooling
+    rows = {}
+    for depth in (0, 3):
+        ebc = TieredEmbeddingBagCollection(tables, path=tmp_path / str(depth), is_weighted=True, ddr_rows=10, device="cpu",
+                                           optimizer=tierstore.optim.RowWiseAdagrad(lr=0.2))
+        for kjt, grad in LookaheadLoader(data, ebc, depth=depth, ids=lambda b: ebc.batch_reads(b[0])):
+            ebc(kjt).values().backward(grad)
+        rows[depth] = {c.name: ebc.store.read(c.name, torch.arange(c.num_embeddings), with_state=True) for c in tables}
+        if depth:
+            assert ebc.store.prefetch_stats()["tables"]["user"]["served_rows"] > 0
+        ebc.close()
+    assert all(torch.equal(rows[0][k], rows[3][k]) for k in rows[0])
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(pooling=PoolingType.NONE), "pooling"),
+    (dict(data_type=DataType.FP16), "data_type"),
+])
+def test_what_it_cannot_do_is_refused(tmp_path, change, match):
+    cfg = EmbeddingBagConfig(name="t", embedding_dim=DIM, num_embeddings=10, **change)
+    with pytest.raises(ValueError, match=match):
+        TieredEmbeddingBagCollection([cfg], path=tmp_path / "s", device="cpu")
+    assert not (tmp_path / "s").exists()  # refused before the store is created
+
+
+def test_a_batch_without_a_feature_names_it(tmp_path):
+    ours = TieredEmbeddingBagCollection(configs(), path=tmp_path, device="cpu")
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["u_click"], values=torch.tensor([1]), lengths=torch.tensor([1]))
+    with pytest.raises(KeyError, match=r"\['shared', 'i_view'\] are not in the KeyedJaggedTensor"):
+        ours(kjt)
+    ours.close()
+
+
+@pytest.mark.parametrize("kernels", ["torch", "fbgemm"])
+def test_rowwise_adagrad_agrees_step_by_step_with_torchrecs_fused_optimizer(tmp_path, kernels):
+    from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+    from torchrec.optim import RowWiseAdagrad
+
+    lr, eps = 0.1, 1e-8
+    tables = configs(shared=False)
+    ours = TieredEmbeddingBagCollection(tables, path=tmp_path, ddr_rows=6, device="cpu", kernels=kernels,
+                                        optimizer=tierstore.optim.RowWiseAdagrad(lr=lr, eps=eps))
+    theirs = FusedEmbeddingBagCollection(tables=configs(shared=False), optimizer_type=RowWiseAdagrad,
+                                         optimizer_kwargs={"lr": lr, "eps": eps})
+    # FBGEMM's module per (pooling, dtype) group holds its tables' weights and row-wise state
+    state = {cfg.name: s[0] for module, group in zip(theirs._emb_modules, theirs._key_to_tables.values())
+             for cfg, s in zip(group, module._emb_module.split_optimizer_states())}
+    g = torch.Generator().manual_seed(3)
+    for step in range(8):
+        with torch.no_grad():  # the same rows and state before each step
+            for cfg in tables:
+                rows = ours.store.read(cfg.name, torch.arange(cfg.num_embeddings), with_state=True)
+                theirs.embedding_bags[cfg.name].weight.copy_(rows[:, :DIM])
+                state[cfg.name].copy_(rows[:, DIM])
+        kjt, grad = batch(g), torch.randn(B, 2 * DIM, generator=g)
+        ours(kjt).values().backward(grad)
+        theirs(kjt).values().backward(grad)
+        for cfg in tables:
+            rows = ours.store.read(cfg.name, torch.arange(cfg.num_embeddings), with_state=True)
+            if kernels == "fbgemm":  # the same kernel: the same bits
+                assert torch.equal(rows[:, :DIM], theirs.embedding_bags[cfg.name].weight), step
+                assert torch.equal(rows[:, DIM], state[cfg.name]), step
+            else:  # two correct float32 implementations, rounding in their own order (3e-8 seen, rows ~0.1)
+                torch.testing.assert_close(rows[:, :DIM], theirs.embedding_bags[cfg.name].weight.detach(), rtol=0, atol=1e-7)
+                torch.testing.assert_close(rows[:, DIM], state[cfg.name], rtol=1e-6, atol=0)
+    assert ours.store.stats()["ssd"]["writes"] > 0
+    ours.close()

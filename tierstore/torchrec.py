@@ -1,0 +1,127 @@
+"""TorchRec models on tierstore tables: ``KeyedJaggedTensor`` in, ``KeyedTensor`` out.
+
+``TieredEmbeddingBagCollection(tables=[torchrec.EmbeddingBagConfig, ...], path=...)``
+is a drop-in for ``torchrec.EmbeddingBagCollection`` (it drops into
+``torchrec.models.dlrm.DLRM(embedding_bag_collection=...)``) whose tables live in
+one TieredStore: HBM and DDR tiers over LMDB, trained by a fused row optimizer
+(tierstore.optim) in the backward, as ``tierstore.TieredEmbeddingBag`` does.
+Its output has the keys, order, lengths and layout of TorchRec's own: a table's
+features in ``feature_names`` order, tables in order, a feature that several
+tables share named ``feature@table``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+try:
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, PoolingType
+    from torchrec.modules.embedding_configs import DataType
+    from torchrec.modules.embedding_modules import get_embedding_names_by_table
+except ImportError as e:  # pragma: no cover - depends on what is installed
+    raise ImportError(
+        "tierstore.torchrec needs TorchRec: pip install --no-deps torchrec==1.8.0 && pip install 'tierstore[torchrec]' "
+        "(TorchRec's package names the CUDA build of FBGEMM; the extra installs the CPU build and TorchRec's other dependencies)"
+    ) from e
+
+from .nn import TieredEmbeddingBag
+from .optim import RowOptimizer
+from .spec import RowInit, TableSpec
+from .store import Sizes, TieredStore
+
+_MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
+
+
+class TieredEmbeddingBagCollection(nn.Module):
+    """torchrec.EmbeddingBagCollection over the tables of one TieredStore.
+
+    ``tables`` are TorchRec's EmbeddingBagConfigs (sum or mean pooling, FP32);
+    each becomes a store table of the same name. A config without
+    ``feature_names`` gets ``[name]``, as TorchRec does. ``is_weighted`` pools
+    the features' weights (sum pooling). Rows never written start as ``init``
+    (tierstore.RowInit; default TorchRec's uniform(+-1/sqrt(num_embeddings))).
+    Without ``optimizer`` the rows are not trained.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        *,
+        path: str | Path | None = None,
+        is_weighted: bool = False,
+        hbm_rows: Sizes = 0,
+        ddr_rows: Sizes = 0,
+        policy: str = "lru",
+        device: str | torch.device | None = None,
+        optimizer: RowOptimizer | None = None,
+        init: RowInit | None = None,
+        kernels: str = "torch",
+    ):
+        super().__init__()
+        tables = list(tables)
+        if not tables or not all(isinstance(t, EmbeddingBagConfig) for t in tables):
+            raise TypeError("tables must be a non-empty list of torchrec.EmbeddingBagConfig")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Duplicate table name in {names}")
+        for t in tables:
+            if t.pooling not in _MODES:
+                raise ValueError(f"table {t.name!r}: pooling {t.pooling} is not supported; use PoolingType.SUM or PoolingType.MEAN")
+            if t.data_type != DataType.FP32:
+                raise ValueError(f"table {t.name!r}: data_type {t.data_type} is not supported; use DataType.FP32")
+            if is_weighted and t.pooling != PoolingType.SUM:
+                raise ValueError(f"table {t.name!r}: weighted features need PoolingType.SUM (as torch.nn.EmbeddingBag)")
+            if not t.feature_names:
+                t.feature_names = [t.name]
+        if path is None:
+            raise ValueError("pass path= (a directory for a new or existing store)")
+        specs = [TableSpec(t.name, t.num_embeddings, t.embedding_dim,
+                           state_dim=optimizer.state_dim(t.embedding_dim) if optimizer else 0,
+                           init=init or RowInit.uniform(-(1 / t.num_embeddings) ** 0.5, (1 / t.num_embeddings) ** 0.5))
+                 for t in tables]
+        self.store = TieredStore(path, tables=specs, hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device)
+        self._configs = tables
+        self._is_weighted = is_weighted
+        self.bags = nn.ModuleDict({
+            t.name: TieredEmbeddingBag(t.num_embeddings, t.embedding_dim, mode=_MODES[t.pooling], store=self.store, table=t.name,
+                                       optimizer=optimizer, include_last_offset=True, kernels=kernels)
+            for t in tables
+        })
+        self._embedding_names = [n for names in get_embedding_names_by_table(tables) for n in names]
+        self._lengths_per_embedding = [t.embedding_dim for t in tables for _ in t.feature_names]
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if features.inverse_indices_or_none() is not None:
+            raise NotImplementedError("variable batch sizes (a KeyedJaggedTensor with inverse indices) are not supported")
+        jagged = features.to_dict()
+        missing = list(dict.fromkeys(f for t in self._configs for f in t.feature_names if f not in jagged))
+        if missing:
+            raise KeyError(f"features {missing} are not in the KeyedJaggedTensor (it has {list(jagged)})")
+        pooled = []
+        for t in self._configs:
+            for f in t.feature_names:
+                jt = jagged[f]
+                pooled.append(self.bags[t.name](jt.values(), jt.offsets(), jt.weights() if self._is_weighted else None))
+        return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=torch.cat(pooled, dim=1))
+
+    def batch_reads(self, features: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
+        """The ids a forward of ``features`` reads, by table: what LookaheadLoader prefetches."""
+        jagged = features.to_dict()
+        return {t.name: torch.cat([jagged[f].values().reshape(-1) for f in t.feature_names]) for t in self._configs}
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._configs
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    @property
+    def device(self) -> torch.device:
+        return self.store.device
+
+    def close(self) -> None:
+        """Flush every row and close the store."""
+        self.store.close()
