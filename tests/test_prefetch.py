@@ -379,3 +379,17 @@ def test_module_prefetch_stages_the_rows_forward_reads(tmp_path):
     assert ebc.store.prefetch_stats()["staged_rows"] == 4
     group.release()
     ebc.close()
+
+
+def test_a_batch_the_module_cannot_read_raises_at_its_own_step(tmp_path):
+    ebc = tierstore.TieredEmbeddingBagCollection([TableSpec("a", 100, 4), TableSpec("b", 100, 4)], path=tmp_path,
+                                                 ddr_rows=20, device="cpu", optimizer=tierstore.optim.SGD(lr=0.1))
+    data = [{"a": (torch.tensor([i, i + 1]), torch.tensor([0]))} for i in range(8)]
+    data[5] = {"nope": (torch.tensor([1]), torch.tensor([0]))}
+    seen = []
+    with pytest.raises(KeyError, match="unknown table 'nope'"):  # as without prefetch, not 3 batches early
+        for i, batch in enumerate(LookaheadLoader(data, ebc, depth=3)):
+            seen.append(i)
+            ebc(batch)["a"].sum().backward()
+    assert seen == [0, 1, 2, 3, 4, 5]
+    ebc.close()

@@ -499,16 +499,23 @@ class LookaheadLoader:
         self.effective_depth = 0
         self.shrunk_steps = 0
 
-    def _reads(self, batch) -> dict[str, torch.Tensor]:
-        reads = self.ids(batch) if self.ids is not None else self.module.batch_reads(batch)
+    def _reads(self, batch) -> dict[str, torch.Tensor] | None:
+        """What a batch reads; None for a batch the module cannot read, whose own
+        forward then raises, at its step. A failing ``ids`` function raises here."""
+        if self.ids is not None:
+            reads = self.ids(batch)
+        else:
+            try:
+                reads = self.module.batch_reads(batch)
+            except Exception:
+                return None
         return {table: torch.as_tensor(ids).reshape(-1) for table, ids in reads.items()}
 
     def _issue(self, entry: list) -> PrefetchGroup | None:
         if entry[2] is None:  # deduped once: a batch that waits for room is tried again each step
-            try:
-                reads = self._reads(entry[0])
-            except Exception:  # not a batch of this module: its own forward says so, at its step
-                return PrefetchGroup(())
+            reads = self._reads(entry[0])
+            if reads is None:
+                return PrefetchGroup(())  # nothing to prefetch
             try:
                 reads = {table: torch.unique(ids) for table, ids in reads.items()}
             except (RuntimeError, TypeError):  # not ids: the store says so at the batch's step
