@@ -842,3 +842,30 @@ def test_socket_in_a_missing_directory_is_named_with_the_fix(store_path, sockdir
     assert not (sockdir / "nope").exists()
     with pytest.raises(ConnectionError, match=f"directory of daemon socket {missing} does not exist"):
         tierstore.open_store(store_path, daemon=str(missing), readonly=True)
+
+
+def test_accept_out_of_descriptors_refuses_and_keeps_serving(store_path, sockdir):
+    import resource
+
+    d = Daemon(store_path, sockdir / "d.sock")  # its connection cap is sized for a limit we then lower under it
+    c = attach(d, store_path, readonly=True)
+    c.read("user", [1])
+    fds = len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+    _, hard = resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE, (fds + 2, hard))  # the daemon's next accepts hit EMFILE
+    held, refused = [], []
+    for _ in range(8):
+        s = raw_conn(d.sock)
+        try:
+            _hello(s)
+            held.append(s)
+        except wire.DaemonBusyError as e:
+            refused.append(str(e))
+            s.close()
+    assert any("no file descriptor left" in m for m in refused), refused  # told why, by the EMFILE path
+    assert d.proc.poll() is None  # and still serving
+    assert torch.equal(c.read("user", [3]), torch.full((1, 8), 0.5))  # attached clients go on
+    for s in held:
+        s.close()
+    c.close()
+    assert d.stop() == 0
