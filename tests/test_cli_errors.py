@@ -185,3 +185,14 @@ def test_demo_compare_leaks_no_warning(tmp_path):
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0 and "Warning" not in r.stderr, r.stderr
     assert "-> AGREE" in r.stdout
+
+
+def test_output_cut_short_by_its_reader_is_not_an_error(tmp_path):
+    # `tierstore stats PATH --json | head`: more output than a pipe holds, and a reader that leaves
+    tables = [tierstore.TableSpec(f"table_{i:04d}", 10, 2) for i in range(600)]
+    tierstore.TieredStore(tmp_path / "s", tables, device="cpu", registry=CollectorRegistry()).close()
+    p = subprocess.Popen([*CLI, "stats", str(tmp_path / "s"), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.read(10)
+    p.stdout.close()
+    assert p.wait(timeout=60) == 0
+    assert p.stderr.read() == b""

@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
 
             require_store(args.path, needs_tables=True)  # before the daemon opens it for writing, which would create it
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # `tierstore stats ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush of stdout must not fail too
+        return 0
     except SystemExit as e:
         if not isinstance(e.code, str):  # a verb's raise SystemExit("message") is a user error too
             raise
