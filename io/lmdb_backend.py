@@ -91,8 +91,7 @@ def check_data_file(data: Path) -> None:
     pages and holds every page the newer one names. LMDB maps the file and trusts
     it: touching a page past the end of a truncated file kills the process with
     SIGBUS, which no exception handler can catch, so this runs before lmdb.open."""
-    size = data.stat().st_size
-    if size == 0:
+    if data.stat().st_size == 0:
         raise corrupt(data, "it is empty (0 bytes), so every row it held is gone")
     metas = []
     with open(data, "rb") as f:
@@ -101,7 +100,7 @@ def check_data_file(data: Path) -> None:
             f.seek(i * psize)
             page = f.read(_PAGE_HEADER.size + _META.size)
             if len(page) < _PAGE_HEADER.size + _META.size:
-                raise corrupt(data, f"it is truncated ({size} bytes, too short for LMDB's meta page {i})")
+                raise corrupt(data, f"it is truncated ({data.stat().st_size} bytes, too short for LMDB's meta page {i})")
             flags = _PAGE_HEADER.unpack_from(page)[2]
             m = _META.unpack_from(page, _PAGE_HEADER.size)
             if m[0] != _MAGIC or not flags & _P_META:
@@ -116,6 +115,9 @@ def check_data_file(data: Path) -> None:
     meta = metas[metas[0][-1] < metas[1][-1]]  # LMDB uses the meta page of the newer transaction
     map_size, last_pg = meta[3], meta[-2]
     need = (last_pg + 1) * psize
+    # the size after the meta pages were read: a running writer writes a transaction's pages, then
+    # the meta page naming them, so the file holds what a meta page names by the time it is read
+    size = data.stat().st_size
     if size < need:
         raise corrupt(data, f"it is truncated ({size} bytes; its last transaction wrote {need})")
     if map_size < need:
@@ -206,6 +208,8 @@ class LmdbBackend:
         if not self.readonly:
             self.path.mkdir(parents=True, exist_ok=True)
             self._take_writer_lock()
+            # a killed compaction's copy (compact() holds the writer lock throughout, so none runs now)
+            (self.path / "data.mdb.compacting").unlink(missing_ok=True)
         try:
             existing = data.stat().st_size if data.exists() else 0
             try:
