@@ -14,7 +14,7 @@ six steps at a time cut the writer's CPU by about a quarter (200k rows of 256
 bytes on 15k pages).
 
 Queued rows are kept once per table, newest value only, in a row pool under a
-hash index (id -> pool slot): finding a step's rows among a few dozen queued
+sorted index (ids -> pool slots, found by binary search): finding a step's rows among a few dozen queued
 batches is one probe and one gather, where a search per batch cost ~1.5 ms a
 step. A batch records only its ids; a commit writes the newest value of each,
 taken under the lock, so a row queued twice is written once. A committed batch

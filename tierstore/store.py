@@ -314,9 +314,9 @@ class TieredStore:
             t = self._table(table)
             self._reap()
             self._prefetcher.check(table)
-            hit = self._use_top_tier(t, ids) if len(ids) else None
-            if hit is None and admit and len(ids):
-                hit = self._admit(t, ids)
+            hit = None
+            if len(ids):
+                hit = self._use_top_tier(t, ids) or (self._admit(t, ids) if admit else None)
             if hit is not None:
                 self._gathers += 1
         if hit is None:

@@ -129,6 +129,10 @@ class Trace:
     def n_accesses(self) -> int:
         return len(self.ids)
 
+    def accesses_per_table(self) -> np.ndarray:
+        """Ids read from each table (int64, in ``tables`` order)."""
+        return np.bincount(self.call_table, weights=np.diff(self.offsets), minlength=len(self.tables)).astype(np.int64)
+
     @property
     def n_steps(self) -> int:
         return int(len(np.unique(self.call_step))) if self.n_calls else 0

@@ -26,6 +26,7 @@ BENCHES = {
     "load": "tierstore.tools.bench:bench_load",
 }
 DEFAULT = ("read", "cold", "memory")
+DEFAULT_BATCH = 65_536  # ids per read; bench peers takes it to mean FBGEMM's own 2048 bags x 32 ids
 
 
 def register(sub) -> None:
@@ -33,7 +34,7 @@ def register(sub) -> None:
     p.add_argument("which", nargs="*", default=list(DEFAULT), help=f"benchmarks to run: {', '.join(BENCHES)} (default: {' '.join(DEFAULT)})")
     p.add_argument("--rows", type=int, default=1_000_000, help="table rows (read, cold)")
     p.add_argument("--dim", type=int, default=128, help="embedding dim")
-    p.add_argument("--batch", type=int, default=65_536, help="ids per read")
+    p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="ids per read")
     p.add_argument("--repeat", type=int, default=15, help="timed repetitions (median reported)")
     p.add_argument("--device", default="cpu", help="HBM device for the read bench (cuda puts every row in HBM)")
     p.add_argument("--dir", default=None, help="directory for bench stores (default: a temporary one)")
@@ -239,7 +240,7 @@ def bench_load(args: argparse.Namespace) -> None:
 
     rows, dim = args.rows, args.dim
     weights = torch.randn(rows, dim, generator=torch.Generator().manual_seed(args.seed))
-    with tempfile.TemporaryDirectory(prefix="tierstore-bench-load-", dir=args.dir) as d:
+    with _workdir(args) as d:
         turn = iter(range(10**9))
 
         def fresh() -> str:

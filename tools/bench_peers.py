@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from tierstore.tools.bench import interleaved_medians, report
+from tierstore.tools.bench import DEFAULT_BATCH, interleaved_medians, report
 
 POOLING = 32
 N_BATCHES = 8
@@ -66,7 +66,7 @@ def _run(args: argparse.Namespace) -> None:
 
     device = torch.device(getattr(args, "device", "cpu") or "cpu")
     rows, dim = args.rows, args.dim
-    bags = max(1, args.batch // POOLING) if args.batch != 65_536 else 2048  # default: FBGEMM's 2048 bags x 32 ids
+    bags = max(1, args.batch // POOLING) if args.batch != DEFAULT_BATCH else 2048  # default: FBGEMM's 2048 bags x 32 ids
     gen = torch.Generator().manual_seed(args.seed)
     zipf = ZipfIds(rows, ALPHA, gen)
     batches = [zipf.sample(bags * POOLING, gen) for _ in range(N_BATCHES)]
@@ -92,26 +92,13 @@ def _run(args: argparse.Namespace) -> None:
                 embs[kernels] = emb = tierstore.TieredEmbeddingBag(
                     rows, dim, mode="sum", path=f"{d}/{kernels}", hbm_rows=len(working) + 1024,
                     optimizer=getattr(tierstore.optim, name)(**hyper), init=tierstore.RowInit(), device=device, kernels=kernels)
-                for chunk in working.split(1 << 18):  # make the working rows resident
-                    emb.store.read(emb.table, chunk)
+                _make_resident(emb, working)
 
             def step(module, fbgemm=False):
-                turn = iter(range(10**9))  # each side steps through the batches in turn
-
-                def run():
-                    i = next(turn) % N_BATCHES
-                    module(dev_batches[i], dev_offsets if fbgemm else dev_offsets[:-1]).backward(grads[i])
-                    sync()
-                return run
+                return _turns(module, dev_batches, dev_offsets, sync, fbgemm, grads)
 
             def lookup(module, fbgemm=False):
-                turn = iter(range(10**9))
-
-                def run():
-                    with torch.no_grad():
-                        module(dev_batches[next(turn) % N_BATCHES], dev_offsets if fbgemm else dev_offsets[:-1])
-                    sync()
-                return run
+                return _turns(module, dev_batches, dev_offsets, sync, fbgemm)
 
             try:
                 for n_threads in settings:
@@ -158,6 +145,26 @@ def _run(args: argparse.Namespace) -> None:
            f"worst training step, {last[0]} / FBGEMM time", last[1], "<= 1.20")
 
 
+def _make_resident(emb, ids: torch.Tensor) -> None:
+    for chunk in ids.split(1 << 18):
+        emb.store.read(emb.table, chunk)
+
+
+def _turns(module, batches, offsets, sync, fbgemm: bool = False, grads=None):
+    """A timed side: each call runs the module on the next batch in turn (FBGEMM
+    takes the bags' end offset too), a training step with ``grads``, else a lookup."""
+    turn = iter(range(10**9))
+
+    def run():
+        i = next(turn) % len(batches)
+        with torch.set_grad_enabled(grads is not None):
+            out = module(batches[i], offsets if fbgemm else offsets[:-1])
+            if grads is not None:
+                out.backward(grads[i])
+        sync()
+    return run
+
+
 def _half_lookups(args, rows, dim, working, batches, offsets, device, sync, have_fbgemm) -> list[tuple[str, str]]:
     """The forward-only lookup of tables with float16 and bfloat16 weights against
     float32 (and FBGEMM's fp16 rows), every row resident, at torch's thread count."""
@@ -169,21 +176,11 @@ def _half_lookups(args, rows, dim, working, batches, offsets, device, sync, have
         for dtype in ("float32", "float16", "bfloat16"):
             embs[dtype] = tierstore.TieredEmbeddingBag(rows, dim, mode="sum", path=f"{d}/{dtype}", hbm_rows=len(working) + 1024,
                                                        init=tierstore.RowInit.normal(0, 0.01), device=device, dtype=dtype)
-            for chunk in working.split(1 << 18):
-                embs[dtype].store.read(embs[dtype].table, chunk)
+            _make_resident(embs[dtype], working)
         fb = fbgemm_module(rows, dim, "EXACT_SGD", {"lr": 0.01}, device, fp16=True) if have_fbgemm else None
 
-        def lookup(module, fbgemm=False):
-            turn = iter(range(10**9))
-
-            def run():
-                i = next(turn) % N_BATCHES
-                with torch.no_grad():
-                    module(batches[i], offsets if fbgemm else offsets[:-1])
-                sync()
-            return run
-
-        sides = [lookup(e) for e in embs.values()] + ([lookup(fb, True)] if fb is not None else [])
+        sides = [_turns(e, batches, offsets, sync) for e in embs.values()]
+        sides += [_turns(fb, batches, offsets, sync, fbgemm=True)] if fb is not None else []
         times = dict(zip(list(embs) + ["FBGEMM fp16"], interleaved_medians(sides, args.repeat)))
         for dtype, emb in embs.items():
             spec = emb.store.tables[emb.table]

@@ -554,7 +554,7 @@ def shards_curves(trace: Trace, rate: float, tables: Sequence[str] | None = None
     for n, w in zip(names, exact[1]):
         rates[trace.table_index(n)] = min(1.0, max(float(rate), min_sample_rows / max(w, 1)))
     sub, part = shards_sample(trace, rates, seed, progress=progress)
-    per_table = np.bincount(trace.call_table, weights=np.diff(trace.offsets), minlength=len(trace.tables))
+    per_table = trace.accesses_per_table()
     accesses = [int(per_table[trace.table_index(n)]) for n in names]
     name_rates = [float(rates[trace.table_index(n)]) for n in names]
     curves = _sample_curves(sub, names, name_rates, exact if adjust else None, accesses, progress)
@@ -1260,7 +1260,7 @@ def analyze(trace: Trace, config: CapacityConfig | None = None) -> dict:
     names = list(cfg.tables) if cfg.tables else trace.table_names
     for n in names:
         trace.table_index(n)
-    per_table = np.bincount(trace.call_table, weights=np.diff(trace.offsets), minlength=len(trace.tables))
+    per_table = trace.accesses_per_table()
     empty = [n for n in names if per_table[trace.table_index(n)] == 0]
     if len(empty) == len(names):
         raise ValueError(f"the trace has no accesses{' to ' + ', '.join(map(repr, names)) if cfg.tables else ''} "
@@ -1630,19 +1630,18 @@ def plot_report(report: dict, out_dir: str | Path) -> list[Path]:
     plt.close(fig)
 
     tc = report.get("total", {}).get("curve")
-    unit = 2**20 if iec else 1e6
     fig, ax = plt.subplots(figsize=(9, 4.5))
     if tc and tc["bytes"]:
-        ax.plot(np.maximum(np.array(tc["bytes"]), 1) / unit, 1 - np.array(tc["hit_ratio"]), "k-", label="LRU, bytes split for the most hits")
+        ax.plot(np.maximum(np.array(tc["bytes"]), 1) / div, 1 - np.array(tc["hit_ratio"]), "k-", label="LRU, bytes split for the most hits")
     b = report.get("budget")
     if b:  # the chosen budget: HBM alone, then HBM + DDR
         for x, label, colour in ((b["hbm_bytes"], "HBM budget", "tab:green"), (b["hbm_bytes"] + b["ddr_bytes"], "HBM + DDR budget", "tab:orange")):
             if x > 0:
-                ax.axvline(x / unit, color=colour, ls="--", lw=1.5, label=f"{label} {_fmt_bytes(x, iec)}")
+                ax.axvline(x / div, color=colour, ls="--", lw=1.5, label=f"{label} {_fmt_bytes(x, iec)}")
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(plain)
     ax.set_ylim(0, 1.02)
-    ax.set_xlabel(f"cache {'MiB' if iec else 'MB'} (HBM + DDR), split across tables for the most hits")
+    ax.set_xlabel(f"cache {mb} (HBM + DDR), split across tables for the most hits")
     ax.set_ylabel("miss ratio, all tables (LRU)")
     ax.set_title("Miss ratio of the whole trace against cache bytes")
     ax.legend(fontsize=8)

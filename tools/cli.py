@@ -107,10 +107,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        if args.command == "prefetchd":
-            from tierstore.tools.stats import require_store
-
-            require_store(args.path, needs_tables=True)  # before the daemon opens it for writing, which would create it
         return int(args.func(args) or 0)
     except BrokenPipeError:  # `tierstore stats ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush of stdout must not fail too

@@ -59,6 +59,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tierstore import wire
+from tierstore.tools.cli import nonneg_float, nonneg_int, positive_float, positive_int
+from tierstore.tools.stats import require_store
 
 log = logging.getLogger("tierstore.prefetchd")
 
@@ -208,33 +210,26 @@ class Daemon:
         self._memory = _Budget(config.max_inflight_bytes)
         self._shm_left = config.shm_total_bytes
         self.listener = self._bind(config.socket)  # before opening the store: a live daemon means refuse
+        self.store = None
         try:
             self.store = tierstore.TieredStore(config.path, hbm_rows=0, ddr_rows=config.ddr_rows, policy=config.policy,
                                                device="cpu", registry=self.registry, name="prefetchd",
                                                metrics_port=config.metrics_port)
-        except BaseException:
-            self.listener.close()
-            config.socket.unlink(missing_ok=True)
-            raise
-        self.registry.register(_ClientCollector(self))
-        self._read_row_bytes = 4 * max((spec.width for spec in self.store.tables.values()), default=0)
-        try:
+            self.registry.register(_ClientCollector(self))
+            self._read_row_bytes = 4 * max((spec.width for spec in self.store.tables.values()), default=0)
+            unknown = set(self._trace.table_names if self._trace is not None else ()) - set(self.store.tables)
+            if unknown:
+                raise ValueError(f"lookahead trace {config.lookahead_source} names tables {sorted(unknown)} that the store lacks; it has {sorted(self.store.tables)}")
             self.max_clients = self._client_cap()
             # held for the moment accept() finds no free descriptor: closed, it lets the daemon
             # accept and refuse that one connection instead of failing
             self._spare_fd = os.open(os.devnull, os.O_RDONLY)
         except BaseException:
-            self.store.close()
+            if self.store is not None:
+                self.store.close()
             self.listener.close()
             config.socket.unlink(missing_ok=True)
             raise
-        if self._trace is not None:
-            unknown = set(self._trace.table_names) - set(self.store.tables)
-            if unknown:
-                self.store.close()
-                self.listener.close()
-                config.socket.unlink(missing_ok=True)
-                raise ValueError(f"lookahead trace {config.lookahead_source} names tables {sorted(unknown)} that the store lacks; it has {sorted(self.store.tables)}")
 
     def _client_cap(self) -> int:
         """max_clients, checked against the open-file limit: a client takes its
@@ -671,17 +666,17 @@ def register(sub) -> None:
     p.add_argument("--lookahead-source", default=None, help="trace (tierstore.trace format) to prefetch from, ahead of the slowest client's step")
     p.add_argument("--depth", type=int, default=2, help="steps to prefetch ahead of the slowest client (with --lookahead-source)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on 127.0.0.1:PORT/metrics")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="torch intra-op threads (default: torch's). Clients are served on a thread each; with N >= 2 "
                         "clients reading at once, 1 keeps their gathers from fighting over the cores")
-    p.add_argument("--shm-max-mib", type=int, default=1024, help="largest shared-memory segment per client in MiB (0: socket only)")
-    p.add_argument("--shm-total-mib", type=int, default=4096, help="all clients' segments together in MiB; past it a client uses the socket")
-    p.add_argument("--max-inflight-mib", type=int, default=256,
+    p.add_argument("--shm-max-mib", type=nonneg_int, default=1024, help="largest shared-memory segment per client in MiB (0: socket only)")
+    p.add_argument("--shm-total-mib", type=nonneg_int, default=4096, help="all clients' segments together in MiB; past it a client uses the socket")
+    p.add_argument("--max-inflight-mib", type=nonneg_int, default=256,
                    help="frame payloads and READ replies handled at once, in MiB; frames wait for room (one frame: at most 64 MiB or this)")
-    p.add_argument("--max-clients", type=int, default=None,
+    p.add_argument("--max-clients", type=positive_int, default=None,
                    help="connections served at once; more are refused with DaemonBusyError (default: what ulimit -n allows, at most 1024)")
-    p.add_argument("--idle-timeout", type=float, default=3600.0, help="seconds a client may send nothing before it is disconnected (0: never)")
-    p.add_argument("--frame-timeout", type=float, default=30.0,
+    p.add_argument("--idle-timeout", type=nonneg_float, default=3600.0, help="seconds a client may send nothing before it is disconnected (0: never)")
+    p.add_argument("--frame-timeout", type=positive_float, default=30.0,
                    help="seconds a client has to send HELLO, finish a frame it began, and read a reply")
     p.set_defaults(func=main)
 
@@ -704,14 +699,10 @@ def _return_freed_memory() -> None:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefetchd %(levelname)s %(message)s")
+    require_store(args.path, needs_tables=True)  # says how to get one from the command line
     _return_freed_memory()
     if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    for flag in ("shm_max_mib", "shm_total_mib", "max_inflight_mib"):
-        if getattr(args, flag) < 0:
-            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     config = DaemonConfig(args.path, args.socket, args.ddr_rows, args.policy, args.lookahead_source, args.depth, args.metrics_port,
                           shm_max_bytes=args.shm_max_mib << 20, shm_total_bytes=args.shm_total_mib << 20,
                           max_inflight_bytes=args.max_inflight_mib << 20, max_clients=args.max_clients,

@@ -335,8 +335,6 @@ def run_demo(cfg: DemoConfig, seed_generator: Callable[[int], torch.Generator] =
 
 
 def register(sub) -> None:
-    from tierstore.eviction import POLICIES
-
     d = DemoConfig()
     p = sub.add_parser("demo", help="train a small DLRM whose embedding tables are larger than memory tiers",
                        description=__doc__.split("\n\n")[0])
@@ -350,7 +348,7 @@ def register(sub) -> None:
     p.add_argument("--pooling", type=int, default=d.pooling, help="mean ids per bag (bags hold 1 to 2 x pooling - 1)")
     p.add_argument("--hbm-rows", type=int, default=d.hbm_rows, help="HBM tier rows per table")
     p.add_argument("--ddr-rows", type=int, default=d.ddr_rows, help="DDR tier rows per table")
-    p.add_argument("--policy", choices=sorted(POLICIES), default=d.policy, help="eviction policy of both tiers")
+    p.add_argument("--policy", default=d.policy, help="eviction policy of both tiers")  # choices: set by cli.build_parser
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=d.optimizer, help="optimizer of the tables and the MLPs")
     p.add_argument("--lr", type=float, default=d.lr, help="learning rate")
     p.add_argument("--alpha", type=float, default=d.alpha, help="Zipf exponent of the ids")

@@ -118,7 +118,7 @@ def _info(args) -> int:
     from tierstore.trace import Trace
 
     trace = Trace.load(args.trace)
-    per = np.bincount(trace.call_table, weights=np.diff(trace.offsets), minlength=len(trace.tables)).astype(np.int64)
+    per = trace.accesses_per_table()
     calls = np.bincount(trace.call_table, minlength=len(trace.tables))
     info = {"accesses": trace.n_accesses, "calls": trace.n_calls, "steps": trace.n_steps, "complete": trace.complete,
             "tables": [{**t.to_json(), "accesses": int(a), "calls": int(c)} for t, a, c in zip(trace.tables, per, calls)]}
