@@ -299,11 +299,10 @@ class DaemonStore(TieredStore):
         if len(ids) > chunk:
             # the daemon checks each frame's claims; check the whole call here first, so no
             # frame is applied of a write that a later frame would have refused
-            inside = wire.claimed(self._ranges.get(table, []), ids)
+            ranges = self._ranges.get(table, [])
+            inside = wire.claimed(ranges, ids)
             if not inside.all():
-                mine = ", ".join(wire.describe_claim((table, lo, hi)) for lo, hi in self._ranges.get(table, [])) or "none"
-                raise PermissionError(f"this client has no write claim on row {int(ids[~inside][0])} of table {table!r} (its claims on "
-                                      f"{table!r}: {mine}); attach with claim=[{table!r}] or a (table, lo, hi) range covering it")
+                raise wire.unclaimed("this client", table, ranges, int(ids[~inside][0]))
         with self._lock:  # one writer's frames stay in order (a later value of an id wins)
             for lo in range(0, len(ids), chunk):
                 self._request(wire.Frame(wire.WRITE, text=table, ids=ids[lo:lo + chunk], rows=rows[lo:lo + chunk], flags=flags))

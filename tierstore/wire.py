@@ -216,6 +216,15 @@ def claimed(ranges: list[tuple[int, int]], ids: np.ndarray) -> np.ndarray:
     return (at >= 0) & (u < his[np.maximum(at, 0)])
 
 
+def unclaimed(who: str, table: str, ranges: list[tuple[int, int]], row: int, holder: str = "") -> PermissionError:
+    """The error for a write of ``row`` outside ``who``'s claims on ``table``
+    (``holder``: who claims it, if anyone), with the fix."""
+    mine = ", ".join(describe_claim((table, lo, hi)) for lo, hi in ranges) or "none"
+    held = f"; it is claimed by {holder}" if holder else ""
+    return PermissionError(f"{who} has no write claim on row {row} of table {table!r}{held} (its claims on "
+                           f"{table!r}: {mine}); attach with claim=[{table!r}] or a (table, lo, hi) range covering it")
+
+
 def error_status(exc: BaseException) -> int:
     for cls in type(exc).__mro__:
         if cls in STATUS_OF:

@@ -598,10 +598,7 @@ class Daemon:
         bad = int(ids[~inside][0])
         with self._lock:
             holder = next((h for lo, hi, h in self._claims.get(table, []) if lo <= bad < hi), None)
-        who = f"; it is claimed by {holder.describe()}" if holder is not None else ""
-        mine = ", ".join(wire.describe_claim((table, lo, hi)) for lo, hi in s.ranges.get(table, [])) or "none"
-        raise PermissionError(f"{s.describe()} has no write claim on row {bad} of table {table!r}{who} (its claims on "
-                              f"{table!r}: {mine}); attach with claim=[{table!r}] or a (table, lo, hi) range covering it")
+        raise wire.unclaimed(s.describe(), table, s.ranges.get(table, []), bad, holder.describe() if holder is not None else "")
 
     def _count(self, s: _Session, op: str, rows: int) -> None:
         with self._lock:
