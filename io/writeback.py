@@ -49,22 +49,39 @@ class WriteBatch:
     committed: bool = False
 
 
+_SEGMENT = 1 << 40  # slot = segment * _SEGMENT + row; segment 0 is the pool, the others adopted bulk writes
+
+
 class QueuedRows:
     """The newest queued value of each row of one table: its ids sorted, each
-    with the slot of a row pool holding its value (np.insert and np.delete move
-    a few hundred KiB at most, far less than a search per queued batch)."""
+    with a slot holding its value (np.insert and np.delete move a few hundred
+    KiB at most, far less than a search per queued batch).
 
-    def __init__(self, width: int, capacity: int = 1024):
+    Slots are in a growable pool with a free list, or, for a write of at least
+    ``adopt_rows`` rows, in that write's own array, adopted uncopied as a
+    segment and released whole once its last row is committed or overwritten:
+    copying a bulk write into the pool would hold the pool at twice its size
+    for good (a 1M x 128 write: 512 MiB more, copied under the store's lock)."""
+
+    def __init__(self, width: int, capacity: int = 1024, adopt_rows: int = 1 << 16):
         self.width = width
         self.ids = np.empty(0, dtype=np.int64)  # sorted
-        self.slots = np.empty(0, dtype=np.int64)  # of each id, into pool
+        self.slots = np.empty(0, dtype=np.int64)  # of each id
         self.pool = np.empty((capacity, width), dtype=np.float32)
         self.seq = np.zeros(capacity, dtype=np.int64)  # the batch that queued each slot's value
-        self._free = np.arange(capacity - 1, -1, -1)  # a stack of free slots
+        self._free = np.arange(capacity - 1, -1, -1)  # a stack of free pool slots
         self._nfree = capacity
+        self._adopt_rows = adopt_rows
+        self._segments: dict[int, list] = {}  # number -> [rows, seq of each row, rows still queued]
+        self._next_segment = 1
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of row storage held (pool and adopted writes)."""
+        return self.pool.nbytes + sum(rows.nbytes for rows, _, _ in self._segments.values())
 
     def _find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         pos = np.searchsorted(self.ids, ids)
@@ -72,26 +89,57 @@ class QueuedRows:
         found[found] = self.ids[pos[found]] == ids[found]
         return pos, found
 
+    def _by_segment(self, slots: np.ndarray):
+        """(segment, its rows, its seq, mask of the ``slots`` in it or None for all, their rows there)."""
+        number = slots // _SEGMENT
+        if not len(slots) or number[0] == number[-1] and (number == number[0]).all():  # the usual case: one
+            parts = [(int(number[0]) if len(slots) else 0, None)]
+        else:
+            parts = [(int(k), number == k) for k in np.unique(number)]
+        for k, mask in parts:
+            rows, seq = (self.pool, self.seq) if k == 0 else self._segments[k][:2]
+            yield k, rows, seq, mask, (slots if mask is None else slots[mask]) - k * _SEGMENT
+
     def put(self, ids: np.ndarray, rows: np.ndarray, seq: int) -> None:
         """Queue the rows of sorted unique ``ids`` as batch ``seq``'s, replacing older queued values."""
-        if not len(self.ids) and len(ids) > len(self.pool):  # a bulk write: its rows become the pool, uncopied
-            self.ids, self.slots = ids, np.arange(len(ids))
-            self.pool, self.seq = np.ascontiguousarray(rows, dtype=np.float32), np.full(len(ids), seq)
-            self._free, self._nfree = np.empty(len(ids), dtype=np.int64), 0
-            return
         pos, found = self._find(ids)
-        n_new = len(ids) - int(found.sum())
-        if n_new > self._nfree:
-            self._grow(len(self.pool) + n_new - self._nfree)
-        fresh = self._free[self._nfree - n_new: self._nfree]
-        self._nfree -= n_new
-        slots = np.empty(len(ids), dtype=np.int64)
-        slots[found] = self.slots[pos[found]]
-        slots[~found] = fresh
+        old = self.slots[pos[found]]
+        if len(ids) >= self._adopt_rows:  # a bulk write: its rows become a segment, uncopied
+            k, self._next_segment = self._next_segment, self._next_segment + 1
+            self._segments[k] = [np.ascontiguousarray(rows, dtype=np.float32), np.full(len(ids), seq), len(ids)]
+            slots = k * _SEGMENT + np.arange(len(ids))
+            self._release(old)
+            self.slots[pos[found]] = slots[found]
+            fresh = slots[~found]
+        else:  # into the pool: a row queued in a segment moves to the pool, so it does not keep the segment
+            moved = old >= _SEGMENT
+            n_new = len(ids) - len(old) + int(moved.sum())
+            if n_new > self._nfree:
+                self._grow(len(self.pool) + n_new - self._nfree)
+            taken = self._free[self._nfree - n_new: self._nfree].copy()
+            self._nfree -= n_new
+            self._release(old[moved])
+            old[moved] = taken[: int(moved.sum())]
+            self.slots[pos[found]] = old
+            fresh = taken[int(moved.sum()):]
+            slots = np.empty(len(ids), dtype=np.int64)
+            slots[found] = old
+            slots[~found] = fresh
+            self.pool[slots] = rows
+            self.seq[slots] = seq
         self.ids = np.insert(self.ids, pos[~found], ids[~found])
         self.slots = np.insert(self.slots, pos[~found], fresh)
-        self.pool[slots] = rows
-        self.seq[slots] = seq
+
+    def _release(self, slots: np.ndarray) -> None:
+        """Slots whose values are no longer queued: back to the pool, or off their segment."""
+        for k, _, _, _, local in self._by_segment(slots):
+            if k == 0:
+                self._free[self._nfree: self._nfree + len(local)] = local
+                self._nfree += len(local)
+            else:
+                self._segments[k][2] -= len(local)
+                if self._segments[k][2] == 0:
+                    del self._segments[k]
 
     def _grow(self, extra: int) -> None:
         old = len(self.pool)
@@ -111,20 +159,31 @@ class QueuedRows:
         if not found.any():
             return found, None
         slots = self.slots[pos[found]]
-        if slots[-1] - slots[0] == len(slots) - 1 and (np.diff(slots) == 1).all():
-            return found, self.pool[slots[0]: slots[-1] + 1].copy()  # a bulk write's rows: one memcpy
-        return found, self.pool[slots]
+        out = None
+        for _, rows, _, mask, local in self._by_segment(slots):
+            if mask is None:  # one segment
+                if local[-1] - local[0] == len(local) - 1 and (np.diff(local) == 1).all():
+                    return found, rows[local[0]: local[-1] + 1].copy()  # a bulk write's rows: one memcpy
+                return found, rows[local]
+            if out is None:
+                out = np.empty((len(slots), self.width), dtype=np.float32)
+            out[mask] = rows[local]
+        return found, out
 
     def drop(self, ids: np.ndarray, seq: int) -> None:
         """Batch ``seq`` is committed: forget those of its rows that no later batch queued."""
         pos, found = self._find(ids)
         pos = pos[found]
-        pos = pos[self.seq[self.slots[pos]] == seq]
-        gone = self.slots[pos]
-        self._free[self._nfree: self._nfree + len(gone)] = gone
-        self._nfree += len(gone)
-        self.ids = np.delete(self.ids, pos)
-        self.slots = np.delete(self.slots, pos)
+        slots = self.slots[pos]
+        mine = np.zeros(len(pos), dtype=bool)
+        for _, _, slot_seq, mask, local in self._by_segment(slots):
+            if mask is None:
+                mine = slot_seq[local] == seq
+            else:
+                mine[mask] = slot_seq[local] == seq
+        self._release(slots[mine])
+        self.ids = np.delete(self.ids, pos[mine])
+        self.slots = np.delete(self.slots, pos[mine])
 
 
 class WriteBack:

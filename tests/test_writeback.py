@@ -78,7 +78,8 @@ def test_a_lone_batch_commits_after_the_linger(tmp_path):
 def test_queued_rows_hold_the_newest_value_of_each_row_until_its_last_batch_commits(ops):
     """QueuedRows against a dict: put(batch) replaces values; dropping a committed
     batch forgets only the rows no later batch queued again (in any order of drops)."""
-    queued, model = QueuedRows(width=2, capacity=4), {}  # id -> (seq, value); capacity 4 grows
+    # capacity 4 grows; a batch of 8 or more rows is adopted as a segment of its own
+    queued, model = QueuedRows(width=2, capacity=4, adopt_rows=8), {}  # id -> (seq, value)
     batches = []
     for seq, (is_put, ids) in enumerate(ops, 1):
         if is_put or not batches:
@@ -95,3 +96,24 @@ def test_queued_rows_hold_the_newest_value_of_each_row_until_its_last_batch_comm
         assert found.tolist() == [i in model for i in range(41)]
         assert (got[:, 0].tolist() if got is not None else []) == [model[i][1] for i in range(41) if i in model]
     assert len(queued) == len(model)
+
+    if not model:  # every adopted write was committed or overwritten: only the pool is left
+        assert queued.nbytes == queued.pool.nbytes
+
+
+def test_a_bulk_write_is_adopted_not_copied_and_its_memory_leaves_when_it_commits():
+    """A bulk write followed by small ones (an eviction's write-back) must not copy
+    the bulk rows into a pool twice their size."""
+    queued = QueuedRows(width=128, capacity=1024)
+    bulk = np.random.default_rng(0).standard_normal((200_000, 128), dtype=np.float32)
+    queued.put(np.arange(200_000), bulk, seq=1)
+    small_ids = np.arange(300_000, 302_000)
+    queued.put(small_ids, rows(small_ids, 2.0).repeat(64, axis=1), seq=2)  # 2000 new rows: the pool grows
+    queued.put(np.array([5, 7]), np.full((2, 128), 3.0, dtype=np.float32), seq=3)  # overwrite two bulk rows
+    assert queued.nbytes <= bulk.nbytes + 4096 * 128 * 4  # the bulk rows once, plus a small pool
+    found, got = queued.get(np.array([4, 5, 7, 300_001, 400_000]))
+    assert found.tolist() == [True, True, True, True, False]
+    assert np.array_equal(got[0], bulk[4]) and (got[1:3] == 3.0).all() and (got[3] == 2.0).all()
+    queued.drop(np.arange(200_000), seq=1)  # the bulk batch commits: rows 5 and 7 stay, newer
+    assert queued.nbytes == queued.pool.nbytes and len(queued) == 2002
+    assert (queued.get(np.array([5]))[1] == 3.0).all()
