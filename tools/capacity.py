@@ -560,18 +560,22 @@ def shards_curves(trace: Trace, rate: float, tables: Sequence[str] | None = None
     curves = _sample_curves(sub, names, name_rates, exact if adjust else None, accesses, progress)
     sizes = [_error_grid(c.working_set) for c in curves]
     bounds = [np.full(len(g), np.nan) for g in sizes]
-    if estimate_error and sub.n_accesses:
+    sampled = [i for i, c in enumerate(curves) if c.rate < 1.0]  # a table read whole is exact: no band
+    for i in set(range(len(curves))) - set(sampled):
+        bounds[i] = np.zeros(len(sizes[i]))
+    if estimate_error and sub.n_accesses and sampled:
+        some = [names[i] for i in sampled]
+        some_exact = ([exact[0][i] for i in sampled], [exact[1][i] for i in sampled]) if adjust else None
         parts = []
         for k in range(SUB_SAMPLES):
             keep = part == k
             offs = np.searchsorted(np.flatnonzero(keep), sub.offsets).astype(np.int64)
-            parts.append(_sample_curves(Trace(sub.tables, sub.ids[keep], offs, sub.call_table, sub.call_step),
-                                        names, [r / SUB_SAMPLES for r in name_rates], exact if adjust else None, accesses, False))
-        for i, (c, g) in enumerate(zip(curves, sizes)):
-            if c.rate == 1.0:
-                bounds[i] = np.zeros(len(g))
-                continue
-            se = np.array([p[i].hit_ratio(g) for p in parts]).std(axis=0, ddof=1) / math.sqrt(SUB_SAMPLES)
+            parts.append(_sample_curves(Trace(sub.tables, sub.ids[keep], offs, sub.call_table, sub.call_step), some,
+                                        [name_rates[i] / SUB_SAMPLES for i in sampled], some_exact,
+                                        [accesses[i] for i in sampled], False))
+        for j, i in enumerate(sampled):
+            c, g = curves[i], sizes[i]
+            se = np.array([p[j].hit_ratio(g) for p in parts]).std(axis=0, ddof=1) / math.sqrt(SUB_SAMPLES)
             lo, hi = np.searchsorted(g, g / 2), np.searchsorted(g, g * 2, side="right")
             se = np.array([se[a:b].max() for a, b in zip(lo, hi)])  # a loop over ~300 sizes
             step = 1 / c.rate
