@@ -136,9 +136,7 @@ class ShardingPlan:
                 rows = "hash" if tp.sharding == "row" and s.row_start is None else \
                     "all" if s.row_start is None else f"[{s.row_start}, {s.row_stop})"
                 lines.append(f"{tp.table:<24} {tp.sharding:<8} {s.rank:>4} {rows:>23} {f'[{s.col_start}, {s.col_stop})':>11}")
-        for r, p in enumerate(self.predicted):
-            lines.append(f"rank {r}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in p.items()))
-        return "\n".join(lines)
+        return "\n".join(lines + _prediction_lines(self.predicted))
 
 
 def row_hash(ids: torch.Tensor) -> torch.Tensor:
@@ -163,3 +161,18 @@ def _check_cover(table: str, what: str, ranges: list, total: int) -> None:
         at = stop
     if at != total:
         raise PlanMismatchError(f"table {table!r}: shard {what} {ranges} must cover [0, {total}) without gaps or overlaps")
+
+
+def _prediction_lines(predicted: tuple[dict, ...]) -> list[str]:
+    """The per-rank prediction as a table of its numbers (nested values, such as
+    each shard's tier rows, are left to the JSON)."""
+    keys = [k for k in dict.fromkeys(k for p in predicted for k in p) if all(isinstance(p.get(k, 0), (int, float)) for p in predicted)]
+    if not keys:
+        return []
+    width = [max(len(k), 10) for k in keys]
+    out = ["", "predicted per rank:", f"{'rank':>4} " + " ".join(f"{k:>{w}}" for k, w in zip(keys, width))]
+    for r, p in enumerate(predicted):
+        cells = [f"{p[k]:>{w},.1f}" if isinstance(p.get(k), float) else f"{p.get(k, ''):>{w},}" if k in p else " " * w
+                 for k, w in zip(keys, width)]
+        out.append(f"{r:>4} " + " ".join(cells))
+    return out

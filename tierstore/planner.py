@@ -1,0 +1,321 @@
+"""The sharding planner: which rank holds which rows and columns of every table.
+
+``plan(tables, world_size, ...)`` balances three loads per rank: lookups per
+step, SSD reads per step and bytes of rows held. Every item (a whole table or
+one shard) is measured once, then placed; the strategy is greedy and
+explainable:
+
+1. Each table's share of the cluster's lookups, SSD reads and bytes. A table
+   over ``1 / world_size`` of any of them (it alone would overload a rank) is
+   split across all ranks: by row ranges (even ranges; by hash when
+   ``num_rows=None``), or by columns when its lookups are what it is over,
+   it is wide (``dim >= 2 * world_size``) and an even row split would still
+   put more than ``COLUMN_SKEW`` x the mean lookups on one range. Unbounded
+   tables are always hash-split (their size is unknown up front).
+2. The rest go whole, largest load first, each to the rank where the largest
+   of its normalised loads (load / cluster mean per rank) ends up smallest.
+
+With a trace (``tierstore.trace.Trace``) the loads come from the capacity
+tools: lookups per step are the trace's uses (unique ids per call, what the
+store counts as hits + misses); SSD reads per step are the LRU misses at the
+tier sizes a rank gives each item. No scaling approximation is needed for row
+shards: the trace is split into each shard's own sub-trace (the ids it owns,
+call by call) and the sub-trace's exact LRU curve is computed, so a shard's
+lookups and misses are what a store holding only that shard counts under LRU.
+A column shard sees every id of its table (the table's curve) with narrower
+rows. Each rank's ``hbm_bytes`` and ``ddr_bytes`` are split among the items it
+holds as ``tierstore capacity --hbm-bytes/--ddr-bytes`` splits one store's
+(``split_budget``: most hits for the bytes), HBM first and DDR on top. While
+placing, an item's SSD reads are taken at its share of the whole cluster's
+budget (the same split over every item with ``world_size`` times the bytes);
+the prediction is recomputed per rank once placed. Other policies (LFU,
+lookahead) are predicted as LRU.
+
+Without a trace only bytes are balanced (rows x bytes per row, optimizer state
+included when ``optimizer`` is given); lookups and SSD reads are not predicted.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tierstore.trace import Trace, TraceTable, gather_ranges
+
+from .precision import DTYPES
+from .sharding import SHARDING_TYPES, Shard, ShardingPlan, TablePlan, row_hash
+from .spec import TableSpec
+
+COLUMN_SKEW = 1.5  # max / mean lookups of an even row split above which a wide, hot table is split by columns
+LOADS = ("lookups_per_step", "ssd_reads_per_step", "bytes")
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """What ``plan`` is asked (validated)."""
+
+    tables: tuple[TableSpec, ...]
+    world_size: int
+    trace: Trace | None = None
+    hbm_bytes: int | None = None  # per rank
+    ddr_bytes: int | None = None  # per rank
+    batch_size: int | None = None
+    sharding: Mapping[str, str] = field(default_factory=dict)
+    optimizer: object | None = None  # a tierstore.optim.RowOptimizer: its state counts in a row's bytes
+
+    def __post_init__(self):
+        tables = tuple(self.tables)
+        object.__setattr__(self, "tables", tables)
+        if not tables or not all(isinstance(t, TableSpec) for t in tables):
+            raise TypeError("plan() needs a non-empty list of tierstore.TableSpec")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"plan() got duplicate table names: {names}")
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1 (the number of ranks), got {self.world_size!r}")
+        if self.trace is not None and not isinstance(self.trace, Trace):
+            raise TypeError(f"trace must be a tierstore.trace.Trace (Trace.load(path)), got {type(self.trace).__name__}")
+        for name in ("hbm_bytes", "ddr_bytes", "batch_size"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
+                raise ValueError(f"{name} must be an int >= 0 or None, got {v!r}")
+        if self.batch_size == 0:
+            raise ValueError("batch_size must be >= 1 (samples per step on each rank)")
+        unknown = sorted(set(self.sharding) - set(names))
+        if unknown:
+            raise KeyError(f"sharding= names tables {unknown} that are not planned; the tables are {names}")
+        bad = {k: v for k, v in self.sharding.items() if v not in SHARDING_TYPES}
+        if bad:
+            raise ValueError(f"sharding= types must be one of {SHARDING_TYPES}, got {bad}")
+        if self.hbm_bytes is not None or self.ddr_bytes is not None:
+            smallest = min(tables, key=lambda t: self.row_bytes(t) / max(min(t.dim, self.world_size), 1))
+            need = math.ceil(self.row_bytes(smallest) / max(min(smallest.dim, self.world_size), 1))
+            have = (self.hbm_bytes or 0) + (self.ddr_bytes or 0)
+            if have < need:
+                raise ValueError(f"hbm_bytes + ddr_bytes = {have} per rank cannot hold one row (the smallest, of table "
+                                 f"{smallest.name!r}, needs {need} bytes); give at least {need}, or leave both out to plan by sizes alone")
+
+    def row_bytes(self, spec: TableSpec) -> int:
+        state = spec.state_dim
+        if self.optimizer is not None:
+            state = max(state, int(self.optimizer.state_dim(spec.dim)))
+        return spec.dim * DTYPES[spec.dtype].itemsize + 4 * state
+
+
+@dataclass
+class _Item:
+    """A whole table or one shard, with its loads."""
+
+    table: str
+    shard: Shard
+    row_bytes: int
+    rows: int  # rows it holds (the trace's working set for an unbounded table, 0 if unknown)
+    curve: object | None = None  # tierstore.tools.capacity.LruCurve
+    lookups: float = 0.0
+    ssd: float = 0.0
+    hbm_rows: int = 0
+    ddr_rows: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    def loads(self) -> np.ndarray:
+        return np.array([self.lookups, self.ssd, self.bytes], dtype=np.float64)
+
+
+def plan(tables: Sequence[TableSpec], world_size: int, trace: Trace | None = None, hbm_bytes: int | None = None,
+         ddr_bytes: int | None = None, batch_size: int | None = None, sharding: Mapping[str, str] | None = None,
+         optimizer=None) -> ShardingPlan:
+    """A sharding plan for ``tables`` on ``world_size`` ranks (see the module docstring).
+
+    ``hbm_bytes``/``ddr_bytes``: each rank's tier budgets (for the SSD reads a
+    trace predicts, and each shard's tier rows in ``predicted``). ``sharding``:
+    ``{table: "table" | "row" | "column"}`` forces a table's type.
+    ``batch_size`` is recorded in the prediction (samples per rank per step).
+    The same input gives the same plan.
+    """
+    cfg = PlanConfig(tuple(tables), world_size, trace, hbm_bytes, ddr_bytes, batch_size, dict(sharding or {}), optimizer)
+    n = cfg.world_size
+    whole = {t.name: _Item(t.name, Shard(0, None, None, 0, t.dim), cfg.row_bytes(t), t.num_rows or 0) for t in cfg.tables}
+    steps = max(cfg.trace.n_steps, 1) if cfg.trace is not None else 1
+    if cfg.trace is not None:
+        _measure(cfg, list(whole.values()), [_table_calls(cfg.trace, t) for t in cfg.tables], steps)
+    if cfg.trace is not None:  # SSD reads at a fair share of the cluster's cache
+        _give_cache(list(whole.values()), n * (cfg.hbm_bytes or 0), n * (cfg.ddr_bytes or 0), steps)
+    total = sum((it.loads() for it in whole.values()), np.zeros(len(LOADS)))
+    kinds = {t.name: _choose(cfg, t, whole[t.name].loads() / np.where(total > 0, total, np.inf)) for t in cfg.tables}
+    placed: list[list[_Item]] = [[] for _ in range(n)]
+    items = []
+    for t in cfg.tables:  # the split tables: one shard per rank, shard k on rank k
+        if kinds[t.name] != "table":
+            shards, split = _split(cfg, t, kinds[t.name])
+            items += [_Item(t.name, s, _shard_row_bytes(cfg, t, s), _shard_rows(t, s, whole[t.name])) for s in shards]
+            if cfg.trace is not None:
+                _measure(cfg, items[-len(shards):], split, steps)
+    for it in items:
+        placed[it.shard.rank].append(it)
+    rest = [whole[t.name] for t in cfg.tables if kinds[t.name] == "table"]
+    if cfg.trace is not None:
+        _give_cache(rest + items, n * (cfg.hbm_bytes or 0), n * (cfg.ddr_bytes or 0), steps)
+    mean = sum((it.loads() for it in rest + items), np.zeros(len(LOADS))) / n
+    scale = np.where(mean > 0, 1 / np.where(mean > 0, mean, 1), 0.0)
+    rank_load = [sum((it.loads() for it in p), np.zeros(len(LOADS))) for p in placed]
+    for it in sorted(rest, key=lambda it: (-float((it.loads() * scale).max()), it.table)):  # a loop per table
+        after = [float(((rank_load[r] + it.loads()) * scale).max()) for r in range(n)]
+        r = min(range(n), key=lambda r: (after[r], float((rank_load[r] * scale).sum()), r))
+        it.shard = Shard(r, None, None, it.shard.col_start, it.shard.col_stop)
+        placed[r].append(it)
+        rank_load[r] += it.loads()
+    table_plans = {}
+    for t in cfg.tables:
+        shards = [it.shard for p in placed for it in p if it.table == t.name]
+        table_plans[t.name] = TablePlan(t.name, kinds[t.name], tuple(sorted(shards, key=lambda s: (s.rank, s.col_start))))
+    result = ShardingPlan(n, table_plans, tuple(_predict(cfg, p, steps) for p in placed))
+    result.check(cfg.tables)
+    return result
+
+
+# -- choosing and splitting --------------------------------------------------------------------------
+def _choose(cfg: PlanConfig, spec: TableSpec, share: np.ndarray) -> str:
+    """The table's sharding type, from its share of the cluster's lookups, SSD reads and bytes."""
+    forced = cfg.sharding.get(spec.name)
+    if forced:
+        return forced
+    n = cfg.world_size
+    if n == 1:
+        return "table"
+    if spec.num_rows is None:
+        return "row"
+    if not (share > 1 / n).any():
+        return "table"
+    lookups_over = share[0] > 1 / n and share[0] >= share.max()
+    if lookups_over and spec.dim >= 2 * n and cfg.trace is not None and _range_skew(cfg.trace, spec, n) > COLUMN_SKEW:
+        return "column"
+    return "row"
+
+
+def _range_skew(trace: Trace, spec: TableSpec, n: int) -> float:
+    """Max / mean ids per range of an even row split."""
+    try:
+        ids, _, _ = trace.table_calls(trace.table_index(spec.name))
+    except KeyError:
+        return 1.0
+    if not len(ids):
+        return 1.0
+    counts = np.bincount(ids * n // spec.num_rows, minlength=n)
+    return float(counts.max() / counts.mean())
+
+
+def _split(cfg: PlanConfig, spec: TableSpec, kind: str) -> tuple[list[Shard], list]:
+    """The shards of a split table (one per rank, as many as it has rows or columns)
+    and each shard's part of the trace's calls."""
+    n = cfg.world_size
+    if kind == "column":
+        m = min(n, spec.dim)
+        shards = [Shard(k, None, None, k * spec.dim // m, (k + 1) * spec.dim // m) for k in range(m)]
+        whole = _table_calls(cfg.trace, spec) if cfg.trace is not None else None
+        return shards, [whole] * m
+    if spec.num_rows is None:
+        shards = [Shard(k, None, None, 0, spec.dim) for k in range(n)]
+        owner = lambda ids: row_hash(torch.from_numpy(ids)).numpy() % n  # noqa: E731
+    else:
+        m = min(n, spec.num_rows)
+        shards = [Shard(k, k * spec.num_rows // m, (k + 1) * spec.num_rows // m, 0, spec.dim) for k in range(m)]
+        starts = np.array([s.row_start for s in shards], dtype=np.int64)
+        owner = lambda ids: np.searchsorted(starts, ids, side="right") - 1  # noqa: E731
+    if cfg.trace is None:
+        return shards, [None] * len(shards)
+    ids, offsets, calls = _table_calls(cfg.trace, spec)
+    who = owner(ids) if len(ids) else np.empty(0, dtype=np.int64)
+    parts = []
+    for k in range(len(shards)):  # a loop per shard
+        keep = who == k
+        cum = np.concatenate([[0], np.cumsum(keep)])
+        parts.append((ids[keep], cum[offsets], calls))
+    return shards, parts
+
+
+def _table_calls(trace: Trace, spec: TableSpec):
+    try:
+        return trace.table_calls(trace.table_index(spec.name))
+    except KeyError:  # not in the trace: no lookups
+        return np.empty(0, dtype=np.int64), np.zeros(1, dtype=np.int64), np.empty(0, dtype=np.int64)
+
+
+def _shard_row_bytes(cfg: PlanConfig, spec: TableSpec, s: Shard) -> int:
+    # a column shard holds its share of the weights and of the optimizer state
+    return math.ceil(cfg.row_bytes(spec) * s.dim / spec.dim)
+
+
+def _shard_rows(spec: TableSpec, s: Shard, whole: _Item) -> int:
+    if s.row_start is not None:
+        return s.row_stop - s.row_start
+    if s.dim != spec.dim:
+        return whole.rows
+    return 0  # a hash shard's rows are counted from the trace
+
+
+# -- loads from a trace -------------------------------------------------------------------------------
+def _measure(cfg: PlanConfig, items: list[_Item], parts: list, steps: int) -> None:
+    """Exact LRU curves of the items' calls (each part: ids, offsets, global call numbers),
+    from one trace whose tables are the items, calls in the original trace's order."""
+    from tierstore.tools.capacity import lru_curves
+
+    base = np.cumsum([0] + [len(ids) for ids, _, _ in parts])
+    starts = np.concatenate([off[:-1] + b for (_, off, _), b in zip(parts, base)])
+    lengths = np.concatenate([np.diff(off) for _, off, _ in parts])
+    calls = np.concatenate([c for _, _, c in parts])
+    item = np.concatenate([np.full(len(c), i, dtype=np.int32) for i, (_, _, c) in enumerate(parts)])
+    order = np.lexsort((item, calls))  # by trace call, then item: a split call's shards in shard order
+    offsets = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(lengths[order], out=offsets[1:])
+    ids = gather_ranges(np.concatenate([ids for ids, _, _ in parts]), starts[order], lengths[order])
+    names = [str(i) for i in range(len(items))]
+    sub = Trace(tuple(TraceTable(nm) for nm in names), ids, offsets, item[order], cfg.trace.call_step[calls[order]])
+    for it, curve in zip(items, lru_curves(sub, names)):
+        it.curve = curve
+        it.lookups = curve.n_uses / steps
+        if it.rows == 0:
+            it.rows = int(curve.working_set)
+
+
+def _give_cache(items: list[_Item], hbm_bytes: int, ddr_bytes: int, steps: int) -> None:
+    """Split the bytes among the items for the most hits (LRU), HBM first, and set their SSD reads."""
+    from tierstore.tools.capacity import split_budget
+
+    measured = [it for it in items if it.curve is not None]
+    curves, rb = [it.curve for it in measured], [it.row_bytes for it in measured]
+    h = split_budget(curves, rb, hbm_bytes)
+    d = split_budget(curves, rb, ddr_bytes, start=h)
+    for it, hi, di in zip(measured, h, d):
+        it.hbm_rows, it.ddr_rows = int(hi), int(di)
+        it.ssd = float(it.curve.tiers(hi, di)["misses"]) / steps
+
+
+def _give_bytes(items: list[_Item], hbm_bytes: int, ddr_bytes: int) -> None:
+    """Without a trace: the budgets split in proportion to the items' bytes, no tier larger than its rows."""
+    total = sum(it.bytes for it in items)
+    for it in items:
+        share = it.bytes / total if total else 0.0
+        it.hbm_rows = min(it.rows, int(hbm_bytes * share // it.row_bytes))
+        it.ddr_rows = min(it.rows - it.hbm_rows, int(ddr_bytes * share // it.row_bytes))
+
+
+def _predict(cfg: PlanConfig, items: list[_Item], steps: int) -> dict:
+    if cfg.trace is not None:
+        _give_cache(items, cfg.hbm_bytes or 0, cfg.ddr_bytes or 0, steps)
+    else:
+        _give_bytes(items, cfg.hbm_bytes or 0, cfg.ddr_bytes or 0)
+    out = {"shards": len(items), "bytes": int(sum(it.bytes for it in items)),
+           "hbm_rows": int(sum(it.hbm_rows for it in items)), "ddr_rows": int(sum(it.ddr_rows for it in items))}
+    if cfg.trace is not None:
+        out["lookups_per_step"] = float(sum(it.lookups for it in items))
+        out["ssd_reads_per_step"] = float(sum(it.ssd for it in items))
+    if cfg.batch_size is not None:
+        out["batch_size"] = cfg.batch_size
+    out["tiers"] = {it.table: [it.hbm_rows, it.ddr_rows] for it in items}
+    return out
