@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -46,7 +46,7 @@ import torch
 from tierstore.trace import Trace, TraceTable, gather_ranges
 
 from .precision import DTYPES
-from .sharding import SHARDING_TYPES, Shard, ShardingPlan, TablePlan, row_hash
+from .sharding import SHARDING_TYPES, Shard, ShardingPlan, TablePlan
 from .spec import TableSpec
 
 COLUMN_SKEW = 1.5  # max / mean lookups of an even row split above which a wide, hot table is split by columns
@@ -91,8 +91,8 @@ class PlanConfig:
         if bad:
             raise ValueError(f"sharding= types must be one of {SHARDING_TYPES}, got {bad}")
         if self.hbm_bytes is not None or self.ddr_bytes is not None:
-            smallest = min(tables, key=lambda t: self.row_bytes(t) / max(min(t.dim, self.world_size), 1))
-            need = math.ceil(self.row_bytes(smallest) / max(min(smallest.dim, self.world_size), 1))
+            smallest = min(tables, key=self.row_bytes)
+            need = self.row_bytes(smallest)
             have = (self.hbm_bytes or 0) + (self.ddr_bytes or 0)
             if have < need:
                 raise ValueError(f"hbm_bytes + ddr_bytes = {have} per rank cannot hold one row (the smallest, of table "
@@ -115,6 +115,7 @@ class _Item:
     rows: int  # rows it holds (the trace's working set for an unbounded table, 0 if unknown)
     curve: object | None = None  # tierstore.tools.capacity.LruCurve
     lookups: float = 0.0
+    steps: int = 1
     ssd: float = 0.0
     hbm_rows: int = 0
     ddr_rows: int = 0
@@ -140,43 +141,46 @@ def plan(tables: Sequence[TableSpec], world_size: int, trace: Trace | None = Non
     """
     cfg = PlanConfig(tuple(tables), world_size, trace, hbm_bytes, ddr_bytes, batch_size, dict(sharding or {}), optimizer)
     n = cfg.world_size
-    whole = {t.name: _Item(t.name, Shard(0, None, None, 0, t.dim), cfg.row_bytes(t), t.num_rows or 0) for t in cfg.tables}
-    steps = max(cfg.trace.n_steps, 1) if cfg.trace is not None else 1
-    if cfg.trace is not None:
-        _measure(cfg, list(whole.values()), [_table_calls(cfg.trace, t) for t in cfg.tables], steps)
+    whole = dict(zip([t.name for t in cfg.tables],
+                     _items(cfg, [TablePlan(t.name, "table", (Shard(0, None, None, 0, t.dim),)) for t in cfg.tables])))
     if cfg.trace is not None:  # SSD reads at a fair share of the cluster's cache
-        _give_cache(list(whole.values()), n * (cfg.hbm_bytes or 0), n * (cfg.ddr_bytes or 0), steps)
+        _give_cache(list(whole.values()), n * (cfg.hbm_bytes or 0), n * (cfg.ddr_bytes or 0))
     total = sum((it.loads() for it in whole.values()), np.zeros(len(LOADS)))
     kinds = {t.name: _choose(cfg, t, whole[t.name].loads() / np.where(total > 0, total, np.inf)) for t in cfg.tables}
-    placed: list[list[_Item]] = [[] for _ in range(n)]
-    items = []
-    for t in cfg.tables:  # the split tables: one shard per rank, shard k on rank k
-        if kinds[t.name] != "table":
-            shards, split = _split(cfg, t, kinds[t.name])
-            items += [_Item(t.name, s, _shard_row_bytes(cfg, t, s), _shard_rows(t, s, whole[t.name])) for s in shards]
-            if cfg.trace is not None:
-                _measure(cfg, items[-len(shards):], split, steps)
-    for it in items:
-        placed[it.shard.rank].append(it)
+    split = _items(cfg, [_split(cfg, t, kinds[t.name]) for t in cfg.tables if kinds[t.name] != "table"])
     rest = [whole[t.name] for t in cfg.tables if kinds[t.name] == "table"]
     if cfg.trace is not None:
-        _give_cache(rest + items, n * (cfg.hbm_bytes or 0), n * (cfg.ddr_bytes or 0), steps)
-    mean = sum((it.loads() for it in rest + items), np.zeros(len(LOADS))) / n
+        _give_cache(rest + split, n * (cfg.hbm_bytes or 0), n * (cfg.ddr_bytes or 0))
+    placed: list[list[_Item]] = [[] for _ in range(n)]
+    for it in split:  # one shard per rank, shard k on rank k
+        placed[it.shard.rank].append(it)
+    mean = sum((it.loads() for it in rest + split), np.zeros(len(LOADS))) / n
     scale = np.where(mean > 0, 1 / np.where(mean > 0, mean, 1), 0.0)
     rank_load = [sum((it.loads() for it in p), np.zeros(len(LOADS))) for p in placed]
     for it in sorted(rest, key=lambda it: (-float((it.loads() * scale).max()), it.table)):  # a loop per table
         after = [float(((rank_load[r] + it.loads()) * scale).max()) for r in range(n)]
         r = min(range(n), key=lambda r: (after[r], float((rank_load[r] * scale).sum()), r))
-        it.shard = Shard(r, None, None, it.shard.col_start, it.shard.col_stop)
+        it.shard = replace(it.shard, rank=r)
         placed[r].append(it)
         rank_load[r] += it.loads()
     table_plans = {}
     for t in cfg.tables:
-        shards = [it.shard for p in placed for it in p if it.table == t.name]
-        table_plans[t.name] = TablePlan(t.name, kinds[t.name], tuple(sorted(shards, key=lambda s: (s.rank, s.col_start))))
-    result = ShardingPlan(n, table_plans, tuple(_predict(cfg, p, steps) for p in placed))
+        shards = sorted((it.shard for p in placed for it in p if it.table == t.name), key=lambda s: (s.rank, s.col_start))
+        table_plans[t.name] = TablePlan(t.name, kinds[t.name], tuple(shards))
+    result = ShardingPlan(n, table_plans, tuple(_predict(cfg, p) for p in placed))
     result.check(cfg.tables)
     return result
+
+
+def predict(sharding_plan: ShardingPlan, tables: Sequence[TableSpec], trace: Trace | None = None,
+            hbm_bytes: int | None = None, ddr_bytes: int | None = None, batch_size: int | None = None,
+            optimizer=None) -> tuple[dict, ...]:
+    """``plan``'s prediction per rank for any plan of these tables (one made by hand,
+    or round-robin to compare with)."""
+    sharding_plan.check(tables)
+    cfg = PlanConfig(tuple(tables), sharding_plan.world_size, trace, hbm_bytes, ddr_bytes, batch_size, {}, optimizer)
+    items = _items(cfg, list(sharding_plan.tables.values()))
+    return tuple(_predict(cfg, [it for it in items if it.shard.rank == r]) for r in range(cfg.world_size))
 
 
 # -- choosing and splitting --------------------------------------------------------------------------
@@ -200,43 +204,50 @@ def _choose(cfg: PlanConfig, spec: TableSpec, share: np.ndarray) -> str:
 
 def _range_skew(trace: Trace, spec: TableSpec, n: int) -> float:
     """Max / mean ids per range of an even row split."""
-    try:
-        ids, _, _ = trace.table_calls(trace.table_index(spec.name))
-    except KeyError:
-        return 1.0
+    ids, _, _ = _table_calls(trace, spec)
     if not len(ids):
         return 1.0
     counts = np.bincount(ids * n // spec.num_rows, minlength=n)
     return float(counts.max() / counts.mean())
 
 
-def _split(cfg: PlanConfig, spec: TableSpec, kind: str) -> tuple[list[Shard], list]:
-    """The shards of a split table (one per rank, as many as it has rows or columns)
-    and each shard's part of the trace's calls."""
+def _split(cfg: PlanConfig, spec: TableSpec, kind: str) -> TablePlan:
+    """One shard per rank (as many as the table has rows or columns), shard k on rank k:
+    even row ranges, a hash split for an unbounded table, or even column ranges."""
     n = cfg.world_size
+    if kind == "table":
+        return TablePlan(spec.name, kind, (Shard(0, None, None, 0, spec.dim),))
     if kind == "column":
         m = min(n, spec.dim)
-        shards = [Shard(k, None, None, k * spec.dim // m, (k + 1) * spec.dim // m) for k in range(m)]
-        whole = _table_calls(cfg.trace, spec) if cfg.trace is not None else None
-        return shards, [whole] * m
+        return TablePlan(spec.name, kind, tuple(Shard(k, None, None, k * spec.dim // m, (k + 1) * spec.dim // m) for k in range(m)))
     if spec.num_rows is None:
-        shards = [Shard(k, None, None, 0, spec.dim) for k in range(n)]
-        owner = lambda ids: row_hash(torch.from_numpy(ids)).numpy() % n  # noqa: E731
-    else:
-        m = min(n, spec.num_rows)
-        shards = [Shard(k, k * spec.num_rows // m, (k + 1) * spec.num_rows // m, 0, spec.dim) for k in range(m)]
-        starts = np.array([s.row_start for s in shards], dtype=np.int64)
-        owner = lambda ids: np.searchsorted(starts, ids, side="right") - 1  # noqa: E731
-    if cfg.trace is None:
-        return shards, [None] * len(shards)
-    ids, offsets, calls = _table_calls(cfg.trace, spec)
-    who = owner(ids) if len(ids) else np.empty(0, dtype=np.int64)
-    parts = []
-    for k in range(len(shards)):  # a loop per shard
-        keep = who == k
-        cum = np.concatenate([[0], np.cumsum(keep)])
-        parts.append((ids[keep], cum[offsets], calls))
-    return shards, parts
+        return TablePlan(spec.name, kind, tuple(Shard(k, None, None, 0, spec.dim) for k in range(n)))
+    m = min(n, spec.num_rows)
+    return TablePlan(spec.name, kind, tuple(Shard(k, k * spec.num_rows // m, (k + 1) * spec.num_rows // m, 0, spec.dim) for k in range(m)))
+
+
+def _items(cfg: PlanConfig, table_plans: Sequence[TablePlan]) -> list[_Item]:
+    """An item per shard, measured on the trace (when there is one) in one pass."""
+    specs = {t.name: t for t in cfg.tables}
+    items, parts = [], []
+    for tp in table_plans:  # a loop per table
+        spec = specs[tp.table]
+        for s in tp.shards:
+            rows = s.row_stop - s.row_start if s.row_start is not None else spec.num_rows or 0  # 0: from the trace
+            # a column shard holds its share of the weights and of the optimizer state
+            items.append(_Item(tp.table, s, math.ceil(cfg.row_bytes(spec) * s.dim / spec.dim), rows))
+        if cfg.trace is not None:
+            ids, offsets, calls = _table_calls(cfg.trace, spec)
+            if tp.sharding == "column":  # every shard looks up every id
+                parts += [(ids, offsets, calls)] * len(tp.shards)
+                continue
+            who = tp.owner(torch.from_numpy(ids)).numpy()
+            for k in range(len(tp.shards)):  # a loop per shard: the ids it owns, call by call
+                keep = who == k
+                parts.append((ids[keep], np.concatenate([[0], np.cumsum(keep)])[offsets], calls))
+    if cfg.trace is not None:
+        _measure(cfg.trace, items, parts)
+    return items
 
 
 def _table_calls(trace: Trace, spec: TableSpec):
@@ -246,25 +257,14 @@ def _table_calls(trace: Trace, spec: TableSpec):
         return np.empty(0, dtype=np.int64), np.zeros(1, dtype=np.int64), np.empty(0, dtype=np.int64)
 
 
-def _shard_row_bytes(cfg: PlanConfig, spec: TableSpec, s: Shard) -> int:
-    # a column shard holds its share of the weights and of the optimizer state
-    return math.ceil(cfg.row_bytes(spec) * s.dim / spec.dim)
-
-
-def _shard_rows(spec: TableSpec, s: Shard, whole: _Item) -> int:
-    if s.row_start is not None:
-        return s.row_stop - s.row_start
-    if s.dim != spec.dim:
-        return whole.rows
-    return 0  # a hash shard's rows are counted from the trace
-
-
 # -- loads from a trace -------------------------------------------------------------------------------
-def _measure(cfg: PlanConfig, items: list[_Item], parts: list, steps: int) -> None:
+def _measure(trace: Trace, items: list[_Item], parts: list) -> None:
     """Exact LRU curves of the items' calls (each part: ids, offsets, global call numbers),
     from one trace whose tables are the items, calls in the original trace's order."""
     from tierstore.tools.capacity import lru_curves
 
+    if not items:
+        return
     base = np.cumsum([0] + [len(ids) for ids, _, _ in parts])
     starts = np.concatenate([off[:-1] + b for (_, off, _), b in zip(parts, base)])
     lengths = np.concatenate([np.diff(off) for _, off, _ in parts])
@@ -275,15 +275,17 @@ def _measure(cfg: PlanConfig, items: list[_Item], parts: list, steps: int) -> No
     np.cumsum(lengths[order], out=offsets[1:])
     ids = gather_ranges(np.concatenate([ids for ids, _, _ in parts]), starts[order], lengths[order])
     names = [str(i) for i in range(len(items))]
-    sub = Trace(tuple(TraceTable(nm) for nm in names), ids, offsets, item[order], cfg.trace.call_step[calls[order]])
+    sub = Trace(tuple(TraceTable(nm) for nm in names), ids, offsets, item[order], trace.call_step[calls[order]])
+    steps = max(trace.n_steps, 1)
     for it, curve in zip(items, lru_curves(sub, names)):
         it.curve = curve
         it.lookups = curve.n_uses / steps
+        it.steps = steps
         if it.rows == 0:
             it.rows = int(curve.working_set)
 
 
-def _give_cache(items: list[_Item], hbm_bytes: int, ddr_bytes: int, steps: int) -> None:
+def _give_cache(items: list[_Item], hbm_bytes: int, ddr_bytes: int) -> None:
     """Split the bytes among the items for the most hits (LRU), HBM first, and set their SSD reads."""
     from tierstore.tools.capacity import split_budget
 
@@ -293,7 +295,7 @@ def _give_cache(items: list[_Item], hbm_bytes: int, ddr_bytes: int, steps: int) 
     d = split_budget(curves, rb, ddr_bytes, start=h)
     for it, hi, di in zip(measured, h, d):
         it.hbm_rows, it.ddr_rows = int(hi), int(di)
-        it.ssd = float(it.curve.tiers(hi, di)["misses"]) / steps
+        it.ssd = float(it.curve.tiers(hi, di)["misses"]) / it.steps
 
 
 def _give_bytes(items: list[_Item], hbm_bytes: int, ddr_bytes: int) -> None:
@@ -305,9 +307,11 @@ def _give_bytes(items: list[_Item], hbm_bytes: int, ddr_bytes: int) -> None:
         it.ddr_rows = min(it.rows - it.hbm_rows, int(ddr_bytes * share // it.row_bytes))
 
 
-def _predict(cfg: PlanConfig, items: list[_Item], steps: int) -> dict:
+def _predict(cfg: PlanConfig, items: list[_Item]) -> dict:
+    order = {t.name: i for i, t in enumerate(cfg.tables)}
+    items = sorted(items, key=lambda it: (order[it.table], it.shard.col_start))  # the same sums, however placed
     if cfg.trace is not None:
-        _give_cache(items, cfg.hbm_bytes or 0, cfg.ddr_bytes or 0, steps)
+        _give_cache(items, cfg.hbm_bytes or 0, cfg.ddr_bytes or 0)
     else:
         _give_bytes(items, cfg.hbm_bytes or 0, cfg.ddr_bytes or 0)
     out = {"shards": len(items), "bytes": int(sum(it.bytes for it in items)),

@@ -58,6 +58,16 @@ class TablePlan:
     def ranks(self) -> tuple[int, ...]:
         return tuple(s.rank for s in self.shards)
 
+    def owner(self, ids: torch.Tensor) -> torch.Tensor:
+        """Index into ``shards`` of the shard owning each id (row and table sharding)."""
+        if self.sharding != "row":
+            return torch.zeros(len(ids), dtype=torch.int64)
+        if self.shards[0].row_start is None:
+            return row_hash(ids) % len(self.shards)
+        starts = torch.tensor([s.row_start for s in self.shards], dtype=torch.int64)
+        order = torch.argsort(starts)
+        return order[torch.searchsorted(starts[order], ids.to(torch.int64), right=True) - 1]
+
 
 @dataclass(frozen=True)
 class ShardingPlan:
@@ -105,14 +115,7 @@ class ShardingPlan:
 
     def owner(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Index into ``tables[table].shards`` of the shard owning each id (row and table sharding)."""
-        tp = self.tables[table]
-        if tp.sharding != "row":
-            return torch.zeros(len(ids), dtype=torch.int64)
-        if tp.shards[0].row_start is None:
-            return row_hash(ids) % len(tp.shards)
-        starts = torch.tensor([s.row_start for s in tp.shards], dtype=torch.int64)
-        order = torch.argsort(starts)
-        return order[torch.searchsorted(starts[order], ids.to(torch.int64), right=True) - 1]
+        return self.tables[table].owner(ids)
 
     def to_json(self) -> str:
         return json.dumps({"world_size": self.world_size,
