@@ -3,6 +3,9 @@ replayed through the capacity simulator and through real TieredStores holding
 only that rank's shards, a round-robin placement, and the plan's own checks."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -11,8 +14,9 @@ import tierstore
 from tierstore.planner import plan, predict
 from tierstore.sharding import PlanMismatchError, Shard, ShardingPlan, TablePlan, row_hash
 from tierstore.tools import capacity as cap
+from tierstore.tools.cli import main
 from tierstore.tools.synth import SynthConfig, SynthTable, synth
-from tierstore.trace import Trace
+from tierstore.trace import Trace, TraceTable
 
 DIM = 16
 
@@ -150,7 +154,7 @@ def test_forced_types_are_honoured(trace):
     (dict(world_size=-2), ValueError, "world_size must be an int >= 1"),
     (dict(world_size=True), ValueError, "world_size must be an int >= 1"),
     (dict(world_size=2, sharding={"nope": "row"}), KeyError, "'nope'"),
-    (dict(world_size=2, sharding={"a": "rows"}), ValueError, "sharding= types must be one of"),
+    (dict(world_size=2, sharding={"a": "rows"}), ValueError, "sharding types must be one of"),
     (dict(world_size=2, hbm_bytes=10, ddr_bytes=10), ValueError, "cannot hold one row"),
     (dict(world_size=2, hbm_bytes=-1), ValueError, "hbm_bytes must be an int >= 0"),
     (dict(world_size=2, batch_size=0), ValueError, "batch_size must be >= 1"),
@@ -169,3 +173,41 @@ def test_bad_tables_are_named():
         plan([("a", 10, 4)], 2)
     with pytest.raises(PlanMismatchError, match="tables without a plan"):
         predict(plan([tierstore.TableSpec("a", 10, 4)], 2), [tierstore.TableSpec("b", 10, 4)])
+
+
+# -- tierstore plan ------------------------------------------------------------------------------------------
+CLI = [sys.executable, "-W", "error", "-m", "tierstore.tools.cli"]
+
+
+def test_the_cli_prints_the_plan_and_its_json_is_the_planners(tmp_path):
+    synth_args = ["trace", "synth", str(tmp_path / "t.npz"), "--table", "hot:2000:1.2:20", "--table", "cold:200000:0.6:4",
+                  "--table", "a:5000", "--batch-size", "32", "--pooling", "4", "--steps", "10", "--dim", "16"]
+    subprocess.run([*CLI, *synth_args], check=True, capture_output=True, timeout=120)
+    argv = ["plan", str(tmp_path / "t.npz"), "--world-size", "3", "--hbm-bytes", "8k", "--ddr-bytes", "32KiB", "--sharding", "a=column"]
+    out = subprocess.run([*CLI, *argv, "--json"], check=True, capture_output=True, text=True, timeout=120).stdout
+    trace = Trace.load(tmp_path / "t.npz")
+    specs = [tierstore.TableSpec(t.name, t.num_rows, 16) for t in trace.tables]
+    expect = plan(specs, 3, trace=trace, hbm_bytes=8000, ddr_bytes=32768, sharding={"a": "column"})
+    got = ShardingPlan.from_json(out)
+    assert got == expect and got.predicted == expect.predicted
+    text = subprocess.run([*CLI, *argv], check=True, capture_output=True, text=True, timeout=120).stdout
+    assert str(expect) in text and "predicted per rank" in text
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--world-size", "0"], "argument --world-size: must be an integer >= 1, got 0"),
+    (["--world-size", "2", "--sharding", "hot"], "--sharding 'hot': expected TABLE=TYPE"),
+    (["--world-size", "2", "--sharding", "nope=row"], "sharding names tables ['nope'] that are not planned"),
+    (["--world-size", "2", "--sharding", "hot=diagonal"], "sharding types must be one of ('table', 'row', 'column')"),
+    (["--world-size", "2", "--hbm-bytes", "12", "--optimizer", "adam"], "cannot hold one row"),
+    (["--world-size", "2", "--hbm-bytes", "lots"], "cannot read 'lots' as bytes"),
+])
+def test_cli_mistakes_are_one_line(tmp_path, capsys, argv, expect):
+    Trace.from_calls([(0, "hot", [1, 2]), (0, "cold", [3])], [TraceTable("hot", 10, 4), TraceTable("cold", 10, 4)]).save(tmp_path / "t")
+    try:
+        code = main(["plan", str(tmp_path / "t"), *argv])
+    except SystemExit as e:  # argparse's own
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(("tierstore: error: ", "tierstore plan: error: ")) and expect in err, err

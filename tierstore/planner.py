@@ -86,10 +86,10 @@ class PlanConfig:
             raise ValueError("batch_size must be >= 1 (samples per step on each rank)")
         unknown = sorted(set(self.sharding) - set(names))
         if unknown:
-            raise KeyError(f"sharding= names tables {unknown} that are not planned; the tables are {names}")
+            raise KeyError(f"sharding names tables {unknown} that are not planned; the tables are {names}")
         bad = {k: v for k, v in self.sharding.items() if v not in SHARDING_TYPES}
         if bad:
-            raise ValueError(f"sharding= types must be one of {SHARDING_TYPES}, got {bad}")
+            raise ValueError(f"sharding types must be one of {SHARDING_TYPES}, got {bad}")
         if self.hbm_bytes is not None or self.ddr_bytes is not None:
             smallest = min(tables, key=self.row_bytes)
             need = self.row_bytes(smallest)
