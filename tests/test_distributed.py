@@ -1,0 +1,184 @@
+"""tierstore.distributed against one process: real rank processes (spawn), gloo over
+127.0.0.1, real LMDB under tiny tiers. Each launch runs many checks; the ranks save
+what they saw and the test process compares it with TieredEmbeddingBagCollection
+trained on the concatenated global batch (rank 0's local batch, then rank 1's, ...)."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tierstore import RowInit, TableSpec, TieredEmbeddingBagCollection, optim
+from tierstore.sharding import PlanMismatchError, Shard, ShardingPlan, TablePlan
+
+TIERS = {"hbm_rows": 3, "ddr_rows": 4}  # tiny: rows go through LMDB every step
+TABLES = [
+    TableSpec("user", 40, 8, init=RowInit.normal(0.0, 0.5, seed=1)),
+    TableSpec("item", 30, 4, init=RowInit.uniform(-1.0, 1.0, seed=2)),
+    TableSpec("wide", 20, 6, init=RowInit.normal(0.0, 0.5, seed=3)),
+    TableSpec("hashed", None, 4, init=RowInit.normal(0.0, 0.5, seed=4)),
+]
+OPTIMIZERS = {
+    "sgd": lambda: optim.SGD(lr=0.1),
+    "rowwise": lambda: optim.RowWiseAdagrad(lr=0.1),
+    "adam": lambda: optim.Adam(lr=0.05),
+}
+
+
+def whole(rank: int) -> Shard:
+    return Shard(rank, None, None, 0, 0)
+
+
+def make_plan(world: int) -> ShardingPlan:
+    """Every sharding type: user by row ranges, item whole on the last rank, wide by
+    columns, hashed (unbounded) by hash."""
+    cuts = [round(40 * r / world) for r in range(world + 1)]
+    cols = [round(6 * r / world) for r in range(world + 1)]
+    return ShardingPlan(world, {
+        "user": TablePlan("user", "row", tuple(Shard(r, cuts[r], cuts[r + 1], 0, 8) for r in range(world))),
+        "item": TablePlan("item", "table", (Shard(world - 1, None, None, 0, 4),)),
+        "wide": TablePlan("wide", "column", tuple(Shard(r, None, None, cols[r], cols[r + 1]) for r in range(world))),
+        "hashed": TablePlan("hashed", "row", tuple(Shard(r, None, None, 0, 4) for r in range(world))),
+    })
+
+
+def local_batch(step: int, rank: int, weighted: bool = False) -> dict:
+    """Rank ``rank``'s batch of ``step``: many repeated ids, so rows recur across ranks."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    out = {}
+    for spec in TABLES:
+        bags = 5 + rank
+        lengths = torch.randint(0, 7, (bags,), generator=g)
+        n = int(lengths.sum())
+        hi = spec.num_rows or 50
+        values = torch.randint(0, min(hi, 12), (n,), generator=g) * (hi // 12 or 1) if spec.name == "hashed" else \
+            torch.randint(0, hi, (n,), generator=g) % 9
+        offsets = torch.cumsum(lengths, 0) - lengths
+        out[spec.name] = (values, offsets)
+        if weighted and spec.name == "user":
+            out[spec.name] = (values, offsets, torch.rand(n, generator=g))
+    return out
+
+
+def concat(batches: list[dict]) -> dict:
+    out = {}
+    for name in batches[0]:
+        values, offsets, weights, at = [], [], [], 0
+        for b in batches:
+            values.append(b[name][0])
+            offsets.append(b[name][1] + at)
+            at += len(b[name][0])
+            if len(b[name]) == 3:
+                weights.append(b[name][2])
+        out[name] = (torch.cat(values), torch.cat(offsets), *([torch.cat(weights)] if weights else []))
+    return out
+
+
+def loss_of(outs: dict) -> torch.Tensor:
+    return sum(o.pow(2).sum() for o in outs.values())
+
+
+CHECK_IDS = {"user": torch.arange(40), "item": torch.arange(30), "wide": torch.arange(20),
+             "hashed": torch.arange(0, 50, 4)}
+
+
+# -- rank side ------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, out: str, scenario: str):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=20))
+    try:
+        result = SCENARIOS[scenario](rank, world, Path(out))
+    except BaseException:
+        (Path(out) / f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+    torch.save(result, Path(out) / f"result-{rank}.pt")
+    dist.destroy_process_group()
+
+
+def launch(tmp_path: Path, scenario: str, world: int) -> list:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    try:
+        mp.spawn(_rank_main, args=(world, _free_port(), str(tmp_path), scenario), nprocs=world, join=True)
+    except Exception:
+        errors = "\n".join(p.read_text() for p in sorted(tmp_path.glob("error-*.txt")))
+        raise AssertionError(f"a rank failed:\n{errors}") from None
+    return [torch.load(tmp_path / f"result-{r}.pt") for r in range(world)]
+
+
+def train_sharded(rank, world, path, opt_name, steps=3, mode="sum", weighted=False, depth=None, comm_dtype=None):
+    from tierstore import LookaheadLoader
+    from tierstore.distributed import ShardedEmbeddingBagCollection
+
+    module = ShardedEmbeddingBagCollection(TABLES, make_plan(world), path, optimizer=OPTIMIZERS[opt_name](), mode=mode,
+                                           comm_dtype=comm_dtype, **TIERS)
+    batches = [local_batch(s, rank, weighted) for s in range(steps)]
+    if depth is not None:
+        batches = LookaheadLoader(batches, module, depth=depth)
+    outs = []
+    for batch in batches:
+        o = module(batch)
+        loss_of(o).backward()
+        outs.append({k: v.detach() for k, v in o.items()})
+    rows = {name: module.read(name, ids if rank == 0 else ids[:0], with_state=True) for name, ids in CHECK_IDS.items()}
+    module.close()
+    return {"outs": outs, "rows": rows}
+
+
+def scenario_train(rank, world, out):
+    res = {}
+    for opt_name, mode, weighted in (("sgd", "sum", True), ("rowwise", "mean", False), ("adam", "sum", False)):
+        res[opt_name] = train_sharded(rank, world, out / opt_name, opt_name, mode=mode, weighted=weighted)
+    return res
+
+
+SCENARIOS = {"train": scenario_train}
+
+
+# -- the oracle ------------------------------------------------------------------------------
+def train_single(path, world, opt_name, steps=3, mode="sum", weighted=False):
+    module = TieredEmbeddingBagCollection(TABLES, path=path, optimizer=OPTIMIZERS[opt_name](), mode=mode, **TIERS)
+    outs = []
+    for s in range(steps):
+        locals_ = [local_batch(s, r, weighted) for r in range(world)]
+        o = module(concat(locals_))
+        loss_of(o).backward()
+        # split the global output back into the ranks' bags
+        sizes = [len(b["user"][1]) for b in locals_]
+        outs.append([{k: v.detach()[sum(sizes[:r]): sum(sizes[: r + 1])] for k, v in o.items()} for r in range(world)])
+    rows = {name: module.store.read(name, ids, with_state=True) for name, ids in CHECK_IDS.items()}
+    module.close()
+    return outs, rows
+
+
+def assert_same(results, world, tmp_path, opt_name, **kw):
+    ref_outs, ref_rows = train_single(tmp_path / f"single-{opt_name}", world, opt_name, **kw)
+    for r in range(world):
+        for s, got in enumerate(results[r][opt_name]["outs"]):
+            for k in got:
+                assert torch.equal(got[k], ref_outs[s][r][k]), (opt_name, r, s, k, (got[k] - ref_outs[s][r][k]).abs().max())
+    for name, rows in results[0][opt_name]["rows"].items():
+        assert rows.shape == ref_rows[name].shape, (name, rows.shape, ref_rows[name].shape)
+        assert torch.equal(rows, ref_rows[name]), (opt_name, name, (rows - ref_rows[name]).abs().max())
+
+
+def test_two_ranks_train_as_one_process(tmp_path):
+    results = launch(tmp_path / "run", "train", 2)
+    assert_same(results, 2, tmp_path, "sgd", weighted=True)
+    assert_same(results, 2, tmp_path, "rowwise", mode="mean")
+    assert_same(results, 2, tmp_path, "adam")
