@@ -121,33 +121,106 @@ def launch(tmp_path: Path, scenario: str, world: int) -> list:
     return [torch.load(tmp_path / f"result-{r}.pt") for r in range(world)]
 
 
-def train_sharded(rank, world, path, opt_name, steps=3, mode="sum", weighted=False, depth=None, comm_dtype=None):
+def read_all(module, rank: int) -> dict:
+    """Every checked row with its state, read by rank 0 (the others ask for none)."""
+    return {name: module.read(name, ids if rank == 0 else ids[:0], with_state=True) for name, ids in CHECK_IDS.items()}
+
+
+def train_sharded(rank, world, path, opt_name, steps=3, mode="sum", weighted=False, depth=None, comm_dtype=None,
+                  checkpoint=None, registry=None):
     from tierstore import LookaheadLoader
     from tierstore.distributed import ShardedEmbeddingBagCollection
 
     module = ShardedEmbeddingBagCollection(TABLES, make_plan(world), path, optimizer=OPTIMIZERS[opt_name](), mode=mode,
-                                           comm_dtype=comm_dtype, **TIERS)
+                                           comm_dtype=comm_dtype, registry=registry, **TIERS)
     batches = [local_batch(s, rank, weighted) for s in range(steps)]
     if depth is not None:
         batches = LookaheadLoader(batches, module, depth=depth)
-    outs = []
+    outs, losses = [], []
     for batch in batches:
         o = module(batch)
-        loss_of(o).backward()
+        loss = loss_of(o)
+        loss.backward()
         outs.append({k: v.detach() for k, v in o.items()})
-    rows = {name: module.read(name, ids if rank == 0 else ids[:0], with_state=True) for name, ids in CHECK_IDS.items()}
+        losses.append(float(loss.detach()))
+    rows = read_all(module, rank)
+    if checkpoint is not None:
+        module.checkpoint(checkpoint)
+    metrics = None
+    if registry is not None:
+        from prometheus_client import generate_latest
+        metrics = generate_latest(registry).decode()
     module.close()
-    return {"outs": outs, "rows": rows}
+    return {"outs": outs, "rows": rows, "losses": losses, "metrics": metrics}
 
 
-def scenario_train(rank, world, out):
-    res = {}
-    for opt_name, mode, weighted in (("sgd", "sum", True), ("rowwise", "mean", False), ("adam", "sum", False)):
-        res[opt_name] = train_sharded(rank, world, out / opt_name, opt_name, mode=mode, weighted=weighted)
+def raised(fn) -> tuple[str, str] | None:
+    try:
+        fn()
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def bad_inputs(rank, world, path) -> dict:
+    """Each rank's error for bad input on one rank; the rows stay as they were and the
+    ranks stay in step (a good step follows)."""
+    from tierstore.distributed import ShardedEmbeddingBagCollection
+
+    module = ShardedEmbeddingBagCollection(TABLES, make_plan(world), path, optimizer=optim.SGD(lr=0.1), **TIERS)
+    before = read_all(module, rank)
+    good = local_batch(0, rank)
+    bad_id = dict(good, user=(torch.tensor([1, 99] if rank == 1 else [1, 2]), torch.tensor([0])))
+    bad_table = dict(good, nope=good["user"]) if rank == 0 else good
+    res = {
+        "id": raised(lambda: loss_of(module(bad_id)).backward()),
+        "table": raised(lambda: loss_of(module(bad_table)).backward()),
+        "read": raised(lambda: module.read("item", [3, 30] if rank == 1 else [3])),
+        "write": raised(lambda: module.write("item", [3], torch.zeros(1, 5) if rank == 0 else torch.zeros(1, 4))),
+    }
+    res["unchanged"] = all(torch.equal(a, b) for a, b in zip(before.values(), read_all(module, rank).values()))
+    loss_of(module(good)).backward()  # still in step
+    module.close()
+    other = make_plan(world)
+    if rank == 1:
+        tables = dict(other.tables, item=TablePlan("item", "table", (Shard(0, None, None, 0, 4),)))
+        other = ShardingPlan(world, tables)
+    res["plan"] = raised(lambda: ShardedEmbeddingBagCollection(TABLES, other, path / "other", optimizer=optim.SGD(lr=0.1)))
     return res
 
 
-SCENARIOS = {"train": scenario_train}
+def scenario_train(rank, world, out):
+    from prometheus_client import CollectorRegistry
+
+    res = {}
+    for opt_name, mode, weighted in (("sgd", "sum", True), ("rowwise", "mean", False), ("adam", "sum", False)):
+        res[opt_name] = train_sharded(rank, world, out / opt_name, opt_name, mode=mode, weighted=weighted)
+    res["sgd-depth2"] = train_sharded(rank, world, out / "depth2", "sgd", weighted=True, depth=2, registry=CollectorRegistry())
+    for dtype in ("float16", "bfloat16"):
+        res[dtype] = train_sharded(rank, world, out / dtype, "sgd", weighted=True, comm_dtype=dtype)
+    res["bad"] = bad_inputs(rank, world, out / "bad")
+    return res
+
+
+def scenario_four(rank, world, out):
+    return {"adam": train_sharded(rank, world, out / "adam", "adam", mode="mean", checkpoint=out / "ckpt")}
+
+
+def scenario_reshard(rank, world, out):
+    """Restore the checkpoint named in out/source onto this world size, read every row,
+    and checkpoint again for the next resharding."""
+    from tierstore.distributed import ShardedEmbeddingBagCollection
+
+    source = Path((out / "source").read_text())
+    module = ShardedEmbeddingBagCollection.from_checkpoint(source, plan=make_plan(world), path=out / "restored",
+                                                           optimizer=OPTIMIZERS["adam"](), mode="mean", **TIERS)
+    rows = read_all(module, rank)
+    module.checkpoint(out / "ckpt")
+    module.close()
+    return {"rows": rows}
+
+
+SCENARIOS = {"train": scenario_train, "four": scenario_four, "reshard": scenario_reshard}
 
 
 # -- the oracle ------------------------------------------------------------------------------
@@ -182,3 +255,52 @@ def test_two_ranks_train_as_one_process(tmp_path):
     assert_same(results, 2, tmp_path, "sgd", weighted=True)
     assert_same(results, 2, tmp_path, "rowwise", mode="mean")
     assert_same(results, 2, tmp_path, "adam")
+
+    # LookaheadLoader at depth 2 announces the batches ahead and changes nothing
+    for r in range(2):
+        for a, b in zip(results[r]["sgd-depth2"]["outs"], results[r]["sgd"]["outs"]):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["sgd-depth2"]["rows"].values(), results[0]["sgd"]["rows"].values()))
+
+    # every rank's store exports its tiers with its rank, and the lookups it served and sent
+    for r in range(2):
+        text = results[r]["sgd-depth2"]["metrics"]
+        assert f'tierstore_lookups_total{{result="hit",' in text or "tierstore_lookups_total{" in text
+        assert all(f'rank="{r}"' in line for line in text.splitlines() if line.startswith("tierstore_resident_rows"))
+        sent = [line for line in text.splitlines() if line.startswith("tierstore_sharded_lookups_sent_total")]
+        assert sent and f'rank="{r}"' in sent[0] and float(sent[0].split()[-1]) > 0
+        served = [line for line in text.splitlines() if line.startswith("tierstore_sharded_lookups_served_total")]
+        assert served and float(served[0].split()[-1]) > 0
+
+    # reduced-precision exchange: close to float32's loss, not equal to it
+    for dtype, tol in (("float16", 1e-2), ("bfloat16", 5e-2)):
+        for r in range(2):
+            got, ref = torch.tensor(results[r][dtype]["losses"]), torch.tensor(results[r]["sgd"]["losses"])
+            assert torch.allclose(got, ref, rtol=tol), (dtype, got, ref)
+            assert not torch.equal(got, ref)
+
+    # bad input on one rank: its own named error there, RankFailedError naming it on the other
+    bad = [results[r]["bad"] for r in range(2)]
+    assert bad[1]["id"][0] == "BagIndexError" and "99" in bad[1]["id"][1]
+    assert bad[0]["id"][0] == "RankFailedError" and "rank 1 failed: BagIndexError" in bad[0]["id"][1]
+    assert bad[0]["table"][0] == "KeyError" and "nope" in bad[0]["table"][1]
+    assert bad[1]["table"][0] == "RankFailedError" and "rank 0 failed: KeyError" in bad[1]["table"][1]
+    assert bad[1]["read"][0] == "IndexError" and bad[0]["read"][0] == "RankFailedError"
+    assert bad[0]["write"][0] == "ValueError" and "shape" in bad[0]["write"][1] and bad[1]["write"][0] == "RankFailedError"
+    assert bad[0]["unchanged"] and bad[1]["unchanged"]
+    for r in range(2):
+        assert bad[r]["plan"][0] == "PlanMismatchError" and "ranks [1]" in bad[r]["plan"][1]
+
+
+def test_four_ranks_then_reshard_to_two_then_three(tmp_path):
+    four = launch(tmp_path / "four", "four", 4)
+    assert_same(four, 4, tmp_path, "adam", mode="mean")
+    (tmp_path / "two").mkdir()
+    (tmp_path / "two" / "source").write_text(str(tmp_path / "four" / "ckpt"))
+    two = launch(tmp_path / "two", "reshard", 2)
+    (tmp_path / "three").mkdir()
+    (tmp_path / "three" / "source").write_text(str(tmp_path / "two" / "ckpt"))
+    three = launch(tmp_path / "three", "reshard", 3)
+    for name, rows in four[0]["adam"]["rows"].items():
+        assert torch.equal(two[0]["rows"][name], rows), name
+        assert torch.equal(three[0]["rows"][name], rows), name

@@ -150,6 +150,8 @@ class _Reader:
     def take(self, n: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         size = n * width * torch.empty(0, dtype=dtype).element_size()
         part = self.data[self.at: self.at + size]
+        if part.storage_offset() % 8:  # a view needs the element size's alignment (not so after 2-byte values)
+            part = part.clone()
         self.at += size
         return part.view(dtype).reshape(n, width).to(torch.float32)
 
