@@ -220,7 +220,24 @@ def scenario_reshard(rank, world, out):
     return {"rows": rows}
 
 
-SCENARIOS = {"train": scenario_train, "four": scenario_four, "reshard": scenario_reshard}
+def scenario_dead(rank, world, out):
+    """Rank 1 dies (os._exit) after a flushed step; rank 0's next step must raise, not hang."""
+    import time
+
+    from tierstore.distributed import ShardedEmbeddingBagCollection
+
+    module = ShardedEmbeddingBagCollection(TABLES, make_plan(world), out / "store", optimizer=OPTIMIZERS["sgd"](), **TIERS)
+    loss_of(module(local_batch(0, rank))).backward()
+    module.flush()
+    if rank == 1:
+        os._exit(3)
+    start = time.monotonic()
+    error = raised(lambda: loss_of(module(local_batch(1, rank))).backward())
+    torch.save({"error": error, "seconds": time.monotonic() - start}, out / f"result-{rank}.pt")
+    os._exit(0)  # the process group has lost a rank: leave without its teardown
+
+
+SCENARIOS = {"train": scenario_train, "four": scenario_four, "reshard": scenario_reshard, "dead": scenario_dead}
 
 
 # -- the oracle ------------------------------------------------------------------------------
@@ -304,3 +321,23 @@ def test_four_ranks_then_reshard_to_two_then_three(tmp_path):
     for name, rows in four[0]["adam"]["rows"].items():
         assert torch.equal(two[0]["rows"][name], rows), name
         assert torch.equal(three[0]["rows"][name], rows), name
+
+
+def test_a_dead_rank_makes_the_others_raise_and_its_flushed_rows_survive(tmp_path):
+    from tierstore import TieredStore
+
+    ctx = mp.start_processes(_rank_main, args=(2, _free_port(), str(tmp_path), "dead"), nprocs=2, join=False,
+                             start_method="spawn")
+    for p in ctx.processes:
+        p.join(timeout=90)
+    assert [p.exitcode for p in ctx.processes] == [0, 3], (tmp_path / "error-0.txt").read_text() \
+        if (tmp_path / "error-0.txt").exists() else None
+    seen = torch.load(tmp_path / "result-0.pt")
+    assert seen["error"][0] == "RankFailedError" and "a rank died" in seen["error"][1], seen
+    assert seen["seconds"] < 25  # the process group's timeout is 20 s
+    _, ref = train_single(tmp_path / "single", 2, "sgd", steps=1)
+    with TieredStore(tmp_path / "store" / "rank-1", readonly=True) as store:  # what rank 1 flushed
+        ids = torch.arange(20, 40)
+        assert torch.equal(store.read("user", ids), ref["user"][20:40])
+        assert torch.equal(store.read("item", torch.arange(30)), ref["item"])
+        assert torch.equal(store.read("wide", torch.arange(20)), ref["wide"][:, 3:6])
