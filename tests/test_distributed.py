@@ -237,7 +237,23 @@ def scenario_dead(rank, world, out):
     os._exit(0)  # the process group has lost a rank: leave without its teardown
 
 
-SCENARIOS = {"train": scenario_train, "four": scenario_four, "reshard": scenario_reshard, "dead": scenario_dead}
+def scenario_cuda(rank, world, out):
+    from tierstore.distributed import ShardedEmbeddingBagCollection
+
+    module = ShardedEmbeddingBagCollection(TABLES, make_plan(world), out / "store", optimizer=OPTIMIZERS["rowwise"](),
+                                           device="cuda", **TIERS)
+    outs = []
+    for s in range(2):
+        o = module(local_batch(s, rank))
+        loss_of(o).backward()
+        outs.append({k: v.detach().cpu() for k, v in o.items()})
+    rows = {k: v.cpu() for k, v in read_all(module, rank).items()}
+    module.close()
+    return {"outs": outs, "rows": rows}
+
+
+SCENARIOS = {"train": scenario_train, "four": scenario_four, "reshard": scenario_reshard, "dead": scenario_dead,
+             "cuda": scenario_cuda}
 
 
 # -- the oracle ------------------------------------------------------------------------------
@@ -341,3 +357,14 @@ def test_a_dead_rank_makes_the_others_raise_and_its_flushed_rows_survive(tmp_pat
         assert torch.equal(store.read("user", ids), ref["user"][20:40])
         assert torch.equal(store.read("item", torch.arange(30)), ref["item"])
         assert torch.equal(store.read("wide", torch.arange(20)), ref["wide"][:, 3:6])
+
+
+@pytest.mark.gpu
+def test_one_rank_on_cuda_trains_as_the_cpu_collection(tmp_path):
+    got = launch(tmp_path / "run", "cuda", 1)[0]
+    ref_outs, ref_rows = train_single(tmp_path / "single", 1, "rowwise", steps=2)
+    for s, outs in enumerate(got["outs"]):
+        for k, v in outs.items():
+            torch.testing.assert_close(v, ref_outs[s][0][k], rtol=1e-5, atol=1e-6)
+    for k, v in got["rows"].items():
+        torch.testing.assert_close(v, ref_rows[k], rtol=1e-5, atol=1e-6)
