@@ -246,8 +246,8 @@ class StoreMetrics:
                 raise
 
     def add_labels(self, **labels: str) -> None:
-        """Constant labels on every sample of this store, e.g. rank="0" for a shard's
-        store (tierstore.distributed); they follow the ``store`` label's kin."""
+        """Constant labels on every sample of this store, after its own labels, e.g.
+        rank="0" for a shard's store (tierstore.distributed)."""
         if set(labels) & {"store", "table", "tier", "result", "stage", "le"}:
             raise ValueError(f"labels {sorted(labels)} would replace the store's own labels")
         self.labels.update({k: str(v) for k, v in labels.items()})
