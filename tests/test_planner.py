@@ -43,12 +43,13 @@ def owned_ids(tp: TablePlan, shard: Shard, ids: np.ndarray) -> np.ndarray:
 
 
 def rank_trace(trace: Trace, p: ShardingPlan, rank: int) -> Trace:
-    """What rank ``rank`` reads: each call's ids that its shards own, a table per shard."""
+    """What rank ``rank``'s store reads: each call's ids that its shards own, twice (the
+    sharded module's forward fetch and backward update), a table per shard."""
     calls = []
     for step, table, ids in trace.calls():  # a test oracle: a loop per call
         for s in p.tables[table].shards:
             if s.rank == rank:
-                calls.append((step, table, owned_ids(p.tables[table], s, ids)))
+                calls += [(step, table, owned_ids(p.tables[table], s, ids))] * 2
     return Trace.from_calls(calls, [t for t in trace.tables if rank in p.ranks_of(t.name)])
 
 
@@ -119,7 +120,7 @@ def test_predicted_ssd_reads_equal_the_simulator_and_real_stores_per_rank(trace,
         sim = {s.name: cap.simulate(s, *tiers[s.name], policy="lru") for s in streams}
         misses = sum(s.n_uses - sim[s.name].hbm_hits - sim[s.name].ddr_hits for s in streams)
         assert pred["ssd_reads_per_step"] == pytest.approx(misses / steps, rel=1e-12)
-        assert pred["lookups_per_step"] == pytest.approx(sum(s.n_uses for s in streams) / steps, rel=1e-12)
+        assert pred["lookups_per_step"] == pytest.approx(sum(s.n_uses for s in streams) / 2 / steps, rel=1e-12)
         shard_dim = {name: next(s.dim for s in p.tables[name].shards if s.rank == rank) for name in tiers}
         shard_specs = [tierstore.TableSpec(name, trace.tables[trace.table_index(name)].num_rows, shard_dim[name]) for name in tiers]
         with tierstore.TieredStore(tmp_path / f"rank-{rank}", tables=shard_specs, policy="lru", device="cpu",

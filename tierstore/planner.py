@@ -49,8 +49,13 @@ from .precision import DTYPES
 from .sharding import SHARDING_TYPES, Shard, ShardingPlan, TablePlan
 from .spec import TableSpec
 
+SPLIT_ABOVE = 1.25  # a rank's load over the mean per rank above which its largest whole table is split
 COLUMN_SKEW = 1.5  # max / mean lookups of an even row split above which a wide, hot table is split by columns
 LOADS = ("lookups_per_step", "ssd_reads_per_step", "bytes")
+# ShardedEmbeddingBagCollection reads a step's rows twice from its store: the forward's
+# fetch and the backward's update (read, step, write); the second read hits unless the
+# shard's tiers cannot hold the step's rows, so SSD reads are predicted for both
+READS_PER_STEP = 2
 
 
 @dataclass(frozen=True)
@@ -141,33 +146,33 @@ def plan(tables: Sequence[TableSpec], world_size: int, trace: Trace | None = Non
     """
     cfg = PlanConfig(tuple(tables), world_size, trace, hbm_bytes, ddr_bytes, batch_size, dict(sharding or {}), optimizer)
     n = cfg.world_size
-    whole = dict(zip([t.name for t in cfg.tables],
-                     _items(cfg, [TablePlan(t.name, "table", (Shard(0, None, None, 0, t.dim),)) for t in cfg.tables])))
+    specs = {t.name: t for t in cfg.tables}
+    whole = dict(zip(specs, _items(cfg, [TablePlan(t.name, "table", (Shard(0, None, None, 0, t.dim),)) for t in cfg.tables])))
     if cfg.trace is not None:  # SSD reads at a fair share of the cluster's cache
         _give_cache(list(whole.values()), n * (cfg.hbm_bytes or 0), n * (cfg.ddr_bytes or 0))
     total = sum((it.loads() for it in whole.values()), np.zeros(len(LOADS)))
-    kinds = {t.name: _choose(cfg, t, whole[t.name].loads() / np.where(total > 0, total, np.inf)) for t in cfg.tables}
-    split = _items(cfg, [_split(cfg, t, kinds[t.name]) for t in cfg.tables if kinds[t.name] != "table"])
-    rest = [whole[t.name] for t in cfg.tables if kinds[t.name] == "table"]
-    if cfg.trace is not None:
-        _give_cache(rest + split, n * (cfg.hbm_bytes or 0), n * (cfg.ddr_bytes or 0))
-    placed: list[list[_Item]] = [[] for _ in range(n)]
-    for it in split:  # one shard per rank, shard k on rank k
-        placed[it.shard.rank].append(it)
-    mean = sum((it.loads() for it in rest + split), np.zeros(len(LOADS))) / n
-    scale = np.where(mean > 0, 1 / np.where(mean > 0, mean, 1), 0.0)
-    rank_load = [sum((it.loads() for it in p), np.zeros(len(LOADS))) for p in placed]
-    for it in sorted(rest, key=lambda it: (-float((it.loads() * scale).max()), it.table)):  # a loop per table
-        after = [float(((rank_load[r] + it.loads()) * scale).max()) for r in range(n)]
-        r = min(range(n), key=lambda r: (after[r], float((rank_load[r] * scale).sum()), r))
-        it.shard = replace(it.shard, rank=r)
-        placed[r].append(it)
-        rank_load[r] += it.loads()
+    share = {name: it.loads() / np.where(total > 0, total, np.inf) for name, it in whole.items()}
+    kinds = {name: _choose(cfg, specs[name], share[name]) for name in specs}
+    shards: dict[str, list[_Item]] = {}  # the split tables' items, measured once
+    while True:  # a loop per table split for balance, at most one per table
+        for name in specs:
+            if kinds[name] != "table" and name not in shards:
+                shards[name] = _items(cfg, [_split(cfg, specs[name], kinds[name])])
+        placed, normalised = _place(cfg, [whole[t] for t in specs if kinds[t] == "table"],
+                                    [it for t in specs if kinds[t] != "table" for it in shards[t]])
+        worst = int(np.argmax(normalised.max(1)))
+        movable = [it for it in placed[worst] if kinds[it.table] == "table" and it.table not in cfg.sharding]
+        if normalised.max() <= SPLIT_ABOVE or not movable or n == 1:
+            break
+        # the worst rank is over in one load: split its whole table that carries most of it
+        dim = int(np.argmax(normalised[worst]))
+        name = max(movable, key=lambda it: (it.loads()[dim], it.table)).table
+        kinds[name] = _split_kind(cfg, specs[name], share[name])
     table_plans = {}
     for t in cfg.tables:
         shards = sorted((it.shard for p in placed for it in p if it.table == t.name), key=lambda s: (s.rank, s.col_start))
         table_plans[t.name] = TablePlan(t.name, kinds[t.name], tuple(shards))
-    result = ShardingPlan(n, table_plans, tuple(_predict(cfg, p) for p in placed))
+    result = ShardingPlan(n, table_plans, tuple(_predict(cfg, p, table_plans) for p in placed))
     result.check(cfg.tables)
     return result
 
@@ -180,10 +185,32 @@ def predict(sharding_plan: ShardingPlan, tables: Sequence[TableSpec], trace: Tra
     sharding_plan.check(tables)
     cfg = PlanConfig(tuple(tables), sharding_plan.world_size, trace, hbm_bytes, ddr_bytes, batch_size, {}, optimizer)
     items = _items(cfg, list(sharding_plan.tables.values()))
-    return tuple(_predict(cfg, [it for it in items if it.shard.rank == r]) for r in range(cfg.world_size))
+    return tuple(_predict(cfg, [it for it in items if it.shard.rank == r], sharding_plan.tables) for r in range(cfg.world_size))
 
 
 # -- choosing and splitting --------------------------------------------------------------------------
+def _place(cfg: PlanConfig, whole: list[_Item], split: list[_Item]) -> tuple[list[list[_Item]], np.ndarray]:
+    """Split tables' shards stay on their ranks; whole tables go, largest normalised load
+    first, where their largest normalised load ends smallest. The items on each rank,
+    and each rank's loads divided by the cluster's mean per rank."""
+    n = cfg.world_size
+    if cfg.trace is not None:
+        _give_cache(whole + split, n * (cfg.hbm_bytes or 0), n * (cfg.ddr_bytes or 0))
+    placed: list[list[_Item]] = [[] for _ in range(n)]
+    for it in split:  # one shard per rank, shard k on rank k
+        placed[it.shard.rank].append(it)
+    mean = sum((it.loads() for it in whole + split), np.zeros(len(LOADS))) / n
+    scale = np.where(mean > 0, 1 / np.where(mean > 0, mean, 1), 0.0)
+    rank_load = [sum((it.loads() for it in p), np.zeros(len(LOADS))) for p in placed]
+    for it in sorted(whole, key=lambda it: (-float((it.loads() * scale).max()), it.table)):  # a loop per table
+        after = [float(((rank_load[r] + it.loads()) * scale).max()) for r in range(n)]
+        r = min(range(n), key=lambda r: (after[r], float((rank_load[r] * scale).sum()), r))
+        it.shard = replace(it.shard, rank=r)
+        placed[r].append(it)
+        rank_load[r] += it.loads()
+    return placed, np.array(rank_load) * scale
+
+
 def _choose(cfg: PlanConfig, spec: TableSpec, share: np.ndarray) -> str:
     """The table's sharding type, from its share of the cluster's lookups, SSD reads and bytes."""
     forced = cfg.sharding.get(spec.name)
@@ -196,6 +223,11 @@ def _choose(cfg: PlanConfig, spec: TableSpec, share: np.ndarray) -> str:
         return "row"
     if not (share > 1 / n).any():
         return "table"
+    return _split_kind(cfg, spec, share)
+
+
+def _split_kind(cfg: PlanConfig, spec: TableSpec, share: np.ndarray) -> str:
+    n = cfg.world_size
     lookups_over = share[0] > 1 / n and share[0] >= share.max()
     if lookups_over and spec.dim >= 2 * n and cfg.trace is not None and _range_skew(cfg.trace, spec, n) > COLUMN_SKEW:
         return "column"
@@ -271,6 +303,7 @@ def _measure(trace: Trace, items: list[_Item], parts: list) -> None:
     calls = np.concatenate([c for _, _, c in parts])
     item = np.concatenate([np.full(len(c), i, dtype=np.int32) for i, (_, _, c) in enumerate(parts)])
     order = np.lexsort((item, calls))  # by trace call, then item: a split call's shards in shard order
+    order = np.repeat(order, READS_PER_STEP)
     offsets = np.zeros(len(order) + 1, dtype=np.int64)
     np.cumsum(lengths[order], out=offsets[1:])
     ids = gather_ranges(np.concatenate([ids for ids, _, _ in parts]), starts[order], lengths[order])
@@ -279,7 +312,7 @@ def _measure(trace: Trace, items: list[_Item], parts: list) -> None:
     steps = max(trace.n_steps, 1)
     for it, curve in zip(items, lru_curves(sub, names)):
         it.curve = curve
-        it.lookups = curve.n_uses / steps
+        it.lookups = curve.n_uses / READS_PER_STEP / steps
         it.steps = steps
         if it.rows == 0:
             it.rows = int(curve.working_set)
@@ -307,7 +340,7 @@ def _give_bytes(items: list[_Item], hbm_bytes: int, ddr_bytes: int) -> None:
         it.ddr_rows = min(it.rows - it.hbm_rows, int(ddr_bytes * share // it.row_bytes))
 
 
-def _predict(cfg: PlanConfig, items: list[_Item]) -> dict:
+def _predict(cfg: PlanConfig, items: list[_Item], table_plans: Mapping[str, TablePlan]) -> dict:
     order = {t.name: i for i, t in enumerate(cfg.tables)}
     items = sorted(items, key=lambda it: (order[it.table], it.shard.col_start))  # the same sums, however placed
     if cfg.trace is not None:
@@ -319,7 +352,66 @@ def _predict(cfg: PlanConfig, items: list[_Item]) -> dict:
     if cfg.trace is not None:
         out["lookups_per_step"] = float(sum(it.lookups for it in items))
         out["ssd_reads_per_step"] = float(sum(it.ssd for it in items))
+        if items:
+            out["exchange_bytes_per_step"] = float(exchange_bytes(cfg, table_plans)[items[0].shard.rank])
     if cfg.batch_size is not None:
         out["batch_size"] = cfg.batch_size
     out["tiers"] = {it.table: [it.hbm_rows, it.ddr_rows] for it in items}
     return out
+
+
+# -- what the ranks exchange ------------------------------------------------------------------------------
+def exchange_bytes(cfg: PlanConfig, table_plans: Mapping[str, TablePlan]) -> np.ndarray:
+    """Bytes each rank sends to the others per step under ShardedEmbeddingBagCollection's
+    protocol (float32 exchange), when each call of the trace is a step's global batch
+    split into ``world_size`` contiguous equal parts, part r being rank r's local batch:
+
+    - forward: an ok flag and the id counts (8 bytes x (2 + 2 x tables)), then the
+      step's ids of every table (8 bytes an id, padded to the rank with the most) to
+      every other rank; each owner sends each rank the rows it asked for (unique ids
+      per rank and table) that its shard holds, its shard's columns;
+    - backward: each rank sends every occurrence's gradient (one per id, not per
+      unique id) to the shards holding the row: their columns, or the whole row
+      for a column shard under RowWiseAdagrad (per-sample weights, 4 bytes an id, are
+      not counted).
+
+    A step's ids are gathered in one message for all tables, so steps of the trace
+    are the unit, as in the module."""
+    from .optim import RowWiseAdagrad
+
+    n, trace = cfg.world_size, cfg.trace
+    sent = np.zeros(n, dtype=np.float64)
+    if n == 1 or trace is None:
+        return sent
+    ids_per_call_part = np.zeros((trace.n_calls, n), dtype=np.int64)
+    for spec in cfg.tables:  # a loop per table
+        tp = table_plans[spec.name]
+        ids, offsets, calls = _table_calls(trace, spec)
+        if not len(ids):
+            continue
+        lengths = np.diff(offsets)
+        call = np.repeat(np.arange(len(calls)), lengths)
+        part = (np.arange(len(ids)) - offsets[call]) * n // lengths[call]  # the rank whose local batch holds the id
+        np.add.at(ids_per_call_part, (calls[call], part), 1)
+        # unique ids per (call, part): the rows a rank asks for
+        order = np.lexsort((ids, part, call))
+        first = np.ones(len(ids), dtype=bool)
+        first[1:] = (np.diff(ids[order]) != 0) | (np.diff(part[order]) != 0) | (np.diff(call[order]) != 0)
+        uniq = order[first]
+        who = tp.owner(torch.from_numpy(ids)).numpy() if tp.sharding != "column" else None
+        for k, shard in enumerate(tp.shards):  # a loop per shard
+            own = np.ones(len(ids), dtype=bool) if who is None else who == k
+            whole_row = tp.sharding == "column" and isinstance(cfg.optimizer, RowWiseAdagrad)
+            grad_cols = spec.dim if whole_row else shard.dim
+            asked = np.bincount(part[uniq][own[uniq]], minlength=n)  # rows this shard serves to each rank
+            sent[shard.rank] += 4 * shard.dim * (asked.sum() - asked[shard.rank])
+            occurrences = np.bincount(part[own], minlength=n)  # gradients each rank sends this shard
+            occurrences[shard.rank] = 0
+            sent += 4 * grad_cols * occurrences
+    steps = max(trace.n_steps, 1)
+    step_index = np.searchsorted(np.unique(trace.call_step), trace.call_step)
+    ids_per_step_part = np.zeros((steps, n), dtype=np.int64)
+    np.add.at(ids_per_step_part, step_index, ids_per_call_part)
+    flags = 8 * (2 + 2 * len(cfg.tables))
+    sent += (n - 1) * (flags * steps + 8 * ids_per_step_part.max(1).sum())
+    return sent / steps
