@@ -97,7 +97,10 @@ class TableSpec:
         return self.dim * DTYPES[self.dtype].itemsize + 4 * self.state_dim
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.init.col_start:  # stores of whole tables stay readable by tierstore before col_start
+            del d["init"]["col_start"]
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "TableSpec":
