@@ -43,13 +43,13 @@ def owned_ids(tp: TablePlan, shard: Shard, ids: np.ndarray) -> np.ndarray:
 
 
 def rank_trace(trace: Trace, p: ShardingPlan, rank: int) -> Trace:
-    """What rank ``rank``'s store reads: each call's ids that its shards own, twice (the
-    sharded module's forward fetch and backward update), a table per shard."""
+    """What rank ``rank``'s store reads: each call's ids that its shards own, sorted and
+    unique, twice (the sharded module's forward fetch and backward update)."""
     calls = []
     for step, table, ids in trace.calls():  # a test oracle: a loop per call
         for s in p.tables[table].shards:
             if s.rank == rank:
-                calls += [(step, table, owned_ids(p.tables[table], s, ids))] * 2
+                calls += [(step, table, np.unique(owned_ids(p.tables[table], s, ids)))] * 2
     return Trace.from_calls(calls, [t for t in trace.tables if rank in p.ranks_of(t.name)])
 
 
@@ -123,11 +123,15 @@ def test_predicted_ssd_reads_equal_the_simulator_and_real_stores_per_rank(trace,
         assert pred["lookups_per_step"] == pytest.approx(sum(s.n_uses for s in streams) / 2 / steps, rel=1e-12)
         shard_dim = {name: next(s.dim for s in p.tables[name].shards if s.rank == rank) for name in tiers}
         shard_specs = [tierstore.TableSpec(name, trace.tables[trace.table_index(name)].num_rows, shard_dim[name]) for name in tiers]
+        # the module's pattern: read, read again and write back the update; writes committed at once
+        # (writeback_rows=0), since the write-back queue would serve some re-reads of written rows
         with tierstore.TieredStore(tmp_path / f"rank-{rank}", tables=shard_specs, policy="lru", device="cpu",
                                    hbm_rows={n: h for n, (h, _) in tiers.items()},
-                                   ddr_rows={n: d for n, (_, d) in tiers.items()}) as store:
-            for _, table, ids in sub.calls():
-                store.read(table, ids)
+                                   ddr_rows={n: d for n, (_, d) in tiers.items()}, writeback_rows=0) as store:
+            for i, (_, table, ids) in enumerate(sub.calls()):  # calls come in pairs
+                rows = store.read(table, ids)
+                if i % 2:
+                    store.write(table, ids, rows + 1)
             assert store.stats()["ssd"]["reads"] == misses
 
 
@@ -180,19 +184,36 @@ def test_bad_tables_are_named():
 CLI = [sys.executable, "-W", "error", "-m", "tierstore.tools.cli"]
 
 
-def test_the_cli_prints_the_plan_and_its_json_is_the_planners(tmp_path):
-    synth_args = ["trace", "synth", str(tmp_path / "t.npz"), "--table", "hot:2000:1.2:20", "--table", "cold:200000:0.6:4",
-                  "--table", "a:5000", "--batch-size", "32", "--pooling", "4", "--steps", "10", "--dim", "16"]
-    subprocess.run([*CLI, *synth_args], check=True, capture_output=True, timeout=120)
+def test_the_cli_prints_the_plan_and_its_json_is_the_planners(tmp_path, capsys):
+    trace = synth(SynthConfig(tables=(SynthTable("hot", 2000, 1.2, 20.0), SynthTable("cold", 200_000, 0.6, 4.0), SynthTable("a", 5000)),
+                              batch_size=32, pooling=4, steps=10, dim=16))
+    trace.save(tmp_path / "t.npz")
     argv = ["plan", str(tmp_path / "t.npz"), "--world-size", "3", "--hbm-bytes", "8k", "--ddr-bytes", "32KiB", "--sharding", "a=column"]
     out = subprocess.run([*CLI, *argv, "--json"], check=True, capture_output=True, text=True, timeout=120).stdout
-    trace = Trace.load(tmp_path / "t.npz")
     specs = [tierstore.TableSpec(t.name, t.num_rows, 16) for t in trace.tables]
     expect = plan(specs, 3, trace=trace, hbm_bytes=8000, ddr_bytes=32768, sharding={"a": "column"})
     got = ShardingPlan.from_json(out)
     assert got == expect and got.predicted == expect.predicted
-    text = subprocess.run([*CLI, *argv], check=True, capture_output=True, text=True, timeout=120).stdout
+    assert main(argv) == 0
+    text = capsys.readouterr().out
     assert str(expect) in text and "predicted per rank" in text
+
+
+def test_predicted_exchange_and_lookups_equal_what_the_sharded_module_does(tmp_path):
+    """2 gloo ranks train through ShardedEmbeddingBagCollection: the bytes each sends (counted at
+    torch.distributed) and its store's unique rows a step are the plan's, exactly."""
+    from tierstore.tools.bench_sharded import WARMUP, ShardedBenchConfig, measure
+
+    cfg = ShardedBenchConfig(tables=(("cold", 50_000, 0.6), ("hot", 500, 1.3), ("mid", 4_000, 1.0)), dim=8, batch=64,
+                             pooling=4, steps=3, hbm_bytes=4096, ddr_bytes=16384)
+    run = measure(cfg, str(tmp_path), world_sizes=(2,))["runs"][2]
+    steps = WARMUP + cfg.steps
+    for got, pred in zip(run["ranks"], run["plan"].predicted):
+        assert got["counts"]["sent"] / steps == pytest.approx(pred["exchange_bytes_per_step"], rel=1e-12)
+        assert got["counts"]["lookups"] / steps == pytest.approx(pred["lookups_per_step"], rel=1e-12)
+        # the write-back queue serves some re-reads of written rows: at most the plan's SSD reads
+        assert 0 < got["counts"]["ssd_reads"] / steps <= pred["ssd_reads_per_step"] + 1e-9
+    assert run["ranks"][0]["counts"]["sent"] > 0
 
 
 @pytest.mark.parametrize("argv, expect", [

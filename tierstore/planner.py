@@ -307,6 +307,8 @@ def _measure(trace: Trace, items: list[_Item], parts: list) -> None:
     offsets = np.zeros(len(order) + 1, dtype=np.int64)
     np.cumsum(lengths[order], out=offsets[1:])
     ids = gather_ranges(np.concatenate([ids for ids, _, _ in parts]), starts[order], lengths[order])
+    # the module reads each call's rows as sorted unique ids: the order ties are broken in
+    ids = ids[np.lexsort((ids, np.repeat(np.arange(len(order)), lengths[order])))]
     names = [str(i) for i in range(len(items))]
     sub = Trace(tuple(TraceTable(nm) for nm in names), ids, offsets, item[order], trace.call_step[calls[order]])
     steps = max(trace.n_steps, 1)

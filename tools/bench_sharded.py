@@ -193,11 +193,10 @@ def head(cfg: ShardedBenchConfig) -> torch.Tensor:
 
 
 def _train(module, batches, w: torch.Tensor, rank_stats: Callable[[], dict], barrier: Callable[[], None]) -> dict:
-    """Steps through ``batches``; the first WARMUP are not timed or counted."""
-    times, before = [], None
+    """Steps through ``batches``: counts over all of them (as the plan, from the first step's empty
+    tiers), step time over all but the first WARMUP."""
+    times, before = [], rank_stats()
     for i, feats in enumerate(batches):
-        if i == WARMUP:
-            before = rank_stats()
         barrier()
         t0 = time.perf_counter()
         outs = module(feats)
@@ -210,16 +209,19 @@ def _train(module, batches, w: torch.Tensor, rank_stats: Callable[[], dict], bar
     return {"step_s": statistics.median(times), "counts": {k: after[k] - before[k] for k in after}}
 
 
-def _store_counts(store) -> dict:
-    """Unique rows read a step (the store's uses, counted at each table's top tier as
-    capacity does, over the two reads of a step) and rows read from LMDB."""
-    if store is None:
-        return {"lookups": 0, "ssd_reads": 0}
-    lookups = 0
-    for t in store.stats(per_table=True).values():  # a loop per table
-        h, d = t["hbm"], t["ddr"]
-        lookups += (h["hits"] + h["misses"]) or (d["hits"] + d["misses"]) or t["ssd"]["reads"]
-    return {"lookups": lookups / READS_PER_STEP, "ssd_reads": store.stats()["ssd"]["reads"]}
+def store_counts(store) -> dict:
+    """A store's uses (counted at each table's top tier, as capacity does), their hits in
+    HBM and DDR, unique rows a step's reads (half the uses: the sharded module reads a
+    step's rows twice) and rows read from LMDB."""
+    out = {"uses": 0, "hbm_hits": 0, "ddr_hits": 0, "ssd_reads": 0}
+    if store is not None:
+        for t in store.stats(per_table=True).values():  # a loop per table
+            h, d = t["hbm"], t["ddr"]
+            out["uses"] += (h["hits"] + h["misses"]) or (d["hits"] + d["misses"]) or t["ssd"]["reads"]
+            out["hbm_hits"] += h["hits"]
+            out["ddr_hits"] += d["hits"]
+            out["ssd_reads"] += t["ssd"]["reads"]
+    return {**out, "lookups": out["uses"] / READS_PER_STEP}
 
 
 def _sharded_rank(rank: int, world_size: int, cfg: ShardedBenchConfig, plan_json: str, workdir: str) -> dict:
@@ -238,7 +240,7 @@ def _sharded_rank(rank: int, world_size: int, cfg: ShardedBenchConfig, plan_json
     try:
         with SentBytes() as sent:
             result = _train(module, local_batches(trace, cfg, rank, world_size), head(cfg),
-                            lambda: {**_store_counts(module.local_store), "sent": sent.bytes}, dist.barrier)
+                            lambda: {**store_counts(module.local_store), "sent": sent.bytes}, dist.barrier)
     finally:
         module.close()
     return result
@@ -257,7 +259,7 @@ def _baseline(cfg: ShardedBenchConfig, workdir: str) -> dict:
                                                      ddr_rows={t: dd for t, (_, dd) in tiers.items()}, policy="lru",
                                                      optimizer=tierstore.optim.Adagrad(lr=cfg.lr), device="cpu")
         try:
-            return _train(ebc, local_batches(trace, cfg, 0, 1), head(cfg), lambda: _store_counts(ebc.store), lambda: None)
+            return _train(ebc, local_batches(trace, cfg, 0, 1), head(cfg), lambda: store_counts(ebc.store), lambda: None)
         finally:
             ebc.close()
 
@@ -268,10 +270,10 @@ def measure(cfg: ShardedBenchConfig, workdir: str, world_sizes=WORLD_SIZES) -> d
     from tierstore.planner import plan
 
     torch.set_num_threads(1)
-    timed = _from_step(make_trace(cfg), WARMUP)  # the plan's prediction covers the timed steps
+    trace = make_trace(cfg)
     out = {"baseline": _baseline(cfg, workdir), "runs": {}}
     for w in world_sizes:  # a loop per world size
-        p = plan(specs_of(cfg), w, trace=timed, hbm_bytes=cfg.hbm_bytes, ddr_bytes=cfg.ddr_bytes,
+        p = plan(specs_of(cfg), w, trace=trace, hbm_bytes=cfg.hbm_bytes, ddr_bytes=cfg.ddr_bytes,
                  optimizer=tierstore.optim.Adagrad(1.0))
         with tempfile.TemporaryDirectory(dir=workdir) as d:
             ranks = run_ranks(_sharded_rank, w, cfg, p.to_json(), d)
@@ -279,22 +281,13 @@ def measure(cfg: ShardedBenchConfig, workdir: str, world_sizes=WORLD_SIZES) -> d
     return out
 
 
-def _from_step(trace, first: int):
-    """The trace's calls from step ``first`` on."""
-    from tierstore.trace import Trace
-
-    c = int(np.searchsorted(trace.call_step, first))
-    o = trace.offsets[c:]
-    return Trace(trace.tables, trace.ids[o[0]:], o - o[0], trace.call_table[c:], trace.call_step[c:])
-
-
 def format_report(cfg: ShardedBenchConfig, m: dict) -> str:
     base = m["baseline"]["step_s"]
-    n = cfg.steps
+    n = WARMUP + cfg.steps  # counts are per step over all steps
     lines = [f"\n== bench sharded: ShardedEmbeddingBagCollection on gloo (127.0.0.1), 1 thread per rank, {os.cpu_count()} cores",
              f"   tables {', '.join(f'{t}:{r:,}' for t, r, _ in cfg.tables)} x dim {cfg.dim}; global batch {cfg.batch} x pooling "
              f"{cfg.pooling} per table; Adagrad; per rank HBM {cfg.hbm_bytes:,} B + DDR {cfg.ddr_bytes:,} B; "
-             f"{n} timed steps after {WARMUP}, medians",
+             f"{cfg.steps} timed steps after {WARMUP} (median step; counts per step over all {n})",
              f"   baseline: TieredEmbeddingBagCollection, one process, global batch: {1e3 * base:.1f} ms a step",
              "",
              f"   {'ranks':>5} {'step ms':>8} {'x baseline':>10} {'rank':>4} {'sent B/step':>12} {'predicted':>10} "
