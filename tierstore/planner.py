@@ -14,14 +14,20 @@ explainable:
    tables are always hash-split (their size is unknown up front).
 2. The rest go whole, largest load first, each to the rank where the largest
    of its normalised loads (load / cluster mean per rank) ends up smallest.
+3. While a rank is over ``SPLIT_ABOVE`` x the mean in any load, its whole table
+   carrying most of that load is split as in 1, and the tables are placed again.
 
-With a trace (``tierstore.trace.Trace``) the loads come from the capacity
-tools: lookups per step are the trace's uses (unique ids per call, what the
-store counts as hits + misses); SSD reads per step are the LRU misses at the
-tier sizes a rank gives each item. No scaling approximation is needed for row
-shards: the trace is split into each shard's own sub-trace (the ids it owns,
-call by call) and the sub-trace's exact LRU curve is computed, so a shard's
-lookups and misses are what a store holding only that shard counts under LRU.
+With a trace (``tierstore.trace.Trace``; each call one step's global batch of a
+table) the loads come from the capacity tools: lookups per step are unique ids
+per call; SSD reads per step are the LRU misses at the tier sizes a rank gives
+each item, for the sharded module's reads: each call's ids sorted and unique,
+read twice a step (``READS_PER_STEP``). No scaling approximation is needed for
+row shards: the trace is split into each shard's own sub-trace (the ids it
+owns, call by call) and the sub-trace's exact LRU curve is computed, so a
+shard's lookups and misses are what a store holding only that shard counts
+under LRU (rows written but not yet committed, which the store's write-back
+queue serves, are counted as SSD reads). ``exchange_bytes`` predicts the bytes
+each rank sends per step under the module's protocol.
 A column shard sees every id of its table (the table's curve) with narrower
 rows. Each rank's ``hbm_bytes`` and ``ddr_bytes`` are split among the items it
 holds as ``tierstore capacity --hbm-bytes/--ddr-bytes`` splits one store's
