@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import re
 import socket
 import traceback
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -304,6 +306,9 @@ def test_two_ranks_train_as_one_process(tmp_path):
         assert sent and f'rank="{r}"' in sent[0] and float(sent[0].split()[-1]) > 0
         served = [line for line in text.splitlines() if line.startswith("tierstore_sharded_lookups_served_total")]
         assert served and float(served[0].split()[-1]) > 0
+    dashboard = resources.files("tierstore.tools").joinpath("grafana-dashboard.json").read_text()
+    panels = set(re.findall(r"\btierstore_sharded_[a-z_]+", dashboard))  # the load-imbalance panels
+    assert panels and all(any(line.startswith(name) for line in text.splitlines()) for name in panels), panels
 
     # reduced-precision exchange: close to float32's loss, not equal to it
     for dtype, tol in (("float16", 1e-2), ("bfloat16", 5e-2)):
