@@ -233,3 +233,13 @@ def test_cli_mistakes_are_one_line(tmp_path, capsys, argv, expect):
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(("tierstore: error: ", "tierstore plan: error: ")) and expect in err, err
+
+
+def test_run_ranks_returns_by_rank_and_names_a_failing_rank():
+    import math
+
+    from tierstore.tools.bench_sharded import run_ranks
+
+    assert run_ranks(pow, 2) == [0, 1]  # rank ** world_size
+    with pytest.raises(RuntimeError, match=r"rank 0 of 2 failed:(.|\n)*ValueError: math domain error"):
+        run_ranks(math.log, 2)  # log(0, 2) on rank 0

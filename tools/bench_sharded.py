@@ -83,6 +83,7 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 300.0) ->
         p.start()
     got: dict[int, object] = {}
     deadline = time.monotonic() + timeout_s
+    done = False
     try:
         while len(got) < world_size:
             if not results.empty():
@@ -98,8 +99,11 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 300.0) ->
                     raise RuntimeError(f"ranks {sorted(dead) or 'some'} of {world_size} ended without a result "
                                        f"(exit codes {dead}) or did not answer within {timeout_s:.0f} s")
             time.sleep(0.02)
+        done = True
     finally:
         for p in procs:
+            if not done and p.is_alive():
+                p.kill()  # the others may be waiting in a collective for the rank that failed
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
