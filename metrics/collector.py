@@ -86,8 +86,18 @@ def _add_histogram(family: HistogramMetricFamily, labels: list[str], bounds, cou
 
 
 def _export_store(f: dict[str, Metric], label: str, store: "TieredStore") -> None:
-    """Add one store's samples, read from its plain counters without its lock.
-    Tiers a table does not have are left out rather than exported as zeros."""
+    """Add one store's samples, read from its plain counters without its lock,
+    with the store's constant labels (StoreMetrics.add_labels) after its own."""
+    extra = store.metrics.labels if getattr(store, "metrics", None) is not None else {}
+    before = {name: len(family.samples) for name, family in f.items()} if extra else {}
+    _export_store_samples(f, label, store)
+    for name, n in before.items():
+        samples = f[name].samples
+        samples[n:] = [s._replace(labels={**s.labels, **extra}) for s in samples[n:]]
+
+
+def _export_store_samples(f: dict[str, Metric], label: str, store: "TieredStore") -> None:
+    """Tiers a table does not have are left out rather than exported as zeros."""
     if store._closed:
         return
     sc = store._counters
@@ -226,6 +236,7 @@ class StoreMetrics:
             self._collector = collector
             self.label = collector.attach(store, config.name)
         self.servers: list[MetricsServer] = []
+        self.labels: dict[str, str] = {}
         self._closed = False
         if config.port is not None:
             try:
@@ -233,6 +244,13 @@ class StoreMetrics:
             except BaseException:
                 self.close()
                 raise
+
+    def add_labels(self, **labels: str) -> None:
+        """Constant labels on every sample of this store, after its own labels, e.g.
+        rank="0" for a shard's store (tierstore.distributed)."""
+        if set(labels) & {"store", "table", "tier", "result", "stage", "le"}:
+            raise ValueError(f"labels {sorted(labels)} would replace the store's own labels")
+        self.labels.update({k: str(v) for k, v in labels.items()})
 
     def serve(self, port: int, addr: str = DEFAULT_ADDR) -> MetricsServer:
         """Start an endpoint serving this store's registry (every store in it)."""

@@ -85,3 +85,36 @@ def test_click_data_is_a_function_of_the_generator():
 def test_bad_config_names_the_flag(field, value):
     with pytest.raises(ValueError, match=field.split("_")[0]):
         DemoConfig(**{field: value})
+
+
+def test_demo_sharded_over_two_processes_equals_one_process(tmp_path):
+    """The ranks' checkpoint stores, read directly (not through the module), hold the
+    one process's trained rows bit for bit."""
+    from tierstore.sharding import ShardingPlan
+
+    d = tmp_path / "demo"
+    r = demo("--dir", str(d), *TINY, "--world-size", "2", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert "loss at every step bit-identical on every rank" in r.stdout and "-> AGREE" in r.stdout, r.stdout
+    assert "rank lookups/step" in r.stdout and "planned" in r.stdout
+    plan = ShardingPlan.from_json((d / "checkpoint" / "plan.json").read_text())
+    assert plan.world_size == 2 and len({s.rank for tp in plan.tables.values() for s in tp.shards}) == 2
+    ids = torch.arange(3000)
+    with tierstore.TieredStore(d / "one-process", readonly=True) as one:
+        for name, tp in plan.tables.items():
+            whole = one.read(name, ids, with_state=True)
+            dim = whole.shape[1] // 2  # Adagrad: one sum per weight
+            for s in tp.shards:
+                with tierstore.TieredStore(d / "checkpoint" / f"rank-{s.rank}", readonly=True) as shard:
+                    own = ids[tp.owner(ids) == tp.shards.index(s)]
+                    cols = torch.cat([torch.arange(s.col_start, s.col_stop), dim + torch.arange(s.col_start, s.col_stop)])
+                    assert torch.equal(shard.read(name, own, with_state=True), whole[own][:, cols]), (name, s)
+
+
+def test_demo_world_size_mistakes_are_named():
+    with pytest.raises(ValueError, match=r"--batch \(32\) must be a multiple of --world-size \(3\)"):
+        DemoConfig(batch=32, world_size=3)
+    with pytest.raises(ValueError, match="--compare is for one process"):
+        DemoConfig(world_size=2, compare=True)
+    with pytest.raises(ValueError, match="--world-size must be a positive integer"):
+        DemoConfig(world_size=0)

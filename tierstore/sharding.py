@@ -58,6 +58,16 @@ class TablePlan:
     def ranks(self) -> tuple[int, ...]:
         return tuple(s.rank for s in self.shards)
 
+    def owner(self, ids: torch.Tensor) -> torch.Tensor:
+        """Index into ``shards`` of the shard owning each id (row and table sharding)."""
+        if self.sharding != "row":
+            return torch.zeros(len(ids), dtype=torch.int64)
+        if self.shards[0].row_start is None:
+            return row_hash(ids) % len(self.shards)
+        starts = torch.tensor([s.row_start for s in self.shards], dtype=torch.int64)
+        order = torch.argsort(starts)
+        return order[torch.searchsorted(starts[order], ids.to(torch.int64), right=True) - 1]
+
 
 @dataclass(frozen=True)
 class ShardingPlan:
@@ -105,14 +115,7 @@ class ShardingPlan:
 
     def owner(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Index into ``tables[table].shards`` of the shard owning each id (row and table sharding)."""
-        tp = self.tables[table]
-        if tp.sharding != "row":
-            return torch.zeros(len(ids), dtype=torch.int64)
-        if tp.shards[0].row_start is None:
-            return row_hash(ids) % len(tp.shards)
-        starts = torch.tensor([s.row_start for s in tp.shards], dtype=torch.int64)
-        order = torch.argsort(starts)
-        return order[torch.searchsorted(starts[order], ids.to(torch.int64), right=True) - 1]
+        return self.tables[table].owner(ids)
 
     def to_json(self) -> str:
         return json.dumps({"world_size": self.world_size,
@@ -136,9 +139,7 @@ class ShardingPlan:
                 rows = "hash" if tp.sharding == "row" and s.row_start is None else \
                     "all" if s.row_start is None else f"[{s.row_start}, {s.row_stop})"
                 lines.append(f"{tp.table:<24} {tp.sharding:<8} {s.rank:>4} {rows:>23} {f'[{s.col_start}, {s.col_stop})':>11}")
-        for r, p in enumerate(self.predicted):
-            lines.append(f"rank {r}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in p.items()))
-        return "\n".join(lines)
+        return "\n".join(lines + _prediction_lines(self.predicted))
 
 
 def row_hash(ids: torch.Tensor) -> torch.Tensor:
@@ -163,3 +164,18 @@ def _check_cover(table: str, what: str, ranges: list, total: int) -> None:
         at = stop
     if at != total:
         raise PlanMismatchError(f"table {table!r}: shard {what} {ranges} must cover [0, {total}) without gaps or overlaps")
+
+
+def _prediction_lines(predicted: tuple[dict, ...]) -> list[str]:
+    """The per-rank prediction as a table of its numbers (nested values, such as
+    each shard's tier rows, are left to the JSON)."""
+    keys = [k for k in dict.fromkeys(k for p in predicted for k in p) if all(isinstance(p.get(k, 0), (int, float)) for p in predicted)]
+    if not keys:
+        return []
+    width = [max(len(k), 10) for k in keys]
+    out = ["", "predicted per rank:", f"{'rank':>4} " + " ".join(f"{k:>{w}}" for k, w in zip(keys, width))]
+    for r, p in enumerate(predicted):
+        cells = [f"{p[k]:>{w},.1f}" if isinstance(p.get(k), float) else f"{p.get(k, ''):>{w},}" if k in p else " " * w
+                 for k, w in zip(keys, width)]
+        out.append(f"{r:>4} " + " ".join(cells))
+    return out

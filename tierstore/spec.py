@@ -22,12 +22,16 @@ class RowInit:
     """Initial value of a row never written: a pure function of (table, row id, seed).
 
     ``uniform``: U(a, b); ``normal``: N(a, b) (mean a, std b); ``zeros`` ignores a, b.
+    ``col_start``: the table holds columns ``[col_start, col_start + dim)`` of a
+    wider row (a column shard, tierstore.distributed), so its initial values are
+    that row's slice.
     """
 
     kind: str = "zeros"
     a: float = 0.0
     b: float = 0.0
     seed: int = 0
+    col_start: int = 0
 
     def __post_init__(self):
         if self.kind not in INIT_KINDS:
@@ -36,6 +40,8 @@ class RowInit:
             raise ValueError(f"RowInit uniform needs a < b, got a={self.a}, b={self.b}")
         if self.kind == "normal" and not self.b > 0:
             raise ValueError(f"RowInit normal needs std b > 0, got b={self.b}")
+        if not _is_int(self.col_start) or self.col_start < 0:
+            raise ValueError(f"RowInit.col_start must be an int >= 0 (first column of a column shard), got {self.col_start!r}")
 
     @classmethod
     def uniform(cls, low: float, high: float, seed: int = 0) -> "RowInit":
@@ -91,7 +97,10 @@ class TableSpec:
         return self.dim * DTYPES[self.dtype].itemsize + 4 * self.state_dim
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.init.col_start:  # stores of whole tables stay readable by tierstore before col_start
+            del d["init"]["col_start"]
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "TableSpec":
@@ -115,7 +124,8 @@ def _unit_uniform(spec: TableSpec, ids: np.ndarray, stream: int) -> np.ndarray:
     """U[0,1) doubles of shape [len(ids), dim], a pure function of (table, id, column, seed)."""
     salt = (zlib.crc32(spec.name.encode()) << 32) ^ (spec.init.seed & 0xFFFFFFFF) ^ (stream << 62)
     base = _splitmix64(ids.astype(np.uint64) ^ np.uint64(salt & 0xFFFFFFFFFFFFFFFF))
-    cols = np.arange(spec.dim, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)
+    first = spec.init.col_start
+    cols = np.arange(first, first + spec.dim, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)
     bits = _splitmix64(base[:, None] + cols[None, :])
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 

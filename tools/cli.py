@@ -18,7 +18,7 @@ from tierstore.eviction import POLICIES
 from tierstore.io import StoreLockedError
 
 # module (in tierstore.tools) -> verbs it registers
-COMMAND_MODULES = ("bench", "stats", "trace_cli", "daemon", "demo")
+COMMAND_MODULES = ("bench", "stats", "trace_cli", "daemon", "demo", "plan_cli")
 
 # The types tierstore raises for bad input, bad files and the environment (a full
 # disk, a taken port); every exception class defined in tierstore is one too.

@@ -56,13 +56,14 @@ class DemoConfig:
     threads: int = 1  # the demo's tensors are small: more intra-op threads mostly contend
     compare: bool = False
     progress: bool = True
+    world_size: int = 1  # > 1: tables sharded over that many local processes (gloo), checked against one process
 
     def __post_init__(self):
         self.dir = Path(self.dir)
-        for name in ("steps", "batch", "tables", "rows", "dim", "pooling", "threads"):
+        for name in ("steps", "batch", "tables", "rows", "dim", "pooling", "threads", "world_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"--{name} must be a positive integer, got {v!r}")
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
         for name in ("hbm_rows", "ddr_rows"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
@@ -75,6 +76,11 @@ class DemoConfig:
             raise ValueError(f"--alpha must be > 0, got {self.alpha}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.batch % self.world_size:
+            raise ValueError(f"--batch ({self.batch}) must be a multiple of --world-size ({self.world_size}): every rank "
+                             "trains an equal part of each batch")
+        if self.world_size > 1 and self.compare:
+            raise ValueError("--compare is for one process; --world-size N already checks the ranks against one process")
 
     @property
     def table_names(self) -> list[str]:
@@ -185,6 +191,7 @@ class RunResult:
     seconds: float
     eval_loss: float
     eval_accuracy: float
+    stats: dict | None = None  # the store's counters after the last training step (before the held-out batches)
 
 
 def _prepare_dir(path: Path) -> None:
@@ -246,6 +253,7 @@ def _train(cfg: DemoConfig, model: DLRM, emb_opt, data: ClickData, generator: to
             bar.update(step + 1 - bar.n)
     seconds = clock() - start
     bar.close()
+    trained = stats() if stats else None
     # held-out batches, forward only: no backward, nothing is updated
     model.eval()
     with torch.no_grad():
@@ -256,30 +264,53 @@ def _train(cfg: DemoConfig, model: DLRM, emb_opt, data: ClickData, generator: to
             ev_loss.append(loss_fn(logits, labels).item())
             ev_acc.append(((logits > 0).float() == labels).float().mean().item())
     model.train()
-    return RunResult(losses, seconds, float(np.mean(ev_loss)), float(np.mean(ev_acc)))
+    return RunResult(losses, seconds, float(np.mean(ev_loss)), float(np.mean(ev_acc)), trained)
 
 
-def run_demo(cfg: DemoConfig, seed_generator: Callable[[int], torch.Generator] = lambda s: torch.Generator().manual_seed(s),
-             clock: Callable[[], float] = time.perf_counter, out=sys.stdout) -> int:
-    """Train the tiered model (and with cfg.compare the in-memory one); print a summary. 0 = success."""
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _specs(cfg: DemoConfig):
     import tierstore
-    from tierstore.spec import initial_rows
 
+    init = tierstore.RowInit.uniform(-0.05, 0.05, seed=cfg.seed)
+    return [tierstore.TableSpec(n, cfg.rows, cfg.dim, dtype=cfg.dtype, init=init) for n in cfg.table_names]
+
+
+def _start(cfg: DemoConfig) -> None:
     torch.set_num_threads(cfg.threads)
     _prepare_dir(cfg.dir)
     (cfg.dir / MARKER).write_text(json.dumps({k: str(v) for k, v in dataclasses.asdict(cfg).items()}, indent=1))
-    store_dir = cfg.dir / "store"
-    init = tierstore.RowInit.uniform(-0.05, 0.05, seed=cfg.seed)
-    specs = [tierstore.TableSpec(n, cfg.rows, cfg.dim, dtype=cfg.dtype, init=init) for n in cfg.table_names]
+
+
+def _one_process(cfg: DemoConfig, path: Path, seed_generator: Callable[[int], torch.Generator]):
+    """The tiered model in this process, its data, and the data's starting state (every run sees the same batches)."""
+    import tierstore
 
     g = seed_generator(cfg.seed)
     data = ClickData(cfg, g)
-    data_state = g.get_state()  # both runs see the same batches
-    ebc = tierstore.TieredEmbeddingBagCollection(tables=specs, path=store_dir, hbm_rows=cfg.hbm_rows, ddr_rows=cfg.ddr_rows,
+    ebc = tierstore.TieredEmbeddingBagCollection(tables=_specs(cfg), path=path, hbm_rows=cfg.hbm_rows, ddr_rows=cfg.ddr_rows,
                                                  policy=cfg.policy, device="cpu", optimizer=_tierstore_opt(cfg.optimizer, cfg.lr))
-    model = DLRM(ebc, cfg.table_names, cfg.dim, seed_generator(cfg.seed + 1))
+    return ebc, DLRM(ebc, cfg.table_names, cfg.dim, seed_generator(cfg.seed + 1)), data, g
+
+
+def run_demo(cfg: DemoConfig, seed_generator: Callable[[int], torch.Generator] = seeded,
+             clock: Callable[[], float] = time.perf_counter, out=sys.stdout) -> int:
+    """Train the tiered model (and with cfg.compare the in-memory one); print a summary. 0 = success.
+    With cfg.world_size > 1: sharded over local processes, checked against one process."""
+    from tierstore.spec import initial_rows
+
+    if cfg.world_size > 1:
+        from tierstore.tools.demo_sharded import run_sharded_demo
+
+        return run_sharded_demo(cfg, seed_generator, clock, out)
+    _start(cfg)
+    store_dir = cfg.dir / "store"
+    specs = _specs(cfg)
+    ebc, model, data, g = _one_process(cfg, store_dir, seed_generator)
+    data_state = g.get_state()
     twin = copy.deepcopy((model.bottom, model.top)) if cfg.compare else None
-    g.set_state(data_state)
     tiered = _train(cfg, model, None, data, g, clock, "tierstore", ebc.store.stats)
     stats = ebc.store.stats()
     resident = {n: ebc.store.resident_rows(n) for n in cfg.table_names}
@@ -359,6 +390,9 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads")
     p.add_argument("--compare", action="store_true", help="also train with nn.EmbeddingBag in memory and compare")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--world-size", type=int, default=d.world_size,
+                   help="shard the tables over this many local processes (gloo on 127.0.0.1, plan from tierstore.planner) "
+                        "and check every loss and trained row against one process")
     p.set_defaults(func=main)
 
 

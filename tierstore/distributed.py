@@ -1,0 +1,764 @@
+"""Embedding tables sharded across processes on torch.distributed (issue #17).
+
+``ShardedEmbeddingBagCollection`` is TieredEmbeddingBagCollection split by a
+ShardingPlan: each rank keeps its shards in a TieredStore of its own under
+``path/rank-<r>``; forward takes the rank's local batch and returns its pooled
+bags; backward sends each row's gradient to the rank that owns it, which runs
+the fused optimizer there.
+
+Determinism: with float32 exchange, N ranks train exactly as one process
+training TieredEmbeddingBagCollection on the concatenated global batch (rank
+0's local batch, then rank 1's, ...), bit for bit. For that:
+- the requesting rank pools with the same embedding_bag call as nn.py, from
+  rows it fetched from their owners;
+- an owner sums a row's gradient from each occurrence's contribution (the
+  grad_out row of its bag, its weight), not from per-rank partial sums, and
+  in the order the single process sums them: the order torch.sort gives the
+  table's global ids. torch.sort's default is not stable (on CPU, for 17 to
+  ~100k entries), so that order depends on every id of the global batch: every
+  rank gathers the global ids of each table (8 bytes per entry) and sorts them;
+- a column shard of a row-wise optimizer (RowWiseAdagrad, whose step divides
+  by the mean of the whole row's squared gradient) receives whole-row
+  gradients and keeps the row's accumulator itself; partial sums of squares
+  combined across shards would round differently from the single process.
+
+Every collective step begins with an exchange of an ok/error flag: bad input on
+one rank raises its own named error there (BagIndexError, KeyError, ...) and
+RankFailedError naming it on the others, before any row moves. A collective
+that fails (a dead rank, a timeout set by ``init_process_group(timeout=...)``)
+raises RankFailedError.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.metrics_core import CounterMetricFamily
+from torch import nn
+
+from .nn import EmbeddingBagConfig, TieredEmbeddingBag, _Bags
+from .optim import RowOptimizer, RowWiseAdagrad
+from .planner import plan
+from .precision import round_stochastic
+from .prefetch import PrefetchGroup
+from .sharding import PlanMismatchError, Shard, ShardingPlan, TablePlan
+from .spec import TableSpec
+from .store import Sizes, TieredStore
+
+__all__ = ["PlanMismatchError", "RankFailedError", "Shard", "ShardedEmbeddingBagCollection", "ShardingPlan",
+           "TablePlan", "plan"]
+
+COMM_DTYPES = {None: torch.float32, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# optimizers whose step couples a row's columns: a column shard needs the whole row's gradient
+_ROW_COUPLED = (RowWiseAdagrad,)
+_MAX_MESSAGE = 2048  # bytes of an error message sent to the other ranks
+_RESHARD_CHUNK = 1 << 16  # rows moved at once when resharding a checkpoint
+
+
+class RankFailedError(RuntimeError):
+    """Another rank failed this collective step (named in the message), or the
+    collective itself failed: a rank died or did not answer within the timeout."""
+
+
+class _BagPlanner:
+    """Validates a feature as TieredEmbeddingBag does, without a store."""
+
+    _plan = TieredEmbeddingBag._plan
+
+    def __init__(self, config: EmbeddingBagConfig):
+        self.config = config
+
+
+class _Comm:
+    """The collectives a step uses, on CPU tensors (gloo) or CUDA ones (NCCL)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        nccl = dist.get_backend(group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+    def _run(self, what: str, op):
+        try:
+            return op()
+        except RuntimeError as e:
+            raise RankFailedError(
+                f"rank {self.rank}: {what} with the other ranks failed ({type(e).__name__}: {e}); a rank died, did not "
+                "answer within the process group's timeout (init_process_group(timeout=...)), or called another collective"
+            ) from e
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        t = t.to(self.device)
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        self._run("all_gather", lambda: dist.all_gather(out, t, group=self.group))
+        return [o.cpu() for o in out]
+
+    def agree(self, error: BaseException | None, values: Sequence[int]) -> torch.Tensor:
+        """Tell every rank whether this one failed, with ``values``; [world, len(values)].
+
+        Raises ``error`` on the failing rank and RankFailedError naming it on the others."""
+        msg = b"" if error is None else f"{type(error).__name__}: {error}".encode()[:_MAX_MESSAGE]
+        got = torch.stack(self.all_gather(torch.tensor([len(msg), *values], dtype=torch.int64)))
+        if bool(got[:, 0].any()):
+            buf = torch.zeros(int(got[:, 0].max()), dtype=torch.uint8)
+            if msg:
+                buf[: len(msg)] = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
+            texts = self.all_gather(buf)
+            if error is not None:
+                raise error
+            failed = [f"rank {r} failed: {bytes(texts[r][:n].tolist()).decode(errors='replace')}"
+                      for r, n in enumerate(got[:, 0].tolist()) if n]
+            raise RankFailedError("; ".join(failed) + f" (the step is aborted on rank {self.rank} too; nothing changed)")
+        return got[:, 1:]
+
+    def gather_ids(self, local: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+        """Every rank's ids (``lengths`` agreed beforehand)."""
+        buf = torch.zeros(max(max(lengths), 1), dtype=torch.int64)
+        buf[: len(local)] = local
+        return [part[:n] for part, n in zip(self.all_gather(buf), lengths)]
+
+    def exchange(self, send: list[list[torch.Tensor]], recv_bytes: Sequence[int]) -> list[torch.Tensor]:
+        """Send ``send[r]`` (tensors, as raw bytes) to rank r; the bytes from each rank."""
+        chunks = [torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in parts]) if parts
+                  else torch.empty(0, dtype=torch.uint8) for parts in send]
+        out = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=self.device)
+        inp = torch.cat(chunks).to(self.device)
+        self._run("all_to_all", lambda: dist.all_to_all_single(out, inp, list(recv_bytes), [len(c) for c in chunks],
+                                                               group=self.group))
+        return list(out.cpu().split(list(recv_bytes)))
+
+    def barrier(self, what: str) -> None:
+        self._run(what, lambda: dist.barrier(group=self.group))
+
+
+class _Reader:
+    """Consumes typed tensors from the bytes received from one rank, in order."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data, self.at = data, 0
+
+    def take(self, n: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        size = n * width * torch.empty(0, dtype=dtype).element_size()
+        part = self.data[self.at: self.at + size]
+        if part.storage_offset() % 8:  # a view needs the element size's alignment (not so after 2-byte values)
+            part = part.clone()
+        self.at += size
+        return part.view(dtype).reshape(n, width).to(torch.float32)
+
+
+def _state_layout(optimizer: RowOptimizer | None) -> tuple[int, int]:
+    """(per-column state segments, per-row state values) of a row: state_dim(dim) = a * dim + b,
+    stored as the a column segments then the b row values (Adagrad 1, 0; row-wise Adagrad 0, 1;
+    Adam 2, 1: m, v, then the step count)."""
+    if optimizer is None:
+        return 0, 0
+    a = optimizer.state_dim(2) - optimizer.state_dim(1)
+    return a, optimizer.state_dim(1) - a
+
+
+@dataclass
+class _Table:
+    spec: TableSpec  # the whole table, state_dim set for the optimizer
+    tplan: TablePlan
+    mine: int | None  # index of this rank's shard, if it has one
+    layout: tuple[int, int]
+    coupled: bool  # column shards exchange whole-row gradients
+
+    @property
+    def column(self) -> bool:
+        return self.tplan.sharding == "column"
+
+    def rank_of(self, k: int) -> int:
+        return self.tplan.shards[k].rank
+
+    def masks(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Per shard, which of ``ids`` it holds."""
+        if self.column:
+            return [torch.ones(len(ids), dtype=torch.bool)] * len(self.tplan.shards)
+        owner = self.tplan.owner(ids) if len(ids) else torch.zeros(0, dtype=torch.int64)
+        return [owner == k for k in range(len(self.tplan.shards))]
+
+    def cols(self, k: int, with_state: bool) -> torch.Tensor:
+        """Columns of the whole row (weights, then state) that shard k's stored row holds."""
+        s, dim = self.tplan.shards[k], self.spec.dim
+        own = torch.arange(s.col_start, s.col_stop)
+        if not with_state:
+            return own
+        a, b = self.layout
+        return torch.cat([own, *(dim * (j + 1) + own for j in range(a)), dim * (a + 1) + torch.arange(b)])
+
+    def grad_cols(self, k: int) -> torch.Tensor:
+        return torch.arange(self.spec.dim) if self.coupled else self.cols(k, False)
+
+    def shard_spec(self, k: int, optimizer: RowOptimizer | None) -> TableSpec:
+        s = self.tplan.shards[k]
+        return dataclasses.replace(self.spec, dim=s.dim, state_dim=optimizer.state_dim(s.dim) if optimizer else 0,
+                                   init=dataclasses.replace(self.spec.init, col_start=s.col_start))
+
+
+@dataclass
+class _Step:
+    """One forward's local bags and the table's ids on every rank, kept for backward."""
+
+    names: list[str]  # tables of the batch, in the features' order
+    bags: dict[str, _Bags]
+    psw: dict[str, torch.Tensor | None]  # per used entry
+    segs: dict[str, list[torch.Tensor]]  # per table of the plan: every rank's used ids
+    psw_from: dict[str, list[bool]]  # per table: which ranks send per-sample weights
+    weights: dict[str, torch.Tensor]  # rows each bag was pooled from
+
+
+class _Announcer:
+    """What LookaheadLoader calls ``module.store``: announces a future batch to the
+    ranks that own its rows (a collective: every rank's loader runs the same depth)."""
+
+    def __init__(self, module: "ShardedEmbeddingBagCollection"):
+        self.module = module
+
+    def _prefetch_batch(self, reads: Mapping[str, torch.Tensor]) -> PrefetchGroup:
+        return self.module._announce(reads)
+
+    def _report_step(self, seconds: float) -> None:
+        if self.module.local_store is not None:
+            self.module.local_store._report_step(seconds)
+
+    def _report_depth(self, effective_depth: int, shrunk_steps: int) -> None:
+        if self.module.local_store is not None:
+            self.module.local_store._report_depth(effective_depth, shrunk_steps)
+
+
+class _ShardedBagFunction(torch.autograd.Function):
+    """Pools the batch's bags from the fetched rows; backward is the collective update.
+
+    ``anchor`` requires grad when the rows are trained (every rank agrees on it);
+    one function covers every table, so each rank runs one backward exchange per step."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, step: _Step, *psws):
+        ctx.module, ctx.step = module, step
+        outs = []
+        for name, psw in zip(step.names, psws):
+            bags = step.bags[name]
+            w = step.weights[name].to(module.device)
+            p = None if psw is None else bags.select(psw.reshape(-1).to(module.device))
+            out, *_ = torch.embedding_bag(w, bags.rows.positions().to(module.device), bags.offsets.to(module.device),
+                                          False, module._mode, False, p, False, None)
+            outs.append(out)
+        ctx.psw_shapes = [None if p is None else p.shape for p in psws]
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        step, module = ctx.step, ctx.module
+        grads = [g.contiguous() for g in grads]
+        psw_grads = []
+        for i, name in enumerate(step.names):
+            if not ctx.needs_input_grad[3 + i]:
+                psw_grads.append(None)
+                continue
+            bags, g = step.bags[name], grads[i]
+            w = step.weights[name].to(g.device)
+            per = (g.index_select(0, bags.bag_of.to(g.device)) * w.index_select(0, bags.rows.positions().to(g.device))).sum(1)
+            psw_grads.append(bags.expand(per).reshape(ctx.psw_shapes[i]))
+        if ctx.needs_input_grad[0]:
+            module._update(step, dict(zip(step.names, grads)))
+        return (None, None, None, *psw_grads)
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    """TieredEmbeddingBagCollection with its tables sharded over a process group by ``plan``.
+
+    Every rank constructs it with the same tables and plan (compared at
+    construction: PlanMismatchError) and calls forward/backward, read, write,
+    flush, checkpoint and close in the same order: they are collectives.
+    ``comm_dtype="float16"``/``"bfloat16"`` casts the exchanged rows and
+    gradients (not the stored rows). ``module.store`` is what LookaheadLoader
+    prefetches through; ``module.local_store`` is this rank's TieredStore (None
+    when the plan gives it no shard).
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableSpec],
+        plan: ShardingPlan,
+        path: str | Path,
+        *,
+        process_group=None,
+        hbm_rows: Sizes = 0,
+        ddr_rows: Sizes = 0,
+        policy: str = "lru",
+        optimizer: RowOptimizer | None = None,
+        mode: str = "sum",
+        device: str | torch.device | None = None,
+        comm_dtype: str | None = None,
+        include_last_offset: bool = False,
+        registry: CollectorRegistry | None = None,
+    ):
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized; call torch.distributed.init_process_group(...) "
+                               "on every rank first (gloo over 127.0.0.1 for CPU stores)")
+        self._comm = _Comm(process_group)
+        self.rank, self.world_size = self._comm.rank, self._comm.world
+        error = None
+        try:
+            self._configure(tables, plan, optimizer, mode, comm_dtype, include_last_offset)
+        except Exception as e:
+            error = e
+        digest = 0 if error is not None else self._plan_digest()
+        # every rank learns of a bad argument anywhere before it opens a store
+        digests = self._comm.agree(error, [digest])[:, 0].tolist()
+        if len(set(digests)) > 1:
+            differ = [r for r, d in enumerate(digests) if d != digests[0]]
+            raise PlanMismatchError(f"the sharding plan differs between ranks: ranks {differ} have another plan than rank 0; "
+                                    "give every rank the same plan (e.g. one ShardingPlan.to_json() file)")
+        self.path = Path(path)
+        mine = [t for t in self._tables.values() if t.mine is not None]
+        self.local_store: TieredStore | None = None
+        if mine:
+            self.local_store = TieredStore(self.path / f"rank-{self.rank}", tables=[t.shard_spec(t.mine, optimizer) for t in mine],
+                                           hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device,
+                                           registry=registry, name=f"{self.path}/rank-{self.rank}")
+            self.local_store.metrics.add_labels(rank=str(self.rank))
+        self.device = torch.device(device) if device is not None else (
+            self.local_store.device if self.local_store is not None else torch.device("cpu"))
+        self.store = _Announcer(self)
+        self.lookups = {"sent": 0, "served": 0, "steps": 0}
+        self._metrics = _ShardedMetrics(self, registry if registry is not None else REGISTRY)
+
+    def _configure(self, tables, plan, optimizer, mode, comm_dtype, include_last_offset) -> None:
+        tables = list(tables)
+        if not tables or not all(isinstance(t, TableSpec) for t in tables):
+            raise TypeError("tables must be a non-empty list of tierstore.TableSpec")
+        if not isinstance(plan, ShardingPlan):
+            raise TypeError(f"plan must be a tierstore.distributed.ShardingPlan (from plan(...) or ShardingPlan.from_json), got {type(plan).__name__}")
+        if optimizer is not None and not isinstance(optimizer, RowOptimizer):
+            raise TypeError(f"optimizer must be a tierstore.optim optimizer (SGD, Adagrad, RowWiseAdagrad, Adam), got {type(optimizer).__name__}")
+        if mode not in ("sum", "mean"):
+            raise ValueError(f'mode must be "sum" or "mean" for sharded tables, got {mode!r}')
+        if comm_dtype not in COMM_DTYPES:
+            raise ValueError(f"comm_dtype must be None, 'float32', 'float16' or 'bfloat16', got {comm_dtype!r}")
+        if plan.world_size != self.world_size:
+            raise PlanMismatchError(f"the plan is for world size {plan.world_size} but the process group has {self.world_size} ranks")
+        specs = [dataclasses.replace(s, state_dim=optimizer.state_dim(s.dim) if optimizer else 0) for s in tables]
+        plan.check(specs)
+        for tp in plan.tables.values():
+            if len(set(tp.ranks)) != len(tp.ranks):
+                raise PlanMismatchError(f"table {tp.table!r}: a rank holds two of its shards ({tp.ranks}); give each rank one shard of a table")
+        self.optimizer, self.plan = optimizer, plan
+        self._mode_name, self._mode = mode, 0 if mode == "sum" else 1
+        self._comm_dtype = COMM_DTYPES[comm_dtype]
+        layout = _state_layout(optimizer)
+        coupled = isinstance(optimizer, _ROW_COUPLED)
+        self._tables = {}
+        for spec in specs:
+            tp = plan.tables[spec.name]
+            mine = tp.ranks.index(self.rank) if self.rank in tp.ranks else None
+            self._tables[spec.name] = _Table(spec, tp, mine, layout, coupled and tp.sharding == "column")
+        self._planners = {s.name: _BagPlanner(EmbeddingBagConfig(s.num_rows, s.dim, mode, include_last_offset, None, s.name, s.init))
+                          for s in specs}
+
+    def _plan_digest(self) -> int:
+        text = dataclasses.replace(self.plan, predicted=()).to_json() + json.dumps([t.spec.to_json() for t in self._tables.values()])
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+    # -- what a step moves -------------------------------------------------------------------
+    def _known(self, name) -> str:
+        if name not in self._tables:
+            raise KeyError(f"unknown table {name!r}; the collection has tables {sorted(self._tables)}")
+        return name
+
+    def _gather(self, local: dict[str, torch.Tensor], error: BaseException | None, extra: Sequence[int] = ()):
+        """Agree (ok/error, ``extra``) and gather every rank's ids of each table: ({table: [ids per rank]}, agreed extra)."""
+        names = list(self._tables)
+        lengths = [len(local.get(n, ())) for n in names]
+        agreed = self._comm.agree(error, [*extra, *lengths])
+        counts = agreed[:, len(extra):]
+        flat = torch.cat([local[n] for n in names if n in local]) if local else torch.zeros(0, dtype=torch.int64)
+        parts = self._comm.gather_ids(flat.to(torch.int64), counts.sum(1).tolist())
+        segs = {n: [] for n in names}
+        for r, part in enumerate(parts):
+            for n, piece in zip(names, part.split(counts[r].tolist())):
+                segs[n].append(piece)
+        return segs, agreed[:, : len(extra)]
+
+    def _fetch(self, segs: dict[str, list[torch.Tensor]], names: Sequence[str], with_state: bool,
+               dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Rows of this rank's unique ids of each table in ``names`` (sorted), from their owners."""
+        me, world = self.rank, self.world_size
+        send: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        recv = [0] * world
+        size = torch.empty(0, dtype=dtype).element_size()
+        mine = {}
+        for name in names:
+            t = self._tables[name]
+            if t.mine is not None:  # serve every rank's ids that this shard holds
+                want = [u[t.masks(u)[t.mine]] for u in (torch.unique(s) for s in segs[name])]
+                uid = torch.unique(torch.cat(want))
+                rows = self.local_store.read(name, uid, with_state=with_state).cpu()
+                for r, w in enumerate(want):
+                    send[r].append(rows.index_select(0, torch.searchsorted(uid, w)).to(dtype))
+                self.lookups["served"] += sum(len(w) for w in want)
+            uid = torch.unique(segs[name][me])
+            masks = t.masks(uid)
+            mine[name] = (uid, masks)
+            for k in range(len(t.tplan.shards)):
+                recv[t.rank_of(k)] += int(masks[k].sum()) * len(t.cols(k, with_state)) * size
+            self.lookups["sent"] += len(uid)
+        got = [_Reader(b) for b in self._comm.exchange(send, recv)]
+        out = {}
+        for name in names:
+            t = self._tables[name]
+            uid, masks = mine[name]
+            rows = torch.empty(len(uid), t.spec.width if with_state else t.spec.dim)
+            for k in range(len(t.tplan.shards)):
+                cols = t.cols(k, with_state)
+                pos = torch.nonzero(masks[k]).squeeze(1)
+                rows[pos.unsqueeze(1), cols] = got[t.rank_of(k)].take(len(pos), len(cols), dtype)
+            out[name] = rows
+        return out
+
+    # -- forward and backward ------------------------------------------------------------------
+    def _plan_batch(self, features) -> tuple[dict[str, _Bags], dict[str, torch.Tensor | None]]:
+        if not isinstance(features, Mapping):
+            raise TypeError("features must be a mapping {table: (values, offsets)}")
+        bags, psws = {}, {}
+        for name, feature in features.items():  # validate every table before anything moves
+            planner = self._planners[self._known(name)]
+            if isinstance(feature, torch.Tensor):
+                values, offsets, psw = feature, None, None
+            elif isinstance(feature, (tuple, list)) and len(feature) in (2, 3):
+                values, offsets, psw = (*feature, None)[:3]
+            else:
+                raise TypeError(f"feature {name!r} must be (values, offsets), (values, offsets, per_sample_weights) or a 2-D tensor")
+            bags[name] = planner._plan(values, offsets, psw)
+            psws[name] = psw
+        return bags, psws
+
+    def forward(self, features: Mapping[str, object]) -> dict[str, torch.Tensor]:
+        train = self.optimizer is not None and torch.is_grad_enabled()
+        error, bags, psws = None, {}, {}
+        try:
+            bags, psws = self._plan_batch(features)
+        except Exception as e:
+            error = e
+        names = list(self._tables)
+        has_psw = [int(psws.get(n) is not None) for n in names]
+        segs, agreed = self._gather({n: b.ids for n, b in bags.items()}, error, [int(train), *has_psw])
+        if len(set(agreed[:, 0].tolist())) > 1:
+            raise RankFailedError(f"ranks disagree on training this forward (grad enabled with an optimizer: {agreed[:, 0].tolist()} "
+                                  "by rank); run forward under torch.no_grad() on every rank or on none")
+        weights = self._fetch(segs, names, False, self._comm_dtype)
+        self.lookups["steps"] += 1
+        step = _Step(list(bags), bags, {n: None if p is None else b.select(p.detach().reshape(-1)) for (n, b), p in
+                                        zip(bags.items(), psws.values())},
+                     segs, {n: agreed[:, 1 + i].bool().tolist() for i, n in enumerate(names)}, weights)
+        anchor = torch.empty(0, requires_grad=True) if train else None
+        outs = _ShardedBagFunction.apply(anchor, self, step, *(psws[n] for n in step.names))
+        return dict(zip(step.names, outs))
+
+    def _update(self, step: _Step, grads: dict[str, torch.Tensor]) -> None:
+        """Backward: send each occurrence's gradient to the shards holding its row; each
+        owner sums its rows' gradients in the single process's order and steps them."""
+        world, dtype = self.world_size, self._comm_dtype
+        size = torch.empty(0, dtype=dtype).element_size()
+        send: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        for name, t in self._tables.items():  # in the plan's order on every rank
+            bags = step.bags.get(name)
+            if bags is None:
+                continue
+            g = grads[name].cpu()
+            if self._mode_name == "mean":  # as _row_grads does: times the reciprocal
+                g = g * (1.0 / bags.sizes.clamp(min=1).to(dtype=g.dtype)).unsqueeze(1)
+            occ = g.index_select(0, bags.bag_of)
+            psw = step.psw[name]
+            for k, mask in enumerate(t.masks(bags.ids)):
+                sel = torch.nonzero(mask).squeeze(1)
+                send[t.rank_of(k)].append(occ.index_select(0, sel)[:, t.grad_cols(k)].to(dtype))
+                if psw is not None:
+                    send[t.rank_of(k)].append(psw.index_select(0, sel).to(torch.float32))
+        owned, recv = {}, [0] * world
+        for name, t in self._tables.items():
+            if t.mine is not None:
+                owned[name] = [t.masks(s)[t.mine] for s in step.segs[name]]
+                width = len(t.grad_cols(t.mine))
+                for r, m in enumerate(owned[name]):
+                    recv[r] += int(m.sum()) * (width * size + 4 * step.psw_from[name][r])
+        got = [_Reader(b) for b in self._comm.exchange(send, recv)]
+        for name, masks in owned.items():
+            t = self._tables[name]
+            width = len(t.grad_cols(t.mine))
+            G, P = [], []
+            for r, m in enumerate(masks):
+                n = int(m.sum())
+                G.append(got[r].take(n, width, dtype))
+                P.append(got[r].take(n, 1, torch.float32).squeeze(1) if step.psw_from[name][r] else torch.ones(n))
+            weighted = any(step.psw_from[name])
+            self._step_rows(name, step.segs[name], masks, torch.cat(G), torch.cat(P) if weighted else None)
+
+    def _step_rows(self, name: str, segs: list[torch.Tensor], masks: list[torch.Tensor], G: torch.Tensor,
+                   P: torch.Tensor | None) -> None:
+        t, store = self._tables[name], self.local_store
+        ids = torch.cat(segs)
+        mask = torch.cat(masks)
+        _, perm = torch.sort(ids)  # the single process's order (_Rows.group), ties included
+        order = perm[mask[perm]]
+        local = (torch.cumsum(mask, 0) - 1).index_select(0, order)
+        uid, counts = torch.unique_consecutive(ids.index_select(0, order), return_counts=True)
+        row_offsets = torch.zeros(len(uid), dtype=torch.int64)
+        if len(uid) > 1:
+            torch.cumsum(counts[:-1], 0, out=row_offsets[1:])
+        w = None if P is None else P.index_select(0, local)
+        grad, *_ = torch.embedding_bag(G, local, row_offsets, False, 0, False, w, False, None)
+        rows = store.read(name, uid, with_state=True)
+        grad = grad.to(rows.device)
+        shard = t.tplan.shards[t.mine]
+        dim = shard.dim
+        if t.coupled:  # the whole row's gradient sets the row's accumulator; this shard's columns move
+            step = self.optimizer.direction(rows[:, dim:], grad)
+            rows[:, :dim].add_(step[:, shard.col_start: shard.col_stop])
+        else:
+            self.optimizer.step(rows[:, :dim], rows[:, dim:], grad)
+        if t.spec.dtype != "float32":
+            rows[:, :dim] = round_stochastic(rows[:, :dim], t.spec.dtype, uid, store._update_key(name))
+        store.write(name, uid, rows, with_state=True)
+
+    # -- prefetch (LookaheadLoader) --------------------------------------------------------------
+    def batch_reads(self, features: Mapping[str, object]) -> dict[str, torch.Tensor]:
+        """The ids a forward of ``features`` reads, by table. Never raises (a bad batch
+        reads nothing here and raises at its own forward): a rank that skipped the
+        announcement would leave the others waiting."""
+        try:
+            return {name: torch.as_tensor(f[0] if isinstance(f, (tuple, list)) else f).reshape(-1).to(torch.int64)
+                    for name, f in features.items() if name in self._tables}
+        except Exception:
+            return {}
+
+    def prefetch(self, features: Mapping[str, object]) -> PrefetchGroup:
+        """Announce a later ``forward(features)`` to the ranks owning its rows (collective)."""
+        return self._announce(self.batch_reads(features))
+
+    def _announce(self, reads: Mapping[str, torch.Tensor]) -> PrefetchGroup:
+        local = {}
+        for name, ids in reads.items():  # only a hint: what is not an id of a known table is left out
+            spec = self._tables[name].spec if name in self._tables else None
+            ids = torch.as_tensor(ids).reshape(-1)
+            if spec is None or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+                continue
+            ids = ids.to(torch.int64)
+            ok = ids >= 0 if spec.num_rows is None else (ids >= 0) & (ids < spec.num_rows)
+            local[name] = ids[ok]
+        segs, _ = self._gather(local, None)
+        wanted = {}
+        for name, t in self._tables.items():
+            if t.mine is not None:
+                ids = torch.unique(torch.cat(segs[name]))
+                wanted[name] = ids[t.masks(ids)[t.mine]]
+        if self.local_store is None:
+            return PrefetchGroup(())
+        return self.local_store._prefetch_batch(wanted) or PrefetchGroup(())
+
+    # -- rows wherever they live (collectives) ----------------------------------------------------
+    def _table_ids(self, table: str, ids) -> tuple[_Table, torch.Tensor]:
+        t = self._tables[self._known(table)]
+        return t, TieredStore._as_ids(t.spec, ids).cpu()
+
+    def _agree_table(self, table, ids, error) -> dict[str, list[torch.Tensor]]:
+        index = list(self._tables).index(table) if table in self._tables else -1
+        segs, agreed = self._gather({table: ids} if error is None else {}, error, [index])
+        if len(set(agreed[:, 0].tolist())) > 1:
+            raise RankFailedError(f"ranks name different tables in this collective call ({agreed[:, 0].tolist()} by rank, "
+                                  f"indices into {list(self._tables)}); every rank must call it with the same table")
+        return segs
+
+    def read(self, table: str, ids, with_state: bool = False) -> torch.Tensor:
+        """Rows of this rank's ``ids`` wherever they live, [len(ids), dim] (with state:
+        the whole row's layout, as TieredEmbeddingBagCollection stores it). Collective."""
+        error, t, uid, inverse = None, None, torch.zeros(0, dtype=torch.int64), None
+        try:
+            if not isinstance(with_state, bool):
+                raise TypeError(f"with_state must be True or False, got {with_state!r}")
+            t, ids = self._table_ids(table, ids)
+            uid, inverse = torch.unique(ids, return_inverse=True)
+        except Exception as e:
+            error = e
+        segs = self._agree_table(table, uid, error)
+        rows = self._fetch(segs, [table], with_state, torch.float32)[table]
+        return rows.index_select(0, inverse).to(self.device)
+
+    def write(self, table: str, ids, values, with_state: bool = False) -> None:
+        """Set rows of this rank's ``ids`` wherever they live; for an id given more than
+        once (by one rank or several) the last in rank order wins. Collective."""
+        error, ids_t, vals = None, torch.zeros(0, dtype=torch.int64), None
+        try:
+            if not isinstance(with_state, bool):
+                raise TypeError(f"with_state must be True or False, got {with_state!r}")
+            t, ids_t = self._table_ids(table, ids)
+            vals = TieredStore._as_values(t.spec, values, len(ids_t), t.spec.width if with_state else t.spec.dim)
+        except Exception as e:
+            error, ids_t = e, torch.zeros(0, dtype=torch.int64)
+        segs = self._agree_table(table, ids_t, error)
+        t = self._tables[table]
+        send: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
+        for k, mask in enumerate(t.masks(ids_t)):
+            send[t.rank_of(k)].append(vals[mask][:, t.cols(k, with_state)])
+        recv = [0] * self.world_size
+        if t.mine is not None:
+            masks = [t.masks(s)[t.mine] for s in segs[table]]
+            width = len(t.cols(t.mine, with_state))
+            recv = [int(m.sum()) * width * 4 for m in masks]
+        got = self._comm.exchange(send, recv)
+        if t.mine is not None:
+            values = torch.cat([_Reader(b).take(int(m.sum()), width, torch.float32) for b, m in zip(got, masks)])
+            self.local_store.write(table, torch.cat([s[m] for s, m in zip(segs[table], masks)]), values, with_state=with_state)
+
+    def flush(self) -> None:
+        """Make every rank's rows durable (each flushes its store). Collective."""
+        if self.local_store is not None:
+            self.local_store.flush()
+        self._comm.barrier("flush")
+
+    def checkpoint(self, path: str | Path) -> Path:
+        """Snapshot every rank's shards into ``path/rank-<r>`` (TieredStore.checkpoint,
+        after a barrier: no rank is mid-step), with the plan and tables as JSON;
+        restore with ``ShardedEmbeddingBagCollection.from_checkpoint``. Collective."""
+        path = Path(path)
+        self._comm.barrier("checkpoint")
+        path.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            _write_json(path / "plan.json", self.plan.to_json())
+            _write_json(path / "tables.json", json.dumps([t.spec.to_json() for t in self._tables.values()]))
+        if self.local_store is not None:
+            self.local_store.checkpoint(path / f"rank-{self.rank}")
+        self._comm.barrier("checkpoint")
+        return path
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: str | Path, *, plan: ShardingPlan, path: str | Path,
+                        **kwargs) -> "ShardedEmbeddingBagCollection":
+        """Open a new collection at ``path`` (empty) under ``plan``, any world size, with the
+        rows and optimizer state of a ``checkpoint()`` written under another plan.
+
+        Each rank reads the rows its new shards own from the old shards' LMDB
+        files (the checkpoint directory must be visible to every rank) and
+        rebuilds them column by column. Takes the other arguments of the
+        constructor; the optimizer must have the checkpoint's state layout."""
+        checkpoint = Path(checkpoint)
+        try:
+            old_plan = ShardingPlan.from_json((checkpoint / "plan.json").read_text())
+            specs = [TableSpec.from_json(d) for d in json.loads((checkpoint / "tables.json").read_text())]
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{checkpoint} is not a sharded checkpoint ({e.filename} is missing); "
+                                    "write one with ShardedEmbeddingBagCollection.checkpoint(path)") from None
+        rank = dist.get_rank(kwargs.get("process_group"))
+        if (Path(path) / f"rank-{rank}").exists():
+            raise FileExistsError(f"{Path(path) / f'rank-{rank}'} exists; restore a checkpoint into a new path")
+        optimizer = kwargs.get("optimizer")
+        for s in specs:
+            need = optimizer.state_dim(s.dim) if optimizer else 0
+            if s.state_dim != need:
+                raise ValueError(f"table {s.name!r} was checkpointed with state_dim={s.state_dim}, {optimizer!r} needs {need}; "
+                                 "restore with the optimizer it was trained with")
+        module = cls([dataclasses.replace(s, state_dim=0) for s in specs], plan, path, **kwargs)
+        # the old plan's tables: which old shard holds which rows and columns
+        olds = {s.name: _Table(s, old_plan.tables[s.name], None, module._tables[s.name].layout, False) for s in specs}
+        module._restore(checkpoint, olds)
+        return module
+
+    def _restore(self, checkpoint: Path, olds: dict[str, _Table]) -> None:
+        stores = {}
+        try:
+            for name, t in self._tables.items():
+                if t.mine is None:
+                    continue
+                o = olds[name]
+                for k, s in enumerate(o.tplan.shards):
+                    if s.rank not in stores:
+                        stores[s.rank] = TieredStore(checkpoint / f"rank-{s.rank}", readonly=True, registry=CollectorRegistry())
+                ids = torch.unique(torch.cat([_stored_ids(stores[s.rank], name) for s in o.tplan.shards]))
+                ids = ids[t.masks(ids)[t.mine]]
+                cols = t.cols(t.mine, True)
+                for lo in range(0, len(ids), _RESHARD_CHUNK):
+                    chunk = ids[lo: lo + _RESHARD_CHUNK]
+                    rows = torch.empty(len(chunk), t.spec.width)
+                    for k, mask in enumerate(o.masks(chunk)):
+                        pos = torch.nonzero(mask).squeeze(1)
+                        got = stores[o.rank_of(k)].read(name, chunk[pos], with_state=True).cpu()
+                        rows[pos.unsqueeze(1), o.cols(k, True)] = got
+                    self.local_store.write(name, chunk, rows[:, cols], with_state=True)
+            if self.local_store is not None:
+                self.local_store.flush()
+        except BaseException as e:
+            error = e
+        else:
+            error = None
+        finally:
+            for s in stores.values():
+                s.close()
+        self._comm.agree(error, [])
+
+    def close(self) -> None:
+        """Flush and close this rank's store, after every rank got here. Collective."""
+        try:
+            self._comm.barrier("close")
+        finally:
+            self._metrics.close()
+            if self.local_store is not None:
+                self.local_store.close()
+
+    def extra_repr(self) -> str:
+        return (f"rank={self.rank}, world_size={self.world_size}, tables={list(self._tables)}, "
+                f"optimizer={self.optimizer!r}, comm_dtype={self._comm_dtype}")
+
+
+def _stored_ids(store: TieredStore, table: str) -> torch.Tensor:
+    """Ids of the rows a (closed, checkpointed) store holds for ``table``: LMDB's keys, in order."""
+    backend = store._backend
+    with backend.env.begin(db=backend._dbs[table], buffers=False) as txn:
+        keys = b"".join(txn.cursor().iternext(keys=True, values=False))
+    return torch.from_numpy(np.frombuffer(keys, dtype=">u8").astype(np.int64))
+
+
+def _write_json(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class _ShardedMetrics:
+    """Per-rank lookup counters of a sharded collection: ids this rank requested
+    (sent) and rows it served to the ranks asking (itself included), with a ``rank``
+    label; max/mean over ranks of the served rate is the load imbalance."""
+
+    def __init__(self, module: ShardedEmbeddingBagCollection, registry: CollectorRegistry):
+        self.module, self.registry = module, registry
+        registry.register(self)
+
+    def describe(self):
+        return self.collect()
+
+    def collect(self):
+        m = self.module
+        for key, doc in (("sent", "Unique ids a rank requested from the shards' owners (itself included)."),
+                         ("served", "Rows a rank's shards served to the requesting ranks."),
+                         ("steps", "Forward steps of the sharded collection.")):
+            f = CounterMetricFamily(f"tierstore_sharded_lookups_{key}" if key != "steps" else "tierstore_sharded_steps", doc,
+                                    labels=["rank"])
+            f.add_metric([str(m.rank)], m.lookups[key])
+            yield f
+
+    def close(self) -> None:
+        try:
+            self.registry.unregister(self)
+        except KeyError:
+            pass

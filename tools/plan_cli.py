@@ -1,0 +1,76 @@
+"""``tierstore plan TRACE --world-size N``: a sharding plan from a trace (tierstore.planner)."""
+from __future__ import annotations
+
+from tierstore.tools.cli import positive_int
+
+OPTIMIZERS = ("none", "sgd", "adagrad", "rowwise_adagrad", "adam")
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="shard a trace's tables across ranks, balancing lookups, SSD reads and bytes",
+        description="Split the trace's tables across --world-size ranks (whole tables, row ranges or hash, column ranges) so "
+                    "that every rank gets a like share of lookups per step, SSD reads per step (LRU, at the tier sizes each "
+                    "rank's --hbm-bytes/--ddr-bytes give its shards) and bytes of rows; print the plan and the prediction per "
+                    "rank. ShardedEmbeddingBagCollection(plan=ShardingPlan.from_json(...)) reads the --json output.")
+    p.add_argument("trace", help="a trace directory or .npz (tierstore trace synth/convert, or TieredStore(record_trace=))")
+    p.add_argument("--world-size", type=positive_int, required=True, help="number of ranks")
+    p.add_argument("--hbm-bytes", default=None, help="HBM budget of each rank, e.g. 16G or 16GiB")
+    p.add_argument("--ddr-bytes", default=None, help="DDR budget of each rank, e.g. 256G")
+    p.add_argument("--sharding", action="append", default=[], metavar="TABLE=TYPE",
+                   help="force a table's sharding: table, row or column (repeatable)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="none",
+                   help="count this optimizer's state in each row's bytes (default: the trace's row_bytes)")
+    p.add_argument("--dim", type=positive_int, default=None, help="embedding dim of tables whose trace does not record it")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (ShardingPlan.from_json reads it)")
+    p.set_defaults(func=_plan)
+
+
+def _tables(trace, dim: int | None):
+    from tierstore import TableSpec
+
+    out = []
+    for t in trace.tables:  # a loop per table
+        d = t.dim or dim or (t.row_bytes // 4 if t.row_bytes else None)
+        if d is None:
+            raise ValueError(f"the trace does not record table {t.name!r}'s dim or row bytes; pass --dim")
+        state = max(t.row_bytes // 4 - d, 0) if t.row_bytes else 0
+        out.append(TableSpec(t.name, t.num_rows, d, state_dim=state))
+    return out
+
+
+def _sharding(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        table, eq, kind = item.partition("=")
+        if not eq or not table or not kind:
+            raise ValueError(f"--sharding {item!r}: expected TABLE=TYPE, e.g. --sharding user=row")
+        out[table] = kind
+    return out
+
+
+def _optimizer(name: str):
+    from tierstore import optim
+
+    # the learning rate plays no part in a row's size
+    return {"none": None, "sgd": optim.SGD(1.0), "adagrad": optim.Adagrad(1.0),
+            "rowwise_adagrad": optim.RowWiseAdagrad(1.0), "adam": optim.Adam(1.0)}[name]
+
+
+def _plan(args) -> int:
+    from tierstore.planner import plan
+    from tierstore.tools.trace_cli import parse_bytes
+    from tierstore.trace import Trace
+
+    trace = Trace.load(args.trace)
+    budgets = [parse_bytes(b) for b in (args.hbm_bytes, args.ddr_bytes)]
+    result = plan(_tables(trace, args.dim), args.world_size, trace=trace,
+                  hbm_bytes=None if budgets[0] is None else int(budgets[0]), ddr_bytes=None if budgets[1] is None else int(budgets[1]),
+                  sharding=_sharding(args.sharding), optimizer=_optimizer(args.optimizer))
+    if args.json:
+        print(result.to_json())
+        return 0
+    print(f"{args.trace}: {trace.n_steps:,} steps, {len(trace.tables)} tables on {args.world_size} ranks"
+          f" (HBM {args.hbm_bytes or 0}, DDR {args.ddr_bytes or 0} per rank; SSD reads predicted for LRU)")
+    print(result)
+    return 0
