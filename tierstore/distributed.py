@@ -45,7 +45,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily
 from torch import nn
 
-from .nn import EmbeddingBagConfig, TieredEmbeddingBag, _Bags
+from .nn import EmbeddingBagConfig, TieredEmbeddingBag, _Bags, feature_parts
 from .optim import RowOptimizer, RowWiseAdagrad
 from .planner import plan
 from .precision import round_stochastic
@@ -435,12 +435,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         bags, psws = {}, {}
         for name, feature in features.items():  # validate every table before anything moves
             planner = self._planners[self._known(name)]
-            if isinstance(feature, torch.Tensor):
-                values, offsets, psw = feature, None, None
-            elif isinstance(feature, (tuple, list)) and len(feature) in (2, 3):
-                values, offsets, psw = (*feature, None)[:3]
-            else:
-                raise TypeError(f"feature {name!r} must be (values, offsets), (values, offsets, per_sample_weights) or a 2-D tensor")
+            values, offsets, psw = feature_parts(name, feature)
             bags[name] = planner._plan(values, offsets, psw)
             psws[name] = psw
         return bags, psws

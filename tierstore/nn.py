@@ -656,6 +656,15 @@ def _check_spec(spec: TableSpec, num_embeddings, embedding_dim, optimizer) -> No
         )
 
 
+def feature_parts(name: str, feature) -> tuple:
+    """(values, offsets, per_sample_weights) of one table's feature in a collection's batch."""
+    if isinstance(feature, torch.Tensor):
+        return feature, None, None
+    if isinstance(feature, (tuple, list)) and len(feature) in (2, 3):
+        return (*feature, None)[:3]
+    raise TypeError(f"feature {name!r} must be (values, offsets), (values, offsets, per_sample_weights) or a 2-D tensor")
+
+
 class TieredEmbeddingBagCollection(nn.Module):
     """Several TieredEmbeddingBags over the tables of one store.
 
@@ -727,12 +736,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         plans = {}
         for name, feature in features.items():  # validate every table before touching the store
             bag = self._bags[self._known(name)]
-            if isinstance(feature, torch.Tensor):
-                values, offsets, psw = feature, None, None
-            elif isinstance(feature, (tuple, list)) and len(feature) in (2, 3):
-                values, offsets, psw = (*feature, None)[:3]
-            else:
-                raise TypeError(f"feature {name!r} must be (values, offsets), (values, offsets, per_sample_weights) or a 2-D tensor")
+            values, offsets, psw = feature_parts(name, feature)
             plans[name] = (bag, bag._plan(values, offsets, psw), psw)
         return {name: bag._run(bags, psw) for name, (bag, bags, psw) in plans.items()}
 
