@@ -30,6 +30,7 @@ _INITIAL_MAP = 1 << 30
 _MAX_GROWTH_RETRIES = 16
 _READ_CHUNK = 2048  # rows per get-and-copy round of get_rows
 _WRITE_CHUNK = 65536  # rows per write transaction at most
+_STEP = np.dtype("<i8")  # a row's last-use step, in a table's u: database
 
 
 class _ResizeGuard:
@@ -168,6 +169,8 @@ class LmdbBackend:
         self.readonly = readonly
         self._lock_fd = None
         self._dbs: dict[str, object] = {}
+        self._last_dbs: dict[str, object] = {}  # tables with ttl_steps: row id -> last-use step
+        self._sweep_from: dict[str, bytes] = {}  # where each table's sweep goes on
         self._codecs: dict[str, RowCodec] = {}
         with _OPEN_LOCK:
             shared = _shared_env(self.path)
@@ -335,9 +338,12 @@ class LmdbBackend:
                 txn.put(k.encode(), json.dumps(v).encode(), db=self._meta)
         self._write(op)
 
-    def open_table(self, name: str, dim: int, state_dim: int = 0, dtype: str = "float32") -> None:
+    def open_table(self, name: str, dim: int, state_dim: int = 0, dtype: str = "float32", last_use: bool = False) -> None:
+        """``last_use``: the table keeps each row's last-use step beside it (ttl_steps)."""
         self._dbs[name] = self.env.open_db(b"t:" + name.encode(), create=not self.readonly)
         self._codecs[name] = RowCodec(dim, state_dim, dtype)
+        if last_use:
+            self._last_dbs[name] = self.env.open_db(b"u:" + name.encode(), create=not self.readonly)
 
     # -- rows ----------------------------------------------------------------------
     def get_rows(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -357,13 +363,76 @@ class LmdbBackend:
                 found[lo:hi] = codec.decode(list(map(get, keys[lo:hi])), rows[lo:hi])
         return rows, found
 
-    def put_rows(self, batches: list[tuple[str, np.ndarray, np.ndarray]], meta: dict | None = None) -> int:
+    def keeps_last_use(self, table: str) -> bool:
+        return table in self._last_dbs
+
+    def get_last_use(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """Stored last-use step of each of the sorted ``ids``; -1 where none is (no such row)."""
+        out = np.full(len(ids), -1, dtype=np.int64)
+        with self._reading(db=self._last_dbs[table], buffers=False) as txn:
+            values = list(map(txn.get, encode_keys(ids)))
+        found = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
+        if found.any():
+            out[found] = np.frombuffer(b"".join(v for v in values if v is not None), dtype=_STEP)
+        return out
+
+    def delete_rows(self, table: str, ids: np.ndarray) -> int:
+        """Delete the rows of ``ids`` (and their last-use steps) in one transaction; returns how many existed."""
+        deleted = [0]
+        dbs = [self._dbs[table]] + ([self._last_dbs[table]] if table in self._last_dbs else [])
+
+        def op(txn):
+            deleted[0] = 0
+            for key in encode_keys(ids):
+                deleted[0] += txn.delete(key, db=dbs[0])
+                for db in dbs[1:]:
+                    txn.delete(key, db=db)
+        self._write(op)
+        return deleted[0]
+
+    def sweep(self, table: str, cutoff: int, budget: int) -> int:
+        """Delete the rows last used at or before step ``cutoff`` among the next
+        ``budget`` rows of the table's last-use database, going on where the last
+        sweep stopped and wrapping at the end; returns the rows deleted. Bounded
+        work: one transaction of ``budget`` cursor steps at most."""
+        db, rows_db = self._last_dbs[table], self._dbs[table]
+        deleted = [0]
+
+        def op(txn):
+            deleted[0] = 0
+            with txn.cursor(db=db) as cur:
+                if not cur.set_range(self._sweep_from.get(table, b"")) and not cur.first():
+                    return  # no rows
+                idle, resume = [], b""
+                for _ in range(budget):
+                    key, value = cur.item()
+                    if np.frombuffer(value, dtype=_STEP)[0] <= cutoff:
+                        idle.append(key)
+                    if not cur.next():
+                        resume = b""  # the end: the next sweep starts over
+                        break
+                    resume = cur.key()
+                self._sweep_from[table] = resume
+            for key in idle:
+                txn.delete(key, db=db)
+                txn.delete(key, db=rows_db)
+            deleted[0] = len(idle)
+        self._write(op)
+        return deleted[0]
+
+    def put_rows(self, batches: list[tuple[str, np.ndarray, np.ndarray]], meta: dict | None = None,
+                 last_use: dict[str, np.ndarray] | None = None) -> int:
         """Write (table, sorted ids, rows) batches, then meta; returns bytes written.
+        ``last_use[table]``, for tables that keep it, is each row's last-use step.
         Transactions of at most _WRITE_CHUNK rows, meta with the last: past LMDB's
         dirty-page limit a transaction spills pages and slows down (1M rows of 512 B
         took 5.3 s in one transaction, 2.3 s in 16). A failure leaves the earlier
         transactions committed; writing the rows again rewrites the same values."""
-        parts = [(t, ids[lo: lo + _WRITE_CHUNK], rows[lo: lo + _WRITE_CHUNK])
+        last_use = last_use or {}
+        for t, ids, _ in batches:
+            if t in self._last_dbs and t not in last_use and len(ids):
+                raise ValueError(f"rows of table {t!r} need their last-use steps (it has ttl_steps)")
+        parts = [(t, ids[lo: lo + _WRITE_CHUNK], rows[lo: lo + _WRITE_CHUNK], last_use[t][lo: lo + _WRITE_CHUNK] if t in last_use else None)
                  for t, ids, rows in batches for lo in range(0, len(ids), _WRITE_CHUNK)]
         groups, group, size = [], [], 0
         for part in parts:
@@ -374,7 +443,12 @@ class LmdbBackend:
             size += len(part[1])
         groups.append(group)
         for i, group in enumerate(groups):
-            encoded = [(self._dbs[t], encode_keys(ids), self._codecs[t].encode(rows)) for t, ids, rows in group]
+            encoded = []
+            for t, ids, rows, steps in group:
+                keys = encode_keys(ids)
+                encoded.append((self._dbs[t], keys, self._codecs[t].encode(rows)))
+                if steps is not None:
+                    encoded.append((self._last_dbs[t], keys, np.ascontiguousarray(steps, dtype=_STEP).view("V8").ravel().tolist()))
             last = i == len(groups) - 1
 
             def op(txn, encoded=encoded, last=last):

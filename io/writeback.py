@@ -60,6 +60,7 @@ class QueuedRows:
         self.slots = np.empty(0, dtype=np.int64)  # of each id, into pool
         self.pool = np.empty((capacity, width), dtype=np.float32)
         self.seq = np.zeros(capacity, dtype=np.int64)  # the batch that queued each slot's value
+        self.last = np.zeros(capacity, dtype=np.int64)  # each slot's last-use step (tables with ttl_steps)
         self._free = np.arange(capacity - 1, -1, -1)  # a stack of free slots
         self._nfree = capacity
 
@@ -72,11 +73,13 @@ class QueuedRows:
         found[found] = self.ids[pos[found]] == ids[found]
         return pos, found
 
-    def put(self, ids: np.ndarray, rows: np.ndarray, seq: int) -> None:
-        """Queue the rows of sorted unique ``ids`` as batch ``seq``'s, replacing older queued values."""
+    def put(self, ids: np.ndarray, rows: np.ndarray, seq: int, last: np.ndarray | None = None) -> None:
+        """Queue the rows of sorted unique ``ids`` as batch ``seq``'s, replacing older queued
+        values; ``last``: their last-use steps."""
         if not len(self.ids) and len(ids) > len(self.pool):  # a bulk write: its rows become the pool, uncopied
             self.ids, self.slots = ids, np.arange(len(ids))
             self.pool, self.seq = np.ascontiguousarray(rows, dtype=np.float32), np.full(len(ids), seq)
+            self.last = np.zeros(len(ids), dtype=np.int64) if last is None else np.array(last, dtype=np.int64)
             self._free, self._nfree = np.empty(len(ids), dtype=np.int64), 0
             return
         pos, found = self._find(ids)
@@ -92,12 +95,15 @@ class QueuedRows:
         self.slots = np.insert(self.slots, pos[~found], fresh)
         self.pool[slots] = rows
         self.seq[slots] = seq
+        if last is not None:
+            self.last[slots] = last
 
     def _grow(self, extra: int) -> None:
         old = len(self.pool)
         new = max(2 * old, old + extra)
         self.pool = np.concatenate([self.pool, np.empty((new - old, self.width), dtype=np.float32)])
         self.seq = np.concatenate([self.seq, np.zeros(new - old, dtype=np.int64)])
+        self.last = np.concatenate([self.last, np.zeros(new - old, dtype=np.int64)])
         free = np.empty(new, dtype=np.int64)
         free[: new - old] = np.arange(new - 1, old - 1, -1)
         free[new - old: new - old + self._nfree] = self._free[: self._nfree]
@@ -115,6 +121,13 @@ class QueuedRows:
             return found, self.pool[slots[0]: slots[-1] + 1].copy()  # a bulk write's rows: one memcpy
         return found, self.pool[slots]
 
+    def get_last(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(mask of the sorted ``ids`` queued, last-use steps of the queued ones)."""
+        if not len(self.ids) or not len(ids):
+            return np.zeros(len(ids), dtype=bool), np.empty(0, dtype=np.int64)
+        pos, found = self._find(ids)
+        return found, self.last[self.slots[pos[found]]]
+
     def drop(self, ids: np.ndarray, seq: int) -> None:
         """Batch ``seq`` is committed: forget those of its rows that no later batch queued."""
         pos, found = self._find(ids)
@@ -131,8 +144,15 @@ class WriteBack:
     """The queue and its writer thread. Every method runs with ``lock`` (the
     store's) held by the caller; waits release it, as Condition waits do."""
 
-    def __init__(self, backend: LmdbBackend, lock: threading.RLock, limit_rows: int, group_rows: int = 0, linger: float = 1.0):
+    def __init__(self, backend: LmdbBackend, lock: threading.RLock, limit_rows: int, group_rows: int = 0, linger: float = 1.0,
+                 sweep_rows: int = 4096, on_swept: Callable[[str, int], None] | None = None):
         self._backend = backend
+        # TTL sweep: after each commit, up to sweep_rows rows of each table in sweep_before
+        # are looked at and deleted if last used at or before that step; on_swept(table,
+        # rows deleted) is called with the lock held
+        self._sweep_rows = sweep_rows
+        self.sweep_before: dict[str, int] = {}
+        self._on_swept = on_swept
         self._cond = threading.Condition(lock)
         self._limit = limit_rows
         self._group = min(group_rows, limit_rows // 2)  # due before calls wait for the queue
@@ -149,14 +169,15 @@ class WriteBack:
         """Rows not yet committed."""
         return sum(b.rows for b in self._queue if not b.committed)
 
-    def submit(self, items: Items, meta: dict | None = None) -> None:
+    def submit(self, items: Items, meta: dict | None = None, last: dict[str, np.ndarray] | None = None) -> None:
         """Queue rows (and store metadata), committed together, perhaps with other
-        batches; returns at once. The queue owns the rows arrays from now on."""
+        batches; returns at once. The queue owns the rows arrays from now on.
+        ``last[table]``: the rows' last-use steps, for tables that keep them."""
         self._seq += 1
         for table, ids, rows in items:
             if table not in self._queued:
                 self._queued[table] = QueuedRows(rows.shape[1])
-            self._queued[table].put(ids, rows, self._seq)
+            self._queued[table].put(ids, rows, self._seq, (last or {}).get(table))
         self._queue.append(WriteBatch([(table, ids) for table, ids, _ in items], meta, sum(len(ids) for _, ids, _ in items), self._seq))
         self._wake()
 
@@ -192,6 +213,13 @@ class WriteBack:
         if queued is None or not len(ids):
             return np.zeros(len(ids), dtype=bool), None
         return queued.get(ids)
+
+    def lookup_last(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Last-use step of each of the sorted ``ids`` queued: (found mask, steps of the found ones)."""
+        queued = self._queued.get(table)
+        if queued is None:
+            return np.zeros(len(ids), dtype=bool), np.empty(0, dtype=np.int64)
+        return queued.get_last(ids)
 
     def stop(self) -> None:
         """Wait until the writer has written what it can (all, or up to a failure) and left."""
@@ -232,10 +260,12 @@ class WriteBack:
                     self._thread = None
                     self._cond.notify_all()
                     return
-                items, meta = self._newest(batches)
+                items, meta, last = self._newest(batches)
+                sweeps = dict(self.sweep_before)
             try:
                 # outside the lock: the trainer goes on meanwhile
-                self._backend.put_rows(items, meta)
+                self._backend.put_rows(items, meta, **({"last_use": last} if last else {}))
+                swept = {table: self._backend.sweep(table, before, self._sweep_rows) for table, before in sweeps.items()}
                 error = None
             except Exception as e:  # kept and raised in the caller's thread by reap()
                 error = e
@@ -243,25 +273,31 @@ class WriteBack:
                 if error is None:
                     for batch in batches:
                         batch.committed = True
+                    for table, n in swept.items():
+                        if n and self._on_swept is not None:
+                            self._on_swept(table, n)
                 else:
                     self._error = error
                 self._cond.notify_all()
 
 
-    def _newest(self, batches: list[WriteBatch]) -> tuple[Items, dict]:
+    def _newest(self, batches: list[WriteBatch]) -> tuple[Items, dict, dict[str, np.ndarray]]:
         """The rows of several batches as one sorted run per table, each row once
         with its newest value (LMDB's cursor then finds consecutive rows on the
-        page it is on), and their metadata, the newest last."""
+        page it is on), their metadata, the newest last, and the last-use steps
+        of tables that sweep."""
         by_table: dict[str, list[np.ndarray]] = {}
         meta: dict = {}
         for batch in batches:
             for table, ids in batch.ids:
                 by_table.setdefault(table, []).append(ids)
             meta.update(batch.meta or {})
-        items = []
+        items, last = [], {}
         for table, parts in by_table.items():
             ids = parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
             queued = self._queued[table]
             rows = queued.get(ids)[1]
             items.append((table, ids, rows if rows is not None else np.empty((0, queued.width), dtype=np.float32)))
-        return items, meta
+            if self._backend.keeps_last_use(table):
+                last[table] = queued.get_last(ids)[1]
+        return items, meta, last

@@ -55,6 +55,13 @@ class TableSpec:
     row travel with the weights through every tier (optimizer state).
     ``dtype`` "float16" or "bfloat16" stores the weights at half the bytes
     (tierstore.precision); rows are still read and written as float32.
+
+    Unbounded id spaces (README "Unbounded id spaces: admission and eviction"):
+    ``admit_after=N`` keeps a trainer's updates of a row only from the N-th step
+    that uses it on, counted in a count-min sketch of ``admit_depth`` rows of
+    ``admit_width`` saturating 8-bit counters; ``ttl_steps=T`` makes a row unused
+    for T steps of its table read as its initial value again, and deletes it from
+    disk in the background.
     """
 
     name: str
@@ -63,6 +70,10 @@ class TableSpec:
     dtype: str = "float32"
     init: RowInit = field(default_factory=RowInit)
     state_dim: int = 0
+    admit_after: int = 1
+    admit_width: int = 1 << 20
+    admit_depth: int = 4
+    ttl_steps: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -79,6 +90,22 @@ class TableSpec:
             raise TypeError("TableSpec.init must be a tierstore.RowInit (e.g. RowInit.normal(0, 0.01))")
         if not _is_int(self.state_dim) or self.state_dim < 0:
             raise ValueError(f"TableSpec.state_dim must be an int >= 0, got {self.state_dim!r}")
+        self._check_unbounded_knobs()
+
+    def _check_unbounded_knobs(self) -> None:
+        # 255: the sketch's counters are 8-bit and saturate there
+        if not _is_int(self.admit_after) or not 1 <= self.admit_after <= 255:
+            raise ValueError(f"TableSpec.admit_after must be an int in [1, 255] (steps a row is used in before its updates "
+                             f"are kept; 1 = always), got {self.admit_after!r}")
+        if not _is_int(self.admit_width) or not 1 <= self.admit_width <= 1 << 30 or self.admit_width & (self.admit_width - 1):
+            raise ValueError(f"TableSpec.admit_width must be a power of two in [1, 2**30] (counters per sketch row; "
+                             f"about the distinct ids expected, e.g. 1 << 22), got {self.admit_width!r}")
+        if not _is_int(self.admit_depth) or not 1 <= self.admit_depth <= 8:
+            raise ValueError(f"TableSpec.admit_depth must be an int in [1, 8] (sketch rows, each with its own hash), "
+                             f"got {self.admit_depth!r}")
+        if self.ttl_steps is not None and (not _is_int(self.ttl_steps) or self.ttl_steps < 1):
+            raise ValueError(f"TableSpec.ttl_steps must be an int >= 1 (steps of the table a row may go unused before it "
+                             f"is evicted) or None (never), got {self.ttl_steps!r}")
 
     @property
     def width(self) -> int:

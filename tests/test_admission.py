@@ -1,0 +1,274 @@
+"""Admission (admit_after), TTL eviction (ttl_steps) and store.evict for unbounded id spaces.
+
+Oracles: exact counts of the ids (np.unique) for the sketch; a plain torch model
+(nn.EmbeddingBag(sparse=True) and torch.optim.SGD over a dense weight matrix) that
+applies the README's rules directly (an update is kept from the N-th step that
+uses a row on; a row unused for T steps starts over from its initial value);
+and the same training with other tier sizes, policies and prefetch depths.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tierstore
+from tierstore import RowInit, TableSpec, TieredEmbeddingBag, TieredStore, optim
+from tierstore.admission import CountMinSketch
+from tierstore.prefetch import LookaheadLoader
+from tierstore.spec import initial_rows
+
+D = 4
+POOL = 600  # distinct ids of the tests' streams, spread over the 63-bit id space
+IDS = np.random.default_rng(5).choice(1 << 62, POOL, replace=False).astype(np.int64)
+LR = 0.5
+
+
+def spec(**kw) -> TableSpec:
+    return TableSpec("t", None, D, init=RowInit.normal(0, 0.1, seed=2), **kw)
+
+
+def stream(steps: int, seed: int = 0, per_step: int = 24):
+    """(positions into IDS, offsets, target) per step: a long tail, most rows used once or twice."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        pos = (torch.rand(per_step, generator=g) ** 4 * POOL).long()
+        out.append((pos, torch.arange(0, per_step, 4), torch.randn(per_step // 4, D, generator=g)))
+    return out
+
+
+def module(path, table: TableSpec, **tiers) -> TieredEmbeddingBag:
+    store = TieredStore(path, tables=[table], device="cpu", **tiers)
+    return TieredEmbeddingBag(None, D, mode="sum", store=store, table="t", optimizer=optim.SGD(lr=LR))
+
+
+def loss(out, target):
+    return ((out - target) ** 2).sum()
+
+
+def train(emb: TieredEmbeddingBag, steps, depth: int = 0) -> None:
+    batches = [(torch.from_numpy(IDS)[pos], off, target) for pos, off, target in steps]
+    loader = LookaheadLoader([(ids, off) for ids, off, _ in batches], emb, depth=depth)
+    for (ids, off), (_, _, target) in zip(loader, batches):
+        loss(emb(ids, off), target).backward()
+
+
+class Reference:
+    """The rules on a dense matrix: torch's EmbeddingBag and SGD, then the rows not
+    admitted put back; before each step, rows idle ttl_steps or more set to initial."""
+
+    def __init__(self, table: TableSpec):
+        self.init = torch.from_numpy(initial_rows(table, IDS))
+        self.bag = torch.nn.EmbeddingBag.from_pretrained(self.init.clone(), freeze=False, mode="sum", sparse=True)
+        self.opt = torch.optim.SGD(self.bag.parameters(), lr=LR)
+        self.table = table
+        self.count = np.zeros(POOL, dtype=np.int64)
+        self.last = np.full(POOL, -1, dtype=np.int64)
+        self.step = 0
+
+    def train(self, steps) -> None:
+        for pos, off, target in steps:
+            self.step += 1
+            used = np.unique(pos.numpy())
+            w = self.bag.weight.data
+            if self.table.ttl_steps is not None:
+                idle = used[(self.last[used] >= 0) & (self.last[used] + self.table.ttl_steps <= self.step - 1)]
+                w[idle] = self.init[idle]
+            self.count[used] += 1
+            self.last[used] = self.step
+            before = w.clone()
+            self.opt.zero_grad()
+            loss(self.bag(pos, off), target).backward()
+            self.opt.step()
+            rejected = used[self.count[used] < self.table.admit_after]
+            w[rejected] = before[rejected]
+
+    def rows(self) -> torch.Tensor:
+        """Rows as a read after the last step sees them."""
+        w = self.bag.weight.detach().clone()
+        if self.table.ttl_steps is not None:
+            idle = (self.last >= 0) & (self.last + self.table.ttl_steps <= self.step)
+            w[idle] = self.init[idle]
+        return w
+
+
+def rows_after(emb: TieredEmbeddingBag) -> torch.Tensor:
+    """Every row as the reference numbers them; a read, but with admission and TTL a read is a step: done last."""
+    return emb.store.read(emb.table, torch.from_numpy(IDS))
+
+
+# -- the sketch --------------------------------------------------------------------------------
+def test_sketch_counts_never_fall_short_and_are_exact_without_collisions():
+    rng = np.random.default_rng(1)
+    steps = [np.unique(rng.choice(IDS, 40)) for _ in range(60)]
+    exact = {}
+    narrow, wide = CountMinSketch(64, 2), CountMinSketch(1 << 16, 4)
+    for uid in steps:
+        for i in uid:
+            exact[i] = exact.get(i, 0) + 1
+        before, after, _ = narrow.add(uid)
+        assert (after > before).all()
+        wide.add(uid)
+    ids = np.array(sorted(exact), dtype=np.int64)
+    truth = np.array([exact[i] for i in ids])
+    assert (narrow.estimate(ids) >= truth).all()
+    assert (narrow.estimate(ids) > truth).any(), "64 counters for 600 ids must collide"
+    assert (wide.estimate(ids) == truth).all()
+
+
+def test_sketch_is_deterministic_saturates_and_undoes():
+    a, b = CountMinSketch(256, 3), CountMinSketch(256, 3)
+    uid = np.unique(IDS[:50])
+    for _ in range(300):
+        a.add(uid)
+        b.add(uid)
+    assert np.array_equal(a.counters, b.counters)
+    assert (a.estimate(uid) == 255).all()
+    fresh = CountMinSketch(256, 3)
+    fresh.add(uid[:10])
+    saved = fresh.counters.copy()
+    *_, token = fresh.add(uid)
+    fresh.undo(token)
+    assert np.array_equal(fresh.counters, saved)
+
+
+# -- admission -----------------------------------------------------------------------------------
+def test_rows_read_initial_and_drop_updates_until_admitted(tmp_path):
+    table = spec(admit_after=3)
+    emb = module(tmp_path, table, hbm_rows=8)
+    ids, off = torch.tensor([IDS[0], IDS[1]]), torch.tensor([0, 1])
+    init = torch.from_numpy(initial_rows(table, IDS[:2]))
+    for step in (1, 2):
+        loss(emb(ids, off), torch.ones(2, D)).backward()
+        assert torch.equal(emb.store._reread("t", torch.sort(ids).values), init[torch.argsort(ids)]), f"step {step}"
+    loss(emb(ids, off), torch.ones(2, D)).backward()  # the third use: its update is kept
+    assert not torch.equal(emb.store._reread("t", torch.sort(ids).values), init[torch.argsort(ids)])
+    emb.store.flush()
+    rows = emb.store.stats(per_table=True)["t"]["rows"]
+    assert rows["admitted"] == 2 and rows["rejected"] == 4 and rows["stored"] == 2
+    emb.store.close()
+
+
+@pytest.mark.parametrize("admit_after, ttl", [(1, 6), (3, None), (2, 5)], ids=["ttl", "admission", "both"])
+def test_training_follows_the_rules_whatever_the_tiers_policy_and_prefetch(tmp_path, admit_after, ttl):
+    table = spec(admit_after=admit_after, ttl_steps=ttl, admit_width=1 << 16)  # wide: exact counts
+    steps = stream(40)
+    ref = Reference(table)
+    ref.train(steps)
+    configs = {
+        "no tiers": dict(),
+        "all in hbm": dict(hbm_rows=POOL),
+        "hbm=8": dict(hbm_rows=8),
+        "hbm=8 ddr=16 lru": dict(hbm_rows=8, ddr_rows=16),
+        "hbm=4 ddr=8 lfu": dict(hbm_rows=4, ddr_rows=8, policy="lfu"),
+        "ddr=30 depth=4": dict(ddr_rows=30, depth=4),
+    }
+    final = {}
+    for name, cfg in configs.items():
+        depth = cfg.pop("depth", 0)
+        emb = module(tmp_path / name.replace(" ", "_"), table, writeback_rows=64, writeback_group_rows=16, **cfg)
+        train(emb, steps, depth)
+        final[name] = rows_after(emb)
+        life = emb.store.stats(per_table=True)["t"]["rows"]
+        emb.store.close()
+        if admit_after > 1:
+            assert life["rejected"] > 0 and life["admitted"] > 0
+    base = final["no tiers"]
+    torch.testing.assert_close(base, ref.rows(), rtol=1e-5, atol=1e-6)
+    init = torch.from_numpy(initial_rows(table, IDS))
+    changed = (base != init).any(1)
+    used = ref.count > 0
+    assert changed.any() and (used & ~changed.numpy()).any(), "some used rows must be trained, some not (rejected or idle)"
+    for name, rows in final.items():
+        assert torch.equal(rows, base), f"{name} differs from the store without tiers"
+
+
+# -- TTL -----------------------------------------------------------------------------------------
+def stepped(store: TieredStore, n: int, start: int = 10_000) -> None:
+    """n steps of the table that use other rows."""
+    for i in range(n):
+        store.read("t", [start + i])
+
+
+@pytest.mark.parametrize("tiers", [dict(), dict(hbm_rows=4), dict(hbm_rows=2, ddr_rows=2)], ids=["none", "hbm", "small"])
+def test_a_row_unused_for_ttl_steps_reads_initial_and_a_write_recreates_it(tmp_path, tiers):
+    table = spec(ttl_steps=3)
+    init = torch.from_numpy(initial_rows(table, np.array([7, 8])))
+    with TieredStore(tmp_path, tables=[table], device="cpu", **tiers) as s:
+        s.read("t", [7, 8])  # step 1 uses both
+        s.write("t", [7, 8], torch.ones(2, D))
+        stepped(s, 2)  # steps 2, 3
+        assert torch.equal(s.read("t", [8]), torch.ones(1, D))  # step 4: 8 unused for 2 steps only
+        stepped(s, 2)  # steps 5, 6
+        assert torch.equal(s.read("t", [7, 8]), torch.cat([init[:1], torch.ones(1, D)]))  # step 7: 7 unused for 5 steps, 8 for 2
+        s.write("t", [7], torch.full((1, D), 2.0))
+        stepped(s, 2)  # steps 8, 9
+        assert torch.equal(s.read("t", [7]), torch.full((1, D), 2.0))  # step 10
+        stepped(s, 3)  # steps 11, 12, 13: 7 is gone
+        s.write("t", [7], torch.full((1, D), 5.0))  # a write re-creates it, used at the latest step (13)
+        stepped(s, 2)  # steps 14, 15
+        assert torch.equal(s.read("t", [7]), torch.full((1, D), 5.0))  # step 16
+        stepped(s, 3)
+        assert torch.equal(s.read("t", [7, 8]), init)  # step 20
+
+
+def test_idle_rows_leave_the_disk_and_the_rule_survives_reopen(tmp_path):
+    table = spec(ttl_steps=4)
+    init0 = torch.from_numpy(initial_rows(table, np.array([0])))
+    with TieredStore(tmp_path, tables=[table], device="cpu", hbm_rows=8, writeback_rows=8, writeback_group_rows=4) as s:
+        s.write("t", np.arange(200), np.ones((200, D)))  # no step yet: last used at step 0
+        s.flush()
+        assert s.stats(per_table=True)["t"]["rows"]["stored"] == 200
+        s.read("t", [0, 1])  # step 1
+        s.write("t", [0, 1], np.full((2, D), 3.0))
+        stepped(s, 2, start=1000)  # steps 2, 3
+        assert torch.equal(s.read("t", [0]), torch.full((1, D), 3.0))  # step 4
+        for i in range(40):  # steps 5..44; evicted rows are written back: commits, each followed by a sweep
+            s.read("t", np.arange(2000 + 8 * i, 2008 + 8 * i))
+        s.flush()
+        rows = s.stats(per_table=True)["t"]["rows"]
+        # left: the rows of steps 41..44; gone: 0..199, 1000, 1001 and the 288 rows of steps 5..40
+        assert rows["stored"] == 32 and rows["evicted"] == 490, rows
+        assert s._backend.disk_bytes() > 0
+    with TieredStore(tmp_path, device="cpu") as s:
+        assert torch.equal(s.read("t", [0]), init0)
+        assert torch.equal(s.read("t", [2000 + 8 * 39]), torch.from_numpy(initial_rows(table, np.array([2312]))))
+        assert s._tables["t"].life.steps == 46
+
+
+# -- evict -----------------------------------------------------------------------------------------
+def test_evict_deletes_rows_everywhere_and_a_failure_changes_nothing(tmp_path, monkeypatch):
+    table = spec()
+    init = torch.from_numpy(initial_rows(table, np.arange(6)))
+    with TieredStore(tmp_path, tables=[table], device="cpu", hbm_rows=2, ddr_rows=2) as s:
+        s.write("t", np.arange(6), np.ones((6, D)))
+        s.flush()
+        s.read("t", [0, 1, 2, 3])  # 0..3 cached, 4, 5 on disk only
+        s.write("t", [0, 4], np.full((2, D), 5.0))  # 0 dirty in a tier, 4 queued
+        real = s._backend.delete_rows
+
+        def failing(*args):
+            raise OSError("injected")
+        monkeypatch.setattr(s._backend, "delete_rows", failing)
+        before = s.read("t", np.arange(6))
+        with pytest.raises(OSError, match="injected"):
+            s.evict("t", [0, 4, 5])
+        assert torch.equal(s.read("t", np.arange(6)), before)
+        monkeypatch.setattr(s._backend, "delete_rows", real)
+        assert s.evict("t", [0, 4, 5, 99]) == 3
+        assert torch.equal(s.read("t", [0, 4, 5]), init[[0, 4, 5]])
+        assert torch.equal(s.read("t", [1, 2, 3]), torch.ones(3, D))
+        assert s.stats(per_table=True)["t"]["rows"] == {"stored": 3, "admitted": 0, "rejected": 0, "expired": 0, "evicted": 3}
+    with TieredStore(tmp_path, device="cpu") as s:
+        assert torch.equal(s.read("t", np.arange(6)), torch.cat([init[:1], torch.ones(3, D), init[4:]]))
+
+
+def test_bad_knobs_are_refused_with_the_fix():
+    for kw, match in ((dict(admit_after=0), "admit_after"), (dict(admit_after=256), r"\[1, 255\]"),
+                      (dict(admit_width=1000), "power of two"), (dict(admit_depth=9), "admit_depth"),
+                      (dict(ttl_steps=0), "ttl_steps"), (dict(ttl_steps=2.5), "ttl_steps")):
+        with pytest.raises(ValueError, match=match):
+            spec(**kw)
+    assert TableSpec.from_json(spec(admit_after=4, ttl_steps=9).to_json()) == spec(admit_after=4, ttl_steps=9)
+    assert tierstore.TableSpec is TableSpec
