@@ -26,6 +26,7 @@ from .codecs import RowCodec, encode_keys
 
 FORMAT_VERSION = 1
 _META_DB = b"__meta__"
+_SKETCH_DB = b"__sketch__"  # admission sketches, by table name, as raw counters
 _INITIAL_MAP = 1 << 30
 _MAX_GROWTH_RETRIES = 16
 _READ_CHUNK = 2048  # rows per get-and-copy round of get_rows
@@ -171,6 +172,7 @@ class LmdbBackend:
         self._dbs: dict[str, object] = {}
         self._last_dbs: dict[str, object] = {}  # tables with ttl_steps: row id -> last-use step
         self._sweep_from: dict[str, bytes] = {}  # where each table's sweep goes on
+        self._sketch_db = None
         self._codecs: dict[str, RowCodec] = {}
         with _OPEN_LOCK:
             shared = _shared_env(self.path)
@@ -362,6 +364,26 @@ class LmdbBackend:
                 hi = lo + _READ_CHUNK
                 found[lo:hi] = codec.decode(list(map(get, keys[lo:hi])), rows[lo:hi])
         return rows, found
+
+    def put_sketches(self, sketches: dict[str, bytes]) -> None:
+        """Store tables' admission sketches (one transaction)."""
+        if self._sketch_db is None:
+            self._sketch_db = self.env.open_db(_SKETCH_DB)
+        db = self._sketch_db
+
+        def op(txn):
+            for table, blob in sketches.items():
+                txn.put(table.encode(), blob, db=db)
+        self._write(op)
+
+    def get_sketch(self, table: str) -> bytes | None:
+        """A table's stored admission sketch; None if none was stored."""
+        with self._reading() as txn:
+            if txn.get(_SKETCH_DB) is None:  # never created: a readonly environment cannot create it
+                return None
+        db = self.env.open_db(_SKETCH_DB, create=False)
+        with self._reading(db=db) as txn:
+            return txn.get(table.encode())
 
     def keeps_last_use(self, table: str) -> bool:
         return table in self._last_dbs

@@ -272,3 +272,62 @@ def test_bad_knobs_are_refused_with_the_fix():
             spec(**kw)
     assert TableSpec.from_json(spec(admit_after=4, ttl_steps=9).to_json()) == spec(admit_after=4, ttl_steps=9)
     assert tierstore.TableSpec is TableSpec
+
+
+def test_admission_counts_and_steps_are_durable_at_flush(tmp_path):
+    table = spec(admit_after=3, ttl_steps=50)
+    ids, off = torch.tensor([IDS[3]]), torch.tensor([0])
+    emb = module(tmp_path, table, hbm_rows=4)
+    for _ in range(2):
+        loss(emb(ids, off), torch.ones(1, D)).backward()
+    emb.store.close()  # flushes
+    emb = module(tmp_path, table, hbm_rows=4)
+    assert emb.store._tables["t"].life.steps == 2
+    init = torch.from_numpy(initial_rows(table, IDS[3:4]))
+    loss(emb(ids, off), torch.ones(1, D)).backward()  # the third use since the store was made
+    assert not torch.equal(emb.store._reread("t", ids), init)
+    emb.store.close()
+
+
+def test_admitted_rejected_expired_evicted_are_exported_per_table(tmp_path):
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.parser import text_string_to_metric_families
+
+    registry = CollectorRegistry()
+    table = spec(admit_after=2, ttl_steps=2)
+    with TieredStore(tmp_path, tables=[table], device="cpu", hbm_rows=4, registry=registry, name="s") as s:
+        for i in range(6):
+            s.read("t", [1, 2, 10 + i])  # 1 and 2 admitted at the 2nd step; 10 + i seen once each
+        s.write("t", [1], np.ones((1, D)))
+        stepped(s, 3)
+        s.read("t", [1])  # expired
+        s.evict("t", [1, 2])
+        server = s.serve_metrics(0)
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        samples = {x.name: x.value for fam in text_string_to_metric_families(text) for x in fam.samples
+                   if x.labels.get("table") == "t" and x.name.startswith("tierstore_rows_")}
+        life = s.stats(per_table=True)["t"]["rows"]
+    assert life["admitted"] == 2 and life["rejected"] == 2 + 6 + 3 and life["expired"] == 1 and life["evicted"] >= 1
+    assert samples == {f"tierstore_rows_{k}_total": float(life[k]) for k in ("admitted", "rejected", "expired", "evicted")}
+
+
+def test_tierstore_stats_shows_rows_on_disk_evicted_rows_and_the_file_size(tmp_path, capsys):
+    from tierstore.tools.cli import main
+
+    table = spec(admit_after=2, ttl_steps=5)
+    with TieredStore(tmp_path, tables=[table], device="cpu") as s:
+        s.write("t", np.arange(50), np.ones((50, D)))
+        s.flush()
+        assert s.evict("t", np.arange(20)) == 20
+    assert main(["stats", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "admit_after" in out and "rows on disk" in out and "data.mdb" in out
+    line = next(x for x in out.splitlines()[::-1] if x.strip().startswith("t "))
+    assert line.split() == ["t", "2", "5", "30", "20"]
+    assert main(["stats", str(tmp_path), "--json"]) == 0
+    import json
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["tables"][0]["evicted_rows"] == 20 and facts["tables"][0]["rows_on_disk"] == 30 and facts["disk_bytes"] > 0

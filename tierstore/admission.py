@@ -71,6 +71,12 @@ class CountMinSketch:
         touched, old = token
         self.counters.reshape(-1)[touched] = old
 
+    def load(self, blob: bytes) -> None:
+        """Counters as ``counters.tobytes()`` gave them (a stored sketch of this shape)."""
+        if len(blob) != self.counters.nbytes:
+            raise ValueError(f"a stored sketch of {len(blob)} bytes does not fit {self.depth} x {self.width} counters")
+        self.counters = np.frombuffer(blob, dtype=np.uint8).reshape(self.depth, self.width).copy()
+
     def fill(self) -> float:
         """Share of counters that are not zero: near 1, most new ids look seen (admitted early)."""
         return float(np.count_nonzero(self.counters)) / self.counters.size

@@ -15,6 +15,7 @@ MAX_ID = (1 << 63) - 1
 MAX_NAME = 128
 _NAME = re.compile(rf"[A-Za-z0-9_][A-Za-z0-9_.-]{{0,{MAX_NAME - 1}}}", re.ASCII)
 INIT_KINDS = ("zeros", "uniform", "normal")
+_UNBOUNDED_FIELDS = ("admit_after", "admit_width", "admit_depth", "ttl_steps")
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,12 @@ class TableSpec:
         return self.dim * DTYPES[self.dtype].itemsize + 4 * self.state_dim
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        # admission and TTL fields only when set: a store that uses neither stays readable by older tierstores
+        d = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.name in _UNBOUNDED_FIELDS and d[f.name] == f.default:
+                del d[f.name]
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "TableSpec":

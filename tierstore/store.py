@@ -220,6 +220,8 @@ class TieredStore:
             meta = self._backend.read_meta()
             steps = meta.get("steps", {})
             self._tables = {name: self._make_table(spec, steps.get(name, 0)) for name, spec in specs.items()}
+            self._evicted_before: dict[str, int] = dict(meta.get("evicted", {}))  # over the store's life, at the last flush
+            self._load_sketches()
             self._counters = StoreCounters(last_flush=meta.get("last_flush"))
             self._updates: dict[str, int] = dict(meta.get("updates", {}))  # per table, for _update_key
             self.metrics = StoreMetrics(self, metrics_config)
@@ -545,9 +547,9 @@ class TieredStore:
                 if ids:
                     batches.append((name, *by_id(torch.cat(ids), torch.cat(rows))))
             now = self.config.clock()
-            self._queue_write(batches, meta={"last_flush": now, "updates": dict(self._updates),
-                                             "steps": {name: t.life.steps for name, t in self._tables.items()}})
+            self._queue_write(batches, meta={"last_flush": now, "updates": dict(self._updates), **self._life_meta()})
             self._reap(drain=True)
+            self._store_sketches()
             self._backend.sync()
             sc = self._counters
             sc.flushes += 1
@@ -1164,3 +1166,23 @@ class TieredStore:
         stored = self._backend.table_stats() if each else {}
         for name, d in each.items():
             d["rows"] = {"stored": stored[name], **dataclasses.asdict(self._tables[name].counters.life)}
+
+    def _load_sketches(self) -> None:
+        for name, t in self._tables.items():
+            blob = self._backend.get_sketch(name) if t.life.sketch is not None else None
+            if blob is not None:
+                try:
+                    t.life.sketch.load(blob)
+                except ValueError as e:
+                    raise corrupt(self.path / "data.mdb", f"table {name!r}: {e}") from None
+
+    def _store_sketches(self) -> None:
+        """Admission counts are durable at flush, with the step counts (written just before)."""
+        sketches = {name: t.life.sketch.counters.tobytes() for name, t in self._tables.items() if t.life.sketch is not None}
+        if sketches:
+            self._backend.put_sketches(sketches)
+
+    def _life_meta(self) -> dict:
+        """What flush() makes durable of admission and eviction, beside the sketches."""
+        return {"steps": {name: t.life.steps for name, t in self._tables.items()},
+                "evicted": {name: self._evicted_before.get(name, 0) + t.counters.life.evicted for name, t in self._tables.items()}}
