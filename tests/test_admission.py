@@ -310,7 +310,7 @@ def test_admitted_rejected_expired_evicted_are_exported_per_table(tmp_path):
         samples = {x.name: x.value for fam in text_string_to_metric_families(text) for x in fam.samples
                    if x.labels.get("table") == "t" and x.name.startswith("tierstore_rows_")}
         life = s.stats(per_table=True)["t"]["rows"]
-    assert life["admitted"] == 2 and life["rejected"] == 2 + 6 + 3 and life["expired"] == 1 and life["evicted"] >= 1
+    assert life["admitted"] == 2 * 5 + 1 and life["rejected"] == 2 + 6 + 3 and life["expired"] == 1 and life["evicted"] >= 1
     assert samples == {f"tierstore_rows_{k}_total": float(life[k]) for k in ("admitted", "rejected", "expired", "evicted")}
 
 
@@ -331,3 +331,35 @@ def test_tierstore_stats_shows_rows_on_disk_evicted_rows_and_the_file_size(tmp_p
     import json
     facts = json.loads(capsys.readouterr().out)
     assert facts["tables"][0]["evicted_rows"] == 20 and facts["tables"][0]["rows_on_disk"] == 30 and facts["disk_bytes"] > 0
+
+
+def test_capacity_predicts_admission_exactly_as_the_store_counts(tmp_path):
+    from tierstore.tools.capacity import CapacityConfig, analyze
+    from tierstore.trace import Trace
+
+    table = spec(admit_after=3, admit_width=256, admit_depth=2)  # narrow: the sketch admits some rows early
+    calls = [np.asarray(IDS[(torch.rand(30, generator=torch.Generator().manual_seed(i)) ** 3 * POOL).long().numpy()])
+             for i in range(80)]
+    trace = Trace.from_calls([(i, "t", c) for i, c in enumerate(calls)])
+    with TieredStore(tmp_path, tables=[table], device="cpu", hbm_rows=16, ddr_rows=16) as s:
+        for c in calls:
+            s.read("t", c)
+        measured = s.stats(per_table=True)["t"]["rows"]
+    predicted = analyze(trace, CapacityConfig(admit_after=3, admit_width=256, admit_depth=2, policies=(), belady=False))["admission"]["t"]
+    assert (predicted["admitted"], predicted["rejected"]) == (measured["admitted"], measured["rejected"])
+    assert predicted["exact_rows_admitted"] < predicted["rows_admitted"] and predicted["exact_rejected"] > predicted["rejected"]
+    uses = {}
+    for c in calls:
+        for i in set(c.tolist()):
+            uses[i] = uses.get(i, 0) + 1
+    assert predicted["exact_rows_admitted"] == sum(u >= 3 for u in uses.values())
+    assert predicted["exact_rejected"] == sum(min(u, 2) for u in uses.values())
+    assert predicted["admitted"] + predicted["rejected"] == sum(uses.values())
+    # rows that get storage once trained: a store that writes each admitted row it reads
+    with TieredStore(tmp_path / "trained", tables=[table], device="cpu", hbm_rows=16) as s:
+        for c in calls:
+            rows = s.read("t", np.unique(c))
+            keep = s._admitted("t", torch.from_numpy(np.unique(c)))
+            s.write("t", np.unique(c)[keep.numpy()], rows[keep] + 1)
+        s.flush()
+        assert s.stats(per_table=True)["t"]["rows"]["stored"] == predicted["rows_admitted"]

@@ -113,9 +113,9 @@ class RowLife:
             return np.ones(len(uid), dtype=bool)
         return self.sketch.estimate(uid) >= self.admit_after
 
-    def begin_step(self, uid: np.ndarray, clock: int) -> tuple[np.ndarray, np.ndarray]:
+    def begin_step(self, uid: np.ndarray, clock: int) -> np.ndarray:
         """A step starting at use clock ``clock`` uses the unique ids ``uid``: counts
-        them and returns which are admitted and which became so at this step.
+        them and returns which are admitted.
         ``end_step`` confirms it, ``abort_step`` takes it back."""
         if self._n == len(self._clocks):
             self._clocks = np.concatenate([self._clocks, np.empty_like(self._clocks)])
@@ -124,10 +124,9 @@ class RowLife:
         self.current = uid
         if self.sketch is None:
             self._undo = None
-            return np.ones(len(uid), dtype=bool), np.zeros(len(uid), dtype=bool)
-        before, after, self._undo = self.sketch.add(uid)
-        admitted = after >= self.admit_after
-        return admitted, admitted & (before < self.admit_after)
+            return np.ones(len(uid), dtype=bool)
+        _, after, self._undo = self.sketch.add(uid)
+        return after >= self.admit_after
 
     def abort_step(self) -> None:
         self._n -= 1

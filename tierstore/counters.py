@@ -35,8 +35,8 @@ class SSDCounters:
 class LifeCounters:
     """Admission and eviction of a table's rows (README "Unbounded id spaces")."""
 
-    admitted: int = 0  # rows whose count reached admit_after: their updates are kept from then on
-    rejected: int = 0  # row uses served before admission (initial value, update dropped)
+    admitted: int = 0  # row uses at or after admission: the update is kept (tables with admit_after > 1)
+    rejected: int = 0  # row uses before admission: the initial value, the update dropped
     expired: int = 0  # row uses that found the row idle ttl_steps or more: it read as its initial value
     evicted: int = 0  # rows deleted from disk: by evict(), or idle rows by the background sweep
 

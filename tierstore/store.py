@@ -1007,7 +1007,7 @@ class TieredStore:
         LMDB. A failure takes the count back."""
         life, c = t.life, t.counters
         uid_np = uid.numpy()
-        admitted, newly = life.begin_step(uid_np, self._use_clock)
+        admitted = life.begin_step(uid_np, self._use_clock)
         refresh = torch.from_numpy(admitted) if life.ttl_steps is not None else None
         try:
             with restored_on_error([c]):
@@ -1023,8 +1023,9 @@ class TieredStore:
             life.abort_step()
             raise
         life.end_step()
-        c.life.admitted += int(newly.sum())
-        c.life.rejected += len(uid_np) - int(admitted.sum())
+        if life.sketch is not None:
+            c.life.admitted += int(admitted.sum())
+            c.life.rejected += len(uid_np) - int(admitted.sum())
         cutoff = life.sweep_cutoff()
         if cutoff is not None and cutoff >= 0:
             self._writeback.sweep_before[t.spec.name] = cutoff
