@@ -38,9 +38,9 @@ def stream(steps: int, seed: int = 0, per_step: int = 24):
     return out
 
 
-def module(path, table: TableSpec, **tiers) -> TieredEmbeddingBag:
+def module(path, table: TableSpec, kernels: str = "torch", **tiers) -> TieredEmbeddingBag:
     store = TieredStore(path, tables=[table], device="cpu", **tiers)
-    return TieredEmbeddingBag(None, D, mode="sum", store=store, table="t", optimizer=optim.SGD(lr=LR))
+    return TieredEmbeddingBag(None, D, mode="sum", store=store, table="t", optimizer=optim.SGD(lr=LR), kernels=kernels)
 
 
 def loss(out, target):
@@ -150,8 +150,19 @@ def test_rows_read_initial_and_drop_updates_until_admitted(tmp_path):
     emb.store.close()
 
 
-@pytest.mark.parametrize("admit_after, ttl", [(1, 6), (3, None), (2, 5)], ids=["ttl", "admission", "both"])
-def test_training_follows_the_rules_whatever_the_tiers_policy_and_prefetch(tmp_path, admit_after, ttl):
+def _fbgemm():
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FBGEMM warns about its CPU-only build on import
+        pytest.importorskip("fbgemm_gpu", reason="FBGEMM (optional peer) is not installed: pip install 'tierstore[fbgemm]'")
+    return "fbgemm"
+
+
+@pytest.mark.parametrize("admit_after, ttl, kernels", [(1, 6, "torch"), (3, None, "torch"), (2, 5, "torch"), (2, 5, "fbgemm")],
+                         ids=["ttl", "admission", "both", "both-fbgemm"])
+def test_training_follows_the_rules_whatever_the_tiers_policy_and_prefetch(tmp_path, admit_after, ttl, kernels):
+    if kernels == "fbgemm":
+        _fbgemm()
     table = spec(admit_after=admit_after, ttl_steps=ttl, admit_width=1 << 16)  # wide: exact counts
     steps = stream(40)
     ref = Reference(table)
@@ -167,7 +178,7 @@ def test_training_follows_the_rules_whatever_the_tiers_policy_and_prefetch(tmp_p
     final = {}
     for name, cfg in configs.items():
         depth = cfg.pop("depth", 0)
-        emb = module(tmp_path / name.replace(" ", "_"), table, writeback_rows=64, writeback_group_rows=16, **cfg)
+        emb = module(tmp_path / name.replace(" ", "_"), table, kernels, writeback_rows=64, writeback_group_rows=16, **cfg)
         train(emb, steps, depth)
         final[name] = rows_after(emb)
         life = emb.store.stats(per_table=True)["t"]["rows"]
