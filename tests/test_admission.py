@@ -374,3 +374,19 @@ def test_capacity_predicts_admission_exactly_as_the_store_counts(tmp_path):
             s.write("t", np.unique(c)[keep.numpy()], rows[keep] + 1)
         s.flush()
         assert s.stats(per_table=True)["t"]["rows"]["stored"] == predicted["rows_admitted"]
+
+
+@pytest.mark.parametrize("tiers", [dict(hbm_rows=2, ddr_rows=2), dict(hbm_rows=16)], ids=["small", "all cached"])
+def test_a_readonly_store_follows_the_rules_and_writes_nothing(tmp_path, tiers):
+    table = spec(admit_after=2, ttl_steps=3)
+    with TieredStore(tmp_path, tables=[table], device="cpu") as s:
+        s.write("t", np.arange(10), np.ones((10, D)))
+        stepped(s, 1)
+    size = (tmp_path / "data.mdb").stat().st_size
+    with TieredStore(tmp_path, device="cpu", readonly=True, **tiers) as ro:
+        # step 2: written at step 0, not 3 steps idle yet; a readonly store's reads are not recorded as uses
+        assert torch.equal(ro.read("t", np.arange(10)), torch.ones(10, D))
+        stepped(ro, 2)
+        assert torch.equal(ro.read("t", [4]), torch.from_numpy(initial_rows(table, np.array([4]))))
+        assert ro.stats(per_table=True)["t"]["rows"]["stored"] == 10
+    assert (tmp_path / "data.mdb").stat().st_size == size

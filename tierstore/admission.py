@@ -97,6 +97,7 @@ class RowLife:
         self.ttl_steps = ttl_steps
         self.sketch = CountMinSketch(width, depth) if admit_after > 1 else None
         self.steps = steps
+        self.stored_steps = steps  # steps counted in the sketch last stored (flush)
         self._base = steps  # steps before this session: its first step is base + 1
         self._clocks = np.empty(1024, dtype=np.int64)
         self._n = 0

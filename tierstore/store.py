@@ -1008,7 +1008,8 @@ class TieredStore:
         life, c = t.life, t.counters
         uid_np = uid.numpy()
         admitted = life.begin_step(uid_np, self._use_clock)
-        refresh = torch.from_numpy(admitted) if life.ttl_steps is not None else None
+        # a readonly store writes nothing: its reads follow the rule but keep no last-use steps
+        refresh = torch.from_numpy(admitted) if life.ttl_steps is not None and not self.readonly else None
         try:
             with restored_on_error([c]):
                 if life.ttl_steps is not None:
@@ -1027,7 +1028,7 @@ class TieredStore:
             c.life.admitted += int(admitted.sum())
             c.life.rejected += len(uid_np) - int(admitted.sum())
         cutoff = life.sweep_cutoff()
-        if cutoff is not None and cutoff >= 0:
+        if cutoff is not None and cutoff >= 0 and not self.readonly:
             self._writeback.sweep_before[t.spec.name] = cutoff
         return result
 
@@ -1041,7 +1042,14 @@ class TieredStore:
         """Cached rows at ``slots`` idle ttl_steps or more get their initial values
         (they read as such wherever they are); returns the mask of those."""
         life = t.life
-        dead = torch.from_numpy(life.expired(life.steps_of(tier.last[slots].cpu().numpy())))
+        if self.readonly:  # its reads record no use: the last-use steps on disk hold, cached or not
+            ids = tier.ids[slots].cpu().numpy()
+            order = np.argsort(ids)
+            last = np.empty(len(ids), dtype=np.int64)
+            last[order] = self._stored_last_use(t, ids[order])
+        else:
+            last = life.steps_of(tier.last[slots].cpu().numpy())
+        dead = torch.from_numpy(life.expired(last))
         if bool(dead.any()):
             gone = slots[dead.to(slots.device)]
             tier.put(gone, torch.from_numpy(initial_rows(t.spec, tier.ids[gone].cpu().numpy())))
@@ -1179,9 +1187,11 @@ class TieredStore:
 
     def _store_sketches(self) -> None:
         """Admission counts are durable at flush, with the step counts (written just before)."""
-        sketches = {name: t.life.sketch.counters.tobytes() for name, t in self._tables.items() if t.life.sketch is not None}
-        if sketches:
-            self._backend.put_sketches(sketches)
+        changed = {name: t.life for name, t in self._tables.items() if t.life.sketch is not None and t.life.steps != t.life.stored_steps}
+        if changed:
+            self._backend.put_sketches({name: life.sketch.counters.tobytes() for name, life in changed.items()})
+            for life in changed.values():
+                life.stored_steps = life.steps
 
     def _life_meta(self) -> dict:
         """What flush() makes durable of admission and eviction, beside the sketches."""
