@@ -390,3 +390,24 @@ def test_a_readonly_store_follows_the_rules_and_writes_nothing(tmp_path, tiers):
         assert torch.equal(ro.read("t", [4]), torch.from_numpy(initial_rows(table, np.array([4]))))
         assert ro.stats(per_table=True)["t"]["rows"]["stored"] == 10
     assert (tmp_path / "data.mdb").stat().st_size == size
+
+
+def test_two_forwards_before_their_backwards_count_no_extra_step_whatever_the_tiers(tmp_path):
+    """A backward whose forward's rows went stale re-reads them (on small tiers only):
+    that re-read is not a step, so admission and TTL see the same steps on every tier size."""
+    table = spec(admit_after=2, ttl_steps=4, admit_width=1 << 16)
+    steps = stream(24, seed=3)
+    final = {}
+    for name, tiers in {"all in hbm": dict(hbm_rows=POOL), "hbm=3": dict(hbm_rows=3), "hbm=3 ddr=3": dict(hbm_rows=3, ddr_rows=3)}.items():
+        emb = module(tmp_path / name.replace(" ", "_"), table, **tiers)
+        for (pa, oa, ta), (pb, ob, tb) in zip(steps[::2], steps[1::2]):
+            out_a = emb(torch.from_numpy(IDS)[pa], oa)
+            out_b = emb(torch.from_numpy(IDS)[pb], ob)
+            loss(out_b, tb).backward()
+            loss(out_a, ta).backward()
+        assert emb.store._tables["t"].life.steps == 24
+        final[name] = rows_after(emb)
+        emb.store.close()
+    init = torch.from_numpy(initial_rows(table, IDS))
+    assert (final["all in hbm"] != init).any()
+    assert torch.equal(final["hbm=3"], final["all in hbm"]) and torch.equal(final["hbm=3 ddr=3"], final["all in hbm"])

@@ -591,10 +591,16 @@ class TieredEmbeddingBag(nn.Module):
         return _TieredBagFunction.apply(anchor, per_sample_weights, weights, bags.rows.positions(), rows if train else None,
                                         None, bags, self)
 
+    def _lived(self) -> bool:
+        """The table has admission or TTL (README "Unbounded id spaces")."""
+        spec = self.store.tables[self.table]
+        return spec.admit_after > 1 or spec.ttl_steps is not None
+
     def _admitted(self, bags: _Bags) -> torch.Tensor | None:
         """After the forward's read: which rows its backward may update (admit_after)."""
-        admitted = getattr(self.store, "_admitted", None)
-        mask = admitted(self.table, bags.rows.uid) if admitted is not None else None
+        if self.store.tables[self.table].admit_after == 1:
+            return None
+        mask = self.store._admitted(self.table, bags.rows.uid)
         return None if mask is None or bool(mask.all()) else mask
 
     def _update_resident(self, bags: _Bags, hit, grad_out: torch.Tensor, psw) -> None:
@@ -644,8 +650,8 @@ class TieredEmbeddingBag(nn.Module):
         counts = _WRITES.setdefault(self.store, {})
         if rows is None or counts.get(self.table, 0) != writes:
             # another backward wrote rows since this forward read them: update the current values
-            reread = getattr(self.store, "_reread", None)  # not a step: admission and TTL count steps
-            rows = reread(self.table, uid) if reread is not None else self.store.read(self.table, uid, with_state=True)
+            # with admission or TTL, not a step: they count steps, and whether this happens depends on the tiers
+            rows = self.store._reread(self.table, uid) if self._lived() else self.store.read(self.table, uid, with_state=True)
         if self.kernels == "fbgemm":
             weights, state = rows[:, :dim].contiguous(), rows[:, dim:].contiguous()
             fbgemm.fused_step(self.optimizer, weights, state, bags.rows.positions(), bags.ends(), grad_out, psw, self.config.mode)
