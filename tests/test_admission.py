@@ -411,3 +411,29 @@ def test_two_forwards_before_their_backwards_count_no_extra_step_whatever_the_ti
     init = torch.from_numpy(initial_rows(table, IDS))
     assert (final["all in hbm"] != init).any()
     assert torch.equal(final["hbm=3"], final["all in hbm"]) and torch.equal(final["hbm=3 ddr=3"], final["all in hbm"])
+
+
+def test_a_failed_read_counts_no_step_and_changes_nothing(tmp_path, monkeypatch):
+    table = spec(admit_after=2, ttl_steps=3, admit_width=1 << 12)
+    calls = [IDS[i: i + 6] for i in range(0, 60, 3)]
+
+    def run(path, fail_at=None):
+        with TieredStore(path, tables=[table], device="cpu", hbm_rows=4) as s:
+            real = s._backend.get_rows
+            out = []
+            for i, c in enumerate(calls):
+                if i == fail_at:
+                    life = s._tables["t"].life
+                    before = (life.steps, life.sketch.counters.copy(), s.stats(per_table=True))
+                    monkeypatch.setattr(s._backend, "get_rows", lambda *a, **k: (_ for _ in ()).throw(OSError("injected")))
+                    with pytest.raises(OSError, match="injected"):
+                        s.read("t", c)
+                    monkeypatch.setattr(s._backend, "get_rows", real)
+                    assert life.steps == before[0] and np.array_equal(life.sketch.counters, before[1])
+                    assert s.stats(per_table=True) == before[2]
+                rows = s.read("t", c)
+                keep = s._admitted("t", torch.from_numpy(np.sort(c)))
+                s.write("t", np.sort(c)[keep.numpy()], rows[torch.argsort(torch.from_numpy(c))][keep] * 0.5 + 1)
+                out.append(rows)
+            return torch.cat(out)
+    assert torch.equal(run(tmp_path / "a", fail_at=9), run(tmp_path / "b"))
