@@ -25,7 +25,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from .codecs import RowCodec, encode_keys
+from .codecs import RowCodec, encode_keys, row_norms_sq
 
 FORMAT_VERSION = 1
 _META_DB = b"__meta__"
@@ -418,23 +418,32 @@ class LmdbBackend:
             collections.deque(map(functools.partial(txn.delete, db=self._last_dbs[table]), keys), maxlen=0)
         return found
 
-    def sweep(self, table: str, cutoff: int, budget: int) -> int:
-        """Delete the rows last used at or before step ``cutoff`` among the next
-        ``budget`` rows of the table's last-use database, going on where the last
+    def sweep(self, table: str, cutoff: int | None, budget: int, l2_below: float | None = None) -> int:
+        """Delete the rows last used at or before step ``cutoff``, and those whose
+        weights' L2 norm is below ``l2_below``, among the next ``budget`` rows of the
+        table (of its last-use database where it keeps one), going on where the last
         sweep stopped and starting over after the end; returns the rows deleted.
         Bounded work: one transaction of ``budget`` cursor steps at most."""
+        by_age = table in self._last_dbs
         deleted = [0]
 
         def op(txn):
-            with txn.cursor(db=self._last_dbs[table]) as cur:
+            deleted[0] = 0
+            with txn.cursor(db=self._last_dbs[table] if by_age else self._dbs[table]) as cur:
                 if not cur.set_range(self._sweep_from.get(table, b"")) and not cur.first():
-                    deleted[0] = 0
                     return  # no rows
                 items = list(itertools.islice(cur.iternext(), budget))
             keys = [k for k, _ in items]
-            steps = np.frombuffer(b"".join(v for _, v in items), dtype=_STEP)
-            idle = [keys[i] for i in np.flatnonzero(steps <= cutoff)]
-            deleted[0] = self._delete(txn, table, idle)
+            dead = np.zeros(len(keys), dtype=bool)
+            if by_age and cutoff is not None:
+                dead |= np.frombuffer(b"".join(v for _, v in items), dtype=_STEP) <= cutoff
+            if l2_below is not None:
+                codec = self._codecs[table]
+                values = list(map(functools.partial(txn.get, db=self._dbs[table]), keys)) if by_age else [v for _, v in items]
+                rows = np.empty((len(keys), codec.width), dtype=np.float32)
+                found = codec.decode(values, rows)
+                dead[found] |= row_norms_sq(rows[found, : codec.dim]) < l2_below ** 2
+            deleted[0] = self._delete(txn, table, [keys[i] for i in np.flatnonzero(dead)])
             # the next sweep starts after the last key seen (keys are 8-byte big-endian ids < 2**63)
             last = int.from_bytes(keys[-1], "big")
             self._sweep_from[table] = (last + 1).to_bytes(8, "big") if len(items) == budget else b""

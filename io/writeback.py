@@ -147,11 +147,12 @@ class WriteBack:
     def __init__(self, backend: LmdbBackend, lock: threading.RLock, limit_rows: int, group_rows: int = 0, linger: float = 1.0,
                  sweep_rows: int = 4096, on_swept: Callable[[str, int], None] | None = None):
         self._backend = backend
-        # TTL sweep: after each commit, sweep_rows rows plus twice those committed of each
-        # table in sweep_before are looked at and deleted if last used at or before that
-        # step; on_swept(table, rows deleted) is called with the lock held
+        # the sweep: after each commit, sweep_rows rows plus twice those committed of each
+        # table in sweeps, {table: (last-use cutoff step or None, L2 norm or None)}, are looked
+        # at and deleted if last used at or before the cutoff, or with weights below the norm
+        # (LmdbBackend.sweep); on_swept(table, rows deleted) is called with the lock held
         self._sweep_rows = sweep_rows
-        self.sweep_before: dict[str, int] = {}
+        self.sweeps: dict[str, tuple[int | None, float | None]] = {}
         self._on_swept = on_swept
         self._cond = threading.Condition(lock)
         self._limit = limit_rows
@@ -261,13 +262,13 @@ class WriteBack:
                     self._cond.notify_all()
                     return
                 items, meta, last = self._newest(batches)
-                sweeps = dict(self.sweep_before)
+                sweeps = dict(self.sweeps)
             try:
                 # outside the lock: the trainer goes on meanwhile
                 self._backend.put_rows(items, meta, **({"last_use": last} if last else {}))
                 # scanning twice the rows written keeps the sweep ahead of the table's growth
                 budget = self._sweep_rows + 2 * sum(len(ids) for _, ids, _ in items)
-                swept = {table: self._backend.sweep(table, before, budget) for table, before in sweeps.items()}
+                swept = {table: self._backend.sweep(table, cutoff, budget, l2) for table, (cutoff, l2) in sweeps.items()}
                 error = None
             except Exception as e:  # kept and raised in the caller's thread by reap()
                 error = e

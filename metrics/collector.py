@@ -55,7 +55,7 @@ PREFETCH = (
 LIFE = (
     ("admitted", "tierstore_rows_admitted", "Row uses at or after admission (admit_after > 1): the update is kept."),
     ("rejected", "tierstore_rows_rejected", "Row uses served before admission: the initial value, the update dropped."),
-    ("expired", "tierstore_rows_expired", "Row uses that found the row idle ttl_steps or more: it read as its initial value."),
+    ("expired", "tierstore_rows_expired", "Row uses that found the row idle ttl_steps or more, or below evict_l2_below: it read as its initial value."),
     ("evicted", "tierstore_rows_evicted", "Rows deleted from disk: by evict(), or idle rows by the background sweep."),
 )
 

@@ -278,7 +278,8 @@ def test_evict_deletes_rows_everywhere_and_a_failure_changes_nothing(tmp_path, m
 def test_bad_knobs_are_refused_with_the_fix():
     for kw, match in ((dict(admit_after=0), "admit_after"), (dict(admit_after=256), r"\[1, 255\]"),
                       (dict(admit_width=1000), "power of two"), (dict(admit_depth=9), "admit_depth"),
-                      (dict(ttl_steps=0), "ttl_steps"), (dict(ttl_steps=2.5), "ttl_steps")):
+                      (dict(ttl_steps=0), "ttl_steps"), (dict(ttl_steps=2.5), "ttl_steps"),
+                      (dict(evict_l2_below=0.0), "evict_l2_below"), (dict(evict_l2_below=float("nan")), "finite")):
         with pytest.raises(ValueError, match=match):
             spec(**kw)
     assert TableSpec.from_json(spec(admit_after=4, ttl_steps=9).to_json()) == spec(admit_after=4, ttl_steps=9)
@@ -337,7 +338,7 @@ def test_tierstore_stats_shows_rows_on_disk_evicted_rows_and_the_file_size(tmp_p
     out = capsys.readouterr().out
     assert "admit_after" in out and "rows on disk" in out and "data.mdb" in out
     line = next(x for x in out.splitlines()[::-1] if x.strip().startswith("t "))
-    assert line.split() == ["t", "2", "5", "30", "20"]
+    assert line.split() == ["t", "2", "5", "-", "30", "20"]
     assert main(["stats", str(tmp_path), "--json"]) == 0
     import json
     facts = json.loads(capsys.readouterr().out)
@@ -437,3 +438,49 @@ def test_a_failed_read_counts_no_step_and_changes_nothing(tmp_path, monkeypatch)
                 out.append(rows)
             return torch.cat(out)
     assert torch.equal(run(tmp_path / "a", fail_at=9), run(tmp_path / "b"))
+
+
+# -- the L2 score -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("ttl", [None, 5])
+def test_rows_below_the_norm_read_initial_whatever_the_tiers(tmp_path, ttl):
+    """Each step reads its rows and writes them back halved: rows shrink until a use
+    finds them below the norm and they start over (a plain numpy model of the rules)."""
+    table = spec(evict_l2_below=0.05, ttl_steps=ttl)
+    init = initial_rows(table, IDS)
+    calls = [(torch.rand(12, generator=torch.Generator().manual_seed(i)) ** 2 * 40).long().numpy() for i in range(60)]
+    w, last = init.copy(), np.full(POOL, -1)
+    expect = []
+    for step, pos in enumerate(calls, start=1):
+        used = np.unique(pos)
+        small = (w[used].astype(np.float64) ** 2).sum(1) < 0.05 ** 2
+        idle = (last[used] >= 0) & (last[used] + ttl <= step - 1) if ttl else np.zeros(len(used), dtype=bool)
+        w[used[small | idle]] = init[used[small | idle]]
+        expect.append(w[pos].copy())
+        w[used] *= 0.5
+        last[used] = step
+    final = {}
+    for name, tiers in {"none": dict(), "hbm=4": dict(hbm_rows=4), "hbm=4 ddr=8 lfu": dict(hbm_rows=4, ddr_rows=8, policy="lfu")}.items():
+        with TieredStore(tmp_path / name.replace(" ", "_"), tables=[table], device="cpu", writeback_rows=16, writeback_group_rows=8, **tiers) as s:
+            for pos, want in zip(calls, expect):
+                got = s.read("t", IDS[pos])
+                assert torch.equal(got, torch.from_numpy(want)), name
+                used, first = np.unique(pos, return_index=True)
+                s.write("t", IDS[used], got[torch.from_numpy(first)] * 0.5)
+            final[name] = s.read("t", IDS[:40])
+            assert s.stats(per_table=True)["t"]["rows"]["expired"] > 0
+    assert torch.equal(final["hbm=4"], final["none"]) and torch.equal(final["hbm=4 ddr=8 lfu"], final["none"])
+
+
+def test_the_sweep_deletes_rows_below_the_norm_from_disk(tmp_path):
+    table = spec(evict_l2_below=0.5)
+    with TieredStore(tmp_path, tables=[table], device="cpu", hbm_rows=4, writeback_rows=8, writeback_group_rows=4) as s:
+        s.write("t", np.arange(100), np.full((100, D), 0.1))  # norm 0.2: below
+        s.write("t", np.arange(100, 150), np.ones((50, D)))  # norm 2: kept
+        s.flush()
+        for i in range(10):  # steps whose write-backs commit, each commit followed by a sweep
+            s.read("t", np.arange(1000 + 8 * i, 1008 + 8 * i))
+            s.write("t", np.arange(1000 + 8 * i, 1008 + 8 * i), np.ones((8, D)))
+        s.flush()
+        rows = s.stats(per_table=True)["t"]["rows"]
+        assert rows["evicted"] == 100 and rows["stored"] == 50 + 80, rows
+        assert torch.equal(s.read("t", [5, 120]), torch.cat([torch.from_numpy(initial_rows(table, np.array([5]))), torch.ones(1, D)]))

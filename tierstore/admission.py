@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tierstore.io.codecs import row_norms_sq
+
 from .spec import _splitmix64
 
 _SATURATED = 255
@@ -92,9 +94,11 @@ class RowLife:
     which the tiers keep per row, to step numbers: the clock at the start of
     each step of this session."""
 
-    def __init__(self, admit_after: int, width: int, depth: int, ttl_steps: int | None, steps: int = 0):
+    def __init__(self, admit_after: int, width: int, depth: int, ttl_steps: int | None, steps: int = 0,
+                 l2_below: float | None = None):
         self.admit_after = admit_after
         self.ttl_steps = ttl_steps
+        self.l2_below = l2_below
         self.sketch = CountMinSketch(width, depth) if admit_after > 1 else None
         self.steps = steps
         self.stored_steps = steps  # steps counted in the sketch last stored (flush)
@@ -106,7 +110,19 @@ class RowLife:
 
     @property
     def active(self) -> bool:
-        return self.sketch is not None or self.ttl_steps is not None
+        return self.sketch is not None or self.resets
+
+    @property
+    def resets(self) -> bool:
+        """Rows may read as initial again (TTL, or the L2 score)."""
+        return self.ttl_steps is not None or self.l2_below is not None
+
+    def too_small(self, weights: np.ndarray) -> np.ndarray:
+        """Rows whose weights' L2 norm is below ``l2_below`` (none without it). One
+        computation wherever a row is (tiers, LMDB, the sweep): the same bits decide."""
+        if self.l2_below is None:
+            return np.zeros(len(weights), dtype=bool)
+        return row_norms_sq(weights) < self.l2_below ** 2
 
     def admitted(self, uid: np.ndarray) -> np.ndarray:
         """Whether each id's updates are kept now, after the steps counted so far."""

@@ -37,7 +37,7 @@ class LifeCounters:
 
     admitted: int = 0  # row uses at or after admission: the update is kept (tables with admit_after > 1)
     rejected: int = 0  # row uses before admission: the initial value, the update dropped
-    expired: int = 0  # row uses that found the row idle ttl_steps or more: it read as its initial value
+    expired: int = 0  # row uses that found the row idle ttl_steps or more, or below evict_l2_below: it read as initial
     evicted: int = 0  # rows deleted from disk: by evict(), or idle rows by the background sweep
 
 

@@ -592,9 +592,9 @@ class TieredEmbeddingBag(nn.Module):
                                         None, bags, self)
 
     def _lived(self) -> bool:
-        """The table has admission or TTL (README "Unbounded id spaces")."""
+        """The table has admission, TTL or the L2 score (README "Unbounded id spaces")."""
         spec = self.store.tables[self.table]
-        return spec.admit_after > 1 or spec.ttl_steps is not None
+        return spec.admit_after > 1 or spec.ttl_steps is not None or spec.evict_l2_below is not None
 
     def _admitted(self, bags: _Bags) -> torch.Tensor | None:
         """After the forward's read: which rows its backward may update (admit_after)."""

@@ -15,7 +15,7 @@ MAX_ID = (1 << 63) - 1
 MAX_NAME = 128
 _NAME = re.compile(rf"[A-Za-z0-9_][A-Za-z0-9_.-]{{0,{MAX_NAME - 1}}}", re.ASCII)
 INIT_KINDS = ("zeros", "uniform", "normal")
-_UNBOUNDED_FIELDS = ("admit_after", "admit_width", "admit_depth", "ttl_steps")
+_UNBOUNDED_FIELDS = ("admit_after", "admit_width", "admit_depth", "ttl_steps", "evict_l2_below")
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,8 @@ class TableSpec:
     that uses it on, counted in a count-min sketch of ``admit_depth`` rows of
     ``admit_width`` saturating 8-bit counters; ``ttl_steps=T`` makes a row unused
     for T steps of its table read as its initial value again, and deletes it from
-    disk in the background.
+    disk in the background; ``evict_l2_below=x`` does the same to a row whose
+    weights' L2 norm is below x when a step uses it.
     """
 
     name: str
@@ -75,6 +76,7 @@ class TableSpec:
     admit_width: int = 1 << 20
     admit_depth: int = 4
     ttl_steps: int | None = None
+    evict_l2_below: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -107,6 +109,10 @@ class TableSpec:
         if self.ttl_steps is not None and (not _is_int(self.ttl_steps) or self.ttl_steps < 1):
             raise ValueError(f"TableSpec.ttl_steps must be an int >= 1 (steps of the table a row may go unused before it "
                              f"is evicted) or None (never), got {self.ttl_steps!r}")
+        x = self.evict_l2_below
+        if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float, np.floating)) or not 0 < x < float("inf")):
+            raise ValueError(f"TableSpec.evict_l2_below must be a finite number > 0 (rows whose weights' L2 norm is below it "
+                             f"are evicted when used; keep it below the initial rows' norms) or None, got {x!r}")
 
     @property
     def width(self) -> int:

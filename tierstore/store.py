@@ -132,7 +132,7 @@ class _Table:
         self.hbm = hbm
         self.ddr = ddr
         self.counters = TableCounters.new()
-        self.life = RowLife(spec.admit_after, spec.admit_width, spec.admit_depth, spec.ttl_steps, steps)
+        self.life = RowLife(spec.admit_after, spec.admit_width, spec.admit_depth, spec.ttl_steps, steps, spec.evict_l2_below)
         self._scratch = np.empty((0, spec.width), dtype=np.float32)
 
     def scratch(self, n: int) -> np.ndarray | None:
@@ -719,7 +719,7 @@ class TieredStore:
             t.counters.latency.observe("ssd_read", time.perf_counter() - mark)
             if not all_cold:
                 rows[cold] = cold_rows
-        if t.life.ttl_steps is not None:
+        if t.life.resets:
             self._expire_fetched(t, ids_np, rows)
         return torch.from_numpy(rows)
 
@@ -994,7 +994,7 @@ class TieredStore:
         self._await_gathers()
         for tier, slot, pos in targets:
             s = slot.to(tier.device)
-            if t.life.ttl_steps is not None:
+            if t.life.resets:
                 self._revive_cached(t, tier, s)
             tier.put(s, values if len(pos) == n else values[pos], cols)  # all in one tier: no gather
             tier.dirty[s] = True
@@ -1012,7 +1012,7 @@ class TieredStore:
         refresh = torch.from_numpy(admitted) if life.ttl_steps is not None and not self.readonly else None
         try:
             with restored_on_error([c]):
-                if life.ttl_steps is not None:
+                if life.resets:
                     for tier in (t.hbm, t.ddr):
                         if tier is not None:
                             slots = tier.lookup(uid)
@@ -1028,8 +1028,8 @@ class TieredStore:
             c.life.admitted += int(admitted.sum())
             c.life.rejected += len(uid_np) - int(admitted.sum())
         cutoff = life.sweep_cutoff()
-        if cutoff is not None and cutoff >= 0 and not self.readonly:
-            self._writeback.sweep_before[t.spec.name] = cutoff
+        if not self.readonly and ((cutoff is not None and cutoff >= 0) or life.l2_below is not None):
+            self._writeback.sweeps[t.spec.name] = (cutoff, life.l2_below)
         return result
 
     def _mark_dirty(self, t: _Table, ids: torch.Tensor) -> None:
@@ -1039,17 +1039,21 @@ class TieredStore:
                 tier.dirty[slots[slots >= 0]] = True
 
     def _expire_cached(self, t: _Table, tier: CacheTier, slots: torch.Tensor) -> torch.Tensor:
-        """Cached rows at ``slots`` idle ttl_steps or more get their initial values
-        (they read as such wherever they are); returns the mask of those."""
+        """Cached rows at ``slots`` idle ttl_steps or more, or below evict_l2_below, get
+        their initial values (they read as such wherever they are); returns the mask of those."""
         life = t.life
-        if self.readonly:  # its reads record no use: the last-use steps on disk hold, cached or not
+        dead = life.too_small(tier.gather(slots, tier.dim).cpu().numpy())
+        if life.ttl_steps is None:
+            pass
+        elif self.readonly:  # its reads record no use: the last-use steps on disk hold, cached or not
             ids = tier.ids[slots].cpu().numpy()
             order = np.argsort(ids)
             last = np.empty(len(ids), dtype=np.int64)
             last[order] = self._stored_last_use(t, ids[order])
+            dead |= life.expired(last)
         else:
-            last = life.steps_of(tier.last[slots].cpu().numpy())
-        dead = torch.from_numpy(life.expired(last))
+            dead |= life.expired(life.steps_of(tier.last[slots].cpu().numpy()))
+        dead = torch.from_numpy(dead)
         if bool(dead.any()):
             gone = slots[dead.to(slots.device)]
             self._await_gathers()  # a gather outside the lock may be reading these rows
@@ -1062,7 +1066,7 @@ class TieredStore:
         values, used at the latest step, as a write to a row not cached does."""
         dead = self._expire_cached(t, tier, slots)
         start = t.life.step_start_clock()
-        if bool(dead.any()) and start is not None:
+        if bool(dead.any()) and start is not None and t.life.ttl_steps is not None:
             tier.last[slots[dead.to(slots.device)]] = start
 
     def _stored_last_use(self, t: _Table, ids: np.ndarray) -> np.ndarray:
@@ -1076,12 +1080,16 @@ class TieredStore:
 
     def _expire_fetched(self, t: _Table, ids: np.ndarray, rows: np.ndarray) -> None:
         """Rows fetched from staging, the queue or LMDB that are idle too long (or were
-        swept) read as initial."""
-        last = self._stored_last_use(t, ids)
-        dead = t.life.expired(last)
+        swept), or below evict_l2_below, read as initial."""
+        dead = t.life.too_small(rows[:, : t.spec.dim])
+        counted = dead.copy()
+        if t.life.ttl_steps is not None:
+            last = self._stored_last_use(t, ids)
+            dead |= t.life.expired(last)
+            counted |= dead & (last >= 0)
         if dead.any():
             rows[dead] = initial_rows(t.spec, ids[dead])
-            t.counters.life.expired += int((dead & (last >= 0)).sum())
+            t.counters.life.expired += int(counted.sum())
 
     def _last_use_to_store(self, t: _Table, ids: np.ndarray) -> np.ndarray:
         """Last-use steps of rows on their way to LMDB (sorted ids): the step in
@@ -1118,7 +1126,7 @@ class TieredStore:
     def _lived_table(self, table: str) -> _Table:
         t = self._table(table)
         if not isinstance(t, _Table):  # a prefetchd client's tables are the daemon's
-            raise NotImplementedError(f"table {table!r} has admit_after or ttl_steps, which only an embedded TieredStore "
+            raise NotImplementedError(f"table {table!r} has admit_after, ttl_steps or evict_l2_below, which only an embedded TieredStore "
                                       "applies so far; train it in the process that owns the store, not through prefetchd")
         return t
 
@@ -1141,7 +1149,7 @@ class TieredStore:
                 inside = (slots >= 0) & todo
                 if bool(inside.any()):
                     s = slots[inside].to(tier.device)
-                    if t.life.ttl_steps is not None:
+                    if t.life.resets:
                         self._expire_cached(t, tier, s)
                     rows[inside] = tier.gather(s).cpu()
                     todo &= ~inside

@@ -35,6 +35,7 @@ class TableFacts:
     payload_bytes: int  # rows_on_disk x (8-byte key + 4 x (dim + state_dim))
     admit_after: int = 1
     ttl_steps: int | None = None
+    evict_l2_below: float | None = None
     evicted_rows: int = 0  # deleted from disk over the store's life (evict(), TTL sweep), as of the last flush
 
 
@@ -102,7 +103,7 @@ def _read_once(path: Path) -> StoreFacts:
         backend.close()
     tables = [
         TableFacts(s.name, s.num_rows, s.dim, s.state_dim, rows[s.name], rows[s.name] * (8 + 4 * s.width),
-                   s.admit_after, s.ttl_steps, meta.get("evicted", {}).get(s.name, 0)) for s in specs
+                   s.admit_after, s.ttl_steps, s.evict_l2_below, meta.get("evicted", {}).get(s.name, 0)) for s in specs
     ]
     return StoreFacts(str(path), meta.get("format"), disk, meta.get("last_flush"), tables)
 
@@ -127,11 +128,12 @@ def format_facts(f: StoreFacts) -> str:
     ]
     body.append(("total", "", "", "", f"{sum(t.rows_on_disk for t in f.tables):,}", "", _size(sum(t.payload_bytes for t in f.tables))))
     lines += _aligned(header, body)
-    lived = [t for t in f.tables if t.admit_after > 1 or t.ttl_steps is not None or t.evicted_rows]
+    lived = [t for t in f.tables if t.admit_after > 1 or t.ttl_steps is not None or t.evict_l2_below is not None or t.evicted_rows]
     if lived:  # README "Unbounded id spaces: admission and eviction"
         lines.append("  admission and eviction (evicted: deleted from disk, as of the last flush)")
-        lines += _aligned(("table", "admit_after", "ttl_steps", "rows on disk", "evicted"),
+        lines += _aligned(("table", "admit_after", "ttl_steps", "l2_below", "rows on disk", "evicted"),
                           [(t.name, str(t.admit_after), "-" if t.ttl_steps is None else f"{t.ttl_steps:,}",
+                            "-" if t.evict_l2_below is None else f"{t.evict_l2_below:g}",
                             f"{t.rows_on_disk:,}", f"{t.evicted_rows:,}") for t in lived])
     return "\n".join(lines)
 
