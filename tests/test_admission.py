@@ -484,3 +484,36 @@ def test_the_sweep_deletes_rows_below_the_norm_from_disk(tmp_path):
         rows = s.stats(per_table=True)["t"]["rows"]
         assert rows["evicted"] == 100 and rows["stored"] == 50 + 80, rows
         assert torch.equal(s.read("t", [5, 120]), torch.cat([torch.from_numpy(initial_rows(table, np.array([5]))), torch.ones(1, D)]))
+
+
+def test_flushed_counts_steps_and_evictions_survive_kill_9(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    child = (
+        "import sys, numpy as np, tierstore\n"
+        "spec = tierstore.TableSpec('t', None, 4, init=tierstore.RowInit.normal(0, 0.1, seed=2), admit_after=2, ttl_steps=4, admit_width=1024)\n"
+        "s = tierstore.TieredStore(sys.argv[1], [spec], hbm_rows=4, device='cpu')\n"
+        "s.write('t', [3], np.full((1, 4), 3.0))\n"
+        "s.read('t', [1, 2]); s.read('t', [1, 2])\n"
+        "s.write('t', [1, 2], np.ones((2, 4)))\n"
+        "s.evict('t', [3])\n"
+        "s.flush()\n"
+        "print('flushed', flush=True)\n"
+        "i = 0\n"
+        "while True:\n"
+        "    s.read('t', [1000 + i]); s.write('t', [1000 + i], np.full((1, 4), 7.0)); i += 1\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "flushed"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    table = spec(admit_after=2, ttl_steps=4, admit_width=1024)
+    with TieredStore(tmp_path, device="cpu") as s:
+        assert s._tables["t"].life.steps == 2
+        assert s._admitted("t", torch.tensor([1, 2])).all() and not s._admitted("t", torch.tensor([5])).any()
+        assert torch.equal(s.read("t", [1, 2, 3]), torch.cat([torch.ones(2, D), torch.from_numpy(initial_rows(table, np.array([3])))]))
