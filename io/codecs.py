@@ -92,3 +92,11 @@ class RowCodec:
         rows[:, : self.dim] = _from_bfloat16_bits(bits) if self.dtype == "bfloat16" else bits
         rows[:, self.dim:] = np.ascontiguousarray(packed[:, self._weight_bytes:]).view("<f4")
         return rows
+
+
+def row_norms_sq(weights: np.ndarray) -> np.ndarray:
+    """Squared L2 norm of each row, in float64 (each square exact), summed the same
+    way for any number of rows: the store and the sweep decide TableSpec.evict_l2_below
+    with this one computation, so the same row gets the same answer."""
+    w = np.ascontiguousarray(weights, dtype=np.float64)
+    return np.add.reduce(w * w, axis=1)

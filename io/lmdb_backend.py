@@ -7,8 +7,11 @@ power loss as well. Integrity never depends on syncing: LMDB stays consistent.
 """
 from __future__ import annotations
 
+import collections
 import errno
 import fcntl
+import functools
+import itertools
 import json
 import os
 import shutil
@@ -22,14 +25,16 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from .codecs import RowCodec, encode_keys
+from .codecs import RowCodec, encode_keys, row_norms_sq
 
 FORMAT_VERSION = 1
 _META_DB = b"__meta__"
+_SKETCH_DB = b"__sketch__"  # admission sketches, by table name, as raw counters
 _INITIAL_MAP = 1 << 30
 _MAX_GROWTH_RETRIES = 16
 _READ_CHUNK = 2048  # rows per get-and-copy round of get_rows
 _WRITE_CHUNK = 65536  # rows per write transaction at most
+_STEP = np.dtype("<i8")  # a row's last-use step, in a table's u: database
 
 
 class _ResizeGuard:
@@ -168,6 +173,9 @@ class LmdbBackend:
         self.readonly = readonly
         self._lock_fd = None
         self._dbs: dict[str, object] = {}
+        self._last_dbs: dict[str, object] = {}  # tables with ttl_steps: row id -> last-use step
+        self._sweep_from: dict[str, bytes] = {}  # where each table's sweep goes on
+        self._sketch_db = None
         self._codecs: dict[str, RowCodec] = {}
         with _OPEN_LOCK:
             shared = _shared_env(self.path)
@@ -335,9 +343,12 @@ class LmdbBackend:
                 txn.put(k.encode(), json.dumps(v).encode(), db=self._meta)
         self._write(op)
 
-    def open_table(self, name: str, dim: int, state_dim: int = 0, dtype: str = "float32") -> None:
+    def open_table(self, name: str, dim: int, state_dim: int = 0, dtype: str = "float32", last_use: bool = False) -> None:
+        """``last_use``: the table keeps each row's last-use step beside it (ttl_steps)."""
         self._dbs[name] = self.env.open_db(b"t:" + name.encode(), create=not self.readonly)
         self._codecs[name] = RowCodec(dim, state_dim, dtype)
+        if last_use:
+            self._last_dbs[name] = self.env.open_db(b"u:" + name.encode(), create=not self.readonly)
 
     # -- rows ----------------------------------------------------------------------
     def get_rows(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -357,13 +368,101 @@ class LmdbBackend:
                 found[lo:hi] = codec.decode(list(map(get, keys[lo:hi])), rows[lo:hi])
         return rows, found
 
-    def put_rows(self, batches: list[tuple[str, np.ndarray, np.ndarray]], meta: dict | None = None) -> int:
+    def put_sketches(self, sketches: dict[str, bytes]) -> None:
+        """Store tables' admission sketches (one transaction)."""
+        if self._sketch_db is None:
+            self._sketch_db = self.env.open_db(_SKETCH_DB)
+        db = self._sketch_db
+
+        def op(txn):
+            for table, blob in sketches.items():
+                txn.put(table.encode(), blob, db=db)
+        self._write(op)
+
+    def get_sketch(self, table: str) -> bytes | None:
+        """A table's stored admission sketch; None if none was stored."""
+        with self._reading() as txn:
+            if txn.get(_SKETCH_DB) is None:  # never created: a readonly environment cannot create it
+                return None
+        db = self.env.open_db(_SKETCH_DB, create=False)
+        with self._reading(db=db) as txn:
+            return txn.get(table.encode())
+
+    def keeps_last_use(self, table: str) -> bool:
+        return table in self._last_dbs
+
+    def get_last_use(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """Stored last-use step of each of the sorted ``ids``; -1 where none is (no such row)."""
+        out = np.full(len(ids), -1, dtype=np.int64)
+        with self._reading(db=self._last_dbs[table], buffers=False) as txn:
+            values = list(map(txn.get, encode_keys(ids)))
+        found = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
+        if found.any():
+            out[found] = np.frombuffer(b"".join(v for v in values if v is not None), dtype=_STEP)
+        return out
+
+    def delete_rows(self, table: str, ids: np.ndarray) -> int:
+        """Delete the rows of ``ids`` (and their last-use steps) in one transaction; returns how many existed."""
+        keys = encode_keys(ids)
+        deleted = [0]
+
+        def op(txn):
+            deleted[0] = self._delete(txn, table, keys)
+        self._write(op)
+        return deleted[0]
+
+    def _delete(self, txn, table: str, keys: list[bytes]) -> int:
+        # map: the per-key calls run in C, as get_rows's gets
+        found = sum(map(functools.partial(txn.delete, db=self._dbs[table]), keys))
+        if table in self._last_dbs:
+            collections.deque(map(functools.partial(txn.delete, db=self._last_dbs[table]), keys), maxlen=0)
+        return found
+
+    def sweep(self, table: str, cutoff: int | None, budget: int, l2_below: float | None = None) -> int:
+        """Delete the rows last used at or before step ``cutoff``, and those whose
+        weights' L2 norm is below ``l2_below``, among the next ``budget`` rows of the
+        table (of its last-use database where it keeps one), going on where the last
+        sweep stopped and starting over after the end; returns the rows deleted.
+        Bounded work: one transaction of ``budget`` cursor steps at most."""
+        by_age = table in self._last_dbs
+        deleted = [0]
+
+        def op(txn):
+            deleted[0] = 0
+            with txn.cursor(db=self._last_dbs[table] if by_age else self._dbs[table]) as cur:
+                if not cur.set_range(self._sweep_from.get(table, b"")) and not cur.first():
+                    return  # no rows
+                items = list(itertools.islice(cur.iternext(), budget))
+            keys = [k for k, _ in items]
+            dead = np.zeros(len(keys), dtype=bool)
+            if by_age and cutoff is not None:
+                dead |= np.frombuffer(b"".join(v for _, v in items), dtype=_STEP) <= cutoff
+            if l2_below is not None:
+                codec = self._codecs[table]
+                values = list(map(functools.partial(txn.get, db=self._dbs[table]), keys)) if by_age else [v for _, v in items]
+                rows = np.empty((len(keys), codec.width), dtype=np.float32)
+                found = codec.decode(values, rows)
+                dead[found] |= row_norms_sq(rows[found, : codec.dim]) < l2_below ** 2
+            deleted[0] = self._delete(txn, table, [keys[i] for i in np.flatnonzero(dead)])
+            # the next sweep starts after the last key seen (keys are 8-byte big-endian ids < 2**63)
+            last = int.from_bytes(keys[-1], "big")
+            self._sweep_from[table] = (last + 1).to_bytes(8, "big") if len(items) == budget else b""
+        self._write(op)
+        return deleted[0]
+
+    def put_rows(self, batches: list[tuple[str, np.ndarray, np.ndarray]], meta: dict | None = None,
+                 last_use: dict[str, np.ndarray] | None = None) -> int:
         """Write (table, sorted ids, rows) batches, then meta; returns bytes written.
+        ``last_use[table]``, for tables that keep it, is each row's last-use step.
         Transactions of at most _WRITE_CHUNK rows, meta with the last: past LMDB's
         dirty-page limit a transaction spills pages and slows down (1M rows of 512 B
         took 5.3 s in one transaction, 2.3 s in 16). A failure leaves the earlier
         transactions committed; writing the rows again rewrites the same values."""
-        parts = [(t, ids[lo: lo + _WRITE_CHUNK], rows[lo: lo + _WRITE_CHUNK])
+        last_use = last_use or {}
+        for t, ids, _ in batches:
+            if t in self._last_dbs and t not in last_use and len(ids):
+                raise ValueError(f"rows of table {t!r} need their last-use steps (it has ttl_steps)")
+        parts = [(t, ids[lo: lo + _WRITE_CHUNK], rows[lo: lo + _WRITE_CHUNK], last_use[t][lo: lo + _WRITE_CHUNK] if t in last_use else None)
                  for t, ids, rows in batches for lo in range(0, len(ids), _WRITE_CHUNK)]
         groups, group, size = [], [], 0
         for part in parts:
@@ -374,7 +473,12 @@ class LmdbBackend:
             size += len(part[1])
         groups.append(group)
         for i, group in enumerate(groups):
-            encoded = [(self._dbs[t], encode_keys(ids), self._codecs[t].encode(rows)) for t, ids, rows in group]
+            encoded = []
+            for t, ids, rows, steps in group:
+                keys = encode_keys(ids)
+                encoded.append((self._dbs[t], keys, self._codecs[t].encode(rows)))
+                if steps is not None:
+                    encoded.append((self._last_dbs[t], keys, np.ascontiguousarray(steps, dtype=_STEP).view("V8").ravel().tolist()))
             last = i == len(groups) - 1
 
             def op(txn, encoded=encoded, last=last):

@@ -54,8 +54,8 @@ _SEGMENT = 1 << 40  # slot = segment * _SEGMENT + row; segment 0 is the pool, th
 
 class QueuedRows:
     """The newest queued value of each row of one table: its ids sorted, each
-    with a slot holding its value (np.insert and np.delete move a few hundred
-    KiB at most, far less than a search per queued batch).
+    with a slot holding its value and last-use step (np.insert and np.delete
+    move a few hundred KiB at most, far less than a search per queued batch).
 
     Slots are in a growable pool with a free list, or, for a write of at least
     ``adopt_rows`` rows, in that write's own array, adopted uncopied as a
@@ -69,10 +69,11 @@ class QueuedRows:
         self.slots = np.empty(0, dtype=np.int64)  # of each id
         self.pool = np.empty((capacity, width), dtype=np.float32)
         self.seq = np.zeros(capacity, dtype=np.int64)  # the batch that queued each slot's value
+        self.last = np.zeros(capacity, dtype=np.int64)  # each slot's last-use step (tables with ttl_steps)
         self._free = np.arange(capacity - 1, -1, -1)  # a stack of free pool slots
         self._nfree = capacity
         self._adopt_rows = adopt_rows
-        self._segments: dict[int, list] = {}  # number -> [rows, seq of each row, rows still queued]
+        self._segments: dict[int, list] = {}  # number -> [rows, seq, last of each row, rows still queued]
         self._next_segment = 1
 
     def __len__(self) -> int:
@@ -81,7 +82,7 @@ class QueuedRows:
     @property
     def nbytes(self) -> int:
         """Bytes of row storage held (pool and adopted writes)."""
-        return self.pool.nbytes + sum(rows.nbytes for rows, _, _ in self._segments.values())
+        return self.pool.nbytes + sum(rows.nbytes for rows, *_ in self._segments.values())
 
     def _find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         pos = np.searchsorted(self.ids, ids)
@@ -90,23 +91,25 @@ class QueuedRows:
         return pos, found
 
     def _by_segment(self, slots: np.ndarray):
-        """(segment, its rows, its seq, mask of the ``slots`` in it or None for all, their rows there)."""
+        """(segment, its rows, seq and last, mask of the ``slots`` in it or None for all, their rows there)."""
         number = slots // _SEGMENT
         if not len(slots) or number[0] == number[-1] and (number == number[0]).all():  # the usual case: one
             parts = [(int(number[0]) if len(slots) else 0, None)]
         else:
             parts = [(int(k), number == k) for k in np.unique(number)]
         for k, mask in parts:
-            rows, seq = (self.pool, self.seq) if k == 0 else self._segments[k][:2]
-            yield k, rows, seq, mask, (slots if mask is None else slots[mask]) - k * _SEGMENT
+            rows, seq, last = (self.pool, self.seq, self.last) if k == 0 else self._segments[k][:3]
+            yield k, rows, seq, last, mask, (slots if mask is None else slots[mask]) - k * _SEGMENT
 
-    def put(self, ids: np.ndarray, rows: np.ndarray, seq: int) -> None:
-        """Queue the rows of sorted unique ``ids`` as batch ``seq``'s, replacing older queued values."""
+    def put(self, ids: np.ndarray, rows: np.ndarray, seq: int, last: np.ndarray | None = None) -> None:
+        """Queue the rows of sorted unique ``ids`` as batch ``seq``'s, replacing older queued
+        values; ``last``: their last-use steps."""
         pos, found = self._find(ids)
         old = self.slots[pos[found]]
         if len(ids) >= self._adopt_rows:  # a bulk write: its rows become a segment, uncopied
             k, self._next_segment = self._next_segment, self._next_segment + 1
-            self._segments[k] = [np.ascontiguousarray(rows, dtype=np.float32), np.full(len(ids), seq), len(ids)]
+            steps = np.zeros(len(ids), dtype=np.int64) if last is None else np.array(last, dtype=np.int64)
+            self._segments[k] = [np.ascontiguousarray(rows, dtype=np.float32), np.full(len(ids), seq), steps, len(ids)]
             slots = k * _SEGMENT + np.arange(len(ids))
             self._release(old)
             self.slots[pos[found]] = slots[found]
@@ -127,18 +130,20 @@ class QueuedRows:
             slots[~found] = fresh
             self.pool[slots] = rows
             self.seq[slots] = seq
+            if last is not None:
+                self.last[slots] = last
         self.ids = np.insert(self.ids, pos[~found], ids[~found])
         self.slots = np.insert(self.slots, pos[~found], fresh)
 
     def _release(self, slots: np.ndarray) -> None:
         """Slots whose values are no longer queued: back to the pool, or off their segment."""
-        for k, _, _, _, local in self._by_segment(slots):
+        for k, *_, local in self._by_segment(slots):
             if k == 0:
                 self._free[self._nfree: self._nfree + len(local)] = local
                 self._nfree += len(local)
             else:
-                self._segments[k][2] -= len(local)
-                if self._segments[k][2] == 0:
+                self._segments[k][3] -= len(local)
+                if self._segments[k][3] == 0:
                     del self._segments[k]
 
     def _grow(self, extra: int) -> None:
@@ -146,6 +151,7 @@ class QueuedRows:
         new = max(2 * old, old + extra)
         self.pool = np.concatenate([self.pool, np.empty((new - old, self.width), dtype=np.float32)])
         self.seq = np.concatenate([self.seq, np.zeros(new - old, dtype=np.int64)])
+        self.last = np.concatenate([self.last, np.zeros(new - old, dtype=np.int64)])
         free = np.empty(new, dtype=np.int64)
         free[: new - old] = np.arange(new - 1, old - 1, -1)
         free[new - old: new - old + self._nfree] = self._free[: self._nfree]
@@ -160,7 +166,7 @@ class QueuedRows:
             return found, None
         slots = self.slots[pos[found]]
         out = None
-        for _, rows, _, mask, local in self._by_segment(slots):
+        for _, rows, _, _, mask, local in self._by_segment(slots):
             if mask is None:  # one segment
                 if local[-1] - local[0] == len(local) - 1 and (np.diff(local) == 1).all():
                     return found, rows[local[0]: local[-1] + 1].copy()  # a bulk write's rows: one memcpy
@@ -170,17 +176,25 @@ class QueuedRows:
             out[mask] = rows[local]
         return found, out
 
+    def get_last(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(mask of the sorted ``ids`` queued, last-use steps of the queued ones)."""
+        if not len(self.ids) or not len(ids):
+            return np.zeros(len(ids), dtype=bool), np.empty(0, dtype=np.int64)
+        pos, found = self._find(ids)
+        slots = self.slots[pos[found]]
+        out = np.empty(len(slots), dtype=np.int64)
+        for _, _, _, last, mask, local in self._by_segment(slots):
+            out[slice(None) if mask is None else mask] = last[local]
+        return found, out
+
     def drop(self, ids: np.ndarray, seq: int) -> None:
         """Batch ``seq`` is committed: forget those of its rows that no later batch queued."""
         pos, found = self._find(ids)
         pos = pos[found]
         slots = self.slots[pos]
         mine = np.zeros(len(pos), dtype=bool)
-        for _, _, slot_seq, mask, local in self._by_segment(slots):
-            if mask is None:
-                mine = slot_seq[local] == seq
-            else:
-                mine[mask] = slot_seq[local] == seq
+        for _, _, slot_seq, _, mask, local in self._by_segment(slots):
+            mine[slice(None) if mask is None else mask] = slot_seq[local] == seq
         self._release(slots[mine])
         self.ids = np.delete(self.ids, pos[mine])
         self.slots = np.delete(self.slots, pos[mine])
@@ -190,8 +204,16 @@ class WriteBack:
     """The queue and its writer thread. Every method runs with ``lock`` (the
     store's) held by the caller; waits release it, as Condition waits do."""
 
-    def __init__(self, backend: LmdbBackend, lock: threading.RLock, limit_rows: int, group_rows: int = 0, linger: float = 1.0):
+    def __init__(self, backend: LmdbBackend, lock: threading.RLock, limit_rows: int, group_rows: int = 0, linger: float = 1.0,
+                 sweep_rows: int = 4096, on_swept: Callable[[str, int], None] | None = None):
         self._backend = backend
+        # the sweep: after each commit, sweep_rows rows plus twice those committed of each
+        # table in sweeps, {table: (last-use cutoff step or None, L2 norm or None)}, are looked
+        # at and deleted if last used at or before the cutoff, or with weights below the norm
+        # (LmdbBackend.sweep); on_swept(table, rows deleted) is called with the lock held
+        self._sweep_rows = sweep_rows
+        self.sweeps: dict[str, tuple[int | None, float | None]] = {}
+        self._on_swept = on_swept
         self._cond = threading.Condition(lock)
         self._limit = limit_rows
         self._group = min(group_rows, limit_rows // 2)  # due before calls wait for the queue
@@ -208,14 +230,15 @@ class WriteBack:
         """Rows not yet committed."""
         return sum(b.rows for b in self._queue if not b.committed)
 
-    def submit(self, items: Items, meta: dict | None = None) -> None:
+    def submit(self, items: Items, meta: dict | None = None, last: dict[str, np.ndarray] | None = None) -> None:
         """Queue rows (and store metadata), committed together, perhaps with other
-        batches; returns at once. The queue owns the rows arrays from now on."""
+        batches; returns at once. The queue owns the rows arrays from now on.
+        ``last[table]``: the rows' last-use steps, for tables that keep them."""
         self._seq += 1
         for table, ids, rows in items:
             if table not in self._queued:
                 self._queued[table] = QueuedRows(rows.shape[1])
-            self._queued[table].put(ids, rows, self._seq)
+            self._queued[table].put(ids, rows, self._seq, (last or {}).get(table))
         self._queue.append(WriteBatch([(table, ids) for table, ids, _ in items], meta, sum(len(ids) for _, ids, _ in items), self._seq))
         self._wake()
 
@@ -251,6 +274,13 @@ class WriteBack:
         if queued is None or not len(ids):
             return np.zeros(len(ids), dtype=bool), None
         return queued.get(ids)
+
+    def lookup_last(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Last-use step of each of the sorted ``ids`` queued: (found mask, steps of the found ones)."""
+        queued = self._queued.get(table)
+        if queued is None:
+            return np.zeros(len(ids), dtype=bool), np.empty(0, dtype=np.int64)
+        return queued.get_last(ids)
 
     def stop(self) -> None:
         """Wait until the writer has written what it can (all, or up to a failure) and left."""
@@ -291,10 +321,14 @@ class WriteBack:
                     self._thread = None
                     self._cond.notify_all()
                     return
-                items, meta = self._newest(batches)
+                items, meta, last = self._newest(batches)
+                sweeps = dict(self.sweeps)
             try:
                 # outside the lock: the trainer goes on meanwhile
-                self._backend.put_rows(items, meta)
+                self._backend.put_rows(items, meta, **({"last_use": last} if last else {}))
+                # scanning twice the rows written keeps the sweep ahead of the table's growth
+                budget = self._sweep_rows + 2 * sum(len(ids) for _, ids, _ in items)
+                swept = {table: self._backend.sweep(table, cutoff, budget, l2) for table, (cutoff, l2) in sweeps.items()}
                 error = None
             except Exception as e:  # kept and raised in the caller's thread by reap()
                 error = e
@@ -302,25 +336,31 @@ class WriteBack:
                 if error is None:
                     for batch in batches:
                         batch.committed = True
+                    for table, n in swept.items():
+                        if n and self._on_swept is not None:
+                            self._on_swept(table, n)
                 else:
                     self._error = error
                 self._cond.notify_all()
 
 
-    def _newest(self, batches: list[WriteBatch]) -> tuple[Items, dict]:
+    def _newest(self, batches: list[WriteBatch]) -> tuple[Items, dict, dict[str, np.ndarray]]:
         """The rows of several batches as one sorted run per table, each row once
         with its newest value (LMDB's cursor then finds consecutive rows on the
-        page it is on), and their metadata, the newest last."""
+        page it is on), their metadata, the newest last, and the last-use steps
+        of tables that sweep."""
         by_table: dict[str, list[np.ndarray]] = {}
         meta: dict = {}
         for batch in batches:
             for table, ids in batch.ids:
                 by_table.setdefault(table, []).append(ids)
             meta.update(batch.meta or {})
-        items = []
+        items, last = [], {}
         for table, parts in by_table.items():
             ids = parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
             queued = self._queued[table]
             rows = queued.get(ids)[1]
             items.append((table, ids, rows if rows is not None else np.empty((0, queued.width), dtype=np.float32)))
-        return items, meta
+            if self._backend.keeps_last_use(table):
+                last[table] = queued.get_last(ids)[1]
+        return items, meta, last

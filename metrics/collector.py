@@ -51,6 +51,14 @@ PREFETCH = (
     ("shrunk_steps", "counter", "tierstore_prefetch_shrunk_steps", "Steps whose prefetch window was shorter than asked (no staging room)."),
 )
 
+# LifeCounters field -> (name, help), per store and table: admission and eviction
+LIFE = (
+    ("admitted", "tierstore_rows_admitted", "Row uses at or after admission (admit_after > 1): the update is kept."),
+    ("rejected", "tierstore_rows_rejected", "Row uses served before admission: the initial value, the update dropped."),
+    ("expired", "tierstore_rows_expired", "Row uses that found the row idle ttl_steps or more, or below evict_l2_below: it read as its initial value."),
+    ("evicted", "tierstore_rows_evicted", "Rows deleted from disk: by evict(), or idle rows by the background sweep."),
+)
+
 # (kind, name, help, labels); counters are named without _total, which
 # prometheus_client appends. The README's metric table follows this list.
 METRICS = (
@@ -66,6 +74,7 @@ METRICS = (
     ("counter", "tierstore_ssd_write_bytes", "Bytes written to LMDB (8-byte key plus row payload per row).", _T),
     ("histogram", "tierstore_lookup_seconds", "Host wall time of read() calls by stage: dedupe, hbm, ddr, ssd_read, writeback, total.", _T + ["stage"]),
     *((kind, name, doc, _T) for _, kind, name, doc in PREFETCH),
+    *(("counter", name, doc, _T) for _, name, doc in LIFE),
     ("counter", "tierstore_flushes", "Completed flush() calls since the store opened.", _S),
     ("gauge", "tierstore_last_flush_timestamp_seconds", "Store-clock time of the last flush, from disk at open; absent if never flushed.", _S),
     ("histogram", "tierstore_flush_seconds", "Wall time of flush() calls.", _S),
@@ -124,6 +133,8 @@ def _export_store_samples(f: dict[str, Metric], label: str, store: "TieredStore"
         f["tierstore_ssd_write_bytes"].add_metric(key, ssd["write_bytes"])
         for field, _, metric, _ in PREFETCH:
             f[metric].add_metric(key, getattr(pre, field))
+        for field, metric, _ in LIFE:
+            f[metric].add_metric(key, getattr(c.life, field))
         for stage, (counts, total) in sorted(lat.items()):
             _add_histogram(f["tierstore_lookup_seconds"], key + [stage], c.latency.bounds, counts, total)
     f["tierstore_flushes"].add_metric([label], sc.flushes)

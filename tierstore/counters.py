@@ -32,6 +32,16 @@ class SSDCounters:
 
 
 @dataclass
+class LifeCounters:
+    """Admission and eviction of a table's rows (README "Unbounded id spaces")."""
+
+    admitted: int = 0  # row uses at or after admission: the update is kept (tables with admit_after > 1)
+    rejected: int = 0  # row uses before admission: the initial value, the update dropped
+    expired: int = 0  # row uses that found the row idle ttl_steps or more, or below evict_l2_below: it read as initial
+    evicted: int = 0  # rows deleted from disk: by evict(), or idle rows by the background sweep
+
+
+@dataclass
 class TableCounters:
     hbm: TierCounters
     ddr: TierCounters
@@ -39,6 +49,7 @@ class TableCounters:
     # defined below; not in as_dict(), so stats() keeps its shape
     prefetch: "PrefetchCounters" = field(default_factory=lambda: PrefetchCounters())
     latency: "StageHistogram" = field(default_factory=lambda: StageHistogram())
+    life: LifeCounters = field(default_factory=LifeCounters)
 
     @classmethod
     def new(cls) -> "TableCounters":
@@ -117,7 +128,7 @@ class StoreCounters:
 @contextmanager
 def restored_on_error(tables: "list[TableCounters]"):
     """Counts of a call that fails are taken back: a failed call changes nothing."""
-    saved = [(obj, dict(vars(obj))) for c in tables for obj in (c.hbm, c.ddr, c.ssd)]
+    saved = [(obj, dict(vars(obj))) for c in tables for obj in (c.hbm, c.ddr, c.ssd, c.life)]
     try:
         yield
     except BaseException:

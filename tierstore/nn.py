@@ -126,6 +126,7 @@ class _Bags:
     offsets: torch.Tensor  # [B] start of each bag among the used entries
     used: torch.Tensor | None  # [M] positions in the flat input of the used entries; None = all, in order
     n_input: int  # entries in the flat input
+    admitted: torch.Tensor | None = None  # [U] rows whose update is kept (admit_after); None = all
     _bag_of: torch.Tensor | None = None
     _rows: "_Rows | None" = None
 
@@ -574,6 +575,7 @@ class TieredEmbeddingBag(nn.Module):
         if self.config.mode != "max" and not psw_grad:
             with self.store._resident(self.table, bags.ids, admit=True) as hit:
                 if hit is not None:
+                    bags.admitted = self._admitted(bags) if train else None
                     weights, index = hit.tier.weights, hit.slots
                     if weights.dtype != torch.float32:  # pool in float32, as from rows read: gather the rows once
                         weights = weights.index_select(0, hit.slots.index_select(0, bags.rows.firsts().to(hit.slots.device))).to(torch.float32)
@@ -581,6 +583,7 @@ class TieredEmbeddingBag(nn.Module):
                     return _TieredBagFunction.apply(anchor, per_sample_weights, weights, index, None,
                                                     hit if train else None, bags, self)
         rows = self.store.read(self.table, bags.rows.uid, with_state=train)
+        bags.admitted = self._admitted(bags) if train else None
         dim = self.config.embedding_dim
         weights = rows if rows.shape[1] == dim else rows[:, :dim].contiguous()
         if weights is rows and train and psw_grad:
@@ -588,19 +591,37 @@ class TieredEmbeddingBag(nn.Module):
         return _TieredBagFunction.apply(anchor, per_sample_weights, weights, bags.rows.positions(), rows if train else None,
                                         None, bags, self)
 
+    def _lived(self) -> bool:
+        """The table has admission, TTL or the L2 score (README "Unbounded id spaces")."""
+        spec = self.store.tables[self.table]
+        return spec.admit_after > 1 or spec.ttl_steps is not None or spec.evict_l2_below is not None
+
+    def _admitted(self, bags: _Bags) -> torch.Tensor | None:
+        """After the forward's read: which rows its backward may update (admit_after)."""
+        if self.store.tables[self.table].admit_after == 1:
+            return None
+        mask = self.store._admitted(self.table, bags.rows.uid)
+        return None if mask is None or bool(mask.all()) else mask
+
     def _update_resident(self, bags: _Bags, hit, grad_out: torch.Tensor, psw) -> None:
         """The backward of a resident forward: the update runs on the tier's rows in
         place, unless a slot changed owner since the forward (then by id, as
         _update_read does). The same update either way."""
         key = self.store._update_key(self.table)
+        row_slots = hit.slots.index_select(0, bags.rows.firsts().to(hit.slots.device))
         if self.kernels == "fbgemm":
-            slots = hit.slots
+            slots = row_slots if bags.admitted is None else row_slots[bags.admitted.to(row_slots.device)]
 
             def update(top) -> None:
-                fbgemm.fused_step(self.optimizer, top.weights, top.state, slots, bags.ends(), grad_out, psw, self.config.mode)
+                # rows not admitted take the step too, then get their values back
+                held = _Held(top, row_slots, bags.admitted)
+                fbgemm.fused_step(self.optimizer, top.weights, top.state, hit.slots, bags.ends(), grad_out, psw, self.config.mode)
+                held.restore()
         else:
             grads = _row_grads(self.config.mode, bags, bags.rows, grad_out, psw, None)
-            slots = hit.slots.index_select(0, bags.rows.firsts().to(hit.slots.device))
+            slots = row_slots
+            if bags.admitted is not None:
+                slots, grads = slots[bags.admitted.to(slots.device)], grads[bags.admitted.to(grads.device)]
 
             def update(top) -> None:
                 state = top.state.index_select(0, slots)
@@ -629,7 +650,8 @@ class TieredEmbeddingBag(nn.Module):
         counts = _WRITES.setdefault(self.store, {})
         if rows is None or counts.get(self.table, 0) != writes:
             # another backward wrote rows since this forward read them: update the current values
-            rows = self.store.read(self.table, uid, with_state=True)
+            # with admission or TTL, not a step: they count steps, and whether this happens depends on the tiers
+            rows = self.store._reread(self.table, uid) if self._lived() else self.store.read(self.table, uid, with_state=True)
         if self.kernels == "fbgemm":
             weights, state = rows[:, :dim].contiguous(), rows[:, dim:].contiguous()
             fbgemm.fused_step(self.optimizer, weights, state, bags.rows.positions(), bags.ends(), grad_out, psw, self.config.mode)
@@ -639,8 +661,26 @@ class TieredEmbeddingBag(nn.Module):
             self.optimizer.step(rows[:, :dim], rows[:, dim:], grads.to(rows.device))
             if self.dtype != "float32":
                 rows[:, :dim] = round_stochastic(rows[:, :dim], self.dtype, uid, key)
+        if bags.admitted is not None:  # rows not admitted keep no update
+            uid, rows = uid[bags.admitted], rows[bags.admitted.to(rows.device)]
         self.store.write(self.table, uid, rows, with_state=True)
         counts[self.table] = counts.get(self.table, 0) + 1
+
+
+class _Held:
+    """Rows of a tier (at ``slots`` where not ``admitted``) saved, to be put back after an in-place update."""
+
+    def __init__(self, top, slots: torch.Tensor, admitted: torch.Tensor | None):
+        self.top = top
+        self.slots = None if admitted is None else slots[~admitted.to(slots.device)]
+        if self.slots is not None:
+            self.weights = top.weights.index_select(0, self.slots)
+            self.state = top.state.index_select(0, self.slots)
+
+    def restore(self) -> None:
+        if self.slots is not None:
+            self.top.weights.index_copy_(0, self.slots, self.weights)
+            self.top.state.index_copy_(0, self.slots, self.state)
 
 
 def _check_spec(spec: TableSpec, num_embeddings, embedding_dim, optimizer) -> None:

@@ -15,6 +15,7 @@ MAX_ID = (1 << 63) - 1
 MAX_NAME = 128
 _NAME = re.compile(rf"[A-Za-z0-9_][A-Za-z0-9_.-]{{0,{MAX_NAME - 1}}}", re.ASCII)
 INIT_KINDS = ("zeros", "uniform", "normal")
+_UNBOUNDED_FIELDS = ("admit_after", "admit_width", "admit_depth", "ttl_steps", "evict_l2_below")
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,14 @@ class TableSpec:
     row travel with the weights through every tier (optimizer state).
     ``dtype`` "float16" or "bfloat16" stores the weights at half the bytes
     (tierstore.precision); rows are still read and written as float32.
+
+    Unbounded id spaces (README "Unbounded id spaces: admission and eviction"):
+    ``admit_after=N`` keeps a trainer's updates of a row only from the N-th step
+    that uses it on, counted in a count-min sketch of ``admit_depth`` rows of
+    ``admit_width`` saturating 8-bit counters; ``ttl_steps=T`` makes a row unused
+    for T steps of its table read as its initial value again, and deletes it from
+    disk in the background; ``evict_l2_below=x`` does the same to a row whose
+    weights' L2 norm is below x when a step uses it.
     """
 
     name: str
@@ -69,6 +78,11 @@ class TableSpec:
     dtype: str = "float32"
     init: RowInit = field(default_factory=RowInit)
     state_dim: int = 0
+    admit_after: int = 1
+    admit_width: int = 1 << 20
+    admit_depth: int = 4
+    ttl_steps: int | None = None
+    evict_l2_below: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -85,6 +99,26 @@ class TableSpec:
             raise TypeError("TableSpec.init must be a tierstore.RowInit (e.g. RowInit.normal(0, 0.01))")
         if not _is_int(self.state_dim) or self.state_dim < 0:
             raise ValueError(f"TableSpec.state_dim must be an int >= 0, got {self.state_dim!r}")
+        self._check_unbounded_knobs()
+
+    def _check_unbounded_knobs(self) -> None:
+        # 255: the sketch's counters are 8-bit and saturate there
+        if not _is_int(self.admit_after) or not 1 <= self.admit_after <= 255:
+            raise ValueError(f"TableSpec.admit_after must be an int in [1, 255] (steps a row is used in before its updates "
+                             f"are kept; 1 = always), got {self.admit_after!r}")
+        if not _is_int(self.admit_width) or not 1 <= self.admit_width <= 1 << 30 or self.admit_width & (self.admit_width - 1):
+            raise ValueError(f"TableSpec.admit_width must be a power of two in [1, 2**30] (counters per sketch row; "
+                             f"about the distinct ids expected, e.g. 1 << 22), got {self.admit_width!r}")
+        if not _is_int(self.admit_depth) or not 1 <= self.admit_depth <= 8:
+            raise ValueError(f"TableSpec.admit_depth must be an int in [1, 8] (sketch rows, each with its own hash), "
+                             f"got {self.admit_depth!r}")
+        if self.ttl_steps is not None and (not _is_int(self.ttl_steps) or self.ttl_steps < 1):
+            raise ValueError(f"TableSpec.ttl_steps must be an int >= 1 (steps of the table a row may go unused before it "
+                             f"is evicted) or None (never), got {self.ttl_steps!r}")
+        x = self.evict_l2_below
+        if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float, np.floating)) or not 0 < x < float("inf")):
+            raise ValueError(f"TableSpec.evict_l2_below must be a finite number > 0 (rows whose weights' L2 norm is below it "
+                             f"are evicted when used; keep it below the initial rows' norms) or None, got {x!r}")
 
     @property
     def width(self) -> int:
@@ -97,9 +131,13 @@ class TableSpec:
         return self.dim * DTYPES[self.dtype].itemsize + 4 * self.state_dim
 
     def to_json(self) -> dict:
+        # fields added later only when set: a store that uses none of them stays readable by older tierstores
         d = dataclasses.asdict(self)
-        if not self.init.col_start:  # stores of whole tables stay readable by tierstore before col_start
+        if not self.init.col_start:
             del d["init"]["col_start"]
+        for f in dataclasses.fields(self):
+            if f.name in _UNBOUNDED_FIELDS and d[f.name] == f.default:
+                del d[f.name]
         return d
 
     @classmethod

@@ -37,7 +37,8 @@ from tierstore.io import FORMAT_VERSION, LmdbBackend, WriteBack
 from tierstore.io.lmdb_backend import corrupt
 from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
-from .counters import StoreCounters, TableCounters, add_dicts, restored_on_error
+from .admission import RowLife
+from .counters import LifeCounters, StoreCounters, TableCounters, add_dicts, restored_on_error
 from .precision import DTYPES, round_nearest, update_key
 from .spec import MAX_ID, TableSpec, initial_rows
 from .trace import TraceRecorder
@@ -126,11 +127,12 @@ def _where(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 class _Table:
-    def __init__(self, spec: TableSpec, hbm: CacheTier | None, ddr: CacheTier | None):
+    def __init__(self, spec: TableSpec, hbm: CacheTier | None, ddr: CacheTier | None, steps: int = 0):
         self.spec = spec
         self.hbm = hbm
         self.ddr = ddr
         self.counters = TableCounters.new()
+        self.life = RowLife(spec.admit_after, spec.admit_width, spec.admit_depth, spec.ttl_steps, steps, spec.evict_l2_below)
         self._scratch = np.empty((0, spec.width), dtype=np.float32)
 
     def scratch(self, n: int) -> np.ndarray | None:
@@ -203,7 +205,8 @@ class TieredStore:
         # without tables= nothing is created: a mistyped path fails, leaving nothing behind
         self._backend = LmdbBackend(self.path, readonly=readonly, map_size=map_size, create=bool(tables))
         # every LMDB row write goes through this queue and its one writer thread
-        self._writeback = WriteBack(self._backend, self._lock, self.config.writeback_rows, self.config.writeback_group_rows)
+        self._writeback = WriteBack(self._backend, self._lock, self.config.writeback_rows, self.config.writeback_group_rows,
+                                    on_swept=self._count_swept)
         self._plan_pool: futures.ThreadPoolExecutor | None = None
         self._recorder = None  # record_trace: every read call goes to a trace (tierstore.trace)
         try:
@@ -214,8 +217,11 @@ class TieredStore:
                 value = getattr(self.config, name)
                 if isinstance(value, Mapping) and set(value) - set(specs):
                     raise KeyError(f"{name} names unknown tables {sorted(set(value) - set(specs))}; tables are {sorted(specs)}")
-            self._tables = {name: self._make_table(spec) for name, spec in specs.items()}
             meta = self._backend.read_meta()
+            steps = meta.get("steps", {})
+            self._tables = {name: self._make_table(spec, steps.get(name, 0)) for name, spec in specs.items()}
+            self._evicted_before: dict[str, int] = dict(meta.get("evicted", {}))  # over the store's life, at the last flush
+            self._load_sketches()
             self._counters = StoreCounters(last_flush=meta.get("last_flush"))
             self._updates: dict[str, int] = dict(meta.get("updates", {}))  # per table, for _update_key
             self.metrics = StoreMetrics(self, metrics_config)
@@ -260,8 +266,8 @@ class TieredStore:
             self._backend.write_meta({"format": FORMAT_VERSION, "tables": [s.to_json() for s in specs.values()]})
         return specs
 
-    def _make_table(self, spec: TableSpec) -> _Table:
-        self._backend.open_table(spec.name, spec.dim, spec.state_dim, spec.dtype)
+    def _make_table(self, spec: TableSpec, steps: int = 0) -> _Table:
+        self._backend.open_table(spec.name, spec.dim, spec.state_dim, spec.dtype, last_use=spec.ttl_steps is not None)
         tiers = []
         for size_name, tier_name, device in (("hbm_rows", "hbm", self.device), ("ddr_rows", "ddr", torch.device("cpu"))):
             rows = self.config.rows_for(size_name, spec.name)
@@ -272,7 +278,7 @@ class TieredStore:
             if tier is not None:
                 tier.lookahead = self.config.eviction == "lookahead"
             tiers.append(tier)
-        return _Table(spec, *tiers)
+        return _Table(spec, *tiers, steps=steps)
 
     # -- public API ------------------------------------------------------------------
     @property
@@ -375,8 +381,11 @@ class TieredStore:
         its ``first`` position in the call): traced, counted, clocked; _access's result."""
         if self._recorder is not None:
             self._recorder.record(t.spec.name, ids)
-        with restored_on_error([t.counters]):
-            result = self._access(t, uid, first + self._use_clock)
+        if t.life.active:
+            result = self._lived_access(t, uid, first + self._use_clock)
+        else:
+            with restored_on_error([t.counters]):
+                result = self._access(t, uid, first + self._use_clock)
         self._use_clock += len(ids)
         self._prefetcher.consumed(t.spec.name, uid, sorted_unique=True)
         return result
@@ -385,7 +394,7 @@ class TieredStore:
         """When every id is in the top tier: count the use (ids in call order, a
         repeated row at its first position) and return where the rows are."""
         top = t.hbm or t.ddr
-        if top is None:
+        if top is None or t.life.active:  # admission and TTL work on the step's unique ids: _step
             return None
         slots = top.lookup(ids)
         if not bool((slots >= 0).all()):
@@ -538,8 +547,9 @@ class TieredStore:
                 if ids:
                     batches.append((name, *by_id(torch.cat(ids), torch.cat(rows))))
             now = self.config.clock()
-            self._queue_write(batches, meta={"last_flush": now, "updates": dict(self._updates)})
+            self._queue_write(batches, meta={"last_flush": now, "updates": dict(self._updates), **self._life_meta()})
             self._reap(drain=True)
+            self._store_sketches()
             self._backend.sync()
             sc = self._counters
             sc.flushes += 1
@@ -593,9 +603,10 @@ class TieredStore:
         "ssd": {reads, writes, read_bytes, write_bytes}}; per table with per_table=True."""
         with self._lock:
             each = {name: t.counters.as_dict() for name, t in self._tables.items()}
+            self._add_row_stats(each)
         if per_table:
             return each
-        total = TableCounters.new().as_dict()
+        total = {**TableCounters.new().as_dict(), "rows": {"stored": 0, **dataclasses.asdict(LifeCounters())}}
         for d in each.values():
             total = add_dicts(total, d)
         return total
@@ -708,6 +719,8 @@ class TieredStore:
             t.counters.latency.observe("ssd_read", time.perf_counter() - mark)
             if not all_cold:
                 rows[cold] = cold_rows
+        if t.life.resets:
+            self._expire_fetched(t, ids_np, rows)
         return torch.from_numpy(rows)
 
     def _fill_unwritten(self, t: _Table, ids: np.ndarray, rows: np.ndarray, found: np.ndarray) -> np.ndarray:
@@ -728,7 +741,9 @@ class TieredStore:
     def _queue_write(self, batches, meta=None) -> None:
         """Every LMDB row write starts here, and is counted here: counts do not
         depend on when the writer thread commits."""
-        self._writeback.submit(batches, meta)
+        last = {name: self._last_use_to_store(self._tables[name], ids)
+                for name, ids, _ in batches if self._tables[name].life.ttl_steps is not None}
+        self._writeback.submit(batches, meta, last)
         for name, ids, _ in batches:
             t = self._tables[name]
             t.counters.ssd.count_writes(len(ids), t.spec.row_bytes)
@@ -747,11 +762,12 @@ class TieredStore:
                 "and flush() retries once the cause (often a full disk) is fixed"
             ) from e
 
-    def _access(self, t: _Table, uid: torch.Tensor, use_clock: torch.Tensor):
+    def _access(self, t: _Table, uid: torch.Tensor, use_clock: torch.Tensor, refresh: torch.Tensor | None = None):
         """Serve one step's unique ids and apply the policy.
 
         Returns (tier, slots, None) when every row is in that one tier now, else
         (None, None, rows) with rows [len(uid), width] on the HBM device.
+        ``refresh``: rows whose last-use step must reach LMDB even if clean (TTL).
         """
         H, D = t.hbm, t.ddr
         n = len(uid)
@@ -810,7 +826,7 @@ class TieredStore:
         # write back dirty rows that leave the cache
         wb_ids, wb_rows = [], []
         if len(leave):
-            dirty = leave[old_dirty[leave]]
+            dirty = leave[(old_dirty if refresh is None else old_dirty | refresh)[leave]]
             wb_ids.append(uid[dirty])
             wb_rows.append(rows[dirty.to(dev)].cpu())
         if len(e_drop):
@@ -978,5 +994,222 @@ class TieredStore:
         self._await_gathers()
         for tier, slot, pos in targets:
             s = slot.to(tier.device)
+            if t.life.resets:
+                self._revive_cached(t, tier, s)
             tier.put(s, values if len(pos) == n else values[pos], cols)  # all in one tier: no gather
             tier.dirty[s] = True
+
+    # -- unbounded id spaces: admission and TTL (README "Unbounded id spaces") --------------
+    def _lived_access(self, t: _Table, uid: torch.Tensor, use_clock: torch.Tensor):
+        """_access for a table with admission or TTL: the step is counted (the sketch,
+        the step number), rows idle too long read as initial, and with TTL the rows
+        the step may keep are marked dirty, so that their last-use step reaches
+        LMDB. A failure takes the count back."""
+        life, c = t.life, t.counters
+        uid_np = uid.numpy()
+        admitted = life.begin_step(uid_np, self._use_clock)
+        # a readonly store writes nothing: its reads follow the rule but keep no last-use steps
+        refresh = torch.from_numpy(admitted) if life.ttl_steps is not None and not self.readonly else None
+        try:
+            with restored_on_error([c]):
+                if life.resets:
+                    for tier in (t.hbm, t.ddr):
+                        if tier is not None:
+                            slots = tier.lookup(uid)
+                            self._expire_cached(t, tier, slots[slots >= 0])
+                result = self._access(t, uid, use_clock, refresh)
+                if refresh is not None:
+                    self._mark_dirty(t, uid[refresh])
+        except BaseException:
+            life.abort_step()
+            raise
+        life.end_step()
+        if life.sketch is not None:
+            c.life.admitted += int(admitted.sum())
+            c.life.rejected += len(uid_np) - int(admitted.sum())
+        cutoff = life.sweep_cutoff()
+        if not self.readonly and ((cutoff is not None and cutoff >= 0) or life.l2_below is not None):
+            self._writeback.sweeps[t.spec.name] = (cutoff, life.l2_below)
+        return result
+
+    def _mark_dirty(self, t: _Table, ids: torch.Tensor) -> None:
+        for tier in (t.hbm, t.ddr):
+            if tier is not None and len(ids):
+                slots = tier.lookup(ids)
+                tier.dirty[slots[slots >= 0]] = True
+
+    def _expire_cached(self, t: _Table, tier: CacheTier, slots: torch.Tensor) -> torch.Tensor:
+        """Cached rows at ``slots`` idle ttl_steps or more, or below evict_l2_below, get
+        their initial values (they read as such wherever they are); returns the mask of those."""
+        life = t.life
+        dead = life.too_small(tier.gather(slots, tier.dim).cpu().numpy())
+        if life.ttl_steps is None:
+            pass
+        elif self.readonly:  # its reads record no use: the last-use steps on disk hold, cached or not
+            ids = tier.ids[slots].cpu().numpy()
+            order = np.argsort(ids)
+            last = np.empty(len(ids), dtype=np.int64)
+            last[order] = self._stored_last_use(t, ids[order])
+            dead |= life.expired(last)
+        else:
+            dead |= life.expired(life.steps_of(tier.last[slots].cpu().numpy()))
+        dead = torch.from_numpy(dead)
+        if bool(dead.any()):
+            gone = slots[dead.to(slots.device)]
+            self._await_gathers()  # a gather outside the lock may be reading these rows
+            tier.put(gone, torch.from_numpy(initial_rows(t.spec, tier.ids[gone].cpu().numpy())))
+            t.counters.life.expired += len(gone)
+        return dead
+
+    def _revive_cached(self, t: _Table, tier: CacheTier, slots: torch.Tensor) -> None:
+        """A write to cached rows: those idle too long start over from their initial
+        values, used at the latest step, as a write to a row not cached does."""
+        dead = self._expire_cached(t, tier, slots)
+        start = t.life.step_start_clock()
+        if bool(dead.any()) and start is not None and t.life.ttl_steps is not None:
+            tier.last[slots[dead.to(slots.device)]] = start
+
+    def _stored_last_use(self, t: _Table, ids: np.ndarray) -> np.ndarray:
+        """Last-use step of rows not cached (sorted ids): the queue's, else LMDB's; -1 for none."""
+        queued, steps = self._writeback.lookup_last(t.spec.name, ids)
+        out = np.full(len(ids), -1, dtype=np.int64)
+        out[queued] = steps
+        if not queued.all():
+            out[~queued] = self._backend.get_last_use(t.spec.name, ids[~queued])
+        return out
+
+    def _expire_fetched(self, t: _Table, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Rows fetched from staging, the queue or LMDB that are idle too long (or were
+        swept), or below evict_l2_below, read as initial."""
+        dead = t.life.too_small(rows[:, : t.spec.dim])
+        counted = dead.copy()
+        if t.life.ttl_steps is not None:
+            last = self._stored_last_use(t, ids)
+            dead |= t.life.expired(last)
+            counted |= dead & (last >= 0)
+        if dead.any():
+            rows[dead] = initial_rows(t.spec, ids[dead])
+            t.counters.life.expired += int(counted.sum())
+
+    def _last_use_to_store(self, t: _Table, ids: np.ndarray) -> np.ndarray:
+        """Last-use steps of rows on their way to LMDB (sorted ids): the step in
+        progress for its rows, the tiers' use clocks for cached rows, and for a
+        write of a row not cached its stored step, or the latest step if it had
+        none alive (a write re-creates it)."""
+        life = t.life
+        out = np.full(len(ids), -1, dtype=np.int64)
+        if life.current is not None:
+            out[np.isin(ids, life.current, assume_unique=True)] = life.steps + 1
+        for tier in (t.hbm, t.ddr):
+            todo = np.flatnonzero(out < 0)
+            if tier is None or not len(todo):
+                continue
+            slots = tier.lookup(torch.from_numpy(ids[todo])).cpu()
+            inside = slots >= 0
+            out[todo[inside.numpy()]] = life.steps_of(tier.last[slots[inside].to(tier.device)].cpu().numpy())
+        rest = np.flatnonzero(out < 0)
+        if len(rest):
+            stored = self._stored_last_use(t, ids[rest])
+            stored[life.expired(stored)] = life.steps
+            out[rest] = stored
+        return out
+
+    def _admitted(self, table: str, uid: torch.Tensor) -> torch.Tensor | None:
+        """Which of the sorted unique ids a trainer's update may change now (the
+        read of its step done); None when all may (no admission)."""
+        with self._lock:
+            life = self._lived_table(table).life
+            if life.sketch is None:
+                return None
+            return torch.from_numpy(life.admitted(uid.cpu().numpy()))
+
+    def _lived_table(self, table: str) -> _Table:
+        t = self._table(table)
+        if not isinstance(t, _Table):  # a prefetchd client's tables are the daemon's
+            raise NotImplementedError(f"table {table!r} has admit_after, ttl_steps or evict_l2_below, which only an embedded TieredStore "
+                                      "applies so far; train it in the process that owns the store, not through prefetchd")
+        return t
+
+    def _reread(self, table: str, uid: torch.Tensor) -> torch.Tensor:
+        """The rows, with state, of sorted unique ids as they are now, for a backward
+        whose forward's copy is stale: not a step, no use, nothing moves between tiers
+        (whether a backward re-reads depends on the tiers' sizes)."""
+        with self._lock:
+            self._check_open()
+            t = self._lived_table(table)
+            self._reap()
+            uid = uid.cpu()
+            rows = torch.empty((len(uid), t.spec.width), dtype=torch.float32)
+            todo = torch.ones(len(uid), dtype=torch.bool)
+            self._await_gathers()
+            for tier in (t.hbm, t.ddr):
+                if tier is None:
+                    continue
+                slots = tier.lookup(uid).cpu()
+                inside = (slots >= 0) & todo
+                if bool(inside.any()):
+                    s = slots[inside].to(tier.device)
+                    if t.life.resets:
+                        self._expire_cached(t, tier, s)
+                    rows[inside] = tier.gather(s).cpu()
+                    todo &= ~inside
+            if bool(todo.any()):
+                rows[todo] = self._fetch(t, uid[todo])
+            return rows.to(self.device)
+
+    def evict(self, table: str, ids) -> int:
+        """Delete the rows of ``ids`` from every tier and from LMDB: a later read
+        gives their initial values. Waits for queued writes first (a queued value
+        would bring a row back). Returns how many of them LMDB held. Durable at
+        the next flush(); a failure leaves every row as it was."""
+        with self._lock:
+            t = self._table_to_write(table)
+            uid = torch.unique(self._as_ids(t.spec, ids).cpu())
+            if not len(uid):
+                return 0
+            self._reap(drain=True)
+            uid_np = uid.numpy()
+            deleted = self._backend.delete_rows(table, uid_np)
+            # -- LMDB has changed; the rest is in memory and cannot fail --
+            self._prefetcher.written(table, uid_np)  # staged copies are gone too
+            self._await_gathers()
+            for tier in (t.hbm, t.ddr):
+                if tier is not None:
+                    slots = tier.lookup(uid)
+                    tier.remove(slots[slots >= 0])
+            t.counters.life.evicted += deleted
+            return deleted
+
+    def _count_swept(self, table: str, rows: int) -> None:
+        t = self._tables.get(table)
+        if t is not None:
+            t.counters.life.evicted += rows
+
+    def _add_row_stats(self, each: dict[str, dict]) -> None:
+        """stats()'s "rows" of each table: rows in LMDB now (queued writes not yet
+        committed excepted), and the admission and eviction counts."""
+        stored = self._backend.table_stats() if each else {}
+        for name, d in each.items():
+            d["rows"] = {"stored": stored[name], **dataclasses.asdict(self._tables[name].counters.life)}
+
+    def _load_sketches(self) -> None:
+        for name, t in self._tables.items():
+            blob = self._backend.get_sketch(name) if t.life.sketch is not None else None
+            if blob is not None:
+                try:
+                    t.life.sketch.load(blob)
+                except ValueError as e:
+                    raise corrupt(self.path / "data.mdb", f"table {name!r}: {e}") from None
+
+    def _store_sketches(self) -> None:
+        """Admission counts are durable at flush, with the step counts (written just before)."""
+        changed = {name: t.life for name, t in self._tables.items() if t.life.sketch is not None and t.life.steps != t.life.stored_steps}
+        if changed:
+            self._backend.put_sketches({name: life.sketch.counters.tobytes() for name, life in changed.items()})
+            for life in changed.values():
+                life.stored_steps = life.steps
+
+    def _life_meta(self) -> dict:
+        """What flush() makes durable of admission and eviction, beside the sketches."""
+        return {"steps": {name: t.life.steps for name, t in self._tables.items()},
+                "evicted": {name: self._evicted_before.get(name, 0) + t.counters.life.evicted for name, t in self._tables.items()}}

@@ -1212,6 +1212,9 @@ class CapacityConfig:
     seed: int = 0
     progress: bool = False
     iec: bool = False  # report bytes in KiB/MiB/GiB (the budget was given so), else kB/MB/GB
+    admit_after: int | None = None  # predict admission (TableSpec.admit_after) with this sketch
+    admit_width: int = 1 << 20
+    admit_depth: int = 4
 
     def __post_init__(self):
         if self.shards_rate is not None and not 0 < self.shards_rate <= 1:
@@ -1240,6 +1243,9 @@ class CapacityConfig:
         for h, d in self.sizes:
             _size_rows(h, 1)
             _size_rows(d, 1)
+        if self.admit_after is not None:  # the store's own checks, with its messages
+            from tierstore.spec import TableSpec
+            TableSpec("t", None, 1, admit_after=self.admit_after, admit_width=self.admit_width, admit_depth=self.admit_depth)
 
 
 def _size_rows(spec, working_set: float) -> int:
@@ -1379,6 +1385,8 @@ def analyze(trace: Trace, config: CapacityConfig | None = None) -> dict:
                              **_tier_summary({"hbm_hits": bh, "ddr_hits": bt - bh, "misses": s.n_uses - bt}, s.n_uses, per_s, row_bytes[i])})
         t["simulations"] = sims
     report["tables"] = tables
+    if cfg.admit_after is not None:
+        report["admission"] = {n: predict_admission(trace, n, cfg.admit_after, cfg.admit_width, cfg.admit_depth) for n in names}
     report["total"] = _totals(tables, per_s)
     report["total"]["curve"] = total_curve(curves, row_bytes)
     report["seconds"] = time.perf_counter() - t0
@@ -1789,3 +1797,41 @@ def bench(args) -> None:
          ("SHARDS rate 0.01", f"{fast / 1e6:.2f}M accesses/s (goal >= 20M)")],
         "exact curve vs one-size Python LRU", exact / base, ">= 1x, while giving every size at once",
     )
+
+
+# -- admission (TableSpec.admit_after) ------------------------------------------------------------
+def predict_admission(trace: Trace, table: str, admit_after: int, width: int = 1 << 20, depth: int = 4) -> dict:
+    """What a table with ``admit_after`` does on this trace, each read call one step:
+    ``admitted`` and ``rejected`` row uses (update kept; initial value served and
+    update dropped) and ``rows_admitted`` (rows admitted by the end: those that get
+    storage once trained), by the store's own count-min sketch, so equal to its
+    counters; ``exact_*`` the same by exact counts: the difference is the
+    sketch's false positives (rows admitted early)."""
+    from tierstore.admission import CountMinSketch
+
+    ids, offsets, _ = trace.table_calls(trace.table_index(table))
+    sketch = CountMinSketch(width, depth) if admit_after > 1 else None
+    rejected, kept = 0, []
+    for lo, hi in zip(offsets[:-1], offsets[1:]):  # a loop per call, as the store's steps
+        if sketch is None:
+            break
+        uid = np.unique(ids[lo:hi])
+        admitted = sketch.add(uid)[1] >= admit_after
+        rejected += len(uid) - int(admitted.sum())
+        kept.append(uid[admitted])
+    rows, uses = _uses_per_row(ids, offsets)
+    exact_rejected = int(np.minimum(uses, admit_after - 1).sum())
+    # admitted at one of its uses (not merely by the end, through other rows' counts)
+    rows_admitted = len(np.unique(np.concatenate(kept))) if kept else (0 if sketch else len(rows))
+    return {"admit_after": admit_after, "sketch": {"width": width, "depth": depth, "bytes": width * depth,
+                                                   "fill": sketch.fill() if sketch else 0.0},
+            "distinct_rows": len(rows), "uses": int(uses.sum()), "admitted": int(uses.sum()) - rejected, "rejected": rejected,
+            "rows_admitted": rows_admitted, "exact_admitted": int(uses.sum()) - exact_rejected, "exact_rejected": exact_rejected,
+            "exact_rows_admitted": int((uses >= admit_after).sum())}
+
+
+def _uses_per_row(ids: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows, and the calls that use each (a row repeated in a call counts once)."""
+    call = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+    pairs = np.unique(np.stack([ids, call]), axis=1)  # (row, call) once each
+    return np.unique(pairs[0], return_counts=True)

@@ -33,6 +33,10 @@ class TableFacts:
     state_dim: int
     rows_on_disk: int
     payload_bytes: int  # rows_on_disk x (8-byte key + 4 x (dim + state_dim))
+    admit_after: int = 1
+    ttl_steps: int | None = None
+    evict_l2_below: float | None = None
+    evicted_rows: int = 0  # deleted from disk over the store's life (evict(), TTL sweep), as of the last flush
 
 
 @dataclass
@@ -98,7 +102,8 @@ def _read_once(path: Path) -> StoreFacts:
     finally:
         backend.close()
     tables = [
-        TableFacts(s.name, s.num_rows, s.dim, s.state_dim, rows[s.name], rows[s.name] * (8 + 4 * s.width)) for s in specs
+        TableFacts(s.name, s.num_rows, s.dim, s.state_dim, rows[s.name], rows[s.name] * (8 + 4 * s.width),
+                   s.admit_after, s.ttl_steps, s.evict_l2_below, meta.get("evicted", {}).get(s.name, 0)) for s in specs
     ]
     return StoreFacts(str(path), meta.get("format"), disk, meta.get("last_flush"), tables)
 
@@ -122,10 +127,22 @@ def format_facts(f: StoreFacts) -> str:
         for t in f.tables
     ]
     body.append(("total", "", "", "", f"{sum(t.rows_on_disk for t in f.tables):,}", "", _size(sum(t.payload_bytes for t in f.tables))))
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-    for r in [header, *body]:
-        lines.append("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    lines += _aligned(header, body)
+    lived = [t for t in f.tables if t.admit_after > 1 or t.ttl_steps is not None or t.evict_l2_below is not None or t.evicted_rows]
+    if lived:  # README "Unbounded id spaces: admission and eviction"
+        lines.append("  admission and eviction (evicted: deleted from disk, as of the last flush)")
+        lines += _aligned(("table", "admit_after", "ttl_steps", "l2_below", "rows on disk", "evicted"),
+                          [(t.name, str(t.admit_after), "-" if t.ttl_steps is None else f"{t.ttl_steps:,}",
+                            "-" if t.evict_l2_below is None else f"{t.evict_l2_below:g}",
+                            f"{t.rows_on_disk:,}", f"{t.evicted_rows:,}") for t in lived])
     return "\n".join(lines)
+
+
+def _aligned(header: tuple[str, ...], body: list[tuple[str, ...]]) -> list[str]:
+    """Rows of a table, the first column left-aligned, the others right-aligned."""
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    return ["  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            for r in [header, *body]]
 
 
 def register(sub) -> None:
