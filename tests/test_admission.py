@@ -8,6 +8,10 @@ and the same training with other tier sizes, policies and prefetch depths.
 """
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -340,7 +344,6 @@ def test_tierstore_stats_shows_rows_on_disk_evicted_rows_and_the_file_size(tmp_p
     line = next(x for x in out.splitlines()[::-1] if x.strip().startswith("t "))
     assert line.split() == ["t", "2", "5", "-", "30", "20"]
     assert main(["stats", str(tmp_path), "--json"]) == 0
-    import json
     facts = json.loads(capsys.readouterr().out)
     assert facts["tables"][0]["evicted_rows"] == 20 and facts["tables"][0]["rows_on_disk"] == 30 and facts["disk_bytes"] > 0
 
@@ -359,6 +362,12 @@ def test_capacity_predicts_admission_exactly_as_the_store_counts(tmp_path):
         measured = s.stats(per_table=True)["t"]["rows"]
     predicted = analyze(trace, CapacityConfig(admit_after=3, admit_width=256, admit_depth=2, policies=(), belady=False))["admission"]["t"]
     assert (predicted["admitted"], predicted["rejected"]) == (measured["admitted"], measured["rejected"])
+    trace.save(tmp_path / "t.npz")  # the same through `tierstore capacity --admit-after`
+    args = ["capacity", str(tmp_path / "t.npz"), "--admit-after", "3", "--admit-width", "256", "--admit-depth", "2", "--policies", ""]
+    out = subprocess.run([sys.executable, "-m", "tierstore.tools.cli", *args, "--json"], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out)["admission"]["t"] == predicted
+    table_text = subprocess.run([sys.executable, "-m", "tierstore.tools.cli", *args], capture_output=True, text=True, check=True).stdout
+    assert f"{predicted['rows_admitted']:,}" in table_text.split("admission (admit_after 3")[1]
     assert predicted["exact_rows_admitted"] < predicted["rows_admitted"] and predicted["exact_rejected"] > predicted["rejected"]
     uses = {}
     for c in calls:
@@ -489,8 +498,6 @@ def test_the_sweep_deletes_rows_below_the_norm_from_disk(tmp_path):
 def test_flushed_counts_steps_and_evictions_survive_kill_9(tmp_path):
     import os
     import signal
-    import subprocess
-    import sys
 
     child = (
         "import sys, numpy as np, tierstore\n"

@@ -1521,6 +1521,16 @@ def format_report(report: dict) -> str:
                 rows.append([t["name"], name, f"{s['hbm_rows']:,}", f"{s['ddr_rows']:,}", f"{s['hbm_hit_ratio']:.3f}",
                              f"{s['hit_ratio']:.3f}", f"{s['ssd']['rows_per_s']:,.0f}", f"{s['ssd']['mb_per_s'] * 1e6 / div:,.1f}"])
         lines += _table(head, rows)
+    if "admission" in report:
+        lines.append("")
+        first = next(iter(report["admission"].values()))
+        lines.append(f"admission (admit_after {first['admit_after']}, sketch {first['sketch']['width']:,} x {first['sketch']['depth']}, "
+                     f"{_fmt_bytes(first['sketch']['bytes'], iec)} a table; uses kept / dropped, rows that get storage):")
+        head = ["table", "distinct rows", "rows stored", "uses kept", "uses dropped", "sketch fill", "exact: rows stored", "uses dropped"]
+        rows = [[n, f"{a['distinct_rows']:,}", f"{a['rows_admitted']:,}", f"{a['admitted']:,}", f"{a['rejected']:,}",
+                 f"{a['sketch']['fill']:.3f}", f"{a['exact_rows_admitted']:,}", f"{a['exact_rejected']:,}"]
+                for n, a in report["admission"].items()]
+        lines += _table(head, rows)
     tot = report["total"]
     lines.append("")
     lines.append(f"total: working set {_fmt(tot['working_set_rows'])} rows ({_fmt_bytes(tot['working_set_bytes'], iec)}); "

@@ -189,6 +189,10 @@ def _register_capacity(sub) -> None:
     p.add_argument("--no-belady", action="store_true", help="skip Belady's bound")
     p.add_argument("--steps-per-s", type=positive_float, default=1.0, help="training steps per second, for SSD rates")
     p.add_argument("--row-bytes", type=positive_int, default=None, help="bytes per row on SSD (default: from the trace, else 512)")
+    p.add_argument("--admit-after", type=positive_int, default=None, metavar="N",
+                   help="predict TableSpec(admit_after=N): uses kept and dropped, rows that get storage (the store's own sketch)")
+    p.add_argument("--admit-width", type=positive_int, default=1 << 20, help="with --admit-after: sketch counters per row (a power of two)")
+    p.add_argument("--admit-depth", type=positive_int, default=4, help="with --admit-after: sketch rows")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots there (needs pip install 'tierstore[plot]')")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress on stderr: bars on a terminal, a line every few seconds otherwise (default: on for traces over 2M accesses)")
@@ -230,6 +234,7 @@ def _capacity(args) -> int:
         hbm_bytes=parse_bytes(args.hbm_bytes), ddr_bytes=parse_bytes(args.ddr_bytes),
         steps_per_s=args.steps_per_s, row_bytes=args.row_bytes, seed=args.seed, progress=progress,
         iec=any("i" in str(b).lower() for b in (args.hbm_bytes, args.ddr_bytes) if b),
+        admit_after=args.admit_after, admit_width=args.admit_width, admit_depth=args.admit_depth,
     )
     if args.compare and args.shards is None:
         raise ValueError("--compare compares SHARDS with the exact curve; pass --shards RATE too")
