@@ -370,23 +370,24 @@ class LmdbBackend:
 
     def put_sketches(self, sketches: dict[str, bytes]) -> None:
         """Store tables' admission sketches (one transaction)."""
-        if self._sketch_db is None:
-            self._sketch_db = self.env.open_db(_SKETCH_DB)
-        db = self._sketch_db
+        opened = [None]
 
         def op(txn):
+            # opened in this transaction: env.open_db alone begins a write transaction
+            # holding the GIL, which waits forever for the writer thread's transaction;
+            # kept only once committed (a replayed op's first handle died with its abort)
+            opened[0] = self._sketch_db or self.env.open_db(_SKETCH_DB, txn=txn)
             for table, blob in sketches.items():
-                txn.put(table.encode(), blob, db=db)
+                txn.put(table.encode(), blob, db=opened[0])
         self._write(op)
+        self._sketch_db = opened[0]
 
     def get_sketch(self, table: str) -> bytes | None:
         """A table's stored admission sketch; None if none was stored."""
         with self._reading() as txn:
             if txn.get(_SKETCH_DB) is None:  # never created: a readonly environment cannot create it
                 return None
-        db = self.env.open_db(_SKETCH_DB, create=False)
-        with self._reading(db=db) as txn:
-            return txn.get(table.encode())
+            return txn.get(table.encode(), db=self.env.open_db(_SKETCH_DB, txn=txn, create=False))
 
     def keeps_last_use(self, table: str) -> bool:
         return table in self._last_dbs
