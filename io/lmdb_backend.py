@@ -370,23 +370,24 @@ class LmdbBackend:
 
     def put_sketches(self, sketches: dict[str, bytes]) -> None:
         """Store tables' admission sketches (one transaction)."""
-        if self._sketch_db is None:
-            self._sketch_db = self.env.open_db(_SKETCH_DB)
-        db = self._sketch_db
+        opened = [None]
 
         def op(txn):
+            # opened in this transaction: env.open_db alone begins a write transaction
+            # holding the GIL, which waits forever for the writer thread's transaction;
+            # kept only once committed (a replayed op's first handle died with its abort)
+            opened[0] = self._sketch_db or self.env.open_db(_SKETCH_DB, txn=txn)
             for table, blob in sketches.items():
-                txn.put(table.encode(), blob, db=db)
+                txn.put(table.encode(), blob, db=opened[0])
         self._write(op)
+        self._sketch_db = opened[0]
 
     def get_sketch(self, table: str) -> bytes | None:
         """A table's stored admission sketch; None if none was stored."""
         with self._reading() as txn:
             if txn.get(_SKETCH_DB) is None:  # never created: a readonly environment cannot create it
                 return None
-        db = self.env.open_db(_SKETCH_DB, create=False)
-        with self._reading(db=db) as txn:
-            return txn.get(table.encode())
+            return txn.get(table.encode(), db=self.env.open_db(_SKETCH_DB, txn=txn, create=False))
 
     def keeps_last_use(self, table: str) -> bool:
         return table in self._last_dbs
@@ -425,10 +426,10 @@ class LmdbBackend:
         sweep stopped and starting over after the end; returns the rows deleted.
         Bounded work: one transaction of ``budget`` cursor steps at most."""
         by_age = table in self._last_dbs
-        deleted = [0]
+        deleted, resume = [0], [b""]
 
         def op(txn):
-            deleted[0] = 0
+            deleted[0], resume[0] = 0, b""
             with txn.cursor(db=self._last_dbs[table] if by_age else self._dbs[table]) as cur:
                 if not cur.set_range(self._sweep_from.get(table, b"")) and not cur.first():
                     return  # no rows
@@ -446,8 +447,11 @@ class LmdbBackend:
             deleted[0] = self._delete(txn, table, [keys[i] for i in np.flatnonzero(dead)])
             # the next sweep starts after the last key seen (keys are 8-byte big-endian ids < 2**63)
             last = int.from_bytes(keys[-1], "big")
-            self._sweep_from[table] = (last + 1).to_bytes(8, "big") if len(items) == budget else b""
+            resume[0] = (last + 1).to_bytes(8, "big") if len(items) == budget else b""
         self._write(op)
+        # moved on only once committed: _write replays op after growing the map, and a failed
+        # sweep must look at the same rows again
+        self._sweep_from[table] = resume[0]
         return deleted[0]
 
     def put_rows(self, batches: list[tuple[str, np.ndarray, np.ndarray]], meta: dict | None = None,

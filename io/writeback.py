@@ -259,8 +259,9 @@ class WriteBack:
             raise self._error
 
     def drain(self) -> None:
-        """Wait until every queued batch is committed (or the writer failed), then reap."""
-        self._wait(lambda: self._error is not None or self.queued_rows == 0)
+        """Wait until every queued batch is committed (or the writer failed), then reap.
+        Batches, not rows: flush's metadata may come in a batch of no rows."""
+        self._wait(lambda: self._error is not None or not self._uncommitted())
         self.reap(wait_below_limit=False)
 
     def retry(self) -> None:

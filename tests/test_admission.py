@@ -524,3 +524,32 @@ def test_flushed_counts_steps_and_evictions_survive_kill_9(tmp_path):
         assert s._tables["t"].life.steps == 2
         assert s._admitted("t", torch.tensor([1, 2])).all() and not s._admitted("t", torch.tensor([5])).any()
         assert torch.equal(s.read("t", [1, 2, 3]), torch.cat([torch.ones(2, D), torch.from_numpy(initial_rows(table, np.array([3])))]))
+
+
+def test_a_replayed_sweep_looks_at_the_same_rows_again(tmp_path, monkeypatch):
+    """LMDB's map fills during a sweep's transaction: _write grows it and replays the
+    sweep, which must start where the aborted one did."""
+    import lmdb
+
+    from tierstore.io import LmdbBackend
+
+    backend = LmdbBackend(tmp_path)
+    try:
+        backend.open_table("t", D, last_use=True)
+        ids = np.arange(10, dtype=np.int64)
+        backend.put_rows([("t", ids, np.ones((10, D), dtype=np.float32))], last_use={"t": np.where(ids < 5, 1, 9)})
+        write, full = backend._write, [True]
+
+        def map_full_once(op):
+            def first_fills_the_map(txn):
+                op(txn)
+                if full.pop() if full else False:
+                    raise lmdb.MapFullError("injected")
+            write(first_fills_the_map)
+        monkeypatch.setattr(backend, "_write", map_full_once)
+        assert backend.sweep("t", cutoff=1, budget=6) == 5  # rows 0..4 last used at step 1
+        assert not full  # the fault was injected
+        assert backend.get_rows("t", ids)[1].tolist() == [False] * 5 + [True] * 5
+        assert backend.get_last_use("t", ids).tolist() == [-1] * 5 + [9] * 5
+    finally:
+        backend.close()

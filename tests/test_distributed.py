@@ -164,6 +164,12 @@ def raised(fn) -> tuple[str, str] | None:
     return None
 
 
+def fail_with(error: Exception):
+    def fail(*args, **kwargs):
+        raise error
+    return fail
+
+
 def bad_inputs(rank, world, path) -> dict:
     """Each rank's error for bad input on one rank; the rows stay as they were and the
     ranks stay in step (a good step follows)."""
@@ -180,6 +186,14 @@ def bad_inputs(rank, world, path) -> dict:
         "read": raised(lambda: module.read("item", [3, 30] if rank == 1 else [3])),
         "write": raised(lambda: module.write("item", [3], torch.zeros(1, 5) if rank == 0 else torch.zeros(1, 4))),
     }
+    # a fault in one rank's store between collectives: no rank hangs, every rank raises
+    for key, victim, method in (("serve", 1, "read"), ("store_write", 0, "write"), ("flush", 0, "flush")):
+        if rank == victim:
+            setattr(module.local_store, method, fail_with(OSError(f"injected {method} fault")))
+        res[key] = raised({"serve": lambda: loss_of(module(good)).backward(),
+                           "store_write": lambda: module.write("user", [1], torch.zeros(1, 8)),
+                           "flush": module.flush}[key])
+        module.local_store.__dict__.pop(method, None)
     res["unchanged"] = all(torch.equal(a, b) for a, b in zip(before.values(), read_all(module, rank).values()))
     loss_of(module(good)).backward()  # still in step
     module.close()
@@ -325,6 +339,9 @@ def test_two_ranks_train_as_one_process(tmp_path):
     assert bad[1]["table"][0] == "RankFailedError" and "rank 0 failed: KeyError" in bad[1]["table"][1]
     assert bad[1]["read"][0] == "IndexError" and bad[0]["read"][0] == "RankFailedError"
     assert bad[0]["write"][0] == "ValueError" and "shape" in bad[0]["write"][1] and bad[1]["write"][0] == "RankFailedError"
+    for key, victim, method in (("serve", 1, "read"), ("store_write", 0, "write"), ("flush", 0, "flush")):
+        assert bad[victim][key] == ("OSError", f"injected {method} fault")
+        assert bad[1 - victim][key][0] == "RankFailedError" and f"rank {victim} failed: OSError" in bad[1 - victim][key][1]
     assert bad[0]["unchanged"] and bad[1]["unchanged"]
     for r in range(2):
         assert bad[r]["plan"][0] == "PlanMismatchError" and "ranks [1]" in bad[r]["plan"][1]

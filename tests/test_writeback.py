@@ -117,3 +117,22 @@ def test_a_bulk_write_is_adopted_not_copied_and_its_memory_leaves_when_it_commit
     queued.drop(np.arange(200_000), seq=1)  # the bulk batch commits: rows 5 and 7 stay, newer
     assert queued.nbytes == queued.pool.nbytes and len(queued) == 2002
     assert (queued.get(np.array([5]))[1] == 3.0).all()
+
+
+def test_drain_waits_for_a_batch_of_metadata_only(tmp_path):
+    """flush() queues its metadata (last flush, step counts) even with no dirty rows:
+    drain must wait for that commit too, or flush returns before it is durable."""
+    backend, wb, lock, commits = writer(tmp_path, limit_rows=1000, linger=60.0)
+    real = backend.put_rows
+
+    def slow_put_rows(batches, meta=None):
+        time.sleep(0.05)  # injected latency: the commit is still running when drain starts
+        return real(batches, meta)
+
+    backend.put_rows = slow_put_rows
+    with lock:
+        wb.submit([], meta={"steps": {"t": 7}})
+        wb.drain()
+        assert backend.read_meta()["steps"] == {"t": 7}
+        wb.stop()
+    backend.close()

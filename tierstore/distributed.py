@@ -24,9 +24,14 @@ training TieredEmbeddingBagCollection on the concatenated global batch (rank
 
 Every collective step begins with an exchange of an ok/error flag: bad input on
 one rank raises its own named error there (BagIndexError, KeyError, ...) and
-RankFailedError naming it on the others, before any row moves. A collective
-that fails (a dead rank, a timeout set by ``init_process_group(timeout=...)``)
-raises RankFailedError.
+RankFailedError naming it on the others, before any row moves. Work between
+collectives that may fail on one rank (the owners' store reads, a write,
+flush, checkpoint) is followed by such an exchange too, so no rank waits in a
+collective that a failed rank never enters. A collective that fails (a dead
+rank, a timeout set by ``init_process_group(timeout=...)``) raises
+RankFailedError. The owners' update at the end of backward has no collective
+after it: a failure there raises on that rank only, and the others learn of it
+at their next collective (RankFailedError once the rank exits, or the timeout).
 """
 from __future__ import annotations
 
@@ -399,22 +404,28 @@ class ShardedEmbeddingBagCollection(nn.Module):
         send: list[list[torch.Tensor]] = [[] for _ in range(world)]
         recv = [0] * world
         size = torch.empty(0, dtype=dtype).element_size()
-        mine = {}
+        mine, error, served = {}, None, 0
         for name in names:
             t = self._tables[name]
-            if t.mine is not None:  # serve every rank's ids that this shard holds
+            if t.mine is not None and error is None:  # serve every rank's ids that this shard holds
                 want = [u[t.masks(u)[t.mine]] for u in (torch.unique(s) for s in segs[name])]
                 uid = torch.unique(torch.cat(want))
-                rows = self.local_store.read(name, uid, with_state=with_state).cpu()
-                for r, w in enumerate(want):
-                    send[r].append(rows.index_select(0, torch.searchsorted(uid, w)).to(dtype))
-                self.lookups["served"] += sum(len(w) for w in want)
+                try:
+                    rows = self.local_store.read(name, uid, with_state=with_state).cpu()
+                except Exception as e:  # the others must not wait in the exchange for rows that will not come
+                    error = e
+                else:
+                    for r, w in enumerate(want):
+                        send[r].append(rows.index_select(0, torch.searchsorted(uid, w)).to(dtype))
+                    served += sum(len(w) for w in want)
             uid = torch.unique(segs[name][me])
             masks = t.masks(uid)
             mine[name] = (uid, masks)
             for k in range(len(t.tplan.shards)):
                 recv[t.rank_of(k)] += int(masks[k].sum()) * len(t.cols(k, with_state)) * size
-            self.lookups["sent"] += len(uid)
+        self._comm.agree(error, [])
+        self.lookups["served"] += served
+        self.lookups["sent"] += sum(len(uid) for uid, _ in mine.values())
         got = [_Reader(b) for b in self._comm.exchange(send, recv)]
         out = {}
         for name in names:
@@ -613,29 +624,37 @@ class ShardedEmbeddingBagCollection(nn.Module):
             width = len(t.cols(t.mine, with_state))
             recv = [int(m.sum()) * width * 4 for m in masks]
         got = self._comm.exchange(send, recv)
+        error = None
         if t.mine is not None:
             values = torch.cat([_Reader(b).take(int(m.sum()), width, torch.float32) for b, m in zip(got, masks)])
-            self.local_store.write(table, torch.cat([s[m] for s, m in zip(segs[table], masks)]), values, with_state=with_state)
+            try:
+                self.local_store.write(table, torch.cat([s[m] for s, m in zip(segs[table], masks)]), values, with_state=with_state)
+            except Exception as e:
+                error = e
+        # every rank returns or raises together: none goes on to a collective the failed one never calls
+        self._comm.agree(error, [])
 
     def flush(self) -> None:
-        """Make every rank's rows durable (each flushes its store). Collective."""
-        if self.local_store is not None:
-            self.local_store.flush()
-        self._comm.barrier("flush")
+        """Make every rank's rows durable (each flushes its store). Collective: a rank's
+        failure raises there, and RankFailedError naming it on the others."""
+        self._comm.agree(_error_of(self.local_store.flush if self.local_store is not None else None), [])
 
     def checkpoint(self, path: str | Path) -> Path:
         """Snapshot every rank's shards into ``path/rank-<r>`` (TieredStore.checkpoint,
         after a barrier: no rank is mid-step), with the plan and tables as JSON;
-        restore with ``ShardedEmbeddingBagCollection.from_checkpoint``. Collective."""
+        restore with ``ShardedEmbeddingBagCollection.from_checkpoint``. Collective: a
+        rank's failure raises there, and RankFailedError naming it on the others."""
         path = Path(path)
         self._comm.barrier("checkpoint")
-        path.mkdir(parents=True, exist_ok=True)
-        if self.rank == 0:
-            _write_json(path / "plan.json", self.plan.to_json())
-            _write_json(path / "tables.json", json.dumps([t.spec.to_json() for t in self._tables.values()]))
-        if self.local_store is not None:
-            self.local_store.checkpoint(path / f"rank-{self.rank}")
-        self._comm.barrier("checkpoint")
+
+        def snapshot():
+            path.mkdir(parents=True, exist_ok=True)
+            if self.rank == 0:
+                _write_json(path / "plan.json", self.plan.to_json())
+                _write_json(path / "tables.json", json.dumps([t.spec.to_json() for t in self._tables.values()]))
+            if self.local_store is not None:
+                self.local_store.checkpoint(path / f"rank-{self.rank}")
+        self._comm.agree(_error_of(snapshot), [])
         return path
 
     @classmethod
@@ -714,6 +733,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def extra_repr(self) -> str:
         return (f"rank={self.rank}, world_size={self.world_size}, tables={list(self._tables)}, "
                 f"optimizer={self.optimizer!r}, comm_dtype={self._comm_dtype}")
+
+
+def _error_of(op) -> Exception | None:
+    """Run ``op`` (if any); its exception, for _Comm.agree to raise on every rank."""
+    try:
+        if op is not None:
+            op()
+    except Exception as e:
+        return e
+    return None
 
 
 def _stored_ids(store: TieredStore, table: str) -> torch.Tensor:

@@ -970,12 +970,12 @@ class TieredStore:
                 e_drop = v[v >= len(others)] - len(others)
         return _Plan(old_dirty, new_freq, keep_h, keep_d, demote, e_ids, e_last, e_freq, e_dirty, e_drop, resident_drop)
 
-    def _write_unique(self, t: _Table, uid: torch.Tensor, values: torch.Tensor, cols: int) -> None:
-        H, D = t.hbm, t.ddr
-        n = len(uid)
-        placed = torch.zeros(n, dtype=torch.bool)
+    def _cached(self, t: _Table, uid: torch.Tensor) -> tuple[list[tuple[CacheTier, torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """Where the rows of ``uid`` are cached: ([(tier, slots, positions in uid)] for each
+        tier, slots and positions on the CPU), and the mask of the ids some tier holds."""
+        placed = torch.zeros(len(uid), dtype=torch.bool)
         targets = []
-        for tier in (H, D):
+        for tier in (t.hbm, t.ddr):
             if tier is None:
                 continue
             todo = torch.nonzero(~placed).squeeze(1)
@@ -983,6 +983,11 @@ class TieredStore:
             hit = slot >= 0
             targets.append((tier, slot[hit], todo[hit]))
             placed[todo[hit]] = True
+        return targets, placed
+
+    def _write_unique(self, t: _Table, uid: torch.Tensor, values: torch.Tensor, cols: int) -> None:
+        n = len(uid)
+        targets, placed = self._cached(t, uid)
         cold = torch.nonzero(~placed).squeeze(1)
         if len(cold):  # not cached: straight to LMDB (durable at the next flush)
             if cols == t.spec.width:
@@ -1013,10 +1018,8 @@ class TieredStore:
         try:
             with restored_on_error([c]):
                 if life.resets:
-                    for tier in (t.hbm, t.ddr):
-                        if tier is not None:
-                            slots = tier.lookup(uid)
-                            self._expire_cached(t, tier, slots[slots >= 0])
+                    for tier, slots, _ in self._cached(t, uid)[0]:
+                        self._expire_cached(t, tier, slots.to(tier.device))
                 result = self._access(t, uid, use_clock, refresh)
                 if refresh is not None:
                     self._mark_dirty(t, uid[refresh])
@@ -1033,10 +1036,8 @@ class TieredStore:
         return result
 
     def _mark_dirty(self, t: _Table, ids: torch.Tensor) -> None:
-        for tier in (t.hbm, t.ddr):
-            if tier is not None and len(ids):
-                slots = tier.lookup(ids)
-                tier.dirty[slots[slots >= 0]] = True
+        for tier, slots, _ in self._cached(t, ids)[0]:
+            tier.dirty[slots.to(tier.device)] = True
 
     def _expire_cached(self, t: _Table, tier: CacheTier, slots: torch.Tensor) -> torch.Tensor:
         """Cached rows at ``slots`` idle ttl_steps or more, or below evict_l2_below, get
@@ -1100,13 +1101,10 @@ class TieredStore:
         out = np.full(len(ids), -1, dtype=np.int64)
         if life.current is not None:
             out[np.isin(ids, life.current, assume_unique=True)] = life.steps + 1
-        for tier in (t.hbm, t.ddr):
-            todo = np.flatnonzero(out < 0)
-            if tier is None or not len(todo):
-                continue
-            slots = tier.lookup(torch.from_numpy(ids[todo])).cpu()
-            inside = slots >= 0
-            out[todo[inside.numpy()]] = life.steps_of(tier.last[slots[inside].to(tier.device)].cpu().numpy())
+        todo = np.flatnonzero(out < 0)
+        if len(todo):
+            for tier, slots, pos in self._cached(t, torch.from_numpy(ids[todo]))[0]:
+                out[todo[pos.numpy()]] = life.steps_of(tier.last[slots.to(tier.device)].cpu().numpy())
         rest = np.flatnonzero(out < 0)
         if len(rest):
             stored = self._stored_last_use(t, ids[rest])
@@ -1140,21 +1138,15 @@ class TieredStore:
             self._reap()
             uid = uid.cpu()
             rows = torch.empty((len(uid), t.spec.width), dtype=torch.float32)
-            todo = torch.ones(len(uid), dtype=torch.bool)
+            targets, placed = self._cached(t, uid)
             self._await_gathers()
-            for tier in (t.hbm, t.ddr):
-                if tier is None:
-                    continue
-                slots = tier.lookup(uid).cpu()
-                inside = (slots >= 0) & todo
-                if bool(inside.any()):
-                    s = slots[inside].to(tier.device)
-                    if t.life.resets:
-                        self._expire_cached(t, tier, s)
-                    rows[inside] = tier.gather(s).cpu()
-                    todo &= ~inside
-            if bool(todo.any()):
-                rows[todo] = self._fetch(t, uid[todo])
+            for tier, slots, pos in targets:
+                s = slots.to(tier.device)
+                if t.life.resets:
+                    self._expire_cached(t, tier, s)
+                rows[pos] = tier.gather(s).cpu()
+            if not bool(placed.all()):
+                rows[~placed] = self._fetch(t, uid[~placed])
             return rows.to(self.device)
 
     def evict(self, table: str, ids) -> int:
