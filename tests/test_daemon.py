@@ -704,9 +704,10 @@ def test_admission_and_ttl_train_through_a_daemon_bit_identical_to_an_embedded_s
                         ((out - target) ** 2).sum().backward()
             client.flush()
             local.flush()
-            life = client.stats(per_table=True)["t"]["rows"]
-            assert life == local.stats(per_table=True)["t"]["rows"]
-            assert (life["rejected"] > 0) == (admit_after > 1) and (life["expired"] > 0) == (ttl is not None)
+            life, twin = client.stats(per_table=True)["t"]["rows"], local.stats(per_table=True)["t"]["rows"]
+            # rows on disk, and so expiries and evictions, depend on how far the background sweep got; the sketch's do not
+            assert (life["admitted"], life["rejected"]) == (twin["admitted"], twin["rejected"])
+            assert (life["rejected"] > 0) == (admit_after > 1) and (life["expired"] + life["evicted"] > 0) == (ttl is not None)
             # a read is a step with these rules: every row, once, last
             rows = client.read("t", POOL, with_state=True)
             assert torch.equal(rows, local.read("t", POOL, with_state=True))
