@@ -750,6 +750,9 @@ def test_evict_through_a_client_deletes_rows_everywhere_within_its_claims(daemon
     c.write("user", [1], torch.full((1, 8), 7.0))  # dirty in the client's HBM tier
     with pytest.raises(PermissionError, match="no write claim on row 60"):
         c.evict("user", [1, 2, 3, 60])
+    with pytest.raises(PermissionError, match="no write claim on row 60"):  # the daemon checks claims too
+        c._request(wire.Frame(wire.EVICT, text="user", ids=np.array([60], dtype=np.int64)))
+    assert torch.equal(c.read("user", [60]), torch.full((1, 8), 0.5))
     assert torch.equal(c.read("user", [1, 2, 3]), torch.tensor([[7.0] * 8, [0.5] * 8, [0.5] * 8]))  # nothing changed
     with pytest.raises(PermissionError, match="readonly"):
         attach(daemon, store_path, readonly=True).evict("user", [70])

@@ -39,6 +39,13 @@ itself. Hence:
   (the daemon counts every client's reads). Frequencies (LFU) start at 1 when
   a row enters the HBM tier.
 
+Tables with admission, TTL or the L2 score (README "Unbounded id spaces"): the
+daemon's store counts their steps, so every read of one reaches the daemon (no
+HBM tier here for it, and no read of it split across frames: that would be
+several steps); a module's backward asks the daemon which rows' updates it keeps
+(ADMITTED) and re-reads stale rows there without a step (REREAD). ``evict()``
+sends EVICT, within the client's claims.
+
 Large arrays go through a shared-memory segment the daemon creates for this
 connection (``shm_bytes``; see tierstore/wire.py); small frames through the
 socket. A call larger than the daemon's frame limit (its HELLO says it) is
