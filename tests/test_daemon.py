@@ -25,7 +25,10 @@ from prometheus_client import CollectorRegistry
 import tierstore
 from tierstore import wire
 from tierstore.optim import Adagrad
+from tierstore.spec import initial_rows
 from tierstore.trace import Trace
+
+from test_admission import _fbgemm  # skips without FBGEMM
 
 USER = tierstore.TableSpec("user", 10_000, 8, init=tierstore.RowInit.uniform(-1, 1, seed=3))
 ITEM = tierstore.TableSpec("item", None, 4, state_dim=2)
@@ -662,6 +665,105 @@ def test_lookahead_loader_over_a_daemon_client_sends_hints_and_trains_like_an_em
         assert torch.equal(client.read("t", every, with_state=True), local.read("t", every, with_state=True))
         assert client.daemon_stats()["prefetch"]["t"]["issued_rows"] > 0
 
+
+
+# -- admission and TTL through the daemon (README "Unbounded id spaces") ---------------------
+POOL = np.random.default_rng(5).choice(1 << 62, 400, replace=False).astype(np.int64)  # ids over the 63-bit space
+
+
+@pytest.mark.parametrize("admit_after, ttl, kernels", [(1, 4, "torch"), (3, None, "torch"), (2, 4, "torch"), (2, 4, "fbgemm")],
+                         ids=["ttl", "admission", "both", "both-fbgemm"])
+def test_admission_and_ttl_train_through_a_daemon_bit_identical_to_an_embedded_store(tmp_path, sockdir, admit_after, ttl, kernels):
+    """Pairs of forwards before their backwards: the first backward's rows went stale,
+    so it re-reads them (REREAD, not a step) and asks which it may keep (ADMITTED)."""
+    if kernels == "fbgemm":
+        _fbgemm()  # skips without FBGEMM (optional peer)
+    opt = Adagrad(lr=0.3)
+    spec = tierstore.TableSpec("t", None, 4, init=tierstore.RowInit.normal(0, 0.1, seed=2), state_dim=opt.state_dim(4),
+                               admit_after=admit_after, ttl_steps=ttl, admit_width=1 << 16)
+    with _embedded(tmp_path / "a", tables=[spec]):
+        pass
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    port = _free_port()
+    d = Daemon(tmp_path / "a", sockdir / "d.sock", "--metrics-port", str(port), ddr_rows=64)
+    try:
+        client = tierstore.open_store(tmp_path / "a", daemon=str(d.sock), claim=["t"], client="trainer")
+        with pytest.raises(ValueError, match="admit_after, ttl_steps or evict_l2_below.*hbm_rows"):
+            tierstore.open_store(tmp_path / "a", daemon=str(d.sock), readonly=False, hbm_rows={"t": 8}, client="cached")
+        with _embedded(tmp_path / "b", hbm_rows=16, ddr_rows=64) as local:
+            bags = [tierstore.TieredEmbeddingBag(None, 4, store=s, table="t", optimizer=opt, mode="sum", kernels=kernels)
+                    for s in (client, local)]
+            g = torch.Generator().manual_seed(0)
+            for step in range(12):
+                batches = [(torch.from_numpy(POOL)[(torch.rand(32, generator=g) ** 3 * len(POOL)).long()], torch.arange(0, 32, 4))
+                           for _ in range(2)]
+                targets = torch.randn(2, 8, 4, generator=g)
+                for bag in bags:
+                    outs = [bag(x, offsets) for x, offsets in batches]
+                    for out, target in zip(outs[::-1], targets.flip(0)):  # the later forward's backward first
+                        ((out - target) ** 2).sum().backward()
+            client.flush()
+            local.flush()
+            life, twin = client.stats(per_table=True)["t"]["rows"], local.stats(per_table=True)["t"]["rows"]
+            # rows on disk, and so expiries and evictions, depend on how far the background sweep got; the sketch's do not
+            assert (life["admitted"], life["rejected"]) == (twin["admitted"], twin["rejected"])
+            assert (life["rejected"] > 0) == (admit_after > 1) and (life["expired"] + life["evicted"] > 0) == (ttl is not None)
+            # a read is a step with these rules: every row, once, last
+            rows = client.read("t", POOL, with_state=True)
+            assert torch.equal(rows, local.read("t", POOL, with_state=True))
+            init = torch.from_numpy(initial_rows(spec, POOL))
+            assert (rows[:, :4] != init[:, :4]).any(1).sum() > 10, "some rows must have been trained"
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            assert 'tierstore_daemon_client_requests_total{client="trainer",op="reread"}' in body
+            assert ('tierstore_daemon_client_requests_total{client="trainer",op="admitted"}' in body) == (admit_after > 1)
+        client.close()
+    finally:
+        assert d.stop() == 0
+
+
+def test_admission_requests_keep_the_protocol_rules(tmp_path, sockdir):
+    spec = tierstore.TableSpec("t", None, 4, admit_after=2, ttl_steps=3)
+    with _embedded(tmp_path / "s", tables=[spec]):
+        pass
+    d = Daemon(tmp_path / "s", sockdir / "d.sock", "--max-inflight-mib", "1")
+    try:
+        c = tierstore.open_store(tmp_path / "s", daemon=str(d.sock), claim=["t"], shm_bytes=0)
+        with pytest.raises(ValueError, match="sorted and unique"):
+            c._request(wire.Frame(wire.REREAD, text="t", ids=np.array([5, 3], dtype=np.int64)))
+        with pytest.raises(KeyError, match="unknown table 'nope'"):
+            c._request(wire.Frame(wire.ADMITTED, text="nope", ids=np.array([1], dtype=np.int64)))
+        with pytest.raises(ValueError, match="cannot be split: read fewer ids"):
+            c.read("t", np.arange(100_000))  # past one frame: it would count as several steps
+        c.read("t", [1, 2])
+        c.read("t", [2])
+        assert c._admitted("t", torch.tensor([1, 2, 3])).tolist() == [False, True, False]
+        assert torch.equal(c._reread("t", torch.tensor([1, 2])), c.read("t", [1, 2], with_state=True))
+        assert c.stats(per_table=True)["t"]["rows"]["admitted"] == 3  # 0, 1 (id 2), 2: re-reads and queries are no steps
+        c.close()
+    finally:
+        assert d.stop() == 0
+
+
+def test_evict_through_a_client_deletes_rows_everywhere_within_its_claims(daemon, store_path):
+    c = attach(daemon, store_path, claim=[("user", 0, 50)], hbm_rows=10)
+    c.read("user", [1, 2])
+    c.write("user", [1], torch.full((1, 8), 7.0))  # dirty in the client's HBM tier
+    with pytest.raises(PermissionError, match="no write claim on row 60"):
+        c.evict("user", [1, 2, 3, 60])
+    with pytest.raises(PermissionError, match="no write claim on row 60"):  # the daemon checks claims too
+        c._request(wire.Frame(wire.EVICT, text="user", ids=np.array([60], dtype=np.int64)))
+    assert torch.equal(c.read("user", [60]), torch.full((1, 8), 0.5))
+    assert torch.equal(c.read("user", [1, 2, 3]), torch.tensor([[7.0] * 8, [0.5] * 8, [0.5] * 8]))  # nothing changed
+    with pytest.raises(PermissionError, match="readonly"):
+        attach(daemon, store_path, readonly=True).evict("user", [70])
+    assert c.evict("user", [3, 1, 2, 1]) == 3 and c.evict("user", []) == 0
+    assert np.array_equal(c.read("user", [1, 2, 3]).numpy(), _initial_user_rows(store_path, [1, 2, 3]))
+    c.flush()
+    other = attach(daemon, store_path, readonly=True)
+    assert np.array_equal(other.read("user", [1, 2, 3, 4]).numpy()[:3], _initial_user_rows(store_path, [1, 2, 3]))
+    assert torch.equal(other.read("user", [4]), torch.full((1, 8), 0.5))
+    c.close()
+    other.close()
 
 # -- limits: descriptors, memory, connection bursts ----------------------------------------
 def _fd_limit(n: int):

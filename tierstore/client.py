@@ -39,6 +39,13 @@ itself. Hence:
   (the daemon counts every client's reads). Frequencies (LFU) start at 1 when
   a row enters the HBM tier.
 
+Tables with admission, TTL or the L2 score (README "Unbounded id spaces"): the
+daemon's store counts their steps, so every read of one reaches the daemon (no
+HBM tier here for it, and no read of it split across frames: that would be
+several steps); a module's backward asks the daemon which rows' updates it keeps
+(ADMITTED) and re-reads stale rows there without a step (REREAD). ``evict()``
+sends EVICT, within the client's claims.
+
 Large arrays go through a shared-memory segment the daemon creates for this
 connection (``shm_bytes``; see tierstore/wire.py); small frames through the
 socket. A call larger than the daemon's frame limit (its HELLO says it) is
@@ -182,6 +189,10 @@ class DaemonStore(TieredStore):
             if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or rows < 0:
                 raise ValueError(f"hbm_rows for {table} must be an int >= 0 (0 = no HBM tier), got {rows!r}")
             spec = self._spec(table)
+            if rows and _has_life(spec):
+                raise ValueError(f"hbm_rows for table {table!r}, which has admit_after, ttl_steps or evict_l2_below: the daemon counts "
+                                 "each read of it as a step, and a client HBM tier would keep reads from it; give hbm_rows as "
+                                 "{table: rows} for the other tables only")
             if rows and table not in self._ranges:
                 raise ValueError(f"hbm_rows for table {table!r}, which this client has not claimed: a client caches only rows "
                                  f"it writes (its claims keep other writers away); claim it, e.g. claim=[{table!r}]")
@@ -264,25 +275,31 @@ class DaemonStore(TieredStore):
         limit = min(self._max_frame, self._shm.size) if self._shm is not None else self._max_frame
         return max(1, min(self._max_ids, (limit - wire.SHM_ALIGN) // (8 + 4 * cols)))
 
-    def _daemon_read(self, table: str, ids: np.ndarray, cols: int, with_state: bool, out: torch.Tensor | None) -> torch.Tensor:
-        """Rows from the daemon, copied into ``out`` (CPU, contiguous) or a new tensor;
-        a call past the frame limit as consecutive frames."""
+    def _daemon_read(self, table: str, ids: np.ndarray, cols: int, with_state: bool, out: torch.Tensor | None,
+                     ftype: int = wire.READ) -> torch.Tensor:
+        """Rows from the daemon (READ, or REREAD), copied into ``out`` (CPU, contiguous)
+        or a new tensor; a call past the frame limit as consecutive frames."""
         n, chunk = len(ids), self._chunk(cols)
         if n <= chunk:
-            return self._daemon_read_frame(table, ids, cols, with_state, out)
+            return self._daemon_read_frame(table, ids, cols, with_state, out, ftype)
+        if ftype == wire.READ and _has_life(self._spec(table)):
+            raise ValueError(f"a read of {n} ids of table {table!r} exceeds the {chunk} ids of {cols} columns that fit one frame "
+                             "(the daemon's frame limit and this client's shm_bytes); with admit_after, ttl_steps or "
+                             "evict_l2_below each read is one step and cannot be split: read fewer ids per call")
         direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
         rows = out if direct else torch.empty((n, cols), dtype=torch.float32)
         for lo in range(0, n, chunk):
-            self._daemon_read_frame(table, ids[lo:lo + chunk], cols, with_state, rows[lo:lo + chunk])
+            self._daemon_read_frame(table, ids[lo:lo + chunk], cols, with_state, rows[lo:lo + chunk], ftype)
         if direct:
             return rows
         return rows.to(self.device) if out is None else out.copy_(rows)
 
-    def _daemon_read_frame(self, table: str, ids: np.ndarray, cols: int, with_state: bool, out: torch.Tensor | None) -> torch.Tensor:
+    def _daemon_read_frame(self, table: str, ids: np.ndarray, cols: int, with_state: bool, out: torch.Tensor | None,
+                           ftype: int = wire.READ) -> torch.Tensor:
         n = len(ids)
         direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
         with self._lock:  # rows in the segment are valid until the next request: copy them before another thread sends one
-            reply = self._request(wire.Frame(wire.READ, text=table, ids=ids, flags=wire.WITH_STATE if with_state else 0),
+            reply = self._request(wire.Frame(ftype, text=table, ids=ids, flags=wire.WITH_STATE if with_state else 0),
                                   rows_out=out.numpy() if direct else None)
             if reply.rows is None or reply.rows.shape != (n, cols):
                 raise RuntimeError(f"the daemon answered a read of {n} x {cols} with {None if reply.rows is None else reply.rows.shape}")
@@ -297,15 +314,18 @@ class DaemonStore(TieredStore):
         flags = wire.WITH_STATE if with_state else 0
         chunk = self._chunk(rows.shape[1])
         if len(ids) > chunk:
-            # the daemon checks each frame's claims; check the whole call here first, so no
-            # frame is applied of a write that a later frame would have refused
-            ranges = self._ranges.get(table, [])
-            inside = wire.claimed(ranges, ids)
-            if not inside.all():
-                raise wire.unclaimed("this client", table, ranges, int(ids[~inside][0]))
+            self._check_claimed(table, ids)
         with self._lock:  # one writer's frames stay in order (a later value of an id wins)
             for lo in range(0, len(ids), chunk):
                 self._request(wire.Frame(wire.WRITE, text=table, ids=ids[lo:lo + chunk], rows=rows[lo:lo + chunk], flags=flags))
+
+    def _check_claimed(self, table: str, ids: np.ndarray) -> None:
+        """The daemon checks each frame's claims; a call of several frames is checked
+        here first, so no frame is applied of a call that a later frame would have refused."""
+        ranges = self._ranges.get(table, [])
+        inside = wire.claimed(ranges, ids)
+        if not inside.all():
+            raise wire.unclaimed("this client", table, ranges, int(ids[~inside][0]))
 
     # -- the store API -------------------------------------------------------------------
     @property
@@ -429,6 +449,56 @@ class DaemonStore(TieredStore):
             H.put(s, values[cached], cols)
             H.dirty[s] = True
 
+    # -- admission and TTL: the daemon's store keeps the counts (README "Unbounded id spaces") --
+    def _admitted(self, table: str, uid: torch.Tensor) -> torch.Tensor | None:
+        """Which of the sorted unique ids a trainer's update may keep, as the daemon's
+        store counts them now; None when all may (no admission)."""
+        if self._spec(table).admit_after == 1:
+            return None
+        ids = self._ids_np(table, uid)
+        mask = np.empty(len(ids), dtype=bool)
+        chunk = self._chunk(0)
+        with self._lock:
+            for lo in range(0, len(ids), chunk):
+                part = ids[lo:lo + chunk]
+                reply = self._request(wire.Frame(wire.ADMITTED, text=table, ids=part))
+                if reply.ids is None or len(reply.ids) != len(part):
+                    raise RuntimeError(f"the daemon answered an admission query of {len(part)} ids with "
+                                       f"{0 if reply.ids is None else len(reply.ids)}")
+                mask[lo:lo + len(part)] = reply.ids != 0
+        return torch.from_numpy(mask)
+
+    def _reread(self, table: str, uid: torch.Tensor) -> torch.Tensor:
+        """The rows, with state, of sorted unique ids as the daemon's store has them now:
+        not a step. Such tables have no HBM tier here (see _make_hbm), so the daemon's
+        copy is the newest."""
+        spec = self._spec(table)
+        ids = self._ids_np(table, uid)
+        if not len(ids):
+            return torch.empty((0, spec.width), dtype=torch.float32, device=self.device)
+        return self._daemon_read(table, ids, spec.width, True, None, wire.REREAD)
+
+    def evict(self, table: str, ids) -> int:
+        """Delete the rows of ``ids`` from the daemon's tiers and LMDB (and this client's
+        HBM tier, unwritten): a later read gives their initial values. Needs a claim on
+        every row. Returns how many of them LMDB held; durable at the next flush()."""
+        if self.readonly:
+            raise PermissionError(f"this client of {self.socket_path} attached readonly; attach with claim=[{table!r}] to evict")
+        ids_np = np.unique(self._ids_np(table, ids))
+        if not len(ids_np):
+            return 0
+        self._check_claimed(table, ids_np)
+        chunk = self._chunk(0)
+        deleted = 0
+        with self._lock:
+            for lo in range(0, len(ids_np), chunk):
+                deleted += int(self._request(wire.Frame(wire.EVICT, text=table, ids=ids_np[lo:lo + chunk])).ids[0])
+            H = self._hbm.get(table)
+            if H is not None:
+                slots = H.lookup(torch.from_numpy(ids_np).to(H.device))
+                H.remove(slots[slots >= 0])
+        return deleted
+
     def prefetch(self, table: str, ids) -> PrefetchTicket:
         """Hint that the next batches read these rows; the daemon starts fetching
         them into its DDR tier and this returns at once. A bad id is refused here,
@@ -547,6 +617,11 @@ class DaemonStore(TieredStore):
     def __repr__(self) -> str:
         return (f"DaemonStore({str(self.path)!r}, daemon={str(self.socket_path)!r}, "
                 f"claims={[wire.describe_claim(c) for c in self.claims]}, readonly={self.readonly})")
+
+
+def _has_life(spec: TableSpec) -> bool:
+    """The table has admission, TTL or the L2 score: every read of it is a step the daemon counts."""
+    return spec.admit_after > 1 or spec.ttl_steps is not None or spec.evict_l2_below is not None
 
 
 def _is_range(c) -> bool:

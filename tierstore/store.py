@@ -1116,17 +1116,10 @@ class TieredStore:
         """Which of the sorted unique ids a trainer's update may change now (the
         read of its step done); None when all may (no admission)."""
         with self._lock:
-            life = self._lived_table(table).life
+            life = self._table(table).life
             if life.sketch is None:
                 return None
             return torch.from_numpy(life.admitted(uid.cpu().numpy()))
-
-    def _lived_table(self, table: str) -> _Table:
-        t = self._table(table)
-        if not isinstance(t, _Table):  # a prefetchd client's tables are the daemon's
-            raise NotImplementedError(f"table {table!r} has admit_after, ttl_steps or evict_l2_below, which only an embedded TieredStore "
-                                      "applies so far; train it in the process that owns the store, not through prefetchd")
-        return t
 
     def _reread(self, table: str, uid: torch.Tensor) -> torch.Tensor:
         """The rows, with state, of sorted unique ids as they are now, for a backward
@@ -1134,7 +1127,7 @@ class TieredStore:
         (whether a backward re-reads depends on the tiers' sizes)."""
         with self._lock:
             self._check_open()
-            t = self._lived_table(table)
+            t = self._table(table)
             self._reap()
             uid = uid.cpu()
             rows = torch.empty((len(uid), t.spec.width), dtype=torch.float32)

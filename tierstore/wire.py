@@ -34,6 +34,13 @@ each other before touching it, and copies ids out before using them, so a
 peer rewriting the segment mid-request cannot slip an unchecked id past it.
 One request is in flight per connection, so client and daemon take turns
 with the segment and need no lock on it.
+
+Tables with admission and TTL (version 3). A trainer's backward asks the
+daemon's store, not its own: ADMITTED (ids: sorted unique ids; reply ids: 1
+where an update is kept, else 0), REREAD (the rows with state of sorted unique
+ids as they are now, not counted as a step; reply rows like READ's) and EVICT
+(ids to delete everywhere; the sender must claim them; reply ids: one count,
+the rows LMDB held).
 """
 from __future__ import annotations
 
@@ -49,13 +56,14 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = b"TSD\x00"
-VERSION = 2
+VERSION = 3
 HEADER = struct.Struct("<4sHBBB3xIQQI")
 SHM_REF = struct.Struct("<QQ")  # ids offset, rows offset: follows the header when flags & IN_SHM
 
 # frame types; ERROR is the reply to a frame whose own type could not be trusted
-ERROR, HELLO, READ, WRITE, PREFETCH, FLUSH, STEP, STATS = range(8)
-TYPE_NAMES = {ERROR: "ERROR", HELLO: "HELLO", READ: "READ", WRITE: "WRITE", PREFETCH: "PREFETCH", FLUSH: "FLUSH", STEP: "STEP", STATS: "STATS"}
+ERROR, HELLO, READ, WRITE, PREFETCH, FLUSH, STEP, STATS, ADMITTED, REREAD, EVICT = range(11)
+TYPE_NAMES = {ERROR: "ERROR", HELLO: "HELLO", READ: "READ", WRITE: "WRITE", PREFETCH: "PREFETCH", FLUSH: "FLUSH", STEP: "STEP",
+              STATS: "STATS", ADMITTED: "ADMITTED", REREAD: "REREAD", EVICT: "EVICT"}
 
 # flag bits
 WITH_STATE = 1  # READ/WRITE rows carry the per-row state after the weights

@@ -216,7 +216,8 @@ class Daemon:
                                                device="cpu", registry=self.registry, name="prefetchd",
                                                metrics_port=config.metrics_port)
             self.registry.register(_ClientCollector(self))
-            self._read_row_bytes = 4 * max((spec.width for spec in self.store.tables.values()), default=0)
+            row_bytes = 4 * max((spec.width for spec in self.store.tables.values()), default=0)
+            self._reply_bytes_per_id = {wire.READ: row_bytes, wire.REREAD: row_bytes, wire.ADMITTED: 8}
             unknown = set(self._trace.table_names if self._trace is not None else ()) - set(self.store.tables)
             if unknown:
                 raise ValueError(f"lookahead trace {config.lookahead_source} names tables {sorted(unknown)} that the store lacks; it has {sorted(self.store.tables)}")
@@ -391,7 +392,7 @@ class Daemon:
 
         def admit(ftype: int, n_ids: int, nbytes: int) -> None:
             nonlocal held  # a READ's reply is gathered in memory too, unless in the segment
-            held = self._memory.acquire(nbytes + (n_ids * self._read_row_bytes if ftype == wire.READ else 0))
+            held = self._memory.acquire(nbytes + n_ids * self._reply_bytes_per_id.get(ftype, 0))
 
         # before HELLO a connection gets frame_timeout to speak, after it idle_timeout (0: forever)
         s.conn.settimeout((cfg.idle_timeout or None) if s.hello else cfg.frame_timeout)
@@ -465,11 +466,7 @@ class Daemon:
             if spec is None:  # the store's own KeyError message
                 store.read(f.text, ids[:0])
             cols = spec.width if with_state else spec.dim
-            nbytes = 4 * len(ids) * cols
-            if 8 * len(ids) + nbytes > self.config.limits.max_bytes:
-                raise ValueError(f"a read of {len(ids)} ids x {cols} columns ({8 * len(ids) + nbytes} bytes with its reply) "
-                                 f"exceeds the daemon's frame limit of {self.config.limits.max_bytes} bytes; split the call "
-                                 "(tierstore's client does)")
+            nbytes = self._check_reply_rows(len(ids), cols)
             if s.shm is not None and nbytes > self.config.shm_threshold and nbytes <= s.shm.size:
                 # gathered straight into the client's segment: the reply is a header, no copy
                 out = torch.from_numpy(s.shm.array(0, "<f4", (len(ids), cols)))
@@ -490,6 +487,23 @@ class Daemon:
             store.write(f.text, torch.from_numpy(ids), values, with_state=bool(f.flags & wire.WITH_STATE))
             self._count(s, "write", len(ids))
             return wire.Frame(f.type)
+        if f.type == wire.ADMITTED:
+            ids = self._unique_ids(f)
+            mask = store._admitted(f.text, torch.from_numpy(ids)) if len(ids) else None
+            self._count(s, "admitted", len(ids))
+            return wire.Frame(f.type, ids=np.ones(len(ids), dtype=np.int64) if mask is None else mask.numpy().astype(np.int64))
+        if f.type == wire.REREAD:
+            ids = self._unique_ids(f)
+            self._check_reply_rows(len(ids), store.tables[f.text].width)
+            rows = store._reread(f.text, torch.from_numpy(ids)) if len(ids) else torch.empty((0, store.tables[f.text].width))
+            self._count(s, "reread", len(ids))
+            return wire.Frame(f.type, rows=rows.numpy())
+        if f.type == wire.EVICT:
+            ids = self._ids(f)
+            self._check_claimed(s, f.text, ids)
+            deleted = store.evict(f.text, torch.from_numpy(ids))
+            self._count(s, "evict", len(ids))
+            return wire.Frame(f.type, ids=np.array([deleted], dtype=np.int64))
         if f.type == wire.PREFETCH:
             ids = self._ids(f)
             self._check_ids(f.text, ids)  # a bad hint is refused now, so no later read fails for it
@@ -609,6 +623,24 @@ class Daemon:
     @staticmethod
     def _ids(f: wire.Frame) -> np.ndarray:
         return f.ids if f.ids is not None else np.empty(0, dtype=np.int64)
+
+    def _unique_ids(self, f: wire.Frame) -> np.ndarray:
+        """ADMITTED and REREAD ids: of a known table, in range, sorted and unique (a backward's rows)."""
+        ids = self._ids(f)
+        self._check_ids(f.text, ids)
+        if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError(f"{wire.TYPE_NAMES[f.type]} ids must be sorted and unique (a backward's rows, e.g. torch.unique(ids)); "
+                             f"got {len(ids)} ids that are not")
+        return ids
+
+    def _check_reply_rows(self, n: int, cols: int) -> int:
+        """Bytes of a reply of ``n`` rows of ``cols`` floats; refused past the frame limit."""
+        nbytes = 4 * n * cols
+        if 8 * n + nbytes > self.config.limits.max_bytes:
+            raise ValueError(f"a read of {n} ids x {cols} columns ({8 * n + nbytes} bytes with its reply) "
+                             f"exceeds the daemon's frame limit of {self.config.limits.max_bytes} bytes; split the call "
+                             "(tierstore's client does)")
+        return nbytes
 
     def _check_ids(self, table: str, ids: np.ndarray) -> None:
         self.store._as_ids(self.store._table(table).spec, ids)  # the embedded store's checks and messages
