@@ -772,18 +772,24 @@ def _fd_limit(n: int):
     return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
 
 
-def test_connections_past_the_fd_limit_are_refused_and_stalled_ones_dropped(store_path, sockdir):
-    d = Daemon(store_path, sockdir / "d.sock", "--frame-timeout", "1", preexec_fn=_fd_limit(128))
+def _hello_many(sock, n: int, check_refused=lambda s: None) -> tuple[list, list[str]]:
+    """n raw connections saying hello: those attached (held open) and the refusals' messages."""
     held, refused = [], []
-    for _ in range(120):  # attached and idle: each holds a descriptor in the daemon until it hangs up
-        s = raw_conn(d.sock)
+    for _ in range(n):
+        s = raw_conn(sock)
         try:
             _hello(s)
             held.append(s)
         except wire.DaemonBusyError as e:
             refused.append(str(e))
-            assert_closed(s)
+            check_refused(s)
             s.close()
+    return held, refused
+
+
+def test_connections_past_the_fd_limit_are_refused_and_stalled_ones_dropped(store_path, sockdir):
+    d = Daemon(store_path, sockdir / "d.sock", "--frame-timeout", "1", preexec_fn=_fd_limit(128))
+    held, refused = _hello_many(d.sock, 120, assert_closed)  # attached and idle: each holds a descriptor in the daemon
     assert held and refused and "--max-clients" in refused[0], (len(held), refused[:1])
     with pytest.raises(wire.DaemonBusyError, match="maximum of"):  # the documented ConnectionError, from the client
         attach(d, store_path, readonly=True)
@@ -955,15 +961,7 @@ def test_accept_out_of_descriptors_refuses_and_keeps_serving(store_path, sockdir
     fds = len(os.listdir(f"/proc/{d.proc.pid}/fd"))
     _, hard = resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE)
     resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE, (fds + 2, hard))  # the daemon's next accepts hit EMFILE
-    held, refused = [], []
-    for _ in range(8):
-        s = raw_conn(d.sock)
-        try:
-            _hello(s)
-            held.append(s)
-        except wire.DaemonBusyError as e:
-            refused.append(str(e))
-            s.close()
+    held, refused = _hello_many(d.sock, 8)
     assert any("no file descriptor left" in m for m in refused), refused  # told why, by the EMFILE path
     assert d.proc.poll() is None  # and still serving
     assert torch.equal(c.read("user", [3]), torch.full((1, 8), 0.5))  # attached clients go on
