@@ -608,9 +608,11 @@ class TieredEmbeddingBag(nn.Module):
         place, unless a slot changed owner since the forward (then by id, as
         _update_read does). The same update either way."""
         key = self.store._update_key(self.table)
-        row_slots = hit.slots.index_select(0, bags.rows.firsts().to(hit.slots.device))
+        # one slot per row (the entries grouped by row: a sort) only where needed; FBGEMM's kernel takes the entries' slots
+        row_slots = None if self.kernels == "fbgemm" and bags.admitted is None else \
+            hit.slots.index_select(0, bags.rows.firsts().to(hit.slots.device))
         if self.kernels == "fbgemm":
-            slots = row_slots if bags.admitted is None else row_slots[bags.admitted.to(row_slots.device)]
+            slots = hit.slots if bags.admitted is None else row_slots[bags.admitted.to(row_slots.device)]
 
             def update(top) -> None:
                 # rows not admitted take the step too, then get their values back
