@@ -7,6 +7,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -100,15 +101,44 @@ def _drop_page_cache(path) -> None:
         os.close(fd)
 
 
-def _cpu_seconds() -> float:
-    """CPU time of every thread of this process so far."""
+_THREADS = (("tierstore-prefetch", "prefetch"), ("tierstore-writeback", "write-back"), ("tierstore-plan", "plan"))
+
+
+def _cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of every thread of this process ("all"), and, from
+    Linux's /proc, of this (the trainer's) thread and of each kind of tierstore
+    thread alive now; a thread that ended counts in "all" only."""
     t = os.times()
-    return t.user + t.system
+    cpu = {"all": t.user + t.system}
+    names = {th.native_id: th.name for th in threading.enumerate()}
+    names[threading.get_native_id()] = "trainer"
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return cpu
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in tasks:
+        name = names.get(int(tid), "")
+        kind = "trainer" if name == "trainer" else next((k for prefix, k in _THREADS if name.startswith(prefix)), None)
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        except OSError:  # the thread ended meanwhile
+            continue
+        if kind is not None:
+            cpu[kind] = cpu.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return cpu
 
 
-def _step_ms(step: _Step, data, depth: int) -> tuple[float, float]:
+def _since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    spent = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    spent["other"] = spent["all"] - sum(v for k, v in spent.items() if k != "all")  # threads that ended, the rest
+    return spent
+
+
+def _step_ms(step: _Step, data, depth: int) -> tuple[float, dict[str, float]]:
     """Median step time (ms) past the start, where the window fills, and the CPU
-    seconds of all threads over every step."""
+    seconds over every step, of all threads and by thread (_cpu_seconds)."""
     times = []
     loader = LookaheadLoader(data, step.emb, depth=depth)
     cpu = _cpu_seconds()
@@ -118,7 +148,14 @@ def _step_ms(step: _Step, data, depth: int) -> tuple[float, float]:
         now = time.perf_counter()
         times.append(now - t_prev)
         t_prev = now
-    return statistics.median(times[len(times) // 4:]) * 1e3, _cpu_seconds() - cpu
+    return statistics.median(times[len(times) // 4:]) * 1e3, _since(cpu, _cpu_seconds())
+
+
+def _per_row(runs: list[dict[str, float]]) -> str:
+    """Median CPU per row moved of all threads, then by thread."""
+    us = {k: statistics.median(r.get(k, 0.0) for r in runs) * 1e6 for k in runs[0]}
+    parts = ", ".join(f"{k} {us[k]:.1f}" for k in ("trainer", "prefetch", "write-back", "plan", "other") if k in us)
+    return f"{us['all']:.1f} us ({parts})"
 
 
 def _rows_moved(stats: dict) -> int:
@@ -207,14 +244,15 @@ def bench_steps(args) -> None:
                     emb.store.close()
                     residents.append(resident_step())
                     ratios.append(runs[-1] / statistics.mean(residents[-2:]))
-                    per_row.append((cpu - statistics.mean(resident_cpu[-2:])) / max(moved, 1))
+                    per_row.append({k: (v - statistics.mean(r.get(k, 0.0) for r in resident_cpu[-2:])) / max(moved, 1)
+                                    for k, v in cpu.items()})
             all_in.store.close()
             resident = statistics.median(residents)
             rows = [("every row resident in DDR", f"{resident:7.1f} ms/step  (median of {len(residents)} runs, "
                      f"{min(residents):.1f}-{max(residents):.1f})", "1.00x")]
             rows += [(label, f"{statistics.median(runs):7.1f} ms/step  (runs {min(runs):.1f}-{max(runs):.1f}, x resident "
                       f"{min(ratios):.2f}-{max(ratios):.2f}; CPU of all threads beyond the resident step "
-                      f"{statistics.median(per_row) * 1e6:.1f} us per row moved; {stats['served_rows']} rows prefetched; window "
+                      f"{_per_row(per_row)} per row moved; {stats['served_rows']} rows prefetched; window "
                       f"shrunk for staging room on {stats['shrunk_steps']} of {steps} steps)", f"{statistics.median(ratios):.2f}x")
                      for label, (runs, ratios, stats, per_row) in cold.items()]
             print(f"\n== prefetch: training step with cold rows, {model}")

@@ -1,0 +1,29 @@
+"""The benchmarks' own accounting (their figures are only as good as it is)."""
+import threading
+import time
+
+from tierstore.tools import bench_prefetch
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_cpu_per_thread_goes_to_the_thread_that_spent_it():
+    before = bench_prefetch._cpu_seconds()
+    stop = threading.Event()
+    worker = threading.Thread(target=lambda: (_spin(0.3), stop.wait()), name="tierstore-prefetch-0")
+    worker.start()
+    time.sleep(0.05)
+    _spin(0.1)  # the trainer's own
+    deadline = time.monotonic() + 30
+    while bench_prefetch._cpu_seconds().get("prefetch", 0.0) - before.get("prefetch", 0.0) < 0.28 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    spent = bench_prefetch._since(before, bench_prefetch._cpu_seconds())
+    stop.set()
+    worker.join()
+    assert 0.28 <= spent["prefetch"] <= 0.5
+    assert 0.09 <= spent["trainer"] < 0.28  # the spin and the polling, not the worker's
+    assert spent["all"] >= spent["prefetch"] + spent["trainer"] - 0.02
