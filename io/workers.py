@@ -17,21 +17,22 @@ import numpy as np
 
 from .lmdb_backend import LmdbBackend
 
-MIN_PART = 64  # rows; smaller parts cost more in task overhead than they overlap
-PAUSE_EVERY = 64  # rows read between two calls of ``pause``
+MIN_CHUNK = 64  # rows; smaller parts cost more in task overhead than they overlap
 
 
 def read_rows_async(
     backend: LmdbBackend, table: str, ids: np.ndarray, width: int, executor: Executor, parts: int,
     on_done: Callable[[np.ndarray, np.ndarray, BaseException | None, float], None],
-    pause: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter,
+    pause: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter, chunk: int = MIN_CHUNK,
 ) -> None:
-    """Read rows of sorted ``ids`` in ``parts`` tasks; then ``on_done(rows, found,
-    error, seconds)``, seconds being the time the tasks spent reading, summed.
-    ``pause()`` is called before every PAUSE_EVERY rows."""
+    """Read rows of sorted ``ids`` in ``parts`` tasks of at least ``chunk`` rows,
+    ``chunk`` rows a call of the backend; then ``on_done(rows, found, error,
+    seconds)``, seconds being the time the tasks spent reading, summed.
+    ``pause()`` is called before every chunk."""
     rows = np.empty((len(ids), width), dtype=np.float32)
     found = np.zeros(len(ids), dtype=bool)
-    parts = max(1, min(parts, len(ids) // MIN_PART))
+    chunk = max(MIN_CHUNK, chunk)
+    parts = max(1, min(parts, len(ids) // chunk))
     bounds = np.linspace(0, len(ids), parts + 1).astype(np.int64)
     state = {"left": parts, "error": None, "seconds": 0.0}
     lock = threading.Lock()
@@ -39,10 +40,10 @@ def read_rows_async(
     def part(lo: int, hi: int) -> None:
         err, seconds = None, 0.0
         try:
-            for a in range(lo, hi, PAUSE_EVERY):
+            for a in range(lo, hi, chunk):
                 if pause is not None:
                     pause()
-                b = min(hi, a + PAUSE_EVERY)
+                b = min(hi, a + chunk)
                 start = clock()
                 found[a:b] = backend.get_rows(table, ids[a:b], rows[a:b])[1]
                 seconds += clock() - start
