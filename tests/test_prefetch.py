@@ -4,6 +4,7 @@ import itertools
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import lmdb
 import numpy as np
@@ -393,3 +394,25 @@ def test_a_batch_the_module_cannot_read_raises_at_its_own_step(tmp_path):
             ebc(batch)["a"].sum().backward()
     assert seen == [0, 1, 2, 3, 4, 5]
     ebc.close()
+
+
+@pytest.mark.parametrize("row_seconds, chunk", [(None, 64), (50e-6, 64), (1e-6, 500), (1e-8, 2048)])
+def test_reading_threads_take_rows_in_chunks_of_about_half_a_millisecond(tmp_path, monkeypatch, row_seconds, chunk):
+    """Rows from the page cache in chunks of several hundred (64 cost the threads
+    twice the CPU of the gets); rows from disk in small ones, so the threads
+    check for the trainer often."""
+    from tierstore.io import workers
+
+    calls, pauses = [], []
+    with TieredStore(tmp_path, [TableSpec("t", 10_000, 2)], ddr_rows=5_000, device="cpu", prefetch=PrefetchConfig(workers=1)) as s:
+        real = s._backend.get_rows
+        monkeypatch.setattr(s._backend, "get_rows", lambda table, ids, out: (calls.append(len(ids)), real(table, ids, out))[1])
+        s._prefetcher._row_seconds = row_seconds
+        assert s._prefetcher._chunk() == chunk
+        done = threading.Event()
+        ids = np.arange(0, 9_000, 3)
+        with ThreadPoolExecutor(1) as pool:
+            workers.read_rows_async(s._backend, "t", ids, 2, pool, 1, lambda *a: done.set(), lambda: pauses.append(1), chunk=chunk)
+            assert done.wait(30)
+    assert calls == [min(chunk, len(ids) - a) for a in range(0, len(ids), chunk)]
+    assert len(pauses) == len(calls)

@@ -277,7 +277,7 @@ class Prefetcher:
         chunks small, so the threads still step aside for the trainer often."""
         if self._row_seconds is None:
             return MIN_CHUNK
-        return min(MAX_CHUNK, int(CHUNK_SECONDS / max(self._row_seconds, 1e-9)))
+        return max(MIN_CHUNK, min(MAX_CHUNK, int(CHUNK_SECONDS / max(self._row_seconds, 1e-9))))
 
     def trainer_step(self, seconds: float) -> None:
         """A LookaheadLoader's batch took the trainer this long, waits excluded."""
