@@ -15,6 +15,12 @@ Semantics (what the capacity tools predict, to the row):
   rest go down a tier (or out of the cache) after the call is served.
 - Writes do not count as uses: they update the cached copy (marking it dirty)
   or, for rows not cached, go straight to LMDB.
+
+The data path: read() checks the call under the lock, then one table's step
+(tierstore/table.py, TableStore): probe -> plan while fetching -> write back ->
+commit; read() gathers the rows (outside the lock when all were in the top
+tier). The store keeps the API and its checks, the lock, the specs, flush,
+checkpoint and close, metrics and stats.
 """
 from __future__ import annotations
 
@@ -154,6 +160,7 @@ class TieredStore:
         # every LMDB row write goes through this queue and its one writer thread
         self._writeback = WriteBack(self._backend, self._lock, self.config.writeback_rows, self.config.writeback_group_rows,
                                     on_swept=self._count_swept)
+        # what the tables share, handed to each (tierstore/table.py): none reaches back into the store
         self._shared = Shared(self._backend, self._writeback, readonly, self._await_gathers)
         try:
             specs = self._reconcile_specs(list(tables or []))
@@ -253,59 +260,6 @@ class TieredStore:
             latency.observe("total", time.perf_counter() - start)
         return result
 
-    @contextlib.contextmanager
-    def _resident(self, table: str, ids: torch.Tensor, admit: bool = False) -> Iterator[Resident | None]:
-        """A module's forward: when every id (int64, in range) is in the top tier,
-        or, with ``admit``, once the use has brought them all there (unless the
-        call has more rows than the tier holds), count the use exactly as
-        ``read(table, ids)`` would and yield where the rows are, held steady
-        (calls that would overwrite tier rows wait) while the caller computes
-        from ``hit.tier.weights``; else yield None, having changed nothing, and
-        the caller reads."""
-        with self._lock:
-            self._check_open()
-            t = self._table(table)
-            self._reap()
-            self._prefetcher.check(table)
-            hit = None
-            if len(ids):
-                hit = t.use_top_tier(ids) or (t.admit(ids) if admit else None)
-            if hit is not None:
-                self._gathers += 1
-        if hit is None:
-            yield None
-            return
-        try:
-            yield hit
-        finally:
-            self._gather_done()
-
-    def _update_resident(self, table: str, slots: torch.Tensor, generation: int, update: Callable[[CacheTier], None]) -> bool:
-        """A module's backward: ``update(top tier)`` changes the rows at ``slots`` in
-        place (their weights and state), which are then dirty, as after a
-        ``write(..., with_state=True)`` of the updated rows, if no slot of the tier
-        changed owner since ``generation``. Returns False, having changed nothing,
-        if a slot did."""
-        with self._lock:
-            return self._table_to_write(table).update_resident(slots, generation, update)
-
-    def _update_key(self, table: str) -> int:
-        """Key of the next update of a table's rows (tierstore.precision): counts
-        the table's updates, a count that flush() makes durable."""
-        count = self._updates.get(table, 0)
-        self._updates[table] = count + 1
-        return update_key(table, count)
-
-    def _gather_done(self) -> None:
-        with self._gathers_done:
-            self._gathers -= 1
-            self._gathers_done.notify_all()
-
-    def _await_gathers(self) -> None:
-        """Called with the lock held before tier rows are overwritten."""
-        with self._gathers_done:
-            self._gathers_done.wait_for(lambda: self._gathers == 0)
-
     def _read_locked(self, table: str, ids, with_state: bool, out: torch.Tensor | None):
         """read() under the lock: the rows, or, when every id is in the top tier,
         what the caller needs to gather them outside the lock."""
@@ -369,6 +323,19 @@ class TieredStore:
             uid, values = last_values(ids.cpu(), values)
             with restored_on_error([t.counters]):
                 t.write(uid, values, cols)
+
+    def evict(self, table: str, ids) -> int:
+        """Delete the rows of ``ids`` from every tier and from LMDB: a later read
+        gives their initial values. Waits for queued writes first (a queued value
+        would bring a row back). Returns how many of them LMDB held. Durable at
+        the next flush(); a failure leaves every row as it was."""
+        with self._lock:
+            t = self._table_to_write(table)
+            uid = torch.unique(self._as_ids(t.spec, ids).cpu())
+            if not len(uid):
+                return 0
+            self._reap(drain=True)
+            return t.evict(uid)
 
     def prefetch(self, table: str, ids) -> PrefetchTicket:
         """Start bringing the rows of ``ids`` up in the background; returns at once.
@@ -501,6 +468,79 @@ class TieredStore:
     def __repr__(self) -> str:
         return f"TieredStore({str(self.path)!r}, tables={sorted(self._tables)}, policy={self.config.policy!r}, device={str(self.device)!r})"
 
+    # -- the trainer modules' hooks (tierstore/nn.py; tools/daemon.py serves them) ----------
+    @contextlib.contextmanager
+    def _resident(self, table: str, ids: torch.Tensor, admit: bool = False) -> Iterator[Resident | None]:
+        """A module's forward: when every id (int64, in range) is in the top tier,
+        or, with ``admit``, once the use has brought them all there (unless the
+        call has more rows than the tier holds), count the use exactly as
+        ``read(table, ids)`` would and yield where the rows are, held steady
+        (calls that would overwrite tier rows wait) while the caller computes
+        from ``hit.tier.weights``; else yield None, having changed nothing, and
+        the caller reads."""
+        with self._lock:
+            self._check_open()
+            t = self._table(table)
+            self._reap()
+            self._prefetcher.check(table)
+            hit = None
+            if len(ids):
+                hit = t.use_top_tier(ids) or (t.admit(ids) if admit else None)
+            if hit is not None:
+                self._gathers += 1
+        if hit is None:
+            yield None
+            return
+        try:
+            yield hit
+        finally:
+            self._gather_done()
+
+    def _update_resident(self, table: str, slots: torch.Tensor, generation: int, update: Callable[[CacheTier], None]) -> bool:
+        """A module's backward: ``update(top tier)`` changes the rows at ``slots`` in
+        place (their weights and state), which are then dirty, as after a
+        ``write(..., with_state=True)`` of the updated rows, if no slot of the tier
+        changed owner since ``generation``. Returns False, having changed nothing,
+        if a slot did."""
+        with self._lock:
+            return self._table_to_write(table).update_resident(slots, generation, update)
+
+    def _update_key(self, table: str) -> int:
+        """Key of the next update of a table's rows (tierstore.precision): counts
+        the table's updates, a count that flush() makes durable."""
+        count = self._updates.get(table, 0)
+        self._updates[table] = count + 1
+        return update_key(table, count)
+
+    def _admitted(self, table: str, uid: torch.Tensor) -> torch.Tensor | None:
+        """Which of the sorted unique ids a trainer's update may change now (the
+        read of its step done); None when all may (no admission)."""
+        with self._lock:
+            life = self._table(table).life
+            if life.sketch is None:
+                return None
+            return torch.from_numpy(life.admitted(uid.cpu().numpy()))
+
+    def _reread(self, table: str, uid: torch.Tensor) -> torch.Tensor:
+        """The rows, with state, of sorted unique ids as they are now, for a backward
+        whose forward's copy is stale: not a step, no use, nothing moves between tiers
+        (whether a backward re-reads depends on the tiers' sizes)."""
+        with self._lock:
+            self._check_open()
+            t = self._table(table)
+            self._reap()
+            return t.reread(uid.cpu()).to(self.device)
+
+    def _gather_done(self) -> None:
+        with self._gathers_done:
+            self._gathers -= 1
+            self._gathers_done.notify_all()
+
+    def _await_gathers(self) -> None:
+        """Called with the lock held before tier rows are overwritten."""
+        with self._gathers_done:
+            self._gathers_done.wait_for(lambda: self._gathers == 0)
+
     # -- validation --------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
@@ -574,7 +614,7 @@ class TieredStore:
             v = torch.cat([round_nearest(v[:, : spec.dim], spec.dtype), v[:, spec.dim:]], dim=1)
         return v
 
-    # -- the write-back queue and admission: what the store keeps of them ---------------------
+    # -- the write-back queue, and what flush() keeps of admission ---------------------------
     def _reap(self, drain: bool = False) -> None:
         """Account for committed write-backs; raise a failed one (the call then changes nothing)."""
         try:
@@ -587,38 +627,6 @@ class TieredStore:
                 f"writing rows to {self.path} failed ({e}); nothing was lost: the rows stay queued in memory, "
                 "and flush() retries once the cause (often a full disk) is fixed"
             ) from e
-
-    def _admitted(self, table: str, uid: torch.Tensor) -> torch.Tensor | None:
-        """Which of the sorted unique ids a trainer's update may change now (the
-        read of its step done); None when all may (no admission)."""
-        with self._lock:
-            life = self._table(table).life
-            if life.sketch is None:
-                return None
-            return torch.from_numpy(life.admitted(uid.cpu().numpy()))
-
-    def _reread(self, table: str, uid: torch.Tensor) -> torch.Tensor:
-        """The rows, with state, of sorted unique ids as they are now, for a backward
-        whose forward's copy is stale: not a step, no use, nothing moves between tiers
-        (whether a backward re-reads depends on the tiers' sizes)."""
-        with self._lock:
-            self._check_open()
-            t = self._table(table)
-            self._reap()
-            return t.reread(uid.cpu()).to(self.device)
-
-    def evict(self, table: str, ids) -> int:
-        """Delete the rows of ``ids`` from every tier and from LMDB: a later read
-        gives their initial values. Waits for queued writes first (a queued value
-        would bring a row back). Returns how many of them LMDB held. Durable at
-        the next flush(); a failure leaves every row as it was."""
-        with self._lock:
-            t = self._table_to_write(table)
-            uid = torch.unique(self._as_ids(t.spec, ids).cpu())
-            if not len(uid):
-                return 0
-            self._reap(drain=True)
-            return t.evict(uid)
 
     def _count_swept(self, table: str, rows: int) -> None:
         t = self._tables.get(table)
