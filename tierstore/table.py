@@ -1,15 +1,16 @@
 """One table's data path: its tiers, counters and row life, and the step of a read through them.
 
 TieredStore.read checks the call, then hands it to the table (TableStore):
-- probe: every id in the top tier -> use_top_tier counts the use; the store gathers
-  the rows (no dedupe, and outside the lock);
+- probe: every id in the top tier -> use_top_tier counts the use; the store
+  gathers the rows (no dedupe, and outside the lock);
 - else dedupe, and step (_access) through the tiers:
   probe HBM, then DDR for the rest;
   plan while fetching: _plan picks the rows each tier keeps and the victims,
-  changing nothing, while fetch reads the misses from prefetch staging, the
-  write-back queue, else LMDB (both on two threads for long fetches);
+  changing nothing, while _fetch reads the misses from prefetch staging, the
+  write-back queue, else LMDB (the two on two threads for long fetches);
   write back: dirty rows leaving the cache are queued for LMDB;
   commit: evict, touch, add (in memory only: it cannot fail half-way);
+  (_access_one_tier is this step where one tier, with none below, takes every row);
 - the store gathers the call's rows from the one tier holding them all, or from the step's rows.
 Admission and TTL (tierstore/admission.py) wrap the step: _lived_access.
 
@@ -327,10 +328,10 @@ class TableStore:
         for a long fetch it is made on a helper thread while this one reads LMDB
         (both release the GIL in their C calls)."""
         if len(ids) < _PLAN_ASIDE_ROWS:
-            return plan(), self.fetch(ids, self.scratch(len(ids)))
+            return plan(), self._fetch(ids, self.scratch(len(ids)))
         planned = self._shared.planner().submit(plan)
         try:
-            fetched = self.fetch(ids, self.scratch(len(ids)))
+            fetched = self._fetch(ids, self.scratch(len(ids)))
         finally:
             futures.wait([planned])  # never leave it reading tiers that a later call changes
         return planned.result(), fetched
@@ -380,7 +381,7 @@ class TableStore:
                 e_drop = v[v >= len(others)] - len(others)
         return _Plan(old_dirty, new_freq, keep_h, keep_d, demote, e_ids, e_last, e_freq, e_dirty, e_drop, resident_drop)
 
-    def fetch(self, ids: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor:
+    def _fetch(self, ids: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor:
         """Rows of ids (sorted) not in any tier: prefetched into staging, else queued
         for LMDB (newest first), else from LMDB, initial values for rows never
         written. Into ``out`` when given."""
@@ -428,7 +429,7 @@ class TableStore:
             self.counters.latency.observe("writeback", time.perf_counter() - mark)
 
     # -- calls that are not a step -----------------------------------------------------------
-    def cached(self, uid: torch.Tensor) -> tuple[list[tuple[CacheTier, torch.Tensor, torch.Tensor]], torch.Tensor]:
+    def _cached(self, uid: torch.Tensor) -> tuple[list[tuple[CacheTier, torch.Tensor, torch.Tensor]], torch.Tensor]:
         """Where the rows of ``uid`` are cached: ([(tier, slots, positions in uid)] for each
         tier, slots and positions on the CPU), and the mask of the ids some tier holds."""
         placed = torch.zeros(len(uid), dtype=torch.bool)
@@ -444,14 +445,16 @@ class TableStore:
         return targets, placed
 
     def write(self, uid: torch.Tensor, values: torch.Tensor, cols: int) -> None:
+        """Set the first ``cols`` columns of the rows of sorted unique ids (on the
+        CPU): cached rows in place, then dirty; others queued for LMDB."""
         n = len(uid)
-        targets, placed = self.cached(uid)
+        targets, placed = self._cached(uid)
         cold = torch.nonzero(~placed).squeeze(1)
         if len(cold):  # not cached: straight to LMDB (durable at the next flush)
             if cols == self.spec.width:
                 rows = values[cold]
             else:
-                rows = self.fetch(uid[cold])
+                rows = self._fetch(uid[cold])
                 rows[:, :cols] = values[cold]
             self._shared.queue_write([(self, uid[cold].numpy(), rows.numpy())])
         self._shared.await_gathers()
@@ -466,7 +469,7 @@ class TableStore:
         """The rows, with state, of sorted unique ids (on the CPU) as they are now:
         not a step, no use, nothing moves between tiers (TieredStore._reread)."""
         rows = torch.empty((len(uid), self.spec.width), dtype=torch.float32)
-        targets, placed = self.cached(uid)
+        targets, placed = self._cached(uid)
         self._shared.await_gathers()
         for tier, slots, pos in targets:
             s = slots.to(tier.device)
@@ -474,7 +477,7 @@ class TableStore:
                 self._expire_cached(tier, s)
             rows[pos] = tier.gather(s).cpu()
         if not bool(placed.all()):
-            rows[~placed] = self.fetch(uid[~placed])
+            rows[~placed] = self._fetch(uid[~placed])
         return rows
 
     def evict(self, uid: torch.Tensor) -> int:
@@ -531,7 +534,7 @@ class TableStore:
         try:
             with restored_on_error([c]):
                 if life.resets:
-                    for tier, slots, _ in self.cached(uid)[0]:
+                    for tier, slots, _ in self._cached(uid)[0]:
                         self._expire_cached(tier, slots.to(tier.device))
                 result = self._access(uid, use_clock, refresh)
                 if refresh is not None:
@@ -549,7 +552,7 @@ class TableStore:
         return result
 
     def _mark_dirty(self, ids: torch.Tensor) -> None:
-        for tier, slots, _ in self.cached(ids)[0]:
+        for tier, slots, _ in self._cached(ids)[0]:
             tier.dirty[slots.to(tier.device)] = True
 
     def _expire_cached(self, tier: CacheTier, slots: torch.Tensor) -> torch.Tensor:
@@ -616,7 +619,7 @@ class TableStore:
             out[np.isin(ids, life.current, assume_unique=True)] = life.steps + 1
         todo = np.flatnonzero(out < 0)
         if len(todo):
-            for tier, slots, pos in self.cached(torch.from_numpy(ids[todo]))[0]:
+            for tier, slots, pos in self._cached(torch.from_numpy(ids[todo]))[0]:
                 out[todo[pos.numpy()]] = life.steps_of(tier.last[slots.to(tier.device)].cpu().numpy())
         rest = np.flatnonzero(out < 0)
         if len(rest):
