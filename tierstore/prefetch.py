@@ -316,7 +316,7 @@ class Prefetcher:
 
     def _stage(self, store_t, ticket: PrefetchTicket, ids, rows, found, began: int) -> None:
         c = store_t.counters
-        self._store._fill_unwritten(store_t, ids, rows, found)
+        store_t.fill_unwritten(ids, rows, found)
         # a row queued for LMDB before the fetch began was staged from the queue, not
         # fetched; one queued since is in the write log
         keep = ~np.isin(ids, self._written_since(ticket.table, began))

@@ -16,7 +16,7 @@ semantics (tierstore/store.py):
   The use hits HBM iff distance < h, DDR iff h <= distance < h + d. One pass
   gives every size: the exact miss-ratio curve.
 - LFU and lookahead are not stack algorithms; :class:`CacheSim` replays a table
-  at one size through a data-free copy of ``TieredStore._access``'s planning,
+  at one size through a data-free copy of the planning in ``TableStore._access`` (tierstore/table.py),
   with the same policies (``tierstore.eviction``), so its counts equal the
   store's. Belady's MIN (farthest next use evicted first, one level of h + d
   rows) bounds the hits any policy can get at that size.
@@ -692,7 +692,7 @@ class _SimTier:
 
 class CacheSim:
     """The store's two exclusive tiers for one table, without data: the planning of
-    ``TieredStore._access`` on slot arrays, one call at a time.
+    ``TableStore._access`` (tierstore/table.py) on slot arrays, one call at a time.
 
     ``choose(rows, last, freq, k, now)`` returns positions of the k victims among
     resident rows; ``choose_call`` (default: ``choose``) ranks the rows of a call

@@ -1,0 +1,629 @@
+"""One table's data path: its tiers, counters and row life, and the step of a read through them.
+
+TieredStore.read checks the call, then hands it to the table (TableStore):
+- probe: every id in the top tier -> use_top_tier counts the use; the store
+  gathers the rows (no dedupe, and outside the lock);
+- else dedupe, and step (_access) through the tiers:
+  probe HBM, then DDR for the rest;
+  plan while fetching: _plan picks the rows each tier keeps and the victims,
+  changing nothing, while _fetch reads the misses from prefetch staging, the
+  write-back queue, else LMDB (the two on two threads for long fetches);
+  write back: dirty rows leaving the cache are queued for LMDB;
+  commit: evict, touch, add (in memory only: it cannot fail half-way);
+  (_access_one_tier is this step where one tier, with none below, takes every row);
+- the store gathers the call's rows from the one tier holding them all, or from the step's rows.
+Admission and TTL (tierstore/admission.py) wrap the step: _lived_access.
+
+A table never reaches back into the store: what a store's tables share (LMDB, the
+write-back queue, the prefetcher, the use clock, the trace recorder, the wait for
+gathers running outside the lock) comes in one Shared object.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+from tierstore.io import LmdbBackend, WriteBack
+
+from .admission import RowLife
+from .counters import TableCounters, restored_on_error
+from .spec import TableSpec, initial_rows
+from .tiers import CacheTier, by_id, first_uses
+from .trace import TraceRecorder
+
+_SCRATCH_BYTES = 64 << 20
+# misses above which a read plans on a helper thread while it fetches: a handoff
+# costs ~0.1 ms, reading 4096 rows from LMDB ~4 ms
+_PLAN_ASIDE_ROWS = 4096
+
+
+class Prefetch(Protocol):
+    """What a table asks of the store's prefetcher (tierstore.prefetch.Prefetcher)."""
+
+    def take(self, table: str, ids: torch.Tensor, out: torch.Tensor) -> np.ndarray: ...
+    def written(self, table: str, ids: np.ndarray) -> None: ...
+    def consumed(self, table: str, ids: torch.Tensor, sorted_unique: bool = False) -> None: ...
+    def next_use(self, table: str, tier: CacheTier) -> np.ndarray | None: ...
+
+
+@dataclass(eq=False)
+class Shared:
+    """What the tables of one store share; the store makes it and hands it to each."""
+    backend: LmdbBackend
+    writeback: WriteBack  # every LMDB row write goes through it: queue_write
+    readonly: bool
+    await_gathers: Callable[[], None]  # called with the lock held before tier rows are overwritten
+    recorder: TraceRecorder | None = None  # record_trace: every read step goes to a trace
+    prefetcher: Prefetch | None = None  # set once the tables exist (the prefetcher reads them)
+    use_clock: int = 0  # advanced by each read call's length (store.py's semantics)
+    _plan_pool: futures.ThreadPoolExecutor | None = None
+
+    def queue_write(self, batches: Sequence[tuple[TableStore, np.ndarray, np.ndarray]], meta: dict | None = None) -> None:
+        """Every LMDB row write starts here, and is counted here: counts do not
+        depend on when the writer thread commits."""
+        last = {t.spec.name: t.last_use_to_store(ids) for t, ids, _ in batches if t.life.ttl_steps is not None}
+        self.writeback.submit([(t.spec.name, ids, rows) for t, ids, rows in batches], meta, last)
+        for t, ids, _ in batches:
+            t.counters.ssd.count_writes(len(ids), t.spec.row_bytes)
+            self.prefetcher.written(t.spec.name, ids)  # staged copies are older now
+
+    def planner(self) -> futures.ThreadPoolExecutor:
+        if self._plan_pool is None:
+            self._plan_pool = futures.ThreadPoolExecutor(1, thread_name_prefix="tierstore-plan")
+        return self._plan_pool
+
+    def close(self) -> None:
+        if self._plan_pool is not None:
+            self._plan_pool.shutdown()
+
+
+class Resident(NamedTuple):
+    """Where the rows of a call are when every one is in a table's top tier."""
+    tier: CacheTier
+    slots: torch.Tensor  # of each id of the call, on the tier's device
+    generation: int  # the tier's, when the slots were taken
+
+
+class _Plan(NamedTuple):
+    """One step of both levels, decided before anything changes (masks over the call's rows)."""
+    old_dirty: torch.Tensor  # each call row's dirty bit where cached
+    new_freq: torch.Tensor  # its step count after this call
+    keep_h: torch.Tensor  # call rows the HBM tier holds after the call
+    keep_d: torch.Tensor  # call rows the DDR tier holds after the call
+    demote: torch.Tensor  # HBM slots of other rows going down
+    e_ids: torch.Tensor  # the demoted rows' ids, use clocks, step counts and dirty bits
+    e_last: torch.Tensor
+    e_freq: torch.Tensor
+    e_dirty: torch.Tensor
+    e_drop: torch.Tensor  # positions into the demoted rows that leave the cache
+    resident_drop: torch.Tensor  # DDR slots of other rows leaving the cache
+
+
+def _where(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """rows[mask] (mask on the CPU), without copying when every row is selected."""
+    return rows if bool(mask.all()) else rows[mask.to(rows.device)]
+
+
+class TableStore:
+    """One table of a TieredStore: its tiers (either may be None), counters and
+    row life, and every step of its rows through them. Called with the store's
+    lock held."""
+
+    def __init__(self, spec: TableSpec, hbm: CacheTier | None, ddr: CacheTier | None, shared: Shared, steps: int = 0):
+        self.spec = spec
+        self.hbm = hbm
+        self.ddr = ddr
+        self.counters = TableCounters.new()
+        self.life = RowLife(spec.admit_after, spec.admit_width, spec.admit_depth, spec.ttl_steps, steps, spec.evict_l2_below)
+        self._shared = shared
+        self._scratch = np.empty((0, spec.width), dtype=np.float32)
+
+    def scratch(self, n: int) -> np.ndarray | None:
+        """A buffer for the rows one read fetches from LMDB, reused by the next
+        read: a fresh one page-faults on every call (10-20 ms per 32 MiB here).
+        None above _SCRATCH_BYTES, so one huge call does not pin its size."""
+        if n * self.spec.width * 4 > _SCRATCH_BYTES:
+            return None
+        if len(self._scratch) < n:
+            self._scratch = np.empty((n, self.spec.width), dtype=np.float32)
+        return self._scratch[:n]
+
+    # -- a read's step ------------------------------------------------------------------
+    def use_top_tier(self, ids: torch.Tensor) -> Resident | None:
+        """When every id is in the top tier: count the use (ids in call order, a
+        repeated row at its first position) and return where the rows are."""
+        top = self.hbm or self.ddr
+        if top is None or self.life.active:  # admission and TTL work on the step's unique ids: step
+            return None
+        slots = top.lookup(ids)
+        if not bool((slots >= 0).all()):
+            return None
+        if self._shared.recorder is not None:
+            self._shared.recorder.record(self.spec.name, ids)
+        (self.counters.hbm if top is self.hbm else self.counters.ddr).hits += top.use_resident(slots, self._shared.use_clock)
+        self._shared.use_clock += len(ids)
+        self._shared.prefetcher.consumed(self.spec.name, ids)
+        return Resident(top, slots, top.generation)
+
+    def admit(self, ids: torch.Tensor) -> Resident | None:
+        """A read of ids through the tiers that leaves every row in the top tier,
+        returning where they are; None, having changed nothing, when the call has
+        more rows than the top tier holds. The step and its bookkeeping are the
+        read's; only the rows are not copied out (the caller computes in place,
+        and its backward updates them there)."""
+        start = time.perf_counter()
+        top = self.hbm or self.ddr
+        if top is None:
+            return None
+        uid, inverse, first = first_uses(ids.cpu())
+        if len(uid) > top.capacity:
+            return None
+        self.counters.latency.observe("dedupe", time.perf_counter() - start)
+        source, slots, _ = self.step(ids, uid, first)
+        if source is not top:
+            slots = top.lookup(uid)
+        self.counters.latency.observe("total", time.perf_counter() - start)
+        return Resident(top, slots.index_select(0, inverse.to(slots.device)), top.generation)
+
+    def step(self, ids: torch.Tensor, uid: torch.Tensor, first: torch.Tensor):
+        """A read's step through the tiers for ids (sorted unique ``uid``, each at
+        its ``first`` position in the call): traced, counted, clocked; _access's result."""
+        if self._shared.recorder is not None:
+            self._shared.recorder.record(self.spec.name, ids)
+        if self.life.active:
+            result = self._lived_access(uid, first + self._shared.use_clock)
+        else:
+            with restored_on_error([self.counters]):
+                result = self._access(uid, first + self._shared.use_clock)
+        self._shared.use_clock += len(ids)
+        self._shared.prefetcher.consumed(self.spec.name, uid, sorted_unique=True)
+        return result
+
+    def _access(self, uid: torch.Tensor, use_clock: torch.Tensor, refresh: torch.Tensor | None = None):
+        """Serve one step's unique ids and apply the policy.
+
+        Returns (tier, slots, None) when every row is in that one tier now, else
+        (None, None, rows) with rows [len(uid), width] on the HBM device.
+        ``refresh``: rows whose last-use step must reach LMDB even if clean (TTL).
+        """
+        H, D = self.hbm, self.ddr
+        n = len(uid)
+        c = self.counters
+        mark = time.perf_counter()
+        slot_h = H.lookup(uid).cpu() if H else torch.full((n,), -1, dtype=torch.int64)
+        in_h = slot_h >= 0
+        n_h = int(in_h.sum())
+        if H:
+            c.hbm.hits += n_h
+            c.hbm.misses += n - n_h
+            c.latency.observe("hbm", time.perf_counter() - mark)
+        if n_h == n:
+            H.touch(slot_h, use_clock)
+            return H, slot_h.to(H.device), None
+
+        slot_d = torch.full((n,), -1, dtype=torch.int64)
+        if D:
+            mark = time.perf_counter()
+            rest = torch.nonzero(~in_h).squeeze(1)
+            slot_d[rest] = D.lookup(uid[rest])
+        in_d = slot_d >= 0
+        n_d = int(in_d.sum())
+        if D:
+            c.ddr.hits += n_d
+            c.ddr.misses += n - n_h - n_d
+            c.latency.observe("ddr", time.perf_counter() - mark)
+            if n_d == n and H is None:
+                D.touch(slot_d, use_clock)
+                return D, slot_d, None
+
+        if (H is None) != (D is None):
+            tier, slot, hit = (H, slot_h, in_h) if D is None else (D, slot_d, in_d)
+            if n <= tier.capacity:
+                return self._access_one_tier(tier, uid, use_clock, slot, hit)
+
+        miss = torch.nonzero(~in_h & ~in_d).squeeze(1)
+        plan, fetched = self._fetch_while_planning(uid[miss], lambda: self._plan(use_clock, slot_h, in_h, slot_d, in_d))
+        old_dirty, new_freq, keep_h, keep_d, demote, e_ids, e_last, e_freq, e_dirty, e_drop, resident_drop = plan
+        demote_dev = demote.to(H.device) if H else demote
+
+        dev = H.device if H else torch.device("cpu")
+        fetched = (fetched.pin_memory() if dev.type == "cuda" else fetched).to(dev, non_blocking=True)
+        if len(miss) == n:  # all cold: the fetched rows are the call's rows, in uid order
+            rows = fetched
+        else:
+            rows = torch.empty((n, self.spec.width), dtype=torch.float32, device=dev)
+            if n_h:
+                rows[in_h] = H.gather(slot_h[in_h].to(dev))
+            if n_d:
+                rows[in_d.to(dev)] = D.gather(slot_d[in_d]).to(dev)
+            rows[miss.to(dev)] = fetched
+        everyone = torch.arange(n)
+        leave = everyone[~keep_h & ~keep_d]  # call rows leaving the cache after this call
+
+        # write back dirty rows that leave the cache
+        wb_ids, wb_rows = [], []
+        if len(leave):
+            dirty = leave[(old_dirty if refresh is None else old_dirty | refresh)[leave]]
+            wb_ids.append(uid[dirty])
+            wb_rows.append(rows[dirty.to(dev)].cpu())
+        if len(e_drop):
+            dirty = e_drop[e_dirty[e_drop]]
+            wb_ids.append(e_ids[dirty])
+            wb_rows.append(H.gather(demote[dirty].to(H.device)).cpu())
+        if len(resident_drop):
+            dirty = resident_drop[D.dirty[resident_drop]]
+            wb_ids.append(D.ids[dirty])
+            wb_rows.append(D.gather(dirty))
+        n_wb = sum(len(i) for i in wb_ids)
+        if n_wb:
+            self._queue_write_back(*by_id(torch.cat(wb_ids), torch.cat(wb_rows)))
+
+        # -- commit the plan (in memory only; cannot fail half-way) --
+        self._shared.await_gathers()
+        if H:
+            e_survive = torch.ones(len(demote), dtype=torch.bool)
+            e_survive[e_drop] = False
+            e_rows = H.gather(demote_dev[e_survive.to(H.device)]).cpu() if D else None
+            leaving_h = torch.cat([demote, slot_h[in_h & ~keep_h]])
+            H.remove(leaving_h.to(H.device))
+            c.hbm.evictions += len(leaving_h)
+            stay = in_h & keep_h
+            H.touch(slot_h[stay], use_clock[stay], new_freq[stay])
+            enter = ~in_h & keep_h
+            H.add(uid[enter], _where(rows, enter), use_clock[enter], new_freq[enter], old_dirty[enter])
+        if D:
+            leaving_d = torch.cat([slot_d[in_d & ~keep_d], resident_drop])
+            D.remove(leaving_d)
+            c.ddr.evictions += int((in_d & ~keep_d & ~keep_h).sum()) + len(resident_drop) + len(e_drop)
+            stay = in_d & keep_d
+            D.touch(slot_d[stay], use_clock[stay], new_freq[stay])
+            enter = ~in_d & keep_d
+            D.add(uid[enter], _where(rows, enter).cpu(), use_clock[enter], new_freq[enter], old_dirty[enter])
+            if H and e_survive.any():
+                D.add(e_ids[e_survive], e_rows, e_last[e_survive], e_freq[e_survive], e_dirty[e_survive])
+            c.ddr.writebacks += n_wb
+        elif H:
+            c.hbm.writebacks += n_wb
+        return None, None, rows
+
+    def _access_one_tier(self, T: CacheTier, uid: torch.Tensor, use_clock: torch.Tensor,
+                         slot: torch.Tensor, hit: torch.Tensor):
+        """_access where one tier, with none below it, takes every row of the call:
+        the fetched rows go straight into it, and the output is gathered from it.
+        A quarter of the tensor ops of the two-level plan, which for the few
+        thousand rows of a prefetched step cost more than the rows themselves."""
+        c = self.counters.hbm if T is self.hbm else self.counters.ddr
+        miss = torch.nonzero(~hit).squeeze(1)
+        hit_slots = slot[hit]
+        new_freq = T.counts_after(slot, hit)
+
+        def plan() -> tuple[torch.Tensor, torch.Tensor]:
+            return T.make_room(hit_slots, len(miss), use_clock, new_freq, lambda cand: self._next_use((T, cand)))
+
+        (keep, evict), fetched = self._fetch_while_planning(uid[miss], plan)
+        fetched = (fetched.pin_memory() if T.device.type == "cuda" else fetched).to(T.device, non_blocking=True)
+        evict_dev = evict.to(T.device)
+        dirty = evict_dev[T.dirty[evict_dev]]
+        self._queue_write_back(*T.rows_by_id(dirty))
+
+        # -- commit (in memory only; cannot fail half-way) --
+        self._shared.await_gathers()
+        added, left = T.apply_step(uid, slot, hit, keep, evict, fetched, use_clock, new_freq)
+        c.evictions += left
+        c.writebacks += len(dirty)
+        if len(miss) == len(uid):  # all cold: the fetched rows are contiguous, faster to gather from
+            return None, None, fetched
+        slots = slot.to(T.device)
+        slots[miss.to(T.device)] = added
+        return T, slots, None
+
+    def _fetch_while_planning(self, ids: torch.Tensor, plan: Callable[[], object]) -> tuple[object, torch.Tensor]:
+        """``plan()`` and the rows of ids not cached. A plan needs no fetched row:
+        for a long fetch it is made on a helper thread while this one reads LMDB
+        (both release the GIL in their C calls)."""
+        if len(ids) < _PLAN_ASIDE_ROWS:
+            return plan(), self._fetch(ids, self.scratch(len(ids)))
+        planned = self._shared.planner().submit(plan)
+        try:
+            fetched = self._fetch(ids, self.scratch(len(ids)))
+        finally:
+            futures.wait([planned])  # never leave it reading tiers that a later call changes
+        return planned.result(), fetched
+
+    def _plan(self, use_clock: torch.Tensor, slot_h: torch.Tensor, in_h: torch.Tensor,
+              slot_d: torch.Tensor, in_d: torch.Tensor) -> "_Plan":
+        """Plan one step of both levels, changing nothing, so that a failed fetch
+        or write-back leaves the store exactly as it was."""
+        H, D = self.hbm, self.ddr
+        n = len(use_clock)
+        old_freq = torch.zeros(n, dtype=torch.int64)
+        old_dirty = torch.zeros(n, dtype=torch.bool)
+        for tier, slot, inside in ((H, slot_h, in_h), (D, slot_d, in_d)):
+            if tier is not None and bool(inside.any()):
+                s = slot[inside].to(tier.device)
+                old_freq[inside] = tier.freq[s].cpu()
+                old_dirty[inside] = tier.dirty[s].cpu()
+        new_freq = old_freq + 1
+
+        everyone = torch.arange(n)
+        if H:  # demote: HBM slots of non-call rows going down
+            keep_h, demote = H.make_room(slot_h[in_h], n - int(in_h.sum()), use_clock, new_freq, lambda cand: self._next_use((H, cand)))
+        else:
+            keep_h, demote = torch.zeros(n, dtype=torch.bool), torch.empty(0, dtype=torch.int64)
+        down = everyone[~keep_h]  # call rows below HBM
+        demote_dev = demote.to(H.device) if H else demote
+        e_ids = H.ids[demote_dev].cpu() if H else demote
+        e_last = H.last[demote_dev].cpu() if H else demote
+        e_freq = H.freq[demote_dev].cpu() if H else demote
+        e_dirty = H.dirty[demote_dev].cpu() if H else demote.bool()
+
+        keep_d = torch.zeros(n, dtype=torch.bool)
+        resident_drop = torch.empty(0, dtype=torch.int64)  # DDR slots of non-call rows leaving
+        e_drop = torch.arange(len(demote))  # positions into the demoted rows that leave the cache
+        if D:
+            keep_d[down] = True
+            if len(down) > D.capacity:
+                over = D.policy.select(use_clock[down].numpy(), new_freq[down].numpy(), len(down) - D.capacity)
+                keep_d[down[torch.from_numpy(over)]] = False
+            others = D.occupied_except(slot_d[in_d])
+            k = len(others) + len(demote) - (D.capacity - int(keep_d.sum()))
+            e_drop = e_drop[:0]
+            if k > 0:
+                v = D.pick_victims(torch.cat([D.last[others], e_last]), torch.cat([D.freq[others], e_freq]), k,
+                                   self._next_use((D, others), *([(H, demote)] if H else [])))
+                resident_drop = others[v[v < len(others)]]
+                e_drop = v[v >= len(others)] - len(others)
+        return _Plan(old_dirty, new_freq, keep_h, keep_d, demote, e_ids, e_last, e_freq, e_dirty, e_drop, resident_drop)
+
+    def _fetch(self, ids: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor:
+        """Rows of ids (sorted) not in any tier: prefetched into staging, else queued
+        for LMDB (newest first), else from LMDB, initial values for rows never
+        written. Into ``out`` when given."""
+        ids_np = ids.numpy()
+        rows = np.empty((len(ids_np), self.spec.width), dtype=np.float32) if out is None else out
+        cold = ~self._shared.prefetcher.take(self.spec.name, ids, torch.from_numpy(rows))  # staged rows are the newest
+        if cold.any():
+            where = np.flatnonzero(cold)
+            queued, queued_rows = self._shared.writeback.lookup(self.spec.name, ids_np[where])
+            if queued_rows is not None:
+                rows[where[queued]] = queued_rows
+                cold[where[queued]] = False
+        cold_ids = ids_np[cold]
+        if len(cold_ids):
+            mark = time.perf_counter()
+            all_cold = len(cold_ids) == len(ids_np)
+            cold_rows = self.fill_unwritten(cold_ids, *self._shared.backend.get_rows(self.spec.name, cold_ids, rows if all_cold else None))
+            self.counters.latency.observe("ssd_read", time.perf_counter() - mark)
+            if not all_cold:
+                rows[cold] = cold_rows
+        if self.life.resets:
+            self._expire_fetched(ids_np, rows)
+        return torch.from_numpy(rows)
+
+    def fill_unwritten(self, ids: np.ndarray, rows: np.ndarray, found: np.ndarray) -> np.ndarray:
+        """Give rows LMDB does not hold their initial values, and count the read."""
+        if not found.all():
+            rows[~found] = initial_rows(self.spec, ids[~found])
+        self.counters.ssd.count_reads(len(ids), int(found.sum()), self.spec.row_bytes)
+        return rows
+
+    def _next_use(self, *parts: tuple[CacheTier, torch.Tensor]) -> np.ndarray | None:
+        """Next use in the prefetch window of the rows at these (tier, slots), in
+        order; None without a window."""
+        per_slot = [self._shared.prefetcher.next_use(self.spec.name, tier) for tier, _ in parts]
+        if per_slot[0] is None:
+            return None
+        return np.concatenate([nu[slots.cpu().numpy()] for nu, (_, slots) in zip(per_slot, parts)])
+
+    def _queue_write_back(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Queue dirty rows leaving the cache (sorted by id) for LMDB."""
+        if len(ids):
+            mark = time.perf_counter()
+            self._shared.queue_write([(self, ids, rows)])
+            self.counters.latency.observe("writeback", time.perf_counter() - mark)
+
+    # -- calls that are not a step -----------------------------------------------------------
+    def _cached(self, uid: torch.Tensor) -> tuple[list[tuple[CacheTier, torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """Where the rows of ``uid`` are cached: ([(tier, slots, positions in uid)] for each
+        tier, slots and positions on the CPU), and the mask of the ids some tier holds."""
+        placed = torch.zeros(len(uid), dtype=torch.bool)
+        targets = []
+        for tier in (self.hbm, self.ddr):
+            if tier is None:
+                continue
+            todo = torch.nonzero(~placed).squeeze(1)
+            slot = tier.lookup(uid[todo]).cpu()
+            hit = slot >= 0
+            targets.append((tier, slot[hit], todo[hit]))
+            placed[todo[hit]] = True
+        return targets, placed
+
+    def write(self, uid: torch.Tensor, values: torch.Tensor, cols: int) -> None:
+        """Set the first ``cols`` columns of the rows of sorted unique ids (on the
+        CPU): cached rows in place, then dirty; others queued for LMDB."""
+        n = len(uid)
+        targets, placed = self._cached(uid)
+        cold = torch.nonzero(~placed).squeeze(1)
+        if len(cold):  # not cached: straight to LMDB (durable at the next flush)
+            if cols == self.spec.width:
+                rows = values[cold]
+            else:
+                rows = self._fetch(uid[cold])
+                rows[:, :cols] = values[cold]
+            self._shared.queue_write([(self, uid[cold].numpy(), rows.numpy())])
+        self._shared.await_gathers()
+        for tier, slot, pos in targets:
+            s = slot.to(tier.device)
+            if self.life.resets:
+                self._revive_cached(tier, s)
+            tier.put(s, values if len(pos) == n else values[pos], cols)  # all in one tier: no gather
+            tier.dirty[s] = True
+
+    def reread(self, uid: torch.Tensor) -> torch.Tensor:
+        """The rows, with state, of sorted unique ids (on the CPU) as they are now:
+        not a step, no use, nothing moves between tiers (TieredStore._reread)."""
+        rows = torch.empty((len(uid), self.spec.width), dtype=torch.float32)
+        targets, placed = self._cached(uid)
+        self._shared.await_gathers()
+        for tier, slots, pos in targets:
+            s = slots.to(tier.device)
+            if self.life.resets:
+                self._expire_cached(tier, s)
+            rows[pos] = tier.gather(s).cpu()
+        if not bool(placed.all()):
+            rows[~placed] = self._fetch(uid[~placed])
+        return rows
+
+    def evict(self, uid: torch.Tensor) -> int:
+        """Delete the rows of sorted unique ids (on the CPU; none queued for LMDB)
+        from every tier and from LMDB; returns how many of them LMDB held."""
+        uid_np = uid.numpy()
+        deleted = self._shared.backend.delete_rows(self.spec.name, uid_np)
+        # -- LMDB has changed; the rest is in memory and cannot fail --
+        self._shared.prefetcher.written(self.spec.name, uid_np)  # staged copies are gone too
+        self._shared.await_gathers()
+        for tier in (self.hbm, self.ddr):
+            if tier is not None:
+                slots = tier.lookup(uid)
+                tier.remove(slots[slots >= 0])
+        self.counters.life.evicted += deleted
+        return deleted
+
+    def take_dirty(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The dirty rows of both tiers by id, marked clean: the caller queues them
+        for LMDB, and the queue holds their values until committed. None if none."""
+        ids, rows = [], []
+        for tier in (self.hbm, self.ddr):
+            if tier is None:
+                continue
+            slots = tier.dirty_slots()
+            if len(slots):
+                ids.append(tier.ids[slots].cpu())
+                rows.append(tier.gather(slots).cpu())
+                tier.dirty[slots] = False
+        return by_id(torch.cat(ids), torch.cat(rows)) if ids else None
+
+    def update_resident(self, slots: torch.Tensor, generation: int, update: Callable[[CacheTier], None]) -> bool:
+        """TieredStore._update_resident on this table: False, having changed nothing,
+        if a slot of the top tier changed owner since ``generation``."""
+        top = self.hbm or self.ddr
+        if top is None or top.generation != generation:
+            return False
+        self._shared.await_gathers()
+        update(top)
+        top.dirty.index_fill_(0, slots, True)  # slots may repeat: cheaper than index_put
+        return True
+
+    # -- unbounded id spaces: admission and TTL (README "Unbounded id spaces") --------------
+    def _lived_access(self, uid: torch.Tensor, use_clock: torch.Tensor):
+        """_access for a table with admission or TTL: the step is counted (the sketch,
+        the step number), rows idle too long read as initial, and with TTL the rows
+        the step may keep are marked dirty, so that their last-use step reaches
+        LMDB. A failure takes the count back."""
+        life, c = self.life, self.counters
+        uid_np = uid.numpy()
+        admitted = life.begin_step(uid_np, self._shared.use_clock)
+        # a readonly store writes nothing: its reads follow the rule but keep no last-use steps
+        refresh = torch.from_numpy(admitted) if life.ttl_steps is not None and not self._shared.readonly else None
+        try:
+            with restored_on_error([c]):
+                if life.resets:
+                    for tier, slots, _ in self._cached(uid)[0]:
+                        self._expire_cached(tier, slots.to(tier.device))
+                result = self._access(uid, use_clock, refresh)
+                if refresh is not None:
+                    self._mark_dirty(uid[refresh])
+        except BaseException:
+            life.abort_step()
+            raise
+        life.end_step()
+        if life.sketch is not None:
+            c.life.admitted += int(admitted.sum())
+            c.life.rejected += len(uid_np) - int(admitted.sum())
+        cutoff = life.sweep_cutoff()
+        if not self._shared.readonly and ((cutoff is not None and cutoff >= 0) or life.l2_below is not None):
+            self._shared.writeback.sweeps[self.spec.name] = (cutoff, life.l2_below)
+        return result
+
+    def _mark_dirty(self, ids: torch.Tensor) -> None:
+        for tier, slots, _ in self._cached(ids)[0]:
+            tier.dirty[slots.to(tier.device)] = True
+
+    def _expire_cached(self, tier: CacheTier, slots: torch.Tensor) -> torch.Tensor:
+        """Cached rows at ``slots`` idle ttl_steps or more, or below evict_l2_below, get
+        their initial values (they read as such wherever they are); returns the mask of those."""
+        life = self.life
+        dead = life.too_small(tier.gather(slots, tier.dim).cpu().numpy())
+        if life.ttl_steps is None:
+            pass
+        elif self._shared.readonly:  # its reads record no use: the last-use steps on disk hold, cached or not
+            ids = tier.ids[slots].cpu().numpy()
+            order = np.argsort(ids)
+            last = np.empty(len(ids), dtype=np.int64)
+            last[order] = self._stored_last_use(ids[order])
+            dead |= life.expired(last)
+        else:
+            dead |= life.expired(life.steps_of(tier.last[slots].cpu().numpy()))
+        dead = torch.from_numpy(dead)
+        if bool(dead.any()):
+            gone = slots[dead.to(slots.device)]
+            self._shared.await_gathers()  # a gather outside the lock may be reading these rows
+            tier.put(gone, torch.from_numpy(initial_rows(self.spec, tier.ids[gone].cpu().numpy())))
+            self.counters.life.expired += len(gone)
+        return dead
+
+    def _revive_cached(self, tier: CacheTier, slots: torch.Tensor) -> None:
+        """A write to cached rows: those idle too long start over from their initial
+        values, used at the latest step, as a write to a row not cached does."""
+        dead = self._expire_cached(tier, slots)
+        start = self.life.step_start_clock()
+        if bool(dead.any()) and start is not None and self.life.ttl_steps is not None:
+            tier.last[slots[dead.to(slots.device)]] = start
+
+    def _stored_last_use(self, ids: np.ndarray) -> np.ndarray:
+        """Last-use step of rows not cached (sorted ids): the queue's, else LMDB's; -1 for none."""
+        queued, steps = self._shared.writeback.lookup_last(self.spec.name, ids)
+        out = np.full(len(ids), -1, dtype=np.int64)
+        out[queued] = steps
+        if not queued.all():
+            out[~queued] = self._shared.backend.get_last_use(self.spec.name, ids[~queued])
+        return out
+
+    def _expire_fetched(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Rows fetched from staging, the queue or LMDB that are idle too long (or were
+        swept), or below evict_l2_below, read as initial."""
+        dead = self.life.too_small(rows[:, : self.spec.dim])
+        counted = dead.copy()
+        if self.life.ttl_steps is not None:
+            last = self._stored_last_use(ids)
+            dead |= self.life.expired(last)
+            counted |= dead & (last >= 0)
+        if dead.any():
+            rows[dead] = initial_rows(self.spec, ids[dead])
+            self.counters.life.expired += int(counted.sum())
+
+    def last_use_to_store(self, ids: np.ndarray) -> np.ndarray:
+        """Last-use steps of rows on their way to LMDB (sorted ids): the step in
+        progress for its rows, the tiers' use clocks for cached rows, and for a
+        write of a row not cached its stored step, or the latest step if it had
+        none alive (a write re-creates it)."""
+        life = self.life
+        out = np.full(len(ids), -1, dtype=np.int64)
+        if life.current is not None:
+            out[np.isin(ids, life.current, assume_unique=True)] = life.steps + 1
+        todo = np.flatnonzero(out < 0)
+        if len(todo):
+            for tier, slots, pos in self._cached(torch.from_numpy(ids[todo]))[0]:
+                out[todo[pos.numpy()]] = life.steps_of(tier.last[slots.to(tier.device)].cpu().numpy())
+        rest = np.flatnonzero(out < 0)
+        if len(rest):
+            stored = self._stored_last_use(ids[rest])
+            stored[life.expired(stored)] = life.steps
+            out[rest] = stored
+        return out
