@@ -27,3 +27,14 @@ def test_cpu_per_thread_goes_to_the_thread_that_spent_it():
     assert 0.28 <= spent["prefetch"] <= 0.5
     assert 0.09 <= spent["trainer"] < 0.28  # the spin and the polling, not the worker's
     assert spent["all"] >= spent["prefetch"] + spent["trainer"] - 0.02
+
+
+def test_cpu_of_a_thread_that_ended_goes_to_the_write_back_thread():
+    """The write-back thread ends whenever its queue is empty: its CPU must not be lost."""
+    before = bench_prefetch._cpu_seconds()
+    writer = threading.Thread(target=_spin, args=(0.2,), name="tierstore-writeback")
+    writer.start()
+    writer.join()
+    spent = bench_prefetch._since(before, bench_prefetch._cpu_seconds())
+    assert 0.18 <= spent["write-back"] <= 0.4
+    assert spent["trainer"] < 0.1

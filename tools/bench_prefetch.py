@@ -107,7 +107,7 @@ _THREADS = (("tierstore-prefetch", "prefetch"), ("tierstore-writeback", "write-b
 def _cpu_seconds() -> dict[str, float]:
     """CPU seconds so far of every thread of this process ("all"), and, from
     Linux's /proc, of this (the trainer's) thread and of each kind of tierstore
-    thread alive now; a thread that ended counts in "all" only."""
+    thread alive now (a thread that ended counts in "all" only: see _since)."""
     t = os.times()
     cpu = {"all": t.user + t.system}
     names = {th.native_id: th.name for th in threading.enumerate()}
@@ -132,13 +132,17 @@ def _cpu_seconds() -> dict[str, float]:
 
 def _since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     spent = {k: v - before.get(k, 0.0) for k, v in after.items()}
-    spent["other"] = spent["all"] - sum(v for k, v in spent.items() if k != "all")  # threads that ended, the rest
+    # a thread that ended is gone from /proc: the write-back thread ends whenever its
+    # queue is empty (the last time when _step_ms drains it), so it is the one here
+    ended = spent["all"] - sum(v for k, v in spent.items() if k != "all")
+    spent["write-back"] = spent.get("write-back", 0.0) + ended
     return spent
 
 
 def _step_ms(step: _Step, data, depth: int) -> tuple[float, dict[str, float]]:
     """Median step time (ms) past the start, where the window fills, and the CPU
-    seconds over every step, of all threads and by thread (_cpu_seconds)."""
+    seconds over every step and the commit of the rows they queued for LMDB, of
+    all threads and by thread (_cpu_seconds)."""
     times = []
     loader = LookaheadLoader(data, step.emb, depth=depth)
     cpu = _cpu_seconds()
@@ -148,13 +152,16 @@ def _step_ms(step: _Step, data, depth: int) -> tuple[float, dict[str, float]]:
         now = time.perf_counter()
         times.append(now - t_prev)
         t_prev = now
+    store = step.emb.store
+    with store._lock:  # the rows the steps queued for LMDB: their commits are part of the steps' cost
+        store._reap(drain=True)
     return statistics.median(times[len(times) // 4:]) * 1e3, _since(cpu, _cpu_seconds())
 
 
 def _per_row(runs: list[dict[str, float]]) -> str:
     """Median CPU per row moved of all threads, then by thread."""
     us = {k: statistics.median(r.get(k, 0.0) for r in runs) * 1e6 for k in runs[0]}
-    parts = ", ".join(f"{k} {us[k]:.1f}" for k in ("trainer", "prefetch", "write-back", "plan", "other") if k in us)
+    parts = ", ".join(f"{k} {us[k]:.1f}" for k in ("trainer", "prefetch", "write-back", "plan") if k in us)
     return f"{us['all']:.1f} us ({parts})"
 
 
