@@ -38,3 +38,10 @@ def test_cpu_of_a_thread_that_ended_goes_to_the_write_back_thread():
     spent = bench_prefetch._since(before, bench_prefetch._cpu_seconds())
     assert 0.18 <= spent["write-back"] <= 0.4
     assert spent["trainer"] < 0.1
+
+
+def test_without_per_thread_figures_only_the_total_is_reported():
+    """Where /proc is missing, the CPU is not put on any one thread."""
+    spent = bench_prefetch._since({"all": 1.0}, {"all": 1.5})
+    assert spent == {"all": 0.5}
+    assert bench_prefetch._per_row([spent]) == "500000.0 us"

@@ -132,10 +132,10 @@ def _cpu_seconds() -> dict[str, float]:
 
 def _since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     spent = {k: v - before.get(k, 0.0) for k, v in after.items()}
-    # a thread that ended is gone from /proc: the write-back thread ends whenever its
-    # queue is empty (the last time when _step_ms drains it), so it is the one here
-    ended = spent["all"] - sum(v for k, v in spent.items() if k != "all")
-    spent["write-back"] = spent.get("write-back", 0.0) + ended
+    if "trainer" in spent:  # per-thread figures (Linux): a thread that ended is gone from /proc; the
+        # write-back thread ends whenever its queue is empty (the last time when _step_ms drains it)
+        ended = spent["all"] - sum(v for k, v in spent.items() if k != "all")
+        spent["write-back"] = spent.get("write-back", 0.0) + ended
     return spent
 
 
@@ -162,7 +162,7 @@ def _per_row(runs: list[dict[str, float]]) -> str:
     """Median CPU per row moved of all threads, then by thread."""
     us = {k: statistics.median(r.get(k, 0.0) for r in runs) * 1e6 for k in runs[0]}
     parts = ", ".join(f"{k} {us[k]:.1f}" for k in ("trainer", "prefetch", "write-back", "plan") if k in us)
-    return f"{us['all']:.1f} us ({parts})"
+    return f"{us['all']:.1f} us" + (f" ({parts})" if parts else "")
 
 
 def _rows_moved(stats: dict) -> int:
