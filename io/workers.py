@@ -17,7 +17,10 @@ import numpy as np
 
 from .lmdb_backend import LmdbBackend
 
-MIN_CHUNK = 64  # rows; smaller parts cost more in task overhead than they overlap
+# rows a part reads at the least, and between two pauses: with 64, the threads' per-chunk work
+# (a transaction, the pause's lock, GIL hand-offs) doubled their CPU with rows from disk as well
+# as from the page cache, and slowed the embedding-only step (README "Cost per row moved")
+MIN_CHUNK = 256
 
 
 def read_rows_async(

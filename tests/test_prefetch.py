@@ -396,11 +396,10 @@ def test_a_batch_the_module_cannot_read_raises_at_its_own_step(tmp_path):
     ebc.close()
 
 
-@pytest.mark.parametrize("row_seconds, chunk", [(None, 64), (50e-6, 64), (1e-6, 500), (1e-8, 2048)])
+@pytest.mark.parametrize("row_seconds, chunk", [(None, 256), (50e-6, 256), (1e-6, 500), (1e-8, 2048)])
 def test_reading_threads_take_rows_in_chunks_of_about_half_a_millisecond(tmp_path, monkeypatch, row_seconds, chunk):
-    """Rows from the page cache in chunks of several hundred (64 cost the threads
-    twice the CPU of the gets); rows from disk in small ones, so the threads
-    check for the trainer often."""
+    """Chunks of ~0.5 ms of reads, 256 to 2048 rows: smaller ones cost the threads
+    more CPU (a transaction, the pause, GIL hand-offs) than the gets."""
     from tierstore.io import workers
 
     calls, pauses = [], []

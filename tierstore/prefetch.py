@@ -271,10 +271,9 @@ class Prefetcher:
 
     def _chunk(self) -> int:
         """Rows a reading thread takes at a time (between two checks for the trainer,
-        and the fewest a thread is given): CHUNK_SECONDS of reading. From the page
-        cache (~1 us a row) 64 rows a chunk cost the threads twice the CPU of the
-        reads themselves (per-chunk work, GIL hand-offs); rows from disk keep the
-        chunks small, so the threads still step aside for the trainer often."""
+        and the fewest a thread is given): CHUNK_SECONDS of reading, at least
+        MIN_CHUNK rows. Rows from the page cache (~1 us a row) come in chunks of
+        several hundred; small chunks cost the threads more CPU than the reads."""
         if self._row_seconds is None:
             return MIN_CHUNK
         return max(MIN_CHUNK, min(MAX_CHUNK, int(CHUNK_SECONDS / max(self._row_seconds, 1e-9))))
