@@ -34,7 +34,6 @@ def read_rows_async(
     ``pause()`` is called before every chunk."""
     rows = np.empty((len(ids), width), dtype=np.float32)
     found = np.zeros(len(ids), dtype=bool)
-    chunk = max(MIN_CHUNK, chunk)
     parts = max(1, min(parts, len(ids) // chunk))
     bounds = np.linspace(0, len(ids), parts + 1).astype(np.int64)
     state = {"left": parts, "error": None, "seconds": 0.0}
