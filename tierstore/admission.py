@@ -36,10 +36,6 @@ class CountMinSketch:
         self.depth = depth
         self.counters = np.zeros((depth, width), dtype=np.uint8)
 
-    @property
-    def nbytes(self) -> int:
-        return self.counters.nbytes
-
     def _cells(self, ids: np.ndarray) -> np.ndarray:
         """[depth, n] flat positions into ``counters`` of each id's counters."""
         keys = ids.astype(np.uint64)

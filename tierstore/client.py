@@ -189,7 +189,7 @@ class DaemonStore(TieredStore):
             if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or rows < 0:
                 raise ValueError(f"hbm_rows for {table} must be an int >= 0 (0 = no HBM tier), got {rows!r}")
             spec = self._spec(table)
-            if rows and _has_life(spec):
+            if rows and spec.lived:
                 raise ValueError(f"hbm_rows for table {table!r}, which has admit_after, ttl_steps or evict_l2_below: the daemon counts "
                                  "each read of it as a step, and a client HBM tier would keep reads from it; give hbm_rows as "
                                  "{table: rows} for the other tables only")
@@ -282,7 +282,7 @@ class DaemonStore(TieredStore):
         n, chunk = len(ids), self._chunk(cols)
         if n <= chunk:
             return self._daemon_read_frame(table, ids, cols, with_state, out, ftype)
-        if ftype == wire.READ and _has_life(self._spec(table)):
+        if ftype == wire.READ and self._spec(table).lived:  # every read of it is a step the daemon counts
             raise ValueError(f"a read of {n} ids of table {table!r} exceeds the {chunk} ids of {cols} columns that fit one frame "
                              "(the daemon's frame limit and this client's shm_bytes); with admit_after, ttl_steps or "
                              "evict_l2_below each read is one step and cannot be split: read fewer ids per call")
@@ -617,11 +617,6 @@ class DaemonStore(TieredStore):
     def __repr__(self) -> str:
         return (f"DaemonStore({str(self.path)!r}, daemon={str(self.socket_path)!r}, "
                 f"claims={[wire.describe_claim(c) for c in self.claims]}, readonly={self.readonly})")
-
-
-def _has_life(spec: TableSpec) -> bool:
-    """The table has admission, TTL or the L2 score: every read of it is a step the daemon counts."""
-    return spec.admit_after > 1 or spec.ttl_steps is not None or spec.evict_l2_below is not None
 
 
 def _is_range(c) -> bool:

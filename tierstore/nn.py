@@ -591,11 +591,6 @@ class TieredEmbeddingBag(nn.Module):
         return _TieredBagFunction.apply(anchor, per_sample_weights, weights, bags.rows.positions(), rows if train else None,
                                         None, bags, self)
 
-    def _lived(self) -> bool:
-        """The table has admission, TTL or the L2 score (README "Unbounded id spaces")."""
-        spec = self.store.tables[self.table]
-        return spec.admit_after > 1 or spec.ttl_steps is not None or spec.evict_l2_below is not None
-
     def _admitted(self, bags: _Bags) -> torch.Tensor | None:
         """After the forward's read: which rows its backward may update (admit_after)."""
         if self.store.tables[self.table].admit_after == 1:
@@ -653,7 +648,7 @@ class TieredEmbeddingBag(nn.Module):
         if rows is None or counts.get(self.table, 0) != writes:
             # another backward wrote rows since this forward read them: update the current values
             # with admission or TTL, not a step: they count steps, and whether this happens depends on the tiers
-            rows = self.store._reread(self.table, uid) if self._lived() else self.store.read(self.table, uid, with_state=True)
+            rows = self.store._reread(self.table, uid) if self.store.tables[self.table].lived else self.store.read(self.table, uid, with_state=True)
         if self.kernels == "fbgemm":
             weights, state = rows[:, :dim].contiguous(), rows[:, dim:].contiguous()
             fbgemm.fused_step(self.optimizer, weights, state, bags.rows.positions(), bags.ends(), grad_out, psw, self.config.mode)

@@ -178,7 +178,8 @@ def plan(tables: Sequence[TableSpec], world_size: int, trace: Trace | None = Non
     for t in cfg.tables:
         shards = sorted((it.shard for p in placed for it in p if it.table == t.name), key=lambda s: (s.rank, s.col_start))
         table_plans[t.name] = TablePlan(t.name, kinds[t.name], tuple(shards))
-    result = ShardingPlan(n, table_plans, tuple(_predict(cfg, p, table_plans) for p in placed))
+    sent = _sent(cfg, table_plans)
+    result = ShardingPlan(n, table_plans, tuple(_predict(cfg, p, sent) for p in placed))
     result.check(cfg.tables)
     return result
 
@@ -191,7 +192,8 @@ def predict(sharding_plan: ShardingPlan, tables: Sequence[TableSpec], trace: Tra
     sharding_plan.check(tables)
     cfg = PlanConfig(tuple(tables), sharding_plan.world_size, trace, hbm_bytes, ddr_bytes, batch_size, {}, optimizer)
     items = _items(cfg, list(sharding_plan.tables.values()))
-    return tuple(_predict(cfg, [it for it in items if it.shard.rank == r], sharding_plan.tables) for r in range(cfg.world_size))
+    sent = _sent(cfg, sharding_plan.tables)
+    return tuple(_predict(cfg, [it for it in items if it.shard.rank == r], sent) for r in range(cfg.world_size))
 
 
 # -- choosing and splitting --------------------------------------------------------------------------
@@ -348,7 +350,12 @@ def _give_bytes(items: list[_Item], hbm_bytes: int, ddr_bytes: int) -> None:
         it.ddr_rows = min(it.rows - it.hbm_rows, int(ddr_bytes * share // it.row_bytes))
 
 
-def _predict(cfg: PlanConfig, items: list[_Item], table_plans: Mapping[str, TablePlan]) -> dict:
+def _sent(cfg: PlanConfig, table_plans: Mapping[str, TablePlan]) -> np.ndarray | None:
+    """Bytes each rank sends a step (exchange_bytes), once for all ranks; None without a trace."""
+    return None if cfg.trace is None else exchange_bytes(cfg, table_plans)
+
+
+def _predict(cfg: PlanConfig, items: list[_Item], sent: np.ndarray | None) -> dict:
     order = {t.name: i for i, t in enumerate(cfg.tables)}
     items = sorted(items, key=lambda it: (order[it.table], it.shard.col_start))  # the same sums, however placed
     if cfg.trace is not None:
@@ -361,7 +368,7 @@ def _predict(cfg: PlanConfig, items: list[_Item], table_plans: Mapping[str, Tabl
         out["lookups_per_step"] = float(sum(it.lookups for it in items))
         out["ssd_reads_per_step"] = float(sum(it.ssd for it in items))
         if items:
-            out["exchange_bytes_per_step"] = float(exchange_bytes(cfg, table_plans)[items[0].shard.rank])
+            out["exchange_bytes_per_step"] = float(sent[items[0].shard.rank])
     if cfg.batch_size is not None:
         out["batch_size"] = cfg.batch_size
     out["tiers"] = {it.table: [it.hbm_rows, it.ddr_rows] for it in items}

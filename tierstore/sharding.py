@@ -113,10 +113,6 @@ class ShardingPlan:
     def ranks_of(self, table: str) -> tuple[int, ...]:
         return self.tables[table].ranks
 
-    def owner(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        """Index into ``tables[table].shards`` of the shard owning each id (row and table sharding)."""
-        return self.tables[table].owner(ids)
-
     def to_json(self) -> str:
         return json.dumps({"world_size": self.world_size,
                            "tables": [asdict(tp) for tp in self.tables.values()],

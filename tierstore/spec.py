@@ -126,6 +126,11 @@ class TableSpec:
         return self.dim + self.state_dim
 
     @property
+    def lived(self) -> bool:
+        """Admission, TTL or the L2 score (README "Unbounded id spaces"): rows come and go."""
+        return self.admit_after > 1 or self.ttl_steps is not None or self.evict_l2_below is not None
+
+    @property
     def row_bytes(self) -> int:
         """Bytes of one stored row: weights in ``dtype``, then float32 state."""
         return self.dim * DTYPES[self.dtype].itemsize + 4 * self.state_dim
