@@ -34,7 +34,7 @@ from tierstore.io import LmdbBackend, WriteBack
 from .admission import RowLife
 from .counters import TableCounters, restored_on_error
 from .spec import TableSpec, initial_rows
-from .tiers import CacheTier, by_id, first_uses
+from .tiers import CacheTier, by_id, first_uses, nonzero
 from .trace import TraceRecorder
 
 _SCRATCH_BYTES = 64 << 20
@@ -210,7 +210,7 @@ class TableStore:
         slot_d = torch.full((n,), -1, dtype=torch.int64)
         if D:
             mark = time.perf_counter()
-            rest = torch.nonzero(~in_h).squeeze(1)
+            rest = nonzero(~in_h)
             slot_d[rest] = D.lookup(uid[rest])
         in_d = slot_d >= 0
         n_d = int(in_d.sum())
@@ -227,7 +227,7 @@ class TableStore:
             if n <= tier.capacity:
                 return self._access_one_tier(tier, uid, use_clock, slot, hit)
 
-        miss = torch.nonzero(~in_h & ~in_d).squeeze(1)
+        miss = nonzero(~in_h & ~in_d)
         plan, fetched = self._fetch_while_planning(uid[miss], lambda: self._plan(use_clock, slot_h, in_h, slot_d, in_d))
         old_dirty, new_freq, keep_h, keep_d, demote, e_ids, e_last, e_freq, e_dirty, e_drop, resident_drop = plan
         demote_dev = demote.to(H.device) if H else demote
@@ -299,7 +299,7 @@ class TableStore:
         A quarter of the tensor ops of the two-level plan, which for the few
         thousand rows of a prefetched step cost more than the rows themselves."""
         c = self.counters.hbm if T is self.hbm else self.counters.ddr
-        miss = torch.nonzero(~hit).squeeze(1)
+        miss = nonzero(~hit)
         hit_slots = slot[hit]
         new_freq = T.counts_after(slot, hit)
 
@@ -437,7 +437,7 @@ class TableStore:
         for tier in (self.hbm, self.ddr):
             if tier is None:
                 continue
-            todo = torch.nonzero(~placed).squeeze(1)
+            todo = nonzero(~placed)
             slot = tier.lookup(uid[todo]).cpu()
             hit = slot >= 0
             targets.append((tier, slot[hit], todo[hit]))
@@ -449,7 +449,7 @@ class TableStore:
         CPU): cached rows in place, then dirty; others queued for LMDB."""
         n = len(uid)
         targets, placed = self._cached(uid)
-        cold = torch.nonzero(~placed).squeeze(1)
+        cold = nonzero(~placed)
         if len(cold):  # not cached: straight to LMDB (durable at the next flush)
             if cols == self.spec.width:
                 rows = values[cold]
