@@ -34,7 +34,7 @@ from tierstore.io import LmdbBackend, WriteBack
 from .admission import RowLife
 from .counters import TableCounters, restored_on_error
 from .spec import TableSpec, initial_rows
-from .tiers import CacheTier, by_id, first_uses, nonzero
+from .tiers import CacheTier, by_id, first_uses, masked, nonzero
 from .trace import TraceRecorder
 
 _SCRATCH_BYTES = 64 << 20
@@ -107,7 +107,7 @@ class _Plan(NamedTuple):
 
 def _where(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """rows[mask] (mask on the CPU), without copying when every row is selected."""
-    return rows if bool(mask.all()) else rows[mask.to(rows.device)]
+    return rows if bool(mask.all()) else masked(rows, mask.to(rows.device))
 
 
 class TableStore:
@@ -210,8 +210,11 @@ class TableStore:
         slot_d = torch.full((n,), -1, dtype=torch.int64)
         if D:
             mark = time.perf_counter()
-            rest = nonzero(~in_h)
-            slot_d[rest] = D.lookup(uid[rest])
+            if n_h:
+                rest = nonzero(~in_h)
+                slot_d.index_copy_(0, rest, D.lookup(uid.index_select(0, rest)).cpu())
+            else:
+                slot_d = D.lookup(uid).cpu()
         in_d = slot_d >= 0
         n_d = int(in_d.sum())
         if D:
@@ -300,7 +303,7 @@ class TableStore:
         thousand rows of a prefetched step cost more than the rows themselves."""
         c = self.counters.hbm if T is self.hbm else self.counters.ddr
         miss = nonzero(~hit)
-        hit_slots = slot[hit]
+        hit_slots = masked(slot, hit)
         new_freq = T.counts_after(slot, hit)
 
         def plan() -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,7 +312,7 @@ class TableStore:
         (keep, evict), fetched = self._fetch_while_planning(uid[miss], plan)
         fetched = (fetched.pin_memory() if T.device.type == "cuda" else fetched).to(T.device, non_blocking=True)
         evict_dev = evict.to(T.device)
-        dirty = evict_dev[T.dirty[evict_dev]]
+        dirty = masked(evict_dev, T.dirty.index_select(0, evict_dev))
         self._queue_write_back(*T.rows_by_id(dirty))
 
         # -- commit (in memory only; cannot fail half-way) --
@@ -320,7 +323,7 @@ class TableStore:
         if len(miss) == len(uid):  # all cold: the fetched rows are contiguous, faster to gather from
             return None, None, fetched
         slots = slot.to(T.device)
-        slots[miss.to(T.device)] = added
+        slots.index_copy_(0, miss.to(T.device), added)
         return T, slots, None
 
     def _fetch_while_planning(self, ids: torch.Tensor, plan: Callable[[], object]) -> tuple[object, torch.Tensor]:
