@@ -51,7 +51,7 @@ from prometheus_client.metrics_core import CounterMetricFamily
 from torch import nn
 
 from .nn import MODES, EmbeddingBagConfig, _Bags, _mean_grads, _plan_bags, _Rows, _sum_rows, feature_parts
-from .optim import RowOptimizer, RowWiseAdagrad
+from .optim import RowOptimizer
 from .planner import plan
 from .precision import round_stochastic
 from .prefetch import PrefetchGroup
@@ -63,8 +63,6 @@ __all__ = ["PlanMismatchError", "RankFailedError", "Shard", "ShardedEmbeddingBag
            "TablePlan", "plan"]
 
 COMM_DTYPES = {None: torch.float32, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# optimizers whose step couples a row's columns: a column shard needs the whole row's gradient
-_ROW_COUPLED = (RowWiseAdagrad,)
 _MAX_MESSAGE = 2048  # bytes of an error message sent to the other ranks
 _RESHARD_CHUNK = 1 << 16  # rows moved at once when resharding a checkpoint
 
@@ -351,7 +349,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._mode_name, self._mode = mode, MODES[mode]
         self._comm_dtype = COMM_DTYPES[comm_dtype]
         layout = _state_layout(optimizer)
-        coupled = isinstance(optimizer, _ROW_COUPLED)
+        coupled = optimizer is not None and optimizer.row_coupled
         self._tables = {}
         for spec in specs:
             tp = plan.tables[spec.name]
