@@ -136,3 +136,16 @@ def test_drain_waits_for_a_batch_of_metadata_only(tmp_path):
         assert backend.read_meta()["steps"] == {"t": 7}
         wb.stop()
     backend.close()
+
+
+def test_stored_ids_are_the_keys_of_the_rows_written_and_not_deleted(tmp_path):
+    backend = LmdbBackend(tmp_path)
+    backend.open_table("t", 2)
+    backend.open_table("empty", 2)
+    ids = np.array([2**63 - 1, 5, 0, 300, 2**32], dtype=np.int64)
+    backend.put_rows([("t", ids, rows(ids, 1.0))])
+    assert backend.delete_rows("t", np.array([5, 2**32])) == 2
+    got = backend.stored_ids("t")
+    assert got.dtype == np.int64 and got.tolist() == [0, 300, 2**63 - 1]
+    assert backend.stored_ids("empty").tolist() == []
+    backend.close()

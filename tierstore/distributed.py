@@ -43,7 +43,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -678,7 +677,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 for k, s in enumerate(o.tplan.shards):
                     if s.rank not in stores:
                         stores[s.rank] = TieredStore(checkpoint / f"rank-{s.rank}", readonly=True, registry=CollectorRegistry())
-                ids = torch.unique(torch.cat([_stored_ids(stores[s.rank], name) for s in o.tplan.shards]))
+                ids = torch.unique(torch.cat([stores[s.rank].stored_ids(name) for s in o.tplan.shards]))
                 ids = ids[t.masks(ids)[t.mine]]
                 cols = t.cols(t.mine, True)
                 for lo in range(0, len(ids), _RESHARD_CHUNK):
@@ -722,14 +721,6 @@ def _error_of(op) -> Exception | None:
     except Exception as e:
         return e
     return None
-
-
-def _stored_ids(store: TieredStore, table: str) -> torch.Tensor:
-    """Ids of the rows a (closed, checkpointed) store holds for ``table``: LMDB's keys, in order."""
-    backend = store._backend
-    with backend.env.begin(db=backend._dbs[table], buffers=False) as txn:
-        keys = b"".join(txn.cursor().iternext(keys=True, values=False))
-    return torch.from_numpy(np.frombuffer(keys, dtype=">u8").astype(np.int64))
 
 
 def _write_json(path: Path, text: str) -> None:
