@@ -17,9 +17,9 @@ def writer(tmp_path, **kwargs):
     commits = []
     real = backend.put_rows
 
-    def put_rows(batches, meta=None):
+    def put_rows(batches, meta=None, **kw):
         commits.append(sum(len(ids) for _, ids, _ in batches))
-        return real(batches, meta)
+        return real(batches, meta, **kw)
 
     backend.put_rows = put_rows  # a spy: the real LMDB write runs
     lock = threading.RLock()
@@ -125,9 +125,9 @@ def test_drain_waits_for_a_batch_of_metadata_only(tmp_path):
     backend, wb, lock, commits = writer(tmp_path, limit_rows=1000, linger=60.0)
     real = backend.put_rows
 
-    def slow_put_rows(batches, meta=None):
+    def slow_put_rows(batches, meta=None, **kw):
         time.sleep(0.05)  # injected latency: the commit is still running when drain starts
-        return real(batches, meta)
+        return real(batches, meta, **kw)
 
     backend.put_rows = slow_put_rows
     with lock:
