@@ -382,6 +382,12 @@ class LmdbBackend:
         self._write(op)
         self._sketch_db = opened[0]
 
+    def stored_ids(self, table: str) -> np.ndarray:
+        """Ids of the rows stored for ``table``, ascending (int64): its keys, read in one transaction."""
+        with self._reading(db=self._dbs[table], buffers=False) as txn:
+            keys = b"".join(txn.cursor().iternext(keys=True, values=False))
+        return np.frombuffer(keys, dtype=">u8").astype(np.int64)
+
     def get_sketch(self, table: str) -> bytes | None:
         """A table's stored admission sketch; None if none was stored."""
         with self._reading() as txn:

@@ -49,6 +49,11 @@ def test_state_dims():
     assert optim.Adam().state_dim(D) == 2 * D + 1
 
 
+def test_only_row_wise_adagrad_couples_a_rows_columns():
+    assert optim.RowWiseAdagrad().row_coupled
+    assert not any(o.row_coupled for o in (optim.SGD(), optim.Adagrad(), optim.Adam()))
+
+
 @given(st.integers(0, 2**31 - 1))
 def test_sgd_matches_torch_sgd_on_sparse_grads(seed):
     w0 = torch.randn(N, D, generator=torch.Generator().manual_seed(seed))

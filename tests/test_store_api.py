@@ -362,3 +362,13 @@ def test_tierstore_torchrec_without_torchrec_says_how_to_install():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 1
     assert "ImportError: tierstore.torchrec needs TorchRec: pip install --no-deps torchrec==1.8.0" in out.stderr
+
+
+def test_stored_ids_are_the_rows_in_lmdb_once_flushed(store):
+    store.write("item", [2**40, 7], torch.ones(2, 2))
+    store.read("user", [1, 2])  # read, never written: not stored
+    store.flush()
+    assert store.stored_ids("item").tolist() == [7, 2**40]
+    assert store.stored_ids("user").tolist() == []
+    with pytest.raises(KeyError, match="unknown table"):
+        store.stored_ids("nope")

@@ -17,9 +17,9 @@ def writer(tmp_path, **kwargs):
     commits = []
     real = backend.put_rows
 
-    def put_rows(batches, meta=None):
+    def put_rows(batches, meta=None, **kw):
         commits.append(sum(len(ids) for _, ids, _ in batches))
-        return real(batches, meta)
+        return real(batches, meta, **kw)
 
     backend.put_rows = put_rows  # a spy: the real LMDB write runs
     lock = threading.RLock()
@@ -125,9 +125,9 @@ def test_drain_waits_for_a_batch_of_metadata_only(tmp_path):
     backend, wb, lock, commits = writer(tmp_path, limit_rows=1000, linger=60.0)
     real = backend.put_rows
 
-    def slow_put_rows(batches, meta=None):
+    def slow_put_rows(batches, meta=None, **kw):
         time.sleep(0.05)  # injected latency: the commit is still running when drain starts
-        return real(batches, meta)
+        return real(batches, meta, **kw)
 
     backend.put_rows = slow_put_rows
     with lock:
@@ -135,4 +135,17 @@ def test_drain_waits_for_a_batch_of_metadata_only(tmp_path):
         wb.drain()
         assert backend.read_meta()["steps"] == {"t": 7}
         wb.stop()
+    backend.close()
+
+
+def test_stored_ids_are_the_keys_of_the_rows_written_and_not_deleted(tmp_path):
+    backend = LmdbBackend(tmp_path)
+    backend.open_table("t", 2)
+    backend.open_table("empty", 2)
+    ids = np.array([2**63 - 1, 5, 0, 300, 2**32], dtype=np.int64)
+    backend.put_rows([("t", ids, rows(ids, 1.0))])
+    assert backend.delete_rows("t", np.array([5, 2**32])) == 2
+    got = backend.stored_ids("t")
+    assert got.dtype == np.int64 and got.tolist() == [0, 300, 2**63 - 1]
+    assert backend.stored_ids("empty").tolist() == []
     backend.close()

@@ -43,15 +43,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily
 from torch import nn
 
-from .nn import EmbeddingBagConfig, TieredEmbeddingBag, _Bags, feature_parts
-from .optim import RowOptimizer, RowWiseAdagrad
+from .nn import MODES, EmbeddingBagConfig, _Bags, _mean_grads, _plan_bags, _Rows, _sum_rows, feature_parts
+from .optim import RowOptimizer
 from .planner import plan
 from .precision import round_stochastic
 from .prefetch import PrefetchGroup
@@ -63,8 +62,6 @@ __all__ = ["PlanMismatchError", "RankFailedError", "Shard", "ShardedEmbeddingBag
            "TablePlan", "plan"]
 
 COMM_DTYPES = {None: torch.float32, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# optimizers whose step couples a row's columns: a column shard needs the whole row's gradient
-_ROW_COUPLED = (RowWiseAdagrad,)
 _MAX_MESSAGE = 2048  # bytes of an error message sent to the other ranks
 _RESHARD_CHUNK = 1 << 16  # rows moved at once when resharding a checkpoint
 
@@ -72,15 +69,6 @@ _RESHARD_CHUNK = 1 << 16  # rows moved at once when resharding a checkpoint
 class RankFailedError(RuntimeError):
     """Another rank failed this collective step (named in the message), or the
     collective itself failed: a rank died or did not answer within the timeout."""
-
-
-class _BagPlanner:
-    """Validates a feature as TieredEmbeddingBag does, without a store."""
-
-    _plan = TieredEmbeddingBag._plan
-
-    def __init__(self, config: EmbeddingBagConfig):
-        self.config = config
 
 
 class _Comm:
@@ -256,8 +244,7 @@ class _ShardedBagFunction(torch.autograd.Function):
             bags = step.bags[name]
             w = step.weights[name].to(module.device)
             p = None if psw is None else bags.select(psw.reshape(-1).to(module.device))
-            out, *_ = torch.embedding_bag(w, bags.rows.positions().to(module.device), bags.offsets.to(module.device),
-                                          False, module._mode, False, p, False, None)
+            out, _ = bags.pool(w, bags.rows.positions(), module._mode, p)
             outs.append(out)
         ctx.psw_shapes = [None if p is None else p.shape for p in psws]
         return tuple(outs)
@@ -271,10 +258,7 @@ class _ShardedBagFunction(torch.autograd.Function):
             if not ctx.needs_input_grad[3 + i]:
                 psw_grads.append(None)
                 continue
-            bags, g = step.bags[name], grads[i]
-            w = step.weights[name].to(g.device)
-            per = (g.index_select(0, bags.bag_of.to(g.device)) * w.index_select(0, bags.rows.positions().to(g.device))).sum(1)
-            psw_grads.append(bags.expand(per).reshape(ctx.psw_shapes[i]))
+            psw_grads.append(step.bags[name].psw_grad(grads[i], step.weights[name], ctx.psw_shapes[i]))
         if ctx.needs_input_grad[0]:
             module._update(step, dict(zip(step.names, grads)))
         return (None, None, None, *psw_grads)
@@ -361,17 +345,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
             if len(set(tp.ranks)) != len(tp.ranks):
                 raise PlanMismatchError(f"table {tp.table!r}: a rank holds two of its shards ({tp.ranks}); give each rank one shard of a table")
         self.optimizer, self.plan = optimizer, plan
-        self._mode_name, self._mode = mode, 0 if mode == "sum" else 1
+        self._mode_name, self._mode = mode, MODES[mode]
         self._comm_dtype = COMM_DTYPES[comm_dtype]
         layout = _state_layout(optimizer)
-        coupled = isinstance(optimizer, _ROW_COUPLED)
+        coupled = optimizer is not None and optimizer.row_coupled
         self._tables = {}
         for spec in specs:
             tp = plan.tables[spec.name]
             mine = tp.ranks.index(self.rank) if self.rank in tp.ranks else None
             self._tables[spec.name] = _Table(spec, tp, mine, layout, coupled and tp.sharding == "column")
-        self._planners = {s.name: _BagPlanner(EmbeddingBagConfig(s.num_rows, s.dim, mode, include_last_offset, None, s.name, s.init))
-                          for s in specs}
+        self._configs = {s.name: EmbeddingBagConfig(s.num_rows, s.dim, mode, include_last_offset, None, s.name, s.init)
+                         for s in specs}
 
     def _plan_digest(self) -> int:
         text = dataclasses.replace(self.plan, predicted=()).to_json() + json.dumps([t.spec.to_json() for t in self._tables.values()])
@@ -445,9 +429,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             raise TypeError("features must be a mapping {table: (values, offsets)}")
         bags, psws = {}, {}
         for name, feature in features.items():  # validate every table before anything moves
-            planner = self._planners[self._known(name)]
             values, offsets, psw = feature_parts(name, feature)
-            bags[name] = planner._plan(values, offsets, psw)
+            bags[name] = _plan_bags(self._configs[self._known(name)], values, offsets, psw)
             psws[name] = psw
         return bags, psws
 
@@ -484,8 +467,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             if bags is None:
                 continue
             g = grads[name].cpu()
-            if self._mode_name == "mean":  # as _row_grads does: times the reciprocal
-                g = g * (1.0 / bags.sizes.clamp(min=1).to(dtype=g.dtype)).unsqueeze(1)
+            if self._mode_name == "mean":
+                g = _mean_grads(g, bags.sizes)
             occ = g.index_select(0, bags.bag_of)
             psw = step.psw[name]
             for k, mask in enumerate(t.masks(bags.ids)):
@@ -515,17 +498,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _step_rows(self, name: str, segs: list[torch.Tensor], masks: list[torch.Tensor], G: torch.Tensor,
                    P: torch.Tensor | None) -> None:
         t, store = self._tables[name], self.local_store
-        ids = torch.cat(segs)
         mask = torch.cat(masks)
-        _, perm = torch.sort(ids)  # the single process's order (_Rows.group), ties included
-        order = perm[mask[perm]]
-        local = (torch.cumsum(mask, 0) - 1).index_select(0, order)
-        uid, counts = torch.unique_consecutive(ids.index_select(0, order), return_counts=True)
-        row_offsets = torch.zeros(len(uid), dtype=torch.int64)
-        if len(uid) > 1:
-            torch.cumsum(counts[:-1], 0, out=row_offsets[1:])
-        w = None if P is None else P.index_select(0, local)
-        grad, *_ = torch.embedding_bag(G, local, row_offsets, False, 0, False, w, False, None)
+        # the single process's order: the sort of the global batch's ids, ties included, then this shard's rows
+        grouped = _Rows.group(torch.cat(segs), mask)
+        uid = grouped.uid
+        local = (torch.cumsum(mask, 0) - 1).index_select(0, grouped.perm)  # entries among those received
+        grad = _sum_rows(G, local, grouped.counts, None if P is None else P.index_select(0, local))
         rows = store.read(name, uid, with_state=True)
         grad = grad.to(rows.device)
         shard = t.tplan.shards[t.mine]
@@ -699,7 +677,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 for k, s in enumerate(o.tplan.shards):
                     if s.rank not in stores:
                         stores[s.rank] = TieredStore(checkpoint / f"rank-{s.rank}", readonly=True, registry=CollectorRegistry())
-                ids = torch.unique(torch.cat([_stored_ids(stores[s.rank], name) for s in o.tplan.shards]))
+                ids = torch.unique(torch.cat([stores[s.rank].stored_ids(name) for s in o.tplan.shards]))
                 ids = ids[t.masks(ids)[t.mine]]
                 cols = t.cols(t.mine, True)
                 for lo in range(0, len(ids), _RESHARD_CHUNK):
@@ -743,14 +721,6 @@ def _error_of(op) -> Exception | None:
     except Exception as e:
         return e
     return None
-
-
-def _stored_ids(store: TieredStore, table: str) -> torch.Tensor:
-    """Ids of the rows a (closed, checkpointed) store holds for ``table``: LMDB's keys, in order."""
-    backend = store._backend
-    with backend.env.begin(db=backend._dbs[table], buffers=False) as txn:
-        keys = b"".join(txn.cursor().iternext(keys=True, values=False))
-    return torch.from_numpy(np.frombuffer(keys, dtype=">u8").astype(np.int64))
 
 
 def _write_json(path: Path, text: str) -> None:

@@ -152,6 +152,20 @@ class _Bags:
         """Per-entry values of the flat input restricted to the used entries."""
         return flat if self.used is None else flat.index_select(0, self.used.to(flat.device))
 
+    def pool(self, weights: torch.Tensor, index: torch.Tensor, mode: int,
+             psw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pooled bags, max_idx) from ``weights``, entry j being row ``index[j]``."""
+        dev = weights.device
+        out, _, _, max_idx = torch.embedding_bag(weights, index.to(dev), self.offsets.to(dev), False, mode, False, psw, False, None)
+        return out, max_idx
+
+    def psw_grad(self, grad_out: torch.Tensor, weights: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """Gradient of the per-sample weights (of the input's ``shape``), given the
+        bags' output gradient and the rows pooled (``weights``, by rows.positions())."""
+        dev = grad_out.device
+        per = (grad_out.index_select(0, self.bag_of.to(dev)) * weights.to(dev).index_select(0, self.rows.positions().to(dev))).sum(1)
+        return self.expand(per).reshape(shape)
+
     def expand(self, per_used: torch.Tensor) -> torch.Tensor:
         """Inverse of select: zeros at entries the bags do not use."""
         if self.used is None:
@@ -173,8 +187,13 @@ class _Rows:
     _local: torch.Tensor | None = None
 
     @classmethod
-    def group(cls, ids: torch.Tensor) -> "_Rows":
+    def group(cls, ids: torch.Tensor, keep: torch.Tensor | None = None) -> "_Rows":
+        """``keep`` [M] (bool) leaves entries out after the sort, so the kept ones stay
+        in the order the sort of all ``ids`` gives them (a sharded owner's rows)."""
         sorted_ids, perm = torch.sort(ids)
+        if keep is not None:
+            perm = perm[keep[perm]]
+            sorted_ids = ids.index_select(0, perm)
         uid, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
         return cls(uid, perm, counts)
 
@@ -217,8 +236,7 @@ class _TieredBagFunction(torch.autograd.Function):
         psw = None
         if per_sample_weights is not None:
             psw = bags.select(per_sample_weights.reshape(-1).to(dev))
-        mode = MODES[owner.config.mode]
-        out, _, _, max_idx = torch.embedding_bag(weights, index.to(dev), bags.offsets.to(dev), False, mode, False, psw, False, None)
+        out, max_idx = bags.pool(weights, index, MODES[owner.config.mode], psw)
         ctx.bags, ctx.owner, ctx.rows, ctx.resident = bags, owner, rows, resident
         ctx.weights = None if resident is not None else weights
         ctx.psw, ctx.psw_shape, ctx.max_idx = psw, None if per_sample_weights is None else per_sample_weights.shape, max_idx
@@ -229,11 +247,9 @@ class _TieredBagFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         bags, owner = ctx.bags, ctx.owner
         grad_out = grad_out.contiguous()
-        dev = grad_out.device
         grad_psw = None
         if ctx.needs_input_grad[1]:  # never with a resident forward: see TieredEmbeddingBag._run
-            per = (grad_out.index_select(0, bags.bag_of.to(dev)) * ctx.weights.index_select(0, bags.rows.positions().to(dev))).sum(1)
-            grad_psw = bags.expand(per).reshape(ctx.psw_shape)
+            grad_psw = bags.psw_grad(grad_out, ctx.weights, ctx.psw_shape)
         if ctx.needs_input_grad[0]:
             if ctx.resident is not None:
                 owner._update_resident(bags, ctx.resident, grad_out, ctx.psw)
@@ -259,16 +275,132 @@ def _row_grads(mode: str, bags: _Bags, rows: _Rows, grad_out: torch.Tensor, psw,
     # torch's sparse gradients are coalesced in, and the mean is applied as torch
     # applies it, so without per-sample weights the row gradients equal
     # nn.EmbeddingBag(sparse=True)'s bit for bit.
-    if mode == "mean":  # times the reciprocal, as torch does (not a division: that rounds differently)
-        grad_out = grad_out * (1.0 / bags.sizes.clamp(min=1).to(device=dev, dtype=grad_out.dtype)).unsqueeze(1)
+    if mode == "mean":
+        grad_out = _mean_grads(grad_out, bags.sizes)
     perm = rows.perm.to(dev)
-    counts = rows.counts.to(dev)
-    row_offsets = torch.zeros(U, dtype=torch.int64, device=dev)
-    if U > 1:
-        torch.cumsum(counts[:-1], 0, out=row_offsets[1:])
     w = None if psw is None else psw.index_select(0, perm)
-    g, *_ = torch.embedding_bag(grad_out, bags.bag_of.to(dev).index_select(0, perm), row_offsets, False, 0, False, w, False, None)
+    return _sum_rows(grad_out, bags.bag_of.to(dev).index_select(0, perm), rows.counts, w)
+
+
+def _mean_grads(grad_out: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """The gradient of mean pooling from that of its bags' sums: times the reciprocal of
+    the bag's size, as torch does (not a division: that rounds differently)."""
+    return grad_out * (1.0 / sizes.clamp(min=1).to(device=grad_out.device, dtype=grad_out.dtype)).unsqueeze(1)
+
+
+def _sum_rows(src: torch.Tensor, index: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """[U, dim]: row u sums ``src[index[j]]`` (times ``weights[j]``) over its run of
+    ``counts[u]`` entries of ``index``, in that order (embedding_bag: no atomics)."""
+    dev = src.device
+    row_offsets = torch.zeros(len(counts), dtype=torch.int64, device=dev)
+    if len(counts) > 1:
+        torch.cumsum(counts.to(dev)[:-1], 0, out=row_offsets[1:])
+    g, *_ = torch.embedding_bag(src, index, row_offsets, False, 0, False, weights, False, None)
     return g
+
+
+def _plan_bags(c: EmbeddingBagConfig, input, offsets, per_sample_weights) -> _Bags:
+    """Validate like torch.nn.functional.embedding_bag and map the bags onto unique rows."""
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input must be a torch.Tensor of ids, got {type(input).__name__}")
+    if per_sample_weights is not None:
+        if not isinstance(per_sample_weights, torch.Tensor):
+            raise TypeError(f"per_sample_weights must be a torch.Tensor or None, got {type(per_sample_weights).__name__}")
+        if input.size() != per_sample_weights.size():
+            raise ValueError(
+                f"embedding_bag: If per_sample_weights ({per_sample_weights.shape}) is not None, "
+                f"then it must have the same shape as the input ({input.shape})"
+            )
+    include_last = c.include_last_offset
+    if input.dim() == 2:
+        if offsets is not None:
+            raise ValueError(
+                "if input is 2D, then offsets has to be None, as input is treated is a mini-batch of fixed length "
+                f"sequences. However, found offsets of type {type(offsets)}"
+            )
+        nbags, length = input.shape
+        starts = torch.arange(nbags, dtype=torch.int64) * length
+        include_last = False
+    elif input.dim() == 1:
+        if offsets is None:
+            raise ValueError("offsets has to be a 1D Tensor but got None")
+        if not isinstance(offsets, torch.Tensor):
+            raise TypeError(f"offsets must be a torch.Tensor, got {type(offsets).__name__}")
+        if offsets.dim() != 1:
+            raise ValueError("offsets has to be a 1D Tensor")
+        starts = None
+    else:
+        raise ValueError(f"input has to be 1D or 2D Tensor, but got Tensor of dimension {input.dim()}")
+    if per_sample_weights is not None and c.mode != "sum":
+        raise NotImplementedError(
+            "embedding_bag: per_sample_weights was not None. per_sample_weights is only supported for "
+            f"mode='sum' (got mode='{c.mode}'). Please open a feature request on GitHub."
+        )
+    if not _is_index_dtype(input):
+        raise _index_dtype_error("#1 'indices'", input)
+    if per_sample_weights is not None and per_sample_weights.dtype != torch.float32:
+        raise BagTypeError(
+            f"Expected tensor for argument #1 'weight' to have the same type as tensor for argument #1 "
+            f"'per_sample_weights'; but type torch.FloatTensor does not equal {per_sample_weights.type()}"
+        )
+    flat = input.detach().reshape(-1).to("cpu", torch.int64)
+    n_input = len(flat)
+    if starts is None:
+        if not _is_index_dtype(offsets):
+            raise _index_dtype_error("#2 'offsets'", offsets)
+        off = offsets.detach().to("cpu", torch.int64)
+        if include_last and len(off) == 0:
+            raise BagOffsetsError("include_last_offset: number of offset should be at least 1")
+        if len(off):
+            if int(off[0]) != 0:
+                raise BagOffsetsError(
+                    "offsets[0] has to be 0, i.e., the first sequence in the mini-batch has to start from "
+                    f"position 0. However, got {int(off[0])}"
+                )
+            if int(off[-1]) > n_input:
+                raise BagOffsetsError(
+                    f"offsets[-1] can not be greater than input's length {n_input} but got offsets[-1] of {int(off[-1])}"
+                )
+            down = torch.nonzero(off[1:] < off[:-1])
+            if len(down):
+                i = int(down[0])
+                raise BagOffsetsError(
+                    f"offsets must be non-decreasing, but offsets[{i}]={int(off[i])} > offsets[{i + 1}]={int(off[i + 1])}"
+                )
+        if include_last:
+            starts, end = off[:-1], int(off[-1])
+        else:
+            starts, end = off, (n_input if len(off) else 0)
+    else:
+        end = n_input
+    ids = flat[:end]
+    if end:
+        lo, hi = torch.aminmax(ids)
+        if lo < 0 or (c.num_embeddings is not None and hi >= c.num_embeddings):
+            bad = ids < 0
+            if c.num_embeddings is not None:
+                bad |= ids >= c.num_embeddings
+            i = int(torch.nonzero(bad)[0])
+            hi = c.num_embeddings if c.num_embeddings is not None else "2**63"
+            raise BagIndexError(
+                f"Index {i} of input takes value {int(ids[i])} which is not in the valid range [0, {hi}) "
+                f"of table {c.table!r}"
+            )
+    nbags = len(starts)
+    sizes = torch.diff(starts, append=torch.tensor([end], dtype=torch.int64))
+    bag_of = None
+    used = None if end == n_input else torch.arange(end)
+    if c.padding_idx is not None:
+        keep = ids != c.padding_idx
+        if not bool(keep.all()):
+            pos = torch.nonzero(keep).squeeze(1)
+            bag_of = torch.repeat_interleave(torch.arange(nbags), sizes, output_size=end)[pos]
+            ids, used = ids[pos], pos
+            sizes = torch.bincount(bag_of, minlength=nbags)
+    bag_offsets = torch.zeros(nbags, dtype=torch.int64)
+    if nbags > 1:
+        torch.cumsum(sizes[:-1], 0, out=bag_offsets[1:])
+    return _Bags(ids, sizes, bag_offsets, used, n_input, bag_of)
 
 
 class TieredEmbeddingBag(nn.Module):
@@ -461,108 +593,7 @@ class TieredEmbeddingBag(nn.Module):
 
     # -- the data path -------------------------------------------------------------------
     def _plan(self, input, offsets, per_sample_weights) -> _Bags:
-        """Validate like torch.nn.functional.embedding_bag and map the bags onto unique rows."""
-        c = self.config
-        if not isinstance(input, torch.Tensor):
-            raise TypeError(f"input must be a torch.Tensor of ids, got {type(input).__name__}")
-        if per_sample_weights is not None:
-            if not isinstance(per_sample_weights, torch.Tensor):
-                raise TypeError(f"per_sample_weights must be a torch.Tensor or None, got {type(per_sample_weights).__name__}")
-            if input.size() != per_sample_weights.size():
-                raise ValueError(
-                    f"embedding_bag: If per_sample_weights ({per_sample_weights.shape}) is not None, "
-                    f"then it must have the same shape as the input ({input.shape})"
-                )
-        include_last = c.include_last_offset
-        if input.dim() == 2:
-            if offsets is not None:
-                raise ValueError(
-                    "if input is 2D, then offsets has to be None, as input is treated is a mini-batch of fixed length "
-                    f"sequences. However, found offsets of type {type(offsets)}"
-                )
-            nbags, length = input.shape
-            starts = torch.arange(nbags, dtype=torch.int64) * length
-            include_last = False
-        elif input.dim() == 1:
-            if offsets is None:
-                raise ValueError("offsets has to be a 1D Tensor but got None")
-            if not isinstance(offsets, torch.Tensor):
-                raise TypeError(f"offsets must be a torch.Tensor, got {type(offsets).__name__}")
-            if offsets.dim() != 1:
-                raise ValueError("offsets has to be a 1D Tensor")
-            starts = None
-        else:
-            raise ValueError(f"input has to be 1D or 2D Tensor, but got Tensor of dimension {input.dim()}")
-        if per_sample_weights is not None and c.mode != "sum":
-            raise NotImplementedError(
-                "embedding_bag: per_sample_weights was not None. per_sample_weights is only supported for "
-                f"mode='sum' (got mode='{c.mode}'). Please open a feature request on GitHub."
-            )
-        if not _is_index_dtype(input):
-            raise _index_dtype_error("#1 'indices'", input)
-        if per_sample_weights is not None and per_sample_weights.dtype != torch.float32:
-            raise BagTypeError(
-                f"Expected tensor for argument #1 'weight' to have the same type as tensor for argument #1 "
-                f"'per_sample_weights'; but type torch.FloatTensor does not equal {per_sample_weights.type()}"
-            )
-        flat = input.detach().reshape(-1).to("cpu", torch.int64)
-        n_input = len(flat)
-        if starts is None:
-            if not _is_index_dtype(offsets):
-                raise _index_dtype_error("#2 'offsets'", offsets)
-            off = offsets.detach().to("cpu", torch.int64)
-            if include_last and len(off) == 0:
-                raise BagOffsetsError("include_last_offset: number of offset should be at least 1")
-            if len(off):
-                if int(off[0]) != 0:
-                    raise BagOffsetsError(
-                        "offsets[0] has to be 0, i.e., the first sequence in the mini-batch has to start from "
-                        f"position 0. However, got {int(off[0])}"
-                    )
-                if int(off[-1]) > n_input:
-                    raise BagOffsetsError(
-                        f"offsets[-1] can not be greater than input's length {n_input} but got offsets[-1] of {int(off[-1])}"
-                    )
-                down = torch.nonzero(off[1:] < off[:-1])
-                if len(down):
-                    i = int(down[0])
-                    raise BagOffsetsError(
-                        f"offsets must be non-decreasing, but offsets[{i}]={int(off[i])} > offsets[{i + 1}]={int(off[i + 1])}"
-                    )
-            if include_last:
-                starts, end = off[:-1], int(off[-1])
-            else:
-                starts, end = off, (n_input if len(off) else 0)
-        else:
-            end = n_input
-        ids = flat[:end]
-        if end:
-            lo, hi = torch.aminmax(ids)
-            if lo < 0 or (c.num_embeddings is not None and hi >= c.num_embeddings):
-                bad = ids < 0
-                if c.num_embeddings is not None:
-                    bad |= ids >= c.num_embeddings
-                i = int(torch.nonzero(bad)[0])
-                hi = c.num_embeddings if c.num_embeddings is not None else "2**63"
-                raise BagIndexError(
-                    f"Index {i} of input takes value {int(ids[i])} which is not in the valid range [0, {hi}) "
-                    f"of table {c.table!r}"
-                )
-        nbags = len(starts)
-        sizes = torch.diff(starts, append=torch.tensor([end], dtype=torch.int64))
-        bag_of = None
-        used = None if end == n_input else torch.arange(end)
-        if c.padding_idx is not None:
-            keep = ids != c.padding_idx
-            if not bool(keep.all()):
-                pos = torch.nonzero(keep).squeeze(1)
-                bag_of = torch.repeat_interleave(torch.arange(nbags), sizes, output_size=end)[pos]
-                ids, used = ids[pos], pos
-                sizes = torch.bincount(bag_of, minlength=nbags)
-        bag_offsets = torch.zeros(nbags, dtype=torch.int64)
-        if nbags > 1:
-            torch.cumsum(sizes[:-1], 0, out=bag_offsets[1:])
-        return _Bags(ids, sizes, bag_offsets, used, n_input, bag_of)
+        return _plan_bags(self.config, input, offsets, per_sample_weights)
 
     def _run(self, bags: _Bags, per_sample_weights) -> torch.Tensor:
         train = self.optimizer is not None and torch.is_grad_enabled()

@@ -32,6 +32,10 @@ def _positive(name: str, value: float) -> float:
 class RowOptimizer:
     """Base class: a learning rate, a state size per row, a vectorized update."""
 
+    # whether a step couples a row's columns (its state is per row, not per column): a
+    # column shard then needs the whole row's gradient to step its columns as the whole row would
+    row_coupled: bool = False
+
     def __init__(self, lr: float):
         self.lr = lr
 
@@ -123,6 +127,8 @@ class RowWiseAdagrad(RowOptimizer):
 
     s += mean(g*g over the row); w -= lr * g / (sqrt(s) + eps).
     """
+
+    row_coupled = True
 
     def __init__(self, lr: float = 0.01, eps: float = 1e-8):
         super().__init__(lr)

@@ -388,13 +388,11 @@ def exchange_bytes(cfg: PlanConfig, table_plans: Mapping[str, TablePlan]) -> np.
       that its shard holds, its shard's columns;
     - backward: each rank sends every occurrence's gradient (one per id, not per
       unique id) to the shards holding the row: their columns, or the whole row
-      for a column shard under RowWiseAdagrad (per-sample weights, 4 bytes an id, are
+      for a column shard under a row-coupled optimizer, RowWiseAdagrad (per-sample weights, 4 bytes an id, are
       not counted).
 
     A step's ids are gathered in one message for all tables, so steps of the trace
     are the unit, as in the module."""
-    from .optim import RowWiseAdagrad
-
     n, trace = cfg.world_size, cfg.trace
     sent = np.zeros(n, dtype=np.float64)
     if n == 1 or trace is None:
@@ -417,7 +415,7 @@ def exchange_bytes(cfg: PlanConfig, table_plans: Mapping[str, TablePlan]) -> np.
         who = tp.owner(torch.from_numpy(ids)).numpy() if tp.sharding != "column" else None
         for k, shard in enumerate(tp.shards):  # a loop per shard
             own = np.ones(len(ids), dtype=bool) if who is None else who == k
-            whole_row = tp.sharding == "column" and isinstance(cfg.optimizer, RowWiseAdagrad)
+            whole_row = tp.sharding == "column" and getattr(cfg.optimizer, "row_coupled", False)
             grad_cols = spec.dim if whole_row else shard.dim
             asked = np.bincount(part[uniq][own[uniq]], minlength=n)  # rows this shard serves to each rank
             sent[shard.rank] += 4 * shard.dim * (asked.sum() - asked[shard.rank])

@@ -459,6 +459,14 @@ class TieredStore:
         t = self._table(table)
         return {"hbm": t.hbm.resident if t.hbm else 0, "ddr": t.ddr.resident if t.ddr else 0}
 
+    def stored_ids(self, table: str) -> torch.Tensor:
+        """Ids of ``table``'s rows in LMDB, ascending (int64, CPU): rows flushed or written
+        back; a row still only in the tiers or queued for write-back is not there yet."""
+        with self._lock:
+            self._check_open()
+            self._table(table)
+            return torch.from_numpy(self._backend.stored_ids(table))
+
     def __enter__(self) -> "TieredStore":
         return self
 

@@ -227,7 +227,7 @@ def store_counts(store) -> dict:
     return {**out, "lookups": out["uses"] / READS_PER_STEP}
 
 
-def _sharded_rank(rank: int, world_size: int, cfg: ShardedBenchConfig, plan_json: str, workdir: str) -> dict:
+def _sharded_rank(rank: int, world_size: int, cfg: ShardedBenchConfig, trace, plan_json: str, workdir: str) -> dict:
     import torch.distributed as dist
 
     import tierstore
@@ -236,7 +236,6 @@ def _sharded_rank(rank: int, world_size: int, cfg: ShardedBenchConfig, plan_json
 
     p = ShardingPlan.from_json(plan_json)
     tiers = p.predicted[rank]["tiers"]
-    trace = make_trace(cfg)
     module = ShardedEmbeddingBagCollection(specs_of(cfg), p, workdir, hbm_rows={t: h for t, (h, _) in tiers.items()},
                                            ddr_rows={t: d for t, (_, d) in tiers.items()}, policy="lru",
                                            optimizer=tierstore.optim.Adagrad(lr=cfg.lr), device="cpu")
@@ -249,12 +248,11 @@ def _sharded_rank(rank: int, world_size: int, cfg: ShardedBenchConfig, plan_json
     return result
 
 
-def _baseline(cfg: ShardedBenchConfig, workdir: str) -> dict:
+def _baseline(cfg: ShardedBenchConfig, trace, workdir: str) -> dict:
     """TieredEmbeddingBagCollection in this process on the global batches, the tiers a one-rank plan gives."""
     import tierstore
     from tierstore.planner import plan
 
-    trace = make_trace(cfg)
     p = plan(specs_of(cfg), 1, trace=trace, hbm_bytes=cfg.hbm_bytes, ddr_bytes=cfg.ddr_bytes, optimizer=tierstore.optim.Adagrad(1.0))
     tiers = p.predicted[0]["tiers"]
     with tempfile.TemporaryDirectory(dir=workdir) as d:
@@ -274,12 +272,12 @@ def measure(cfg: ShardedBenchConfig, workdir: str, world_sizes=WORLD_SIZES) -> d
 
     torch.set_num_threads(1)
     trace = make_trace(cfg)
-    out = {"baseline": _baseline(cfg, workdir), "runs": {}}
+    out = {"baseline": _baseline(cfg, trace, workdir), "runs": {}}
     for w in world_sizes:  # a loop per world size
         p = plan(specs_of(cfg), w, trace=trace, hbm_bytes=cfg.hbm_bytes, ddr_bytes=cfg.ddr_bytes,
                  optimizer=tierstore.optim.Adagrad(1.0))
         with tempfile.TemporaryDirectory(dir=workdir) as d:
-            ranks = run_ranks(_sharded_rank, w, cfg, p.to_json(), d)
+            ranks = run_ranks(_sharded_rank, w, cfg, trace, p.to_json(), d)  # built once a run: each rank unpickles it
         out["runs"][w] = {"plan": p, "ranks": ranks}
     return out
 

@@ -21,7 +21,6 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from tierstore.precision import DTYPES
 from tierstore.tools.bench_sharded import run_ranks, store_counts
 from tierstore.tools.demo import DLRM, ClickData, DemoConfig, _one_process, _specs, _start, _tierstore_opt, _train, seeded
 
@@ -123,7 +122,7 @@ def run_sharded_demo(cfg: DemoConfig, seed_generator: Callable[[int], torch.Gene
     n = cfg.world_size
     specs = _specs(cfg)
     opt = _tierstore_opt(cfg.optimizer, cfg.lr)
-    row_bytes = DTYPES[cfg.dtype].itemsize * cfg.dim + 4 * opt.state_dim(cfg.dim)
+    row_bytes = replace(specs[0], state_dim=opt.state_dim(cfg.dim)).row_bytes  # every table's: one dim and dtype
     per_rank = cfg.tables * row_bytes // n  # the single process's tiers, split n ways
     trace = _trace(cfg, min(cfg.steps, PLAN_STEPS), row_bytes)
     p = plan(specs, n, trace=trace, hbm_bytes=cfg.hbm_rows * per_rank, ddr_bytes=cfg.ddr_rows * per_rank,
