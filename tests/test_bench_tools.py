@@ -5,6 +5,9 @@ import time
 from tierstore.tools import bench_prefetch
 
 
+TICK = 0.01  # /proc counts CPU in ticks of 10 ms: a reading may fall short by one, and float subtraction by a hair
+
+
 def _spin(seconds: float) -> None:
     end = time.thread_time() + seconds
     while time.thread_time() < end:
@@ -25,7 +28,7 @@ def test_cpu_per_thread_goes_to_the_thread_that_spent_it():
     stop.set()
     worker.join()
     assert 0.28 <= spent["prefetch"] <= 0.5
-    assert 0.09 <= spent["trainer"] < 0.28  # the spin and the polling, not the worker's
+    assert 0.1 - 2 * TICK <= spent["trainer"] < 0.28  # the spin and the polling, not the worker's
     assert spent["all"] >= spent["prefetch"] + spent["trainer"] - 0.02
 
 
@@ -36,7 +39,7 @@ def test_cpu_of_a_thread_that_ended_goes_to_the_write_back_thread():
     writer.start()
     writer.join()
     spent = bench_prefetch._since(before, bench_prefetch._cpu_seconds())
-    assert 0.18 <= spent["write-back"] <= 0.4
+    assert 0.2 - 2 * TICK <= spent["write-back"] <= 0.4
     assert spent["trainer"] < 0.1
 
 

@@ -160,11 +160,11 @@ class CacheTier:
         rows = rows.to(self.device)
         dtype = self.weights.dtype  # rows hold values it represents: converting does not round
         if cols == self.dim == rows.shape[1]:
-            self.weights.index_copy_(0, slots, rows.to(dtype))  # faster than index_put here (2 threads)
+            _copy_rows(self.weights, slots, rows.to(dtype))
             return
-        self.weights.index_copy_(0, slots, rows[:, : self.dim].to(dtype).contiguous())
+        _copy_rows(self.weights, slots, rows[:, : self.dim].to(dtype))
         if cols > self.dim:
-            self.state.index_copy_(0, slots, rows[:, self.dim : cols].contiguous())
+            _copy_rows(self.state, slots, rows[:, self.dim : cols])
 
     def add(self, ids, rows, last, freq, dirty) -> torch.Tensor:
         n = len(ids)
@@ -208,6 +208,16 @@ class CacheTier:
 
     def dirty_slots(self) -> torch.Tensor:
         return nonzero(self.dirty)
+
+
+def _copy_rows(dst: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """dst[slots] = rows. On the CPU by numpy where it has the dtype: it copies a row at
+    a time, torch's index_copy_ an element at a time (1,000 rows of 64 floats: 14 us
+    against 31); index_copy_ elsewhere (faster than index_put_ here, with 2 threads)."""
+    if dst.device.type == "cpu" and dst.dtype != torch.bfloat16:
+        dst.detach().numpy()[slots.numpy()] = rows.detach().numpy()
+    else:
+        dst.index_copy_(0, slots, rows.contiguous())
 
 
 def masked(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
