@@ -48,3 +48,37 @@ def test_without_per_thread_figures_only_the_total_is_reported():
     spent = bench_prefetch._since({"all": 1.0}, {"all": 1.5})
     assert spent == {"all": 0.5}
     assert bench_prefetch._per_row([spent]) == "500000.0 us"
+
+
+def test_instruction_counts_read_every_thread_main_first(tmp_path):
+    from tierstore.tools import bench_instructions as bi
+    out = tmp_path / "cg.out"
+    for n, total in (("01", 1000), ("02", 20), ("10", 300)):
+        (tmp_path / f"cg.out-{n}").write_text(f"# callgrind format\nversion: 1\nsummary: {total}\n")
+    (tmp_path / "other.out-01").write_text("summary: 5\n")
+    assert bi._thread_totals(out) == [1000, 20, 300]
+
+
+def test_instruction_bench_workload_runs_and_moves_rows(tmp_path, monkeypatch):
+    """The child callgrind runs (a small table: the count itself needs valgrind)."""
+    import numpy as np
+
+    import tierstore
+    from tierstore.tools import bench_instructions as bi
+
+    monkeypatch.setattr(bench_prefetch, "ROWS", 20_000)
+    base = str(tmp_path / "rows")
+    with tierstore.TieredStore(base, [tierstore.TableSpec("t0", 20_000, bench_prefetch.DIM)], device="cpu") as s:
+        s.write("t0", np.arange(20_000), np.ones((20_000, bench_prefetch.DIM), dtype=np.float32))
+    moved = bi._workload(base, 3, 2, 5)
+    assert moved > 3 * bi.BAGS  # misses, evictions and write-backs of three steps over a 5% cache
+
+
+def test_instruction_bench_says_so_without_valgrind(monkeypatch, capsys):
+    import argparse
+
+    from tierstore.tools import bench_instructions as bi
+
+    monkeypatch.setattr(bi.shutil, "which", lambda name: None)
+    bi.run(argparse.Namespace(dir=None))
+    assert "valgrind is not installed" in capsys.readouterr().out

@@ -26,6 +26,7 @@ BENCHES = {
     "load": "tierstore.tools.bench:bench_load",
     "sharded": "tierstore.tools.bench_sharded:run",
     "churn": "tierstore.tools.bench_churn:run",
+    "instructions": "tierstore.tools.bench_instructions:run",
 }
 DEFAULT = ("read", "cold", "memory")
 DEFAULT_BATCH = 65_536  # ids per read; bench peers takes it to mean FBGEMM's own 2048 bags x 32 ids
