@@ -34,7 +34,7 @@ from tierstore.io import LmdbBackend, WriteBack
 from .admission import RowLife
 from .counters import TableCounters, restored_on_error
 from .spec import TableSpec, initial_rows
-from .tiers import CacheTier, by_id, first_uses, masked, nonzero
+from .tiers import CacheTier, by_id, first_uses, masked, nonzero, select
 from .trace import TraceRecorder
 
 _SCRATCH_BYTES = 64 << 20
@@ -241,27 +241,26 @@ class TableStore:
             rows = fetched
         else:
             rows = torch.empty((n, self.spec.width), dtype=torch.float32, device=dev)
-            if n_h:
-                rows[in_h] = H.gather(slot_h[in_h].to(dev))
-            if n_d:
-                rows[in_d.to(dev)] = D.gather(slot_d[in_d]).to(dev)
-            rows[miss.to(dev)] = fetched
-        everyone = torch.arange(n)
-        leave = everyone[~keep_h & ~keep_d]  # call rows leaving the cache after this call
+            for tier, slot, inside, count in ((H, slot_h, in_h, n_h), (D, slot_d, in_d, n_d)):
+                if count:
+                    at = nonzero(inside)
+                    rows.index_copy_(0, at.to(dev), tier.gather(slot.index_select(0, at).to(tier.device)).to(dev))
+            rows.index_copy_(0, miss.to(dev), fetched)
+        leave = nonzero(~keep_h & ~keep_d)  # call rows leaving the cache after this call
 
         # write back dirty rows that leave the cache
         wb_ids, wb_rows = [], []
         if len(leave):
-            dirty = leave[(old_dirty if refresh is None else old_dirty | refresh)[leave]]
-            wb_ids.append(uid[dirty])
-            wb_rows.append(rows[dirty.to(dev)].cpu())
+            dirty = masked(leave, (old_dirty if refresh is None else old_dirty | refresh).index_select(0, leave))
+            wb_ids.append(uid.index_select(0, dirty))
+            wb_rows.append(rows.index_select(0, dirty.to(dev)).cpu())
         if len(e_drop):
-            dirty = e_drop[e_dirty[e_drop]]
-            wb_ids.append(e_ids[dirty])
-            wb_rows.append(H.gather(demote[dirty].to(H.device)).cpu())
+            dirty = masked(e_drop, e_dirty.index_select(0, e_drop))
+            wb_ids.append(e_ids.index_select(0, dirty))
+            wb_rows.append(H.gather(demote.index_select(0, dirty).to(H.device)).cpu())
         if len(resident_drop):
-            dirty = resident_drop[D.dirty[resident_drop]]
-            wb_ids.append(D.ids[dirty])
+            dirty = masked(resident_drop, D.dirty.index_select(0, resident_drop))
+            wb_ids.append(D.ids.index_select(0, dirty))
             wb_rows.append(D.gather(dirty))
         n_wb = sum(len(i) for i in wb_ids)
         if n_wb:
@@ -270,26 +269,26 @@ class TableStore:
         # -- commit the plan (in memory only; cannot fail half-way) --
         self._shared.await_gathers()
         if H:
-            e_survive = torch.ones(len(demote), dtype=torch.bool)
-            e_survive[e_drop] = False
-            e_rows = H.gather(demote_dev[e_survive.to(H.device)]).cpu() if D else None
-            leaving_h = torch.cat([demote, slot_h[in_h & ~keep_h]])
+            e_survive = torch.ones(len(demote), dtype=torch.bool).index_fill_(0, e_drop, False)
+            e_rows = H.gather(masked(demote_dev, e_survive.to(H.device))).cpu() if D else None
+            leaving_h = torch.cat([demote, masked(slot_h, in_h & ~keep_h)])
             H.remove(leaving_h.to(H.device))
             c.hbm.evictions += len(leaving_h)
-            stay = in_h & keep_h
-            H.touch(slot_h[stay], use_clock[stay], new_freq[stay])
+            H.touch(*select(in_h & keep_h, slot_h, use_clock, new_freq))
             enter = ~in_h & keep_h
-            H.add(uid[enter], _where(rows, enter), use_clock[enter], new_freq[enter], old_dirty[enter])
+            ids, clock, counts, was_dirty = select(enter, uid, use_clock, new_freq, old_dirty)
+            H.add(ids, _where(rows, enter), clock, counts, was_dirty)
         if D:
-            leaving_d = torch.cat([slot_d[in_d & ~keep_d], resident_drop])
+            leaving_d = torch.cat([masked(slot_d, in_d & ~keep_d), resident_drop])
             D.remove(leaving_d)
             c.ddr.evictions += int((in_d & ~keep_d & ~keep_h).sum()) + len(resident_drop) + len(e_drop)
-            stay = in_d & keep_d
-            D.touch(slot_d[stay], use_clock[stay], new_freq[stay])
+            D.touch(*select(in_d & keep_d, slot_d, use_clock, new_freq))
             enter = ~in_d & keep_d
-            D.add(uid[enter], _where(rows, enter).cpu(), use_clock[enter], new_freq[enter], old_dirty[enter])
+            ids, clock, counts, was_dirty = select(enter, uid, use_clock, new_freq, old_dirty)
+            D.add(ids, _where(rows, enter).cpu(), clock, counts, was_dirty)
             if H and e_survive.any():
-                D.add(e_ids[e_survive], e_rows, e_last[e_survive], e_freq[e_survive], e_dirty[e_survive])
+                e_ids, e_last, e_freq, e_dirty = select(e_survive, e_ids, e_last, e_freq, e_dirty)
+                D.add(e_ids, e_rows, e_last, e_freq, e_dirty)
             c.ddr.writebacks += n_wb
         elif H:
             c.hbm.writebacks += n_wb
@@ -349,39 +348,40 @@ class TableStore:
         old_dirty = torch.zeros(n, dtype=torch.bool)
         for tier, slot, inside in ((H, slot_h, in_h), (D, slot_d, in_d)):
             if tier is not None and bool(inside.any()):
-                s = slot[inside].to(tier.device)
-                old_freq[inside] = tier.freq[s].cpu()
-                old_dirty[inside] = tier.dirty[s].cpu()
+                at = nonzero(inside)
+                s = slot.index_select(0, at).to(tier.device)
+                old_freq.index_copy_(0, at, tier.freq.index_select(0, s).cpu())
+                old_dirty.index_copy_(0, at, tier.dirty.index_select(0, s).cpu())
         new_freq = old_freq + 1
 
-        everyone = torch.arange(n)
         if H:  # demote: HBM slots of non-call rows going down
-            keep_h, demote = H.make_room(slot_h[in_h], n - int(in_h.sum()), use_clock, new_freq, lambda cand: self._next_use((H, cand)))
+            keep_h, demote = H.make_room(masked(slot_h, in_h), n - int(in_h.sum()), use_clock, new_freq, lambda cand: self._next_use((H, cand)))
         else:
             keep_h, demote = torch.zeros(n, dtype=torch.bool), torch.empty(0, dtype=torch.int64)
-        down = everyone[~keep_h]  # call rows below HBM
-        demote_dev = demote.to(H.device) if H else demote
-        e_ids = H.ids[demote_dev].cpu() if H else demote
-        e_last = H.last[demote_dev].cpu() if H else demote
-        e_freq = H.freq[demote_dev].cpu() if H else demote
-        e_dirty = H.dirty[demote_dev].cpu() if H else demote.bool()
+        down = nonzero(~keep_h)  # call rows below HBM
+        if H:
+            demote_dev = demote.to(H.device)
+            e_ids, e_last, e_freq, e_dirty = (t.index_select(0, demote_dev).cpu() for t in (H.ids, H.last, H.freq, H.dirty))
+        else:
+            e_ids, e_last, e_freq, e_dirty = demote, demote, demote, demote.bool()
 
         keep_d = torch.zeros(n, dtype=torch.bool)
         resident_drop = torch.empty(0, dtype=torch.int64)  # DDR slots of non-call rows leaving
         e_drop = torch.arange(len(demote))  # positions into the demoted rows that leave the cache
         if D:
-            keep_d[down] = True
+            keep_d.index_fill_(0, down, True)
             if len(down) > D.capacity:
-                over = D.policy.select(use_clock[down].numpy(), new_freq[down].numpy(), len(down) - D.capacity)
-                keep_d[down[torch.from_numpy(over)]] = False
-            others = D.occupied_except(slot_d[in_d])
+                over = D.policy.select(use_clock.index_select(0, down).numpy(), new_freq.index_select(0, down).numpy(),
+                                       len(down) - D.capacity)
+                keep_d.index_fill_(0, down.index_select(0, torch.from_numpy(over)), False)
+            others = D.occupied_except(masked(slot_d, in_d))
             k = len(others) + len(demote) - (D.capacity - int(keep_d.sum()))
             e_drop = e_drop[:0]
             if k > 0:
-                v = D.pick_victims(torch.cat([D.last[others], e_last]), torch.cat([D.freq[others], e_freq]), k,
+                v = D.pick_victims(torch.cat([D.last.index_select(0, others), e_last]), torch.cat([D.freq.index_select(0, others), e_freq]), k,
                                    self._next_use((D, others), *([(H, demote)] if H else [])))
-                resident_drop = others[v[v < len(others)]]
-                e_drop = v[v >= len(others)] - len(others)
+                resident_drop = others.index_select(0, masked(v, v < len(others)))
+                e_drop = masked(v, v >= len(others)) - len(others)
         return _Plan(old_dirty, new_freq, keep_h, keep_d, demote, e_ids, e_last, e_freq, e_dirty, e_drop, resident_drop)
 
     def _fetch(self, ids: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor:

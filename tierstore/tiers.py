@@ -117,11 +117,9 @@ class CacheTier:
         uid order) clean. Returns the slots they were added at and how many rows left."""
         leaving = torch.cat([evict, masked(slot, hit & ~keep)])
         self.remove(leaving.to(self.device))
-        stay = nonzero(hit & keep)
-        self.touch(slot.index_select(0, stay), use_clock.index_select(0, stay), freq.index_select(0, stay))
-        enter = nonzero(~hit & keep)
-        added = self.add(uid.index_select(0, enter), entering, use_clock.index_select(0, enter), freq.index_select(0, enter),
-                         torch.zeros(len(enter), dtype=torch.bool))
+        self.touch(*select(hit & keep, slot, use_clock, freq))
+        ids, clock, counts = select(~hit & keep, uid, use_clock, freq)
+        added = self.add(ids, entering, clock, counts, torch.zeros(len(ids), dtype=torch.bool))
         return added, len(leaving)
 
     def touch(self, slots: torch.Tensor, use_clock: torch.Tensor, freq: torch.Tensor | None = None) -> None:
@@ -223,6 +221,12 @@ def _copy_rows(dst: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> No
 def masked(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """t[mask] for a 1-D ``mask``: advanced indexing costs 2-3x an index_select on the CPU."""
     return t.index_select(0, nonzero(mask))
+
+
+def select(mask: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Each of ``tensors`` at ``mask`` (1-D, on their device), positions found once."""
+    at = nonzero(mask)
+    return [t.index_select(0, at) for t in tensors]
 
 
 def nonzero(mask: torch.Tensor) -> torch.Tensor:
