@@ -21,10 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
-import tierstore
 from tierstore.prefetch import LookaheadLoader
 from tierstore.tools import bench_prefetch as bp
 
@@ -91,10 +89,7 @@ def run(args) -> None:
         return
     with tempfile.TemporaryDirectory(prefix="tierstore-bench-", dir=args.dir) as d:
         base = os.path.join(d, "rows")
-        with tierstore.TieredStore(base, [tierstore.TableSpec("t0", bp.ROWS, bp.DIM, state_dim=0)], device="cpu") as s:
-            rng = np.random.default_rng(0)
-            for lo in range(0, bp.ROWS, 50_000):
-                s.write("t0", np.arange(lo, lo + 50_000), rng.standard_normal((50_000, bp.DIM), dtype=np.float32))
+        bp.write_rows(base)
         print(f"   rows={bp.ROWS}, dim={bp.DIM}, bags={BAGS} x pooling {bp.POOLING} (Zipf 1.05), ddr_rows={bp.ROWS // 20}; "
               f"{STEPS} steps less 2 steps, per step; 'others' are the prefetch and write-back threads")
         for depth in (0, 2):

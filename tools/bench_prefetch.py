@@ -202,15 +202,19 @@ def lmdb_floor(path, rows: int = 4096, rounds: int = 5, seed: int = 0) -> tuple[
     return statistics.median(gets), statistics.median(puts), statistics.median(cold)
 
 
+def write_rows(path: str) -> None:
+    """The benches' table: ROWS random rows of DIM, all in LMDB."""
+    with tierstore.TieredStore(path, [tierstore.TableSpec("t0", ROWS, DIM, state_dim=0)], device="cpu") as s:
+        rng = np.random.default_rng(0)
+        for lo in range(0, ROWS, 50_000):
+            s.write("t0", np.arange(lo, lo + 50_000), rng.standard_normal((50_000, DIM), dtype=np.float32))
+
+
 def bench_steps(args) -> None:
     latency = getattr(args, "latency_us", 50.0)
     with tempfile.TemporaryDirectory(prefix="tierstore-bench-", dir=args.dir) as d:
         base = os.path.join(d, "rows")
-        with tierstore.TieredStore(base, [tierstore.TableSpec("t0", ROWS, DIM, state_dim=0)], device="cpu") as s:
-            rng = np.random.default_rng(0)
-            for lo in range(0, ROWS, 50_000):
-                ids = np.arange(lo, lo + 50_000)
-                s.write("t0", ids, rng.standard_normal((len(ids), DIM), dtype=np.float32))
+        write_rows(base)
         floor = lmdb_floor(shutil.copytree(base, os.path.join(d, "floor")), seed=args.seed)
         rounds = getattr(args, "rounds", None) or ROUNDS
         for i, (model, (bags, steps, mlp)) in enumerate(MODELS.items()):
