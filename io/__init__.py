@@ -1,6 +1,6 @@
 """Storage on SSD: the LMDB backend, row codecs and the write-back queue."""
-from .codecs import RowCodec, encode_keys
+from .codecs import RowCodec, encode_keys, unique_ids
 from .lmdb_backend import FORMAT_VERSION, LmdbBackend, StoreCorruptError, StoreLockedError
 from .writeback import WriteBack, WriteBatch
 
-__all__ = ["FORMAT_VERSION", "RowCodec", "LmdbBackend", "StoreCorruptError", "StoreLockedError", "WriteBack", "WriteBatch", "encode_keys"]
+__all__ = ["FORMAT_VERSION", "RowCodec", "LmdbBackend", "StoreCorruptError", "StoreLockedError", "WriteBack", "WriteBatch", "encode_keys", "unique_ids"]

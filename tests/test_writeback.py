@@ -149,3 +149,13 @@ def test_stored_ids_are_the_keys_of_the_rows_written_and_not_deleted(tmp_path):
     assert got.dtype == np.int64 and got.tolist() == [0, 300, 2**63 - 1]
     assert backend.stored_ids("empty").tolist() == []
     backend.close()
+
+
+@given(st.lists(st.lists(st.integers(-2**62, 2**62), max_size=40), max_size=6))
+def test_unique_ids_equals_np_unique_for_merged_batches_and_any_ids(parts):
+    from tierstore.io import unique_ids
+
+    merged = np.concatenate([np.unique(np.array(p, dtype=np.int64)) for p in parts] or [np.empty(0, dtype=np.int64)])
+    for ids in (merged, merged[::-1].copy()):
+        got = unique_ids(ids)
+        assert got.dtype == np.int64 and np.array_equal(got, np.unique(ids))

@@ -70,6 +70,7 @@ import torch
 from . import wire
 from .counters import TierCounters, add_dicts
 from .eviction import make_policy
+from tierstore.io.codecs import unique_ids
 from .prefetch import PrefetchGroup, PrefetchTicket
 from .precision import DTYPES
 from .spec import TableSpec
@@ -484,7 +485,7 @@ class DaemonStore(TieredStore):
         every row. Returns how many of them LMDB held; durable at the next flush()."""
         if self.readonly:
             raise PermissionError(f"this client of {self.socket_path} attached readonly; attach with claim=[{table!r}] to evict")
-        ids_np = np.unique(self._ids_np(table, ids))
+        ids_np = unique_ids(self._ids_np(table, ids))
         if not len(ids_np):
             return 0
         self._check_claimed(table, ids_np)

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from tierstore.eviction.lookahead import NOT_IN_WINDOW
+from tierstore.io.codecs import unique_ids
 from tierstore.io.workers import MIN_CHUNK, read_rows_async
 
 from .precision import DTYPES
@@ -383,7 +384,7 @@ class Prefetcher:
         uid = None
         while queue and queue[0].done():
             if uid is None:
-                uid = ids.cpu().numpy() if sorted_unique else np.unique(ids.cpu().numpy())
+                uid = ids.cpu().numpy() if sorted_unique else unique_ids(ids.cpu().numpy())
             if not _covers(uid, queue[0].ids):
                 break
             queue[0].release()
