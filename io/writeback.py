@@ -189,13 +189,14 @@ class QueuedRows:
         return found, out
 
     def drop(self, ids: np.ndarray, seq: int) -> None:
-        """Batch ``seq`` is committed: forget those of its rows that no later batch queued."""
+        """Batches up to ``seq`` are committed (they commit in order): forget those of their
+        rows, sorted unique ``ids``, that no later batch queued again."""
         pos, found = self._find(ids)
         pos = pos[found]
         slots = self.slots[pos]
         mine = np.zeros(len(pos), dtype=bool)
         for _, _, slot_seq, _, mask, local in self._by_segment(slots):
-            mine[slice(None) if mask is None else mask] = slot_seq[local] == seq
+            mine[slice(None) if mask is None else mask] = slot_seq[local] <= seq
         self._release(slots[mine])
         self.ids = np.delete(self.ids, pos[mine])
         self.slots = np.delete(self.slots, pos[mine])
@@ -252,10 +253,12 @@ class WriteBack:
         """
         if wait_below_limit and self.queued_rows > self._limit:
             self._wait(lambda: self.queued_rows <= self._limit or self._error is not None)
+        committed = []
         while self._queue and self._queue[0].committed:
-            batch = self._queue.popleft()
-            for table, ids in batch.ids:
-                self._queued[table].drop(ids, batch.seq)
+            committed.append(self._queue.popleft())
+        # one drop a table for all of them: a drop moves the table's whole sorted index
+        for table, ids in _ids_by_table(committed).items():
+            self._queued[table].drop(ids, committed[-1].seq)
         if self._error is not None:
             raise self._error
 
@@ -351,18 +354,23 @@ class WriteBack:
         with its newest value (LMDB's cursor then finds consecutive rows on the
         page it is on), their metadata, the newest last, and the last-use steps
         of tables that sweep."""
-        by_table: dict[str, list[np.ndarray]] = {}
         meta: dict = {}
         for batch in batches:
-            for table, ids in batch.ids:
-                by_table.setdefault(table, []).append(ids)
             meta.update(batch.meta or {})
         items, last = [], {}
-        for table, parts in by_table.items():
-            ids = parts[0] if len(parts) == 1 else unique_ids(np.concatenate(parts))
+        for table, ids in _ids_by_table(batches).items():
             queued = self._queued[table]
             rows = queued.get(ids)[1]
             items.append((table, ids, rows if rows is not None else np.empty((0, queued.width), dtype=np.float32)))
             if self._backend.keeps_last_use(table):
                 last[table] = queued.get_last(ids)[1]
         return items, meta, last
+
+
+def _ids_by_table(batches: list[WriteBatch]) -> dict[str, np.ndarray]:
+    """Each table's ids in ``batches``, sorted, each once."""
+    parts: dict[str, list[np.ndarray]] = {}
+    for batch in batches:
+        for table, ids in batch.ids:
+            parts.setdefault(table, []).append(ids)
+    return {table: p[0] if len(p) == 1 else unique_ids(np.concatenate(p)) for table, p in parts.items()}

@@ -76,8 +76,9 @@ def test_a_lone_batch_commits_after_the_linger(tmp_path):
 
 @given(st.lists(st.tuples(st.booleans(), st.sets(st.integers(0, 40), max_size=12)), max_size=30))
 def test_queued_rows_hold_the_newest_value_of_each_row_until_its_last_batch_commits(ops):
-    """QueuedRows against a dict: put(batch) replaces values; dropping a committed
-    batch forgets only the rows no later batch queued again (in any order of drops)."""
+    """QueuedRows against a dict: put(batch) replaces values; dropping the oldest
+    committed batches, one or several at once (the writer commits in order), forgets
+    only their rows that no later batch queued again."""
     # capacity 4 grows; a batch of 8 or more rows is adopted as a segment of its own
     queued, model = QueuedRows(width=2, capacity=4, adopt_rows=8), {}  # id -> (seq, value)
     batches = []
@@ -88,9 +89,10 @@ def test_queued_rows_hold_the_newest_value_of_each_row_until_its_last_batch_comm
             model.update({int(i): (seq, float(seq)) for i in ids})
             batches.append((seq, ids))
         else:
-            old_seq, old_ids = batches.pop(len(ids) % len(batches))
+            done, batches = batches[: 1 + len(ids) % len(batches)], batches[1 + len(ids) % len(batches):]
+            old_seq, old_ids = done[-1][0], np.unique(np.concatenate([b for _, b in done]))
             queued.drop(old_ids, old_seq)
-            model = {i: v for i, v in model.items() if not (v[0] == old_seq and i in set(old_ids.tolist()))}
+            model = {i: v for i, v in model.items() if not (v[0] <= old_seq and i in set(old_ids.tolist()))}
         probe = np.arange(0, 41)
         found, got = queued.get(probe)
         assert found.tolist() == [i in model for i in range(41)]
