@@ -352,6 +352,31 @@ def test_lookahead_evicts_the_farthest_next_use_among_pinned_rows(tmp_path, num_
     assert residents_after(tmp_path, "lookahead", [[1], [2], [3]], num_rows) == {1, 2, 4}
 
 
+@pytest.mark.parametrize("num_rows, probe_fraction", [(1000, 0.25), (100_000, 0.0), (100_000, 1e9)],
+                         ids=["dense-index", "hash-index-sorted", "hash-index-probed"])
+def test_next_use_is_each_cached_rows_earliest_announced_step(tmp_path, monkeypatch, num_rows, probe_fraction):
+    """Prefetcher.next_use against a plain scan of the window, whichever way the tier's index is searched."""
+    from tierstore import prefetch as prefetch_module
+    from tierstore.eviction.lookahead import NOT_IN_WINDOW
+
+    monkeypatch.setattr(prefetch_module, "PROBE_FRACTION", probe_fraction)
+    rng = np.random.default_rng(num_rows)
+    with TieredStore(tmp_path, [TableSpec("t", num_rows, 2)], ddr_rows=200, device="cpu") as s:
+        s.read("t", rng.choice(num_rows, 150, replace=False))
+        cached = s._tables["t"].ddr.ids.numpy()
+        tickets = [s.prefetch("t", rng.choice(np.concatenate([cached[cached >= 0], np.arange(50)]), 40)) for _ in range(4)]
+        for t in tickets:
+            t.wait()
+        tier = s._tables["t"].ddr
+        window = s._prefetcher._window["t"]
+        expected = [min((step for step, ids in window.items() if row in set(ids.tolist())), default=NOT_IN_WINDOW) if row >= 0
+                    else NOT_IN_WINDOW for row in tier.ids.tolist()]
+        assert s._prefetcher.next_use("t", tier).tolist() == expected
+        assert tier.dense_index == (num_rows <= 32 * 200) and sum(e != NOT_IN_WINDOW for e in expected) > 10
+        for t in tickets:
+            t.release()
+
+
 def test_bad_config_is_refused(tmp_path):
     with pytest.raises(ValueError, match="eviction"):
         TieredStore(tmp_path, [TableSpec("t", 10, 2)], eviction="belady")
