@@ -11,6 +11,27 @@ from __future__ import annotations
 import numpy as np
 
 
+_SAMPLE = 4096  # values read to bound the k smallest
+
+
+def smallest(values: np.ndarray, k: int) -> np.ndarray:
+    """Positions of ``k`` smallest ``values`` (0 < k < len(values)), in no order: with
+    unique values, the k smallest.
+
+    Partitioning a whole tier's values each step does not scale: np.argpartition over
+    1M took 9 ms, one comparison pass 0.24 ms. So a bound is read off a strided sample,
+    where ~2k values should lie below it, and only the values up to the bound are
+    partitioned; where fewer than k lie there, all of them are. Exact either way."""
+    n = len(values)
+    if n >= 8 * _SAMPLE and 4 * k <= n:
+        sample = values[:: n // _SAMPLE]
+        j = min(len(sample) - 1, 2 * k * len(sample) // n + 8)
+        candidates = np.flatnonzero(values <= np.partition(sample, j)[j])
+        if len(candidates) >= k:
+            return candidates[np.argpartition(values[candidates], k - 1)[:k]]
+    return np.argpartition(values, k - 1)[:k]
+
+
 class EvictionPolicy:
     """Subclasses override :meth:`victims`; the base class checks the contract."""
 
@@ -41,7 +62,7 @@ class LRUPolicy(EvictionPolicy):
 
     def victims(self, last, freq, k):
         # use clocks are unique, so the k smallest are a well-defined set
-        return np.argpartition(last, k - 1)[:k]
+        return smallest(last, k)
 
 
 class LFUPolicy(EvictionPolicy):
@@ -55,12 +76,12 @@ class LFUPolicy(EvictionPolicy):
     name = "lfu"
 
     def victims(self, last, freq, k):
-        threshold = np.partition(freq, k - 1)[k - 1]
+        threshold = freq[smallest(freq, k)].max()  # the k-th smallest frequency (ties: any k smallest share it)
         below = np.flatnonzero(freq < threshold)
         tied = np.flatnonzero(freq == threshold)
         need = k - len(below)
         if need < len(tied):
-            tied = tied[np.argpartition(last[tied], need - 1)[:need]]
+            tied = tied[smallest(last[tied], need)]
         return np.concatenate([below, tied])
 
 
