@@ -67,10 +67,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tierstore.io.codecs import unique_ids
+
 from . import wire
 from .counters import TierCounters, add_dicts
 from .eviction import make_policy
-from tierstore.io.codecs import unique_ids
 from .prefetch import PrefetchGroup, PrefetchTicket
 from .precision import DTYPES
 from .spec import TableSpec

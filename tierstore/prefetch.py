@@ -444,8 +444,8 @@ class Prefetcher:
                 pending.remove(ticket)
 
     def _written_since(self, table: str, seq: int) -> np.ndarray:
-        """Ids written since write ``seq``, sorted unique (np.isin against them took
-        ~0.45 ms for 1,000 ids and 3,000 written, under the store lock)."""
+        """Ids written since write ``seq``, sorted unique: found by binary search, where
+        np.isin took ~0.4 ms for 1,000 fetched ids and 3,000 written, under the store lock."""
         entries = [ids for s, ids in self._log.get(table, []) if s >= seq]
         return unique_ids(np.concatenate(entries)) if entries else np.empty(0, dtype=np.int64)
 

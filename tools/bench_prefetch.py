@@ -254,12 +254,12 @@ def bench_steps(args) -> None:
                     step = _Step(emb, bags, mlp, args.seed)
                     if warm:
                         _step_ms(step, data, depth)
-                    before = _rows_moved(emb.store.stats()), emb.store.prefetch_stats()["tables"]["t0"]
+                    moved_before, served_before = _rows_moved(emb.store.stats()), emb.store.prefetch_stats()["tables"]["t0"]["served_rows"]
                     ms, cpu = _step_ms(step, data, depth)
                     runs.append(ms)
                     after = emb.store.prefetch_stats()["tables"]["t0"]
-                    stats.update(after, served_rows=after["served_rows"] - before[1]["served_rows"])  # shrunk_steps: this loader's
-                    moved = _rows_moved(emb.store.stats()) - before[0]
+                    stats.update(after, served_rows=after["served_rows"] - served_before)  # shrunk_steps: this loader's
+                    moved = _rows_moved(emb.store.stats()) - moved_before
                     emb.store.close()
                     residents.append(resident_step())
                     ratios.append(runs[-1] / statistics.mean(residents[-2:]))
