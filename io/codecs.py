@@ -24,6 +24,16 @@ def unique_ids(ids: np.ndarray) -> np.ndarray:
     return ordered[keep]
 
 
+def find_sorted(haystack: np.ndarray, needles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Position of each needle in sorted ``haystack`` and the mask of those found, by binary
+    search: np.isin sorts both, and took ~0.4 ms for 1,000 ids against 3,000 here. The
+    positions of needles not found mean nothing."""
+    if not len(haystack):
+        return np.zeros(len(needles), dtype=np.int64), np.zeros(len(needles), dtype=bool)
+    pos = np.minimum(np.searchsorted(haystack, needles), len(haystack) - 1)
+    return pos, haystack[pos] == needles
+
+
 # weights' storage types: numpy dtype of the stored bits, and float32 <-> bits
 _WEIGHTS = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}
 

@@ -29,7 +29,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from tierstore.io import LmdbBackend, WriteBack
+from tierstore.io import LmdbBackend, WriteBack, find_sorted
 
 from .admission import RowLife
 from .counters import TableCounters, restored_on_error
@@ -441,10 +441,10 @@ class TableStore:
             if tier is None:
                 continue
             todo = nonzero(~placed)
-            slot = tier.lookup(uid[todo]).cpu()
-            hit = slot >= 0
-            targets.append((tier, slot[hit], todo[hit]))
-            placed[todo[hit]] = True
+            slot = tier.lookup(uid.index_select(0, todo)).cpu()
+            slots, at = select(slot >= 0, slot, todo)
+            targets.append((tier, slots, at))
+            placed.index_fill_(0, at, True)
         return targets, placed
 
     def write(self, uid: torch.Tensor, values: torch.Tensor, cols: int) -> None:
@@ -619,7 +619,7 @@ class TableStore:
         life = self.life
         out = np.full(len(ids), -1, dtype=np.int64)
         if life.current is not None:
-            out[np.isin(ids, life.current, assume_unique=True)] = life.steps + 1
+            out[find_sorted(life.current, ids)[1]] = life.steps + 1
         todo = np.flatnonzero(out < 0)
         if len(todo):
             for tier, slots, pos in self._cached(torch.from_numpy(ids[todo]))[0]:
