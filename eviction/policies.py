@@ -32,6 +32,22 @@ def smallest(values: np.ndarray, k: int) -> np.ndarray:
     return np.argpartition(values, k - 1)[:k]
 
 
+def kth_smallest(values: np.ndarray, k: int) -> int:
+    """The k-th smallest of ``values`` (1 <= k <= len(values)). Step counts are mostly
+    ties (most rows of a large tier were used once): the value read off a strided
+    sample is then usually the answer, checked by two comparison passes, where the
+    k smallest positions would partition most of the tier (23 ms a step at 1M slots)."""
+    n = len(values)
+    if n >= 8 * _SAMPLE:
+        sample = values[:: n // _SAMPLE]
+        j = min(len(sample) - 1, k * len(sample) // n)
+        guess = np.partition(sample, j)[j]
+        below = np.count_nonzero(values < guess)
+        if below < k <= below + np.count_nonzero(values == guess):
+            return guess
+    return values[smallest(values, k)].max()
+
+
 class EvictionPolicy:
     """Subclasses override :meth:`victims`; the base class checks the contract."""
 
@@ -76,7 +92,7 @@ class LFUPolicy(EvictionPolicy):
     name = "lfu"
 
     def victims(self, last, freq, k):
-        threshold = freq[smallest(freq, k)].max()  # the k-th smallest frequency (ties: any k smallest share it)
+        threshold = kth_smallest(freq, k)
         below = np.flatnonzero(freq < threshold)
         tied = np.flatnonzero(freq == threshold)
         need = k - len(below)

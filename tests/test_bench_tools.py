@@ -82,3 +82,16 @@ def test_instruction_bench_says_so_without_valgrind(monkeypatch, capsys):
     monkeypatch.setattr(bi.shutil, "which", lambda name: None)
     bi.run(argparse.Namespace(dir=None))
     assert "valgrind is not installed" in capsys.readouterr().out
+
+
+def test_evict_bench_reads_evict_and_prints_each_setting(tmp_path, capsys):
+    import argparse
+
+    from tierstore.tools import bench
+
+    results = bench.bench_evict(argparse.Namespace(rows=4096, batch=1024, repeat=2, seed=0, dir=str(tmp_path)))
+    assert all(evicted >= 1024 // 16 for *_, evicted in results.values())  # every evicting read's misses made room
+    out = capsys.readouterr().out
+    for setting in ("lru, eviction=policy", "lfu, eviction=policy", "lru, eviction=lookahead"):
+        assert setting in out
+    assert "worst setting" in out

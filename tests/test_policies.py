@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from tierstore.eviction.policies import LFUPolicy, LRUPolicy, smallest
+from tierstore.eviction.policies import LFUPolicy, LRUPolicy, kth_smallest, smallest
 
 N = 50_000
 
@@ -37,3 +37,12 @@ def test_victims_equal_a_full_sort(seed, k):
     freq = rng.integers(1, 4, N) if seed % 2 else rng.zipf(1.5, N)
     assert set(LRUPolicy().select(last, freq, k).tolist()) == set(np.argsort(last)[:k].tolist())
     assert set(LFUPolicy().select(last, freq, k).tolist()) == set(np.lexsort((last, freq))[:k].tolist())
+
+
+@pytest.mark.parametrize("name", ["step counts", "distinct", "one value", "sample-holds-the-smallest"])
+@pytest.mark.parametrize("k", [1, 100, 4000, N // 2, N])
+def test_kth_smallest_is_the_kth_of_a_sort(name, k):
+    rng = np.random.default_rng(3)
+    values = {"step counts": rng.zipf(1.3, N), "distinct": rng.permutation(N), "one value": np.full(N, 7),
+              "sample-holds-the-smallest": values_named("sample-holds-the-smallest")}[name]
+    assert kth_smallest(values, k) == np.sort(values)[k - 1]

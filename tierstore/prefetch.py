@@ -160,6 +160,7 @@ class Prefetcher:
         self._idle = threading.Condition(store._lock)
         self._row_seconds: float | None = None  # a reading thread's time per row, recent fetches
         self._step_seconds: float | None = None  # the trainer's time per batch, waits excluded
+        self._next_use_out: dict[tuple[str, str], np.ndarray] = {}
 
     # -- capacity ------------------------------------------------------------------
     def capacity(self, table: str) -> int:
@@ -396,11 +397,14 @@ class Prefetcher:
 
     def next_use(self, table: str, tier: CacheTier) -> np.ndarray | None:
         """Per slot of ``tier``, the step of its row's next announced use, NOT_IN_WINDOW
-        if none or the slot is free; None without a window."""
+        if none or the slot is free; None without a window. Valid until the next call."""
         window = self._window.get(table)
         if not window:
             return None
-        out = np.full(tier.capacity, NOT_IN_WINDOW, dtype=np.int64)
+        out = self._next_use_out.get((table, tier.name))
+        if out is None or len(out) != tier.capacity:  # kept for the next step: a fresh one page-faults at 1M slots
+            out = self._next_use_out[(table, tier.name)] = np.empty(tier.capacity, dtype=np.int64)
+        out.fill(NOT_IN_WINDOW)
         announced = sum(len(ids) for ids in window.values())
         if tier.dense_index or announced < PROBE_FRACTION * tier.capacity:  # dense: a gather an id, ~10x a search
 

@@ -306,7 +306,7 @@ class TableStore:
         new_freq = T.counts_after(slot, hit)
 
         def plan() -> tuple[torch.Tensor, torch.Tensor]:
-            return T.make_room(hit_slots, len(miss), use_clock, new_freq, lambda cand: self._next_use((T, cand)))
+            return T.make_room(hit_slots, len(miss), use_clock, new_freq, lambda: self._shared.prefetcher.next_use(self.spec.name, T))
 
         (keep, evict), fetched = self._fetch_while_planning(uid[miss], plan)
         fetched = (fetched.pin_memory() if T.device.type == "cuda" else fetched).to(T.device, non_blocking=True)
@@ -355,7 +355,8 @@ class TableStore:
         new_freq = old_freq + 1
 
         if H:  # demote: HBM slots of non-call rows going down
-            keep_h, demote = H.make_room(masked(slot_h, in_h), n - int(in_h.sum()), use_clock, new_freq, lambda cand: self._next_use((H, cand)))
+            keep_h, demote = H.make_room(masked(slot_h, in_h), n - int(in_h.sum()), use_clock, new_freq,
+                                         lambda: self._shared.prefetcher.next_use(self.spec.name, H))
         else:
             keep_h, demote = torch.zeros(n, dtype=torch.bool), torch.empty(0, dtype=torch.int64)
         down = nonzero(~keep_h)  # call rows below HBM
@@ -374,14 +375,13 @@ class TableStore:
                 over = D.policy.select(use_clock.index_select(0, down).numpy(), new_freq.index_select(0, down).numpy(),
                                        len(down) - D.capacity)
                 keep_d.index_fill_(0, down.index_select(0, torch.from_numpy(over)), False)
-            others = D.occupied_except(masked(slot_d, in_d))
-            k = len(others) + len(demote) - (D.capacity - int(keep_d.sum()))
+            hits_d = masked(slot_d, in_d)
+            k = D.resident - len(hits_d) + len(demote) - (D.capacity - int(keep_d.sum()))
             e_drop = e_drop[:0]
-            if k > 0:
-                v = D.pick_victims(torch.cat([D.last.index_select(0, others), e_last]), torch.cat([D.freq.index_select(0, others), e_freq]), k,
-                                   self._next_use((D, others), *([(H, demote)] if H else [])))
-                resident_drop = others.index_select(0, masked(v, v < len(others)))
-                e_drop = masked(v, v >= len(others)) - len(others)
+            if k > 0:  # ranked: DDR's slots, then the rows HBM demotes (see CacheTier.make_room)
+                v = D.pick_victims(*D.ranked(hits_d.numpy(), e_last, e_freq), k, self._next_use(D, H, demote))
+                resident_drop = masked(v, v < D.capacity)
+                e_drop = masked(v, v >= D.capacity) - D.capacity
         return _Plan(old_dirty, new_freq, keep_h, keep_d, demote, e_ids, e_last, e_freq, e_dirty, e_drop, resident_drop)
 
     def _fetch(self, ids: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor:
@@ -416,13 +416,13 @@ class TableStore:
         self.counters.ssd.count_reads(len(ids), int(found.sum()), self.spec.row_bytes)
         return rows
 
-    def _next_use(self, *parts: tuple[CacheTier, torch.Tensor]) -> np.ndarray | None:
-        """Next use in the prefetch window of the rows at these (tier, slots), in
-        order; None without a window."""
-        per_slot = [self._shared.prefetcher.next_use(self.spec.name, tier) for tier, _ in parts]
-        if per_slot[0] is None:
-            return None
-        return np.concatenate([nu[slots.cpu().numpy()] for nu, (_, slots) in zip(per_slot, parts)])
+    def _next_use(self, ddr: CacheTier, hbm: CacheTier | None, demote: torch.Tensor) -> np.ndarray | None:
+        """Next use in the prefetch window of the rows of each slot of ``ddr``, then of the
+        rows at HBM slots ``demote``; None without a window."""
+        per_slot = self._shared.prefetcher.next_use(self.spec.name, ddr)
+        if per_slot is None or hbm is None:
+            return per_slot
+        return np.concatenate([per_slot, self._shared.prefetcher.next_use(self.spec.name, hbm)[demote.cpu().numpy()]])
 
     def _queue_write_back(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Queue dirty rows leaving the cache (sorted by id) for LMDB."""

@@ -20,6 +20,10 @@ from tierstore.eviction.lookahead import NOT_IN_WINDOW, lookahead_victims
 
 from .hashindex import DenseIndex, make_index
 
+# use clock and step count of a free slot: ranked after every row by each policy, so
+# that victims can be chosen over the per-slot arrays as they are (see make_room)
+UNUSED = np.iinfo(np.int64).max
+
 
 class CacheTier:
     def __init__(self, name: str, capacity: int, dim: int, state_dim: int, device: torch.device, policy: EvictionPolicy,
@@ -38,10 +42,11 @@ class CacheTier:
         # hold the same rows while it is unchanged
         self.generation = 0
         self.ids = torch.full((capacity,), -1, dtype=torch.int64, device=device)
-        self.last = torch.zeros(capacity, dtype=torch.int64, device=device)
-        self.freq = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.last = torch.full((capacity,), UNUSED, dtype=torch.int64, device=device)
+        self.freq = torch.full((capacity,), UNUSED, dtype=torch.int64, device=device)
         self.dirty = torch.zeros(capacity, dtype=torch.bool, device=device)
         self._free = torch.arange(capacity - 1, -1, -1, dtype=torch.int64, device=device)
+        self._rank_buffers: tuple[np.ndarray, np.ndarray] | None = None  # see _ranked
         self._nfree = capacity
 
     @property
@@ -67,27 +72,42 @@ class CacheTier:
         mask.index_fill_(0, slots, False)
         return nonzero(mask)
 
-    def pick_victims(self, cand_last: torch.Tensor, cand_freq: torch.Tensor, k: int, next_use: np.ndarray | None = None) -> torch.Tensor:
-        """Positions into the candidate arrays of the k rows to evict.
+    def pick_victims(self, last: np.ndarray, freq: np.ndarray, k: int, next_use: np.ndarray | None = None) -> torch.Tensor:
+        """Positions into the candidates' use clocks and step counts (from ``ranked``,
+        which it may overwrite) of the k rows to evict. A candidate whose use clock is
+        UNUSED is not a row: it is never chosen.
 
         ``next_use`` (the prefetch window's next step using each candidate, or
         NOT_IN_WINDOW) pins rows the window uses: they go only when nothing else
         is left, farthest next use first with lookahead eviction, else by policy.
         """
-        last, freq = cand_last.cpu().numpy(), cand_freq.cpu().numpy()
-        if next_use is None or (next_use == NOT_IN_WINDOW).all():
+        pinned = None if next_use is None else np.flatnonzero(next_use != NOT_IN_WINDOW)
+        if pinned is not None and len(pinned):
+            pinned = pinned[last[pinned] != UNUSED]
+            if np.count_nonzero(last != UNUSED) - len(pinned) >= k:  # the usual step: enough rows the window does not use
+                last[pinned] = UNUSED
+                if self.policy.uses_frequency:
+                    freq[pinned] = UNUSED
+                pinned = None
+        if pinned is None or not len(pinned):
             return torch.from_numpy(self.policy.select(last, freq, k))
         if not self.lookahead:  # pinned, but ranked among themselves by the policy
             next_use = np.where(next_use == NOT_IN_WINDOW, NOT_IN_WINDOW, 0)
+        next_use = np.where(last == UNUSED, -1, next_use)  # not a row: behind every pinned one
         return torch.from_numpy(lookahead_victims(next_use, last, freq, k, self.policy))
 
     def make_room(self, hit_slots: torch.Tensor, n_new: int, use_clock: torch.Tensor, freq: torch.Tensor,
-                  next_use: Callable[[torch.Tensor], np.ndarray | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  next_use: Callable[[], np.ndarray | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Plan one step of this tier, changing nothing: the call's unique rows
         (used at ``use_clock``, step counts ``freq``) are resident at ``hit_slots``
         or ``n_new`` rows to bring in. Returns the mask of call rows the tier keeps
         (all of them unless the call is larger than the tier) and the CPU slots of
-        resident rows to evict. ``next_use(candidate slots)`` pins the prefetch window."""
+        resident rows to evict. ``next_use()``, per slot, pins the prefetch window.
+
+        The policy ranks the per-slot arrays themselves, the call's slots set to
+        UNUSED in a copy (free slots hold it already), not a gathered list of the
+        other occupied slots: at 1M slots, gathering that list and its metadata took
+        ~20 ms a step, the copy ~1 ms."""
         n = len(use_clock)
         keep = torch.ones(n, dtype=torch.bool)
         if n > self.capacity:  # keep the call rows the policy ranks highest, and only them
@@ -96,10 +116,31 @@ class CacheTier:
         need = n_new - self.free
         if need <= 0:
             return keep, torch.empty(0, dtype=torch.int64)
-        cand = self.occupied_except(hit_slots.to(self.device))
-        victims = self.pick_victims(self.last.index_select(0, cand), self.freq.index_select(0, cand), need,
-                                    next_use(cand) if next_use else None)
-        return keep, cand.index_select(0, victims.to(self.device)).cpu()
+        last, freq = self.ranked(hit_slots.cpu().numpy())
+        return keep, self.pick_victims(last, freq, need, next_use() if next_use else None)
+
+    def ranked(self, hits: np.ndarray, more_last: torch.Tensor | None = None, more_freq: torch.Tensor | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """What a policy ranks to evict from this tier, but the rows at slots ``hits``: the
+        per-slot use clocks and step counts, the hits' (and free slots') UNUSED, followed
+        by those of rows coming in from above (``more_*``, also candidates). Copies, in
+        buffers kept for the next step: a fresh 8 MB array (1M slots) page-faults on
+        every step."""
+        n = self.capacity + (0 if more_last is None else len(more_last))
+        if self._rank_buffers is None or len(self._rank_buffers[0]) < n:
+            self._rank_buffers = (np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64))
+        ranked = []
+        for buffer, values, more in zip(self._rank_buffers, (self.last, self.freq), (more_last, more_freq)):
+            if values is self.freq and not self.policy.uses_frequency and more is None:
+                ranked.append(_host(values))  # not read, not written (pick_victims)
+                continue
+            out = buffer[:n]
+            np.copyto(out[: self.capacity], _host(values))
+            out[hits] = UNUSED
+            if more is not None:
+                out[self.capacity:] = _host(more)
+            ranked.append(out)
+        return ranked[0], ranked[1]
 
     def counts_after(self, slot: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
         """Step counts of one step's unique rows after it: one more than a resident
@@ -187,6 +228,8 @@ class CacheTier:
         self.index.remove(self.ids.index_select(0, slots))
         self.generation += 1
         self.ids.index_fill_(0, slots, -1)
+        self.last.index_fill_(0, slots, UNUSED)
+        self.freq.index_fill_(0, slots, UNUSED)
         self.dirty.index_fill_(0, slots, False)
         self._free[self._nfree : self._nfree + n] = slots
         self._nfree += n
@@ -216,6 +259,11 @@ def _copy_rows(dst: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> No
         dst.detach().numpy()[slots.numpy()] = rows.detach().numpy()
     else:
         dst.index_copy_(0, slots, rows.contiguous())
+
+
+def _host(values: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A numpy view of a CPU tensor, a copy of a device one."""
+    return values if isinstance(values, np.ndarray) else values.cpu().numpy()
 
 
 def select(mask: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:

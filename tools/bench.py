@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import os
 import statistics
 import tempfile
@@ -16,6 +17,7 @@ import torch
 BENCHES = {
     "read": "tierstore.tools.bench:bench_read",
     "cold": "tierstore.tools.bench:bench_cold",
+    "evict": "tierstore.tools.bench:bench_evict",
     "memory": "tierstore.tools.bench:bench_memory",
     "train": "tierstore.tools.bench_train:run",
     "metrics": "tierstore.tools.bench_metrics:run",
@@ -191,6 +193,53 @@ def bench_cold(args) -> None:
          ("TieredStore.read, new output", f"{t_store_alloc * 1e3:8.2f} ms  (store/raw loop {t_base / t_store_alloc:.2f}x)")],
         "store / raw loop throughput", t_base / t_store, ">= 0.70",
     )
+
+
+def bench_evict(args) -> dict:
+    """Reads that evict from a large DDR tier vs reads of rows it all holds: what choosing
+    the victims costs over and above the misses, by policy, with and without a prefetch
+    window pinning the next batches' rows."""
+    import tierstore
+    from tierstore.prefetch import LookaheadLoader
+
+    capacity, batch, dim = args.rows, args.batch, 16
+    misses = batch // 16
+    rng = np.random.default_rng(args.seed)
+    spec = tierstore.TableSpec("t", 4 * capacity, dim)  # rows never written: a miss costs no LMDB read
+    # hot ids from the rows the tier holds, and misses from the rest of the table
+    batches = [np.concatenate([rng.integers(0, capacity, batch - misses), rng.integers(capacity, 4 * capacity, misses)])
+               for _ in range(args.repeat + 4)]
+    settings = [("lru", "policy", False), ("lfu", "policy", False), ("lru", "lookahead", True)]
+    results = {}
+    with _workdir(args) as d:
+        for policy, eviction, window in settings:
+            with tierstore.TieredStore(os.path.join(d, f"{policy}-{eviction}"), [spec], ddr_rows=capacity, device="cpu",
+                                       policy=policy, eviction=eviction) as store:
+                read_all(store, capacity)
+                resident = [b[b < capacity] for b in batches]
+                i_res = iter(range(10**9))
+                # with a window, the next two batches are announced as a trainer's loader announces them
+                evicting = iter(LookaheadLoader(itertools.cycle(batches), store, depth=2 if window else 0, ids=lambda b: {"t": b}))
+
+                def reads_resident():
+                    store.read("t", resident[next(i_res) % len(resident)])
+
+                def reads_evicting():
+                    store.read("t", next(evicting))
+
+                before = store.stats()["ddr"]["evictions"]
+                t_res, t_ev = interleaved_medians((reads_resident, reads_evicting), args.repeat)
+                results[(policy, eviction)] = (t_res, t_ev, (store.stats()["ddr"]["evictions"] - before) / (args.repeat + 2))
+    rows = []
+    for (policy, eviction), (t_res, t_ev, evicted) in results.items():
+        label = f"{policy}, eviction={eviction}" + (", prefetch depth 2 (its issue and staging included)" if eviction == "lookahead" else "")
+        rows.append((f"{label}: resident read / evicting read",
+                     f"{t_res * 1e3:7.2f} / {t_ev * 1e3:7.2f} ms  ({t_ev / t_res:.2f}x; {evicted:,.0f} rows evicted a read)"))
+    worst = max(t_ev / t_res for t_res, t_ev, _ in results.values())
+    report("evict: reads that evict from a large DDR tier",
+           {"ddr_rows": capacity, "table rows": 4 * capacity, "dim": dim, "batch": batch, "misses a read": misses},
+           rows, "evicting read / resident read, worst setting", worst, "report only: the cost of choosing victims at this tier size")
+    return results
 
 
 def _rss_bytes() -> int:
