@@ -196,9 +196,9 @@ def bench_cold(args) -> None:
 
 
 def bench_evict(args) -> dict:
-    """Reads that evict from a large DDR tier vs reads of rows it all holds: what choosing
-    the victims costs over and above the misses, by policy, with and without a prefetch
-    window pinning the next batches' rows."""
+    """Reads that evict from a large DDR tier vs the same reads, less their misses, from a
+    store alike that holds every row they read: what misses and choosing their victims
+    cost, by policy, with and without a prefetch window pinning the next batches' rows."""
     import tierstore
     from tierstore.prefetch import LookaheadLoader
 
@@ -213,23 +213,31 @@ def bench_evict(args) -> dict:
     results = {}
     with _workdir(args) as d:
         for policy, eviction, window in settings:
-            with tierstore.TieredStore(os.path.join(d, f"{policy}-{eviction}"), [spec], ddr_rows=capacity, device="cpu",
-                                       policy=policy, eviction=eviction) as store:
-                read_all(store, capacity)
+            # two stores alike: one only ever reads rows it holds, the other's reads evict
+            stores = [tierstore.TieredStore(os.path.join(d, f"{policy}-{eviction}-{i}"), [spec], ddr_rows=capacity, device="cpu",
+                                            policy=policy, eviction=eviction) for i in range(2)]
+            try:
+                for store in stores:
+                    read_all(store, capacity)
+                held, store = stores
                 resident = [b[b < capacity] for b in batches]
                 i_res = iter(range(10**9))
                 # with a window, the next two batches are announced as a trainer's loader announces them
                 evicting = iter(LookaheadLoader(itertools.cycle(batches), store, depth=2 if window else 0, ids=lambda b: {"t": b}))
 
                 def reads_resident():
-                    store.read("t", resident[next(i_res) % len(resident)])
+                    held.read("t", resident[next(i_res) % len(resident)])
 
                 def reads_evicting():
                     store.read("t", next(evicting))
 
                 before = store.stats()["ddr"]["evictions"]
                 t_res, t_ev = interleaved_medians((reads_resident, reads_evicting), args.repeat)
+                assert held.stats()["ddr"]["evictions"] == 0
                 results[(policy, eviction)] = (t_res, t_ev, (store.stats()["ddr"]["evictions"] - before) / (args.repeat + 2))
+            finally:
+                for s in stores:
+                    s.close()
     rows = []
     for (policy, eviction), (t_res, t_ev, evicted) in results.items():
         label = f"{policy}, eviction={eviction}" + (", prefetch depth 2 (its issue and staging included)" if eviction == "lookahead" else "")
