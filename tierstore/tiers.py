@@ -46,7 +46,7 @@ class CacheTier:
         self.freq = torch.full((capacity,), UNUSED, dtype=torch.int64, device=device)
         self.dirty = torch.zeros(capacity, dtype=torch.bool, device=device)
         self._free = torch.arange(capacity - 1, -1, -1, dtype=torch.int64, device=device)
-        self._rank_buffers: tuple[np.ndarray, np.ndarray] | None = None  # see _ranked
+        self._rank_buffers: tuple[np.ndarray, np.ndarray] | None = None  # see ranked
         self._nfree = capacity
 
     @property
@@ -132,13 +132,13 @@ class CacheTier:
         ranked = []
         for buffer, values, more in zip(self._rank_buffers, (self.last, self.freq), (more_last, more_freq)):
             if values is self.freq and not self.policy.uses_frequency and more is None:
-                ranked.append(_host(values))  # not read, not written (pick_victims)
+                ranked.append(values.cpu().numpy())  # not read, not written (pick_victims)
                 continue
             out = buffer[:n]
-            np.copyto(out[: self.capacity], _host(values))
+            np.copyto(out[: self.capacity], values.cpu().numpy())
             out[hits] = UNUSED
             if more is not None:
-                out[self.capacity:] = _host(more)
+                out[self.capacity:] = more.cpu().numpy()
             ranked.append(out)
         return ranked[0], ranked[1]
 
@@ -259,11 +259,6 @@ def _copy_rows(dst: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> No
         dst.detach().numpy()[slots.numpy()] = rows.detach().numpy()
     else:
         dst.index_copy_(0, slots, rows.contiguous())
-
-
-def _host(values: torch.Tensor | np.ndarray) -> np.ndarray:
-    """A numpy view of a CPU tensor, a copy of a device one."""
-    return values if isinstance(values, np.ndarray) else values.cpu().numpy()
 
 
 def select(mask: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
