@@ -440,3 +440,18 @@ def test_reading_threads_take_rows_in_chunks_of_about_half_a_millisecond(tmp_pat
             assert done.wait(30)
     assert calls == [min(chunk, len(ids) - a) for a in range(0, len(ids), chunk)]
     assert len(pauses) == len(calls)
+
+
+def test_releasing_a_batch_unstages_what_it_did_not_read_unless_a_later_batch_needs_it(tmp_path):
+    with TieredStore(tmp_path, [TableSpec("t", 1000, 2)], ddr_rows=100, device="cpu") as s:
+        staged = lambda: s.prefetch_stats()["tables"]["t"]["staged_rows"]  # noqa: E731
+        first = s.prefetch("t", [1, 2, 3, 4])
+        first.wait()
+        second = s.prefetch("t", [3, 4, 5])  # 3 and 4 are staged already: pinned on, until this batch is done
+        second.wait()
+        s.read("t", [1])  # taken out of staging into the cache
+        assert staged() == 4
+        first.release()
+        assert staged() == 3  # 2 went; 3 and 4 wait for the second batch
+        second.release()
+        assert staged() == 0
