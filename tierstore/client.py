@@ -67,7 +67,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tierstore.io.codecs import unique_ids
+from tierstore.io import unique_ids
 
 from . import wire
 from .counters import TierCounters, add_dicts

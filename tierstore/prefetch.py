@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from tierstore.eviction.lookahead import NOT_IN_WINDOW
-from tierstore.io.codecs import find_sorted, unique_ids
+from tierstore.io import find_sorted, unique_ids
 from tierstore.io.workers import MIN_CHUNK, read_rows_async
 
 from .precision import DTYPES

@@ -20,6 +20,7 @@ gathers running outside the lock) comes in one Shared object.
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -306,7 +307,7 @@ class TableStore:
         new_freq = T.counts_after(slot, hit)
 
         def plan() -> tuple[torch.Tensor, torch.Tensor]:
-            return T.make_room(hit_slots, len(miss), use_clock, new_freq, lambda: self._shared.prefetcher.next_use(self.spec.name, T))
+            return T.make_room(hit_slots, len(miss), use_clock, new_freq, self._window_of(T))
 
         (keep, evict), fetched = self._fetch_while_planning(uid[miss], plan)
         fetched = (fetched.pin_memory() if T.device.type == "cuda" else fetched).to(T.device, non_blocking=True)
@@ -354,9 +355,9 @@ class TableStore:
                 old_dirty.index_copy_(0, at, tier.dirty.index_select(0, s).cpu())
         new_freq = old_freq + 1
 
+        hbm_window = self._window_of(H) if H else None  # asked once a step: by HBM's plan and by DDR's
         if H:  # demote: HBM slots of non-call rows going down
-            keep_h, demote = H.make_room(masked(slot_h, in_h), n - int(in_h.sum()), use_clock, new_freq,
-                                         lambda: self._shared.prefetcher.next_use(self.spec.name, H))
+            keep_h, demote = H.make_room(masked(slot_h, in_h), n - int(in_h.sum()), use_clock, new_freq, hbm_window)
         else:
             keep_h, demote = torch.zeros(n, dtype=torch.bool), torch.empty(0, dtype=torch.int64)
         down = nonzero(~keep_h)  # call rows below HBM
@@ -379,7 +380,7 @@ class TableStore:
             k = D.resident - len(hits_d) + len(demote) - (D.capacity - int(keep_d.sum()))
             e_drop = e_drop[:0]
             if k > 0:  # ranked: DDR's slots, then the rows HBM demotes (see CacheTier.make_room)
-                v = D.pick_victims(*D.ranked(hits_d.numpy(), e_last, e_freq), k, self._next_use(D, H, demote))
+                v = D.pick_victims(*D.ranked(hits_d.numpy(), e_last, e_freq), k, self._next_use(D, hbm_window, demote))
                 resident_drop = masked(v, v < D.capacity)
                 e_drop = masked(v, v >= D.capacity) - D.capacity
         return _Plan(old_dirty, new_freq, keep_h, keep_d, demote, e_ids, e_last, e_freq, e_dirty, e_drop, resident_drop)
@@ -416,13 +417,18 @@ class TableStore:
         self.counters.ssd.count_reads(len(ids), int(found.sum()), self.spec.row_bytes)
         return rows
 
-    def _next_use(self, ddr: CacheTier, hbm: CacheTier | None, demote: torch.Tensor) -> np.ndarray | None:
+    def _window_of(self, tier: CacheTier) -> Callable[[], np.ndarray | None]:
+        """The prefetch window's next use of each slot of ``tier`` (None without a window),
+        worked out at the first call only."""
+        return functools.cache(functools.partial(self._shared.prefetcher.next_use, self.spec.name, tier))
+
+    def _next_use(self, ddr: CacheTier, hbm_window: Callable[[], np.ndarray | None] | None, demote: torch.Tensor) -> np.ndarray | None:
         """Next use in the prefetch window of the rows of each slot of ``ddr``, then of the
         rows at HBM slots ``demote``; None without a window."""
         per_slot = self._shared.prefetcher.next_use(self.spec.name, ddr)
-        if per_slot is None or hbm is None:
+        if per_slot is None or hbm_window is None:
             return per_slot
-        return np.concatenate([per_slot, self._shared.prefetcher.next_use(self.spec.name, hbm)[demote.cpu().numpy()]])
+        return np.concatenate([per_slot, hbm_window()[demote.cpu().numpy()]])
 
     def _queue_write_back(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Queue dirty rows leaving the cache (sorted by id) for LMDB."""
