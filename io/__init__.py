@@ -1,6 +1,6 @@
 """Storage on SSD: the LMDB backend, row codecs and the write-back queue."""
 from .codecs import RowCodec, encode_keys, find_sorted, unique_ids
-from .lmdb_backend import FORMAT_VERSION, LmdbBackend, StoreCorruptError, StoreLockedError, stored_bytes
+from .lmdb_backend import FORMAT_VERSION, LmdbBackend, StoreCorruptError, StoreLockedError
 from .writeback import WriteBack, WriteBatch
 
-__all__ = ["FORMAT_VERSION", "RowCodec", "LmdbBackend", "StoreCorruptError", "StoreLockedError", "WriteBack", "WriteBatch", "encode_keys", "find_sorted", "stored_bytes", "unique_ids"]
+__all__ = ["FORMAT_VERSION", "RowCodec", "LmdbBackend", "StoreCorruptError", "StoreLockedError", "WriteBack", "WriteBatch", "encode_keys", "find_sorted", "unique_ids"]

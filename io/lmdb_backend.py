@@ -4,14 +4,6 @@ Commits do not fsync (sync=False): a killed process loses nothing that reached
 a commit, because the pages are in the OS page cache. ``sync()`` forces them to
 disk; the store's flush() calls it, which is what makes flush() durable against
 power loss as well. Integrity never depends on syncing: LMDB stays consistent.
-
-The writer maps the file writable (LMDB's writemap): a commit writes its pages
-in place instead of copying each into a malloc'd buffer and pwrite-ing it,
-which halves the CPU of a write-back of random rows. LMDB then makes data.mdb a
-sparse file of the map's size, and a write into a hole of a full disk would kill
-the process with SIGBUS; so before each transaction the writer allocates
-(posix_fallocate) the file up to the most pages the transaction can write past
-the last one in use, and a full disk fails that, before anything is written.
 """
 from __future__ import annotations
 
@@ -26,7 +18,7 @@ import shutil
 import struct
 import threading
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -42,7 +34,6 @@ _INITIAL_MAP = 1 << 30
 _MAX_GROWTH_RETRIES = 16
 _READ_CHUNK = 2048  # rows per get-and-copy round of get_rows
 _WRITE_CHUNK = 65536  # rows per write transaction at most
-_ALLOCATE_STEP = 8 << 20  # data.mdb is allocated ahead of commits in steps of this
 _STEP = np.dtype("<i8")  # a row's last-use step, in a table's u: database
 
 
@@ -70,10 +61,6 @@ class _ResizeGuard:
         with self._cond:  # held throughout: no new reader starts meanwhile
             self._cond.wait_for(lambda: self._readers == 0)
             yield
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class StoreLockedError(RuntimeError):
@@ -109,32 +96,6 @@ def check_data_file(data: Path) -> None:
     pages and holds every page the newer one names. LMDB maps the file and trusts
     it: touching a page past the end of a truncated file kills the process with
     SIGBUS, which no exception handler can catch, so this runs before lmdb.open."""
-    psize, meta = _newest_meta(data)
-    map_size, last_pg = meta[3], meta[-2]
-    need = (last_pg + 1) * psize
-    # the size after the meta pages were read: a running writer writes a transaction's pages, then
-    # the meta page naming them, so the file holds what a meta page names by the time it is read
-    size = data.stat().st_size
-    if size < need:
-        raise corrupt(data, f"it is truncated ({size} bytes; its last transaction wrote {need})")
-    if map_size < need:
-        raise corrupt(data, f"its meta page names a map of {map_size} bytes, smaller than its {need} bytes of pages")
-    for root in (meta[11], meta[19]):  # the free and main databases' root pages
-        if root != _P_INVALID and not 2 <= root <= last_pg:
-            raise corrupt(data, f"its meta page names root page {root}, outside its pages 2..{last_pg}")
-
-
-def stored_bytes(data: Path) -> int:
-    """Bytes of the pages a closed data.mdb holds, free pages included: its size on
-    disk as LMDB sees it. Not the file's size, which a writer that mapped it
-    writable leaves at the map's size (sparse), nor its allocated blocks, which
-    include room kept for the next transaction."""
-    psize, meta = _newest_meta(data)
-    return (meta[-2] + 1) * psize
-
-
-def _newest_meta(data: Path) -> tuple[int, tuple]:
-    """The page size and the newer of the two meta pages of ``data``, checked."""
     if data.stat().st_size == 0:
         raise corrupt(data, "it is empty (0 bytes), so every row it held is gone")
     metas = []
@@ -156,7 +117,19 @@ def _newest_meta(data: Path) -> tuple[int, tuple]:
                 if psize & (psize - 1) or not 512 <= psize <= 65536:
                     raise corrupt(data, f"meta page 0 names page size {psize}")
             metas.append(m)
-    return psize, metas[metas[0][-1] < metas[1][-1]]  # LMDB uses the meta page of the newer transaction
+    meta = metas[metas[0][-1] < metas[1][-1]]  # LMDB uses the meta page of the newer transaction
+    map_size, last_pg = meta[3], meta[-2]
+    need = (last_pg + 1) * psize
+    # the size after the meta pages were read: a running writer writes a transaction's pages, then
+    # the meta page naming them, so the file holds what a meta page names by the time it is read
+    size = data.stat().st_size
+    if size < need:
+        raise corrupt(data, f"it is truncated ({size} bytes; its last transaction wrote {need})")
+    if map_size < need:
+        raise corrupt(data, f"its meta page names a map of {map_size} bytes, smaller than its {need} bytes of pages")
+    for root in (meta[11], meta[19]):  # the free and main databases' root pages
+        if root != _P_INVALID and not 2 <= root <= last_pg:
+            raise corrupt(data, f"its meta page names root page {root}, outside its pages 2..{last_pg}")
 
 
 # LMDB errors that mean the file's pages are not what LMDB wrote
@@ -177,13 +150,6 @@ class _Env:
         self.resize = _ResizeGuard()
         self.users = 0
         self.writer = False
-        self.data_fd: int | None = None  # the writer's, to allocate data.mdb ahead of its commits
-        self.allocated = 0  # bytes of data.mdb from its start that are allocated on disk
-
-    def close(self) -> None:
-        self.env.close()
-        if self.data_fd is not None:
-            os.close(self.data_fd)
 
 
 _OPEN: dict[tuple[int, int], _Env] = {}  # (st_dev, st_ino) of the store's directory
@@ -255,17 +221,15 @@ class LmdbBackend:
         try:
             existing = data.stat().st_size if data.exists() else 0
             try:
-                if existing and not self.readonly:
-                    # a writable map grows the file to the map's size: look before touching it
-                    with lmdb.open(str(self.path), map_size=existing, max_dbs=1024, readonly=True, lock=False) as probe:
-                        self._check_is_tierstore(probe, existing)
                 env = lmdb.open(
                     str(self.path),
                     map_size=max(map_size or _INITIAL_MAP, existing),
                     max_dbs=1024,
                     readonly=self.readonly,
                     sync=False,
-                    writemap=not self.readonly,  # see the module's docstring, and _reserve
+                    # Not writemap=True, although it cut a write-back of 3,700 random rows from
+                    # 12.6 to 4.5 ms here: it makes data.mdb a sparse file of the map's size, and a
+                    # full disk then kills the process with SIGBUS instead of failing the commit.
                     readahead=False,  # random row access: readahead wastes page cache
                     max_readers=256,
                 )
@@ -288,8 +252,6 @@ class LmdbBackend:
         st = self.path.stat()
         shared = _Env(env, meta, (st.st_dev, st.st_ino))
         shared.writer = not self.readonly
-        if shared.writer:
-            shared.data_fd = os.open(data, os.O_RDWR)
         return shared
 
     def _check_is_tierstore(self, env: lmdb.Environment, existing: int) -> None:
@@ -417,7 +379,7 @@ class LmdbBackend:
             opened[0] = self._sketch_db or self.env.open_db(_SKETCH_DB, txn=txn)
             for table, blob in sketches.items():
                 txn.put(table.encode(), blob, db=opened[0])
-        self._write(op, [(None, len(sketches), sum(map(len, sketches.values())))])
+        self._write(op)
         self._sketch_db = opened[0]
 
     def stored_ids(self, table: str) -> np.ndarray:
@@ -455,12 +417,8 @@ class LmdbBackend:
 
         def op(txn):
             deleted[0] = self._delete(txn, table, keys)
-        self._write(op, self._deleting(table, len(keys)))
+        self._write(op)
         return deleted[0]
-
-    def _deleting(self, table: str, keys: int) -> list[tuple[object, int, int]]:
-        """``_write``'s account of deleting ``keys`` rows of ``table``."""
-        return [(db, keys, 0) for db in (self._dbs[table], self._last_dbs.get(table)) if db is not None]
 
     def _delete(self, txn, table: str, keys: list[bytes]) -> int:
         # map: the per-key calls run in C, as get_rows's gets
@@ -498,7 +456,7 @@ class LmdbBackend:
             # the next sweep starts after the last key seen (keys are 8-byte big-endian ids < 2**63)
             last = int.from_bytes(keys[-1], "big")
             resume[0] = (last + 1).to_bytes(8, "big") if len(items) == budget else b""
-        self._write(op, self._deleting(table, budget))
+        self._write(op)
         # moved on only once committed: _write replays op after growing the map, and a failed
         # sweep must look at the same rows again
         self._sweep_from[table] = resume[0]
@@ -527,14 +485,12 @@ class LmdbBackend:
             size += len(part[1])
         groups.append(group)
         for i, group in enumerate(groups):
-            encoded, writes = [], []
+            encoded = []
             for t, ids, rows, steps in group:
                 keys = encode_keys(ids)
                 encoded.append((self._dbs[t], keys, self._codecs[t].encode(rows)))
-                writes.append((self._dbs[t], len(keys), len(keys) * self._codecs[t].row_bytes))
                 if steps is not None:
                     encoded.append((self._last_dbs[t], keys, np.ascontiguousarray(steps, dtype=_STEP).view("V8").ravel().tolist()))
-                    writes.append((self._last_dbs[t], len(keys), len(keys) * _STEP.itemsize))
             last = i == len(groups) - 1
 
             def op(txn, encoded=encoded, last=last):
@@ -543,20 +499,15 @@ class LmdbBackend:
                         cur.putmulti(zip(keys, values))
                 for k, v in (meta or {}).items() if last else ():
                     txn.put(k.encode(), json.dumps(v).encode(), db=self._meta)
-            self._write(op, writes)
+            self._write(op)
         return sum(len(ids) * (8 + self._codecs[t].row_bytes) for t, ids, _ in batches)
 
-    def _write(self, op, writes: Iterable[tuple[object, int, int]] = ()) -> None:
-        """Run ``op(txn)`` in a write transaction, growing the map if it fills. ``writes``:
-        (database, keys put or deleted, bytes of the values put) for each database the
-        transaction writes more than a few keys of (None: one it may create), which
-        bound the pages it writes."""
+    def _write(self, op) -> None:
         if self.readonly:
             raise PermissionError(f"tierstore at {self.path} is open readonly; reopen without readonly=True to write")
         for _ in range(_MAX_GROWTH_RETRIES):
             try:
                 with self._named_errors(), self.env.begin(write=True) as txn:
-                    self._reserve(txn, writes)
                     op(txn)
                 return
             except lmdb.MapFullError:
@@ -567,48 +518,10 @@ class LmdbBackend:
                 # LMDB reports a commit cut short by a full disk as EIO ("Input/output error")
                 free = shutil.disk_usage(self.path).free
                 if free < _LOW_SPACE:
-                    raise self._disk_full(e, free) from e
+                    raise OSError(errno.ENOSPC, f"disk full: LMDB could not write {self.path / 'data.mdb'} "
+                                  f"({e}; {free} bytes free); free disk space") from e
                 raise
         raise lmdb.MapFullError(f"LMDB map at {self.path} still full after growing it {_MAX_GROWTH_RETRIES} times")
-
-    def _disk_full(self, cause: BaseException, free: int) -> OSError:
-        return OSError(errno.ENOSPC, f"disk full: LMDB could not write {self.path / 'data.mdb'} "
-                       f"({cause}; {free} bytes free); free disk space")
-
-    def _reserve(self, txn: lmdb.Transaction, writes: Iterable[tuple[object, int, int]]) -> None:
-        """Allocate data.mdb up to the last page in use plus the most pages ``txn`` can
-        write (see the module's docstring). LMDB copies every page it changes to a free
-        page or past the last one: at most each changed leaf, its branch pages, the
-        leaves that inserts split off and values too large for a leaf (overflow pages),
-        and the free-page list. Called in the transaction: no other commit moves the
-        last page meanwhile."""
-        shared = self._shared
-        if shared.data_fd is None:
-            return
-        info, psize = self.env.info(), self.env.stat()["psize"]
-        pages = 256  # the meta and free-page records, and the few keys callers do not count
-        for db, keys, value_bytes in writes:
-            if db is None:  # a database the transaction may create: its path for each key
-                pages += 8 * keys
-            else:
-                st = txn.stat(db)
-                split = 2 * _ceil_div(value_bytes + 16 * keys, psize)  # inserts leave split pages half full
-                leaves = min(keys, st["leaf_pages"]) + split
-                pages += leaves + min(st["depth"] * leaves, st["branch_pages"] + leaves) + st["depth"]
-            if keys and value_bytes // keys > psize // 2 - 64:  # LMDB's node limit: each value on its own pages
-                pages += keys * (_ceil_div(value_bytes // keys + 16, psize) + 1)
-        pages += pages // 256
-        end = min((info["last_pgno"] + 1 + pages) * psize, info["map_size"])
-        if end <= shared.allocated:
-            return
-        end = min(_ceil_div(end, _ALLOCATE_STEP) * _ALLOCATE_STEP, info["map_size"])  # fewer calls
-        try:
-            os.posix_fallocate(shared.data_fd, shared.allocated, end - shared.allocated)
-        except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise
-            raise self._disk_full(e, shutil.disk_usage(self.path).free) from e
-        shared.allocated = end
 
     def sync(self) -> None:
         self.env.sync(True)
@@ -618,8 +531,7 @@ class LmdbBackend:
             return {name: txn.stat(db)["entries"] for name, db in self._dbs.items()}
 
     def disk_bytes(self) -> int:
-        """Bytes of the pages data.mdb holds (stored_bytes), as of the latest commit."""
-        return (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+        return (self.path / "data.mdb").stat().st_size
 
     def copy_to(self, path: str | os.PathLike, compact: bool = True) -> Path:
         """Copy the environment (one read transaction: a consistent snapshot) into
@@ -656,7 +568,7 @@ class LmdbBackend:
                     shared.writer = False
                 if shared.users == 0:
                     del _OPEN[shared.key]
-                    shared.close()
+                    shared.env.close()
             finally:
                 self._release_writer_lock()
 
@@ -672,7 +584,7 @@ class LmdbBackend:
         if self._shared.users > 1:
             raise StoreLockedError(f"tierstore at {self.path} is also open readonly in this process; close those stores, then compact")
         data, aside = self.path / "data.mdb", self.path / "data.mdb.compacting"
-        before = stored_bytes(data)
+        before = data.stat().st_size
         try:
             fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # a killed compaction's leftover is reused
             try:
@@ -712,7 +624,7 @@ class LmdbBackend:
                         os.close(lock)
         finally:
             os.close(writer_lock)
-        return before, stored_bytes(data)
+        return before, data.stat().st_size
 
 
 def _fsync(path: Path) -> None:

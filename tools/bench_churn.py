@@ -79,7 +79,6 @@ def disk_run(path: Path, setting: Setting, steps: list[np.ndarray], width: int, 
 def loss_run(path: Path, setting: Setting, steps: int, width: int) -> tuple[float, float, float]:
     """(mean loss over the last steps, held-out loss, data.mdb bytes) of the demo's DLRM."""
     import tierstore
-    from tierstore.io import stored_bytes
     from tierstore.tools import demo
 
     cfg = demo.DemoConfig(dir=path, steps=steps, progress=False)
@@ -93,7 +92,7 @@ def loss_run(path: Path, setting: Setting, steps: int, width: int) -> tuple[floa
     result = demo._train(cfg, model, None, data, g, time.perf_counter, setting.name, None)
     ebc.close()
     w = min(demo.LOSS_WINDOW, len(result.losses))
-    return float(np.mean(result.losses[-w:])), result.eval_loss, stored_bytes(path / "store" / "data.mdb")
+    return float(np.mean(result.losses[-w:])), result.eval_loss, (path / "store" / "data.mdb").stat().st_size
 
 
 def main(total_ids: int, per_step: int, admit_after: int, ttl_steps: int, demo_steps: int, width: int, cache_rows: int,

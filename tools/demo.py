@@ -27,7 +27,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from tierstore.io import stored_bytes
 from tierstore.precision import DTYPES
 
 DENSE_FEATURES = 13
@@ -330,7 +329,7 @@ def run_demo(cfg: DemoConfig, seed_generator: Callable[[int], torch.Generator] =
         f"  tables     {cfg.tables} x {cfg.rows:,} rows x {cfg.dim} dims, Zipf alpha {cfg.alpha}; per table "
         f"HBM {cfg.hbm_rows:,} rows, DDR {cfg.ddr_rows:,} rows ({cfg.rows / max(cfg.ddr_rows, 1):.0f}x smaller than the table), policy {cfg.policy}",
         f"  rows       weights {cfg.dtype}, optimizer state float32: {stored.row_bytes} bytes a row in every tier and in LMDB "
-        f"(float32 weights: {4 * stored.width}); LMDB file {stored_bytes(store_dir / 'data.mdb') / 2**20:.1f} MiB",
+        f"(float32 weights: {4 * stored.width}); LMDB file {(store_dir / 'data.mdb').stat().st_size / 2**20:.1f} MiB",
         f"  loss       first {w} steps {np.mean(tiered.losses[:w]):.4f} -> last {w} steps {np.mean(tiered.losses[-w:]):.4f}; "
         f"held-out {tiered.eval_loss:.4f}, accuracy {100 * tiered.eval_accuracy:.1f}%",
         f"  served     {_shares(served)} of {int(served.sum()):,} row lookups; DDR hit rate on HBM misses "
