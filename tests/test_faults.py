@@ -317,3 +317,43 @@ def test_full_disk_is_reported_as_a_full_disk_and_loses_nothing(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"[Errno {errno.ENOSPC}] disk full" in r.stdout and "4096 bytes free" in r.stdout, r.stdout
     assert "ALL True" in r.stdout
+
+
+def test_a_real_full_disk_fails_the_flush_and_loses_nothing(tmp_path):
+    """A real full disk, not a faked one: a 24 MiB tmpfs, mounted in a user namespace
+    of the child. The flush that finds it full raises ENOSPC and names it; rows
+    flushed before read back, and once space is freed flush() writes the rest."""
+    r = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable, "-c", textwrap.dedent("""
+        import errno, os, subprocess, sys
+        import numpy as np, torch
+        from prometheus_client import CollectorRegistry
+        from tierstore import TableSpec, TieredStore
+        disk = sys.argv[1]
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tierstore-test", disk], check=True)
+        with open(os.path.join(disk, "ballast"), "wb") as f:
+            f.write(bytes(12 << 20))
+        path = os.path.join(disk, "s")
+        s = TieredStore(path, [TableSpec("t", None, 16)], device="cpu", registry=CollectorRegistry())
+        rows, n = 0, 20000
+        while True:
+            s.write("t", np.arange(rows, rows + n), torch.full((n, 16), float(rows)))
+            try:
+                s.flush()
+            except OSError as e:
+                print("ERROR", e, flush=True)
+                break
+            rows += n
+        print("FLUSHED", rows, flush=True)
+        expected = torch.arange(rows + n).div(n, rounding_mode="floor") * n
+        with TieredStore(path, readonly=True, device="cpu", registry=CollectorRegistry()) as r:
+            print("BEFORE", bool((r.read("t", np.arange(rows))[:, 0] == expected[:rows]).all()), flush=True)
+        os.remove(os.path.join(disk, "ballast"))
+        s.flush()
+        s.close()
+        with TieredStore(path, readonly=True, device="cpu", registry=CollectorRegistry()) as r:
+            print("ALL", bool((r.read("t", np.arange(rows + n))[:, 0] == expected).all()))
+        """), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-3000:])
+    assert f"[Errno {errno.ENOSPC}] disk full: LMDB could not write" in r.stdout, r.stdout
+    assert "free disk space" in r.stdout and int(r.stdout.split("FLUSHED ")[1].split()[0]) > 0, r.stdout
+    assert "BEFORE True" in r.stdout and "ALL True" in r.stdout, r.stdout
