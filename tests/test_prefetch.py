@@ -52,7 +52,7 @@ def test_prefetch_racing_with_reads_writes_evictions_never_serves_stale_rows(tmp
     rng = np.random.default_rng(1)
     n = 400
     store = TieredStore(tmp_path, [TableSpec("t", n, 4, state_dim=1)], hbm_rows=16, ddr_rows=40, device="cpu",
-                        eviction=eviction, prefetch=PrefetchConfig(workers=4, staged_rows=120), writeback_group_rows=group_rows)
+                        eviction=eviction, prefetch=PrefetchConfig(workers=4, staged_rows=120, sync_read_us=0), writeback_group_rows=group_rows)
     slow_reads(monkeypatch, store)
     slow_commits(monkeypatch, store)
     model = np.zeros((n, 5), dtype=np.float32)
@@ -199,6 +199,7 @@ def test_window_larger_than_staging_shrinks_instead_of_deadlocking(tmp_path):
         ddr_rows=64,
     )
     emb.store._prefetcher._config.staged_rows = 100  # room for about two batches
+    emb.store._prefetcher._config.sync_read_us = 0  # read ahead however fast LMDB is: staging is what is tested
     g = torch.Generator().manual_seed(0)
     data = [(torch.randperm(10_000, generator=g)[:40], torch.tensor([0, 20])) for _ in range(20)]
     loader = LookaheadLoader(data, emb, depth=8)
@@ -221,6 +222,7 @@ def test_cached_rows_take_no_staging_room(tmp_path):
         ddr_rows=200,
     )
     emb.store._prefetcher._config.staged_rows = 100
+    emb.store._prefetcher._config.sync_read_us = 0
     hot = torch.arange(60)
     data = [(torch.cat([hot, torch.arange(100 + 20 * i, 120 + 20 * i)]), torch.tensor([0, 40])) for i in range(12)]
     emb(*data[0]).sum().backward()  # the hot rows are cached from here on
@@ -443,7 +445,7 @@ def test_reading_threads_take_rows_in_chunks_of_about_half_a_millisecond(tmp_pat
 
 
 def test_releasing_a_batch_unstages_what_it_did_not_read_unless_a_later_batch_needs_it(tmp_path):
-    with TieredStore(tmp_path, [TableSpec("t", 1000, 2)], ddr_rows=100, device="cpu") as s:
+    with TieredStore(tmp_path, [TableSpec("t", 1000, 2)], ddr_rows=100, device="cpu", prefetch=PrefetchConfig(sync_read_us=0)) as s:
         staged = lambda: s.prefetch_stats()["tables"]["t"]["staged_rows"]  # noqa: E731
         first = s.prefetch("t", [1, 2, 3, 4])
         first.wait()
@@ -455,3 +457,47 @@ def test_releasing_a_batch_unstages_what_it_did_not_read_unless_a_later_batch_ne
         assert staged() == 3  # 2 went; 3 and 4 wait for the second batch
         second.release()
         assert staged() == 0
+
+
+def test_rows_are_read_ahead_only_while_lmdb_is_slow_and_train_the_same_either_way(tmp_path, monkeypatch):
+    """PrefetchConfig.sync_read_us: while LMDB serves rows fast (the page cache), the
+    step reads them itself and prefetch reads nothing; when reads slow down (here
+    200 us a row injected, in every thread), it reads ahead again. The trained rows
+    equal a run without prefetch, bit for bit."""
+    slow = [True]
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 5000, (64,), generator=g), torch.arange(0, 64, 8)) for _ in range(48)]
+    final, phases = {}, []
+    for depth in (0, 2):
+        store = TieredStore(tmp_path / str(depth), [TableSpec("t", 5000, 4)], ddr_rows=100, device="cpu",
+                            prefetch=PrefetchConfig(workers=2, sync_read_us=50))
+        emb = tierstore.TieredEmbeddingBag(5000, 4, mode="sum", store=store, table="t", optimizer=tierstore.optim.SGD(lr=0.1))
+        real = emb.store._backend.get_rows
+
+        def get_rows(table, ids, out, real=real):
+            if slow[0]:
+                time.sleep(len(ids) * 200e-6)
+            return real(table, ids, out)
+
+        monkeypatch.setattr(emb.store._backend, "get_rows", get_rows)
+        loader = iter(LookaheadLoader(data, emb, depth=depth))
+        for phase in ("slow", "fast", "slow again"):
+            slow[0] = phase != "fast"
+            issued = []
+            for ids, offsets in itertools.islice(loader, 16):
+                emb(ids, offsets).sum().backward()
+                issued.append(emb.store.prefetch_stats()["tables"][emb.table]["issued_rows"])
+            if depth:
+                phases.append((phase, emb.store.prefetch_stats()["reading_ahead"], issued[-1] - issued[-7]))
+        final[depth] = emb.store.read(emb.table, torch.arange(5000), with_state=True)
+        emb.close()
+    (_, ahead_1, issued_1), (_, ahead_2, issued_2), (_, ahead_3, issued_3) = phases
+    assert ahead_1 and issued_1 > 0, phases  # slow: read ahead
+    assert not ahead_2 and issued_2 == 0, phases  # fast: the last 6 batches of the phase fetched nothing
+    assert ahead_3 and issued_3 > 0, phases  # slow again: read ahead again
+    assert torch.equal(final[0], final[2])
+
+
+def test_sync_read_us_is_validated():
+    with pytest.raises(ValueError, match="sync_read_us must be a number >= 0"):
+        PrefetchConfig(sync_read_us=-1)

@@ -60,10 +60,17 @@ class PrefetchConfig:
     workers: int = 8  # threads for cold reads: the most one fetch uses (it takes those it needs to land in time)
     staged_rows: int | Mapping[str, int] | None = None  # per table; None: ddr_rows, else hbm_rows, else 65536
     executor: Executor | None = None  # injected pool (not shut down by the store)
+    # Rows are read ahead only while LMDB takes at least this long a row (smoothed, as measured by
+    # the thread reading): faster, the page cache holds them, and the step reads them itself for
+    # less CPU than handing them through staging costs. The window still pins and ranks rows.
+    # 0: always read ahead.
+    sync_read_us: float = 8.0
 
     def __post_init__(self):
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"prefetch workers must be an int >= 1, got {self.workers!r}")
+        if not isinstance(self.sync_read_us, (int, float)) or not self.sync_read_us >= 0:
+            raise ValueError(f"prefetch sync_read_us must be a number >= 0 (0: always read ahead), got {self.sync_read_us!r}")
         values = self.staged_rows.values() if isinstance(self.staged_rows, Mapping) else [self.staged_rows]
         for v in values:
             if v is not None and (not isinstance(v, int) or v < 0):
@@ -158,7 +165,7 @@ class Prefetcher:
         self._write_seq = 0
         self._step = 0
         self._idle = threading.Condition(store._lock)
-        self._row_seconds: float | None = None  # a reading thread's time per row, recent fetches
+        self._row_seconds: float | None = None  # a reading thread's time per row, recent reads (prefetch's or a step's)
         self._step_seconds: float | None = None  # the trainer's time per batch, waits excluded
         self._next_use_out: dict[tuple[str, str], np.ndarray] = {}
         self._pins: dict[str, dict[int, list[torch.Tensor]]] = {}  # table -> step -> staging slots pinned until it (see _pin)
@@ -196,12 +203,25 @@ class Prefetcher:
                 need &= (tier.lookup(uid_t).cpu() < 0).numpy()
         return need
 
+    def reading_ahead(self) -> bool:
+        """Whether announced rows are read ahead now (PrefetchConfig.sync_read_us): until
+        a read has been timed, and while reads are slow."""
+        return self._row_seconds is None or self._row_seconds * 1e6 >= self._config.sync_read_us
+
+    def read_time(self, rows: int, seconds: float) -> None:
+        """A step read ``rows`` rows from LMDB itself in ``seconds``: while rows are not
+        read ahead, how the step's reads go says when to start again."""
+        if rows:
+            self._row_seconds = _smoothed(self._row_seconds, seconds / rows)
+
     def _needs(self, table: str, ids) -> tuple:
         """A read's table, its sorted unique ids, the mask of those it would fetch,
         and the staging slots of those already staged (-1 where not)."""
         t = self._store._table(table)
         ids = self._store._as_ids(t.spec, ids).cpu()
         uid = (ids if is_sorted_unique(ids) else torch.unique(ids)).numpy()
+        if not self.reading_ahead():  # announced only: the window pins, the step reads
+            return t, uid, np.zeros(len(uid), dtype=bool), None
         need = self._uncached(t, uid)
         staging = self._staging(table)
         staged = None
@@ -475,6 +495,8 @@ class Prefetcher:
             "staged_rows": sum(t.resident for t in self._staged.values() if t is not None),
             "window_batches": sum(len(w) for w in self._window.values()),
             "outstanding": sum(len(q) for q in self._outstanding.values()),
+            "reading_ahead": self.reading_ahead(),
+            "row_read_us": None if self._row_seconds is None else self._row_seconds * 1e6,
         }
 
     def close(self) -> None:

@@ -51,6 +51,7 @@ class Prefetch(Protocol):
     def written(self, table: str, ids: np.ndarray) -> None: ...
     def consumed(self, table: str, ids: torch.Tensor, sorted_unique: bool = False) -> None: ...
     def next_use(self, table: str, tier: CacheTier) -> np.ndarray | None: ...
+    def read_time(self, rows: int, seconds: float) -> None: ...
 
 
 @dataclass(eq=False)
@@ -403,7 +404,9 @@ class TableStore:
             mark = time.perf_counter()
             all_cold = len(cold_ids) == len(ids_np)
             cold_rows = self.fill_unwritten(cold_ids, *self._shared.backend.get_rows(self.spec.name, cold_ids, rows if all_cold else None))
-            self.counters.latency.observe("ssd_read", time.perf_counter() - mark)
+            seconds = time.perf_counter() - mark
+            self.counters.latency.observe("ssd_read", seconds)
+            self._shared.prefetcher.read_time(len(cold_ids), seconds)
             if not all_cold:
                 rows[cold] = cold_rows
         if self.life.resets:
