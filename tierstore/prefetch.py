@@ -23,7 +23,9 @@ effective depth) instead of evicting anything, so pinning cannot deadlock.
 Sharing a small machine with the trainer: a fetch uses only the threads it needs
 to land before its batch is due (from measured read and step times), and the
 threads pause while the trainer is in the store; both keep them from taking the
-GIL from it.
+GIL from it. And rows are read ahead only while reading them is slow: when the
+page cache serves them (PrefetchConfig.sync_read_us), the step reads them for
+less CPU than staging them costs, and the window only pins.
 """
 from __future__ import annotations
 
