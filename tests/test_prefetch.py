@@ -85,11 +85,15 @@ def test_prefetch_racing_with_reads_writes_evictions_never_serves_stale_rows(tmp
     assert no_prefetch_threads()
 
 
-def make_bag(path, **kw):
-    return tierstore.TieredEmbeddingBag(
+def make_bag(path, sync_read_us=0.0, **kw):
+    """sync_read_us 0: read ahead however fast LMDB is (these tests slow only the
+    prefetch threads' reads; the step's stay fast, which could stop read-ahead)."""
+    emb = tierstore.TieredEmbeddingBag(
         2000, 8, mode="sum", path=path, optimizer=tierstore.optim.Adagrad(lr=0.1),
         init=tierstore.RowInit.normal(0, 0.1, seed=3), device="cpu", **kw,
     )
+    emb.store._prefetcher._config.sync_read_us = sync_read_us
+    return emb
 
 
 def batches(count=30, seed=0):

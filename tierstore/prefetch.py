@@ -167,7 +167,8 @@ class Prefetcher:
         self._write_seq = 0
         self._step = 0
         self._idle = threading.Condition(store._lock)
-        self._row_seconds: float | None = None  # a reading thread's time per row, recent reads (prefetch's or a step's)
+        self._row_seconds: float | None = None  # a reading thread's time per row, recent fetches
+        self._read_seconds: float | None = None  # the same, with the step's own reads: see reading_ahead
         self._step_seconds: float | None = None  # the trainer's time per batch, waits excluded
         self._next_use_out: dict[tuple[str, str], np.ndarray] = {}
         self._pins: dict[str, dict[int, list[torch.Tensor]]] = {}  # table -> step -> staging slots pinned until it (see _pin)
@@ -208,13 +209,13 @@ class Prefetcher:
     def reading_ahead(self) -> bool:
         """Whether announced rows are read ahead now (PrefetchConfig.sync_read_us): until
         a read has been timed, and while reads are slow."""
-        return self._row_seconds is None or self._row_seconds * 1e6 >= self._config.sync_read_us
+        return self._read_seconds is None or self._read_seconds * 1e6 >= self._config.sync_read_us
 
     def read_time(self, rows: int, seconds: float) -> None:
         """A step read ``rows`` rows from LMDB itself in ``seconds``: while rows are not
         read ahead, how the step's reads go says when to start again."""
         if rows:
-            self._row_seconds = _smoothed(self._row_seconds, seconds / rows)
+            self._read_seconds = _smoothed(self._read_seconds, seconds / rows, weight=0.5)
 
     def _needs(self, table: str, ids) -> tuple:
         """A read's table, its sorted unique ids, the mask of those it would fetch,
@@ -326,6 +327,7 @@ class Prefetcher:
         with self._store._lock:
             if error is None:
                 self._row_seconds = _smoothed(self._row_seconds, seconds / len(ids))
+                self._read_seconds = _smoothed(self._read_seconds, seconds / len(ids), weight=0.5)
             table = ticket.table
             self._reserved[table] -= len(ids)
             began = self._inflight.pop(ticket.step)
@@ -498,7 +500,7 @@ class Prefetcher:
             "window_batches": sum(len(w) for w in self._window.values()),
             "outstanding": sum(len(q) for q in self._outstanding.values()),
             "reading_ahead": self.reading_ahead(),
-            "row_read_us": None if self._row_seconds is None else self._row_seconds * 1e6,
+            "row_read_us": None if self._read_seconds is None else self._read_seconds * 1e6,
         }
 
     def close(self) -> None:

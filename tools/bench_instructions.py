@@ -1,6 +1,7 @@
 """``tierstore bench instructions``: machine instructions per training step, counted
 by valgrind's callgrind, for the embedding-only step of ``bench prefetch`` (page
-cache warm) at prefetch depth 0 and 2.
+cache warm) at prefetch depth 0 and 2, reading ahead however fast LMDB is
+(sync_read_us=0).
 
 On a small shared VM a step's seconds move by 10-20% from run to run, so a change
 worth a few percent cannot be told from the noise by timing it; callgrind's count
@@ -36,7 +37,8 @@ def _workload(base: str, steps: int, depth: int, batches: int) -> int:
     prefetch ``depth``, its write-back drained; returns the rows it moved."""
     data = bp._batches(BAGS, batches, 0)[:steps]  # the same batches made whatever the steps
     with tempfile.TemporaryDirectory(prefix="tierstore-instr-") as d:
-        emb = bp._model(os.path.join(d, "c"), bp.ROWS // 20, 0, bp.WORKERS, copy_of=base)
+        # always read ahead: under callgrind every read is slow, and what is counted is the prefetch path
+        emb = bp._model(os.path.join(d, "c"), bp.ROWS // 20, 0, bp.WORKERS, copy_of=base, sync_read_us=0.0)
         step = bp._Step(emb, BAGS, None, 0)
         for ids, offsets in LookaheadLoader(data, emb, depth=depth):
             step(ids, offsets)
