@@ -49,6 +49,8 @@ PREFETCH = (
     ("served_rows", "counter", "tierstore_prefetch_served_rows", "Rows reads took from staging instead of LMDB."),
     ("dropped_rows", "counter", "tierstore_prefetch_dropped_rows", "Fetched rows discarded: newer data appeared, or no room."),
     ("shrunk_steps", "counter", "tierstore_prefetch_shrunk_steps", "Steps whose prefetch window was shorter than asked (no staging room)."),
+    ("step_read_batches", "counter", "tierstore_prefetch_step_read_batches",
+     "Batches announced while LMDB served rows fast (under sync_read_us): the step read their rows itself."),
 )
 
 # LifeCounters field -> (name, help), per store and table: admission and eviction

@@ -487,17 +487,19 @@ def test_rows_are_read_ahead_only_while_lmdb_is_slow_and_train_the_same_either_w
         loader = iter(LookaheadLoader(data, emb, depth=depth))
         for phase in ("slow", "fast", "slow again"):
             slow[0] = phase != "fast"
-            issued = []
+            issued, left = [], []
             for ids, offsets in itertools.islice(loader, 16):
                 emb(ids, offsets).sum().backward()
-                issued.append(emb.store.prefetch_stats()["tables"][emb.table]["issued_rows"])
+                counters = emb.store.prefetch_stats()["tables"][emb.table]
+                issued.append(counters["issued_rows"])
+                left.append(counters["step_read_batches"])
             if depth:
-                phases.append((phase, emb.store.prefetch_stats()["reading_ahead"], issued[-1] - issued[-7]))
+                phases.append((phase, emb.store.prefetch_stats()["reading_ahead"], issued[-1] - issued[-7], left[-1] - left[-7]))
         final[depth] = emb.store.read(emb.table, torch.arange(5000), with_state=True)
         emb.close()
-    (_, ahead_1, issued_1), (_, ahead_2, issued_2), (_, ahead_3, issued_3) = phases
-    assert ahead_1 and issued_1 > 0, phases  # slow: read ahead
-    assert not ahead_2 and issued_2 == 0, phases  # fast: the last 6 batches of the phase fetched nothing
+    (_, ahead_1, issued_1, left_1), (_, ahead_2, issued_2, left_2), (_, ahead_3, issued_3, left_3) = phases
+    assert ahead_1 and issued_1 > 0 and left_1 == 0, phases  # slow: read ahead
+    assert not ahead_2 and issued_2 == 0 and left_2 == 6, phases  # fast: the last 6 batches were left to the step
     assert ahead_3 and issued_3 > 0, phases  # slow again: read ahead again
     assert torch.equal(final[0], final[2])
 

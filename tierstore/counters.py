@@ -113,6 +113,7 @@ class PrefetchCounters:
     dropped_rows: int = 0  # fetched rows left out: newer data appeared, or no room
     effective_depth: int = 0  # gauge: batches ahead with their prefetch issued (<= depth): the prefetch lead
     shrunk_steps: int = 0  # steps at which the window was shorter than asked (no room)
+    step_read_batches: int = 0  # batches announced while LMDB was fast: their rows left to the step (sync_read_us)
 
 
 @dataclass

@@ -264,6 +264,7 @@ class Prefetcher:
         self._outstanding.setdefault(table, deque()).append(ticket)
         c = t.counters.prefetch
         c.issued_batches += 1
+        c.step_read_batches += not self.reading_ahead()
         c.queued += 1
         if staged is not None:
             held = masked(staged, staged >= 0)
