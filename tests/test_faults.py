@@ -14,7 +14,6 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-import tierstore
 from tierstore import StoreCorruptError, StoreLockedError, TableSpec, TieredStore
 from tierstore.io import lmdb_backend
 
@@ -31,8 +30,9 @@ def make_store(path: Path, rows: int = 20000) -> Path:
     return path
 
 
-def run_child(code: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+def run_child(code: str, *args: str, wrapper: tuple[str, ...] = (), **kwargs) -> subprocess.CompletedProcess:
+    """``wrapper``: a command the child runs under (unshare)."""
+    return subprocess.run([*wrapper, sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
                           capture_output=True, text=True, timeout=120, **kwargs)
 
 
@@ -323,7 +323,7 @@ def test_a_real_full_disk_fails_the_flush_and_loses_nothing(tmp_path):
     """A real full disk, not a faked one: a 24 MiB tmpfs, mounted in a user namespace
     of the child. The flush that finds it full raises ENOSPC and names it; rows
     flushed before read back, and once space is freed flush() writes the rest."""
-    r = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable, "-c", textwrap.dedent("""
+    r = run_child("""
         import errno, os, subprocess, sys
         import numpy as np, torch
         from prometheus_client import CollectorRegistry
@@ -352,7 +352,7 @@ def test_a_real_full_disk_fails_the_flush_and_loses_nothing(tmp_path):
         s.close()
         with TieredStore(path, readonly=True, device="cpu", registry=CollectorRegistry()) as r:
             print("ALL", bool((r.read("t", np.arange(rows + n))[:, 0] == expected).all()))
-        """), str(tmp_path)], capture_output=True, text=True, timeout=300)
+        """, tmp_path, wrapper=("unshare", "--user", "--map-root-user", "--mount"))
     assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-3000:])
     assert f"[Errno {errno.ENOSPC}] disk full: LMDB could not write" in r.stdout, r.stdout
     assert "free disk space" in r.stdout and int(r.stdout.split("FLUSHED ")[1].split()[0]) > 0, r.stdout

@@ -209,10 +209,10 @@ def bench_evict(args) -> dict:
     # hot ids from the rows the tier holds, and misses from the rest of the table
     batches = [np.concatenate([rng.integers(0, capacity, batch - misses), rng.integers(capacity, 4 * capacity, misses)])
                for _ in range(args.repeat + 4)]
-    settings = [("lru", "policy", False), ("lfu", "policy", False), ("lru", "lookahead", True)]
+    settings = [("lru", "policy"), ("lfu", "policy"), ("lru", "lookahead")]  # lookahead: with a prefetch window
     results = {}
     with _workdir(args) as d:
-        for policy, eviction, window in settings:
+        for policy, eviction in settings:
             # two stores alike: one only ever reads rows it holds, the other's reads evict
             stores = [tierstore.TieredStore(os.path.join(d, f"{policy}-{eviction}-{i}"), [spec], ddr_rows=capacity, device="cpu",
                                             policy=policy, eviction=eviction) for i in range(2)]
@@ -220,13 +220,13 @@ def bench_evict(args) -> dict:
                 for store in stores:
                     read_all(store, capacity)
                 held, store = stores
-                resident = [b[b < capacity] for b in batches]
-                i_res = iter(range(10**9))
+                resident = itertools.cycle([b[b < capacity] for b in batches])
                 # with a window, the next two batches are announced as a trainer's loader announces them
-                evicting = iter(LookaheadLoader(itertools.cycle(batches), store, depth=2 if window else 0, ids=lambda b: {"t": b}))
+                depth = 2 if eviction == "lookahead" else 0
+                evicting = iter(LookaheadLoader(itertools.cycle(batches), store, depth=depth, ids=lambda b: {"t": b}))
 
                 def reads_resident():
-                    held.read("t", resident[next(i_res) % len(resident)])
+                    held.read("t", next(resident))
 
                 def reads_evicting():
                     store.read("t", next(evicting))

@@ -77,11 +77,11 @@ def _batches(bags: int, steps: int, seed: int) -> list:
     return [(torch.from_numpy(perm[zipf.sample(rng, bags * POOLING) - 1]), offsets) for _ in range(steps)]
 
 
-def _model(path, ddr_rows: int, latency_us: float, workers: int, copy_of: str | None = None, sync_read_us: float | None = None):
+def _model(path, ddr_rows: int, latency_us: float, workers: int, copy_of: str | None = None,
+           sync_read_us: float = PrefetchConfig.sync_read_us):
     if copy_of is not None:  # a store of its own: the cold runs reopen the original
         shutil.copytree(copy_of, path)
-    config = PrefetchConfig(workers=workers) if sync_read_us is None else PrefetchConfig(workers=workers, sync_read_us=sync_read_us)
-    store = tierstore.TieredStore(path, ddr_rows=ddr_rows, device="cpu", prefetch=config)
+    store = tierstore.TieredStore(path, ddr_rows=ddr_rows, device="cpu", prefetch=PrefetchConfig(workers=workers, sync_read_us=sync_read_us))
     emb = tierstore.TieredEmbeddingBag(ROWS, DIM, mode="sum", store=store, table="t0", optimizer=tierstore.optim.SGD(lr=0.01))
     if latency_us:
         real = emb.store._backend.get_rows
@@ -243,10 +243,11 @@ def bench_steps(args) -> None:
             # run pays: LMDB allocates its dirty-page buffers on the first commits and keeps them, and the
             # map's pages are faulted into the process once
             # the last mode reads ahead however fast LMDB is (sync_read_us=0): what staging the rows costs
-            modes = (("injected %.0f us/row per thread" % latency, latency, True, False, None, (0, 2, 4, 8)),
-                     ("page cache dropped (this disk)", 0.0, True, False, None, (0, 2, 4, 8)),
-                     ("page cache warm", 0.0, False, False, None, (0, 2, 4, 8)),
-                     ("page cache warm, store warmed up", 0.0, False, True, None, (0, 2, 4, 8)),
+            adaptive = PrefetchConfig.sync_read_us
+            modes = (("injected %.0f us/row per thread" % latency, latency, True, False, adaptive, (0, 2, 4, 8)),
+                     ("page cache dropped (this disk)", 0.0, True, False, adaptive, (0, 2, 4, 8)),
+                     ("page cache warm", 0.0, False, False, adaptive, (0, 2, 4, 8)),
+                     ("page cache warm, store warmed up", 0.0, False, True, adaptive, (0, 2, 4, 8)),
                      ("page cache warm, store warmed up, always read ahead", 0.0, False, True, 0.0, (2,)))
             settings = [(f"{mode}, depth {depth}", lat, depth, drop, warm, ahead)
                         for mode, lat, drop, warm, ahead, depths in modes for depth in depths]
