@@ -389,7 +389,8 @@ def test_scrapes_during_reads_in_another_thread_are_monotonic(tmp_path, registry
 
 def test_prefetch_counters_are_exported(tmp_path, registry):
     """A real prefetch shows up on the next scrape as the prefetcher counted it."""
-    with two_table_store(tmp_path / "s", registry) as store:
+    # sync_read_us 0: read ahead however fast LMDB is (the counters of a real fetch are what is tested)
+    with two_table_store(tmp_path / "s", registry, prefetch=tierstore.PrefetchConfig(sync_read_us=0)) as store:
         store.write("item", np.arange(1_000, 1_020), np.ones((20, 4), dtype=np.float32))
         store.flush()  # in LMDB now: queued rows would be served from the write-back queue, not prefetched
         ticket = store.prefetch("item", np.arange(1_000, 1_020))  # fits the staging area

@@ -161,7 +161,7 @@ def test_background_lmdb_failure_is_raised_at_its_step(tmp_path, monkeypatch):
 
 
 def test_unwaited_background_failure_surfaces_at_the_next_read(tmp_path, monkeypatch):
-    with TieredStore(tmp_path, [TableSpec("t", 100, 2)], ddr_rows=10, device="cpu") as s:
+    with TieredStore(tmp_path, [TableSpec("t", 100, 2)], ddr_rows=10, device="cpu", prefetch=PrefetchConfig(sync_read_us=0)) as s:
         slow_reads(monkeypatch, s, delay=lambda: 0, fail=lambda ids: True)
         ticket = s.prefetch("t", [1, 2, 3])
         while not ticket.done():
@@ -242,7 +242,7 @@ def test_cached_rows_take_no_staging_room(tmp_path):
 def test_rows_queued_for_lmdb_are_staged_from_the_queue(tmp_path, monkeypatch):
     # a batch announced while its rows wait in the write-back queue: once the queue
     # commits them only LMDB has them, so they are staged from the queue at once
-    with TieredStore(tmp_path, [TableSpec("t", 1000, 2)], ddr_rows=10, device="cpu", prefetch=PrefetchConfig(staged_rows=50)) as s:
+    with TieredStore(tmp_path, [TableSpec("t", 1000, 2)], ddr_rows=10, device="cpu", prefetch=PrefetchConfig(staged_rows=50, sync_read_us=0)) as s:
         ids = np.arange(100, 150)
         values = np.random.default_rng(0).standard_normal((50, 2)).astype(np.float32)
         s.write("t", ids, values)  # not cached: queued
@@ -257,7 +257,7 @@ def test_rows_queued_for_lmdb_are_staged_from_the_queue(tmp_path, monkeypatch):
 
 
 def test_a_read_releases_a_ticket_only_when_it_covers_the_ticket(tmp_path):
-    with TieredStore(tmp_path, [TableSpec("t", 1000, 2)], ddr_rows=100, device="cpu") as s:
+    with TieredStore(tmp_path, [TableSpec("t", 1000, 2)], ddr_rows=100, device="cpu", prefetch=PrefetchConfig(sync_read_us=0)) as s:
         ticket = s.prefetch("t", [7, 3, 9, 3, 500])
         ticket.wait()
         assert s.prefetch_stats()["window_batches"] == 1
@@ -269,7 +269,7 @@ def test_a_read_releases_a_ticket_only_when_it_covers_the_ticket(tmp_path):
 
 def test_cold_reads_spread_over_the_pool(tmp_path, monkeypatch):
     with TieredStore(tmp_path, [TableSpec("t", 50_000, 2)], ddr_rows=50_000, device="cpu",
-                     prefetch=PrefetchConfig(workers=4)) as s:
+                     prefetch=PrefetchConfig(workers=4, sync_read_us=0)) as s:
         names = set()
         real = s._backend.get_rows
 
@@ -285,7 +285,7 @@ def test_cold_reads_spread_over_the_pool(tmp_path, monkeypatch):
 
 def test_prefetch_threads_wait_while_the_trainer_is_in_the_store(tmp_path, monkeypatch):
     with TieredStore(tmp_path, [TableSpec("t", 50_000, 2)], ddr_rows=50_000, device="cpu",
-                     prefetch=PrefetchConfig(workers=4)) as s:
+                     prefetch=PrefetchConfig(workers=4, sync_read_us=0)) as s:
         reads_while_held = []
         held = threading.Event()
         real = s._backend.get_rows
@@ -317,7 +317,7 @@ def test_a_fetch_takes_the_threads_it_needs_to_land_before_its_batch(tmp_path, m
 
     monkeypatch.setattr(prefetch_module, "read_rows_async", spy)
     with TieredStore(tmp_path, [TableSpec("t", 100_000, 2)], ddr_rows=50_000, device="cpu",
-                     prefetch=PrefetchConfig(workers=4)) as s:
+                     prefetch=PrefetchConfig(workers=4, sync_read_us=0)) as s:
         slow_reads(monkeypatch, s, delay=lambda: 0.002)
         ticks = (i * trainer_step for i in itertools.count())
         batches = [torch.arange(i * 1000, (i + 1) * 1000) for i in range(6)]
@@ -502,6 +502,34 @@ def test_rows_are_read_ahead_only_while_lmdb_is_slow_and_train_the_same_either_w
     assert not ahead_2 and issued_2 == 0 and left_2 == 6, phases  # fast: the last 6 batches were left to the step
     assert ahead_3 and issued_3 > 0, phases  # slow again: read ahead again
     assert torch.equal(final[0], final[2])
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_a_fresh_store_times_a_read_of_the_first_batch_before_reading_ahead(tmp_path, monkeypatch, slow):
+    """Whether to read ahead is known from the first announced batch: the prefetcher
+    times a read of some of its rows in the caller's thread first. LMDB fast (the page
+    cache): the step reads its rows itself from the first batch on; slow (200 us a row,
+    in every thread): the first batch is read ahead."""
+    with TieredStore(tmp_path, [TableSpec("t", 5000, 4)], ddr_rows=100, device="cpu",
+                     prefetch=PrefetchConfig(workers=2, staged_rows=2000, sync_read_us=50)) as s:
+        s.write("t", np.arange(5000), np.ones((5000, 4), dtype=np.float32))
+        s.flush()
+        real, calls = s._backend.get_rows, []
+
+        def get_rows(table, ids, out):
+            calls.append((threading.current_thread() is threading.main_thread(), len(ids)))
+            if slow:
+                time.sleep(len(ids) * 200e-6)
+            return real(table, ids, out)
+
+        monkeypatch.setattr(s._backend, "get_rows", get_rows)
+        s.prefetch("t", np.arange(0, 5000, 3)).wait()
+        counters = s.prefetch_stats()["tables"]["t"]
+        assert s.prefetch_stats()["reading_ahead"] == slow
+        assert (counters["issued_rows"], counters["step_read_batches"]) == ((1667, 0) if slow else (0, 1))
+        assert calls[0] == (True, 512)  # the timed read, in the caller's thread
+        assert all(not in_main for in_main, _ in calls[1:]) and len(calls) > 1 if slow else len(calls) == 1
+        assert torch.equal(s.read("t", np.arange(0, 5000, 3)), torch.ones(1667, 4))
 
 
 def test_sync_read_us_is_validated():

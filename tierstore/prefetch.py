@@ -55,6 +55,11 @@ from .tiers import CacheTier, is_sorted_unique, masked
 PROBE_FRACTION = 0.25
 CHUNK_SECONDS = 5e-4  # of reading a thread does between two checks for the trainer
 MAX_CHUNK = 2048
+# Rows of the first announced batch read and timed in the trainer's thread, before any
+# read-ahead: whether to read ahead is then known from the start. A read call costs
+# ~45 us beyond its rows, so a batch of fewer than FIRST_READ_MIN rows to fetch is read
+# ahead without a timed read (it would time the call, not the rows), as are all until one is timed.
+FIRST_READ_ROWS, FIRST_READ_MIN = 512, 128
 
 
 @dataclass
@@ -207,9 +212,18 @@ class Prefetcher:
         return need
 
     def reading_ahead(self) -> bool:
-        """Whether announced rows are read ahead now (PrefetchConfig.sync_read_us): until
-        a read has been timed, and while reads are slow."""
+        """Whether announced rows are read ahead now (PrefetchConfig.sync_read_us): while
+        reads are slow (and until one has been timed)."""
         return self._read_seconds is None or self._read_seconds * 1e6 >= self._config.sync_read_us
+
+    def _time_first_read(self, table: str, uid: np.ndarray, need: np.ndarray) -> None:
+        """Time a read of some rows the first announced batch will fetch (their pages are
+        then in; the rows themselves are read again where they are needed)."""
+        sample = uid[need][:: max(1, int(need.sum()) // FIRST_READ_ROWS)][:FIRST_READ_ROWS]
+        if len(sample) >= FIRST_READ_MIN and self._config.sync_read_us:
+            mark = time.perf_counter()
+            self._store._backend.get_rows(table, sample, None)
+            self.read_time(len(sample), time.perf_counter() - mark)
 
     def read_time(self, rows: int, seconds: float) -> None:
         """A step read ``rows`` rows from LMDB itself in ``seconds``: while rows are not
@@ -226,6 +240,10 @@ class Prefetcher:
         if not self.reading_ahead():  # announced only: the window pins, the step reads
             return t, uid, np.zeros(len(uid), dtype=bool), None
         need = self._uncached(t, uid)
+        if self._read_seconds is None:
+            self._time_first_read(table, uid, need)
+            if not self.reading_ahead():
+                return t, uid, np.zeros(len(uid), dtype=bool), None
         staging = self._staging(table)
         staged = None
         if staging is not None and need.any():
