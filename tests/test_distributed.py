@@ -254,18 +254,22 @@ def scenario_dead(rank, world, out):
 
 
 def scenario_cuda(rank, world, out):
+    """Row-wise Adagrad, then SGD with per-sample weights; the batches on the GPU."""
     from tierstore.distributed import ShardedEmbeddingBagCollection
 
-    module = ShardedEmbeddingBagCollection(TABLES, make_plan(world), out / "store", optimizer=OPTIMIZERS["rowwise"](),
-                                           device="cuda", **TIERS)
-    outs = []
-    for s in range(2):
-        o = module(local_batch(s, rank))
-        loss_of(o).backward()
-        outs.append({k: v.detach().cpu() for k, v in o.items()})
-    rows = {k: v.cpu() for k, v in read_all(module, rank).items()}
-    module.close()
-    return {"outs": outs, "rows": rows}
+    res = {}
+    for opt_name, weighted in (("rowwise", False), ("sgd", True)):
+        module = ShardedEmbeddingBagCollection(TABLES, make_plan(world), out / opt_name, optimizer=OPTIMIZERS[opt_name](),
+                                               device="cuda", **TIERS)
+        outs = []
+        for s in range(2):
+            batch = {k: tuple(t.cuda() for t in v) for k, v in local_batch(s, rank, weighted).items()}
+            o = module(batch)
+            loss_of(o).backward()
+            outs.append({k: v.detach().cpu() for k, v in o.items()})
+        res[opt_name] = {"outs": outs, "rows": {k: v.cpu() for k, v in read_all(module, rank).items()}}
+        module.close()
+    return res
 
 
 SCENARIOS = {"train": scenario_train, "four": scenario_four, "reshard": scenario_reshard, "dead": scenario_dead,
@@ -383,10 +387,12 @@ def test_a_dead_rank_makes_the_others_raise_and_its_flushed_rows_survive(tmp_pat
 
 @pytest.mark.gpu
 def test_one_rank_on_cuda_trains_as_the_cpu_collection(tmp_path):
-    got = launch(tmp_path / "run", "cuda", 1)[0]
-    ref_outs, ref_rows = train_single(tmp_path / "single", 1, "rowwise", steps=2)
-    for s, outs in enumerate(got["outs"]):
-        for k, v in outs.items():
-            torch.testing.assert_close(v, ref_outs[s][0][k], rtol=1e-5, atol=1e-6)
-    for k, v in got["rows"].items():
-        torch.testing.assert_close(v, ref_rows[k], rtol=1e-5, atol=1e-6)
+    result = launch(tmp_path / "run", "cuda", 1)[0]
+    for opt_name, weighted in (("rowwise", False), ("sgd", True)):
+        got = result[opt_name]
+        ref_outs, ref_rows = train_single(tmp_path / f"single-{opt_name}", 1, opt_name, steps=2, weighted=weighted)
+        for s, outs in enumerate(got["outs"]):
+            for k, v in outs.items():
+                torch.testing.assert_close(v, ref_outs[s][0][k], rtol=1e-5, atol=1e-6)
+        for k, v in got["rows"].items():
+            torch.testing.assert_close(v, ref_rows[k], rtol=1e-5, atol=1e-6)

@@ -1,13 +1,19 @@
-"""The HBM tier on CUDA: same rows and counts as the CPU store. Skipped without CUDA."""
+"""The HBM tier on CUDA: the same rows, counts and training as on the CPU.
+
+Tests parametrized over ``DEVICES`` also run on the CPU, so what they check holds
+there too; the CUDA cases (and the tests marked ``gpu``) skip without CUDA."""
 import numpy as np
 import pytest
 import torch
 
-from tierstore import RowInit, TableSpec, TieredStore
+from tierstore import LookaheadLoader, RowInit, TableSpec, TieredEmbeddingBag, TieredStore, optim
+from tierstore.trace import Trace
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
+DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
 
 
+@gpu
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_cuda_hbm_matches_cpu(tmp_path, policy):
     spec = [TableSpec("t", 5000, 16, init=RowInit.normal(0, 1, seed=2), state_dim=2)]
@@ -23,9 +29,12 @@ def test_cuda_hbm_matches_cpu(tmp_path, policy):
             w = torch.from_numpy(rng.standard_normal((len(ids), 16)).astype(np.float32))
             g.write("t", torch.from_numpy(ids).cuda(), w.cuda())
             c.write("t", ids, w)
+        g.flush()  # the rows each writer thread has committed so far depend on its timing
+        c.flush()
         assert g.stats() == c.stats()
 
 
+@gpu
 def test_cuda_all_hit_read_stays_on_device(tmp_path):
     with TieredStore(tmp_path, [TableSpec("t", 10_000, 32)], hbm_rows=10_000, device="cuda") as s:
         ids = torch.arange(10_000, device="cuda")
@@ -33,3 +42,120 @@ def test_cuda_all_hit_read_stays_on_device(tmp_path):
         out = torch.empty((10_000, 32), device="cuda")
         assert s.read("t", ids.flip(0), out=out) is out
         assert s.stats()["hbm"]["hits"] == 10_000
+
+
+@gpu
+def test_cuda_means_the_current_gpu(tmp_path):
+    """"cuda" and the default name the current device with its index, so a tensor made
+    on the GPU (always cuda:N) is a valid ``out=``."""
+    here = torch.device("cuda", torch.cuda.current_device())
+    for name, device in (("named", "cuda"), ("default", None)):
+        with TieredStore(tmp_path / name, [TableSpec("t", 100, 4)], hbm_rows=10, device=device) as s:
+            assert s.device == here and s._tables["t"].hbm.weights.device == here
+            out = torch.empty((3, 4), device="cuda")
+            assert s.read("t", torch.tensor([1, 2, 3], device="cuda"), out=out) is out
+
+
+@gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_store_on_the_second_gpu_plans_and_prefetches_there(tmp_path):
+    """Helper threads start on cuda:0; a store made while cuda:1 is current keeps every
+    tensor on cuda:1 (a read of 5,000 ids, most of them misses, is planned on a thread)."""
+    spec = [TableSpec("t", 20_000, 8, init=RowInit.normal(0, 1, seed=3))]
+    with torch.cuda.device(1):
+        with TieredStore(tmp_path / "gpu", spec, hbm_rows=256, ddr_rows=1024, device="cuda") as g, \
+             TieredStore(tmp_path / "cpu", spec, hbm_rows=256, ddr_rows=1024, device="cpu") as c:
+            assert g.device == torch.device("cuda", 1)
+            rng = np.random.default_rng(1)
+            for n in (200, 5000, 300):
+                ids = rng.integers(0, 20_000, n)
+                g.prefetch("t", ids).wait()
+                a = g.read("t", torch.from_numpy(ids).to(g.device))
+                assert a.device == g.device and torch.equal(a.cpu(), c.read("t", ids))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("hbm_rows, ddr_rows", [(64, 128), (0, 128)])
+def test_hashed_ids_read_and_write_as_on_a_store_with_no_tiers(tmp_path, device, hbm_rows, ddr_rows):
+    """An unbounded table (a hash index on the tier's device), ids given on that device,
+    calls larger than the tiers, and a call of 5,000 ids that mostly miss with some hits
+    (its plan is made on a helper thread): the rows of a store that keeps none cached."""
+    spec = [TableSpec("t", None, 8, init=RowInit.normal(0, 1, seed=4))]
+    pool = np.random.default_rng(2).choice(1 << 62, 6_000, replace=False).astype(np.int64)
+    rng = np.random.default_rng(3)
+    with TieredStore(tmp_path / "s", spec, hbm_rows=hbm_rows, ddr_rows=ddr_rows, device=device) as s, \
+         TieredStore(tmp_path / "ref", spec, device="cpu") as ref:
+        for n in (50, 300, 40, 5_000, 100):
+            ids = pool[rng.integers(0, 6_000 if n == 5_000 else 400, n)]
+            got = s.read("t", torch.from_numpy(ids).to(device))
+            assert got.device == s.device and torch.equal(got.cpu(), ref.read("t", ids))
+            values = torch.from_numpy(rng.standard_normal((n, 8)).astype(np.float32))
+            s.write("t", torch.from_numpy(ids).to(device), values.to(device))
+            ref.write("t", ids, values)
+        every = np.unique(pool)
+        assert torch.equal(s.read("t", every).cpu(), ref.read("t", every))
+
+
+def _train(path, device, opt, mode, dtype, hbm_rows, ddr_rows, depth, steps=12):
+    g = torch.Generator().manual_seed(5)
+    batches = []
+    for _ in range(steps):
+        ids = (torch.rand(96, generator=g) ** 3 * 600).long()  # skewed: hot rows recur, cold ones come and go
+        batches.append((ids.to(device), torch.arange(0, 96, 8, device=device)))
+    emb = TieredEmbeddingBag(600, 8, mode=mode, path=path, hbm_rows=hbm_rows, ddr_rows=ddr_rows, device=device,
+                             optimizer=opt(), dtype=dtype, init=RowInit.normal(0, 0.5, seed=6))
+    loader = LookaheadLoader(batches, emb, depth=depth) if depth else batches
+    for ids, offsets in loader:
+        out = emb(ids, offsets)
+        assert out.device == emb.store.device  # whichever tier held the rows
+        (out * torch.linspace(-1, 1, 8, device=out.device)).pow(2).sum().backward()
+    rows = emb.store.read(emb.table, torch.arange(600), with_state=True).cpu()
+    emb.close()
+    return rows
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("opt, mode, dtype", [
+    (lambda: optim.SGD(lr=0.1), "sum", "float32"),
+    (lambda: optim.Adagrad(lr=0.1), "mean", "float32"),
+    (lambda: optim.RowWiseAdagrad(lr=0.1), "sum", "float32"),
+    (lambda: optim.Adam(lr=0.05), "max", "float32"),
+    (lambda: optim.SGD(lr=0.1), "max", "float32"),
+    (lambda: optim.RowWiseAdagrad(lr=0.1), "mean", "float16"),
+], ids=["sgd-sum", "adagrad-mean", "rowwise-sum", "adam-max", "sgd-max", "rowwise-mean-fp16"])
+def test_training_gives_the_same_bits_whatever_the_tiers(tmp_path, device, opt, mode, dtype):
+    """Rows all in the top tier (updated in place), rows through LMDB, a table with no
+    HBM tier (on a GPU store: read up to the GPU, not pooled on the host), prefetch:
+    the same bits. On a GPU, close to the CPU's (its kernels may round differently)."""
+    runs = [_train(tmp_path / f"r{i}", device, opt, mode, dtype, hbm, ddr, depth)
+            for i, (hbm, ddr, depth) in enumerate([(1000, 0, 0), (16, 32, 0), (0, 32, 0), (16, 32, 2)])]
+    for rows in runs[1:]:
+        assert torch.equal(rows, runs[0])
+    if device == "cuda":
+        torch.testing.assert_close(runs[0], _train(tmp_path / "cpu", "cpu", opt, mode, dtype, 16, 32, 0), rtol=1e-5, atol=1e-6)
+
+
+@gpu
+def test_a_gather_queued_on_a_side_stream_sees_the_rows_before_a_later_write(tmp_path):
+    """A read on another CUDA stream is only queued when it returns; the write that
+    follows (on the default stream) waits for it on the GPU, not only on the host."""
+    with TieredStore(tmp_path, [TableSpec("t", 1000, 16)], hbm_rows=1000, device="cuda") as s:
+        ids = torch.arange(1000, device="cuda")
+        before = torch.randn(1000, 16, device="cuda")
+        s.write("t", ids, before)
+        s.read("t", ids)  # all in the HBM tier now: the next read gathers outside the lock
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # the gather waits on the GPU behind this
+            got = s.read("t", ids)
+        s.write("t", ids, torch.zeros(1000, 16, device="cuda"))
+        torch.cuda.synchronize()
+        assert torch.equal(got, before)
+
+
+@gpu
+def test_a_trace_records_ids_given_on_the_gpu(tmp_path):
+    with TieredStore(tmp_path / "s", [TableSpec("t", 100, 4)], hbm_rows=10, device="cuda", record_trace=tmp_path / "trace") as s:
+        s.read("t", torch.tensor([5, 3, 5], device="cuda"))
+        s.read("t", torch.tensor([7], device="cuda"))
+    assert [ids.tolist() for _, _, ids in Trace.load(tmp_path / "trace").calls()] == [[5, 3, 5], [7]]

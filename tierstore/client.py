@@ -75,7 +75,7 @@ from .eviction import make_policy
 from .prefetch import PrefetchGroup, PrefetchTicket
 from .precision import DTYPES
 from .spec import TableSpec
-from .store import TieredStore
+from .store import TieredStore, resolve_device
 from .tiers import CacheTier, first_uses, last_values
 
 Claim = str | tuple[str, int, int]
@@ -141,7 +141,7 @@ class DaemonStore(TieredStore):
         self._ranges: dict[str, list[tuple[int, int]]] = {}
         for t, lo, hi in claims:
             self._ranges.setdefault(t, []).append((lo, hi))
-        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(device)
         self.timeout = float(timeout)
         self._limits = limits or wire.Limits()
         self._lock = threading.RLock()  # one request in flight per connection; the HBM tiers

@@ -56,7 +56,7 @@ from .precision import round_stochastic
 from .prefetch import PrefetchGroup
 from .sharding import PlanMismatchError, Shard, ShardingPlan, TablePlan
 from .spec import TableSpec
-from .store import Sizes, TieredStore
+from .store import Sizes, TieredStore, resolve_device
 
 __all__ = ["PlanMismatchError", "RankFailedError", "Shard", "ShardedEmbeddingBagCollection", "ShardingPlan",
            "TablePlan", "plan"]
@@ -319,7 +319,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                            hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device,
                                            registry=registry, name=f"{self.path}/rank-{self.rank}")
             self.local_store.metrics.add_labels(rank=str(self.rank))
-        self.device = torch.device(device) if device is not None else (
+        self.device = resolve_device(device) if device is not None else (
             self.local_store.device if self.local_store is not None else torch.device("cpu"))
         self.store = _Announcer(self)
         self.lookups = {"sent": 0, "served": 0, "steps": 0}
@@ -449,7 +449,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                   "by rank); run forward under torch.no_grad() on every rank or on none")
         weights = self._fetch(segs, names, False, self._comm_dtype)
         self.lookups["steps"] += 1
-        step = _Step(list(bags), bags, {n: None if p is None else b.select(p.detach().reshape(-1)) for (n, b), p in
+        step = _Step(list(bags), bags, {n: None if p is None else b.select(p.detach().reshape(-1).cpu()) for (n, b), p in
                                         zip(bags.items(), psws.values())},
                      segs, {n: agreed[:, 1 + i].bool().tolist() for i, n in enumerate(names)}, weights)
         anchor = torch.empty(0, requires_grad=True) if train else None

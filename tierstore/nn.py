@@ -264,11 +264,13 @@ def _row_grads(mode: str, bags: _Bags, rows: _Rows, grad_out: torch.Tensor, psw,
     U, dim = len(rows.uid), grad_out.shape[1]
     dev = grad_out.device
     if mode == "max":
-        # the row that gave each (bag, column) its maximum gets that column's gradient
-        g = torch.zeros(U * dim, dtype=grad_out.dtype, device=dev)
+        # the row that gave each (bag, column) its maximum gets that column's gradient, summed
+        # in bag order: a stable sort and a bag sum (index_add_ adds in no fixed order on CUDA)
         nonempty = (bags.sizes > 0).to(dev)
-        flat = (max_idx[nonempty] * dim + torch.arange(dim, device=dev)).reshape(-1)
-        g.index_add_(0, flat, grad_out[nonempty].reshape(-1))
+        flat, order = torch.sort((max_idx[nonempty] * dim + torch.arange(dim, device=dev)).reshape(-1), stable=True)
+        at, counts = torch.unique_consecutive(flat, return_counts=True)
+        g = torch.zeros(U * dim, dtype=grad_out.dtype, device=dev)
+        g[at] = _sum_rows(grad_out[nonempty].reshape(-1, 1), order, counts, None).squeeze(1)
         return g.reshape(U, dim)
     # sum/mean: the transpose of the forward, itself a bag sum: row u's bag is the
     # list of bags its entries fall in, in the order of _Rows. That is the order

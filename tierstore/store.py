@@ -82,16 +82,26 @@ class StoreConfig:
                 if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or rows < 0:
                     raise ValueError(f"{name} for {table} must be an int >= 0 (0 = no such tier), got {rows!r}")
         make_policy(self.policy)  # raises on unknown names
-        if self.device is None:
-            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = torch.device(self.device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' but CUDA is not available; pass device='cpu'")
+        self.device = resolve_device(self.device)
 
     def rows_for(self, name: str, table: str) -> int:
         value = getattr(self, name)
         return int(value.get(table, 0)) if isinstance(value, Mapping) else int(value)
 
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The HBM tier's device: CUDA when there is one, and "cuda" as the device current
+    now, index included. Threads start on device 0, so tensors the store's threads make
+    for "cuda" would land on cuda:0 beside tiers on cuda:k; and cuda:0 != cuda, so a
+    caller's ``out=`` would never match."""
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but CUDA is not available; pass device='cpu'")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _check_has_values(t: torch.Tensor, what: str, spec: TableSpec) -> None:
@@ -151,9 +161,12 @@ class TieredStore:
         # All-resident reads gather outside the lock, so that several readers
         # (the daemon's clients) gather at once. Whoever overwrites tier rows
         # first waits, holding the lock, until no such gather is in flight;
-        # holding it means no new one starts meanwhile.
+        # holding it means no new one starts meanwhile. On a GPU a gather is done
+        # once queued on its stream: a writer's stream also waits for the last
+        # gather queued on each other stream.
         self._gathers = 0
         self._gathers_done = threading.Condition(threading.Lock())
+        self._gather_events: dict = {}  # CUDA stream -> event after its last gather
         self._closed = False
         # without tables= nothing is created: a mistyped path fails, leaving nothing behind
         self._backend = LmdbBackend(self.path, readonly=readonly, map_size=map_size, create=bool(tables))
@@ -491,8 +504,11 @@ class TieredStore:
             t = self._table(table)
             self._reap()
             self._prefetcher.check(table)
-            hit = None
-            if len(ids):
+            hit, top = None, t.hbm or t.ddr
+            # a module computes on the store's device, whatever tier holds the rows: a table
+            # with no HBM tier on a CUDA store is read (its rows go up), so its output and its
+            # update do not move between the GPU and the host with the tier sizes
+            if len(ids) and top is not None and top.device == self.device:
                 hit = t.use_top_tier(ids) or (t.admit(ids) if admit else None)
             if hit is not None:
                 self._gathers += 1
@@ -540,14 +556,26 @@ class TieredStore:
             return t.reread(uid.cpu()).to(self.device)
 
     def _gather_done(self) -> None:
+        event = stream = None
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            event = stream.record_event()
         with self._gathers_done:
             self._gathers -= 1
+            if event is not None:
+                self._gather_events[stream] = event
             self._gathers_done.notify_all()
 
     def _await_gathers(self) -> None:
         """Called with the lock held before tier rows are overwritten."""
         with self._gathers_done:
             self._gathers_done.wait_for(lambda: self._gathers == 0)
+            events = dict(self._gather_events)  # kept: every writer's stream waits for them
+        if events:
+            writer = torch.cuda.current_stream(self.device)
+            for stream, event in events.items():
+                if stream != writer:  # one stream runs in order
+                    writer.wait_event(event)
 
     # -- validation --------------------------------------------------------------------
     def _check_open(self) -> None:

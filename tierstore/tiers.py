@@ -64,7 +64,8 @@ class CacheTier:
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Slot of each id on this tier's device, -1 where absent."""
-        return self.index.lookup(ids.to(self.device, non_blocking=True))
+        # non-blocking only to a GPU: a copy to the host would be read before it lands
+        return self.index.lookup(ids.to(self.device, non_blocking=ids.device.type == "cpu"))
 
     def occupied_except(self, slots: torch.Tensor) -> torch.Tensor:
         """Occupied slots not in ``slots``."""

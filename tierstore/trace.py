@@ -349,7 +349,7 @@ class TraceRecorder:
         """Append one read call (ids: a 1-D integer tensor or array, already validated)."""
         if self.closed:
             raise RuntimeError(f"trace recorder for {self.path} is closed")
-        arr = ids.numpy() if hasattr(ids, "numpy") else np.asarray(ids)
+        arr = ids.cpu().numpy() if hasattr(ids, "numpy") else np.asarray(ids)
         if len(arr) == 0:
             return
         idx = self._index.get(table)
