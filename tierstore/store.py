@@ -556,15 +556,12 @@ class TieredStore:
             return t.reread(uid.cpu()).to(self.device)
 
     def _gather_done(self) -> None:
-        event = stream = None
-        if self.device.type == "cuda":
-            stream = torch.cuda.current_stream(self.device)
-            event = stream.record_event()
         with self._gathers_done:
             self._gathers -= 1
-            if event is not None:
-                self._gather_events[stream] = event
-            self._gathers_done.notify_all()
+            self._gathers_done.notify_all()  # a waiter goes on once this block is left
+            if self.device.type == "cuda":
+                stream = torch.cuda.current_stream(self.device)
+                self._gather_events[stream] = stream.record_event()
 
     def _await_gathers(self) -> None:
         """Called with the lock held before tier rows are overwritten."""
