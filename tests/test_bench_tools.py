@@ -2,6 +2,8 @@
 import threading
 import time
 
+import pytest
+
 from tierstore.tools import bench_prefetch
 
 
@@ -95,3 +97,17 @@ def test_evict_bench_reads_evict_and_prints_each_setting(tmp_path, capsys):
     for setting in ("lru, eviction=policy", "lfu, eviction=policy", "lru, eviction=lookahead"):
         assert setting in out
     assert "worst setting" in out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bench_read_train_and_peers_run_where_they_are_told(device, capsys, tmp_path):
+    """`tierstore bench read/train/peers --device`: on a GPU both sides run there (the
+    store's HBM tier holds the rows); tiny sizes, so only that they run and check themselves."""
+    from tierstore.tools import cli
+
+    small = ["--rows", "20000", "--batch", "2048", "--repeat", "2", "--dir", str(tmp_path), "--device", device]
+    for bench in ("read", "train", "peers"):
+        assert cli.main(["bench", bench, *small]) == 0
+    out = capsys.readouterr().out
+    assert out.replace(":0", "").count(f"device={device}") == 3
+    assert out.count("HBM misses while timed 0;") == 2  # SGD and Adagrad: the working rows stayed resident

@@ -41,7 +41,7 @@ def register(sub) -> None:
     p.add_argument("--dim", type=int, default=128, help="embedding dim")
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="ids per read")
     p.add_argument("--repeat", type=int, default=15, help="timed repetitions (median reported)")
-    p.add_argument("--device", default="cpu", help="HBM device for the read bench (cuda puts every row in HBM)")
+    p.add_argument("--device", default="cpu", help="HBM device for the read, train and peers benches (cuda puts every row in HBM)")
     p.add_argument("--dir", default=None, help="directory for bench stores (default: a temporary one)")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--rounds", type=int, default=None, help="cold runs per setting (prefetch; default 7)")

@@ -26,7 +26,8 @@ ALPHA = 1.05
 def _args(args: argparse.Namespace) -> dict:
     g = lambda name, default: getattr(args, name, None) or default  # noqa: E731
     return {"rows": g("rows", 1_000_000), "dim": g("dim", 128), "batch": g("batch", 65_536), "repeat": g("repeat", 15),
-            "seed": getattr(args, "seed", 0) or 0, "dir": getattr(args, "dir", None), "pooling": g("pooling", POOLING)}
+            "seed": getattr(args, "seed", 0) or 0, "dir": getattr(args, "dir", None), "pooling": g("pooling", POOLING),
+            "device": torch.device(g("device", "cpu"))}
 
 
 def run(args: argparse.Namespace) -> None:
@@ -42,15 +43,18 @@ def _run(args: argparse.Namespace) -> None:
     from tierstore.tools.demo import ZipfIds
 
     p = _args(args)
-    rows, dim, pooling = p["rows"], p["dim"], p["pooling"]
+    rows, dim, pooling, device = p["rows"], p["dim"], p["pooling"], p["device"]
     bags = max(1, p["batch"] // pooling)
     gen = torch.Generator().manual_seed(p["seed"])
     zipf = ZipfIds(rows, ALPHA, gen)
-    offsets = torch.arange(bags) * pooling
     batches = [zipf.sample(bags * pooling, gen) for _ in range(N_BATCHES)]
-    grads = [torch.randn(bags, dim, generator=gen) for _ in range(N_BATCHES)]  # d loss / d pooled, fixed per batch
     working = torch.unique(torch.cat(batches))
     unique_per_batch = statistics.mean(len(torch.unique(b)) for b in batches)
+    # on a GPU both sides train there: the in-memory table on it, tierstore's HBM tier holding the working rows
+    offsets = (torch.arange(bags) * pooling).to(device)
+    batches = [b.to(device) for b in batches]
+    grads = [torch.randn(bags, dim, generator=gen).to(device) for _ in range(N_BATCHES)]  # d loss / d pooled, fixed per batch
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     checks = []
 
     threads = torch.get_num_threads()
@@ -63,10 +67,10 @@ def _run(args: argparse.Namespace) -> None:
         with tempfile.TemporaryDirectory(prefix="tierstore-bench-train-", dir=p["dir"]) as d:
             spec_init = tierstore.RowInit()  # zeros, so the in-memory table starts equal without copying it
             emb = tierstore.TieredEmbeddingBag(rows, dim, mode="sum", path=d, hbm_rows=len(working) + 1024,
-                                               optimizer=ours(lr=lr), init=spec_init, device="cpu")
+                                               optimizer=ours(lr=lr), init=spec_init, device=device)
             for chunk in working.split(1 << 18):  # make the working rows resident
                 emb.store.read(emb.table, chunk)
-            base = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)
+            base = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, device=device)
             torch.nn.init.zeros_(base.weight)
             base_opt = theirs(base.parameters(), lr=lr)
             misses0 = emb.store.stats()["hbm"]["misses"]
@@ -89,12 +93,13 @@ def _run(args: argparse.Namespace) -> None:
                         for fn, times in ((step_base, t_base), (step_tiered, t_tier)):
                             t0 = time.perf_counter()
                             fn(i)
+                            sync()
                             times.append(time.perf_counter() - t0)
                     results.append((name, n_threads, statistics.median(t_base[warmup:]), statistics.median(t_tier[warmup:])))
             finally:
                 torch.set_num_threads(threads)
             misses = emb.store.stats()["hbm"]["misses"] - misses0
-            diff = (emb.store.read(emb.table, working) - base.weight.detach()[working]).abs().max().item()
+            diff = (emb.store.read(emb.table, working).cpu() - base.weight.detach()[working.to(device)].cpu()).abs().max().item()
             checks.append(f"{name}: HBM misses while timed {misses}; max |tiered - in-memory| over trained rows {diff:.1e}")
             emb.close()
             del base, base_opt
@@ -112,7 +117,7 @@ def _run(args: argparse.Namespace) -> None:
     sgd = {n: tb / tt for name, n, tb, tt in results if name == "SGD"}
     report(
         "train: one step (forward, backward, fused update), working rows resident",
-        {"rows": rows, "dim": dim, "bags": bags, "pooling": pooling, "zipf alpha": ALPHA,
+        {"rows": rows, "dim": dim, "bags": bags, "pooling": pooling, "zipf alpha": ALPHA, "device": device,
          "unique ids/batch": f"{unique_per_batch:.0f}", "working set": len(working),
          "ratios at 1 thread": ", ".join(f"{name} {tb / tt:.2f}x" for name, n, tb, tt in results if n == 1)},
         lines,
@@ -130,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", default=None)
+    parser.add_argument("--device", default="cpu", help="where both sides train (cuda: tierstore's HBM tier)")
     run(parser.parse_args(argv))
     return 0
 
