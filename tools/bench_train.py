@@ -58,7 +58,7 @@ def _run(args: argparse.Namespace) -> None:
     checks = []
 
     threads = torch.get_num_threads()
-    settings = [threads] + ([1] if threads > 1 else [])  # intra-op threads; both sides always use the same
+    settings = [threads] + ([1] if threads > 1 and device.type == "cpu" else [])  # intra-op threads; both sides always use the same
     results = []
     for name, ours, theirs, lr in (
         ("SGD", tierstore.optim.SGD, torch.optim.SGD, 0.01),
