@@ -97,3 +97,36 @@ def test_what_the_kernels_cannot_do_is_refused_before_anything_changes(tmp_path,
         tierstore.TieredEmbeddingBag(ROWS, DIM, path=tmp_path, device="cpu", **kwargs)
     with tierstore.TieredStore(tmp_path, [tierstore.TableSpec("other", 10, 2)], device="cpu") as s:  # not left locked
         assert "t0" not in s.tables or s.tables["t0"].dim == DIM
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_float16_sums_pooled_by_fbgemm_equal_the_upcast_rows_pooled(tmp_path, monkeypatch, weighted):
+    """With FBGEMM installed, a resident forward of float16 rows with sum pooling pools
+    the tier's half rows in place (whatever the kernels): the outputs and the trained
+    rows equal, bit for bit, those of upcasting the batch's rows and pooling them
+    (FBGEMM not used) and those of the read path (rows through LMDB)."""
+    from tierstore import fbgemm
+
+    pooled_by_fbgemm = []
+    real = fbgemm.pool_half_sum
+    monkeypatch.setattr(fbgemm, "pool_half_sum", lambda *a: pooled_by_fbgemm.append(1) or real(*a))
+    runs = {}
+    for name, tiers, use_fbgemm in (("fbgemm", dict(hbm_rows=ROWS), True), ("upcast", dict(hbm_rows=ROWS), False),
+                                    ("read", dict(hbm_rows=4, ddr_rows=8), True)):
+        monkeypatch.setattr(fbgemm, "installed", lambda: use_fbgemm)
+        emb = tierstore.TieredEmbeddingBag(ROWS, DIM, mode="sum", path=tmp_path / name, dtype="float16", **tiers,
+                                           optimizer=tierstore.optim.RowWiseAdagrad(lr=0.3), device="cpu",
+                                           init=tierstore.RowInit.normal(0, 1, seed=3))
+        outs, before = [], len(pooled_by_fbgemm)
+        for ids, offsets, psw, target in batches(12, weighted):
+            out = emb(ids, offsets, per_sample_weights=psw)
+            outs.append(out.detach().clone())
+            (out * target).sum().backward()
+        with torch.no_grad():  # forward only: the lookup
+            outs += [emb(ids, offsets, per_sample_weights=psw) for ids, offsets, psw, _ in batches(4, weighted)]
+        runs[name] = (outs, emb.store.read(emb.table, torch.arange(ROWS), with_state=True), len(pooled_by_fbgemm) - before)
+        emb.close()
+    assert runs["fbgemm"][2] > 0 and runs["upcast"][2] == 0  # which way each run pooled
+    for name in ("upcast", "read"):
+        assert all(torch.equal(a, b) for a, b in zip(runs["fbgemm"][0], runs[name][0])), name
+        assert torch.equal(runs["fbgemm"][1], runs[name][1]), name

@@ -13,8 +13,15 @@ path by the order the kernel rounds in (see the README).
 
 Needs fbgemm_gpu (``pip install "tierstore[fbgemm]"``); CPU tiers, float32 rows,
 SGD, Adagrad and row-wise Adagrad, sum and mean pooling.
+
+Where FBGEMM is installed, whatever the kernels, a resident forward of float16 rows
+with sum pooling also pools with FBGEMM's forward (``pool_half_sum``): it reads the
+half rows in place and adds them in float32 in entry order, the same bits as
+upcasting the batch's rows and pooling them, without the sort and the copies.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -32,6 +39,28 @@ def _ops():
     except ImportError as e:
         raise ImportError(f'kernels="fbgemm" needs FBGEMM: {INSTALL}') from e
     return torch.ops.fbgemm
+
+
+@functools.cache
+def installed() -> bool:
+    try:
+        _ops()
+    except ImportError:
+        return False
+    return True
+
+
+def pool_half_sum(weights: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor,
+                  per_sample_weights: torch.Tensor | None) -> torch.Tensor:
+    """Float32 sums of bags ``offsets`` (B + 1 of them, the last the number of entries)
+    over rows ``index`` of float16 ``weights`` [n, dim] (contiguous, on the CPU)."""
+    n, dim = weights.shape
+    if per_sample_weights is None:  # an empty tensor here crashes the kernel; x * 1 is exact
+        per_sample_weights = torch.ones(len(index))
+    return _ops().split_embedding_codegen_forward_cpu(
+        weights.view(-1), torch.zeros(1, dtype=torch.int64), torch.tensor([0, dim], dtype=torch.int32), dim,
+        torch.tensor([0, n], dtype=torch.int64), index, offsets, _POOLING["sum"], per_sample_weights, 0,
+    ).view(-1, dim)
 
 
 def check(optimizer: RowOptimizer | None, mode: str, dtype: str, device: torch.device) -> None:

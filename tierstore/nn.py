@@ -154,7 +154,10 @@ class _Bags:
 
     def pool(self, weights: torch.Tensor, index: torch.Tensor, mode: int,
              psw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pooled bags, max_idx) from ``weights``, entry j being row ``index[j]``."""
+        """(pooled bags, max_idx) from ``weights``, entry j being row ``index[j]``;
+        float16 weights only where FBGEMM sums them (TieredEmbeddingBag._run)."""
+        if weights.dtype == torch.float16:
+            return fbgemm.pool_half_sum(weights, index, self.ends(), psw), None
         dev = weights.device
         out, _, _, max_idx = torch.embedding_bag(weights, index.to(dev), self.offsets.to(dev), False, mode, False, psw, False, None)
         return out, max_idx
@@ -610,7 +613,11 @@ class TieredEmbeddingBag(nn.Module):
                 if hit is not None:
                     bags.admitted = self._admitted(bags) if train else None
                     weights, index = hit.tier.weights, hit.slots
-                    if weights.dtype != torch.float32:  # pool in float32, as from rows read: gather the rows once
+                    # pool in float32, as from rows read: FBGEMM sums float16 rows so in place;
+                    # else the batch's rows are gathered once and upcast
+                    fbgemm_sums = weights.dtype == torch.float16 and self.config.mode == "sum" and \
+                        weights.device.type == "cpu" and fbgemm.installed()
+                    if weights.dtype != torch.float32 and not fbgemm_sums:
                         weights = weights.index_select(0, hit.slots.index_select(0, bags.rows.firsts().to(hit.slots.device))).to(torch.float32)
                         index = bags.rows.positions()
                     return _TieredBagFunction.apply(anchor, per_sample_weights, weights, index, None,
