@@ -226,8 +226,8 @@ class Prefetcher:
             self.read_time(len(sample), time.perf_counter() - mark)
 
     def read_time(self, rows: int, seconds: float) -> None:
-        """A step read ``rows`` rows from LMDB itself in ``seconds``: while rows are not
-        read ahead, how the step's reads go says when to start again."""
+        """A thread read ``rows`` rows from LMDB in ``seconds`` (a fetch, or the step itself:
+        while rows are not read ahead, how the step's reads go says when to start again)."""
         if rows:
             self._read_seconds = _smoothed(self._read_seconds, seconds / rows, weight=0.5)
 
@@ -237,13 +237,12 @@ class Prefetcher:
         t = self._store._table(table)
         ids = self._store._as_ids(t.spec, ids).cpu()
         uid = (ids if is_sorted_unique(ids) else torch.unique(ids)).numpy()
+        if self.reading_ahead():
+            need = self._uncached(t, uid)
+            if self._read_seconds is None:
+                self._time_first_read(table, uid, need)
         if not self.reading_ahead():  # announced only: the window pins, the step reads
             return t, uid, np.zeros(len(uid), dtype=bool), None
-        need = self._uncached(t, uid)
-        if self._read_seconds is None:
-            self._time_first_read(table, uid, need)
-            if not self.reading_ahead():
-                return t, uid, np.zeros(len(uid), dtype=bool), None
         staging = self._staging(table)
         staged = None
         if staging is not None and need.any():
@@ -346,7 +345,7 @@ class Prefetcher:
         with self._store._lock:
             if error is None:
                 self._row_seconds = _smoothed(self._row_seconds, seconds / len(ids))
-                self._read_seconds = _smoothed(self._read_seconds, seconds / len(ids), weight=0.5)
+                self.read_time(len(ids), seconds)
             table = ticket.table
             self._reserved[table] -= len(ids)
             began = self._inflight.pop(ticket.step)

@@ -264,10 +264,11 @@ def bench_steps(args) -> None:
                     moved_before, served_before = _rows_moved(emb.store.stats()), emb.store.prefetch_stats()["tables"]["t0"]["served_rows"]
                     ms, cpu = _step_ms(step, data, depth)
                     runs.append(ms)
-                    after = emb.store.prefetch_stats()["tables"]["t0"]
+                    prefetch = emb.store.prefetch_stats()
+                    after = prefetch["tables"]["t0"]
                     stats.update(after, served_rows=after["served_rows"] - served_before)  # shrunk_steps: this loader's
                     moved = _rows_moved(emb.store.stats()) - moved_before
-                    reading.append(emb.store.prefetch_stats()["reading_ahead"])
+                    reading.append(prefetch["reading_ahead"])
                     emb.store.close()
                     residents.append(resident_step())
                     ratios.append(runs[-1] / statistics.mean(residents[-2:]))
