@@ -22,9 +22,19 @@ training TieredEmbeddingBagCollection on the concatenated global batch (rank
   gradients and keeps the row's accumulator itself; partial sums of squares
   combined across shards would round differently from the single process.
 
-Every collective step begins with an exchange of an ok/error flag: bad input on
-one rank raises its own named error there (BagIndexError, KeyError, ...) and
-RankFailedError naming it on the others, before any row moves. Work between
+Every collective call begins with one all_gather of a fixed-size header: the
+call (an op code and its argument: table, with_state, training or not, the
+forward a backward belongs to), a hash of the settings that shape the messages
+(plan, tables, optimizer, comm_dtype, mode; also compared one by one at
+construction: SettingsMismatchError), an ok/error flag and the id count. The
+header is the same size whatever was called, so ranks that call different
+collectives compare their calls (RankFailedError naming each rank's call, on
+every rank) instead of handing gloo messages of different sizes, which aborts
+the process. Bad input on one rank raises its own named error there
+(BagIndexError, KeyError, ...) and RankFailedError naming it on the others,
+before any row moves. A rank whose training forward had no outputs (an empty
+batch, ``{}``) has nothing to run backward through: it takes part in the
+others' backward from the header of its next collective call. Work between
 collectives that may fail on one rank (the owners' store reads, a write,
 flush, checkpoint) is followed by such an exchange too, so no rank waits in a
 collective that a failed rank never enters. A collective that fails (a dead
@@ -36,6 +46,7 @@ at their next collective (RankFailedError once the rank exits, or the timeout).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 import os
@@ -58,17 +69,48 @@ from .sharding import PlanMismatchError, Shard, ShardingPlan, TablePlan
 from .spec import TableSpec
 from .store import Sizes, TieredStore, resolve_device
 
-__all__ = ["PlanMismatchError", "RankFailedError", "Shard", "ShardedEmbeddingBagCollection", "ShardingPlan",
-           "TablePlan", "plan"]
+__all__ = ["PlanMismatchError", "RankFailedError", "SettingsMismatchError", "Shard", "ShardedEmbeddingBagCollection",
+           "ShardingPlan", "TablePlan", "plan"]
 
 COMM_DTYPES = {None: torch.float32, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_COMM_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _MAX_MESSAGE = 2048  # bytes of an error message sent to the other ranks
 _RESHARD_CHUNK = 1 << 16  # rows moved at once when resharding a checkpoint
 
 
 class RankFailedError(RuntimeError):
-    """Another rank failed this collective step (named in the message), or the
-    collective itself failed: a rank died or did not answer within the timeout."""
+    """Another rank failed this collective step (named in the message), the ranks
+    called different collectives (each rank's call named), or the collective itself
+    failed: a rank died or did not answer within the timeout."""
+
+
+class SettingsMismatchError(PlanMismatchError):
+    """A setting that shapes the ranks' messages (tables, optimizer, comm_dtype, mode)
+    differs between the ranks constructing a sharded collection."""
+
+
+class _Op(enum.IntEnum):
+    """What a collective call is: the header's first field."""
+
+    INIT = 1
+    FORWARD = 2
+    BACKWARD = 3
+    READ = 4
+    WRITE = 5
+    FLUSH = 6
+    CHECKPOINT = 7
+    CLOSE = 8
+    ANNOUNCE = 9
+    # the ok/error exchanges inside a call, after work that may fail on one rank
+    FETCHED = 10
+    WRITTEN = 11
+    FLUSHED = 12
+    SAVED = 13
+    RESTORED = 14
+
+
+# the header's fields after the message length: every rank all-gathers the same 6 int64s per call
+_OP, _ARG, _SETTINGS, _PENDING, _TOTAL = range(1, 6)
 
 
 class _Comm:
@@ -96,12 +138,14 @@ class _Comm:
         self._run("all_gather", lambda: dist.all_gather(out, t, group=self.group))
         return [o.cpu() for o in out]
 
-    def agree(self, error: BaseException | None, values: Sequence[int]) -> torch.Tensor:
-        """Tell every rank whether this one failed, with ``values``; [world, len(values)].
+    def header(self, error: BaseException | None, fields: Sequence[int]) -> torch.Tensor:
+        """Every rank's [message length, *fields], [world, 1 + len(fields)]: ``fields`` must
+        have the same length on every rank whatever it calls (gloo aborts on a size mismatch)."""
+        return torch.stack(self.all_gather(torch.tensor([len(_message(error)), *fields], dtype=torch.int64)))
 
-        Raises ``error`` on the failing rank and RankFailedError naming it on the others."""
-        msg = b"" if error is None else f"{type(error).__name__}: {error}".encode()[:_MAX_MESSAGE]
-        got = torch.stack(self.all_gather(torch.tensor([len(msg), *values], dtype=torch.int64)))
+    def raise_failures(self, error: BaseException | None, got: torch.Tensor) -> None:
+        """After ``header``: raise ``error`` on a failing rank and RankFailedError naming it on the others."""
+        msg = _message(error)
         if bool(got[:, 0].any()):
             buf = torch.zeros(int(got[:, 0].max()), dtype=torch.uint8)
             if msg:
@@ -112,7 +156,6 @@ class _Comm:
             failed = [f"rank {r} failed: {bytes(texts[r][:n].tolist()).decode(errors='replace')}"
                       for r, n in enumerate(got[:, 0].tolist()) if n]
             raise RankFailedError("; ".join(failed) + f" (the step is aborted on rank {self.rank} too; nothing changed)")
-        return got[:, 1:]
 
     def gather_ids(self, local: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
         """Every rank's ids (``lengths`` agreed beforehand)."""
@@ -130,8 +173,14 @@ class _Comm:
                                                                group=self.group))
         return list(out.cpu().split(list(recv_bytes)))
 
-    def barrier(self, what: str) -> None:
-        self._run(what, lambda: dist.barrier(group=self.group))
+
+def _digest(text: str) -> int:
+    """56 bits of the text's SHA-256: a non-negative int64."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+def _message(error: BaseException | None) -> bytes:
+    return b"" if error is None else f"{type(error).__name__}: {error}".encode()[:_MAX_MESSAGE]
 
 
 class _Reader:
@@ -209,6 +258,7 @@ class _Step:
     segs: dict[str, list[torch.Tensor]]  # per table of the plan: every rank's used ids
     psw_from: dict[str, list[bool]]  # per table: which ranks send per-sample weights
     weights: dict[str, torch.Tensor]  # rows each bag was pooled from
+    number: int  # which forward of the module (the same on every rank)
 
 
 class _Announcer:
@@ -267,9 +317,12 @@ class _ShardedBagFunction(torch.autograd.Function):
 class ShardedEmbeddingBagCollection(nn.Module):
     """TieredEmbeddingBagCollection with its tables sharded over a process group by ``plan``.
 
-    Every rank constructs it with the same tables and plan (compared at
-    construction: PlanMismatchError) and calls forward/backward, read, write,
-    flush, checkpoint and close in the same order: they are collectives.
+    Every rank constructs it with the same tables, plan, optimizer, comm_dtype
+    and mode (compared at construction: PlanMismatchError, SettingsMismatchError)
+    and calls forward/backward, read, write, flush, checkpoint and close in the
+    same order: they are collectives (ranks that call different ones raise
+    RankFailedError). A rank whose training forward got no features (``{}``)
+    takes part in the others' backward from its next call.
     ``comm_dtype="float16"``/``"bfloat16"`` casts the exchanged rows and
     gradients (not the stored rows). ``module.store`` is what LookaheadLoader
     prefetches through; ``module.local_store`` is this rank's TieredStore (None
@@ -299,18 +352,21 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                "on every rank first (gloo over 127.0.0.1 for CPU stores)")
         self._comm = _Comm(process_group)
         self.rank, self.world_size = self._comm.rank, self._comm.world
-        error = None
+        self._forwards, self._pending = 0, None  # forwards done; a training forward with no outputs, not yet joined
+        error, settings = None, {}
         try:
             self._configure(tables, plan, optimizer, mode, comm_dtype, include_last_offset)
+            settings = self._settings_of()
         except Exception as e:
             error = e
-        digest = 0 if error is not None else self._plan_digest()
+        self._settings = _digest(json.dumps(settings))
         # every rank learns of a bad argument anywhere before it opens a store
-        digests = self._comm.agree(error, [digest])[:, 0].tolist()
-        if len(set(digests)) > 1:
-            differ = [r for r, d in enumerate(digests) if d != digests[0]]
-            raise PlanMismatchError(f"the sharding plan differs between ranks: ranks {differ} have another plan than rank 0; "
-                                    "give every rank the same plan (e.g. one ShardingPlan.to_json() file)")
+        head = self._comm.header(error, [_Op.INIT, 0, self._settings, 0, 0])
+        self._comm.raise_failures(error, head)
+        if bool((head[:, _OP] != _Op.INIT).any()):
+            raise RankFailedError(self._mismatch(head))
+        if len(set(head[:, _SETTINGS].tolist())) > 1:
+            self._settings_mismatch(settings)
         self.path = Path(path)
         mine = [t for t in self._tables.values() if t.mine is not None]
         self.local_store: TieredStore | None = None
@@ -357,9 +413,38 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._configs = {s.name: EmbeddingBagConfig(s.num_rows, s.dim, mode, include_last_offset, None, s.name, s.init)
                          for s in specs}
 
-    def _plan_digest(self) -> int:
-        text = dataclasses.replace(self.plan, predicted=()).to_json() + json.dumps([t.spec.to_json() for t in self._tables.values()])
-        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+    def _settings_of(self) -> dict[str, str]:
+        """What must be the same on every rank, as text: the plan and tables shape the
+        messages (and say which rank owns what), the optimizer the state and gradient
+        widths, comm_dtype every row's bytes; mode changes no size but each rank's part of
+        the one training step."""
+        return {"plan": dataclasses.replace(self.plan, predicted=()).to_json(),
+                "tables": json.dumps([dataclasses.replace(t.spec, state_dim=0).to_json() for t in self._tables.values()]),
+                "optimizer": repr(self.optimizer),
+                "comm_dtype": _COMM_NAMES[self._comm_dtype],
+                "mode": self._mode_name}
+
+    def _settings_mismatch(self, settings: dict[str, str]) -> None:
+        """Raise the error naming the first setting that differs between ranks (every rank calls this)."""
+        got = torch.stack(self._comm.all_gather(torch.tensor([_digest(v) for v in settings.values()])))
+        for i, (name, value) in enumerate(settings.items()):
+            column = got[:, i].tolist()
+            if len(set(column)) == 1:
+                continue
+            if name in ("comm_dtype", "mode"):  # short: name every rank's value
+                known = {_digest(v): v for v in (*_COMM_NAMES.values(), *MODES)}
+                each = ", ".join(f"rank {r}: {known.get(d, '?') if name == 'comm_dtype' else repr(known.get(d, '?'))}"
+                                 for r, d in enumerate(column))
+                raise SettingsMismatchError(f"{name} differs between ranks ({each}); give every rank the same {name}")
+            differ = [r for r, d in enumerate(column) if d != column[0]]
+            if name == "plan":
+                raise PlanMismatchError(f"the sharding plan differs between ranks: ranks {differ} have another plan than rank 0; "
+                                        "give every rank the same plan (e.g. one ShardingPlan.to_json() file)")
+            if name == "tables":
+                raise SettingsMismatchError(f"tables differ between ranks: ranks {differ} have other TableSpecs than rank 0; "
+                                            "give every rank the same tables")
+            raise SettingsMismatchError(f"optimizer differs between ranks: ranks {differ} have another optimizer than rank 0 "
+                                        f"(rank {self.rank} has {value}); give every rank the same optimizer")
 
     # -- what a step moves -------------------------------------------------------------------
     def _known(self, name) -> str:
@@ -367,19 +452,79 @@ class ShardedEmbeddingBagCollection(nn.Module):
             raise KeyError(f"unknown table {name!r}; the collection has tables {sorted(self._tables)}")
         return name
 
-    def _gather(self, local: dict[str, torch.Tensor], error: BaseException | None, extra: Sequence[int] = ()):
-        """Agree (ok/error, ``extra``) and gather every rank's ids of each table: ({table: [ids per rank]}, agreed extra)."""
+    # -- the header every collective call begins with ------------------------------------------
+    def _begin(self, op: _Op, arg: int = 0, error: BaseException | None = None, total: int = 0) -> torch.Tensor:
+        """Every rank's header of this call, [world, 6], once the ranks agree on the call and
+        settings: raises ``error`` here and RankFailedError naming it on the others, and
+        RankFailedError on every rank when the ranks called different collectives. A rank with
+        a training forward it could not run backward through (``self._pending``) takes part
+        in the others' backward of that forward here first."""
+        while True:
+            head = self._comm.header(error, [op, arg, self._settings, self._pending.number if self._pending else 0, total])
+            joined = self._join(head)
+            if joined is None:
+                break
+            if not joined:
+                return head  # this rank's backward: the others take part from their own calls
+            step, self._pending = self._pending, None
+            self._exchange_grads(step, {})  # then this call's header again: the others are at their next call
+        self._comm.raise_failures(error, head)
+        calls = head[:, _OP: _PENDING]
+        if bool((calls != calls[0]).any()):
+            raise RankFailedError(self._mismatch(head))
+        return head
+
+    def _join(self, head: torch.Tensor) -> bool | None:
+        """None unless some ranks run backward of a forward and all the others have that forward
+        pending (it gave them no outputs); then whether this rank is one of the others."""
+        backward = head[:, _OP] == _Op.BACKWARD
+        if not bool(backward.any()) or bool(backward.all()):
+            return None
+        calls = head[backward][:, _OP: _PENDING]
+        others = head[~backward]
+        if bool((calls != calls[0]).any()) or bool((others[:, _PENDING] != calls[0, 1]).any()) or \
+                bool((others[:, _SETTINGS] != calls[0, 2]).any()):
+            return None
+        return not bool(backward[self.rank])
+
+    def _call(self, op: int, arg: int) -> str:
+        if op == _Op.FORWARD:
+            return "forward with training (an optimizer, grad enabled)" if arg else "forward without training (torch.no_grad())"
+        if op == _Op.BACKWARD:
+            return f"backward of forward {arg}"
+        if op in (_Op.READ, _Op.WRITE):
+            names = list(self._tables)
+            table = names[arg // 2] if 0 <= arg // 2 < len(names) else "?"
+            return f"{'read' if op == _Op.READ else 'write'}({table!r}, with_state={bool(arg % 2)})"
+        return {_Op.INIT: "the constructor", _Op.FLUSH: "flush()", _Op.CHECKPOINT: "checkpoint()", _Op.CLOSE: "close()",
+                _Op.ANNOUNCE: "prefetch (a LookaheadLoader announcing a batch)"}.get(op, f"step {op} of a call")
+
+    def _mismatch(self, head: torch.Tensor) -> str:
+        calls = ", ".join(f"rank {r}: {self._call(op, arg)}" for r, (op, arg) in enumerate(head[:, _OP: _SETTINGS].tolist()))
+        if bool((head[:, _OP: _SETTINGS] == head[0, _OP: _SETTINGS]).all()):
+            return (f"the ranks call {calls} of differently configured modules (settings digests {head[:, _SETTINGS].tolist()} "
+                    f"by rank); every rank must call the same module's collectives (aborted on rank {self.rank}; nothing changed)")
+        return (f"the ranks called different collectives ({calls}); every rank must call the module's forward/backward, "
+                "read, write, flush, checkpoint and close in the same order, with the same table and with_state, and train "
+                f"(an optimizer, grad enabled) on every rank or on none (aborted on rank {self.rank}; nothing changed)")
+
+    def _gather(self, op: _Op, arg: int, local: dict[str, torch.Tensor], error: BaseException | None,
+                flags: Sequence[int] = ()) -> tuple[dict[str, list[torch.Tensor]], torch.Tensor]:
+        """Begin the call and gather every rank's ids of each table, with per-table ``flags``:
+        ({table: [ids per rank]}, flags [world, len(flags)]). The id counts travel in front
+        of the ids, the header carrying their total: no exchange beside the header's sizes them."""
         names = list(self._tables)
         lengths = [len(local.get(n, ())) for n in names]
-        agreed = self._comm.agree(error, [*extra, *lengths])
-        counts = agreed[:, len(extra):]
-        flat = torch.cat([local[n] for n in names if n in local]) if local else torch.zeros(0, dtype=torch.int64)
-        parts = self._comm.gather_ids(flat.to(torch.int64), counts.sum(1).tolist())
+        head = self._begin(op, arg, error, sum(lengths))
+        prefix = torch.tensor([*lengths, *flags], dtype=torch.int64)
+        flat = torch.cat([prefix, *(local[n].to("cpu", torch.int64) for n in names if n in local)])
+        parts = self._comm.gather_ids(flat, (head[:, _TOTAL] + len(prefix)).tolist())
         segs = {n: [] for n in names}
-        for r, part in enumerate(parts):
-            for n, piece in zip(names, part.split(counts[r].tolist())):
+        for part in parts:
+            counts = part[: len(names)].tolist()
+            for n, piece in zip(names, part[len(prefix):].split(counts)):
                 segs[n].append(piece)
-        return segs, agreed[:, : len(extra)]
+        return segs, torch.stack([part[len(names): len(prefix)] for part in parts])
 
     def _fetch(self, segs: dict[str, list[torch.Tensor]], names: Sequence[str], with_state: bool,
                dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -407,7 +552,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             mine[name] = (uid, masks)
             for k in range(len(t.tplan.shards)):
                 recv[t.rank_of(k)] += int(masks[k].sum()) * len(t.cols(k, with_state)) * size
-        self._comm.agree(error, [])
+        self._begin(_Op.FETCHED, error=error)
         self.lookups["served"] += served
         self.lookups["sent"] += sum(len(uid) for uid, _ in mine.values())
         got = [_Reader(b) for b in self._comm.exchange(send, recv)]
@@ -443,15 +588,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
             error = e
         names = list(self._tables)
         has_psw = [int(psws.get(n) is not None) for n in names]
-        segs, agreed = self._gather({n: b.ids for n, b in bags.items()}, error, [int(train), *has_psw])
-        if len(set(agreed[:, 0].tolist())) > 1:
-            raise RankFailedError(f"ranks disagree on training this forward (grad enabled with an optimizer: {agreed[:, 0].tolist()} "
-                                  "by rank); run forward under torch.no_grad() on every rank or on none")
+        segs, flags = self._gather(_Op.FORWARD, int(train), {n: b.ids for n, b in bags.items()}, error, has_psw)
         weights = self._fetch(segs, names, False, self._comm_dtype)
         self.lookups["steps"] += 1
+        self._forwards += 1
         step = _Step(list(bags), bags, {n: None if p is None else b.select(p.detach().reshape(-1).cpu()) for (n, b), p in
                                         zip(bags.items(), psws.values())},
-                     segs, {n: agreed[:, 1 + i].bool().tolist() for i, n in enumerate(names)}, weights)
+                     segs, {n: flags[:, i].bool().tolist() for i, n in enumerate(names)}, weights, self._forwards)
+        # no outputs ({}): nothing to run backward through, so this rank's part of the backward
+        # (receiving the gradients of the rows it owns) starts from its next collective call
+        self._pending = step if train and not step.names else None
         anchor = torch.empty(0, requires_grad=True) if train else None
         outs = _ShardedBagFunction.apply(anchor, self, step, *(psws[n] for n in step.names))
         return dict(zip(step.names, outs))
@@ -459,6 +605,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _update(self, step: _Step, grads: dict[str, torch.Tensor]) -> None:
         """Backward: send each occurrence's gradient to the shards holding its row; each
         owner sums its rows' gradients in the single process's order and steps them."""
+        self._begin(_Op.BACKWARD, step.number)
+        self._exchange_grads(step, grads)
+
+    def _exchange_grads(self, step: _Step, grads: dict[str, torch.Tensor]) -> None:
         world, dtype = self.world_size, self._comm_dtype
         size = torch.empty(0, dtype=dtype).element_size()
         send: list[list[torch.Tensor]] = [[] for _ in range(world)]
@@ -542,7 +692,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             ids = ids.to(torch.int64)
             ok = ids >= 0 if spec.num_rows is None else (ids >= 0) & (ids < spec.num_rows)
             local[name] = ids[ok]
-        segs, _ = self._gather(local, None)
+        segs, _ = self._gather(_Op.ANNOUNCE, 0, local, None)
         wanted = {}
         for name, t in self._tables.items():
             if t.mine is not None:
@@ -557,12 +707,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         t = self._tables[self._known(table)]
         return t, TieredStore._as_ids(t.spec, ids).cpu()
 
-    def _agree_table(self, table, ids, error) -> dict[str, list[torch.Tensor]]:
-        index = list(self._tables).index(table) if table in self._tables else -1
-        segs, agreed = self._gather({table: ids} if error is None else {}, error, [index])
-        if len(set(agreed[:, 0].tolist())) > 1:
-            raise RankFailedError(f"ranks name different tables in this collective call ({agreed[:, 0].tolist()} by rank, "
-                                  f"indices into {list(self._tables)}); every rank must call it with the same table")
+    def _agree_table(self, op: _Op, table, with_state, ids, error) -> dict[str, list[torch.Tensor]]:
+        index = list(self._tables).index(table) if isinstance(table, str) and table in self._tables else -1
+        segs, _ = self._gather(op, 2 * index + (with_state is True), {table: ids} if error is None else {}, error)
         return segs
 
     def read(self, table: str, ids, with_state: bool = False) -> torch.Tensor:
@@ -576,7 +723,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             uid, inverse = torch.unique(ids, return_inverse=True)
         except Exception as e:
             error = e
-        segs = self._agree_table(table, uid, error)
+        segs = self._agree_table(_Op.READ, table, with_state, uid, error)
         rows = self._fetch(segs, [table], with_state, torch.float32)[table]
         return rows.index_select(0, inverse).to(self.device)
 
@@ -591,7 +738,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             vals = TieredStore._as_values(t.spec, values, len(ids_t), t.spec.width if with_state else t.spec.dim)
         except Exception as e:
             error, ids_t = e, torch.zeros(0, dtype=torch.int64)
-        segs = self._agree_table(table, ids_t, error)
+        segs = self._agree_table(_Op.WRITE, table, with_state, ids_t, error)
         t = self._tables[table]
         send: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
         for k, mask in enumerate(t.masks(ids_t)):
@@ -610,12 +757,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
             except Exception as e:
                 error = e
         # every rank returns or raises together: none goes on to a collective the failed one never calls
-        self._comm.agree(error, [])
+        self._begin(_Op.WRITTEN, error=error)
 
     def flush(self) -> None:
         """Make every rank's rows durable (each flushes its store). Collective: a rank's
         failure raises there, and RankFailedError naming it on the others."""
-        self._comm.agree(_error_of(self.local_store.flush if self.local_store is not None else None), [])
+        self._begin(_Op.FLUSH)
+        self._begin(_Op.FLUSHED, error=_error_of(self.local_store.flush if self.local_store is not None else None))
 
     def checkpoint(self, path: str | Path) -> Path:
         """Snapshot every rank's shards into ``path/rank-<r>`` (TieredStore.checkpoint,
@@ -623,7 +771,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         restore with ``ShardedEmbeddingBagCollection.from_checkpoint``. Collective: a
         rank's failure raises there, and RankFailedError naming it on the others."""
         path = Path(path)
-        self._comm.barrier("checkpoint")
+        self._begin(_Op.CHECKPOINT)
 
         def snapshot():
             path.mkdir(parents=True, exist_ok=True)
@@ -632,7 +780,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 _write_json(path / "tables.json", json.dumps([t.spec.to_json() for t in self._tables.values()]))
             if self.local_store is not None:
                 self.local_store.checkpoint(path / f"rank-{self.rank}")
-        self._comm.agree(_error_of(snapshot), [])
+        self._begin(_Op.SAVED, error=_error_of(snapshot))
         return path
 
     @classmethod
@@ -697,12 +845,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         finally:
             for s in stores.values():
                 s.close()
-        self._comm.agree(error, [])
+        self._begin(_Op.RESTORED, error=error)
 
     def close(self) -> None:
         """Flush and close this rank's store, after every rank got here. Collective."""
         try:
-            self._comm.barrier("close")
+            self._begin(_Op.CLOSE)
         finally:
             self._metrics.close()
             if self.local_store is not None:
@@ -714,7 +862,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
 
 def _error_of(op) -> Exception | None:
-    """Run ``op`` (if any); its exception, for _Comm.agree to raise on every rank."""
+    """Run ``op`` (if any); its exception, for _begin to raise on every rank."""
     try:
         if op is not None:
             op()

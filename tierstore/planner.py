@@ -381,12 +381,12 @@ def exchange_bytes(cfg: PlanConfig, table_plans: Mapping[str, TablePlan]) -> np.
     protocol (float32 exchange), when each call of the trace is a step's global batch
     split into ``world_size`` contiguous equal parts, part r being rank r's local batch:
 
-    - forward: an ok flag and the id counts (8 bytes x (2 + 2 x tables)), then the
-      step's ids of every table (8 bytes an id, padded to the rank with the most) to
-      every other rank; the owners' ok flag after reading their rows (8 bytes); each
+    - forward: the call's header (6 x 8 bytes), then each table's id count and weight
+      flag with the step's ids of every table (8 bytes each, padded to the rank with
+      the most) to every other rank; the owners' header after reading their rows; each
       owner sends each rank the rows it asked for (unique ids per rank and table)
       that its shard holds, its shard's columns;
-    - backward: each rank sends every occurrence's gradient (one per id, not per
+    - backward: its header, then each rank sends every occurrence's gradient (one per id, not per
       unique id) to the shards holding the row: their columns, or the whole row
       for a column shard under a row-coupled optimizer, RowWiseAdagrad (per-sample weights, 4 bytes an id, are
       not counted).
@@ -426,6 +426,6 @@ def exchange_bytes(cfg: PlanConfig, table_plans: Mapping[str, TablePlan]) -> np.
     step_index = np.searchsorted(np.unique(trace.call_step), trace.call_step)
     ids_per_step_part = np.zeros((steps, n), dtype=np.int64)
     np.add.at(ids_per_step_part, step_index, ids_per_call_part)
-    flags = 8 * (2 + 2 * len(cfg.tables)) + 8  # the forward's two ok flags with the id counts
+    flags = 8 * (3 * 6 + 2 * len(cfg.tables))  # three call headers (forward, owners' ok, backward), id counts, weight flags
     sent += (n - 1) * (flags * steps + 8 * ids_per_step_part.max(1).sum())
     return sent / steps
