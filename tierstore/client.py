@@ -138,9 +138,10 @@ class DaemonStore(TieredStore):
         self.socket_path = Path(daemon)
         self.readonly = bool(readonly)
         self.claims = tuple(claims)
-        self._ranges: dict[str, list[tuple[int, int]]] = {}
+        ranges: dict[str, list[tuple[int, int]]] = {}
         for t, lo, hi in claims:
-            self._ranges.setdefault(t, []).append((lo, hi))
+            ranges.setdefault(t, []).append((lo, hi))
+        self._ranges = {t: wire.range_array(r) for t, r in ranges.items()}  # searched by every read of a claimed table
         self.device = resolve_device(device)
         self.timeout = float(timeout)
         self._limits = limits or wire.Limits()
@@ -149,6 +150,7 @@ class DaemonStore(TieredStore):
         self._shm: wire.Segment | None = None
         self._shm_threshold = 1 << 16
         self._max_frame, self._max_ids = self._limits.max_bytes, self._limits.max_ids  # until the daemon says its own
+        self._max_hint_ids = self._max_ids
         self._hbm: dict[str, CacheTier] = {}
         self._hbm_counts: dict[str, TierCounters] = {}
         self._use_clock = 0
@@ -165,6 +167,7 @@ class DaemonStore(TieredStore):
                 self._shm_threshold = int(body.get("shm_threshold", self._shm_threshold))
             self._max_frame = min(self._max_frame, int(body.get("max_frame_bytes", self._max_frame)))
             self._max_ids = min(self._max_ids, int(body.get("max_ids", self._max_ids)))
+            self._max_hint_ids = max(1, min(self._max_ids, int(body.get("max_hint_ids", self._max_frame // 8))))
         except BaseException:
             self._sock.close()
             self._closed = True
@@ -199,7 +202,8 @@ class DaemonStore(TieredStore):
                 raise ValueError(f"hbm_rows for table {table!r}, which this client has not claimed: a client caches only rows "
                                  f"it writes (its claims keep other writers away); claim it, e.g. claim=[{table!r}]")
             if table in self._ranges:  # never more slots than rows it may cache
-                rows = min(rows, sum(min(hi, spec.num_rows or hi) - lo for lo, hi in self._ranges[table]))
+                r = self._ranges[table]
+                rows = min(rows, int((np.maximum(np.minimum(r[:, 1], spec.num_rows or wire.WHOLE), r[:, 0]) - r[:, 0]).sum()))
             if rows:
                 self._hbm[table] = CacheTier("hbm", int(rows), spec.dim, spec.state_dim, self.device, make_policy(policy), spec.num_rows,
                                              DTYPES[spec.dtype])
@@ -504,8 +508,13 @@ class DaemonStore(TieredStore):
     def prefetch(self, table: str, ids) -> PrefetchTicket:
         """Hint that the next batches read these rows; the daemon starts fetching
         them into its DDR tier and this returns at once. A bad id is refused here,
-        not later, so the ticket returned is already done."""
-        self._request(wire.Frame(wire.PREFETCH, 0, table, self._ids_np(table, ids)))
+        not later, so the ticket returned is already done. A hint larger than the
+        daemon takes in one frame goes as several; the daemon keeps a bounded amount
+        of hints and drops the oldest past it (README "Host daemon", Memory)."""
+        ids = self._ids_np(table, ids)
+        with self._lock:
+            for lo in range(0, max(len(ids), 1), self._max_hint_ids):
+                self._request(wire.Frame(wire.PREFETCH, 0, table, ids[lo:lo + self._max_hint_ids]))
         return PrefetchTicket(None, table, 0, None)
 
     @contextlib.contextmanager
@@ -557,7 +566,8 @@ class DaemonStore(TieredStore):
         return daemon
 
     def daemon_stats(self, per_table: bool = False) -> dict:
-        """{"store": counters, "clients": [{name, pid, claims, readonly, step, shm_bytes}], "prefetch": ...}."""
+        """{"store": counters, "clients": [{name, pid, claims (the first 16), n_claims, readonly, step, shm_bytes,
+        hints, hint_bytes}], "prefetch": ...}."""
         return self._request(wire.Frame(wire.STATS, text="per_table" if per_table else "")).json()
 
     def resident_rows(self, table: str) -> dict[str, int]:

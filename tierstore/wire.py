@@ -209,28 +209,37 @@ def describe_claim(c: tuple[str, int, int]) -> str:
     return f"table {table!r}" if (lo, hi) == (0, WHOLE) else f"rows [{lo}, {hi}) of table {table!r}"
 
 
-def claimed(ranges: list[tuple[int, int]], ids: np.ndarray) -> np.ndarray:
-    """Mask of the ids inside one of ``ranges`` (sorted, disjoint (lo, hi) pairs):
-    one binary search per id, no Python loop over ids."""
-    if not ranges:
+def range_array(pairs) -> np.ndarray:
+    """(lo, hi) pairs as an (n, 2) uint64 array (``hi`` may be WHOLE, past int64)."""
+    return np.asarray(pairs, dtype=np.uint64).reshape(-1, 2)
+
+
+def claimed(ranges, ids: np.ndarray) -> np.ndarray:
+    """Mask of the ids inside one of ``ranges`` (sorted, disjoint (lo, hi) pairs, or
+    their range_array): one binary search per id, no Python loop over ids or ranges."""
+    r = range_array(ranges)
+    if not len(r):
         return np.zeros(len(ids), dtype=bool)
-    if len(ranges) == 1:
-        lo, hi = ranges[0]
-        return (ids >= lo) & (ids < hi) if (lo, hi) != (0, WHOLE) else np.ones(len(ids), dtype=bool)
-    los = np.array([r[0] for r in ranges], dtype=np.uint64)
-    his = np.array([r[1] for r in ranges], dtype=np.uint64)
+    if len(r) == 1 and (int(r[0, 0]), int(r[0, 1])) == (0, WHOLE):
+        return np.ones(len(ids), dtype=bool)
     u = ids.astype(np.uint64)
-    at = np.searchsorted(los, u, side="right") - 1
-    return (at >= 0) & (u < his[np.maximum(at, 0)])
+    at = np.searchsorted(r[:, 0], u, side="right") - 1
+    return (at >= 0) & (u < r[np.maximum(at, 0), 1])
 
 
-def unclaimed(who: str, table: str, ranges: list[tuple[int, int]], row: int, holder: str = "") -> PermissionError:
+def describe_ranges(table: str, ranges, limit: int = 8) -> str:
+    """Claims of one table for a message: the first ``limit``, then how many more."""
+    r = range_array(ranges)
+    shown = ", ".join(describe_claim((table, int(lo), int(hi))) for lo, hi in r[:limit]) or "none"
+    return shown + (f" and {len(r) - limit} more" if len(r) > limit else "")
+
+
+def unclaimed(who: str, table: str, ranges, row: int, holder: str = "") -> PermissionError:
     """The error for a write of ``row`` outside ``who``'s claims on ``table``
     (``holder``: who claims it, if anyone), with the fix."""
-    mine = ", ".join(describe_claim((table, lo, hi)) for lo, hi in ranges) or "none"
     held = f"; it is claimed by {holder}" if holder else ""
     return PermissionError(f"{who} has no write claim on row {row} of table {table!r}{held} (its claims on "
-                           f"{table!r}: {mine}); attach with claim=[{table!r}] or a (table, lo, hi) range covering it")
+                           f"{table!r}: {describe_ranges(table, ranges)}); attach with claim=[{table!r}] or a (table, lo, hi) range covering it")
 
 
 def error_status(exc: BaseException) -> int:

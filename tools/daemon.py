@@ -5,9 +5,10 @@ Clients attach with ``tierstore.open_store(PATH, daemon=SOCK, claim=[...])``
 (tierstore/client.py); the frames are described in tierstore/wire.py.
 
 Claims: each client names the tables or ``(table, lo, hi)`` row ranges it
-writes in its HELLO; the daemon keeps them per table, refuses a claim that
-overlaps another client's, and refuses WRITE frames touching rows outside the
-sender's claims. A client with an HBM tier caches only its claimed rows (see
+writes in its HELLO (at most ``max_claims``); the daemon keeps every client's
+claims of a table in one sorted array, so a HELLO is checked with binary
+searches, not against each claim held. It refuses a claim that overlaps another
+client's, and refuses WRITE frames touching rows outside the sender's claims. A client with an HBM tier caches only its claimed rows (see
 tierstore/client.py), so no other client's write can make its copy stale.
 
 Durability: WRITE frames go straight into the daemon's store (its DDR tier,
@@ -26,9 +27,13 @@ connection, never the daemon. A connection must send HELLO within
 ``frame_timeout``, finish each frame it begins within it, and read each
 reply within it; one idle for ``idle_timeout`` is closed (with a
 ConnectionError reply saying so). Memory: each frame's payload, plus a
-READ's reply, is reserved from ``max_inflight_bytes`` before anything is
-allocated for it (a frame waits until it fits), and segments are granted from
+READ's reply, a PREFETCH's working copies or a HELLO's parsed JSON, is
+reserved from ``max_inflight_bytes`` before anything is allocated for it (a
+frame waits until it fits), and segments are granted from
 ``shm_total_bytes``; a finished connection's segment and buffers go at once.
+Prefetch hints the store keeps (their ids, the rows they pin) hold at most
+half of ``max_inflight_bytes``, all clients together: a hint that would pass
+it first drops the oldest hints of the client holding the most (see _hint).
 
 Concurrency: one thread per connection. Frames are read and written outside
 the store's lock, and READ rows are gathered straight into the client's
@@ -64,6 +69,18 @@ from tierstore.tools.stats import require_store
 
 log = logging.getLogger("tierstore.prefetchd")
 
+# What a prefetch hint costs the daemon's store while it is held: its sorted unique ids
+# (the announced window) and the staging slots it pins, 8 B an id each at most.
+HINT_BYTES_PER_ID = 16
+# What taking a hint in costs beyond its frame, reserved with it: a sorted unique copy, masks
+# and slot lookups (measured: ~30 B an id above the frame's 8).
+PREFETCH_WORK_PER_ID = 32
+# A HELLO's JSON as Python objects, per byte of its text (measured ~8x for a claim list).
+HELLO_WORK_PER_BYTE = 16
+STATS_CLAIMS = 16  # claims STATS lists per client (and how many it has)
+MAX_NAMED_CLIENTS = 4096  # client names whose counters are kept apart; later names share one
+OTHER_CLIENTS = "(other clients)"
+
 
 @dataclass
 class DaemonConfig:
@@ -76,6 +93,7 @@ class DaemonConfig:
     metrics_port: int | None = None
     limits: wire.Limits | None = None  # frames it accepts; default: max_bytes = min(64 MiB, max_inflight_bytes)
     max_hints: int = 64  # outstanding prefetch hints per client; older ones are released (unpinned)
+    max_claims: int = 1024  # row ranges one client may claim in its HELLO
     shm_max_bytes: int = 1 << 30  # largest shared-memory segment granted to one client; 0 = none
     shm_threshold: int = 1 << 16  # frames with more array bytes than this go through the segment
     max_clients: int | None = None  # None: as many as the open-file limit allows, at most 1024
@@ -92,6 +110,8 @@ class DaemonConfig:
             raise ValueError(f"--depth must be an int >= 1, got {self.depth!r}")
         if not isinstance(self.max_hints, int) or self.max_hints < 1:
             raise ValueError(f"max_hints must be an int >= 1, got {self.max_hints!r}")
+        if not isinstance(self.max_claims, int) or self.max_claims < 1:
+            raise ValueError(f"--max-claims must be an int >= 1, got {self.max_claims!r}")
         for name in ("shm_max_bytes", "shm_threshold", "shm_total_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
@@ -123,16 +143,59 @@ class _Session:
         self.number = number
         self.name = f"conn{number}"
         self.pid: int | None = None
-        self.claims: list[tuple[str, int, int]] = []  # (table, lo, hi) half-open; see wire.parse_claims
-        self.ranges: dict[str, list[tuple[int, int]]] = {}  # table -> its sorted claimed (lo, hi)
+        self.ranges: dict[str, np.ndarray] = {}  # table -> its sorted claimed (lo, hi), a wire.range_array
         self.shm: wire.Segment | None = None
         self.readonly = True
         self.hello = False
         self.step: int | None = None
-        self.hints: deque = deque()
+        self.hints: deque = deque()  # (ticket, bytes counted for it), oldest first
+        self.hint_bytes = 0
+
+    def claims(self, limit: int | None = None) -> list[tuple[str, int, int]]:
+        """The first ``limit`` (default: all) of its claims, (table, lo, hi) half-open, sorted; see wire.parse_claims."""
+        out = []
+        for t, r in self.ranges.items():
+            out += [(t, int(lo), int(hi)) for lo, hi in r[:None if limit is None else limit - len(out)]]
+        return out
 
     def describe(self) -> str:
         return f"client {self.name!r} (pid {self.pid})" if self.pid else f"client {self.name!r}"
+
+    def describe_claims(self) -> str:
+        return "; ".join(wire.describe_ranges(t, r) for t, r in self.ranges.items()) or "none"
+
+
+class _ClaimIndex:
+    """Every client's claimed row ranges of one table: sorted, disjoint, as arrays, so a
+    HELLO's claims are checked with one binary search each, not against every claim held
+    (45,000 ranges compared pairwise held the daemon's lock for minutes)."""
+
+    def __init__(self):
+        self.ranges = wire.range_array([])  # (lo, hi), sorted by lo; disjoint, so sorted by hi too
+        self.owners = np.empty(0, dtype=np.int64)  # session numbers
+
+    def overlaps(self, ranges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(which of ``ranges``, which held range) for each of the sorted, disjoint
+        ``ranges`` that overlaps a held one (the first it overlaps)."""
+        first = np.searchsorted(self.ranges[:, 1], ranges[:, 0], side="right")  # the first held range ending after lo
+        past = np.searchsorted(self.ranges[:, 0], ranges[:, 1], side="left")  # held ranges from here start at or after hi
+        new = np.flatnonzero(first < past)
+        return new, first[new]
+
+    def add(self, ranges: np.ndarray, owner: int) -> None:
+        """Ranges that overlap none held (checked by the caller)."""
+        at = np.searchsorted(self.ranges[:, 0], ranges[:, 0])
+        self.ranges = np.insert(self.ranges, at, ranges, axis=0)
+        self.owners = np.insert(self.owners, at, owner)
+
+    def remove(self, owner: int) -> None:
+        keep = self.owners != owner
+        self.ranges, self.owners = self.ranges[keep], self.owners[keep]
+
+    def holder(self, row: int) -> int | None:
+        """The session number that claims ``row``, if any."""
+        i = int(np.searchsorted(self.ranges[:, 0], np.uint64(row), side="right")) - 1
+        return int(self.owners[i]) if i >= 0 and row < int(self.ranges[i, 1]) else None
 
 
 class _Budget:
@@ -195,7 +258,7 @@ class Daemon:
         self.config = config
         self._lock = threading.Lock()  # sessions, claims, totals (the store has its own lock)
         self._sessions: dict[int, _Session] = {}
-        self._claims: dict[str, list[tuple[int, int, _Session]]] = {}  # table -> claimed row ranges
+        self._claims: dict[str, _ClaimIndex] = {}  # table -> every client's claimed row ranges
         self._totals: dict[str, tuple[dict, dict]] = {}  # client name -> (requests, rows): survives disconnects
         self._stop = threading.Event()
         self._numbers = iter(range(1, 1 << 62))
@@ -209,6 +272,14 @@ class Daemon:
             self._trace = Trace.load(config.lookahead_source)
         self._memory = _Budget(config.max_inflight_bytes)
         self._shm_left = config.shm_total_bytes
+        # hints held by the store, all clients together (see _hint); taken in one at a time
+        self._hint_lock = threading.Lock()
+        self._hint_pool = config.max_inflight_bytes // 2
+        self._hint_bytes = 0
+        self._hinting: dict[int, _Session] = {}  # sessions holding hints, by number
+        # ids of one PREFETCH frame: its working copies fit a frame, its hint the pool
+        self.max_hint_ids = min(config.limits.max_ids, config.limits.max_bytes // (8 + PREFETCH_WORK_PER_ID),
+                                self._hint_pool // HINT_BYTES_PER_ID)
         self.listener = self._bind(config.socket)  # before opening the store: a live daemon means refuse
         self.store = None
         try:
@@ -217,7 +288,8 @@ class Daemon:
                                                metrics_port=config.metrics_port)
             self.registry.register(_ClientCollector(self))
             row_bytes = 4 * max((spec.width for spec in self.store.tables.values()), default=0)
-            self._reply_bytes_per_id = {wire.READ: row_bytes, wire.REREAD: row_bytes, wire.ADMITTED: 8}
+            self._reply_bytes_per_id = {wire.READ: row_bytes, wire.REREAD: row_bytes, wire.ADMITTED: 8,
+                                        wire.PREFETCH: PREFETCH_WORK_PER_ID}
             unknown = set(self._trace.table_names if self._trace is not None else ()) - set(self.store.tables)
             if unknown:
                 raise ValueError(f"lookahead trace {config.lookahead_source} names tables {sorted(unknown)} that the store lacks; it has {sorted(self.store.tables)}")
@@ -392,7 +464,8 @@ class Daemon:
 
         def admit(ftype: int, n_ids: int, nbytes: int) -> None:
             nonlocal held  # a READ's reply is gathered in memory too, unless in the segment
-            held = self._memory.acquire(nbytes + n_ids * self._reply_bytes_per_id.get(ftype, 0))
+            work = n_ids * self._reply_bytes_per_id.get(ftype, 0) + (HELLO_WORK_PER_BYTE * nbytes if ftype == wire.HELLO else 0)
+            held = self._memory.acquire(nbytes + work)
 
         # before HELLO a connection gets frame_timeout to speak, after it idle_timeout (0: forever)
         s.conn.settimeout((cfg.idle_timeout or None) if s.hello else cfg.frame_timeout)
@@ -437,11 +510,11 @@ class Daemon:
         with self._lock:
             self._sessions.pop(s.number, None)
             for table in s.ranges:
-                self._claims[table] = [c for c in self._claims.get(table, []) if c[2] is not s]
+                self._claims[table].remove(s.number)
             self._steps_changed.notify_all()
-        for ticket in s.hints:
-            ticket.release()
-        s.hints.clear()
+        with self._hint_lock:
+            while s.hints:
+                self._drop_hint(s)
         try:
             s.conn.close()
         except OSError:
@@ -452,7 +525,7 @@ class Daemon:
                 self._shm_left += s.shm.size
             s.shm = None
         if s.hello:
-            log.info("%s disconnected; released claims %s", s.describe(), [wire.describe_claim(c) for c in s.claims])
+            log.info("%s disconnected; released claims: %s", s.describe(), s.describe_claims())
 
     # -- requests -------------------------------------------------------------------------
     def _handle(self, s: _Session, f: wire.Frame) -> wire.Frame:
@@ -506,10 +579,12 @@ class Daemon:
             return wire.Frame(f.type, ids=np.array([deleted], dtype=np.int64))
         if f.type == wire.PREFETCH:
             ids = self._ids(f)
+            if len(ids) > self.max_hint_ids:
+                raise ValueError(f"a prefetch hint of {len(ids)} ids exceeds the daemon's {self.max_hint_ids} ids per PREFETCH "
+                                 f"frame (what --max-inflight-mib {self.config.max_inflight_bytes >> 20} leaves for one hint); "
+                                 "split it (tierstore's client does), or raise --max-inflight-mib")
             self._check_ids(f.text, ids)  # a bad hint is refused now, so no later read fails for it
-            s.hints.append(store.prefetch(f.text, ids))
-            while len(s.hints) > self.config.max_hints:
-                s.hints.popleft().release()
+            self._hint(s, f.text, ids)
             self._count(s, "prefetch", len(ids))
             return wire.Frame(f.type)
         if f.type == wire.FLUSH:
@@ -528,9 +603,13 @@ class Daemon:
         if f.type == wire.STATS:
             per_table = f.text == "per_table"
             with self._lock:
-                clients = [{"name": x.name, "pid": x.pid, "claims": [list(c) for c in x.claims], "readonly": x.readonly,
-                            "step": x.step, "shm_bytes": x.shm.size if x.shm is not None else 0}
-                           for x in self._sessions.values() if x.hello]
+                sessions = [x for x in self._sessions.values() if x.hello]
+            # described outside the lock: a client's claims are fixed once it said HELLO. The first
+            # STATS_CLAIMS of each, and their number: all of them could pass the reply's text limit
+            clients = [{"name": x.name, "pid": x.pid, "claims": [list(c) for c in x.claims(STATS_CLAIMS)],
+                        "n_claims": sum(len(r) for r in x.ranges.values()), "readonly": x.readonly,
+                        "step": x.step, "shm_bytes": shm.size if (shm := x.shm) is not None else 0,
+                        "hints": len(x.hints), "hint_bytes": x.hint_bytes} for x in sessions]
             body = {"store": store.stats(per_table=per_table), "clients": clients,
                     "prefetch": store.prefetch_stats()["tables"]}
             return wire.Frame(f.type, text=json.dumps(body))
@@ -548,6 +627,11 @@ class Daemon:
         name, claims, readonly, path = body.get("client"), body.get("claims", []), body.get("readonly", False), body.get("path")
         if not isinstance(name, str) or not name or len(name) > 200:
             raise ValueError(f"client name must be a non-empty string of <= 200 characters, got {name!r}")
+        cap = self.config.max_claims
+        if isinstance(claims, (list, tuple)) and len(claims) > cap:  # before parsing them: the cap bounds that too
+            raise ValueError(f"this client claims {len(claims)} row ranges; the daemon takes at most {cap} per client "
+                             "(prefetchd --max-claims): claim fewer, wider ranges (a table name, or one (table, lo, hi) "
+                             "covering several), or restart the daemon with a higher --max-claims")
         claims = wire.parse_claims(claims)  # TypeError/ValueError name the bad item
         shm_bytes = body.get("shm_bytes", 0)
         if not isinstance(shm_bytes, int) or isinstance(shm_bytes, bool) or shm_bytes < 0:
@@ -559,6 +643,10 @@ class Daemon:
         unknown = sorted({c[0] for c in claims} - set(self.store.tables))
         if unknown:
             raise KeyError(f"claims name unknown tables {unknown}; the store has tables {sorted(self.store.tables)}")
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for t, lo, hi in claims:  # sorted by table, then lo
+            ranges.setdefault(t, []).append((lo, hi))
+        ranges = {t: wire.range_array(r) for t, r in ranges.items()}
         try:
             pid = struct.unpack("3i", s.conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
         except (AttributeError, OSError):  # not Linux: no peer credentials
@@ -577,16 +665,25 @@ class Daemon:
                     self._shm_left += granted
         try:
             with self._lock:
-                clashes = [f"{wire.describe_claim((t, max(lo, hlo), min(hi, hhi)))} by {holder.describe()}"
-                           for t, lo, hi in claims for hlo, hhi, holder in self._claims.get(t, []) if lo < hhi and hlo < hi]
+                clashes, n_clashes = [], 0
+                for t, r in ranges.items():
+                    index = self._claims.get(t)
+                    if index is None:
+                        continue
+                    new, held = index.overlaps(r)
+                    n_clashes += len(new)
+                    for i, j in zip(new[:4 - len(clashes)], held):  # the message names a few
+                        (lo, hi), (hlo, hhi) = r[i], index.ranges[j]
+                        holder = self._sessions[int(index.owners[j])]
+                        clashes.append(f"{wire.describe_claim((t, int(max(lo, hlo)), int(min(hi, hhi))))} by {holder.describe()}")
                 if clashes:
-                    raise PermissionError(f"write claim refused: {'; '.join(clashes)} already claimed; a row has one writer at a time "
-                                          "(claim other rows, or attach with readonly=True to read them)")
+                    more = f" and {n_clashes - len(clashes)} more overlaps" if n_clashes > len(clashes) else ""
+                    raise PermissionError(f"write claim refused: {'; '.join(clashes)}{more} already claimed; a row has one writer "
+                                          "at a time (claim other rows, or attach with readonly=True to read them)")
                 s.name, s.pid, s.readonly, s.hello = name, pid, bool(readonly), True
-                s.claims = claims
-                for t, lo, hi in claims:
-                    self._claims.setdefault(t, []).append((lo, hi, s))
-                    s.ranges.setdefault(t, []).append((lo, hi))
+                s.ranges = ranges
+                for t, r in ranges.items():
+                    self._claims.setdefault(t, _ClaimIndex()).add(r, s.number)
         except BaseException:
             if shm is not None:
                 shm.close()
@@ -594,12 +691,13 @@ class Daemon:
                     self._shm_left += shm.size
             raise
         s.shm = shm
-        log.info("%s attached: claims %s%s%s", s.describe(), [wire.describe_claim(c) for c in claims],
+        log.info("%s attached: claims: %s%s%s", s.describe(), s.describe_claims(),
                  ", readonly" if readonly else "", f", {shm.size >> 20} MiB shared memory" if shm else "")
         reply = {"version": wire.VERSION, "path": str(self.config.path.resolve()), "pid": os.getpid(),
                  "tables": [spec.to_json() for spec in self.store.tables.values()],
                  "shm_bytes": shm.size if shm else 0, "shm_threshold": self.config.shm_threshold,
-                 "max_frame_bytes": self.config.limits.max_bytes, "max_ids": self.config.limits.max_ids}
+                 "max_frame_bytes": self.config.limits.max_bytes, "max_ids": self.config.limits.max_ids,
+                 "max_hint_ids": self.max_hint_ids}
         return wire.Frame(wire.HELLO, text=json.dumps(reply))
 
     def _check_claimed(self, s: _Session, table: str, ids: np.ndarray) -> None:
@@ -611,12 +709,46 @@ class Daemon:
             return
         bad = int(ids[~inside][0])
         with self._lock:
-            holder = next((h for lo, hi, h in self._claims.get(table, []) if lo <= bad < hi), None)
+            index = self._claims.get(table)
+            number = index.holder(bad) if index is not None else None
+            holder = self._sessions.get(number) if number is not None else None
         raise wire.unclaimed(s.describe(), table, s.ranges.get(table, []), bad, holder.describe() if holder is not None else "")
 
+    # -- prefetch hints ------------------------------------------------------------------------
+    def _hint(self, s: _Session, table: str, ids: np.ndarray) -> None:
+        """Hand a hint to the store within the hint pool (half of max_inflight_bytes, all
+        clients together) and max_hints per client. Room is made first, by dropping
+        (releasing) the oldest hints of the client holding the most hint bytes: a hint
+        is advisory, and a dropped one only means its rows are read when their batch
+        comes. So a client that floods the daemon with hints drops its own, and one that
+        holds no more than its share keeps its hints. One hint at a time: the store
+        takes them in one at a time anyway (its lock), and no reservation is pending
+        while room is made."""
+        cost = HINT_BYTES_PER_ID * len(ids)  # <= the pool: max_hint_ids
+        with self._hint_lock:
+            while s.hints and len(s.hints) >= self.config.max_hints:
+                self._drop_hint(s)
+            while self._hint_bytes + cost > self._hint_pool:
+                self._drop_hint(max(self._hinting.values(), key=lambda x: x.hint_bytes))
+            ticket = self.store.prefetch(table, ids)
+            s.hints.append((ticket, cost))
+            s.hint_bytes += cost
+            self._hint_bytes += cost
+            self._hinting[s.number] = s
+
+    def _drop_hint(self, s: _Session) -> None:
+        """Release ``s``'s oldest hint (its pinned rows may be evicted again); with _hint_lock."""
+        ticket, cost = s.hints.popleft()
+        ticket.release()
+        s.hint_bytes -= cost
+        self._hint_bytes -= cost
+        if not s.hints:
+            self._hinting.pop(s.number, None)
+
     def _count(self, s: _Session, op: str, rows: int) -> None:
-        with self._lock:
-            req, n = self._totals.setdefault(s.name, ({}, {}))
+        with self._lock:  # names are the clients' own: past MAX_NAMED_CLIENTS of them, new ones share one entry
+            name = s.name if s.name in self._totals or len(self._totals) < MAX_NAMED_CLIENTS else OTHER_CLIENTS
+            req, n = self._totals.setdefault(name, ({}, {}))
             req[op] = req.get(op, 0) + 1
             n[op] = n.get(op, 0) + rows
 
@@ -701,7 +833,10 @@ def register(sub) -> None:
     p.add_argument("--shm-max-mib", type=nonneg_int, default=1024, help="largest shared-memory segment per client in MiB (0: socket only)")
     p.add_argument("--shm-total-mib", type=nonneg_int, default=4096, help="all clients' segments together in MiB; past it a client uses the socket")
     p.add_argument("--max-inflight-mib", type=nonneg_int, default=256,
-                   help="frame payloads and READ replies handled at once, in MiB; frames wait for room (one frame: at most 64 MiB or this)")
+                   help="frame payloads, READ replies and working copies handled at once, in MiB; frames wait for room "
+                        "(one frame: at most 64 MiB or this); prefetch hints held take at most half of it more")
+    p.add_argument("--max-claims", type=positive_int, default=1024,
+                   help="row ranges one client may claim; a HELLO with more is refused (claim fewer, wider ranges)")
     p.add_argument("--max-clients", type=positive_int, default=None,
                    help="connections served at once; more are refused with DaemonBusyError (default: what ulimit -n allows, at most 1024)")
     p.add_argument("--idle-timeout", type=nonneg_float, default=3600.0, help="seconds a client may send nothing before it is disconnected (0: never)")
@@ -734,7 +869,7 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     config = DaemonConfig(args.path, args.socket, args.ddr_rows, args.policy, args.lookahead_source, args.depth, args.metrics_port,
                           shm_max_bytes=args.shm_max_mib << 20, shm_total_bytes=args.shm_total_mib << 20,
-                          max_inflight_bytes=args.max_inflight_mib << 20, max_clients=args.max_clients,
+                          max_inflight_bytes=args.max_inflight_mib << 20, max_clients=args.max_clients, max_claims=args.max_claims,
                           idle_timeout=args.idle_timeout, frame_timeout=args.frame_timeout)
     daemon = Daemon(config)
     # handlers only set a flag: the accept loop notices it within 0.2 s, then flushes and exits 0
