@@ -137,6 +137,13 @@ _CORRUPT = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb
 _LOW_SPACE = 64 << 20  # free bytes below which a failed write is reported as a full disk
 
 
+def _free_bytes(path: Path) -> int:
+    """Free bytes on the disk ``path`` is (or will be, once its directory is made) on."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
 class _Env:
     """One process's LMDB environment of a store, shared by its LmdbBackends: LMDB
     allows an environment to be open once per process (a second open would break
@@ -334,24 +341,53 @@ class LmdbBackend:
         raise lmdb.MapResizedError(f"LMDB map at {self.path} kept growing while this process read it")
 
     @contextmanager
-    def _named_errors(self) -> Iterator[None]:
+    def _named_errors(self, writes: Path | None = None) -> Iterator[None]:
+        """Around every LMDB call: its errors for a damaged file and for a full disk
+        become the store's named ones. ``writes``: the file the call writes."""
         try:
             yield
         except _CORRUPT as e:
             raise corrupt(self.path / "data.mdb", f"LMDB found a damaged page ({e})") from e
+        except lmdb.Error as e:
+            # DiskError is ENOSPC; LMDB reports a commit cut short by a full disk as EIO
+            # ("Input/output error"). MapFullError is the map, not the disk: _write grows it.
+            if isinstance(e, lmdb.MapFullError) or (writes is None and not isinstance(e, lmdb.DiskError)):
+                raise
+            path = writes or self.path / "data.mdb"
+            free = _free_bytes(path)
+            if isinstance(e, lmdb.DiskError) or free < _LOW_SPACE:
+                raise OSError(errno.ENOSPC, f"disk full: LMDB could not write {path} ({e}; {free} bytes free); "
+                              "free disk space", str(path)) from e
+            raise
 
-    def write_meta(self, items: dict) -> None:
+    def write_meta(self, items: dict, new_tables: dict[str, bool] | None = None) -> None:
+        """Write metadata records, creating the databases of ``new_tables`` (name -> keeps
+        last-use steps) in the same transaction: a table the metadata names has its
+        databases, so open_table(create=False) finds one missing only if it was lost."""
         def op(txn):
+            for name, last_use in (new_tables or {}).items():
+                for prefix in (b"t:", b"u:")[: 1 + bool(last_use)]:
+                    self.env.open_db(prefix + name.encode(), txn=txn)
             for k, v in items.items():
                 txn.put(k.encode(), json.dumps(v).encode(), db=self._meta)
         self._write(op)
 
-    def open_table(self, name: str, dim: int, state_dim: int = 0, dtype: str = "float32", last_use: bool = False) -> None:
-        """``last_use``: the table keeps each row's last-use step beside it (ttl_steps)."""
-        self._dbs[name] = self.env.open_db(b"t:" + name.encode(), create=not self.readonly)
+    def open_table(self, name: str, dim: int, state_dim: int = 0, dtype: str = "float32", last_use: bool = False,
+                   create: bool = True) -> None:
+        """``last_use``: the table keeps each row's last-use step beside it (ttl_steps).
+        ``create=False``: the table's databases must exist (the store's tables were
+        created by write_meta); one missing is damage, never recreated empty."""
+        def open_db(key: bytes):
+            try:
+                with self._named_errors():
+                    return self.env.open_db(key, create=create and not self.readonly)
+            except lmdb.NotFoundError:
+                raise corrupt(self.path / "data.mdb", f"the database {key.decode()!r} of table {name!r} is missing, "
+                              "though the store's metadata names the table (its rows are lost)") from None
+        self._dbs[name] = open_db(b"t:" + name.encode())
         self._codecs[name] = RowCodec(dim, state_dim, dtype)
         if last_use:
-            self._last_dbs[name] = self.env.open_db(b"u:" + name.encode(), create=not self.readonly)
+            self._last_dbs[name] = open_db(b"u:" + name.encode())
 
     # -- rows ----------------------------------------------------------------------
     def get_rows(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -510,20 +546,13 @@ class LmdbBackend:
             raise PermissionError(f"tierstore at {self.path} is open readonly; reopen without readonly=True to write")
         for _ in range(_MAX_GROWTH_RETRIES):
             try:
-                with self._named_errors(), self.env.begin(write=True) as txn:
+                with self._named_errors(self.path / "data.mdb"), self.env.begin(write=True) as txn:
                     op(txn)
                 return
             except lmdb.MapFullError:
                 # the transaction aborted; grow the map and replay it
                 with self._resize.exclusive():
                     self.env.set_mapsize(self.env.info()["map_size"] * 2)
-            except lmdb.Error as e:
-                # LMDB reports a commit cut short by a full disk as EIO ("Input/output error")
-                free = shutil.disk_usage(self.path).free
-                if free < _LOW_SPACE:
-                    raise OSError(errno.ENOSPC, f"disk full: LMDB could not write {self.path / 'data.mdb'} "
-                                  f"({e}; {free} bytes free); free disk space") from e
-                raise
         raise lmdb.MapFullError(f"LMDB map at {self.path} still full after growing it {_MAX_GROWTH_RETRIES} times")
 
     def sync(self) -> None:
@@ -550,7 +579,8 @@ class LmdbBackend:
         partial = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.partial"
         partial.mkdir()
         try:
-            self.env.copy(str(partial), compact=compact)
+            with self._named_errors(dest / "data.mdb"):
+                self.env.copy(str(partial), compact=compact)
             _fsync(partial / "data.mdb")
             _fsync(partial)
             os.rename(partial, dest)  # replaces dest if it is an empty directory
@@ -591,7 +621,8 @@ class LmdbBackend:
         try:
             fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # a killed compaction's leftover is reused
             try:
-                self.env.copyfd(fd, compact=True)
+                with self._named_errors(aside):
+                    self.env.copyfd(fd, compact=True)
                 os.fsync(fd)
             finally:
                 os.close(fd)

@@ -350,8 +350,14 @@ class DaemonStore(TieredStore):
         # intra-op threads, OpenMP's idle workers spin for milliseconds, and while this
         # process waits for the daemon they would spin on the cores the daemon is using
         # (a 64k-id read took 15 ms instead of 10 on 2 cores). Anything unusual takes
-        # the embedded store's checks, for its messages.
-        arr = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) and ids.dtype in _INT_DTYPES else np.asarray(ids)
+        # the embedded store's checks, for its messages: so does every tensor that is not of
+        # integers with values (float ids, ids on the meta device), before torch refuses it here.
+        if isinstance(ids, torch.Tensor):
+            if ids.dtype not in _INT_DTYPES or ids.device.type == "meta":
+                return self._as_ids(spec, ids).cpu().numpy()
+            arr = ids.detach().cpu().numpy()
+        else:
+            arr = np.asarray(ids)
         if arr.ndim == 1 and arr.size and arr.dtype.kind in "iu":
             arr = arr.astype(np.int64, copy=False)
             if arr.min() >= 0 and (spec.num_rows is None or arr.max() < spec.num_rows):

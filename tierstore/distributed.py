@@ -60,6 +60,8 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily
 from torch import nn
 
+from tierstore.io import StoreCorruptError
+
 from .nn import MODES, EmbeddingBagConfig, _Bags, _mean_grads, _plan_bags, _Rows, _sum_rows, feature_parts
 from .optim import RowOptimizer
 from .planner import plan
@@ -794,12 +796,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         rebuilds them column by column. Takes the other arguments of the
         constructor; the optimizer must have the checkpoint's state layout."""
         checkpoint = Path(checkpoint)
-        try:
-            old_plan = ShardingPlan.from_json((checkpoint / "plan.json").read_text())
-            specs = [TableSpec.from_json(d) for d in json.loads((checkpoint / "tables.json").read_text())]
-        except FileNotFoundError as e:
-            raise FileNotFoundError(f"{checkpoint} is not a sharded checkpoint ({e.filename} is missing); "
-                                    "write one with ShardedEmbeddingBagCollection.checkpoint(path)") from None
+        old_plan, specs = _read_checkpoint(checkpoint)
         rank = dist.get_rank(kwargs.get("process_group"))
         if (Path(path) / f"rank-{rank}").exists():
             raise FileExistsError(f"{Path(path) / f'rank-{rank}'} exists; restore a checkpoint into a new path")
@@ -859,6 +856,42 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def extra_repr(self) -> str:
         return (f"rank={self.rank}, world_size={self.world_size}, tables={list(self._tables)}, "
                 f"optimizer={self.optimizer!r}, comm_dtype={self._comm_dtype}")
+
+
+def _read_checkpoint(checkpoint: Path) -> tuple[ShardingPlan, list[TableSpec]]:
+    """The plan and table specs a sharded checkpoint was written under; a file that is
+    damaged (cut short, edited) raises StoreCorruptError naming it and what is wrong."""
+    def damaged(name: str, what: str) -> StoreCorruptError:
+        return StoreCorruptError(f"{checkpoint / name} is damaged: {what}. Rank 0 wrote it with the checkpoint: "
+                                 "copy it from another copy of this checkpoint, or restore another checkpoint")
+
+    texts = {}
+    for name in ("plan.json", "tables.json"):
+        try:
+            texts[name] = (checkpoint / name).read_text()
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{checkpoint} is not a sharded checkpoint ({e.filename} is missing); "
+                                    "write one with ShardedEmbeddingBagCollection.checkpoint(path)") from None
+        except UnicodeDecodeError as e:
+            raise damaged(name, f"it is not text ({e})") from None
+    try:
+        plan = ShardingPlan.from_json(texts["plan.json"])
+    except PlanMismatchError as e:
+        raise damaged("plan.json", str(e)) from None
+    try:
+        entries = json.loads(texts["tables.json"])
+    except json.JSONDecodeError as e:
+        raise damaged("tables.json", f"it is not JSON, cut short or overwritten ({e})") from None
+    if not isinstance(entries, list):
+        raise damaged("tables.json", f"it holds a JSON {type(entries).__name__}, not the list of table specs")
+    specs = []
+    for i, d in enumerate(entries):
+        try:
+            specs.append(TableSpec.from_json(d))
+        except (TypeError, KeyError, ValueError) as e:
+            what = f"lacks the key {e}" if isinstance(e, KeyError) else f"is unreadable ({type(e).__name__}: {e})"
+            raise damaged("tables.json", f"table spec {i} {what}") from None
+    return plan, specs
 
 
 def _error_of(op) -> Exception | None:

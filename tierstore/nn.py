@@ -38,7 +38,7 @@ from . import fbgemm
 from .optim import RowOptimizer
 from .precision import round_stochastic
 from .spec import MAX_ID, RowInit, TableSpec
-from .store import Sizes, TieredStore
+from .store import Sizes, TieredStore, check_has_values
 
 __all__ = [
     "BagIndexError",
@@ -348,6 +348,9 @@ def _plan_bags(c: EmbeddingBagConfig, input, offsets, per_sample_weights) -> _Ba
             f"Expected tensor for argument #1 'weight' to have the same type as tensor for argument #1 "
             f"'per_sample_weights'; but type torch.FloatTensor does not equal {per_sample_weights.type()}"
         )
+    for what, t in (("ids", input), ("offsets", offsets), ("per_sample_weights", per_sample_weights)):
+        if t is not None:  # the store's error for a tensor with no values, not torch's when it is copied
+            check_has_values(t, what, c.table)
     flat = input.detach().reshape(-1).to("cpu", torch.int64)
     n_input = len(flat)
     if starts is None:
@@ -578,7 +581,8 @@ class TieredEmbeddingBag(nn.Module):
         """Start bringing up the rows a later ``forward(input, offsets)`` reads; returns at
         once with a tierstore.PrefetchTicket (``wait()`` raises a failure, such as a bad id)."""
         ids = torch.as_tensor(input).reshape(-1)
-        if self.config.padding_idx is not None:
+        # ids on the meta device have no values to mask: the store refuses them, on the ticket
+        if self.config.padding_idx is not None and ids.device.type != "meta":
             ids = ids[ids != self.config.padding_idx]
         return self.store.prefetch(self.table, ids)
 

@@ -104,9 +104,11 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
-def _check_has_values(t: torch.Tensor, what: str, spec: TableSpec) -> None:
+def check_has_values(t: torch.Tensor, what: str, table: str) -> None:
+    """Refuse a tensor that holds no values (one on the meta device) before anything
+    reads it: the store, tierstore.nn's modules and the daemon client all check here."""
     if t.device.type == "meta":
-        raise ValueError(f"{what} for table {spec.name!r} are a tensor on the meta device, which holds no values; "
+        raise ValueError(f"{what} for table {table!r} are a tensor on the meta device, which holds no values; "
                          "pass a tensor on the CPU or a GPU")
 
 
@@ -230,11 +232,14 @@ class TieredStore:
         if not specs:
             raise ValueError(f"{self.path} holds no tables; pass tables=[tierstore.TableSpec(...)] to create them")
         if not meta or new:
-            self._backend.write_meta({"format": FORMAT_VERSION, "tables": [s.to_json() for s in specs.values()]})
+            self._backend.write_meta({"format": FORMAT_VERSION, "tables": [s.to_json() for s in specs.values()]},
+                                     new_tables={s.name: s.ttl_steps is not None for s in new})
         return specs
 
     def _make_table(self, spec: TableSpec, steps: int = 0) -> TableStore:
-        self._backend.open_table(spec.name, spec.dim, spec.state_dim, spec.dtype, last_use=spec.ttl_steps is not None)
+        # created with the metadata naming it (write_meta): a missing database is damage
+        self._backend.open_table(spec.name, spec.dim, spec.state_dim, spec.dtype, last_use=spec.ttl_steps is not None,
+                                 create=False)
         tiers = []
         for size_name, tier_name, device in (("hbm_rows", "hbm", self.device), ("ddr_rows", "ddr", torch.device("cpu"))):
             rows = self.config.rows_for(size_name, spec.name)
@@ -427,7 +432,11 @@ class TieredStore:
         """Rewrite the store at ``path``, closed everywhere, without LMDB's free pages
         (a crash leaves the old file or the new, whole); returns data.mdb's bytes
         before and after. An open store's checkpoint() is compact already."""
-        return LmdbBackend(path, create=False).compact()
+        backend = LmdbBackend(path, create=False)
+        try:
+            return backend.compact()
+        finally:
+            backend.close()  # closed already unless it failed (a full disk): the store stays openable
 
     def close(self) -> None:
         """Stop prefetch, flush, then release memory, LMDB and the writer lock. Idempotent."""
@@ -596,10 +605,12 @@ class TieredStore:
 
     @staticmethod
     def _as_ids(spec: TableSpec, ids) -> torch.Tensor:
+        """``ids`` as a 1-D int64 tensor on their device, or the store's named error: the
+        one id check of the store's calls, its prefetcher and the daemon client."""
         if isinstance(ids, torch.Tensor):
             if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
                 raise TypeError(f"ids for table {spec.name!r} must be integers, got a tensor of {ids.dtype}")
-            _check_has_values(ids, "ids", spec)
+            check_has_values(ids, "ids", spec.name)
             t = ids.detach()
             if t.dtype == torch.uint64 and t.numel():  # torch casts ids >= 2**63 to negative int64s
                 wrapped = t.view(torch.int64)
@@ -631,7 +642,7 @@ class TieredStore:
     @staticmethod
     def _as_values(spec: TableSpec, values, n: int, cols: int) -> torch.Tensor:
         if isinstance(values, torch.Tensor):
-            _check_has_values(values, "values", spec)
+            check_has_values(values, "values", spec.name)
             v = values.detach()
         else:
             arr = np.asarray(values)
@@ -656,10 +667,10 @@ class TieredStore:
             else:
                 self._writeback.reap()
         except Exception as e:
-            raise OSError(
-                f"writing rows to {self.path} failed ({e}); nothing was lost: the rows stay queued in memory, "
-                "and flush() retries once the cause (often a full disk) is fixed"
-            ) from e
+            why = (f"writing rows to {self.path} failed ({e}); nothing was lost: the rows stay queued in memory, "
+                   "and flush() retries once the cause (often a full disk) is fixed")
+            code = getattr(e, "errno", None)  # a full disk stays ENOSPC
+            raise (OSError(code, why) if code else OSError(why)) from e
 
     def _count_swept(self, table: str, rows: int) -> None:
         t = self._tables.get(table)
