@@ -98,6 +98,9 @@ class RowLife:
         self.sketch = CountMinSketch(width, depth) if admit_after > 1 else None
         self.steps = steps
         self.stored_steps = steps  # steps counted in the sketch last stored (flush)
+        # steps in the metadata LMDB holds (the last flush's): what a reopen after a
+        # crash counts from, so the only clock the sweep may judge rows by
+        self.durable_steps = steps
         self._base = steps  # steps before this session: its first step is base + 1
         self._clocks = np.empty(1024, dtype=np.int64)
         self._n = 0
@@ -168,5 +171,12 @@ class RowLife:
         return (last_use < 0) | (last_use + self.ttl_steps <= steps)
 
     def sweep_cutoff(self) -> int | None:
-        """Rows last used at or before this step may be deleted from disk: no later read sees them."""
-        return None if self.ttl_steps is None else self.steps - self.ttl_steps
+        """Rows last used at or before this step may be deleted from disk: no later read sees them,
+        not even one after a crash.
+
+        Judged by the durable step count, not ``steps``: a cached row in use keeps its
+        newer last-use step in memory until flush writes it, and a reopen counts from
+        the last flush's steps, so a cutoff ahead of those would delete rows that the
+        durable store still holds alive. Every row used before a flush is written by
+        that flush with its last use, ahead of the steps (store.flush)."""
+        return None if self.ttl_steps is None else self.durable_steps - self.ttl_steps

@@ -410,8 +410,11 @@ class TieredStore:
             self._writeback.retry()
             batches = [(t, *dirty) for t in self._tables.values() if (dirty := t.take_dirty()) is not None]
             now = self.config.clock()
-            self._shared.queue_write(batches, meta={"last_flush": now, "updates": dict(self._updates), **self._life_meta()})
+            life = self._life_meta()
+            self._shared.queue_write(batches, meta={"last_flush": now, "updates": dict(self._updates), **life})
             self._reap(drain=True)
+            for name, steps in life["steps"].items():  # committed: the sweep may judge rows by them
+                self._tables[name].life.durable_steps = steps
             self._store_sketches()
             self._backend.sync()
             sc = self._counters
