@@ -95,17 +95,19 @@ def check_data_file(data: Path) -> None:
     """Raise StoreCorruptError unless ``data`` (a data.mdb) has LMDB's two meta
     pages and holds every page the newer one names. LMDB maps the file and trusts
     it: touching a page past the end of a truncated file kills the process with
-    SIGBUS, which no exception handler can catch, so this runs before lmdb.open."""
-    if data.stat().st_size == 0:
-        raise corrupt(data, "it is empty (0 bytes), so every row it held is gone")
+    SIGBUS, which no exception handler can catch, so this runs before lmdb.open.
+    Every size is the open file's: compact() may rename another file over ``data``
+    meanwhile, and the old file's pages against the new one's size looked truncated."""
     metas = []
     with open(data, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise corrupt(data, "it is empty (0 bytes), so every row it held is gone")
         psize = 0
         for i in range(2):
             f.seek(i * psize)
             page = f.read(_PAGE_HEADER.size + _META.size)
             if len(page) < _PAGE_HEADER.size + _META.size:
-                raise corrupt(data, f"it is truncated ({data.stat().st_size} bytes, too short for LMDB's meta page {i})")
+                raise corrupt(data, f"it is truncated ({os.fstat(f.fileno()).st_size} bytes, too short for LMDB's meta page {i})")
             flags = _PAGE_HEADER.unpack_from(page)[2]
             m = _META.unpack_from(page, _PAGE_HEADER.size)
             if m[0] != _MAGIC or not flags & _P_META:
@@ -117,12 +119,12 @@ def check_data_file(data: Path) -> None:
                 if psize & (psize - 1) or not 512 <= psize <= 65536:
                     raise corrupt(data, f"meta page 0 names page size {psize}")
             metas.append(m)
+        # the size after the meta pages were read: a running writer writes a transaction's pages, then
+        # the meta page naming them, so the file holds what a meta page names by the time it is read
+        size = os.fstat(f.fileno()).st_size
     meta = metas[metas[0][-1] < metas[1][-1]]  # LMDB uses the meta page of the newer transaction
     map_size, last_pg = meta[3], meta[-2]
     need = (last_pg + 1) * psize
-    # the size after the meta pages were read: a running writer writes a transaction's pages, then
-    # the meta page naming them, so the file holds what a meta page names by the time it is read
-    size = data.stat().st_size
     if size < need:
         raise corrupt(data, f"it is truncated ({size} bytes; its last transaction wrote {need})")
     if map_size < need:
@@ -227,6 +229,7 @@ class LmdbBackend:
             (self.path / "data.mdb.compacting").unlink(missing_ok=True)
         try:
             existing = data.stat().st_size if data.exists() else 0
+            swap = _lock_directory(self.path, fcntl.LOCK_SH)  # compact() does not replace data.mdb meanwhile
             try:
                 env = lmdb.open(
                     str(self.path),
@@ -250,6 +253,8 @@ class LmdbBackend:
                 ) from None
             except _CORRUPT as e:
                 raise corrupt(data, str(e)) from e
+            finally:
+                os.close(swap)
             try:
                 self._check_is_tierstore(env, existing)
                 meta = env.open_db(_META_DB, create=not self.readonly)
@@ -610,8 +615,10 @@ class LmdbBackend:
         data.mdb's bytes before and after. Needs this writer to be the store's only
         user: no other store of it open in this process, no process reading it (a
         reader would go on reading the old file). The compacted copy is written aside,
-        synced, and renamed over data.mdb while LMDB's own lock keeps every opener
-        out: a kill at any point leaves one whole data.mdb, the old or the new."""
+        synced, and renamed over data.mdb while LMDB's own lock keeps every open
+        environment out and the directory's flock every opener (_lock_directory): a
+        reader opening meanwhile waits, then reads the new file; a kill at any point
+        leaves one whole data.mdb, the old or the new."""
         if self._lock_fd is None:
             raise PermissionError(f"tierstore at {self.path} is open readonly; compacting needs it open for writing")
         if self._shared.users > 1:
@@ -634,6 +641,10 @@ class LmdbBackend:
             self.close()
             with _OPEN_LOCK:  # nothing in this process opens the store meanwhile
                 others = _shared_env(self.path)
+                try:  # nor another process: one opening now refuses the compaction, as one open does
+                    swap = _lock_directory(self.path, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    swap, others = None, True
                 # Every open environment holds LMDB's lock byte (0 of lock.mdb) shared; an opener waits on it.
                 # Opening lock.mdb here is safe only while this process has no environment of it open:
                 # closing any descriptor of a file drops all of this process's fcntl locks on it.
@@ -655,7 +666,9 @@ class LmdbBackend:
                     _fsync(self.path)  # the rename itself survives a power loss
                 finally:
                     if lock is not None:
-                        os.close(lock)
+                        os.close(lock)  # before the directory: an opener let in must find lock.mdb free, and reset it
+                    if swap is not None:
+                        os.close(swap)
         finally:
             os.close(writer_lock)
         return before, data.stat().st_size
@@ -667,3 +680,20 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _lock_directory(path: Path, how: int) -> int:
+    """flock the store's directory ``path`` (``how``: fcntl.LOCK_SH or LOCK_EX, with
+    LOCK_NB or not); returns the descriptor, whose close unlocks it. Every LMDB open
+    holds it shared, compact() holds it exclusive while it replaces data.mdb. Without
+    it an opener that waited on lock.mdb across the swap joined the lock file as the
+    old data.mdb left it (LMDB resets lock.mdb only for an opener with no one else
+    there): its transaction id is the old file's, LMDB reads the meta page of the new
+    file that the id's parity names, and the compacted copy's page 0 is empty."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, how)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
