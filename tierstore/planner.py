@@ -49,6 +49,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from tierstore.budget import split_budget
+from tierstore.curves import LruCurve, lru_curves
 from tierstore.trace import Trace, TraceTable, gather_ranges
 
 from .precision import DTYPES
@@ -124,7 +126,7 @@ class _Item:
     shard: Shard
     row_bytes: int
     rows: int  # rows it holds (the trace's working set for an unbounded table, 0 if unknown)
-    curve: object | None = None  # tierstore.tools.capacity.LruCurve
+    curve: LruCurve | None = None
     lookups: float = 0.0
     steps: int = 1
     ssd: float = 0.0
@@ -301,8 +303,6 @@ def _table_calls(trace: Trace, spec: TableSpec):
 def _measure(trace: Trace, items: list[_Item], parts: list) -> None:
     """Exact LRU curves of the items' calls (each part: ids, offsets, global call numbers),
     from one trace whose tables are the items, calls in the original trace's order."""
-    from tierstore.tools.capacity import lru_curves
-
     if not items:
         return
     base = np.cumsum([0] + [len(ids) for ids, _, _ in parts])
@@ -330,8 +330,6 @@ def _measure(trace: Trace, items: list[_Item], parts: list) -> None:
 
 def _give_cache(items: list[_Item], hbm_bytes: int, ddr_bytes: int) -> None:
     """Split the bytes among the items for the most hits (LRU), HBM first, and set their SSD reads."""
-    from tierstore.tools.capacity import split_budget
-
     measured = [it for it in items if it.curve is not None]
     curves, rb = [it.curve for it in measured], [it.row_bytes for it in measured]
     h = split_budget(curves, rb, hbm_bytes)

@@ -21,7 +21,7 @@ BENCHES = {
     "memory": "tierstore.tools.bench:bench_memory",
     "train": "tierstore.tools.bench_train:run",
     "metrics": "tierstore.tools.bench_metrics:run",
-    "capacity": "tierstore.tools.capacity:bench",
+    "capacity": "tierstore.tools.bench_capacity:run",
     "daemon": "tierstore.tools.daemon:bench",
     "prefetch": "tierstore.tools.bench_prefetch:run",
     "peers": "tierstore.tools.bench_peers:run",

@@ -299,7 +299,8 @@ def bench_steps(args) -> None:
 
 
 def bench_hit_rates(args) -> None:
-    from tierstore.tools.capacity import build_streams, simulate
+    from tierstore.cachesim import simulate
+    from tierstore.trace_streams import build_streams
     from tierstore.tools.synth import SynthConfig, SynthTable, synth
 
     rows = 100_000

@@ -1,21 +1,23 @@
-"""``tierstore trace ...`` (synth, convert, info, calibrate) and ``tierstore capacity``."""
+"""``tierstore trace ...`` (synth, convert, info, calibrate); it also registers ``tierstore capacity``
+(tools/capacity_cli.py), which reads the traces made here."""
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
 
 import numpy as np
 
-from tierstore.tools.cli import nonneg_float, nonneg_int, positive_float, positive_int, ratio
+from tierstore.tools import capacity_cli
+from tierstore.tools.capacity_cli import parse_bytes  # noqa: F401  (its old home: callers import it from here)
+from tierstore.tools.cli import nonneg_float, nonneg_int, positive_float, positive_int
 
 DEFAULT_STATS_DIR = Path("../shared/data/dlrm_datasets")
 
 
 def register(sub) -> None:
     _register_trace(sub)
-    _register_capacity(sub)
+    capacity_cli.register(sub)
 
 
 # -- tierstore trace ---------------------------------------------------------------------------------
@@ -162,86 +164,3 @@ def _calibrate(args) -> int:
         print(f"  reproduce: tierstore trace synth OUT {c.synth_args()}")
     return 0
 
-
-# -- tierstore capacity ---------------------------------------------------------------------------------
-def _register_capacity(sub) -> None:
-    p = sub.add_parser(
-        "capacity",
-        help="miss-ratio curves, tier sizing and SSD bandwidth of a trace",
-        description="Exact LRU miss-ratio curves (stack distances under the store's batch semantics), SHARDS for long "
-                    "traces, LFU/lookahead simulated and Belady's bound at chosen sizes, and the HBM/DDR rows per table "
-                    "that reach target hit rates or best split a byte budget, with the SSD read rate they leave.",
-    )
-    p.add_argument("trace", help="a trace directory or .npz (tierstore trace synth/convert, or TieredStore(record_trace=))")
-    p.add_argument("--tables", default=None, help="comma-separated tables to analyse (default: all)")
-    p.add_argument("--shards", type=ratio, default=None, metavar="RATE", help="approximate the curves by SHARDS at this sampling rate (e.g. 0.01)")
-    p.add_argument("--compare", action="store_true", help="with --shards: compute the exact curves too and report SHARDS's measured error")
-    p.add_argument("--hbm-hit", type=ratio, default=None, help="target HBM hit ratio per table (recommend HBM rows)")
-    p.add_argument("--hit", type=ratio, default=None, help="target cache (HBM + DDR) hit ratio per table (recommend DDR rows)")
-    p.add_argument("--hbm-bytes", default=None, help="HBM budget to split across tables, e.g. 16G or 16GiB")
-    p.add_argument("--ddr-bytes", default=None, help="DDR budget to split across tables, e.g. 256G")
-    p.add_argument("--sizes", action="append", default=[], metavar="HBM:DDR",
-                   help="simulate at these tier sizes per table, rows or %% of the working set, e.g. 10000:100000 or 1%%:10%% (repeatable; default: the recommendation, else 1%%:10%%)")
-    p.add_argument("--policies", default="lfu", help="policies to replay at those sizes: lfu, lookahead, lru (LRU is always read off the curve; "
-                   "replaying it cross-checks); default lfu, '' for none")
-    p.add_argument("--window", type=positive_int, default=16, help="lookahead window in batches")
-    p.add_argument("--no-belady", action="store_true", help="skip Belady's bound")
-    p.add_argument("--steps-per-s", type=positive_float, default=1.0, help="training steps per second, for SSD rates")
-    p.add_argument("--row-bytes", type=positive_int, default=None, help="bytes per row on SSD (default: from the trace, else 512)")
-    p.add_argument("--admit-after", type=positive_int, default=None, metavar="N",
-                   help="predict TableSpec(admit_after=N): uses kept and dropped, rows that get storage (the store's own sketch)")
-    p.add_argument("--admit-width", type=positive_int, default=1 << 20, help="with --admit-after: sketch counters per row (a power of two)")
-    p.add_argument("--admit-depth", type=positive_int, default=4, help="with --admit-after: sketch rows")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots there (needs pip install 'tierstore[plot]')")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress on stderr: bars on a terminal, a line every few seconds otherwise (default: on for traces over 2M accesses)")
-    p.add_argument("--seed", type=int, default=0, help="SHARDS hash seed")
-    p.set_defaults(func=_capacity)
-
-
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def parse_bytes(text: str | None) -> float | None:
-    if text is None:
-        return None
-    m = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]i?)?b?\s*", str(text).lower())
-    if not m:
-        raise ValueError(f"cannot read {text!r} as bytes; write e.g. 16G, 16GiB or 17179869184")
-    return float(m.group(1)) * _UNITS[m.group(2) or ""]
-
-
-def _capacity(args) -> int:
-    from tierstore.tools import capacity
-    from tierstore.tools.capacity import CapacityConfig, analyze, format_report, plot_report, to_json
-    from tierstore.trace import Trace
-
-    trace = Trace.load(args.trace)
-    sizes = []
-    for s in args.sizes:
-        parts = s.split(":")
-        if len(parts) != 2:
-            raise ValueError(f"--sizes {s!r}: expected HBM:DDR, e.g. 10000:100000 or 1%:10%")
-        sizes.append((parts[0], parts[1]))
-    # a long run shows progress: tqdm on a terminal, a line every few seconds in a log
-    progress = args.progress if args.progress is not None else trace.n_accesses > capacity.PROGRESS_ACCESSES
-    cfg = CapacityConfig(
-        tables=tuple(t.strip() for t in args.tables.split(",")) if args.tables else None,
-        shards_rate=args.shards, compare_exact=args.compare, sizes=tuple(sizes),
-        policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()), window=args.window,
-        belady=not args.no_belady, hbm_target=args.hbm_hit, hit_target=args.hit,
-        hbm_bytes=parse_bytes(args.hbm_bytes), ddr_bytes=parse_bytes(args.ddr_bytes),
-        steps_per_s=args.steps_per_s, row_bytes=args.row_bytes, seed=args.seed, progress=progress,
-        iec=any("i" in str(b).lower() for b in (args.hbm_bytes, args.ddr_bytes) if b),
-        admit_after=args.admit_after, admit_width=args.admit_width, admit_depth=args.admit_depth,
-    )
-    if args.compare and args.shards is None:
-        raise ValueError("--compare compares SHARDS with the exact curve; pass --shards RATE too")
-    report = analyze(trace, cfg)
-    if args.plot:
-        files = plot_report(report, args.plot)
-        report["plots"] = [str(f) for f in files]
-    print(to_json(report) if args.json else format_report(report))
-    if args.plot and not args.json:
-        print(f"plots: {', '.join(report['plots'])}")
-    return 0

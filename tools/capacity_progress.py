@@ -1,0 +1,50 @@
+"""How ``tierstore capacity`` shows the progress of its long loops: tqdm on a
+terminal, a line every few seconds in a log or a pipe (both to stderr).
+
+:func:`bars` is a ``tierstore.progress.ProgressFactory``: the library's loops
+report counts to it and know nothing of terminals.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+from tierstore.progress import Progress
+
+PROGRESS_SECONDS = 5.0  # between progress lines when stderr is not a terminal
+PROGRESS_ACCESSES = 2_000_000  # traces longer than this show progress by default (a run of seconds or more)
+
+
+class LineBar:
+    """Progress for a log or a pipe: a line to stderr every ``seconds``, and one at the end."""
+
+    def __init__(self, total: int, desc: str, unit: str, seconds: float):
+        self.total, self.desc, self.unit, self.n, self.seconds = total, desc, unit, 0, seconds
+        self.t0 = self.shown = time.monotonic()
+
+    def _line(self, now: float, end: str = "") -> None:
+        rate = self.n / max(now - self.t0, 1e-9)
+        left = f", ~{(self.total - self.n) / rate:,.0f} s left" if rate and self.n < self.total else ""
+        print(f"{self.desc}: {self.n:,}/{self.total:,} {self.unit}s ({self.n / max(self.total, 1):.0%}, "
+              f"{rate:,.0f} {self.unit}s/s{left}){end}", file=sys.stderr, flush=True)
+        self.shown = now
+
+    def update(self, n: int) -> None:
+        self.n += n
+        now = time.monotonic()
+        if now - self.shown >= self.seconds:
+            self._line(now)
+
+    def close(self) -> None:
+        self._line(time.monotonic(), f", done in {time.monotonic() - self.t0:.1f} s")
+
+
+def bars(total: int, desc: str, seconds: float | None = None) -> Progress:
+    """A bar for ``total`` units of ``desc``: tqdm on a terminal, else a :class:`LineBar`
+    printing every ``seconds`` (default :data:`PROGRESS_SECONDS`)."""
+    unit = "id" if "SHARDS" in desc else "use"
+    if not sys.stderr.isatty():
+        return LineBar(total, desc, unit, PROGRESS_SECONDS if seconds is None else seconds)
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, leave=False)
