@@ -62,7 +62,7 @@ def parse_bytes(text: str | None) -> float | None:
 
 def _config(args):
     """The analysis the options ask for (progress decided once the trace is loaded)."""
-    from tierstore.tools.capacity_analysis import CapacityConfig
+    from tierstore.tools.capacity import CapacityConfig
 
     sizes = []
     for s in args.sizes:
@@ -85,25 +85,27 @@ def _config(args):
 
 
 def _capacity(args) -> int:
-    from tierstore.tools import capacity_analysis, capacity_plots, capacity_progress
-    from tierstore.tools.capacity_report import format_report, to_json
+    # the analysis, report and plots through tierstore.tools.capacity, the public module a
+    # Python caller uses: the command is that API plus its checks and its order
+    from tierstore.tools import capacity, capacity_plots, capacity_progress
     from tierstore.trace import Trace
 
     cfg = _config(args)
     plot_dir = None
-    if args.plot:
-        capacity_plots.pyplot()
+    if args.plot:  # the path the user typed, then the extra it needs: both before any work
         plot_dir = capacity_plots.check_plot_dir(args.plot)
+        capacity_plots.pyplot()
     trace = Trace.load(args.trace)
     # a long run shows progress: tqdm on a terminal, a line every few seconds in a log
     show = args.progress if args.progress is not None else trace.n_accesses > capacity_progress.PROGRESS_ACCESSES
     cfg = dataclasses.replace(cfg, progress=capacity_progress.bars if show else False)
-    report = capacity_analysis.analyze(trace, cfg)
+    report = capacity.analyze(trace, cfg)
     if plot_dir is not None:
         report["plots"] = [str(plot_dir / f) for f in capacity_plots.PLOT_FILES]
-    print(to_json(report) if args.json else format_report(report), flush=True)
+    # the report first: writing the plots is the one step left that can fail (a full disk)
+    print(capacity.to_json(report) if args.json else capacity.format_report(report), flush=True)
     if plot_dir is not None:
-        capacity_plots.plot_report(report, plot_dir)
+        capacity.plot_report(report, plot_dir)
         if not args.json:
             print(f"plots: {', '.join(report['plots'])}")
     return 0
