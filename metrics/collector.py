@@ -81,6 +81,10 @@ METRICS = (
     ("gauge", "tierstore_last_flush_timestamp_seconds", "Store-clock time of the last flush, from disk at open; absent if never flushed.", _S),
     ("histogram", "tierstore_flush_seconds", "Wall time of flush() calls.", _S),
     ("gauge", "tierstore_writeback_queue_rows", "Rows queued for LMDB that the writer thread has not committed yet.", _S),
+    ("gauge", "tierstore_memory_budget_bytes", "The store's memory_budget (README \"Memory budget\"); NaN without one.", _S),
+    ("gauge", "tierstore_memory_bytes", "Host memory of each part of the store (hbm, ddr, staging, writeback, lmdb_dirty, "
+     "page_cache): what it may hold (kind=allowed) and what its rows fill now (kind=used; absent where not seen).",
+     _S + ["part", "kind"]),
     ("gauge", "tierstore_store_info", "Always 1; labels describe the store.", _S + ["path", "policy", "device", "readonly"]),
 )
 _FAMILY_TYPES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}
@@ -146,6 +150,12 @@ def _export_store_samples(f: dict[str, Metric], label: str, store: "TieredStore"
     if flush is not None:
         _add_histogram(f["tierstore_flush_seconds"], [label], sc.flush_latency.bounds, *flush)
     f["tierstore_writeback_queue_rows"].add_metric([label], store._writeback.queued_rows)
+    memory = store.memory()
+    f["tierstore_memory_budget_bytes"].add_metric([label], math.nan if memory.budget is None else memory.budget)
+    for part, p in memory.parts.items():
+        f["tierstore_memory_bytes"].add_metric([label, part, "allowed"], p.bytes)
+        if p.used_bytes is not None:
+            f["tierstore_memory_bytes"].add_metric([label, part, "used"], p.used_bytes)
     info = [label, str(store.path), store.config.policy, str(store.device), str(store.readonly).lower()]
     f["tierstore_store_info"].add_metric(info, 1)
 

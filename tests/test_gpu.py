@@ -31,7 +31,8 @@ def test_cuda_hbm_matches_cpu(tmp_path, policy):
             c.write("t", ids, w)
         g.flush()  # the rows each writer thread has committed so far depend on its timing
         c.flush()
-        assert g.stats() == c.stats()
+        # the same counts; their memory differs only in where the HBM tier lives (stats()["memory"])
+        assert {k: v for k, v in g.stats().items() if k != "memory"} == {k: v for k, v in c.stats().items() if k != "memory"}
 
 
 @gpu

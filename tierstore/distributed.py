@@ -338,8 +338,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         path: str | Path,
         *,
         process_group=None,
-        hbm_rows: Sizes = 0,
-        ddr_rows: Sizes = 0,
+        hbm_rows: Sizes | None = None,
+        ddr_rows: Sizes | None = None,
         policy: str = "lru",
         optimizer: RowOptimizer | None = None,
         mode: str = "sum",
@@ -347,6 +347,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         comm_dtype: str | None = None,
         include_last_offset: bool = False,
         registry: CollectorRegistry | None = None,
+        memory_budget: int | str | None = None,
     ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
@@ -375,7 +376,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if mine:
             self.local_store = TieredStore(self.path / f"rank-{self.rank}", tables=[t.shard_spec(t.mine, optimizer) for t in mine],
                                            hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device,
-                                           registry=registry, name=f"{self.path}/rank-{self.rank}")
+                                           registry=registry, name=f"{self.path}/rank-{self.rank}", memory_budget=memory_budget)
             self.local_store.metrics.add_labels(rank=str(self.rank))
         self.device = resolve_device(device) if device is not None else (
             self.local_store.device if self.local_store is not None else torch.device("cpu"))

@@ -435,8 +435,8 @@ class TieredEmbeddingBag(nn.Module):
         path: str | Path | None = None,
         store: TieredStore | None = None,
         table: str = "t0",
-        hbm_rows: Sizes = 0,
-        ddr_rows: Sizes = 0,
+        hbm_rows: Sizes | None = None,
+        ddr_rows: Sizes | None = None,
         policy: str = "lru",
         device: str | torch.device | None = None,
         optimizer: RowOptimizer | None = None,
@@ -448,6 +448,7 @@ class TieredEmbeddingBag(nn.Module):
         scale_grad_by_freq: bool = False,
         sparse: bool = True,
         kernels: str = "torch",
+        memory_budget: int | str | None = None,
     ):
         super().__init__()
         if kernels not in ("torch", "fbgemm"):
@@ -472,11 +473,12 @@ class TieredEmbeddingBag(nn.Module):
                                      init if init is not None else RowInit.normal(0.0, 1.0))
             state_dim = optimizer.state_dim(embedding_dim) if optimizer else 0
             spec = TableSpec(table, num_embeddings, embedding_dim, dtype=dtype or "float32", init=cfg.init, state_dim=state_dim)
-            store = TieredStore(path, tables=[spec], hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device)
+            store = TieredStore(path, tables=[spec], hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device,
+                                memory_budget=memory_budget)
         else:
-            if path is not None or device is not None or hbm_rows or ddr_rows or policy != "lru":
-                raise ValueError("with store= the store's own path, device, tiers and policy apply; "
-                                 "drop path=, device=, hbm_rows=, ddr_rows= and policy=")
+            if path is not None or device is not None or hbm_rows or ddr_rows or policy != "lru" or memory_budget is not None:
+                raise ValueError("with store= the store's own path, device, tiers, memory budget and policy apply; "
+                                 "drop path=, device=, hbm_rows=, ddr_rows=, memory_budget= and policy=")
             if not isinstance(store, TieredStore):
                 raise TypeError(f"store must be a tierstore.TieredStore, got {type(store).__name__}")
             spec = store.tables.get(table)
@@ -762,14 +764,15 @@ class TieredEmbeddingBagCollection(nn.Module):
         *,
         path: str | Path | None = None,
         store: TieredStore | None = None,
-        hbm_rows: Sizes = 0,
-        ddr_rows: Sizes = 0,
+        hbm_rows: Sizes | None = None,
+        ddr_rows: Sizes | None = None,
         policy: str = "lru",
         device: str | torch.device | None = None,
         optimizer: RowOptimizer | None = None,
         mode: str = "sum",
         include_last_offset: bool = False,
         kernels: str = "torch",
+        memory_budget: int | str | None = None,
     ):
         super().__init__()
         tables = list(tables)
@@ -787,10 +790,11 @@ class TieredEmbeddingBagCollection(nn.Module):
         if store is None:
             if path is None:
                 raise ValueError("pass path= (a directory for a new or existing store) or store= (an open TieredStore)")
-            store = TieredStore(path, tables=specs, hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device)
-        elif path is not None or device is not None or hbm_rows or ddr_rows or policy != "lru":
-            raise ValueError("with store= the store's own path, device, tiers and policy apply; "
-                             "drop path=, device=, hbm_rows=, ddr_rows= and policy=")
+            store = TieredStore(path, tables=specs, hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device,
+                                memory_budget=memory_budget)
+        elif path is not None or device is not None or hbm_rows or ddr_rows or policy != "lru" or memory_budget is not None:
+            raise ValueError("with store= the store's own path, device, tiers, memory budget and policy apply; "
+                             "drop path=, device=, hbm_rows=, ddr_rows=, memory_budget= and policy=")
         self.store = store
         self.optimizer = optimizer
         self._bags = {

@@ -42,6 +42,7 @@ from tierstore.io.lmdb_backend import corrupt
 from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
 from .counters import LifeCounters, StoreCounters, TableCounters, add_dicts, restored_on_error
+from .memory import MemoryPart, MemorySplit, check_fits, detect_limit, parse_bytes, process_rss, split_memory
 from .precision import DTYPES, round_nearest, update_key
 from .spec import MAX_ID, TableSpec
 from .trace import TraceRecorder
@@ -55,28 +56,35 @@ Sizes = int | Mapping[str, int]
 @dataclass
 class StoreConfig:
     path: Path
-    hbm_rows: Sizes = 0
-    ddr_rows: Sizes = 0
+    hbm_rows: Sizes | None = 0  # None: left out (0, or derived from memory_budget); set to {table: rows} at open
+    ddr_rows: Sizes | None = 0
     policy: str = "lru"
     device: torch.device | None = None
     readonly: bool = False
     map_size: int | None = None
     clock: Callable[[], float] = field(default=time.time)
     eviction: str = "policy"
-    writeback_rows: int = 65536
+    writeback_rows: int | None = 65536  # None: 65536, or derived from memory_budget
     writeback_group_rows: int = 32768
+    memory_budget: int | str | None = None  # bytes (tierstore.memory.parse_bytes); an int once checked
 
     def __post_init__(self):
         self.path = Path(self.path)
+        if self.memory_budget is not None:
+            self.memory_budget = parse_bytes(self.memory_budget, "memory_budget")
         for name, meaning in (("writeback_rows", "rows queued for LMDB before a call waits; 0 = wait for every write"),
                               ("writeback_group_rows", "rows the writer gathers into one LMDB commit, at most writeback_rows // 2; 0 = commit each write at once")):
             value = getattr(self, name)
+            if value is None and name == "writeback_rows":
+                continue
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0 ({meaning}), got {value!r}")
         if self.eviction not in ("policy", "lookahead"):
             raise ValueError(f"eviction must be 'policy' or 'lookahead' (next use in the prefetch window first), got {self.eviction!r}")
         for name in ("hbm_rows", "ddr_rows"):
             value = getattr(self, name)
+            if value is None:
+                continue
             items = value.items() if isinstance(value, Mapping) else [("every table", value)]
             for table, rows in items:
                 if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or rows < 0:
@@ -119,6 +127,9 @@ class TieredStore:
     creates or opens a store; ``TieredStore(path)`` reopens one with the table
     specs it has stored. ``hbm_rows``/``ddr_rows`` are per table (an int for
     every table or a {table: rows} dict); 0 means no such tier.
+    ``memory_budget`` (bytes, or a string such as "1GiB") sizes the store's host
+    memory (tierstore.memory.split_memory): the tiers left out, prefetch staging,
+    the write-back queue, LMDB's dirty pages and a share for the page cache.
     ``tierstore.open_store(path, daemon=SOCK, ...)`` attaches to a
     ``tierstore prefetchd`` instead (tierstore.client.DaemonStore, the same API).
     """
@@ -127,8 +138,8 @@ class TieredStore:
         self,
         path: str | Path,
         tables: Sequence[TableSpec] | None = None,
-        hbm_rows: Sizes = 0,
-        ddr_rows: Sizes = 0,
+        hbm_rows: Sizes | None = None,
+        ddr_rows: Sizes | None = None,
         policy: str = "lru",
         device: str | torch.device | None = None,
         readonly: bool = False,
@@ -141,10 +152,11 @@ class TieredStore:
         eviction: str = "policy",
         prefetch: PrefetchConfig | None = None,
         record_trace: str | Path | None = None,
-        writeback_rows: int = 65536,
+        writeback_rows: int | None = None,
         writeback_group_rows: int = 32768,
         daemon: None = None,
         claim: Sequence[str] = (),
+        memory_budget: int | str | None = None,
     ):
         if daemon is not None:
             raise TypeError(f"TieredStore is the embedded store; attach to the `tierstore prefetchd` at {daemon} with "
@@ -152,7 +164,8 @@ class TieredStore:
         if claim:
             raise ValueError(f"claim={list(claim)} only applies to a client of `tierstore prefetchd` "
                              "(tierstore.open_store(path, daemon=SOCK, claim=...)); an embedded store is its tables' only writer")
-        self.config = StoreConfig(path, hbm_rows, ddr_rows, policy, device, readonly, map_size, clock, eviction, writeback_rows, writeback_group_rows)
+        self.config = StoreConfig(path, hbm_rows, ddr_rows, policy, device, readonly, map_size, clock, eviction, writeback_rows,
+                                  writeback_group_rows, memory_budget)
         # metrics: exported to registry (default: prometheus_client's global one) under
         # the label name (default: the resolved path); metrics_port starts an endpoint
         metrics_config = MetricsConfig(registry, name, metrics_port, metrics_addr)
@@ -170,21 +183,25 @@ class TieredStore:
         self._gathers_done = threading.Condition(threading.Lock())
         self._gather_events: dict = {}  # CUDA stream -> event after its last gather
         self._closed = False
+        self._shared: Shared | None = None
         # without tables= nothing is created: a mistyped path fails, leaving nothing behind
         self._backend = LmdbBackend(self.path, readonly=readonly, map_size=map_size, create=bool(tables))
-        # every LMDB row write goes through this queue and its one writer thread
-        self._writeback = WriteBack(self._backend, self._lock, self.config.writeback_rows, self.config.writeback_group_rows,
-                                    on_swept=self._count_swept)
-        # what the tables share, handed to each (tierstore/table.py): none reaches back into the store
-        self._shared = Shared(self._backend, self._writeback, readonly, self._await_gathers)
         try:
             specs = self._reconcile_specs(list(tables or []))
-            if record_trace is not None:
-                self._shared.recorder = TraceRecorder(record_trace, specs.values())
             for name in ("hbm_rows", "ddr_rows"):
                 value = getattr(self.config, name)
                 if isinstance(value, Mapping) and set(value) - set(specs):
                     raise KeyError(f"{name} names unknown tables {sorted(set(value) - set(specs))}; tables are {sorted(specs)}")
+            prefetch = prefetch or PrefetchConfig()
+            self._memory = self._size_memory(specs, prefetch)
+            prefetch = dataclasses.replace(prefetch, staged_rows=self._memory.staged_rows)
+            # every LMDB row write goes through this queue and its one writer thread
+            self._writeback = WriteBack(self._backend, self._lock, self.config.writeback_rows, self.config.writeback_group_rows,
+                                        on_swept=self._count_swept)
+            # what the tables share, handed to each (tierstore/table.py): none reaches back into the store
+            self._shared = Shared(self._backend, self._writeback, readonly, self._await_gathers)
+            if record_trace is not None:
+                self._shared.recorder = TraceRecorder(record_trace, specs.values())
             meta = self._backend.read_meta()
             steps = meta.get("steps", {})
             self._tables = {name: self._make_table(spec, steps.get(name, 0)) for name, spec in specs.items()}
@@ -193,15 +210,30 @@ class TieredStore:
             self._counters = StoreCounters(last_flush=meta.get("last_flush"))
             self._updates: dict[str, int] = dict(meta.get("updates", {}))  # per table, for _update_key
             self.metrics = StoreMetrics(self, metrics_config)
-            self._prefetcher = Prefetcher(self, prefetch or PrefetchConfig())
+            self._prefetcher = Prefetcher(self, prefetch)
             self._shared.prefetcher = self._prefetcher
         except BaseException:
             if getattr(self, "metrics", None) is not None:
                 self.metrics.close()  # frees the store's label and endpoint
             self._backend.close()
-            if self._shared.recorder is not None:
+            if self._shared is not None and self._shared.recorder is not None:
                 self._shared.recorder.close()
             raise
+
+    def _size_memory(self, specs: Mapping[str, TableSpec], prefetch: PrefetchConfig) -> MemorySplit:
+        """The store's memory (tierstore.memory.split_memory), checked against the memory
+        limit when a budget or tier sizes were given; sets the sizes the budget derived."""
+        cfg = self.config
+        split = split_memory(cfg.memory_budget, list(specs.values()), hbm_rows=cfg.hbm_rows, ddr_rows=cfg.ddr_rows,
+                             staged_rows=prefetch.staged_rows, writeback_rows=cfg.writeback_rows,
+                             hbm_on_host=self.device.type == "cpu", writes=not self.readonly)
+        split.limit = detect_limit()
+        if cfg.memory_budget is not None or cfg.hbm_rows is not None or cfg.ddr_rows is not None:
+            what = (f"memory_budget={cfg.memory_budget:,} bytes" if cfg.memory_budget is not None else
+                    f"the store at {self.path} with hbm_rows={cfg.hbm_rows}, ddr_rows={cfg.ddr_rows}")
+            check_fits(split, split.limit, process_rss(), what)
+        cfg.hbm_rows, cfg.ddr_rows, cfg.writeback_rows = split.hbm_rows, split.ddr_rows, split.writeback_rows
+        return split
 
     # -- opening -------------------------------------------------------------------
     def _reconcile_specs(self, given: list[TableSpec]) -> dict[str, TableSpec]:
@@ -469,16 +501,40 @@ class TieredStore:
 
     def stats(self, per_table: bool = False) -> dict:
         """Cumulative counts: {"hbm": {hits, misses, evictions, writebacks}, "ddr": {...},
-        "ssd": {reads, writes, read_bytes, write_bytes}}; per table with per_table=True."""
+        "ssd": {reads, writes, read_bytes, write_bytes}}; per table with per_table=True.
+        Store-wide, "memory" is memory() as a dict: the budget, the limit detected at
+        open and what each part may hold and holds now."""
         with self._lock:
             each = {name: t.counters.as_dict() for name, t in self._tables.items()}
             self._add_row_stats(each)
+            memory = self.memory().as_dict()
         if per_table:
             return each
         total = {**TableCounters.new().as_dict(), "rows": {"stored": 0, **dataclasses.asdict(LifeCounters())}}
         for d in each.values():
             total = add_dicts(total, d)
-        return total
+        return {**total, "memory": memory}
+
+    def memory(self) -> MemorySplit:
+        """The store's memory as split at open (tierstore.memory.split_memory, README "Memory
+        budget"), with what each part holds now: ``used_rows``, the rows resident in the tiers,
+        staged, queued for LMDB; ``used_bytes``, their share of the part's bytes. LMDB's dirty
+        pages and the page cache are not seen from here (None). Reads plain counts without
+        the lock (the metrics collector calls it at scrape time)."""
+        m = self._memory
+        tables = list(self._tables.values())
+        parts = dict(m.parts)
+        for name in ("hbm", "ddr"):
+            tiers = [tier for t in tables if (tier := getattr(t, name)) is not None]
+            parts[name] = self._filled(m.parts[name], sum(tier.resident for tier in tiers))
+        parts["staging"] = self._filled(m.parts["staging"], sum(t.counters.prefetch.staged_rows for t in tables))
+        parts["writeback"] = self._filled(m.parts["writeback"], self._writeback.queued_rows)
+        return dataclasses.replace(m, parts=parts)
+
+    @staticmethod
+    def _filled(part: MemoryPart, rows: int) -> MemoryPart:
+        per_row = part.bytes / part.rows if part.rows else 0
+        return dataclasses.replace(part, used_rows=rows, used_bytes=round(rows * per_row))
 
     def resident_rows(self, table: str) -> dict[str, int]:
         t = self._table(table)

@@ -52,13 +52,14 @@ class TieredEmbeddingBagCollection(nn.Module):
         *,
         path: str | Path | None = None,
         is_weighted: bool = False,
-        hbm_rows: Sizes = 0,
-        ddr_rows: Sizes = 0,
+        hbm_rows: Sizes | None = None,
+        ddr_rows: Sizes | None = None,
         policy: str = "lru",
         device: str | torch.device | None = None,
         optimizer: RowOptimizer | None = None,
         init: RowInit | None = None,
         kernels: str = "torch",
+        memory_budget: int | str | None = None,
     ):
         super().__init__()
         tables = list(tables)
@@ -82,7 +83,8 @@ class TieredEmbeddingBagCollection(nn.Module):
                            state_dim=optimizer.state_dim(t.embedding_dim) if optimizer else 0,
                            init=init or RowInit.uniform(-(1 / t.num_embeddings) ** 0.5, (1 / t.num_embeddings) ** 0.5))
                  for t in tables]
-        self.store = TieredStore(path, tables=specs, hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device)
+        self.store = TieredStore(path, tables=specs, hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device,
+                                 memory_budget=memory_budget)
         self._configs = tables
         self._is_weighted = is_weighted
         self.bags = nn.ModuleDict({

@@ -64,6 +64,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tierstore import wire
+from tierstore.memory import parse_bytes
 from tierstore.tools.cli import nonneg_float, nonneg_int, positive_float, positive_int
 from tierstore.tools.stats import require_store
 
@@ -86,7 +87,7 @@ OTHER_CLIENTS = "(other clients)"
 class DaemonConfig:
     path: Path
     socket: Path
-    ddr_rows: int
+    ddr_rows: int | None  # None: derived from memory_budget
     policy: str = "lru"
     lookahead_source: Path | None = None
     depth: int = 2
@@ -101,10 +102,15 @@ class DaemonConfig:
     frame_timeout: float = 30.0  # seconds to send HELLO, finish a begun frame, read a reply
     max_inflight_bytes: int = 256 << 20  # frame payloads + READ replies being handled at once
     shm_total_bytes: int = 4 << 30  # all clients' shared-memory segments together
+    memory_budget: int | str | None = None  # the store's (TieredStore memory_budget=): bytes, or "1GiB"
 
     def __post_init__(self):
         self.path, self.socket = Path(self.path), Path(self.socket)
-        if not isinstance(self.ddr_rows, int) or self.ddr_rows < 0:
+        if self.memory_budget is not None:
+            self.memory_budget = parse_bytes(self.memory_budget, "--memory-budget")
+        elif self.ddr_rows is None:
+            raise ValueError("give --ddr-rows N (rows of the DDR tier per table) or --memory-budget SIZE (which sizes it)")
+        if self.ddr_rows is not None and (not isinstance(self.ddr_rows, int) or self.ddr_rows < 0):
             raise ValueError(f"--ddr-rows must be an int >= 0, got {self.ddr_rows!r}")
         if not isinstance(self.depth, int) or self.depth < 1:
             raise ValueError(f"--depth must be an int >= 1, got {self.depth!r}")
@@ -285,7 +291,7 @@ class Daemon:
         try:
             self.store = tierstore.TieredStore(config.path, hbm_rows=0, ddr_rows=config.ddr_rows, policy=config.policy,
                                                device="cpu", registry=self.registry, name="prefetchd",
-                                               metrics_port=config.metrics_port)
+                                               metrics_port=config.metrics_port, memory_budget=config.memory_budget)
             self.registry.register(_ClientCollector(self))
             row_bytes = 4 * max((spec.width for spec in self.store.tables.values()), default=0)
             self._reply_bytes_per_id = {wire.READ: row_bytes, wire.REREAD: row_bytes, wire.ADMITTED: 8,
@@ -356,7 +362,7 @@ class Daemon:
 
     # -- lifecycle ---------------------------------------------------------------------
     def serve(self) -> None:
-        log.info("serving %s on %s (ddr_rows=%d, tables %s)", self.config.path, self.config.socket, self.config.ddr_rows, sorted(self.store.tables))
+        log.info("serving %s on %s (ddr_rows=%s, tables %s)", self.config.path, self.config.socket, self.store.config.ddr_rows, sorted(self.store.tables))
         if self._trace is not None:
             t = threading.Thread(target=self._lookahead, name="prefetchd-lookahead", daemon=True)
             t.start()
@@ -822,7 +828,10 @@ def register(sub) -> None:
     p = sub.add_parser("prefetchd", help="serve a store's DDR tier and LMDB files to trainer processes over a Unix socket")
     p.add_argument("path", help="store directory (created beforehand by a TieredStore with tables=)")
     p.add_argument("--socket", required=True, help="Unix socket path (created with mode 0600)")
-    p.add_argument("--ddr-rows", type=int, required=True, help="rows of the DDR tier per table")
+    p.add_argument("--ddr-rows", type=int, default=None, help="rows of the DDR tier per table (required without --memory-budget)")
+    p.add_argument("--memory-budget", type=_budget, default=None,
+                   help="the store's host memory, e.g. 1GiB: sizes the DDR tier (unless --ddr-rows), staging, the write-back "
+                        "queue, LMDB's dirty pages and a share for the page cache (README \"Memory budget\")")
     p.add_argument("--policy", default="lru", help="eviction policy: lru or lfu")
     p.add_argument("--lookahead-source", default=None, help="trace (tierstore.trace format) to prefetch from, ahead of the slowest client's step")
     p.add_argument("--depth", type=int, default=2, help="steps to prefetch ahead of the slowest client (with --lookahead-source)")
@@ -843,6 +852,13 @@ def register(sub) -> None:
     p.add_argument("--frame-timeout", type=positive_float, default=30.0,
                    help="seconds a client has to send HELLO, finish a frame it began, and read a reply")
     p.set_defaults(func=main)
+
+
+def _budget(text: str) -> int:
+    try:
+        return parse_bytes(text, "--memory-budget")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _return_freed_memory() -> None:
@@ -870,7 +886,7 @@ def main(args: argparse.Namespace) -> int:
     config = DaemonConfig(args.path, args.socket, args.ddr_rows, args.policy, args.lookahead_source, args.depth, args.metrics_port,
                           shm_max_bytes=args.shm_max_mib << 20, shm_total_bytes=args.shm_total_mib << 20,
                           max_inflight_bytes=args.max_inflight_mib << 20, max_clients=args.max_clients, max_claims=args.max_claims,
-                          idle_timeout=args.idle_timeout, frame_timeout=args.frame_timeout)
+                          idle_timeout=args.idle_timeout, frame_timeout=args.frame_timeout, memory_budget=args.memory_budget)
     daemon = Daemon(config)
     # handlers only set a flag: the accept loop notices it within 0.2 s, then flushes and exits 0
     for sig in (signal.SIGTERM, signal.SIGINT):

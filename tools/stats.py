@@ -3,7 +3,9 @@ bytes, time of the last flush), read through a read-only LMDB environment so
 that it works while a trainer has the store open for writing.
 
 It shows what is durable in LMDB: rows still only in a writer's cache appear
-after that writer's next write-back or flush.
+after that writer's next write-back or flush. It also shows the memory a store of
+these tables takes, split by tierstore.memory.split_memory for the sizes given
+(--memory-budget, or --hbm-rows/--ddr-rows), and the memory limit detected here.
 """
 from __future__ import annotations
 
@@ -16,7 +18,10 @@ from pathlib import Path
 
 import lmdb  # only for its exception types; the reading goes through tierstore.io
 
+import torch
+
 from tierstore.io import LmdbBackend
+from tierstore.memory import MemorySplit, detect_limit, format_bytes, parse_bytes, split_memory
 from tierstore.spec import TableSpec
 
 # A writer creating a table or growing the map can be caught mid-way; a fresh
@@ -108,6 +113,33 @@ def _read_once(path: Path) -> StoreFacts:
     return StoreFacts(str(path), meta.get("format"), disk, meta.get("last_flush"), tables)
 
 
+def read_specs(path: str | Path) -> list[TableSpec]:
+    backend = LmdbBackend(path, readonly=True)
+    try:
+        return [TableSpec.from_json(d) for d in backend.read_meta().get("tables", [])]
+    finally:
+        backend.close()
+
+
+def memory_facts(path: str | Path, budget: int | None = None, hbm_rows: int | None = None, ddr_rows: int | None = None) -> MemorySplit:
+    """What a store of ``path``'s tables opened here with these sizes would hold, part by part
+    (README "Memory budget"), with the memory limit detected here. The HBM tier is host
+    memory unless this machine has CUDA (the store's default device)."""
+    split = split_memory(budget, read_specs(path), hbm_rows=hbm_rows, ddr_rows=ddr_rows, hbm_on_host=not torch.cuda.is_available())
+    split.limit = detect_limit()
+    return split
+
+
+def format_memory(m: MemorySplit) -> str:
+    sizes = (f"memory_budget={format_bytes(m.budget)}" if m.budget is not None else
+             f"no budget: hbm_rows={sum(m.hbm_rows.values()):,}, ddr_rows={sum(m.ddr_rows.values()):,} in all and the defaults")
+    lines = [f"  memory      a store of these tables opened here with {sizes} holds {format_bytes(m.host_bytes)} of host memory",
+             f"              limit here: {m.limit.describe() if m.limit else '-'}"]
+    lines += _aligned(("part", "rows", "may hold"),
+                      [(name + ("" if p.host else " (device)"), f"{p.rows:,}", format_bytes(p.bytes)) for name, p in m.parts.items()])
+    return "\n".join(lines)
+
+
 def _size(n: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
@@ -149,15 +181,31 @@ def register(sub) -> None:
     p = sub.add_parser("stats", help="print a store's tables, rows on disk, bytes and last flush (read-only; safe while a writer runs)")
     p.add_argument("path", help="store directory (the one holding data.mdb)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--memory-budget", type=_budget, default=None,
+                   help="show the memory of a store of these tables opened with memory_budget= this (e.g. 1GiB): its split into "
+                        "tiers, staging, write-back queue, LMDB's dirty pages and page cache (README \"Memory budget\")")
+    p.add_argument("--hbm-rows", type=int, default=None, help="HBM tier rows per table for the memory shown (default: 0, or derived)")
+    p.add_argument("--ddr-rows", type=int, default=None, help="DDR tier rows per table for the memory shown (default: 0, or derived)")
     p.set_defaults(func=run)
     c = sub.add_parser("compact", help="rewrite a closed store's data.mdb without LMDB's free pages; prints its size before and after")
     c.add_argument("path", help="store directory (the one holding data.mdb); no process may have it open")
     c.set_defaults(func=run_compact)
 
 
+def _budget(text: str) -> int:
+    try:
+        return parse_bytes(text, "--memory-budget")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     facts = read_facts(require_store(args.path))  # errors: tierstore.tools.cli prints them
-    print(json.dumps(facts.to_json(), indent=2) if args.json else format_facts(facts))
+    memory = memory_facts(args.path, args.memory_budget, args.hbm_rows, args.ddr_rows)
+    if args.json:
+        print(json.dumps({**facts.to_json(), "memory": memory.as_dict()}, indent=2))
+    else:
+        print(format_facts(facts) + "\n" + format_memory(memory))
     return 0
 
 
