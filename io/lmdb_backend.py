@@ -33,7 +33,9 @@ _SKETCH_DB = b"__sketch__"  # admission sketches, by table name, as raw counters
 _INITIAL_MAP = 1 << 30
 _MAX_GROWTH_RETRIES = 16
 _READ_CHUNK = 2048  # rows per get-and-copy round of get_rows
-_WRITE_CHUNK = 65536  # rows per write transaction at most
+# rows per write transaction at most, by default: a transaction mallocs a dirty page for each
+# random row it writes, so the store sizes it from its memory budget (tierstore.memory)
+WRITE_TXN_ROWS = 65536
 _STEP = np.dtype("<i8")  # a row's last-use step, in a table's u: database
 
 
@@ -176,10 +178,11 @@ def _shared_env(path: Path) -> _Env | None:
 
 class LmdbBackend:
     def __init__(self, path: str | os.PathLike, readonly: bool = False, map_size: int | None = None,
-                 create: bool = True):
+                 create: bool = True, txn_rows: int = WRITE_TXN_ROWS):
         """``create=False``: a store must already be at ``path``; nothing is created otherwise."""
         self.path = Path(path)
         self.readonly = readonly
+        self.txn_rows = txn_rows  # rows per write transaction at most (put_rows)
         self._lock_fd = None
         self._dbs: dict[str, object] = {}
         self._last_dbs: dict[str, object] = {}  # tables with ttl_steps: row id -> last-use step
@@ -510,7 +513,7 @@ class LmdbBackend:
                  last_use: dict[str, np.ndarray] | None = None) -> int:
         """Write (table, sorted ids, rows) batches, then meta; returns bytes written.
         ``last_use[table]``, for tables that keep it, is each row's last-use step.
-        Transactions of at most _WRITE_CHUNK rows, meta with the last: past LMDB's
+        Transactions of at most ``txn_rows`` rows, meta with the last: past LMDB's
         dirty-page limit a transaction spills pages and slows down (1M rows of 512 B
         took 5.3 s in one transaction, 2.3 s in 16). A failure leaves the earlier
         transactions committed; writing the rows again rewrites the same values."""
@@ -518,11 +521,12 @@ class LmdbBackend:
         for t, ids, _ in batches:
             if t in self._last_dbs and t not in last_use and len(ids):
                 raise ValueError(f"rows of table {t!r} need their last-use steps (it has ttl_steps)")
-        parts = [(t, ids[lo: lo + _WRITE_CHUNK], rows[lo: lo + _WRITE_CHUNK], last_use[t][lo: lo + _WRITE_CHUNK] if t in last_use else None)
-                 for t, ids, rows in batches for lo in range(0, len(ids), _WRITE_CHUNK)]
+        n = self.txn_rows
+        parts = [(t, ids[lo: lo + n], rows[lo: lo + n], last_use[t][lo: lo + n] if t in last_use else None)
+                 for t, ids, rows in batches for lo in range(0, len(ids), n)]
         groups, group, size = [], [], 0
         for part in parts:
-            if group and size + len(part[1]) > _WRITE_CHUNK:
+            if group and size + len(part[1]) > n:
                 groups.append(group)
                 group, size = [], 0
             group.append(part)

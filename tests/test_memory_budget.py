@@ -27,7 +27,12 @@ from tierstore.precision import DTYPES
 from tierstore.tiers import CacheTier
 
 MiB, GiB = 1 << 20, 1 << 30
-WRITE_TXN = 65536 * PAGE  # LMDB's dirty pages of one write transaction, the worst case
+WRITE_TXN = 65536 * PAGE  # LMDB's dirty pages of one write transaction of the default size, the worst case
+
+
+def dirty_bytes(budget: int) -> int:
+    """One write transaction's dirty pages under ``budget``: 1/16 of it, 1024..65536 rows of a page."""
+    return min(65536, max(1024, budget // 16 // PAGE)) * PAGE
 
 
 # -- the parser --------------------------------------------------------------------------------
@@ -85,13 +90,14 @@ def test_the_split_stays_within_the_budget(specs, budget, on_host, writes):
         assert split.parts[part].bytes == sum(tier_bytes(by_name[n], r) for n, r in rows.items())
     assert split.hbm_rows == dict.fromkeys(by_name, 0)  # left out: the budget is host memory
     assert split.parts["page_cache"].bytes == budget // 4
-    assert split.parts["lmdb_dirty"].bytes == (WRITE_TXN if writes else 0)
+    assert split.parts["lmdb_dirty"].bytes == (dirty_bytes(budget) if writes else 0)
+    assert split.txn_rows * PAGE == dirty_bytes(budget)
     width = max(s.width for s in specs)
     assert split.writeback_rows >= 0 and split.parts["writeback"].bytes == split.writeback_rows * ((4 * width + QUEUE_BYTES_PER_ROW) if writes else 0)
     # the budget is used: a table that can grow gets a DDR tier of a good part of what is left (less
     # what its hash index, doubling at powers of two, cannot use)
     if budget >= GiB and any(s.num_rows is None for s in specs):
-        assert split.parts["ddr"].bytes > (budget - budget // 4 - WRITE_TXN) // 3
+        assert split.parts["ddr"].bytes > (budget - budget // 4 - dirty_bytes(budget)) // 3
 
 
 @given(specs_st, st.integers(400 * MiB, 64 * GiB), st.integers(0, 10**6), st.integers(0, 10**6))
@@ -105,10 +111,32 @@ def test_given_sizes_come_out_of_the_budget_first(specs, budget, hbm, queue):
     assert all(r == (hbm if s.num_rows is None else min(hbm, s.num_rows)) for s, r in zip(specs, split.hbm_rows.values()))
 
 
-@pytest.mark.parametrize("budget", [1, 100 * MiB, 256 * MiB, 340 * MiB])
+@pytest.mark.parametrize("budget", [1, MiB, 5 * MiB])
 def test_a_budget_below_the_fixed_parts_is_refused(budget):
-    with pytest.raises(ValueError, match=r"is too small.*65,536 rows x 4 KiB = 256.0 MiB.*give at least 342.3 MiB"):
+    with pytest.raises(ValueError, match=r"is too small.*1,024 rows x 4 KiB = 4.0 MiB.*give at least 6.3 MiB"):
         split_memory(budget, [TableSpec("t", None, 8)])
+
+
+def test_a_budget_sizes_lmdb_write_transactions(tmp_path):
+    """LMDB mallocs a dirty page for each random row a transaction writes: the store's
+    transactions hold at most what the budget set aside for them (1/16 of it)."""
+    from tierstore.io import LmdbBackend
+
+    with TieredStore(tmp_path / "s", [TableSpec("t", None, 8)], memory_budget="256MiB", device="cpu") as s:
+        assert s.memory().txn_rows == 4096 and s.memory().parts["lmdb_dirty"].bytes == 16 * MiB
+        ids = np.random.default_rng(0).choice(1 << 40, 10_000, replace=False)
+        s.write("t", ids, np.ones((10_000, 8), np.float32))
+        s.flush()
+        assert torch.equal(s.read("t", ids[:5]), torch.ones(5, 8))
+    backend = LmdbBackend(tmp_path / "b", txn_rows=1000)
+    try:
+        backend.open_table("t", 8)
+        before = backend.env.info()["last_txnid"]
+        backend.put_rows([("t", np.arange(2500, dtype=np.int64), np.ones((2500, 8), np.float32))])
+        assert backend.env.info()["last_txnid"] - before == 3  # 1000 + 1000 + 500 rows
+        assert backend.get_rows("t", np.arange(2500, dtype=np.int64))[1].all()
+    finally:
+        backend.close()
 
 
 def test_without_a_budget_the_split_is_todays_defaults():
@@ -191,7 +219,7 @@ def test_a_budget_derived_split_trains_the_same_rows_as_no_tiers(tmp_path):
         ids = (torch.rand(2400, generator=g) ** 2 * n).long()
         steps.append((ids, torch.arange(0, 2400, 300), torch.randn(8, dim, generator=g)))
     final = {}
-    for name, sizes in (("budget", dict(memory_budget="400MiB")), ("no tiers", dict(hbm_rows=0, ddr_rows=0))):
+    for name, sizes in (("budget", dict(memory_budget="64MiB")), ("no tiers", dict(hbm_rows=0, ddr_rows=0))):
         emb = TieredEmbeddingBag(n, dim, mode="sum", path=tmp_path / name.replace(" ", "_"), optimizer=optim.SGD(lr=0.1),
                                  device="cpu", **sizes)
         for ids, offsets, target in steps:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tierstore.io.lmdb_backend import _WRITE_CHUNK  # rows per LMDB write transaction at most
+from tierstore.io import WRITE_TXN_ROWS  # rows per LMDB write transaction at most, by default
 
 from .hashindex import PROBE_WINDOW
 from .precision import DTYPES
@@ -25,6 +25,8 @@ from .spec import TableSpec
 
 PAGE = 4096  # LMDB's page: a transaction copies (mallocs) a dirty page for every random row it writes
 PAGE_CACHE_SHARE = 4  # 1/4 of the budget is left to the page cache of data.mdb
+DIRTY_SHARE = 16  # 1/16 of it (at most WRITE_TXN_ROWS pages, at least MIN_TXN_ROWS): one write transaction's dirty pages
+MIN_TXN_ROWS = 1024  # fewer rows a transaction and its commit costs more than its rows
 QUEUE_SHARE = 8  # 1/8 of what is left after the page cache and LMDB's dirty pages: the write-back queue
 STAGING_SHARE = 8  # 1/8 of it: prefetch staging; the rest: the DDR tier
 DEFAULT_WRITEBACK_ROWS = 65536
@@ -136,6 +138,7 @@ class MemorySplit:
     ddr_rows: dict[str, int]
     staged_rows: dict[str, int]
     writeback_rows: int
+    txn_rows: int = WRITE_TXN_ROWS  # rows per LMDB write transaction at most (LmdbBackend.txn_rows)
     limit: "MemoryLimit | None" = None  # detected at open
 
     @property
@@ -191,8 +194,9 @@ def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Si
     - page_cache: B/4 is left to the page cache of data.mdb (LMDB reads through it; under a
       memory cgroup its pages count against the limit, and a cache squeezed to nothing makes
       every get a disk read);
-    - lmdb_dirty: one write transaction's dirty pages, _WRITE_CHUNK rows x a 4 KiB page each
-      (the worst case: every row on its own page); 0 for a readonly store;
+    - lmdb_dirty: B/16 for one write transaction's dirty pages, a 4 KiB page for each row it
+      writes (the worst case: every row on its own page), so a transaction writes at most
+      B/16 / 4 KiB rows (txn_rows; within MIN_TXN_ROWS..WRITE_TXN_ROWS); 0 for a readonly store;
     - of the rest R = B - page_cache - lmdb_dirty: R/8 to the write-back queue (writeback_rows
       rows of the widest table's float32 values, ids and bookkeeping), R/8 to prefetch staging,
       and what is left to the DDR tier; staging and the DDR tier are shared among the tables in
@@ -211,13 +215,14 @@ def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Si
     hbm, ddr = _per_table(hbm_rows, specs), _per_table(ddr_rows, specs)
     given_staged = dict(staged_rows) if isinstance(staged_rows, Mapping) else {n: staged_rows for n in names}
     qrow = queue_row_bytes(specs) if writes else 0
-    dirty = _WRITE_CHUNK * PAGE if writes else 0
+    txn_rows = WRITE_TXN_ROWS if budget is None else min(WRITE_TXN_ROWS, max(MIN_TXN_ROWS, budget // DIRTY_SHARE // PAGE))
+    dirty = txn_rows * PAGE if writes else 0
     page_cache = 0 if budget is None else budget // PAGE_CACHE_SHARE
     rest = 0 if budget is None else budget - page_cache - dirty
     if budget is not None and rest <= 0:
         need = (dirty * PAGE_CACHE_SHARE) // (PAGE_CACHE_SHARE - 1) + (1 << 20)
         raise ValueError(f"memory_budget={format_bytes(budget)} is too small: the share left to the page cache "
-                         f"({format_bytes(page_cache)}) and LMDB's dirty pages of one write transaction ({_WRITE_CHUNK:,} rows "
+                         f"({format_bytes(page_cache)}) and LMDB's dirty pages of one write transaction ({txn_rows:,} rows "
                          f"x 4 KiB = {format_bytes(dirty)}) alone take it; give at least {format_bytes(need)}")
 
     if writeback_rows is None:
@@ -251,9 +256,9 @@ def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Si
 
     parts = {"hbm": part(hbm, hbm_on_host), "ddr": part(ddr), "staging": part(staged),
              "writeback": MemoryPart(writeback_rows, writeback_rows * qrow),
-             "lmdb_dirty": MemoryPart(_WRITE_CHUNK if writes else 0, dirty),
+             "lmdb_dirty": MemoryPart(txn_rows if writes else 0, dirty),
              "page_cache": MemoryPart(0, page_cache)}
-    split = MemorySplit(budget, parts, hbm, ddr, staged, writeback_rows)
+    split = MemorySplit(budget, parts, hbm, ddr, staged, writeback_rows, txn_rows)
     if budget is not None and split.host_bytes > budget:
         given = ", ".join(f"{name} {format_bytes(p.bytes)}" for name, p in parts.items() if p.host and p.bytes)
         raise ValueError(f"memory_budget={format_bytes(budget)} cannot hold the sizes given: {given} take "

@@ -233,6 +233,7 @@ class TieredStore:
                     f"the store at {self.path} with hbm_rows={cfg.hbm_rows}, ddr_rows={cfg.ddr_rows}")
             check_fits(split, split.limit, process_rss(), what)
         cfg.hbm_rows, cfg.ddr_rows, cfg.writeback_rows = split.hbm_rows, split.ddr_rows, split.writeback_rows
+        self._backend.txn_rows = split.txn_rows
         return split
 
     # -- opening -------------------------------------------------------------------
