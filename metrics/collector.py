@@ -70,8 +70,11 @@ METRICS = (
     ("counter", "tierstore_writeback_rows", "Dirty rows written to LMDB when they left the cache (flush() writes are not write-backs).", _TT),
     ("gauge", "tierstore_resident_rows", "Rows cached in the tier now.", _TT),
     ("gauge", "tierstore_capacity_rows", "Rows the tier holds at most.", _TT),
-    ("counter", "tierstore_ssd_read_rows", "Rows looked up in LMDB, found or not.", _T),
-    ("counter", "tierstore_ssd_read_bytes", "Row payload bytes read from LMDB.", _T),
+    ("counter", "tierstore_ssd_read_rows", "Rows looked up in LMDB (lookups no tier served), found or not: "
+     "tierstore_ssd_initial_rows of them were not on disk and read as their initial value.", _T),
+    ("counter", "tierstore_ssd_initial_rows", "Rows looked up in LMDB that it did not hold (never written, or deleted): "
+     "given their initial value, no bytes read.", _T),
+    ("counter", "tierstore_ssd_read_bytes", "Row payload bytes read from LMDB: (read_rows - initial_rows) x row bytes.", _T),
     ("counter", "tierstore_ssd_write_rows", "Rows written to LMDB (write-backs, uncached writes, flushes).", _T),
     ("counter", "tierstore_ssd_write_bytes", "Bytes written to LMDB (8-byte key plus row payload per row).", _T),
     ("histogram", "tierstore_lookup_seconds", "Host wall time of read() calls by stage: dedupe, hbm, ddr, ssd_read, writeback, total.", _T + ["stage"]),
@@ -134,6 +137,7 @@ def _export_store_samples(f: dict[str, Metric], label: str, store: "TieredStore"
             f["tierstore_resident_rows"].add_metric(key, cache.resident)
         key = [label, name]
         f["tierstore_ssd_read_rows"].add_metric(key, ssd["reads"])
+        f["tierstore_ssd_initial_rows"].add_metric(key, ssd["initial"])
         f["tierstore_ssd_read_bytes"].add_metric(key, ssd["read_bytes"])
         f["tierstore_ssd_write_rows"].add_metric(key, ssd["writes"])
         f["tierstore_ssd_write_bytes"].add_metric(key, ssd["write_bytes"])

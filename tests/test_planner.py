@@ -222,7 +222,7 @@ def test_predicted_exchange_and_lookups_equal_what_the_sharded_module_does(tmp_p
     (["--world-size", "2", "--sharding", "nope=row"], "sharding names tables ['nope'] that are not planned"),
     (["--world-size", "2", "--sharding", "hot=diagonal"], "sharding types must be one of ('table', 'row', 'column')"),
     (["--world-size", "2", "--hbm-bytes", "12", "--optimizer", "adam"], "cannot hold one row"),
-    (["--world-size", "2", "--hbm-bytes", "lots"], "cannot read 'lots' as bytes"),
+    (["--world-size", "2", "--hbm-bytes", "lots"], "argument --hbm-bytes: must be a size, got 'lots'; write a number of bytes"),
 ])
 def test_cli_mistakes_are_one_line(tmp_path, capsys, argv, expect):
     Trace.from_calls([(0, "hot", [1, 2]), (0, "cold", [3])], [TraceTable("hot", 10, 4), TraceTable("cold", 10, 4)]).save(tmp_path / "t")

@@ -17,13 +17,15 @@ class TierCounters:
 
 @dataclass
 class SSDCounters:
-    reads: int = 0  # rows looked up in LMDB (found or not)
+    reads: int = 0  # rows looked up in LMDB: the lookups no tier served, found or not (what capacity and plan predict)
     writes: int = 0  # rows written to LMDB
-    read_bytes: int = 0
+    read_bytes: int = 0  # of the rows found: (reads - initial) x row bytes
     write_bytes: int = 0
+    initial: int = 0  # of the reads, rows LMDB did not hold (never written, or deleted): given their initial value, no bytes read
 
     def count_reads(self, rows: int, found: int, row_bytes: int) -> None:
         self.reads += rows
+        self.initial += rows - found
         self.read_bytes += found * row_bytes
 
     def count_writes(self, rows: int, row_bytes: int) -> None:

@@ -26,6 +26,7 @@ bit for bit as the general path's read, update and write.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -418,7 +419,13 @@ class TieredEmbeddingBag(nn.Module):
     hbm_rows=..., ddr_rows=..., policy=..., device=..., optimizer=...)`` creates
     (or reopens) a store at ``path`` holding one table; ``store=``/``table=``
     use a table of an open store instead. ``num_embeddings=None`` is an
-    unbounded id space. Without ``optimizer`` the rows are not trained.
+    unbounded id space.
+
+    Without ``optimizer`` the rows are not trained: the output has no grad. That
+    is for inference (``.eval()`` or ``torch.no_grad()``) or for rows kept frozen
+    while the rest of a model trains (``.requires_grad_(False)``, as torch freezes
+    a module); a forward in training mode with grad enabled and neither warns once.
+    ``requires_grad_(False)`` freezes a module with an optimizer too.
 
     ``mode`` defaults to "mean" as in torch. Rows never written start as
     ``init`` (default N(0, 1), as torch), a pure function of (table, id, seed).
@@ -465,6 +472,8 @@ class TieredEmbeddingBag(nn.Module):
                 "torch.optim optimizers cannot update rows that live in the store"
             )
         self.optimizer = optimizer
+        self._frozen = False  # requires_grad_(False)
+        self._warned_untrained = False
         self._owns_store = store is None
         if store is None:
             if path is None:
@@ -560,6 +569,7 @@ class TieredEmbeddingBag(nn.Module):
         n, dim = embeddings.shape
         module = cls(n, dim, mode=mode, max_norm=max_norm, scale_grad_by_freq=scale_grad_by_freq,
                      include_last_offset=include_last_offset, padding_idx=padding_idx, **kwargs)
+        module.requires_grad_(not freeze)
         width = module.store.tables[module.table].width
         src = embeddings.detach().to("cpu", torch.float32)
         for lo in range(0, n, _CHUNK_ROWS):
@@ -569,9 +579,24 @@ class TieredEmbeddingBag(nn.Module):
             module.store.write(module.table, torch.arange(lo, hi), rows, with_state=True)
         return module
 
+    def requires_grad_(self, requires_grad: bool = True) -> "TieredEmbeddingBag":
+        """Like torch's: ``False`` freezes the rows (the output has no grad, backward updates
+        none of them); ``True`` trains them again, which needs ``optimizer=``."""
+        if requires_grad and self.optimizer is None:
+            raise ValueError("requires_grad_(True) needs an optimizer: create the module with optimizer= "
+                             "(a tierstore.optim optimizer) to train its rows")
+        self._frozen = not requires_grad
+        return self
+
+    @property
+    def trains(self) -> bool:
+        """Whether a forward with grad enabled trains the rows (an optimizer, not frozen)."""
+        return self.optimizer is not None and not self._frozen
+
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         bags = self._plan(input, offsets, per_sample_weights)  # validates before the store is touched
+        _warn_untrained([self], self.training)
         return self._run(bags, per_sample_weights)
 
     def batch_reads(self, batch) -> dict[str, torch.Tensor]:
@@ -607,7 +632,7 @@ class TieredEmbeddingBag(nn.Module):
         return _plan_bags(self.config, input, offsets, per_sample_weights)
 
     def _run(self, bags: _Bags, per_sample_weights) -> torch.Tensor:
-        train = self.optimizer is not None and torch.is_grad_enabled()
+        train = self.trains and torch.is_grad_enabled()
         anchor = torch.empty(0, requires_grad=True) if train else None
         # Pool straight from the top tier's weights, once every row is there (the
         # backward then updates them in place). Not for max pooling (its backward
@@ -726,6 +751,26 @@ class _Held:
             self.top.state.index_copy_(0, self.slots, self.state)
 
 
+def _warn_untrained(bags: Sequence[TieredEmbeddingBag], training: bool) -> None:
+    """Warn once per module when a forward that looks like training trains nothing: training
+    mode, grad enabled, no optimizer, and nobody said the rows are frozen. Inference (eval(),
+    no_grad(), a readonly store) and requires_grad_(False) are the explicit ways not to train."""
+    if not training or not torch.is_grad_enabled():
+        return
+    idle = [b for b in bags if b.optimizer is None and not b._frozen and not b._warned_untrained
+            and not b.store.readonly]
+    if not idle:
+        return
+    for b in idle:
+        b._warned_untrained = True
+    names = ", ".join(repr(b.table) for b in idle)
+    warnings.warn(
+        f"TieredEmbeddingBag (table {names}) has no optimizer, so its output has no grad and backward() trains none "
+        "of its rows. To train them pass optimizer=tierstore.optim.Adagrad(lr=...) (or SGD, RowWiseAdagrad, Adam); "
+        "for inference call .eval() or run under torch.no_grad(); to keep them frozen while the rest of the model "
+        "trains call .requires_grad_(False) on it", UserWarning, stacklevel=2)
+
+
 def _check_spec(spec: TableSpec, num_embeddings, embedding_dim, optimizer) -> None:
     if spec.num_rows != num_embeddings or spec.dim != embedding_dim:
         raise ValueError(
@@ -807,6 +852,12 @@ class TieredEmbeddingBagCollection(nn.Module):
     def bags(self) -> Mapping[str, TieredEmbeddingBag]:
         return dict(self._bags)
 
+    def requires_grad_(self, requires_grad: bool = True) -> "TieredEmbeddingBagCollection":
+        """Freezes (False) or trains (True, needs optimizer=) every table's rows, as torch does a module's."""
+        for bag in self._bags.values():
+            bag.requires_grad_(requires_grad)
+        return self
+
     def __getitem__(self, name: str) -> TieredEmbeddingBag:
         return self._bags[self._known(name)]
 
@@ -823,6 +874,7 @@ class TieredEmbeddingBagCollection(nn.Module):
             bag = self._bags[self._known(name)]
             values, offsets, psw = feature_parts(name, feature)
             plans[name] = (bag, bag._plan(values, offsets, psw), psw)
+        _warn_untrained([bag for bag, _, _ in plans.values()], self.training)  # its bags are not submodules
         return {name: bag._run(bags, psw) for name, (bag, bags, psw) in plans.items()}
 
     def batch_reads(self, features: Mapping[str, object]) -> dict[str, torch.Tensor]:

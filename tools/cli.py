@@ -3,13 +3,17 @@
 
 A user's mistake ends the command with one ``tierstore: error: ...`` line and
 exit code 2, as argparse does for bad arguments; anything else is a bug and
-keeps its traceback."""
+keeps its traceback. Ctrl-C ends it with one ``tierstore: interrupted`` line
+saying what was kept, and exit code 130."""
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import importlib.metadata
 import math
 import os
+import re
 import sys
 
 import lmdb
@@ -25,12 +29,26 @@ COMMAND_MODULES = ("bench", "stats", "trace_cli", "daemon", "demo", "plan_cli")
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, KeyError, IndexError, OSError, ImportError, lmdb.Error)
 # prefetchd refuses to start with a RuntimeError when a daemon already serves its socket
 COMMAND_USER_ERRORS: dict[str, tuple[type[BaseException], ...]] = {"prefetchd": (RuntimeError,)}
-# the command line's advice, after a message that gives a Python caller's
+# The command line's advice in place of a Python caller's: these errors' messages state the
+# fact, then after the first "; " what to do in Python (e.g. readonly=True), which a CLI user cannot.
 CLI_HINTS: dict[type[BaseException], str] = {
-    StoreLockedError: "from the command line: stop that process first; `tierstore stats PATH` reads the store while it runs",
+    StoreLockedError: "stop that process first, or read the store while it runs with `tierstore stats PATH`",
+}
+# what to do about an OS error on a path the user gave, by errno
+OS_HINTS: dict[int, str] = {
+    errno.ENOENT: "check the path (a file to write needs its directory to exist)",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: check the path",
+    errno.EACCES: "you may not use this path: pick one you can write to, or fix its permissions",
+    errno.EPERM: "you may not use this path: pick one you can write to, or fix its permissions",
+    errno.EROFS: "the file system is read-only: pick a path on a writable one",
+    errno.ENOSPC: "the disk is full: free space, or pick a path on another disk",
+    errno.EEXIST: "it already exists: pick a new path, or move it aside",
+    errno.EISDIR: "it is a directory: pass a file",
 }
 # set to see the traceback of a user error too
 TRACEBACK_ENV = "TIERSTORE_TRACEBACK"
+# the exit code of a command ended by Ctrl-C (128 + SIGINT), as shells report it
+INTERRUPTED = 130
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -66,6 +84,36 @@ positive_float = _checked(float, lambda v: 0 < v < math.inf, "a number > 0")
 nonneg_float = _checked(float, lambda v: 0 <= v < math.inf, "a number >= 0")
 ratio = _checked(float, lambda v: 0 < v <= 1, "a ratio in (0, 1]")
 
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+SIZE_FORMS = "a number of bytes with an optional unit, e.g. 16G, 1.5GiB, 512M or 17179869184 (k/M/G/T: powers of 1000, Ki/Mi/Gi/Ti: of 1024)"
+
+
+def parse_size(text: str | None, flag: str) -> int | None:
+    """Bytes from a size flag's text (``16G``, ``1.5GiB``, ``512MB``, ``17179869184``); None
+    stays None. Every size flag of the CLI reads its value here, so they all accept the
+    same forms and a bad value is reported against the flag that carried it."""
+    if text is None:
+        return None
+    m = _SIZE.fullmatch(str(text))
+    if not m:
+        raise ValueError(f"{flag} {text!r} is not a size; write {SIZE_FORMS}")
+    return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
+
+
+def size(flag: str):
+    """An argparse type for a size flag: checked when the arguments are parsed, before any
+    work; the text is kept (the verb reads it with parse_size, and may echo it)."""
+
+    def check(text: str) -> str:
+        try:
+            parse_size(text, flag)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a size, got {text!r}; write {SIZE_FORMS}") from None
+        return text
+
+    return check
+
 
 def _parsers(parser: argparse.ArgumentParser):
     yield parser
@@ -75,14 +123,30 @@ def _parsers(parser: argparse.ArgumentParser):
                 yield from _parsers(sub)
 
 
+def version() -> str:
+    """The installed package's version (its metadata), as pip shows it."""
+    try:
+        return importlib.metadata.version("tierstore")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install -e . in the repository)"
+
+
+def plain(text: str | None) -> str | None:
+    """Help text from a docstring: RST's ``literal`` becomes the CLI's `literal`."""
+    return None if text is None else re.sub(r"``(.+?)``", r"`\1`", text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierstore", description="Tiered embedding store: HBM, DDR and LMDB on SSD.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"tierstore.tools.{name}").register(sub)
     for p in _parsers(parser):  # the same conventions for every verb, whichever module registered it
         p.formatter_class = HelpFormatter
+        p.description = plain(p.description)
         for action in p._actions:
+            action.help = plain(action.help)
             if action.dest == "policy" and action.choices is None:
                 action.choices = sorted(POLICIES)
     return parser
@@ -95,9 +159,23 @@ def is_user_error(e: BaseException, command: str | None = None) -> bool:
 
 def error_message(e: BaseException) -> str:
     # a KeyError's str() is the repr of its message
-    msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+    msg = str(e.args[0] if isinstance(e, KeyError) and e.args else e)
     hints = [h for t, h in CLI_HINTS.items() if isinstance(e, t)]
+    if hints:
+        msg = msg.split("; ", 1)[0]  # the fact, without the Python caller's advice
+    elif isinstance(e, OSError) and e.filename is not None and len(e.args) == 2 and e.strerror:
+        # the OS's own words ("[Errno 2] No such file or directory: 'x'"): the path first, then what to do
+        hints = [OS_HINTS[e.errno]] if e.errno in OS_HINTS else []
+        msg = f"{e.filename}: {e.strerror[:1].lower()}{e.strerror[1:]}"
     return "; ".join([f"tierstore: error: {msg}", *hints])
+
+
+def interrupted_message(args: argparse.Namespace) -> str:
+    """The one line a command stopped by Ctrl-C ends with: what it kept. A verb tells it with
+    ``set_defaults(kept=...)``, a string or a function of the arguments."""
+    kept = getattr(args, "kept", None)
+    kept = kept(args) if callable(kept) else kept
+    return "tierstore: interrupted" + (f"; {kept}" if kept else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        # LMDB commits are atomic: an interrupted command leaves each store as of its last
+        # commit (what its last flush reported durable stays); the verb's note says what that is
+        print(interrupted_message(args), file=sys.stderr)
+        return INTERRUPTED
     except BrokenPipeError:  # `tierstore stats ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush of stdout must not fail too
         return 0

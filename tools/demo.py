@@ -32,6 +32,7 @@ from tierstore.precision import DTYPES
 DENSE_FEATURES = 13
 MARKER = "tierstore-demo.json"  # marks a directory this demo made, so a rerun may replace it
 LOSS_WINDOW = 50
+PROGRESS_SECONDS = 5.0  # between progress lines when stderr is not a terminal (a log, a pipe)
 AGREE_RTOL = 1e-3  # --compare: the two runs' mean loss over the last window must agree this closely
 HALF_AGREE_RTOL = 2e-2  # ... with float16/bfloat16 tables, against float32 in memory
 
@@ -202,13 +203,72 @@ def _prepare_dir(path: Path) -> None:
             path.rmdir()
         else:
             raise FileExistsError(f"{path} exists and was not made by tierstore demo; pass --dir with a new directory")
-    path.mkdir(parents=True)
+    try:
+        path.mkdir(parents=True)
+    except OSError as e:  # before any work: the demo needs a directory it can write
+        raise ValueError(f"--dir {path}: cannot make a directory there ({e.strerror.lower()}); "
+                         "pass --dir with a path in a directory you can write to") from None
+
+
+class _LineBar:
+    """Progress for a log or a pipe: a line to stderr at the first update, then every
+    PROGRESS_SECONDS, and one at the end (tqdm's ``\r`` updates would make one long line)."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.n, self.postfix = total, desc, 0, {}
+        self.t0 = time.monotonic()
+        self.shown = None
+
+    def _line(self, now: float, end: str = "") -> None:
+        rate = self.n / max(now - self.t0, 1e-9)
+        left = f", ~{(self.total - self.n) / rate:,.0f} s left" if rate and self.n < self.total else ""
+        post = "".join(f" {k}={v}" for k, v in self.postfix.items())
+        print(f"{self.desc}: {self.n:,}/{self.total:,} steps ({self.n / max(self.total, 1):.0%}, {rate:,.1f} steps/s{left}){end}"
+              f"{post}", file=sys.stderr, flush=True)
+        self.shown = now
+
+    def set_postfix(self, postfix: dict, refresh: bool = False) -> None:
+        self.postfix = dict(postfix)
+
+    def update(self, n: int) -> None:
+        self.n += n
+        now = time.monotonic()
+        if self.shown is None or now - self.shown >= PROGRESS_SECONDS:
+            self._line(now)
+
+    def close(self) -> None:
+        self._line(time.monotonic(), f", done in {time.monotonic() - self.t0:.1f} s")
+
+
+class _NoBar:
+    n = 0
+
+    def set_postfix(self, postfix: dict, refresh: bool = False) -> None:
+        pass
+
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    """tqdm on a terminal, a line every few seconds otherwise (both on stderr), or nothing."""
+    if not enabled:
+        return _NoBar()
+    if not sys.stderr.isatty():
+        return _LineBar(total, desc)
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
 
 
 def _served(stats: dict) -> np.ndarray:
-    """Lookups served by HBM, DDR and LMDB, cumulative."""
+    """Lookups served by HBM, DDR and below (LMDB, or its write-back queue), cumulative.
+    Every lookup reaches the first tier the store has (HBM, else DDR): that tier counts them all."""
     h, d = stats["hbm"], stats["ddr"]
-    lookups = h["hits"] + h["misses"]
+    lookups = (h["hits"] + h["misses"]) or (d["hits"] + d["misses"])
     return np.array([h["hits"], d["hits"], lookups - h["hits"] - d["hits"]], dtype=np.float64)
 
 
@@ -221,13 +281,12 @@ def _shares(served: np.ndarray) -> str:
 
 def _train(cfg: DemoConfig, model: DLRM, emb_opt, data: ClickData, generator: torch.Generator, clock, label: str,
            stats: Callable[[], dict] | None) -> RunResult:
-    from tqdm import tqdm
-
     dense_opt = torch.optim.Adagrad([*model.bottom.parameters(), *model.top.parameters()], lr=cfg.lr)
     loss_fn = nn.BCEWithLogitsLoss()
     losses = []
-    bar = tqdm(total=cfg.steps, desc=label, unit="step", disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True)
-    last = _served(stats()) if stats else None
+    bar = _progress(cfg.steps, label, cfg.progress)
+    shares = stats if cfg.hbm_rows or cfg.ddr_rows else None  # no tier: nothing counts the lookups
+    last = _served(shares()) if shares else None
     start = clock()
     for step in range(cfg.steps):
         dense, sparse, labels = data.batch(generator)
@@ -245,8 +304,8 @@ def _train(cfg: DemoConfig, model: DLRM, emb_opt, data: ClickData, generator: to
         losses.append(loss.item())
         if cfg.progress and (step % 10 == 9 or step == cfg.steps - 1):
             post = {"loss": f"{np.mean(losses[-LOSS_WINDOW:]):.4f}"}
-            if stats:
-                now = _served(stats())
+            if shares:
+                now = _served(shares())
                 post["served"] = _shares(now - last)
                 last = now
             bar.set_postfix(post, refresh=False)
@@ -265,6 +324,81 @@ def _train(cfg: DemoConfig, model: DLRM, emb_opt, data: ClickData, generator: to
             ev_acc.append(((logits > 0).float() == labels).float().mean().item())
     model.train()
     return RunResult(losses, seconds, float(np.mean(ev_loss)), float(np.mean(ev_acc)), trained)
+
+
+@dataclass
+class StoreFigures:
+    """What the summary reports of the store after training."""
+
+    stats: dict  # store.stats()
+    resident: dict[str, dict[str, int]]  # table -> {"hbm": rows, "ddr": rows}
+    row_bytes: int  # a stored row: weights and optimizer state
+    width: int  # floats a row holds (weights and optimizer state)
+    lmdb_mib: float
+    store_dir: Path
+    checkpoint: Path
+
+
+def loss_window(n: int) -> int:
+    """Steps averaged at each end of a run of n: at most LOSS_WINDOW, and the first and
+    last windows never share a step (one step: that step)."""
+    return max(1, min(LOSS_WINDOW, n // 2))
+
+
+def _steps(n: int) -> str:
+    return "step" if n == 1 else f"{n} steps"
+
+
+def _times_smaller(table_rows: int, tier_rows: int) -> str:
+    if tier_rows >= table_rows:
+        return "holds the whole table"
+    r = table_rows / tier_rows
+    return f"{r:,.0f}x smaller than the table" if r >= 10 else f"{r:.1f}x smaller than the table"
+
+
+def _tiers(cfg: DemoConfig) -> str:
+    if not cfg.hbm_rows and not cfg.ddr_rows:
+        return "no HBM or DDR tier (--hbm-rows 0 --ddr-rows 0): every lookup reads LMDB"
+    hbm = f"HBM {cfg.hbm_rows:,} rows" if cfg.hbm_rows else "no HBM tier"
+    ddr = f"DDR {cfg.ddr_rows:,} rows ({_times_smaller(cfg.rows, cfg.ddr_rows)})" if cfg.ddr_rows else "no DDR tier"
+    return f"{hbm}, {ddr}, policy {cfg.policy}"
+
+
+def summary_lines(cfg: DemoConfig, run: RunResult, store: StoreFigures) -> list[str]:
+    """The summary of the tiered run, a line per topic."""
+    n, stats = len(run.losses), store.stats
+    if n == 1:
+        loss = f"loss {run.losses[0]:.4f} (one step)"
+    else:
+        w = loss_window(n)
+        loss = f"first {_steps(w)} {np.mean(run.losses[:w]):.4f} -> last {_steps(w)} {np.mean(run.losses[-w:]):.4f}"
+    served = _served(stats)
+    served_by = f"{_shares(served)} of {int(served.sum()):,} row lookups"
+    if not cfg.hbm_rows and not cfg.ddr_rows:  # the tiers count lookups; LMDB's write-back queue serves some uncounted
+        served_by = "every row lookup by LMDB or its write-back queue (no HBM or DDR tier)"
+    elif cfg.ddr_rows:
+        d = stats["ddr"]
+        on = "on HBM misses " if cfg.hbm_rows else ""
+        served_by += f"; DDR hit rate {on}{100 * d['hits'] / max(d['hits'] + d['misses'], 1):.0f}%"
+    where = "in every tier and in LMDB" if cfg.hbm_rows or cfg.ddr_rows else "in LMDB"
+    half = f" (with float32 weights: {4 * store.width})" if cfg.dtype != "float32" else ""
+    ssd = stats["ssd"]
+    resident = store.resident.values()
+    return [
+        f"tierstore demo: {cfg.steps} steps of {cfg.batch} examples in {run.seconds:.1f} s "
+        f"({cfg.steps / run.seconds:.1f} steps/s)",
+        f"  model      DLRM: bottom MLP 13-64-{cfg.dim}, {cfg.tables} tables, dot interaction, top MLP; "
+        f"{cfg.optimizer} (fused into backward for the tables), lr {cfg.lr}",
+        f"  tables     {cfg.tables} x {cfg.rows:,} rows x {cfg.dim} dims, Zipf alpha {cfg.alpha}; per table {_tiers(cfg)}",
+        f"  rows       weights {cfg.dtype}, optimizer state float32: {store.row_bytes} bytes a row {where}{half}; "
+        f"LMDB file {store.lmdb_mib:.1f} MiB",
+        f"  loss       {loss}; held-out {run.eval_loss:.4f}, accuracy {100 * run.eval_accuracy:.1f}%",
+        f"  served     {served_by}",
+        f"  lmdb       {ssd['reads']:,} rows looked up ({ssd['initial']:,} of them not on disk yet: their initial values), "
+        f"{ssd['writes']:,} rows written; resident now {sum(r['hbm'] for r in resident):,} HBM + "
+        f"{sum(r['ddr'] for r in resident):,} DDR rows",
+        f"  store      {store.store_dir} (reopen: tierstore.TieredStore({str(store.store_dir)!r})); checkpoint {store.checkpoint}",
+    ]
 
 
 def seeded(seed: int) -> torch.Generator:
@@ -312,32 +446,16 @@ def run_demo(cfg: DemoConfig, seed_generator: Callable[[int], torch.Generator] =
     data_state = g.get_state()
     twin = copy.deepcopy((model.bottom, model.top)) if cfg.compare else None
     tiered = _train(cfg, model, None, data, g, clock, "tierstore", ebc.store.stats)
-    stats = ebc.store.stats()
-    resident = {n: ebc.store.resident_rows(n) for n in cfg.table_names}
-    stored = ebc.store.tables[cfg.table_names[0]]  # with the optimizer's state_dim
-    ckpt = ebc.store.checkpoint(cfg.dir / "checkpoint")
+    store = ebc.store
+    stats, resident = store.stats(), {n: store.resident_rows(n) for n in cfg.table_names}
+    stored = store.tables[cfg.table_names[0]]  # with the optimizer's state_dim
+    ckpt = store.checkpoint(cfg.dir / "checkpoint")
     ebc.close()
+    figures = StoreFigures(stats, resident, stored.row_bytes, stored.width, (store_dir / "data.mdb").stat().st_size / 2**20,
+                           store_dir, ckpt)
 
-    w = len(tiered.losses) and min(LOSS_WINDOW, len(tiered.losses))
-    served = _served(stats)
-    d = stats["ddr"]
-    lines = [
-        f"tierstore demo: {cfg.steps} steps of {cfg.batch} examples in {tiered.seconds:.1f} s "
-        f"({cfg.steps / tiered.seconds:.1f} steps/s)",
-        f"  model      DLRM: bottom MLP 13-64-{cfg.dim}, {cfg.tables} tables, dot interaction, top MLP; "
-        f"{cfg.optimizer} (fused into backward for the tables), lr {cfg.lr}",
-        f"  tables     {cfg.tables} x {cfg.rows:,} rows x {cfg.dim} dims, Zipf alpha {cfg.alpha}; per table "
-        f"HBM {cfg.hbm_rows:,} rows, DDR {cfg.ddr_rows:,} rows ({cfg.rows / max(cfg.ddr_rows, 1):.0f}x smaller than the table), policy {cfg.policy}",
-        f"  rows       weights {cfg.dtype}, optimizer state float32: {stored.row_bytes} bytes a row in every tier and in LMDB "
-        f"(float32 weights: {4 * stored.width}); LMDB file {(store_dir / 'data.mdb').stat().st_size / 2**20:.1f} MiB",
-        f"  loss       first {w} steps {np.mean(tiered.losses[:w]):.4f} -> last {w} steps {np.mean(tiered.losses[-w:]):.4f}; "
-        f"held-out {tiered.eval_loss:.4f}, accuracy {100 * tiered.eval_accuracy:.1f}%",
-        f"  served     {_shares(served)} of {int(served.sum()):,} row lookups; DDR hit rate on HBM misses "
-        f"{100 * d['hits'] / max(d['hits'] + d['misses'], 1):.0f}%",
-        f"  lmdb       {stats['ssd']['reads']:,} rows read, {stats['ssd']['writes']:,} rows written; "
-        f"resident now {sum(r['hbm'] for r in resident.values()):,} HBM + {sum(r['ddr'] for r in resident.values()):,} DDR rows",
-        f"  store      {store_dir} (reopen: tierstore.TieredStore({str(store_dir)!r})); checkpoint {ckpt}",
-    ]
+    w = loss_window(len(tiered.losses))
+    lines = summary_lines(cfg, tiered, figures)
     status = 0
     if cfg.compare:
         initial = {s.name: torch.from_numpy(initial_rows(s, np.arange(cfg.rows))) for s in specs}
@@ -354,7 +472,7 @@ def run_demo(cfg: DemoConfig, seed_generator: Callable[[int], torch.Generator] =
         agree = abs(a - b) <= rtol * abs(b) and abs(tiered.eval_loss - mem.eval_loss) <= rtol * abs(mem.eval_loss)
         status = 0 if agree else 1
         lines += [
-            f"  compare    nn.EmbeddingBag in memory (float32): last {w} steps loss {b:.4f} vs tierstore {a:.4f}; held-out "
+            f"  compare    nn.EmbeddingBag in memory (float32): last {_steps(w)} loss {b:.4f} vs tierstore {a:.4f}; held-out "
             f"{mem.eval_loss:.4f} vs {tiered.eval_loss:.4f}, accuracy {100 * mem.eval_accuracy:.1f}% vs {100 * tiered.eval_accuracy:.1f}%; "
             + ("bit-identical loss at every step" if same else f"largest per-step loss difference {worst:.1e}")
             + (" -> AGREE" if agree else f" -> DISAGREE (beyond rtol {rtol})"),
@@ -393,7 +511,13 @@ def register(sub) -> None:
     p.add_argument("--world-size", type=int, default=d.world_size,
                    help="shard the tables over this many local processes (gloo on 127.0.0.1, plan from tierstore.planner) "
                         "and check every loss and trained row against one process")
-    p.set_defaults(func=main)
+    p.set_defaults(func=main, kept=_kept)
+
+
+def _kept(args: argparse.Namespace) -> str:
+    # LMDB commits are atomic: the store opens as of its last commit; the demo flushes only at its end
+    return (f"the store in {args.dir} is consistent but only partly trained (the demo flushes at its end); "
+            "rerun `tierstore demo` to train afresh")
 
 
 def main(args: argparse.Namespace) -> int:

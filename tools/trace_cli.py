@@ -41,7 +41,7 @@ def _register_trace(sub) -> None:
     s.add_argument("--drift", type=nonneg_float, default=0.0, help="rows every popularity rank moves per step (temporal locality)")
     s.add_argument("--dim", type=positive_int, default=64, help="embedding dim recorded in the trace (for bandwidth)")
     s.add_argument("--seed", type=int, default=0, help="random seed")
-    s.set_defaults(func=_synth)
+    s.set_defaults(func=_synth, kept=_unwritten)
 
     c = verbs.add_parser("convert", help="convert dlrm_datasets .pt files or a CSV (step,table,id) into a trace")
     c.add_argument("inputs", nargs="+", help="fbgemm_t*_bs*.pt files (one batch each) or one .csv file")
@@ -49,7 +49,7 @@ def _register_trace(sub) -> None:
     c.add_argument("--from", dest="fmt", choices=("auto", "dlrm", "csv"), default="auto", help="input format (auto: by file name)")
     c.add_argument("--batch-size", type=positive_int, default=None, help="dlrm: split each file's batch into steps of this many samples")
     c.add_argument("--dim", type=positive_int, default=None, help="embedding dim to record (for bandwidth)")
-    c.set_defaults(func=_convert)
+    c.set_defaults(func=_convert, kept=_unwritten)
 
     i = verbs.add_parser("info", help="summary of a trace")
     i.add_argument("trace", help="a trace directory (the one holding trace.json) or .npz file")
@@ -65,6 +65,10 @@ def _register_trace(sub) -> None:
     k.add_argument("--seed", type=int, default=0, help="random seed of the generated batches")
     k.add_argument("--json", action="store_true", help="print JSON")
     k.set_defaults(func=_calibrate)
+
+
+def _unwritten(args) -> str:
+    return f"no trace was written to {args.out}, or only part of one; rerun to write it"
 
 
 def _parse_tables(args):
