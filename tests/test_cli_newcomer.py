@@ -218,12 +218,13 @@ def test_a_bad_size_names_its_flag_and_the_forms(bad, tmp_path, capsys):
     with pytest.raises(ValueError, match=r"--ddr-bytes '.*' is not a size; write a number of bytes"):
         parse_size(bad, "--ddr-bytes")
     trace = small_trace(tmp_path / "t.npz")
-    with pytest.raises(SystemExit) as e:
-        main(["plan", str(trace), "--world-size", "2", f"--hbm-bytes={bad}"])
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert f"argument --hbm-bytes: must be a size, got {bad!r}; write a number of bytes" in err and "e.g. 16G" in err
-    assert "convert" not in err
+    for verb in (["plan", str(trace), "--world-size", "2"], ["capacity", str(trace)]):
+        with pytest.raises(SystemExit) as e:
+            main([*verb, f"--hbm-bytes={bad}"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"argument --hbm-bytes: must be a size, got {bad!r}; write a number of bytes" in err and "e.g. 16G" in err
+        assert "convert" not in err
 
 
 def test_os_errors_name_the_path_and_what_to_do(tmp_path, capsys):

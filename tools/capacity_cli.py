@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 
-from tierstore.tools.cli import positive_float, positive_int, ratio
+from tierstore.tools.cli import parse_size, positive_float, positive_int, ratio, size
 
 
 def register(sub) -> None:
@@ -27,8 +26,8 @@ def register(sub) -> None:
     p.add_argument("--compare", action="store_true", help="with --shards: compute the exact curves too and report SHARDS's measured error")
     p.add_argument("--hbm-hit", type=ratio, default=None, help="target HBM hit ratio per table (recommend HBM rows)")
     p.add_argument("--hit", type=ratio, default=None, help="target cache (HBM + DDR) hit ratio per table (recommend DDR rows)")
-    p.add_argument("--hbm-bytes", default=None, help="HBM budget to split across tables, e.g. 16G or 16GiB")
-    p.add_argument("--ddr-bytes", default=None, help="DDR budget to split across tables, e.g. 256G")
+    p.add_argument("--hbm-bytes", type=size("--hbm-bytes"), default=None, help="HBM budget to split across tables, e.g. 16G or 16GiB")
+    p.add_argument("--ddr-bytes", type=size("--ddr-bytes"), default=None, help="DDR budget to split across tables, e.g. 256G")
     p.add_argument("--sizes", action="append", default=[], metavar="HBM:DDR",
                    help="simulate at these tier sizes per table, rows or %% of the working set, e.g. 10000:100000 or 1%%:10%% (repeatable; default: the recommendation, else 1%%:10%%)")
     p.add_argument("--policies", default="lfu", help="policies to replay at those sizes: lfu, lookahead, lru (LRU is always read off the curve; "
@@ -45,19 +44,7 @@ def register(sub) -> None:
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots there (needs pip install 'tierstore[plot]')")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress on stderr: bars on a terminal, a line every few seconds otherwise (default: on for traces over 2M accesses)")
     p.add_argument("--seed", type=int, default=0, help="SHARDS hash seed")
-    p.set_defaults(func=_capacity)
-
-
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def parse_bytes(text: str | None) -> float | None:
-    if text is None:
-        return None
-    m = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]i?)?b?\s*", str(text).lower())
-    if not m:
-        raise ValueError(f"cannot read {text!r} as bytes; write e.g. 16G, 16GiB or 17179869184")
-    return float(m.group(1)) * _UNITS[m.group(2) or ""]
+    p.set_defaults(func=_capacity, kept="the analysis did not finish; the trace is unchanged")
 
 
 def _config(args):
@@ -77,7 +64,7 @@ def _config(args):
         shards_rate=args.shards, compare_exact=args.compare, sizes=tuple(sizes),
         policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()), window=args.window,
         belady=not args.no_belady, hbm_target=args.hbm_hit, hit_target=args.hit,
-        hbm_bytes=parse_bytes(args.hbm_bytes), ddr_bytes=parse_bytes(args.ddr_bytes),
+        hbm_bytes=parse_size(args.hbm_bytes, "--hbm-bytes"), ddr_bytes=parse_size(args.ddr_bytes, "--ddr-bytes"),
         steps_per_s=args.steps_per_s, row_bytes=args.row_bytes, seed=args.seed,
         iec=any("i" in str(b).lower() for b in (args.hbm_bytes, args.ddr_bytes) if b),
         admit_after=args.admit_after, admit_width=args.admit_width, admit_depth=args.admit_depth,

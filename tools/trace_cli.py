@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 
 from tierstore.tools import capacity_cli
-from tierstore.tools.capacity_cli import parse_bytes  # noqa: F401  (its old home: callers import it from here)
 from tierstore.tools.cli import nonneg_float, nonneg_int, positive_float, positive_int
 
 DEFAULT_STATS_DIR = Path("../shared/data/dlrm_datasets")
