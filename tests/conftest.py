@@ -20,3 +20,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def no_matplotlib(monkeypatch):
+    """Imports of matplotlib fail, as where the [plot] extra is not installed."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def importer(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError("injected: no matplotlib")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", importer)

@@ -375,17 +375,7 @@ def test_analyze_report_is_consistent_and_json(tmp_path):
     assert "recommendation" in text and "belady" in text
 
 
-def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_matplotlib(name, *a, **k):
-        if name.startswith("matplotlib"):
-            raise ImportError("injected: no matplotlib")
-        return real_import(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+def test_plot_without_matplotlib_says_how_to_install(tmp_path, no_matplotlib):
     with pytest.raises(ImportError, match=r"tierstore\[plot\]"):
         cap.plot_report({"tables": []}, tmp_path)
 

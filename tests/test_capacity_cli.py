@@ -3,7 +3,6 @@ it (--plot without matplotlib, a --plot folder that cannot be made) fail before
 the trace is even loaded, and the report is printed before the plots are written."""
 from __future__ import annotations
 
-import builtins
 import errno
 
 import pytest
@@ -46,15 +45,7 @@ def one_error_line(err: str) -> str:
     return lines[0]
 
 
-def test_plot_without_matplotlib_fails_before_the_analysis(trace_path, tmp_path, monkeypatch, capsys, work):
-    real_import = builtins.__import__
-
-    def no_matplotlib(name, *a, **k):
-        if name.startswith("matplotlib"):
-            raise ImportError("injected: no matplotlib")
-        return real_import(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+def test_plot_without_matplotlib_fails_before_the_analysis(trace_path, tmp_path, capsys, work, no_matplotlib):
     assert cli_main(["capacity", str(trace_path), "--plot", str(tmp_path / "plots")]) == 2
     out, err = capsys.readouterr()
     assert out == "" and work == {"load": 0, "analyze": 0}

@@ -42,9 +42,19 @@ Sizes = int | Mapping[str, int]
 
 # as `tierstore capacity`'s sizes (tools/capacity_cli.py): K/M/G/T are powers of 1000, as in Kubernetes
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
 ACCEPTED = ("bytes as an int (1073741824) or a string such as '1GiB', '512MiB', '2G' or '1.5GB' "
             "(KiB/MiB/GiB/TiB, or Ki/Mi/Gi/Ti, are powers of 1024; K/M/G/T, or KB/MB/GB/TB, powers of 1000)")
+
+
+def size_bytes(text: str) -> int | None:
+    """The bytes a size's text names (a number and an optional unit, see ACCEPTED); None if
+    it is not a size. The one reading of sizes: the budget's and the command line's flags."""
+    m = _SIZE.fullmatch(text)
+    if m is None:
+        return None
+    number, unit = m.group(1), _UNITS[(m.group(2) or "").lower()]
+    return int(number) * unit if "." not in number else math.floor(float(number) * unit)
 
 
 def parse_bytes(value: int | str, what: str = "memory budget") -> int:
@@ -53,11 +63,9 @@ def parse_bytes(value: int | str, what: str = "memory budget") -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str, np.integer)):
         raise ValueError(f"{what} must be {ACCEPTED}; got {value!r}")
     if isinstance(value, str):
-        m = _SIZE.fullmatch(value)
-        if m is None:
+        n = size_bytes(value)
+        if n is None:
             raise ValueError(f"{what} {value!r} is not a size: give {ACCEPTED}")
-        number, unit = m.group(1), _UNITS[(m.group(2) or "").lower()]
-        n = int(number) * unit if "." not in number else math.floor(float(number) * unit)
     else:
         n = int(value)
     if n <= 0:

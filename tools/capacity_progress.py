@@ -16,23 +16,31 @@ PROGRESS_ACCESSES = 2_000_000  # traces longer than this show progress by defaul
 
 
 class LineBar:
-    """Progress for a log or a pipe: a line to stderr every ``seconds``, and one at the end."""
+    """Progress for a log or a pipe: a line to stderr every ``seconds`` (and at the first
+    update with ``show_first``), and one at the end; tqdm's ``\r`` updates would make one
+    long line. ``set_postfix`` figures (tqdm's call) end each line."""
 
-    def __init__(self, total: int, desc: str, unit: str, seconds: float):
+    def __init__(self, total: int, desc: str, unit: str, seconds: float, show_first: bool = False):
         self.total, self.desc, self.unit, self.n, self.seconds = total, desc, unit, 0, seconds
-        self.t0 = self.shown = time.monotonic()
+        self.postfix: dict = {}
+        self.t0 = time.monotonic()
+        self.shown = None if show_first else self.t0
 
     def _line(self, now: float, end: str = "") -> None:
         rate = self.n / max(now - self.t0, 1e-9)
         left = f", ~{(self.total - self.n) / rate:,.0f} s left" if rate and self.n < self.total else ""
+        post = "".join(f" {k}={v}" for k, v in self.postfix.items())
         print(f"{self.desc}: {self.n:,}/{self.total:,} {self.unit}s ({self.n / max(self.total, 1):.0%}, "
-              f"{rate:,.0f} {self.unit}s/s{left}){end}", file=sys.stderr, flush=True)
+              f"{rate:,.{1 if rate < 100 else 0}f} {self.unit}s/s{left}){end}{post}", file=sys.stderr, flush=True)
         self.shown = now
+
+    def set_postfix(self, postfix: dict, refresh: bool = False) -> None:
+        self.postfix = dict(postfix)
 
     def update(self, n: int) -> None:
         self.n += n
         now = time.monotonic()
-        if now - self.shown >= self.seconds:
+        if self.shown is None or now - self.shown >= self.seconds:
             self._line(now)
 
     def close(self) -> None:

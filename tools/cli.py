@@ -20,6 +20,7 @@ import lmdb
 
 from tierstore.eviction import POLICIES
 from tierstore.io import StoreLockedError
+from tierstore.memory import size_bytes
 
 # module (in tierstore.tools) -> verbs it registers
 COMMAND_MODULES = ("bench", "stats", "trace_cli", "daemon", "demo", "plan_cli")
@@ -84,21 +85,19 @@ positive_float = _checked(float, lambda v: 0 < v < math.inf, "a number > 0")
 nonneg_float = _checked(float, lambda v: 0 <= v < math.inf, "a number >= 0")
 ratio = _checked(float, lambda v: 0 < v <= 1, "a ratio in (0, 1]")
 
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 SIZE_FORMS = "a number of bytes with an optional unit, e.g. 16G, 1.5GiB, 512M or 17179869184 (k/M/G/T: powers of 1000, Ki/Mi/Gi/Ti: of 1024)"
 
 
 def parse_size(text: str | None, flag: str) -> int | None:
     """Bytes from a size flag's text (``16G``, ``1.5GiB``, ``512MB``, ``17179869184``); None
-    stays None. Every size flag of the CLI reads its value here, so they all accept the
-    same forms and a bad value is reported against the flag that carried it."""
+    stays None. Every size flag of the CLI reads its value here (tierstore.memory.size_bytes,
+    as memory_budget= is read), so a bad value is reported against the flag that carried it."""
     if text is None:
         return None
-    m = _SIZE.fullmatch(str(text))
-    if not m:
+    n = size_bytes(str(text))
+    if n is None:
         raise ValueError(f"{flag} {text!r} is not a size; write {SIZE_FORMS}")
-    return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
+    return n
 
 
 def size(flag: str):

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from tierstore.precision import DTYPES
+from tierstore.tools.capacity_progress import LineBar
 
 DENSE_FEATURES = 13
 MARKER = "tierstore-demo.json"  # marks a directory this demo made, so a rerun may replace it
@@ -210,36 +211,6 @@ def _prepare_dir(path: Path) -> None:
                          "pass --dir with a path in a directory you can write to") from None
 
 
-class _LineBar:
-    """Progress for a log or a pipe: a line to stderr at the first update, then every
-    PROGRESS_SECONDS, and one at the end (tqdm's ``\r`` updates would make one long line)."""
-
-    def __init__(self, total: int, desc: str):
-        self.total, self.desc, self.n, self.postfix = total, desc, 0, {}
-        self.t0 = time.monotonic()
-        self.shown = None
-
-    def _line(self, now: float, end: str = "") -> None:
-        rate = self.n / max(now - self.t0, 1e-9)
-        left = f", ~{(self.total - self.n) / rate:,.0f} s left" if rate and self.n < self.total else ""
-        post = "".join(f" {k}={v}" for k, v in self.postfix.items())
-        print(f"{self.desc}: {self.n:,}/{self.total:,} steps ({self.n / max(self.total, 1):.0%}, {rate:,.1f} steps/s{left}){end}"
-              f"{post}", file=sys.stderr, flush=True)
-        self.shown = now
-
-    def set_postfix(self, postfix: dict, refresh: bool = False) -> None:
-        self.postfix = dict(postfix)
-
-    def update(self, n: int) -> None:
-        self.n += n
-        now = time.monotonic()
-        if self.shown is None or now - self.shown >= PROGRESS_SECONDS:
-            self._line(now)
-
-    def close(self) -> None:
-        self._line(time.monotonic(), f", done in {time.monotonic() - self.t0:.1f} s")
-
-
 class _NoBar:
     n = 0
 
@@ -258,7 +229,7 @@ def _progress(total: int, desc: str, enabled: bool):
     if not enabled:
         return _NoBar()
     if not sys.stderr.isatty():
-        return _LineBar(total, desc)
+        return LineBar(total, desc, "step", PROGRESS_SECONDS, show_first=True)
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
