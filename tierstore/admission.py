@@ -97,7 +97,6 @@ class RowLife:
         self.l2_below = l2_below
         self.sketch = CountMinSketch(width, depth) if admit_after > 1 else None
         self.steps = steps
-        self.stored_steps = steps  # steps counted in the sketch last stored (flush)
         # steps in the metadata LMDB holds (the last flush's): what a reopen after a
         # crash counts from, so the only clock the sweep may judge rows by
         self.durable_steps = steps

@@ -446,9 +446,9 @@ class TieredStore:
             life = self._life_meta()
             self._shared.queue_write(batches, meta={"last_flush": now, "updates": dict(self._updates), **life})
             self._reap(drain=True)
+            self._store_sketches()
             for name, steps in life["steps"].items():  # committed: the sweep may judge rows by them
                 self._tables[name].life.durable_steps = steps
-            self._store_sketches()
             self._backend.sync()
             sc = self._counters
             sc.flushes += 1
@@ -754,12 +754,11 @@ class TieredStore:
                     raise corrupt(self.path / "data.mdb", f"table {name!r}: {e}") from None
 
     def _store_sketches(self) -> None:
-        """Admission counts are durable at flush, with the step counts (written just before)."""
-        changed = {name: t.life for name, t in self._tables.items() if t.life.sketch is not None and t.life.steps != t.life.stored_steps}
+        """Admission counts are durable at flush, with the step counts (written just before):
+        those of tables that counted steps since the last flush."""
+        changed = {name: t.life for name, t in self._tables.items() if t.life.sketch is not None and t.life.steps != t.life.durable_steps}
         if changed:
             self._backend.put_sketches({name: life.sketch.counters.tobytes() for name, life in changed.items()})
-            for life in changed.values():
-                life.stored_steps = life.steps
 
     def _life_meta(self) -> dict:
         """What flush() makes durable of admission and eviction, beside the sketches."""
