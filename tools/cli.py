@@ -23,7 +23,7 @@ from tierstore.io import StoreLockedError
 from tierstore.memory import size_bytes
 
 # module (in tierstore.tools) -> verbs it registers
-COMMAND_MODULES = ("bench", "stats", "trace_cli", "daemon", "demo", "plan_cli")
+COMMAND_MODULES = ("bench", "stats", "trace_cli", "daemon", "demo", "plan_cli", "export_cli")
 
 # The types tierstore raises for bad input, bad files and the environment (a full
 # disk, a taken port); every exception class defined in tierstore is one too.

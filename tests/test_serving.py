@@ -1,0 +1,322 @@
+"""Serving (issue #34): export to a serving store, quantized row-wise, and inference lookups
+from its tiers. Real LMDB, real FBGEMM where installed, the CLI and a training writer in
+subprocesses."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import tierstore
+from tierstore import RowInit, TableSpec, TieredStore
+from tierstore.io import StoreCorruptError
+from tierstore.io.serving_layout import RowFormat
+from tierstore.serving import ServingEmbeddingBag, ServingEmbeddingBagCollection, ServingStore
+from tierstore.serving_export import export
+
+try:
+    import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
+except ImportError:
+    fbgemm_gpu = None
+needs_fbgemm = pytest.mark.skipif(fbgemm_gpu is None, reason="needs FBGEMM (fbgemm-gpu-cpu) to compare with")
+
+CLI = [sys.executable, "-W", "error", "-m", "tierstore.tools.cli"]
+DTYPES = ("float32", "float16", "int8", "int4")
+LEVELS = {"int8": 255, "int4": 15}
+
+
+def trained_store(path, n=600, dim=16, seed=0, **spec_kw) -> np.ndarray:
+    """A float32 training store of one table "t" (with optimizer state) whose every other
+    row was written; returns every row as the store reads it."""
+    rng = np.random.default_rng(seed)
+    spec = TableSpec("t", n, dim, state_dim=dim, init=RowInit.normal(0, 0.1, seed=seed), **spec_kw)
+    with TieredStore(path, tables=[spec], device="cpu") as s:
+        ids = np.arange(0, n, 2)
+        s.write("t", ids, np.concatenate([rng.normal(0, 1, (len(ids), dim)) * rng.uniform(0.01, 10, (len(ids), 1)),
+                                          np.full((len(ids), dim), 7.0)], axis=1).astype(np.float32), with_state=True)
+        return s.read("t", np.arange(n)).numpy()
+
+
+def bound(x: np.ndarray, dtype: str) -> np.ndarray:
+    """docs/serving.md's bound on |x - x̂| for each element of float32 rows x, in float64."""
+    x = x.astype(np.float64)
+    big = np.abs(x).max(axis=1, keepdims=True)
+    if dtype == "float32":
+        return np.zeros_like(x)
+    if dtype == "float16":
+        return np.broadcast_to(np.maximum(np.abs(x) * 2.0 ** -11, 2.0 ** -25), x.shape)
+    lo, hi = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
+    scale = np.float16(np.float32(hi - np.float16(lo)) / LEVELS[dtype]).astype(np.float64)
+    b = 0.5 * scale + 2.0 ** -11 * (2 * np.abs(lo) + (hi - lo)) + 2.0 ** -25 * LEVELS[dtype] + 2.0 ** -21 * big
+    return np.broadcast_to(b, x.shape)
+
+
+def bags(n_rows: int, seed: int, n_bags: int = 40):
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(0, 12, (n_bags,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)])
+    ids = torch.randint(0, n_rows, (int(offsets[-1]),), generator=g)
+    return ids, offsets, torch.rand(len(ids), generator=g) * 2 - 0.5
+
+
+# -- formats ---------------------------------------------------------------------------------
+
+def edge_rows(dim: int) -> np.ndarray:
+    rng = np.random.default_rng(1)
+    rows = [rng.normal(0, 1, dim), np.full(dim, 0.3), np.zeros(dim), rng.uniform(1000, 1001, dim),
+            rng.normal(0, 1e-6, dim), np.linspace(-65000, 65000, dim), rng.normal(-5, 1e-3, dim), rng.normal(0, 1e-30, dim)]
+    return np.concatenate([np.stack(rows), rng.normal(0, 1, (300, dim)) * rng.uniform(1e-4, 100, (300, 1))]).astype(np.float32)
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("dim", [4, 16, 36])
+def test_quantized_rows_are_fbgemms_bit_for_bit(dtype, dim):
+    x = edge_rows(dim)
+    ours = RowFormat(dim, dtype).encode(x)
+    theirs = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(torch.from_numpy(x), {"int8": 8, "int4": 4}[dtype])
+    assert np.array_equal(ours, theirs.numpy())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequantized_rows_within_the_documented_bound(dtype):
+    x = edge_rows(16)
+    fmt = RowFormat(16, dtype)
+    packed = fmt.encode(x)
+    assert packed.shape == (len(x), {"float32": 64, "float16": 32, "int8": 20, "int4": 12}[dtype])
+    err = np.abs(fmt.decode(packed).astype(np.float64) - x)
+    assert (err <= bound(x, dtype)).all()
+
+
+def test_int4_needs_an_even_dim():
+    with pytest.raises(ValueError, match="even dim.*int8"):
+        RowFormat(7, "int4")
+
+
+# -- export --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_export_holds_weights_only_packed(tmp_path, dtype):
+    full = trained_store(tmp_path / "train")
+    path = export(tmp_path / "train", tmp_path / "serve", dtype=dtype)
+    fmt = RowFormat(16, dtype)
+    with ServingStore(path) as s:
+        desc = s.meta["tables"][0]
+        assert (desc["rows"], desc["row_bytes"], desc["dtype"]) == (300, fmt.row_bytes, dtype)
+        got = s.rows("t", np.arange(600)).numpy()
+    expected = fmt.decode(fmt.encode(full))  # written rows and initial ones alike
+    assert np.array_equal(got, expected)
+    # every serving row is the packed weights: no optimizer state (7.0) on disk
+    data = (path / "data.mdb").stat().st_size
+    assert data < (tmp_path / "train" / "data.mdb").stat().st_size
+
+
+def test_export_of_admission_ttl_and_half_tables_reads_as_the_store(tmp_path):
+    specs = [TableSpec("ttl", 400, 8, init=RowInit.uniform(-1, 1, seed=3), ttl_steps=3),
+             TableSpec("admit", 400, 8, init=RowInit.normal(0, 0.5), admit_after=2, state_dim=8),
+             TableSpec("half", 400, 8, dtype="float16", init=RowInit.normal(0, 0.5)),
+             TableSpec("l2", None, 8, init=RowInit.uniform(1, 2), evict_l2_below=0.5)]
+    rng = np.random.default_rng(0)
+    with TieredStore(tmp_path / "train", tables=specs, hbm_rows=50, device="cpu") as s:
+        for name in ("ttl", "admit", "half"):
+            for _ in range(2):
+                s.read(name, np.arange(0, 200))
+            s.write(name, np.arange(0, 200), rng.normal(0, 1, (200, 8)).astype(np.float32))
+        s.write("l2", np.arange(10**12, 10**12 + 20), np.full((20, 8), 0.01, np.float32))  # below evict_l2_below
+        s.write("l2", np.arange(5, 25), np.full((20, 8), 3.0, np.float32))
+        for _ in range(4):  # rows 0..99 of "ttl" idle for 4 steps: read as initial again
+            s.read("ttl", np.arange(100, 200))
+        s.flush()
+    with TieredStore(tmp_path / "train", readonly=True, device="cpu") as s:
+        ids = {n: np.arange(400) for n in ("ttl", "admit", "half")} | {"l2": np.concatenate([np.arange(30), np.arange(10**12, 10**12 + 20)])}
+        expected = {n: s.peek(n, i).numpy() for n, i in ids.items()}
+    path = export(tmp_path / "train", tmp_path / "serve", dtype="float32")
+    with ServingStore(path) as srv:
+        rows = {t["name"]: t["rows"] for t in srv.meta["tables"]}
+        for name, i in ids.items():
+            assert np.array_equal(srv.rows(name, i).numpy(), expected[name]), name
+    assert rows["ttl"] == 100  # the idle rows are left out: lookups give them their initial values
+    assert rows["l2"] == 20
+
+
+def test_export_while_a_writer_trains_is_one_snapshot(tmp_path):
+    """A writer process rewrites every row to its step number, step after step; each export
+    holds one step's rows, and the writer is never stopped (it steps on meanwhile)."""
+    trained_store(tmp_path / "train", n=2000)
+    script = textwrap.dedent(f"""
+        import sys, numpy as np, tierstore
+        with tierstore.TieredStore({str(tmp_path / 'train')!r}, device="cpu") as s:
+            step = 0
+            while True:
+                step += 1
+                s.write("t", np.arange(2000), np.full((2000, 16), step, np.float32))
+                s.flush()
+                print(step, flush=True)
+    """)
+    writer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "1"
+        seen = []
+        for k in range(4):
+            path = export(tmp_path / "train", tmp_path / f"serve{k}", dtype="float32")
+            with ServingStore(path) as s:
+                rows = s.rows("t", np.arange(2000)).numpy()
+            assert len(np.unique(rows)) == 1, f"export {k} mixes steps {np.unique(rows)[:5]}"
+            seen.append(float(rows[0, 0]))
+            writer.stdout.readline()  # the writer stepped on after this export
+        assert seen == sorted(seen) and seen[-1] > seen[0]
+        assert writer.poll() is None
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+
+
+def test_bad_exports_leave_nothing(tmp_path):
+    trained_store(tmp_path / "train")
+    dst = tmp_path / "serve"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        export(tmp_path / "train", dst, dtype="int3")
+    with pytest.raises(KeyError, match=r"tables \['nope'\] are not in the store"):
+        export(tmp_path / "train", dst, tables=["nope"])
+    with pytest.raises(TypeError, match=r"pass \['t'\]"):
+        export(tmp_path / "train", dst, tables="t")
+    with pytest.raises(FileNotFoundError, match="no tierstore"):
+        export(tmp_path / "missing", dst)
+    with TieredStore(tmp_path / "bad", tables=[TableSpec("t", 10, 4), TableSpec("odd", 10, 3)], device="cpu") as s:
+        s.write("t", [1, 2], np.array([[1, 2, np.inf, 0], [0, 0, 0, 1e6]], np.float32))
+    with pytest.raises(ValueError, match="row 1 has a non-finite weight"):
+        export(tmp_path / "bad", dst, tables=["t"], dtype="float32")
+    with TieredStore(tmp_path / "bad") as s:
+        s.write("t", [1], np.zeros((1, 4), np.float32))
+    with pytest.raises(ValueError, match="row 2 has a weight beyond float16's range.*export it as float32"):
+        export(tmp_path / "bad", dst, tables=["t"], dtype="int8")
+    with pytest.raises(ValueError, match="even dim"):
+        export(tmp_path / "bad", dst, dtype="int4")
+    assert sorted(os.listdir(tmp_path)) == ["bad", "train"]
+    export(tmp_path / "bad", dst, dtype="float32")
+    with pytest.raises(FileExistsError, match="not an empty directory"):
+        export(tmp_path / "train", dst)
+
+
+def test_a_damaged_serving_store_is_named(tmp_path):
+    trained_store(tmp_path / "train")
+    path = export(tmp_path / "train", tmp_path / "serve")
+    with pytest.raises(StoreCorruptError, match="not a serving store"):
+        ServingStore(tmp_path / "train")
+    with open(path / "data.mdb", "r+b") as f:
+        f.truncate(8192)
+    with pytest.raises(StoreCorruptError, match="truncated"):
+        ServingStore(path)
+
+
+def test_cli_export(tmp_path):
+    trained_store(tmp_path / "train")
+    done = subprocess.run([*CLI, "export", str(tmp_path / "train"), str(tmp_path / "serve"), "--dtype", "int4", "--tables", "t"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "t: 300 rows of 12 bytes (int4, dim 16)" in done.stdout
+    with ServingStore(tmp_path / "serve") as s:
+        assert s.dtype("t") == "int4"
+    bad = subprocess.run([*CLI, "export", str(tmp_path / "train"), str(tmp_path / "x"), "--tables", "u"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "tierstore: error:" in bad.stderr and "'u'" in bad.stderr
+
+
+# -- lookups -----------------------------------------------------------------------------------
+
+TIERS = [(0, 0), (40, 90), (1000, 0), (0, 1000)]
+
+
+@pytest.mark.parametrize("kernel", ["fbgemm", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hbm,ddr", TIERS)
+def test_pooled_lookups_within_the_bound_of_float64(tmp_path, monkeypatch, dtype, hbm, ddr, kernel):
+    if kernel == "torch":  # pooled as where FBGEMM is not installed
+        monkeypatch.setattr(tierstore.serving.fbgemm, "installed", lambda: False)
+    elif fbgemm_gpu is None:
+        pytest.skip("needs FBGEMM (fbgemm-gpu-cpu) for its kernel")
+    full = trained_store(tmp_path / "train")
+    export(tmp_path / "train", tmp_path / "serve", dtype=dtype)
+    err = bound(full, dtype)
+    used = set()
+    with ServingStore(tmp_path / "serve", hbm_rows=hbm, ddr_rows=ddr, device="cpu") as s:
+        for seed in range(6):
+            ids, offsets, psw = bags(600, seed)
+            used |= set(ids.tolist())
+            for mode, w in (("sum", psw), ("sum", None), ("mean", None)):
+                got = s.lookup("t", ids, offsets, w, mode).double().numpy()
+                weights = np.ones(len(ids)) if w is None else w.double().numpy()
+                per = full[ids.numpy()].astype(np.float64) * weights[:, None]
+                slack = err[ids.numpy()] * np.abs(weights)[:, None]
+                sizes = np.diff(offsets.numpy())
+                ref = np.add.reduceat(per, offsets[:-1].numpy(), axis=0) if len(per) else np.zeros((0, 16))
+                tol = np.add.reduceat(slack + 2.0 ** -22 * np.abs(per) * max(sizes.max(), 1), offsets[:-1].numpy(), axis=0)
+                ref[sizes == 0], tol[sizes == 0] = 0, 0
+                if mode == "mean":
+                    ref, tol = ref / np.maximum(sizes, 1)[:, None], tol / np.maximum(sizes, 1)[:, None]
+                assert (np.abs(got - ref) <= tol + 1e-30).all(), (mode, np.abs(got - ref).max())
+        st = s.stats()["t"]
+    assert st["hbm_resident"] == min(hbm, len(used)) and st["ddr_resident"] == min(ddr, len(used) - st["hbm_resident"])
+
+
+def intnbit(rows: np.ndarray, dtype: str, mode: str) -> "IntNBitTableBatchedEmbeddingBagsCodegen":
+    """FBGEMM's IntNBit TBE holding float32 rows quantized by FBGEMM's own quantizer."""
+    ty = {"float32": SparseType.FP32, "float16": SparseType.FP16, "int8": SparseType.INT8, "int4": SparseType.INT4}[dtype]
+    tbe = IntNBitTableBatchedEmbeddingBagsCodegen([("t", len(rows), rows.shape[1], ty, EmbeddingLocation.HOST)], device="cpu",
+                                                  pooling_mode=PoolingMode.SUM if mode == "sum" else PoolingMode.MEAN,
+                                                  output_dtype=SparseType.FP32)
+    tbe.initialize_weights()
+    (weights, scale_bias), = tbe.split_embedding_weights()
+    x = torch.from_numpy(rows)
+    if dtype in LEVELS:
+        q = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(x, 8 if dtype == "int8" else 4)
+        weights.copy_(q[:, :-4])
+        scale_bias.copy_(q[:, -4:])
+    else:
+        weights.copy_(x.to(getattr(torch, dtype)).view(torch.uint8))
+    return tbe
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hbm,ddr", TIERS)
+def test_lookups_equal_fbgemm_intnbit_bit_for_bit(tmp_path, dtype, hbm, ddr):
+    full = trained_store(tmp_path / "train")
+    export(tmp_path / "train", tmp_path / "serve", dtype=dtype)
+    with ServingStore(tmp_path / "serve", hbm_rows=hbm, ddr_rows=ddr, device="cpu") as s:
+        for mode in ("sum", "mean"):
+            tbe = intnbit(full, dtype, mode)
+            for seed in range(5):
+                ids, offsets, psw = bags(600, seed)
+                w = psw if mode == "sum" else None
+                assert torch.equal(s.lookup("t", ids, offsets, w, mode), tbe(ids, offsets, w))
+
+
+def test_modules(tmp_path):
+    full = trained_store(tmp_path / "train")
+    export(tmp_path / "train", tmp_path / "serve", dtype="float32")
+    ids, offsets, psw = bags(600, 0)
+    ref = torch.nn.functional.embedding_bag(ids, torch.from_numpy(full), offsets[:-1], mode="sum", per_sample_weights=psw)
+    bag = ServingEmbeddingBag.open(tmp_path / "serve", hbm_rows=100, device="cpu")
+    torch.testing.assert_close(bag(ids, offsets[:-1], psw), ref)
+    torch.testing.assert_close(bag(ids.view(-1, 1)), torch.from_numpy(full)[ids])
+    bag.store.close()
+    ebc = ServingEmbeddingBagCollection(tmp_path / "serve", mode="mean", include_last_offset=True, device="cpu")
+    out = ebc({"t": (ids, offsets)})
+    torch.testing.assert_close(out["t"], torch.nn.functional.embedding_bag(ids, torch.from_numpy(full), offsets, mode="mean",
+                                                                           include_last_offset=True))
+    with pytest.raises(KeyError, match="unknown table 'u'"):
+        ebc({"u": (ids, offsets)})
+    with pytest.raises(IndexError, match="id 600 out of range"):
+        ebc({"t": (torch.tensor([600]), torch.tensor([0, 1]))})
+    with pytest.raises(ValueError, match="per_sample_weights are only supported with mode='sum'"):
+        ebc({"t": (ids, offsets, psw)})
+    ebc.close()

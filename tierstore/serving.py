@@ -1,0 +1,376 @@
+"""Inference from a serving store (docs/serving.md): readonly tiers of quantized rows.
+
+A ServingStore opens what tierstore.export wrote. Each table keeps an HBM tier
+(on ``device``) and a DDR tier (host memory) of rows in their serving dtype, as
+FBGEMM's IntNBit kernel lays them out (int8/int4: float16 scale and bias first,
+then the codes), over the LMDB rows; the tiers are exclusive and LRU, as the
+training store's. A pooled lookup brings its rows into the HBM tier, then pools
+the quantized rows in place: with FBGEMM's IntNBit CPU kernel where FBGEMM is
+installed and the tier is on the CPU (the same bits as FBGEMM's
+IntNBitTableBatchedEmbeddingBagsCodegen on those rows), else by dequantizing the
+rows (``scale * code + bias``, float32) and pooling them with torch.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from tierstore.io.serving_layout import RowFormat, ServingReader
+
+from . import fbgemm
+from .hashindex import make_index
+from .spec import TableSpec, initial_rows
+from .store import resolve_device
+
+MODES = {"sum": 0, "mean": 1}
+_KERNEL_TYPES = {"float32": 0, "float16": 1, "int8": 2, "int4": 3}  # FBGEMM's SparseType
+
+
+class _Tier:
+    """A fixed number of packed rows on one device, by id, least recently used out first."""
+
+    def __init__(self, capacity: int, row_bytes: int, device: torch.device, num_rows: int | None):
+        self.capacity = capacity
+        self.rows = torch.zeros((capacity, row_bytes), dtype=torch.uint8, device=device)
+        self.ids = torch.full((capacity,), -1, dtype=torch.int64, device=device)
+        self.last = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.index = make_index(capacity, num_rows, device)
+
+    @property
+    def resident(self) -> int:
+        return len(self.index)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.index.lookup(ids.to(self.rows.device))
+
+    def take(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows at ``slots``, which leave the tier (a row is in one tier at a time)."""
+        rows = self.rows.index_select(0, slots)
+        self.index.remove(self.ids[slots])
+        self.ids[slots] = -1
+        self.last[slots] = -1
+        return rows
+
+    def put(self, ids: torch.Tensor, rows: torch.Tensor, clock: int, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add rows of ids not resident, in the free slots, then over the least recently
+        used rows except those at ``keep``; returns the (ids, rows) that do not stay:
+        the rows put over, and the rows given beyond the room there is."""
+        dev = self.rows.device
+        ids, rows = ids.to(dev), rows.to(dev)
+        rank = torch.where(self.ids < 0, torch.full_like(self.last, -1), self.last)
+        rank[keep.to(dev)] = torch.iinfo(torch.int64).max
+        room = self.capacity - len(keep)
+        n = min(len(ids), room)
+        slots = torch.topk(rank, n, largest=False).indices if n else torch.zeros(0, dtype=torch.int64, device=dev)
+        old = slots[self.ids[slots] >= 0]
+        out_ids, out_rows = torch.cat([self.ids[old], ids[n:]]), torch.cat([self.rows[old], rows[n:]])
+        self.index.remove(self.ids[old])
+        self.index.insert(ids[:n], slots)
+        self.ids[slots], self.rows[slots], self.last[slots] = ids[:n], rows[:n], clock
+        return out_ids, out_rows
+
+
+class _ServingTable:
+    def __init__(self, reader: ServingReader, desc: dict, hbm_rows: int, ddr_rows: int, device: torch.device):
+        self.spec = TableSpec.from_json(desc["spec"])
+        self.name, self.dtype = self.spec.name, desc["dtype"]
+        self.format = RowFormat(self.spec.dim, self.dtype)
+        self.reader = reader
+        self.device = device
+        n = self.spec.num_rows
+        bytes_ = self.format.row_bytes
+        self.hbm = _Tier(min(hbm_rows, n or hbm_rows), bytes_, device, n) if hbm_rows else None
+        self.ddr = _Tier(min(ddr_rows, n or ddr_rows), bytes_, torch.device("cpu"), n) if ddr_rows else None
+        self.clock = 0
+        self.counts = {"hbm_hits": 0, "ddr_hits": 0, "lmdb_reads": 0, "initial_rows": 0}
+
+    def kernel_rows(self, packed: np.ndarray) -> np.ndarray:
+        """Rows as LMDB stores them -> as the kernel reads them (scale and bias first)."""
+        if self.format.bits is None:
+            return packed
+        return np.concatenate([packed[:, self.format.code_bytes:], packed[:, : self.format.code_bytes]], axis=1)
+
+    def _cold(self, ids: torch.Tensor) -> torch.Tensor:
+        """Kernel rows of sorted ids in no tier: from LMDB, else the table's initial rows."""
+        ids_np = ids.numpy()
+        packed, found = self.reader.get_rows(self.name, ids_np, self.format.row_bytes)
+        if not found.all():
+            packed[~found] = self.format.encode(initial_rows(self.spec, ids_np[~found])[:, : self.spec.dim])
+        self.counts["lmdb_reads"] += len(ids_np)
+        self.counts["initial_rows"] += int((~found).sum())
+        return torch.from_numpy(self.kernel_rows(packed))
+
+    def fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, index): kernel rows on ``device`` and the row of each of ``ids``
+        among them; brings the rows into the HBM tier."""
+        self.clock += 1
+        if self.hbm is not None:
+            slots = self.hbm.lookup(ids)
+            if bool((slots >= 0).all()):  # every row in HBM: pooled in place
+                self.hbm.last[slots] = self.clock
+                self.counts["hbm_hits"] += len(ids)
+                return self.hbm.rows, slots
+        uid, inverse = torch.unique(ids.cpu(), return_inverse=True)
+        rows = torch.empty((len(uid), self.format.row_bytes), dtype=torch.uint8, device=self.device)
+        hit = torch.zeros(len(uid), dtype=torch.bool)
+        keep = torch.zeros(0, dtype=torch.int64)
+        if self.hbm is not None:
+            slots = self.hbm.lookup(uid).cpu()
+            hit = slots >= 0
+            keep = slots[hit]
+            rows[hit.to(self.device)] = self.hbm.rows[keep.to(self.device)]
+            self.hbm.last[keep.to(self.device)] = self.clock
+            self.counts["hbm_hits"] += int(hit.sum())
+        miss = torch.nonzero(~hit).squeeze(1)
+        mid = uid[miss]
+        got = torch.empty((len(mid), self.format.row_bytes), dtype=torch.uint8)
+        in_ddr = torch.zeros(len(mid), dtype=torch.bool)
+        if self.ddr is not None and len(mid):
+            dslots = self.ddr.lookup(mid)
+            in_ddr = dslots >= 0
+            got[in_ddr] = self.ddr.take(dslots[in_ddr])
+            self.counts["ddr_hits"] += int(in_ddr.sum())
+        if not bool(in_ddr.all()):
+            got[~in_ddr] = self._cold(mid[~in_ddr])
+        rows[miss.to(self.device)] = got.to(self.device)
+        out_ids, out_rows = (self.hbm.put(mid, got, self.clock, keep.to(self.hbm.rows.device))
+                             if self.hbm is not None else (mid, got))
+        if self.ddr is not None and len(out_ids):
+            out_ids, out_rows = out_ids[-self.ddr.capacity:], out_rows[-self.ddr.capacity:]
+            self.ddr.put(out_ids.cpu(), out_rows.cpu(), self.clock, torch.zeros(0, dtype=torch.int64))
+        return rows, inverse.to(self.device)
+
+
+class ServingStore:
+    """A serving store (tierstore.export's output) opened for lookups, readonly.
+
+    ``hbm_rows`` / ``ddr_rows``: rows each table keeps in the HBM tier (on
+    ``device``: CUDA when there is one, else "cpu") and the DDR tier; an int for
+    every table or {table: rows}. Thread-safe: lookups take turns.
+    """
+
+    def __init__(self, path: str | Path, hbm_rows: int | Mapping[str, int] = 0, ddr_rows: int | Mapping[str, int] = 0,
+                 device: str | torch.device | None = None):
+        self.path = Path(path)
+        self.device = resolve_device(device)
+        self._reader = ServingReader(self.path)
+        self._lock = threading.Lock()
+        try:
+            self.meta = self._reader.meta
+            names = [t["name"] for t in self.meta["tables"]]
+            for what, sizes in (("hbm_rows", hbm_rows), ("ddr_rows", ddr_rows)):
+                _check_sizes(what, sizes, names)
+            self._tables = {t["name"]: _ServingTable(self._reader, t, _size(hbm_rows, t["name"]), _size(ddr_rows, t["name"]),
+                                                     self.device) for t in self.meta["tables"]}
+        except BaseException:
+            self._reader.close()
+            raise
+
+    @property
+    def tables(self) -> dict[str, TableSpec]:
+        return {name: t.spec for name, t in self._tables.items()}
+
+    def dtype(self, table: str) -> str:
+        return self._table(table).dtype
+
+    def rows(self, table: str, ids) -> torch.Tensor:
+        """The serving values of rows ``ids``: float32 [n, dim] on ``device`` (dequantized)."""
+        t = self._table(table)
+        ids = self._ids(t, ids)
+        with self._lock:
+            rows, index = t.fetch(ids)
+            rows = rows.index_select(0, index).cpu().numpy()
+        return torch.from_numpy(t.format.decode(_stored_order(t, rows))).to(self.device)
+
+    def lookup(self, table: str, ids, offsets, per_sample_weights: torch.Tensor | None = None, mode: str = "sum") -> torch.Tensor:
+        """Pooled bags, float32 [B, dim] on ``device``: bag b pools rows ``ids[offsets[b]:offsets[b + 1]]``
+        (``offsets``: B + 1 of them, the last ``len(ids)``), each times its per-sample weight if given."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+        if per_sample_weights is not None and mode != "sum":
+            raise ValueError(f"per_sample_weights are only supported with mode='sum', got mode={mode!r}")
+        t = self._table(table)
+        ids = self._ids(t, ids)
+        offsets = _offsets(offsets, len(ids))
+        if per_sample_weights is not None:
+            per_sample_weights = torch.as_tensor(per_sample_weights, dtype=torch.float32).reshape(-1)
+            if len(per_sample_weights) != len(ids):
+                raise ValueError(f"per_sample_weights must have one weight per id ({len(ids)}), got {len(per_sample_weights)}")
+        with self._lock:
+            rows, index = t.fetch(ids)
+            return _pool(t, rows, index, offsets.to(rows.device), per_sample_weights, mode).to(self.device)
+
+    def stats(self) -> dict[str, dict]:
+        """Per table: hits in each tier, rows read from LMDB and rows that were initial values."""
+        with self._lock:
+            return {n: {**t.counts, "hbm_resident": t.hbm.resident if t.hbm else 0, "ddr_resident": t.ddr.resident if t.ddr else 0}
+                    for n, t in self._tables.items()}
+
+    def close(self) -> None:
+        with self._lock:
+            self._tables.clear()
+            self._reader.close()
+
+    def __enter__(self) -> "ServingStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _table(self, name: str) -> _ServingTable:
+        try:
+            return self._tables[name]
+        except KeyError:
+            raise KeyError(f"unknown table {name!r}; the serving store has tables {sorted(self._tables)}") from None
+
+    @staticmethod
+    def _ids(t: _ServingTable, ids) -> torch.Tensor:
+        ids = torch.as_tensor(ids)
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dtype.is_complex:
+            raise TypeError(f"ids for table {t.name!r} must be integers, got {ids.dtype}")
+        ids = ids.reshape(-1).to("cpu", torch.int64)
+        if len(ids):
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or (t.spec.num_rows is not None and hi >= t.spec.num_rows):
+                bad = lo if lo < 0 else hi
+                raise IndexError(f"id {bad} out of range for table {t.name!r} (ids are in [0, {t.spec.num_rows or '2**63'}))")
+        return ids
+
+
+def _size(sizes: int | Mapping[str, int], table: str) -> int:
+    return int(sizes.get(table, 0)) if isinstance(sizes, Mapping) else int(sizes)
+
+
+def _check_sizes(what: str, sizes, names: Sequence[str]) -> None:
+    items = sizes.items() if isinstance(sizes, Mapping) else [("every table", sizes)]
+    for table, rows in items:
+        if isinstance(sizes, Mapping) and table not in names:
+            raise KeyError(f"{what} names unknown table {table!r}; the serving store has tables {sorted(names)}")
+        if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or rows < 0:
+            raise ValueError(f"{what} for {table} must be an int >= 0 (0 = no such tier), got {rows!r}")
+
+
+def _offsets(offsets, n: int) -> torch.Tensor:
+    off = torch.as_tensor(offsets).reshape(-1).to("cpu", torch.int64)
+    if len(off) == 0 or int(off[0]) != 0 or int(off[-1]) != n or bool((off[1:] < off[:-1]).any()):
+        raise ValueError(f"offsets must be B + 1 non-decreasing bag starts from 0 to the number of ids ({n}), "
+                         f"got {off.tolist()[:8]}{'...' if len(off) > 8 else ''}")
+    return off
+
+
+def _stored_order(t: _ServingTable, rows: np.ndarray) -> np.ndarray:
+    """Kernel rows -> as LMDB stores them (codes first): the inverse of kernel_rows."""
+    if t.format.bits is None:
+        return rows
+    return np.concatenate([rows[:, 4:], rows[:, :4]], axis=1)
+
+
+def _pool(t: _ServingTable, rows: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor,
+          psw: torch.Tensor | None, mode: str) -> torch.Tensor:
+    if rows.device.type == "cpu" and fbgemm.installed():
+        return pool_intnbit(rows, t.dtype, t.spec.dim, index, offsets, psw, mode)
+    # without FBGEMM: dequantize the rows the bags use, then pool them
+    uid, inverse = torch.unique(index, return_inverse=True)
+    packed = _stored_order(t, rows.index_select(0, uid).cpu().numpy())
+    values = torch.from_numpy(t.format.decode(packed)).to(rows.device)
+    psw = psw.to(rows.device) if psw is not None else None
+    out, *_ = torch.embedding_bag(values, inverse, offsets, False, MODES[mode], False, psw, True, None)
+    return out
+
+
+def pool_intnbit(rows: torch.Tensor, dtype: str, dim: int, index: torch.Tensor, offsets: torch.Tensor,
+                 psw: torch.Tensor | None, mode: str) -> torch.Tensor:
+    """FBGEMM's IntNBit CPU forward over kernel rows ``rows`` (uint8 [n, row_bytes]) as one table:
+    bag b pools rows ``index[offsets[b]:offsets[b + 1]]``; float32 [B, dim]."""
+    ops = torch.ops.fbgemm
+    max_d = {name: dim if name == dtype else 0 for name in _KERNEL_TYPES}
+    out = ops.int_nbit_split_embedding_codegen_lookup_function(
+        dev_weights=rows.reshape(-1), uvm_weights=torch.empty(0, dtype=torch.uint8),
+        weights_placements=torch.tensor([3], dtype=torch.int32), weights_offsets=torch.zeros(1, dtype=torch.int64),
+        weights_tys=torch.tensor([_KERNEL_TYPES[dtype]], dtype=torch.uint8), D_offsets=torch.tensor([0, dim], dtype=torch.int32),
+        total_D=dim, max_int2_D=0, max_int4_D=max_d["int4"], max_int8_D=max_d["int8"], max_float16_D=max_d["float16"],
+        max_float32_D=max_d["float32"], indices=index, offsets=offsets, pooling_mode=MODES[mode], indice_weights=psw,
+        output_dtype=0, lxu_cache_weights=torch.empty((0, 0), dtype=torch.uint8),
+        lxu_cache_locations=torch.empty(0, dtype=torch.int32), row_alignment=1, max_float8_D=0, fp8_exponent_bits=-1,
+        fp8_exponent_bias=-1)
+    return out.view(-1, dim)
+
+
+class ServingEmbeddingBag(nn.Module):
+    """One table of a serving store as an inference EmbeddingBag: ``forward(input, offsets,
+    per_sample_weights)`` as torch.nn.EmbeddingBag's (1-D input with B bag starts, or
+    B + 1 with ``include_last_offset``; or 2-D fixed-length bags), no gradients."""
+
+    def __init__(self, store: ServingStore, table: str, mode: str = "sum", include_last_offset: bool = False):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {sorted(MODES)} for serving, got {mode!r}")
+        store._table(table)
+        self.store, self.table, self.mode, self.include_last_offset = store, table, mode, include_last_offset
+
+    @classmethod
+    def open(cls, path: str | Path, table: str | None = None, mode: str = "sum", include_last_offset: bool = False,
+             hbm_rows: int = 0, ddr_rows: int = 0, device: str | torch.device | None = None) -> "ServingEmbeddingBag":
+        """Open the serving store at ``path`` for one table (its only one when ``table`` is None)."""
+        store = ServingStore(path, hbm_rows=hbm_rows, ddr_rows=ddr_rows, device=device)
+        if table is None:
+            if len(store.tables) != 1:
+                store.close()
+                raise ValueError(f"{path} has tables {sorted(store.tables)}; pass table= to pick one")
+            table = next(iter(store.tables))
+        return cls(store, table, mode, include_last_offset)
+
+    @torch.no_grad()
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if input.dim() == 2:
+            if offsets is not None:
+                raise ValueError("with a 2-D input (fixed-length bags) offsets must be None")
+            offsets = torch.arange(input.shape[0] + 1, dtype=torch.int64) * input.shape[1]
+        elif offsets is None:
+            raise ValueError("a 1-D input needs offsets (the start of each bag)")
+        else:
+            offsets = offsets.to("cpu", torch.int64)
+            if not self.include_last_offset:
+                offsets = torch.cat([offsets, torch.tensor([input.numel()])])
+        return self.store.lookup(self.table, input, offsets, per_sample_weights, self.mode)
+
+    def extra_repr(self) -> str:
+        return f"table={self.table!r}, dtype={self.store.dtype(self.table)}, mode={self.mode!r}, store={str(self.store.path)!r}"
+
+
+class ServingEmbeddingBagCollection(nn.Module):
+    """Every table of a serving store: ``forward({table: (values, offsets[, per_sample_weights])
+    or a 2-D tensor})`` returns ``{table: pooled [B, dim]}``, as TieredEmbeddingBagCollection's."""
+
+    def __init__(self, path: str | Path, mode: str = "sum", include_last_offset: bool = False,
+                 hbm_rows: int | Mapping[str, int] = 0, ddr_rows: int | Mapping[str, int] = 0,
+                 device: str | torch.device | None = None):
+        super().__init__()
+        self.store = ServingStore(path, hbm_rows=hbm_rows, ddr_rows=ddr_rows, device=device)
+        self._bags = {name: ServingEmbeddingBag(self.store, name, mode, include_last_offset) for name in self.store.tables}
+
+    def __getitem__(self, name: str) -> ServingEmbeddingBag:
+        self.store._table(name)
+        return self._bags[name]
+
+    def forward(self, features: Mapping[str, object]) -> dict[str, torch.Tensor]:
+        if not isinstance(features, Mapping):
+            raise TypeError("features must be a mapping {table: (values, offsets)}")
+        out = {}
+        for name, feature in features.items():
+            if isinstance(feature, torch.Tensor):
+                out[name] = self[name](feature)
+            elif isinstance(feature, (tuple, list)) and len(feature) in (2, 3):
+                out[name] = self[name](*feature)
+            else:
+                raise TypeError(f"feature {name!r} must be (values, offsets), (values, offsets, per_sample_weights) or a 2-D tensor")
+        return out
+
+    def close(self) -> None:
+        self.store.close()
