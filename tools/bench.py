@@ -29,22 +29,29 @@ BENCHES = {
     "sharded": "tierstore.tools.bench_sharded:run",
     "churn": "tierstore.tools.bench_churn:run",
     "instructions": "tierstore.tools.bench_instructions:run",
+    "scale": "tierstore.tools.bench_scale:run",
 }
 DEFAULT = ("read", "cold", "memory")
 DEFAULT_BATCH = 65_536  # ids per read; bench peers takes it to mean FBGEMM's own 2048 bags x 32 ids
+# the shared flags' defaults; a bench module's own DEFAULTS dict overrides them for it
+COMMON_DEFAULTS = {"rows": 1_000_000, "dim": 128, "repeat": 15}
 
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="measure speed and memory against in-run baselines")
     p.add_argument("which", nargs="*", default=list(DEFAULT), help=f"benchmarks to run: {', '.join(BENCHES)} (default: {' '.join(DEFAULT)})")
-    p.add_argument("--rows", type=int, default=1_000_000, help="table rows (read, cold)")
-    p.add_argument("--dim", type=int, default=128, help="embedding dim")
+    p.add_argument("--rows", type=int, default=None, help="table rows (default 1,000,000; scale: 34,000,000)")
+    p.add_argument("--dim", type=int, default=None, help="embedding dim (default 128; scale: 64)")
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="ids per read")
-    p.add_argument("--repeat", type=int, default=15, help="timed repetitions (median reported)")
+    p.add_argument("--repeat", type=int, default=None, help="timed repetitions (median reported; default 15; scale: timed steps, 30)")
     p.add_argument("--device", default="cpu", help="HBM device for the read, train and peers benches (cuda puts every row in HBM)")
     p.add_argument("--dir", default=None, help="directory for bench stores (default: a temporary one)")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--rounds", type=int, default=None, help="cold runs per setting (prefetch; default 7)")
+    p.add_argument("--path", default=None, help="scale: the table's store, built there once and reused (default: a temporary one)")
+    p.add_argument("--budgets", nargs="+", default=None, help="scale: memory budgets (default 512MiB 1GiB 2GiB)")
+    p.add_argument("--depths", nargs="+", type=int, default=None, help="scale: LookaheadLoader depths (default 0 4)")
+    p.add_argument("--json", action="store_true", help="scale: print the results as JSON")
     p.set_defaults(func=run)
 
 
@@ -55,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     for name in args.which:
         module, fn = BENCHES[name].split(":")
-        getattr(importlib.import_module(module), fn)(args)
+        mod = importlib.import_module(module)
+        given = {k: v for k, v in vars(args).items() if v is not None}
+        getattr(mod, fn)(argparse.Namespace(**{**vars(args), **COMMON_DEFAULTS, **getattr(mod, "DEFAULTS", {}), **given}))
     return 0
 
 

@@ -1,0 +1,76 @@
+"""`tierstore bench scale` at a small size: its runs complete and report their figures."""
+import json
+import os
+import shutil
+
+import pytest
+
+from tierstore.tools import bench_scale, cli
+
+FIELDS = ("lookups_per_s", "p50_s", "p90_s", "p99_s", "ddr_hit", "rows_read_per_step", "rows_written_per_step",
+          "disk_read_bytes_per_step", "disk_written_bytes_per_step", "read_amp", "write_amp", "rss_peak", "x_disk_floor",
+          "lmdb_floor_s", "x_in_memory")
+
+
+@pytest.fixture
+def quick(monkeypatch):
+    monkeypatch.setattr(bench_scale, "WARMUP", 1)
+    monkeypatch.setattr(bench_scale, "FLOOR_SECONDS", 0.5)
+    monkeypatch.setattr(bench_scale, "BAGS", 256)  # 8,192 lookups a step
+
+
+def _have_fbgemm() -> bool:
+    from tierstore.tools.bench_peers import fbgemm_module
+    return fbgemm_module(8, 8, "EXACT_SGD", {"lr": 0.01}, bench_scale.torch.device("cpu")) is not None
+
+
+def test_small_run_under_a_memory_cgroup(tmp_path, capsys, quick):
+    group, why = bench_scale.MemoryGroup.make("tierstore-test-probe")
+    if group is None:
+        pytest.skip(f"this machine does not let the test make a memory cgroup: {why}")
+    group.remove()
+    # 64 MB of rows, 10.7x the budget: the DLRM model runs too
+    assert cli.main(["bench", "scale", "--rows", "500000", "--dim", "32", "--budgets", "6MiB", "--depths", "0", "4",
+                     "--repeat", "2", "--path", str(tmp_path / "store"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["cgroup"].startswith(f"cgroup v{group.version} memory group")
+    assert [(r["kind"], r["depth"]) for r in res["runs"]] == [("emb", 0), ("emb", 4), ("dlrm", bench_scale.DLRM_DEPTH)]
+    for r in res["runs"]:
+        assert r["budget"] == 6 << 20
+        assert r["limit"] == r["rss_before"] + r["budget"] + bench_scale.MARGIN
+        # the limit held the child (the kernel charges pages in batches of up to 64 past it)
+        assert 0 < r["cgroup_peak"] <= r["limit"] + 64 * 4096
+        assert r["oom_killed"] in (True, False)
+        missing = [f for f in FIELDS if r.get(f) is None and not (f == "x_in_memory" and r["kind"] == "emb" and not _have_fbgemm())]
+        assert not missing, r
+        assert r["rows_read_per_step"] > 0 and r["disk_read_bytes_per_step"] > 0  # a table 10x its budget misses
+    assert res["floors"]["disk"]["iops_qd32"] > 0 and res["floors"]["lmdb"]["get_cold_us"] > 0
+    assert res["in_memory"]["dlrm"]["lookups_per_s"] > 0
+    assert not (group.path.parent / f"tierstore-bench-scale-{os.getpid()}").exists()  # the run removed its group
+
+
+def test_without_a_cgroup_or_fio_it_says_so_and_runs(tmp_path, capsys, monkeypatch, quick):
+    monkeypatch.setattr(bench_scale, "CGROUP_V1", tmp_path / "no-v1")
+    monkeypatch.setattr(bench_scale, "CGROUP_V2", tmp_path / "no-v2")
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert cli.main(["bench", "scale", "--rows", "200000", "--dim", "16", "--budgets", "8MiB", "--depths", "0",
+                     "--repeat", "1", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "memory limit: none: no cgroup memory controller here" in out
+    assert "fio is not installed (apt-get install -y fio): Python O_DIRECT preads" in out
+    assert "DLRM: skipped: no budget in --budgets is a tenth of the table" in out
+    for field in ("M lookups/s", "p50 / p90 / p99", "hit rate HBM", "rows read", "amplification read",
+                  "peak RSS", "the disk floor", "LMDB floor", "no limit"):
+        assert field in out
+    assert ("x FBGEMM in memory" in out) == _have_fbgemm()
+
+
+def test_a_built_table_is_reused_and_another_is_refused_naming_the_fix(tmp_path):
+    path = tmp_path / "store"
+    assert not bench_scale.prepare_table(path, 1000, 8, 0)["reused"]
+    assert bench_scale.prepare_table(path, 1000, 8, 0)["reused"]
+    with pytest.raises(SystemExit, match="holds a bench scale table of 1,000 x 8, not 2,000 x 8; pass the same --rows/--dim"):
+        bench_scale.prepare_table(path, 2000, 8, 0)
+    (path / bench_scale.MARKER).unlink()
+    with pytest.raises(SystemExit, match="not empty and holds no finished bench scale table"):
+        bench_scale.prepare_table(path, 2000, 8, 0)

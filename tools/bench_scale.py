@@ -1,0 +1,566 @@
+"""``tierstore bench scale``: a table many times larger than the memory a trainer is
+given, trained under a real memory limit (issue #31).
+
+One run builds (or reuses, ``--path``) a table of ``--rows`` x ``--dim`` float32 rows
+(8.1 GiB of rows by default), then, in the same run:
+
+- the floors: the disk's 4 KiB random reads (O_DIRECT) at queue depth 32 and 1 on the
+  store's own data.mdb (fio with libaio; without fio, Python preads from a thread
+  pool), and py-lmdb alone doing a step's gets and puts on that data.mdb;
+- the in-memory steps on the same batches, outside any limit: FBGEMM's fused CPU
+  TBE holding the whole table (where fbgemm-gpu-cpu is installed), and the DLRM demo
+  model (tools/demo.py) with nn.EmbeddingBag holding it;
+- the embedding-only step (2048 bags x 32 ids, Zipf ranks scattered over the ids, SGD,
+  1 thread) at each ``--budgets`` x ``--depths`` (LookaheadLoader), and the DLRM model
+  at the largest budget a tenth of the table or less, each in a child process. The
+  child builds its batches, is limited to its RSS + the budget + MARGIN by a memory
+  cgroup (v1 or v2, where the machine lets this process make one), the store's pages
+  are dropped from the page cache, and then it opens the store with memory_budget=.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import mmap
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# the defaults of the shared bench flags for this bench (tools/bench.py fills them in)
+DEFAULTS = {"rows": 34_000_000, "dim": 64, "repeat": 30}  # 34M x 64 float32: 8.1 GiB of rows
+BUDGETS = ("512MiB", "1GiB", "2GiB")
+DEPTHS = (0, 4)
+DLRM_DEPTH = 2
+BAGS, POOLING, ALPHA, LR = 2048, 32, 1.05, 0.01
+WARMUP = 5  # steps before the timed ones: the cold start fills the tiers
+MARGIN = 16 << 20  # over the child's RSS + the budget: the interpreter's own growth
+FLOOR_SECONDS = 3.0  # per queue depth
+TABLE = "t0"  # TieredEmbeddingBag's default table name
+MARKER = "bench-scale.json"  # written once every row is durable: a store that may be reused
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+CGROUP_V2 = Path("/sys/fs/cgroup")
+
+
+# -- the table ---------------------------------------------------------------------------------
+def _spec(rows: int, dim: int):
+    import tierstore
+
+    # what TieredEmbeddingBag(rows, dim, optimizer=SGD) declares, so that it reopens the table
+    return tierstore.TableSpec(TABLE, rows, dim, init=tierstore.RowInit.normal(0.0, 1.0))
+
+
+def prepare_table(path: Path, rows: int, dim: int, seed: int) -> dict:
+    """Reuse the table at ``path`` if a finished build of the same shape is there, else
+    build it: every row written (ascending, as a bulk load) and flushed."""
+    marker = path / MARKER
+    if marker.exists():
+        built = json.loads(marker.read_text())
+        if (built["rows"], built["dim"]) != (rows, dim):
+            raise SystemExit(f"--path {path} holds a bench scale table of {built['rows']:,} x {built['dim']}, not {rows:,} x {dim}; "
+                             "pass the same --rows/--dim, or another --path")
+        return {**built, "reused": True}
+    if path.exists() and any(path.iterdir()):
+        raise SystemExit(f"--path {path} is not empty and holds no finished bench scale table ({MARKER}); "
+                         "pass an empty or new directory")
+    import tierstore
+
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    with tierstore.TieredStore(path, [_spec(rows, dim)], hbm_rows=0, ddr_rows=0, device="cpu") as store:
+        for lo in range(0, rows, 1 << 18):
+            n = min(rows, lo + (1 << 18)) - lo
+            store.write(TABLE, np.arange(lo, lo + n), rng.standard_normal((n, dim), dtype=np.float32) * 0.01)
+        store.flush()
+    built = {"rows": rows, "dim": dim, "build_s": round(time.perf_counter() - t0, 1),
+             "data_mdb_bytes": (path / "data.mdb").stat().st_size}
+    marker.write_text(json.dumps(built))
+    return {**built, "reused": False}
+
+
+def drop_page_cache(file: Path) -> None:
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+# -- the floors --------------------------------------------------------------------------------
+def disk_floor(file: Path, seconds: float = FLOOR_SECONDS) -> dict:
+    """4 KiB random reads per second of ``file``, O_DIRECT, at queue depth 32 and 1."""
+    if shutil.which("fio"):
+        iops = {d: _fio_iops(file, d, seconds) for d in (32, 1)}
+        return {"tool": "fio (libaio, O_DIRECT, 4 KiB random reads)", "file": str(file), "iops_qd32": iops[32], "iops_qd1": iops[1]}
+    try:
+        iops = {d: _pread_iops(file, d, seconds) for d in (32, 1)}
+    except OSError as e:  # O_DIRECT is refused on some filesystems (tmpfs)
+        return {"tool": f"none: fio is not installed and O_DIRECT preads failed ({e.strerror})", "file": str(file),
+                "iops_qd32": None, "iops_qd1": None}
+    return {"tool": "fio is not installed (apt-get install -y fio): Python O_DIRECT preads from a thread pool "
+                    "of 32 and 1 threads (a lower bound: the interpreter adds CPU a read)",
+            "file": str(file), "iops_qd32": iops[32], "iops_qd1": iops[1]}
+
+
+def _fio_iops(file: Path, depth: int, seconds: float) -> float:
+    out = subprocess.run(["fio", "--name=floor", f"--filename={file}", "--readonly", "--rw=randread", "--bs=4k", "--direct=1",
+                          "--ioengine=libaio", f"--iodepth={depth}", f"--runtime={seconds:g}", "--time_based",
+                          "--output-format=json"], capture_output=True, text=True, check=True).stdout
+    return float(json.loads(out[out.index("{"):])["jobs"][0]["read"]["iops"])
+
+
+def _pread_iops(file: Path, threads: int, seconds: float) -> float:
+    fd = os.open(file, os.O_RDONLY | os.O_DIRECT)
+    pages = max(1, os.fstat(fd).st_size // 4096)
+
+    def reader(seed: int) -> int:
+        buf = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT needs
+        offsets = (np.random.default_rng(seed).integers(0, pages, 1 << 14) * 4096).tolist()
+        n, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            os.preadv(fd, [buf], offsets[n % len(offsets)])
+            n += 1
+        return n
+
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            reads = sum(pool.map(reader, range(threads)))
+        return reads / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+
+
+def lmdb_floor(path: Path, ids: np.ndarray) -> dict:
+    """py-lmdb alone getting the rows of ``ids`` (a step's unique ids, sorted), with the
+    page cache dropped and again warm, and putting them back unchanged in one write
+    transaction (committed, not synced, as the write-back commits), on the store's own
+    data.mdb, as tools/bench.py's cold bench times its raw get loop."""
+    import tierstore
+    from tierstore.io import encode_keys
+
+    keys = encode_keys(np.unique(ids))
+    n = len(keys)
+    store = tierstore.TieredStore(path, hbm_rows=0, ddr_rows=0, device="cpu")
+    try:
+        env, db = store._backend.env, store._backend._dbs.get(TABLE)
+        if db is None:  # rows not stored a key each (another layout): there is no such loop to time
+            return {"rows": n, "get_cold_us": None, "get_warm_us": None, "put_us": None}
+        drop_page_cache(path / "data.mdb")
+        times = []
+        for _ in range(2):  # cold, then warm
+            t0 = time.perf_counter()
+            with env.begin(db=db, buffers=False) as txn:
+                values = list(map(txn.get, keys))
+            times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with env.begin(write=True, db=db) as txn:
+            txn.cursor().putmulti(zip(keys, values))
+        put = time.perf_counter() - t0
+    finally:
+        store.close()
+    return {"rows": n, "get_cold_us": 1e6 * times[0] / n, "get_warm_us": 1e6 * times[1] / n, "put_us": 1e6 * put / n}
+
+
+# -- the memory cgroup -------------------------------------------------------------------------
+class MemoryGroup:
+    """A memory cgroup this process made (v1 ``memory`` controller or v2), for one child."""
+
+    def __init__(self, path: Path, version: int):
+        self.path, self.version = path, version
+        self.procs = path / "cgroup.procs"
+
+    @classmethod
+    def make(cls, name: str) -> tuple["MemoryGroup | None", str]:
+        """The group, or None and why none could be made."""
+        if (CGROUP_V1 / "memory.limit_in_bytes").exists():
+            where, version = CGROUP_V1, 1
+        elif "memory" in _read(CGROUP_V2 / "cgroup.controllers").split():
+            where, version = CGROUP_V2, 2
+        else:
+            return None, f"no cgroup memory controller here ({CGROUP_V1} nor memory in {CGROUP_V2}/cgroup.controllers)"
+        try:
+            if version == 2 and "memory" not in _read(where / "cgroup.subtree_control").split():
+                (where / "cgroup.subtree_control").write_text("+memory")
+            path = where / name
+            path.mkdir(exist_ok=True)
+        except OSError as e:
+            return None, (f"cannot make a memory cgroup under {where} ({e.strerror}; it needs root or a delegated "
+                          "cgroup)")
+        return cls(path, version), f"cgroup v{version} memory group {path}"
+
+    def limit(self, nbytes: int) -> None:
+        (self.path / ("memory.limit_in_bytes" if self.version == 1 else "memory.max")).write_text(str(nbytes))
+
+    def peak(self) -> int | None:
+        text = _read(self.path / ("memory.max_usage_in_bytes" if self.version == 1 else "memory.peak"))
+        return int(text) if text.strip().isdigit() else None
+
+    def oom_kills(self) -> int | None:
+        """OOM kills in the group (v1's oom_control has the count on kernels >= 4.13)."""
+        text = _read(self.path / ("memory.oom_control" if self.version == 1 else "memory.events"))
+        counts = dict(line.split() for line in text.splitlines() if len(line.split()) == 2)
+        return int(counts["oom_kill"]) if "oom_kill" in counts else None
+
+    def remove(self) -> None:
+        try:
+            self.path.rmdir()
+        except OSError:
+            pass  # a child left in it: the group stays, empty once it ends
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+# -- a child: one timed run --------------------------------------------------------------------
+def _rss(field: str = "VmRSS") -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak_rss() -> None:
+    """VmHWM from now on: the run's peak, not the batch building's (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # the peak then includes the batches' building
+
+
+def _disk_io() -> tuple[int, int]:
+    d = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
+    return int(d["read_bytes"]), int(d["write_bytes"])
+
+
+def _emb_batches(rows: int, n: int, seed: int, bags: int) -> list[torch.Tensor]:
+    from tierstore.tools.demo import ZipfIds
+
+    gen = torch.Generator().manual_seed(seed)
+    zipf = ZipfIds(rows, ALPHA, gen)
+    return [zipf.sample(bags * POOLING, gen) for _ in range(n)]
+
+
+def _dlrm_parts(job: dict):
+    """The DLRM demo's batches (one table, job["bags"] examples, POOLING ids a bag on average)
+    and a function making its model over an embeddings callable."""
+    from tierstore.tools.demo import DLRM, ClickData, DemoConfig, seeded
+
+    cfg = DemoConfig(tables=1, rows=job["rows"], dim=job["dim"], batch=job["bags"], pooling=POOLING, optimizer="sgd", lr=LR,
+                     seed=job["seed"], progress=False)
+    gen = seeded(cfg.seed)
+    data = ClickData(cfg, gen)
+    batches = [data.batch(gen) for _ in range(job["steps"])]
+    name = cfg.table_names[0]
+    return batches, name, lambda embeddings: DLRM(embeddings, [name], cfg.dim, seeded(cfg.seed + 1))
+
+
+def _dlrm_step(model, emb_opt=None):
+    dense_opt = torch.optim.Adagrad([*model.bottom.parameters(), *model.top.parameters()], lr=LR)
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+
+    def step(batch):
+        dense, sparse, labels = batch
+        loss = loss_fn(model(dense, sparse), labels)
+        dense_opt.zero_grad(set_to_none=True)
+        if emb_opt is not None:
+            emb_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        dense_opt.step()
+        if emb_opt is not None:
+            with torch.sparse.check_sparse_tensor_invariants(enable=False):
+                emb_opt.step()
+    return step
+
+
+def _times(step, batches, warmup: int, at_start=lambda: None):
+    """Seconds of each step after ``warmup`` untimed ones; ``at_start()`` runs before the timed."""
+    it = iter(batches)
+    for _ in range(warmup):
+        step(next(it))
+    start = at_start()
+    times = []
+    for batch in it:
+        t0 = time.perf_counter()
+        step(batch)
+        times.append(time.perf_counter() - t0)
+    return times, start
+
+
+def _summary(times: list[float], lookups: int) -> dict:
+    t = np.array(times)
+    return {"steps": len(t), "p50_s": float(np.median(t)), "p90_s": float(np.percentile(t, 90)),
+            "p99_s": float(np.percentile(t, 99)), "mean_s": float(t.mean()), "lookups_per_s": lookups / float(t.sum())}
+
+
+def _lookups(batch) -> int:
+    return batch.numel() if isinstance(batch, torch.Tensor) else batch[1][next(iter(batch[1]))][0].numel()
+
+
+def _in_memory(job: dict) -> dict:
+    """FBGEMM's embedding-only step and the DLRM model with nn.EmbeddingBag, each holding
+    the whole table in memory, on the tiered runs' batches."""
+    from tierstore.tools.bench_peers import fbgemm_module
+    from tierstore.tools.demo import InMemoryBags
+
+    rows, dim, warmup = job["rows"], job["dim"], job["warmup"]
+    out = {}
+    fb = fbgemm_module(rows, dim, "EXACT_SGD", {"lr": LR}, torch.device("cpu"))
+    if fb is not None:
+        batches = _emb_batches(rows, job["steps"], job["seed"], job["bags"])
+        offsets = torch.arange(job["bags"] + 1) * POOLING  # FBGEMM takes the bags' end offset too
+        times, _ = _times(lambda ids: fb(ids, offsets).sum().backward(), batches, warmup)
+        out["fbgemm"] = _summary(times, sum(map(_lookups, batches[warmup:])))
+        del fb
+        gc.collect()
+    batches, name, make = _dlrm_parts(job)
+    bags = InMemoryBags({name: torch.zeros(rows, dim)})
+    step = _dlrm_step(make(bags), torch.optim.SGD(bags.parameters(), lr=LR))
+    times, _ = _times(step, batches, warmup)
+    out["dlrm"] = _summary(times, sum(map(_lookups, batches[warmup:])))
+    return out
+
+
+def _tiered(job: dict, batches, go) -> dict:
+    """The embedding-only step or the DLRM model over TieredEmbeddingBag(memory_budget=)."""
+    import tierstore
+    from tierstore.prefetch import LookaheadLoader
+
+    dlrm = job["kind"] == "dlrm"
+    go()  # the limit is set and the page cache dropped: open the store now
+    emb = tierstore.TieredEmbeddingBag(job["rows"], job["dim"], mode="sum", path=job["path"], table=TABLE, device="cpu",
+                                       optimizer=tierstore.optim.SGD(lr=LR), memory_budget=job["budget"])
+    if dlrm:
+        data, name, make = batches
+        step = _dlrm_step(make(lambda sparse: {name: emb(*sparse[name])}))
+        loader = LookaheadLoader(data, emb, depth=job["depth"], ids=lambda b: {TABLE: b[1][name][0]})
+        timed = data[job["warmup"]:]
+    else:
+        offsets = torch.arange(job["bags"]) * POOLING
+        loader = LookaheadLoader(batches, emb, depth=job["depth"], ids=lambda ids: {TABLE: ids})
+        timed = batches[job["warmup"]:]
+
+        def step(ids):
+            emb(ids, offsets).sum().backward()
+
+    store = emb.store
+    times, (s0, io0) = _times(step, loader, job["warmup"], lambda: (store.stats(), _disk_io()))
+    s1, io1 = store.stats(), _disk_io()
+    n = len(times)
+    ssd = {k: s1["ssd"][k] - s0["ssd"][k] for k in ("reads", "writes", "read_bytes", "write_bytes")}
+    read, written = io1[0] - io0[0], io1[1] - io0[1]
+
+    def hit_rate(tier):
+        hits, misses = (s1[tier][k] - s0[tier][k] for k in ("hits", "misses"))
+        return hits / (hits + misses) if hits + misses else None
+
+    memory = store.memory()
+    result = {**_summary(times, sum(map(_lookups, timed))), "hbm_hit": hit_rate("hbm"), "ddr_hit": hit_rate("ddr"),
+              "rows_read_per_step": ssd["reads"] / n, "rows_written_per_step": ssd["writes"] / n,
+              "disk_read_bytes_per_step": read / n, "disk_written_bytes_per_step": written / n,
+              "read_amp": read / ssd["read_bytes"] if ssd["read_bytes"] else None,
+              "write_amp": written / ssd["write_bytes"] if ssd["write_bytes"] else None,
+              "rss_peak": _rss("VmHWM"), "store_host_bytes": memory.host_bytes,
+              "parts": {k: p.bytes for k, p in memory.parts.items()}}
+    print(json.dumps(result), flush=True)  # before close: its flush may be what the limit kills
+    emb.close()
+    return result
+
+
+def child(job: dict) -> None:
+    """One run in this process: build the batches, say the RSS, wait for the parent's go."""
+    torch.set_num_threads(1)
+    if job["kind"] == "inmem":
+        print(json.dumps({"rss": _rss()}), flush=True)
+        print(json.dumps(_in_memory(job)), flush=True)
+        return
+    batches = _dlrm_parts(job) if job["kind"] == "dlrm" else _emb_batches(job["rows"], job["steps"], job["seed"], job["bags"])
+    gc.collect()
+    _reset_peak_rss()
+    print(json.dumps({"rss": _rss()}), flush=True)
+    _tiered(job, batches, lambda: sys.stdin.readline())
+
+
+# -- the parent --------------------------------------------------------------------------------
+def _spawn(job: dict, path: Path, group: MemoryGroup | None = None) -> dict:
+    """Run ``child(job)``; in ``group`` from its start, limited once its batches are built
+    to their RSS + the budget + MARGIN. Returns its result and what it held."""
+    what = {k: job[k] for k in ("kind", "budget", "depth") if k in job}
+    print(f"bench scale: running {what}", file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "tierstore.tools.bench_scale", json.dumps(job)]
+    if group is not None:  # joins before exec, so every page it touches is charged to the group
+        cmd = ["sh", "-c", f'echo $$ > {shlex.quote(str(group.procs))} && exec "$@"', "sh", *cmd]
+    with tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+        ready = p.stdout.readline()
+        out = {"rss_before": json.loads(ready)["rss"] if ready else None}
+        if ready and job["kind"] != "inmem":
+            if group is not None:
+                out["limit"] = out["rss_before"] + job["budget"] + MARGIN
+                group.limit(out["limit"])
+            drop_page_cache(path / "data.mdb")
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        lines = p.stdout.read().splitlines()
+        p.wait()
+        err.seek(0)
+        tail = err.read()[-2000:]
+    out["exit"] = p.returncode
+    if lines:
+        out.update(json.loads(lines[-1]))
+    elif p.returncode:
+        out["error"] = tail.strip().splitlines()[-1] if tail.strip() else f"exit {p.returncode}"
+    if group is not None:
+        out["cgroup_peak"], kills = group.peak(), group.oom_kills()
+        out["oom_killed"] = bool(kills) if kills is not None else p.returncode == -9
+    return out
+
+
+def _budgets(texts) -> list[int]:
+    from tierstore.memory import parse_bytes
+
+    try:
+        return [parse_bytes(t, "--budgets") for t in texts]
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
+def run(args: argparse.Namespace) -> dict:
+    rows, dim, seed = args.rows, args.dim, args.seed or 0
+    budgets = _budgets(getattr(args, "budgets", None) or BUDGETS)
+    depths = getattr(args, "depths", None) or list(DEPTHS)
+    temp = None
+    if getattr(args, "path", None):
+        path = Path(args.path)
+    else:
+        temp = tempfile.TemporaryDirectory(prefix="tierstore-bench-scale-", dir=args.dir)
+        path = Path(temp.name) / "store"
+    try:
+        result = _run(path, rows, dim, seed, budgets, depths, args.repeat)
+    finally:
+        if temp is not None:
+            temp.cleanup()
+    if getattr(args, "json", False):
+        print(json.dumps(result, indent=1))
+    else:
+        print_report(result)
+    return result
+
+
+def _run(path: Path, rows: int, dim: int, seed: int, budgets: list[int], depths: list[int], repeat: int) -> dict:
+    table = prepare_table(path, rows, dim, seed)
+    table_bytes = rows * dim * 4
+    job = {"rows": rows, "dim": dim, "seed": seed, "path": str(path), "warmup": WARMUP, "steps": WARMUP + repeat,
+           "bags": BAGS}
+    floors = {"disk": disk_floor(path / "data.mdb"), "lmdb": lmdb_floor(path, _emb_batches(rows, 1, seed, BAGS)[0].numpy())}
+    group, cgroup = MemoryGroup.make(f"tierstore-bench-scale-{os.getpid()}")
+    try:
+        in_memory = _spawn({**job, "kind": "inmem"}, path)
+        runs = [{"kind": "emb", "budget": b, "depth": d, **_spawn({**job, "kind": "emb", "budget": b, "depth": d}, path, group)}
+                for b in budgets for d in depths]
+        fits = [b for b in budgets if table_bytes >= 10 * b]
+        if fits:
+            b = max(fits)
+            runs.append({"kind": "dlrm", "budget": b, "depth": DLRM_DEPTH,
+                         **_spawn({**job, "kind": "dlrm", "budget": b, "depth": DLRM_DEPTH}, path, group)})
+    finally:
+        if group is not None:
+            group.remove()
+    for r in runs:
+        _ratios(r, floors, in_memory)
+    return {"table": {**table, "path": str(path), "row_bytes": dim * 4, "table_bytes": table_bytes},
+            "batch": {"bags": job["bags"], "pooling": POOLING, "zipf": ALPHA, "warmup": WARMUP, "timed_steps": repeat, "threads": 1},
+            "cgroup": cgroup if group is not None else f"none: {cgroup}; ran without a memory limit",
+            "dlrm": None if fits else f"skipped: no budget in --budgets is a tenth of the table ({table_bytes:,} bytes) or less",
+            "floors": floors, "in_memory": in_memory, "runs": runs}
+
+
+def _ratios(r: dict, floors: dict, in_memory: dict) -> None:
+    """The run's step against the floors and the in-memory step (None where not measured)."""
+    if "mean_s" not in r:
+        return
+    iops, lm = floors["disk"]["iops_qd32"], floors["lmdb"]
+    floor = r["rows_read_per_step"] / iops if iops else None
+    r["disk_floor_s"] = floor
+    r["x_disk_floor"] = r["mean_s"] / floor if floor else None
+    r["lmdb_floor_s"] = (r["rows_read_per_step"] * lm["get_cold_us"] + r["rows_written_per_step"] * lm["put_us"]) / 1e6 \
+        if lm["put_us"] is not None else None
+    base = in_memory.get("dlrm" if r["kind"] == "dlrm" else "fbgemm")
+    r["x_in_memory"] = base["lookups_per_s"] / r["lookups_per_s"] if base else None
+
+
+def _f(x, fmt: str, none: str = "-") -> str:
+    return none if x is None else format(x, fmt)
+
+
+def print_report(res: dict) -> None:
+    from tierstore.memory import format_bytes
+
+    t, fl = res["table"], res["floors"]
+    disk, lm = fl["disk"], fl["lmdb"]
+    print(f"\n== scale: {t['rows']:,} x {t['dim']} float32 rows ({format_bytes(t['table_bytes'])} of rows; data.mdb "
+          f"{format_bytes(t['data_mdb_bytes'])}, {'reused' if t['reused'] else 'built in %.0f s' % t['build_s']}) at {t['path']}")
+    b = res["batch"]
+    print(f"   step: {b['bags']} bags x {b['pooling']} ids, Zipf {b['zipf']}, SGD, {b['threads']} thread; "
+          f"{b['timed_steps']} timed steps after {b['warmup']}")
+    print(f"   memory limit: {res['cgroup']}")
+    print(f"   disk floor ({disk['tool']}): {_f(disk['iops_qd32'], ',.0f')} reads/s at depth 32, "
+          f"{_f(disk['iops_qd1'], ',.0f')} at depth 1")
+    print(f"   LMDB floor (py-lmdb alone, {lm['rows']:,} rows of a step): get {_f(lm['get_cold_us'], '.1f')} us a row cold, "
+          f"{_f(lm['get_warm_us'], '.1f')} us warm; put {_f(lm['put_us'], '.1f')} us")
+    for name, label in (("fbgemm", "FBGEMM in memory (EmbeddingLocation.HOST, EXACT_SGD)"), ("dlrm", "DLRM demo model in memory")):
+        m = res["in_memory"].get(name)
+        if m:
+            print(f"   {label}: p50 {m['p50_s'] * 1e3:.1f} ms, {m['lookups_per_s'] / 1e6:.2f} M lookups/s")
+    if "fbgemm" not in res["in_memory"]:
+        print("   FBGEMM: not installed (pip install 'tierstore[fbgemm]'); no in-memory embedding step to compare")
+    if res["dlrm"]:
+        print(f"   DLRM: {res['dlrm']}")
+    for r in res["runs"]:
+        _print_run(r)
+
+
+def _print_run(r: dict) -> None:
+    from tierstore.memory import format_bytes
+
+    print(f"\n-- {'DLRM demo model' if r['kind'] == 'dlrm' else 'embedding step'}, budget {format_bytes(r['budget'])}, "
+          f"depth {r['depth']}")
+    limit = f"limit {format_bytes(r['limit'])} (RSS {format_bytes(r['rss_before'])} + budget + margin)" if "limit" in r else "no limit"
+    fate = "OOM-KILLED" if r.get("oom_killed") else f"exit {r['exit']}"
+    if r.get("oom_killed") and "mean_s" in r:
+        fate += " after its timed steps (closing the store: its final flush)"
+    print(f"   {fate}; {limit}; peak RSS {format_bytes(r.get('rss_peak'))}, cgroup peak {format_bytes(r.get('cgroup_peak'))}")
+    if "mean_s" not in r:
+        print(f"   no figures: {r.get('error', 'the run ended before its report')}")
+        return
+    hit = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731
+    print(f"   {r['lookups_per_s'] / 1e6:.3f} M lookups/s; step p50 / p90 / p99 {r['p50_s'] * 1e3:.0f} / {r['p90_s'] * 1e3:.0f} / "
+          f"{r['p99_s'] * 1e3:.0f} ms (p99/p50 {r['p99_s'] / r['p50_s']:.1f}x); hit rate HBM {hit(r['hbm_hit'])}, DDR {hit(r['ddr_hit'])}")
+    print(f"   a step: {r['rows_read_per_step']:,.0f} rows read, {r['rows_written_per_step']:,.0f} written back; disk "
+          f"{format_bytes(round(r['disk_read_bytes_per_step']))} read, {format_bytes(round(r['disk_written_bytes_per_step']))} "
+          f"written; amplification read {_f(r['read_amp'], '.1f')}x, write {_f(r['write_amp'], '.1f')}x")
+    print(f"   store's budgeted host memory {format_bytes(r['store_host_bytes'])}: "
+          + ", ".join(f"{k} {format_bytes(v)}" for k, v in r["parts"].items() if v))
+    vs = "x its in-memory step" if r["kind"] == "dlrm" else "x FBGEMM in memory"
+    print(f"   mean step {r['mean_s'] * 1e3:.0f} ms = {_f(r['x_in_memory'], '.1f')}{vs}; {_f(r['x_disk_floor'], '.1f')}x the disk "
+          f"floor ({_f(r['disk_floor_s'] and r['disk_floor_s'] * 1e3, '.1f')} ms: rows read / reads/s at depth 32); LMDB floor "
+          f"{_f(r['lmdb_floor_s'] and r['lmdb_floor_s'] * 1e3, '.0f')} ms")
+
+
+if __name__ == "__main__":
+    child(json.loads(sys.argv[1]))
