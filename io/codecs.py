@@ -63,17 +63,21 @@ class RowCodec:
         self._void = f"V{self.row_bytes}"
 
     def encode(self, rows: np.ndarray) -> list[bytes]:
+        return self.pack(rows).view(self._void).ravel().tolist()
+
+    def pack(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` as their stored bytes, uint8 [n, row_bytes]."""
         if rows.ndim != 2 or rows.shape[1] != self.width:
             raise ValueError(f"expected rows of width {self.width}, got shape {rows.shape}")
         if self.dtype == "float32":
-            packed = np.ascontiguousarray(rows, dtype="<f4")
+            return np.ascontiguousarray(rows, dtype="<f4").view(np.uint8).reshape(len(rows), self.row_bytes)
         else:
             packed = np.empty((len(rows), self.row_bytes), dtype=np.uint8)
             weights = rows[:, : self.dim]
             bits = _to_bfloat16_bits(weights) if self.dtype == "bfloat16" else np.ascontiguousarray(weights, dtype="<f2")
             packed[:, : self._weight_bytes] = bits.view(np.uint8)
             packed[:, self._weight_bytes:] = np.ascontiguousarray(rows[:, self.dim:], dtype="<f4").view(np.uint8)
-        return packed.view(self._void).ravel().tolist()
+        return packed
 
     def decode(self, values: list, out: np.ndarray) -> np.ndarray:
         """Copy ``values[i]`` (bytes, or None where the row is absent) into
@@ -104,7 +108,11 @@ class RowCodec:
         out[found] = rows
         return found
 
-    def _unpack(self, buf: bytes, n: int) -> np.ndarray:
+    def unpack(self, packed: np.ndarray) -> np.ndarray:
+        """Rows (float32 [n, width]) of their stored bytes, uint8 [n, row_bytes]."""
+        return self._unpack(np.ascontiguousarray(packed), len(packed))
+
+    def _unpack(self, buf, n: int) -> np.ndarray:
         if self.dtype == "float32":
             return np.frombuffer(buf, dtype="<f4").reshape(n, self.width)
         packed = np.frombuffer(buf, dtype=np.uint8).reshape(n, self.row_bytes)

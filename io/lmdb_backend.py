@@ -25,6 +25,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
+from . import rowlog
 from .codecs import RowCodec, encode_keys, row_norms_sq
 
 FORMAT_VERSION = 1
@@ -37,6 +38,10 @@ _READ_CHUNK = 2048  # rows per get-and-copy round of get_rows
 # random row it writes, so the store sizes it from its memory budget (tierstore.memory)
 WRITE_TXN_ROWS = 65536
 _STEP = np.dtype("<i8")  # a row's last-use step, in a table's u: database
+# How a new table with num_rows stores its rows: "log" (io.rowlog: segments, written at about
+# the rows' own bytes) or "keyed" (a key per row, as every table of an unbounded id space is,
+# and as stores written before the log layout are). A table keeps the layout it was created with.
+NEW_TABLE_LAYOUT = "log"
 
 
 class _ResizeGuard:
@@ -161,6 +166,11 @@ class _Env:
         self.resize = _ResizeGuard()
         self.users = 0
         self.writer = False
+        self.maps = 0  # counts the map's moves (set_mapsize): io.rowlog caches addresses in it
+
+    def set_mapsize(self, size: int) -> None:
+        self.env.set_mapsize(size)
+        self.maps += 1
 
 
 _OPEN: dict[tuple[int, int], _Env] = {}  # (st_dev, st_ino) of the store's directory
@@ -189,6 +199,14 @@ class LmdbBackend:
         self._sweep_from: dict[str, bytes] = {}  # where each table's sweep goes on
         self._sketch_db = None
         self._codecs: dict[str, RowCodec] = {}
+        self._logs: dict[str, rowlog.RowLog] = {}  # tables in the log layout, and their segments' databases:
+        self._log_dbs: dict[str, object] = {}
+        self._log_synced: dict[str, int] = {}  # the transaction id each log's index reflects
+        self._base = (-1, 0)  # (map moves, address of the file's first byte in the map)
+        self._index_lock = threading.Lock()  # a log's index against the transaction reading it
+        # one write transaction, its commit and index update at a time; held around a read that
+        # decides a write (collection, sweep), so no commit comes between
+        self._write_lock = threading.RLock()
         with _OPEN_LOCK:
             shared = _shared_env(self.path)
             if shared is not None:
@@ -345,7 +363,7 @@ class LmdbBackend:
                         yield txn
                     return
             with self._resize.exclusive():  # no transaction of this process is open
-                self.env.set_mapsize(0)  # 0: the size the writer has set
+                self._shared.set_mapsize(0)  # 0: the size the writer has set
         raise lmdb.MapResizedError(f"LMDB map at {self.path} kept growing while this process read it")
 
     @contextmanager
@@ -368,23 +386,31 @@ class LmdbBackend:
                               "free disk space", str(path)) from e
             raise
 
-    def write_meta(self, items: dict, new_tables: dict[str, bool] | None = None) -> None:
-        """Write metadata records, creating the databases of ``new_tables`` (name -> keeps
-        last-use steps) in the same transaction: a table the metadata names has its
+    def write_meta(self, items: dict, new_tables: dict[str, tuple[bool, int | None]] | None = None) -> None:
+        """Write metadata records, creating the databases of ``new_tables`` (name -> (keeps
+        last-use steps, num_rows)) in the same transaction: a table the metadata names has its
         databases, so open_table(create=False) finds one missing only if it was lost."""
         def op(txn):
-            for name, last_use in (new_tables or {}).items():
-                for prefix in (b"t:", b"u:")[: 1 + bool(last_use)]:
+            for name, (last_use, num_rows) in (new_tables or {}).items():
+                for prefix in _prefixes(_new_layout(num_rows), last_use):
                     self.env.open_db(prefix + name.encode(), txn=txn)
             for k, v in items.items():
                 txn.put(k.encode(), json.dumps(v).encode(), db=self._meta)
         self._write(op)
 
     def open_table(self, name: str, dim: int, state_dim: int = 0, dtype: str = "float32", last_use: bool = False,
-                   create: bool = True) -> None:
+                   create: bool = True, num_rows: int | None = None) -> None:
         """``last_use``: the table keeps each row's last-use step beside it (ttl_steps).
         ``create=False``: the table's databases must exist (the store's tables were
-        created by write_meta); one missing is damage, never recreated empty."""
+        created by write_meta); one missing is damage, never recreated empty.
+        ``num_rows``: the table's ids are below it; a new table then takes the log layout
+        (NEW_TABLE_LAYOUT), and a table in that layout needs it to size its index."""
+        with self._reading() as txn:  # a table keeps the layout it has; one that has none takes today's
+            log = txn.get(b"s:" + name.encode()) is not None or (
+                txn.get(b"t:" + name.encode()) is None and _new_layout(num_rows) == "log")
+        if log and num_rows is None:
+            raise ValueError(f"table {name!r} at {self.path} stores its rows in the log layout; open it with its num_rows")
+
         def open_db(key: bytes):
             try:
                 with self._named_errors():
@@ -392,10 +418,84 @@ class LmdbBackend:
             except lmdb.NotFoundError:
                 raise corrupt(self.path / "data.mdb", f"the database {key.decode()!r} of table {name!r} is missing, "
                               "though the store's metadata names the table (its rows are lost)") from None
-        self._dbs[name] = open_db(b"t:" + name.encode())
         self._codecs[name] = RowCodec(dim, state_dim, dtype)
+        if log:
+            self._log_dbs[name] = open_db(b"s:" + name.encode())
+            self._logs[name] = rowlog.RowLog(self._codecs[name], num_rows, last_use)
+            self._log_synced[name] = -1
+            self._log_slots(name, np.zeros(0, dtype=np.int64))  # replays the segments into the index
+            return
+        self._dbs[name] = open_db(b"t:" + name.encode())
         if last_use:
             self._last_dbs[name] = open_db(b"u:" + name.encode())
+
+    # -- the log layout (io.rowlog) ------------------------------------------------------
+    def _log_read(self, table: str, under_lock, after=None):
+        """``under_lock(log)`` with ``table``'s index brought to a read snapshot, then
+        ``after(txn, its result)`` in that snapshot with the index free again (a
+        commit may update it meanwhile: what under_lock took still names this snapshot)."""
+        while True:
+            with self._reading(db=self._log_dbs[table], buffers=True) as txn:
+                with self._index_lock:
+                    if not self._sync_log(table, txn):
+                        continue  # the index moved past this snapshot (a commit meanwhile): take a newer one
+                    got = under_lock(self._logs[table])
+                return after(txn, got) if after is not None else got
+
+    def _log_slots(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The stored slots (row bytes, then the last-use step where kept) of ``ids`` and the
+        mask of those found, all of one snapshot."""
+        def places(log):
+            segs, slots, found = log.places(ids)
+            return log.slot_bytes, log.offset[segs] + slots * log.slot_bytes, found
+
+        def read(txn, got):
+            width, offsets, found = got
+            out = np.empty((len(ids), width), dtype=np.uint8)
+            if len(offsets):
+                _, base, size = self._map_base(txn, self._log_dbs[table])
+                picked = np.empty((len(offsets), width), dtype=np.uint8)
+                rowlog.gather(base, size, offsets, width, picked)
+                out[found] = picked
+            return out, found
+        return self._log_read(table, places, read)
+
+    def _sync_log(self, table: str, txn) -> bool:
+        """Bring ``table``'s index to ``txn``'s snapshot (under the index lock); False when
+        the index already reflects a later commit than the snapshot. Another process's
+        commits are replayed; a sequence number missing among them is a segment that came
+        and went unseen (a dropped tombstone, maybe), and the index is rebuilt from all."""
+        tid, synced = txn.id(), self._log_synced[table]
+        if tid <= synced:
+            return tid == synced
+        log, db = self._logs[table], self._log_dbs[table]
+        with txn.cursor(db=db) as cur:
+            newer = [int.from_bytes(k, "big") for k in cur.iternext(values=False)] \
+                if cur.set_range(rowlog.seq_key(log.applied + 1)) else []
+        if newer and newer[-1] - newer[0] + 1 != len(newer) or newer[:1] not in ([], [log.applied + 1]):
+            log = self._logs[table] = rowlog.RowLog(log.codec, len(log.loc), log.last_use)
+            with txn.cursor(db=db) as cur:
+                newer = [int.from_bytes(k, "big") for k in cur.iternext(values=False)]
+        if newer:
+            base = self._map_base(txn, db)[1]
+            try:
+                log.replay(((rowlog.seq_key(q), txn.get(rowlog.seq_key(q), db=db)) for q in newer), base)
+            except rowlog.SegmentFormatError as e:
+                raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
+        if self._lock_fd is None:  # a reader: segments left behind are gone from its snapshots
+            log.free_emptied()
+            log.tombstones.clear()
+        self._log_synced[table] = tid
+        return True
+
+    def _map_base(self, txn, db) -> tuple[int, int, int]:
+        """(map moves, address of the file's first byte in this process's map, map size), found
+        again after the map moves; ``txn`` reads a database ``db`` holding a value."""
+        if self._base[0] != self._shared.maps:
+            with txn.cursor(db=db) as cur:
+                cur.first()
+                self._base = (self._shared.maps, rowlog.map_base(cur.value()), self.env.info()["map_size"])
+        return self._base
 
     # -- rows ----------------------------------------------------------------------
     def get_rows(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -403,6 +503,10 @@ class LmdbBackend:
         into ``out`` (C-contiguous) when given. Rows not found are left unset."""
         codec = self._codecs[table]
         rows = np.empty((len(ids), codec.width), dtype=np.float32) if out is None else out
+        if table in self._logs:
+            slots, found = self._log_slots(table, ids)
+            rows[found] = codec.unpack(slots[found, : codec.row_bytes])
+            return rows, found
         found = np.ones(len(ids), dtype=bool)
         keys = encode_keys(ids)
         with self._reading(db=self._dbs[table], buffers=False) as txn:
@@ -431,6 +535,8 @@ class LmdbBackend:
 
     def stored_ids(self, table: str) -> np.ndarray:
         """Ids of the rows stored for ``table``, ascending (int64): its keys, read in one transaction."""
+        if table in self._logs:
+            return self._log_read(table, lambda log: np.flatnonzero(log.loc != rowlog.NONE).astype(np.int64))
         with self._reading(db=self._dbs[table], buffers=False) as txn:
             keys = b"".join(txn.cursor().iternext(keys=True, values=False))
         return np.frombuffer(keys, dtype=">u8").astype(np.int64)
@@ -443,11 +549,15 @@ class LmdbBackend:
             return txn.get(table.encode(), db=self.env.open_db(_SKETCH_DB, txn=txn, create=False))
 
     def keeps_last_use(self, table: str) -> bool:
-        return table in self._last_dbs
+        return table in self._last_dbs or table in self._logs and self._logs[table].last_use
 
     def get_last_use(self, table: str, ids: np.ndarray) -> np.ndarray:
         """Stored last-use step of each of the sorted ``ids``; -1 where none is (no such row)."""
         out = np.full(len(ids), -1, dtype=np.int64)
+        if table in self._logs:
+            slots, found = self._log_slots(table, ids)
+            out[found] = np.ascontiguousarray(slots[found, self._codecs[table].row_bytes:]).view(_STEP).ravel()
+            return out
         with self._reading(db=self._last_dbs[table], buffers=False) as txn:
             values = list(map(txn.get, encode_keys(ids)))
         stored = np.empty(len(values), dtype=object)
@@ -459,6 +569,12 @@ class LmdbBackend:
 
     def delete_rows(self, table: str, ids: np.ndarray) -> int:
         """Delete the rows of ``ids`` (and their last-use steps) in one transaction; returns how many existed."""
+        if table in self._logs:
+            with self._write_lock:  # the writer's index changes only under it
+                gone = ids[self._logs[table].loc[ids] != rowlog.NONE]
+                if len(gone):
+                    self._write_log({table: [(gone, None)]})
+            return len(gone)
         keys = encode_keys(ids)
         deleted = [0]
 
@@ -480,6 +596,8 @@ class LmdbBackend:
         table (of its last-use database where it keeps one), going on where the last
         sweep stopped and starting over after the end; returns the rows deleted.
         Bounded work: one transaction of ``budget`` cursor steps at most."""
+        if table in self._logs:
+            return self._log_sweep(table, cutoff, budget, l2_below)
         by_age = table in self._last_dbs
         deleted, resume = [0], [b""]
 
@@ -519,8 +637,29 @@ class LmdbBackend:
         transactions committed; writing the rows again rewrites the same values."""
         last_use = last_use or {}
         for t, ids, _ in batches:
-            if t in self._last_dbs and t not in last_use and len(ids):
+            if self.keeps_last_use(t) and t not in last_use and len(ids):
                 raise ValueError(f"rows of table {t!r} need their last-use steps (it has ttl_steps)")
+        logged = [(t, ids, rows) for t, ids, rows in batches if t in self._logs]
+        if logged:
+            batches = [b for b in batches if b[0] not in self._logs]
+            # transactions of at most txn_rows pages of dirty bytes: the rows' own bytes here
+            txns, size = [{}], 0
+            for t, ids, rows in logged:
+                log = self._logs[t]
+                for lo in range(0, len(ids), log.per_segment):
+                    hi = lo + log.per_segment
+                    if size and size + (hi - lo) * log.slot_bytes > self.txn_rows * rowlog.PAGE:
+                        txns.append({})
+                        size = 0
+                    steps = last_use[t][lo:hi] if log.last_use else None
+                    txns[-1].setdefault(t, []).append((ids[lo:hi], log.slots_of(rows[lo:hi], steps)))
+                    size += len(ids[lo:hi]) * log.slot_bytes
+            for i, segments in enumerate(txns):
+                self._write_log(segments, meta if not batches and i == len(txns) - 1 else None)
+                for t in segments:
+                    self._collect(t, sum(len(ids) for ids, _ in segments[t]))
+            if not batches:
+                return sum(len(ids) * (8 + self._codecs[t].row_bytes) for t, ids, _ in logged)
         n = self.txn_rows
         parts = [(t, ids[lo: lo + n], rows[lo: lo + n], last_use[t][lo: lo + n] if t in last_use else None)
                  for t, ids, rows in batches for lo in range(0, len(ids), n)]
@@ -548,28 +687,165 @@ class LmdbBackend:
                 for k, v in (meta or {}).items() if last else ():
                     txn.put(k.encode(), json.dumps(v).encode(), db=self._meta)
             self._write(op)
-        return sum(len(ids) * (8 + self._codecs[t].row_bytes) for t, ids, _ in batches)
+        return sum(len(ids) * (8 + self._codecs[t].row_bytes) for t, ids, _ in logged + batches)
 
-    def _write(self, op) -> None:
+    def _write_log(self, segments: dict[str, list[tuple[np.ndarray, np.ndarray | None]]], meta: dict | None = None,
+                   deleting: dict[str, list[int]] | None = None) -> None:
+        """Append segments (ids, slots; tombstones where slots is None) to log tables, delete
+        the segments ``deleting`` names and those left without a live row, then meta: one
+        transaction; the index follows once it has committed."""
+        def plan():
+            out, gone = [], {}
+            for t in set(segments) | set(deleting or ()):
+                log = self._logs[t]
+                gone[t] = set(log.emptied) | set((deleting or {}).get(t, ()))
+                seq = log.applied
+                for ids, slots in segments.get(t, ()):
+                    if len(ids):
+                        seq += 1
+                        out.append((t, seq, ids, slots))
+            return out, gone
+
+        def op(txn, planned):
+            new, gone = planned
+            for t, seq, ids, slots in new:
+                blob = rowlog.encode_segment(ids, slots, self._logs[t].slot_bytes)
+                txn.put(rowlog.seq_key(seq), blob, db=self._log_dbs[t], append=True)
+            for t, seqs in gone.items():
+                for seq in seqs:
+                    txn.delete(rowlog.seq_key(seq), db=self._log_dbs[t])
+            for k, v in (meta or {}).items():
+                txn.put(k.encode(), json.dumps(v).encode(), db=self._meta)
+
+        def applied(planned):
+            new, gone = planned
+            for t, seq, ids, slots in new:
+                self._logs[t].apply(seq, rowlog.TOMBSTONES if slots is None else rowlog.ROWS, ids)
+            for t, seqs in gone.items():
+                log = self._logs[t]
+                for seq in seqs:
+                    log.forget(seq)
+                log.emptied = [q for q in log.emptied if q not in seqs]
+            if any(slots is not None for *_, slots in new):
+                # where the new segments' slots are in the file, read back from a snapshot (this
+                # process's own map never moves under it: only its writer grows the map)
+                with self._reading(buffers=True) as txn:
+                    for t, seq, ids, slots in new:
+                        if slots is not None:
+                            db = self._log_dbs[t]
+                            self._logs[t].note_offset(seq, txn.get(rowlog.seq_key(seq), db=db), self._map_base(txn, db)[1])
+        self._write(op, applied, plan)
+
+    def _collect(self, table: str, written: int) -> None:
+        """Clean ``table``'s log after ``written`` rows were appended (io.rowlog): copy the live
+        slots of its emptiest segments into one new segment, drop tombstones no longer needed,
+        merge the rest when they are many; one transaction."""
+        with self._write_lock:
+            self._collect_locked(table, written)
+
+    def _collect_locked(self, table: str, written: int) -> None:
+        log = self._logs[table]
+        victims = log.victims(written)
+        dropped = log.droppable_tombstones()
+        merged = sorted(set(log.tombstones) - set(dropped)) if len(log.tombstones) > rowlog.MAX_TOMBSTONE_SEGMENTS else []
+        if not victims and not dropped and not merged:
+            return
+        with self._reading(db=self._log_dbs[table]) as txn:
+            kept_ids, kept_slots, still_deleted = [], [], []
+            for seq in victims:
+                value = txn.get(rowlog.seq_key(seq))
+                kind, ids, start = rowlog.parse_header(value)
+                live = log.live_of(seq, ids)
+                slots = np.frombuffer(value, dtype=np.uint8, count=len(ids) * log.slot_bytes, offset=start)
+                kept_ids.append(ids[live])
+                kept_slots.append(slots.reshape(len(ids), log.slot_bytes)[live])
+            for seq in merged:
+                ids = rowlog.parse_header(txn.get(rowlog.seq_key(seq)))[1]
+                still_deleted.append(ids[log.loc[ids] == rowlog.NONE])
+        parts = []
+        if kept_ids:
+            ids = np.concatenate(kept_ids)
+            order = np.argsort(ids, kind="stable")
+            slots = np.concatenate(kept_slots)[order]
+            ids = ids[order]
+            parts += [(ids[lo: lo + log.per_segment], slots[lo: lo + log.per_segment]) for lo in range(0, len(ids), log.per_segment)]
+        if still_deleted:
+            parts.append((np.unique(np.concatenate(still_deleted)), None))
+        self._write_log({table: parts}, deleting={table: victims + dropped + merged})
+
+    def _log_sweep(self, table: str, cutoff: int | None, budget: int, l2_below: float | None) -> int:
+        """sweep() of a log table: the live rows of its next segments, ``budget`` slots or so."""
+        with self._write_lock:
+            return self._log_sweep_locked(table, cutoff, budget, l2_below)
+
+    def _log_sweep_locked(self, table: str, cutoff: int | None, budget: int, l2_below: float | None) -> int:
+        log, db, codec = self._logs[table], self._log_dbs[table], self._codecs[table]
+        seqs = np.sort(log.seq[log.seq > 0])
+        start = int(self._sweep_from.get(table, 0) or 0)
+        seqs = seqs[seqs >= start]
+        dead, examined, last = [], 0, None
+        with self._reading(db=db) as txn:
+            for seq in seqs.tolist():
+                value = txn.get(rowlog.seq_key(seq))
+                kind, ids, offset = rowlog.parse_header(value)
+                slots = np.frombuffer(value, dtype=np.uint8, count=len(ids) * log.slot_bytes, offset=offset)
+                slots = slots.reshape(len(ids), log.slot_bytes)
+                live = log.live_of(seq, ids)
+                gone = np.zeros(len(ids), dtype=bool)
+                if log.last_use and cutoff is not None:
+                    gone |= np.ascontiguousarray(slots[:, codec.row_bytes:]).view(_STEP).ravel() <= cutoff
+                if l2_below is not None:
+                    gone |= row_norms_sq(codec.unpack(slots[:, : codec.row_bytes])[:, : codec.dim]) < l2_below ** 2
+                dead.append(ids[live & gone])
+                examined += len(ids)
+                last = seq
+                if examined >= budget:
+                    break
+        self._sweep_from[table] = last + 1 if examined >= budget and last is not None else 0
+        doomed = np.concatenate(dead) if dead else np.zeros(0, dtype=np.int64)
+        return self.delete_rows(table, np.sort(doomed)) if len(doomed) else 0
+
+    def _write(self, op, applied=None, plan=None) -> None:
+        """Run ``op(txn)`` in a write transaction and commit it, growing the map and replaying
+        it when full. With ``plan``, ``op(txn, plan())`` and then ``applied(plan())`` right
+        after the commit, before any reader of a log's index sees the new snapshot."""
         if self.readonly:
             raise PermissionError(f"tierstore at {self.path} is open readonly; reopen without readonly=True to write")
-        for _ in range(_MAX_GROWTH_RETRIES):
-            try:
-                with self._named_errors(self.path / "data.mdb"), self.env.begin(write=True) as txn:
-                    op(txn)
-                return
-            except lmdb.MapFullError:
-                # the transaction aborted; grow the map and replay it
-                with self._resize.exclusive():
-                    self.env.set_mapsize(self.env.info()["map_size"] * 2)
+        with self._write_lock:
+            planned = plan() if plan is not None else None
+            for _ in range(_MAX_GROWTH_RETRIES):
+                try:
+                    with self._named_errors(self.path / "data.mdb"):
+                        txn = self.env.begin(write=True)
+                        try:
+                            op(txn) if plan is None else op(txn, planned)
+                            tid = txn.id()
+                        except BaseException:
+                            txn.abort()
+                            raise
+                        with self._index_lock:
+                            txn.commit()
+                            if applied is not None:
+                                applied(planned)
+                            for t in self._logs:
+                                self._log_synced[t] = tid
+                    return
+                except lmdb.MapFullError:
+                    # the transaction aborted; grow the map and replay it
+                    with self._resize.exclusive():
+                        self._shared.set_mapsize(self.env.info()["map_size"] * 2)
         raise lmdb.MapFullError(f"LMDB map at {self.path} still full after growing it {_MAX_GROWTH_RETRIES} times")
 
     def sync(self) -> None:
         self.env.sync(True)
 
     def table_stats(self) -> dict[str, int]:
-        with self._reading() as txn:
-            return {name: txn.stat(db)["entries"] for name, db in self._dbs.items()}
+        """Rows stored in each table, of one snapshot."""
+        while True:
+            with self._reading(buffers=True) as txn, self._index_lock:
+                if all(self._sync_log(t, txn) for t in self._logs):
+                    logged = {name: log.live_rows for name, log in self._logs.items()}
+                    return {**{name: txn.stat(db)["entries"] for name, db in self._dbs.items()}, **logged}
 
     def disk_bytes(self) -> int:
         return (self.path / "data.mdb").stat().st_size
@@ -701,3 +977,14 @@ def _lock_directory(path: Path, how: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _new_layout(num_rows: int | None) -> str:
+    """The layout a new table takes: the log needs a bounded id space for its dense index."""
+    return NEW_TABLE_LAYOUT if num_rows is not None else "keyed"
+
+
+def _prefixes(layout: str, last_use: bool) -> tuple[bytes, ...]:
+    """The databases of a table: "s:" its segments (the log keeps last-use steps in them);
+    "t:" its rows by key, and "u:" their last-use steps."""
+    return (b"s:",) if layout == "log" else (b"t:", b"u:")[: 1 + bool(last_use)]

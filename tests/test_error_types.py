@@ -243,7 +243,7 @@ def test_damaged_tables_json_of_a_sharded_checkpoint_is_named(sharded_checkpoint
 TTL = TableSpec("u", None, 4, ttl_steps=10)
 
 
-@pytest.mark.parametrize("lost", [b"t:t", b"t:u", b"u:u"])
+@pytest.mark.parametrize("lost", [b"s:t", b"t:u", b"u:u"])  # t: a bounded table, in the log layout
 def test_a_table_database_dropped_from_lmdb_is_damage_for_a_writer_and_a_reader(tmp_path, lost):
     path = tmp_path / "s"
     with open_store(path, [SPEC, TTL]) as s:
@@ -272,7 +272,7 @@ def test_a_new_table_gets_its_databases_with_the_metadata_naming_it(tmp_path):
         s.write("u", [1], np.full((1, 4), 2.0, dtype=np.float32))
     env = lmdb.open(str(path), max_dbs=16, readonly=True)
     with env.begin() as txn:
-        assert all(txn.get(k) is not None for k in (b"t:t", b"t:u", b"u:u"))
+        assert all(txn.get(k) is not None for k in (b"s:t", b"t:u", b"u:u"))
     env.close()
     with open_store(path, readonly=True) as s:
         assert s.read("u", [1])[0, 0] == 2.0 and s.read("t", [1])[0, 0] == 1.0

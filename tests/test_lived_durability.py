@@ -113,7 +113,8 @@ def recovered(path: str) -> dict[str, Table]:
         steps = backend.read_meta().get("steps", {})
         tables = {}
         for name, spec in SPECS.items():
-            backend.open_table(name, spec.dim, spec.state_dim, spec.dtype, last_use=spec.ttl_steps is not None)
+            backend.open_table(name, spec.dim, spec.state_dim, spec.dtype, last_use=spec.ttl_steps is not None,
+                               num_rows=spec.num_rows)
             ids = backend.stored_ids(name)
             rows, found = backend.get_rows(name, ids)
             last = backend.get_last_use(name, ids) if spec.ttl_steps is not None else np.zeros(len(ids), dtype=np.int64)

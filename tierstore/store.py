@@ -266,13 +266,13 @@ class TieredStore:
             raise ValueError(f"{self.path} holds no tables; pass tables=[tierstore.TableSpec(...)] to create them")
         if not meta or new:
             self._backend.write_meta({"format": FORMAT_VERSION, "tables": [s.to_json() for s in specs.values()]},
-                                     new_tables={s.name: s.ttl_steps is not None for s in new})
+                                     new_tables={s.name: (s.ttl_steps is not None, s.num_rows) for s in new})
         return specs
 
     def _make_table(self, spec: TableSpec, steps: int = 0) -> TableStore:
         # created with the metadata naming it (write_meta): a missing database is damage
         self._backend.open_table(spec.name, spec.dim, spec.state_dim, spec.dtype, last_use=spec.ttl_steps is not None,
-                                 create=False)
+                                 create=False, num_rows=spec.num_rows)
         tiers = []
         for size_name, tier_name, device in (("hbm_rows", "hbm", self.device), ("ddr_rows", "ddr", torch.device("cpu"))):
             rows = self.config.rows_for(size_name, spec.name)

@@ -101,7 +101,7 @@ def _read_once(path: Path) -> StoreFacts:
         meta = backend.read_meta()
         specs = [TableSpec.from_json(d) for d in meta.get("tables", [])]
         for spec in specs:
-            backend.open_table(spec.name, spec.dim, spec.state_dim, spec.dtype)
+            backend.open_table(spec.name, spec.dim, spec.state_dim, spec.dtype, num_rows=spec.num_rows)
         rows = backend.table_stats()  # one read transaction: a consistent snapshot of all tables
         disk = backend.disk_bytes()
     finally:

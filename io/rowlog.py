@@ -1,0 +1,282 @@
+"""A bounded table's rows as a log of segments in LMDB.
+
+Why: stored one row per key, a random row written costs LMDB a copy of its whole
+4 KiB leaf page and of the branch pages above it (13-23x the bytes of a 256-byte row
+at scale), and a row read faults a branch page as well when the page cache is small.
+Here a write appends the rows it writes, packed, as one LMDB value, a *segment*, which
+LMDB stores in contiguous overflow pages: a transaction writes about its rows' own
+bytes. Where each row lives (segment, slot) is kept in memory, 4 bytes a row, and
+rebuilt at open from the segments' id lists; the segments' own B-tree is a few pages.
+Rows start on a page boundary of the file, so a row read touches its own page only.
+
+A segment: a 16-byte header (magic, kind, count, slot bytes), the ids (int64), and for
+rows, padding to a page boundary, then one slot per id: the row's encoded bytes, and its
+last-use step (int64) where the table keeps one. A *tombstone* segment has ids only: those
+rows are deleted. Segments are keyed by a sequence number that only grows, so the latest
+copy of a row is the one in the highest segment: replaying segments in key order gives
+the index, in any process and after any crash (a segment is in LMDB exactly when its
+transaction committed).
+
+Space: overwritten rows leave dead slots; ``collect`` copies the live rows of the emptiest
+segments into a new one and deletes them, in one transaction, once dead slots pass
+SPARE of the live ones. A tombstone is dropped once every row segment is newer than it
+(no older copy of its ids is left to resurrect).
+
+This module knows LMDB's value layout and nothing of the store; io.lmdb_backend calls it
+inside its transactions and under its locks.
+"""
+from __future__ import annotations
+
+import ctypes
+import struct
+from collections.abc import Iterator
+
+import numpy as np
+
+from .codecs import RowCodec
+
+SEGMENT_BYTES = 1 << 20  # a segment's slots at most, in bytes: big enough that a write is sequential
+SPARE = 0.5  # dead slots kept at most, as a fraction of live rows, before collect() cleans
+_SLOT_BITS = 12
+MAX_SLOTS = 1 << _SLOT_BITS
+_MAX_SEGMENTS = (1 << (32 - _SLOT_BITS)) - 1  # the last one would make NONE a place
+NONE = np.uint32(0xFFFFFFFF)
+_HEADER = struct.Struct("<4sB3xII")  # magic, kind, ids, slot bytes
+_MAGIC = b"TSG1"
+ROWS, TOMBSTONES = 0, 1
+PAGE = 4096
+_VALUE_OFFSET = 16  # LMDB stores a large value 16 bytes (its page header) into its first page
+_STEP = np.dtype("<i8")
+_MIN_DEAD = MAX_SLOTS  # dead slots below this never trigger a collection
+MAX_TOMBSTONE_SEGMENTS = 16  # more are merged into one
+
+
+def seq_key(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def _rows_offset(n: int, slot_bytes: int) -> int:
+    """Where a segment of ``n`` slots puts its first slot: on a page boundary of the file
+    when the slots fill a page or more (a slot then spans as few pages as it can)."""
+    end = _HEADER.size + 8 * n
+    if n * slot_bytes < PAGE:
+        return end
+    return -(-(end + _VALUE_OFFSET) // PAGE) * PAGE - _VALUE_OFFSET
+
+
+def encode_segment(ids: np.ndarray, slots: np.ndarray | None, slot_bytes: int) -> bytes:
+    """A segment of ``ids`` and their ``slots`` (uint8 [n, slot_bytes]); tombstones when ``slots`` is None."""
+    n = len(ids)
+    if slots is None:
+        out = np.empty(_HEADER.size + 8 * n, dtype=np.uint8)
+        kind = TOMBSTONES
+    else:
+        start = _rows_offset(n, slot_bytes)
+        out = np.empty(start + n * slot_bytes, dtype=np.uint8)
+        out[_HEADER.size + 8 * n: start] = 0
+        out[start:].reshape(n, slot_bytes)[:] = slots
+        kind = ROWS
+    out[: _HEADER.size] = np.frombuffer(_HEADER.pack(_MAGIC, kind, n, slot_bytes), dtype=np.uint8)
+    out[_HEADER.size: _HEADER.size + 8 * n] = np.ascontiguousarray(ids, dtype="<i8").view(np.uint8)
+    return out.tobytes()
+
+
+class SegmentFormatError(ValueError):
+    """A segment's bytes are not a segment (damage): the backend names the file."""
+
+
+def parse_header(value) -> tuple[int, np.ndarray, int]:
+    """(kind, ids, offset of the first slot) of a segment ``value`` (a buffer)."""
+    if len(value) < _HEADER.size:
+        raise SegmentFormatError(f"a segment of {len(value)} bytes, shorter than its header")
+    magic, kind, n, slot_bytes = _HEADER.unpack_from(value)
+    start = _rows_offset(n, slot_bytes)
+    need = _HEADER.size + 8 * n if kind == TOMBSTONES else start + n * slot_bytes
+    if magic != _MAGIC or kind not in (ROWS, TOMBSTONES) or len(value) != need:
+        raise SegmentFormatError(f"a segment with header {bytes(value[:_HEADER.size])!r} and {len(value)} bytes")
+    return kind, np.frombuffer(value, dtype="<i8", count=n, offset=_HEADER.size), start
+
+
+class RowLog:
+    """The in-memory index of one table's segments: for each id, its segment's slot in
+    this index (``loc``: segment index << 12 | slot, NONE where no row is stored), and
+    for each segment its sequence number, live rows and place in the file. Its own
+    methods never touch LMDB: the backend hands them values and commits."""
+
+    def __init__(self, codec: RowCodec, num_rows: int, last_use: bool):
+        self.codec = codec
+        self.last_use = last_use
+        self.slot_bytes = codec.row_bytes + (_STEP.itemsize if last_use else 0)
+        self.per_segment = max(1, min(MAX_SLOTS, SEGMENT_BYTES // self.slot_bytes))
+        self.loc = np.full(num_rows, NONE, dtype=np.uint32)
+        self.seq = np.zeros(0, dtype=np.int64)  # 0: a free entry
+        self.live = np.zeros(0, dtype=np.int64)
+        self.slots = np.zeros(0, dtype=np.int64)
+        self.offset = np.zeros(0, dtype=np.int64)  # file offset of the first slot; -1 until read
+        self._free: list[int] = []
+        self._index: dict[int, int] = {}  # seq -> segment index
+        self.tombstones: dict[int, int] = {}  # seq -> ids
+        self.applied = 0  # the highest sequence number applied
+        self.live_rows = 0
+        self.emptied: list[int] = []  # seqs of segments whose rows are all dead, not yet deleted
+
+    @property
+    def dead_slots(self) -> int:
+        return int(self.slots.sum()) - self.live_rows
+
+    def index_bytes(self) -> int:
+        return self.loc.nbytes + 4 * self.seq.nbytes
+
+    # -- applying segments (in sequence order) -----------------------------------------
+    def _allocate(self, seq: int, n: int) -> int:
+        if not self._free:
+            old = len(self.seq)
+            if old >= _MAX_SEGMENTS:
+                raise RuntimeError(f"a table reached {_MAX_SEGMENTS:,} segments; compact the store (tierstore compact)")
+            new = min(_MAX_SEGMENTS, max(64, 2 * old))
+            for name, fill in (("seq", 0), ("live", 0), ("slots", 0), ("offset", -1)):
+                grown = np.full(new, fill, dtype=np.int64)
+                grown[:old] = getattr(self, name)
+                setattr(self, name, grown)
+            self._free = list(range(new - 1, old - 1, -1))
+        s = self._free.pop()
+        self.seq[s], self.live[s], self.slots[s], self.offset[s] = seq, 0, n, -1
+        self._index[seq] = s
+        return s
+
+    def _release(self, places: np.ndarray) -> None:
+        """Drop the rows at ``places`` (their ids were overwritten or deleted)."""
+        places = places[places != NONE]
+        if not len(places):
+            return
+        segs = (places >> _SLOT_BITS).astype(np.int64)
+        counts = np.bincount(segs, minlength=len(self.live))
+        self.live -= counts
+        self.live_rows -= len(places)
+        for s in np.flatnonzero(counts & (self.live == 0)).tolist():
+            self.emptied.append(int(self.seq[s]))
+
+    def apply(self, seq: int, kind: int, ids: np.ndarray, offset: int = -1) -> None:
+        """Apply segment ``seq`` (newer than every one applied) of ``ids``."""
+        old = self.loc[ids]
+        self._release(old)
+        if kind == TOMBSTONES:
+            self.loc[ids] = NONE
+            self.tombstones[seq] = len(ids)
+        else:
+            s = self._allocate(seq, len(ids))
+            self.loc[ids] = (s << _SLOT_BITS) | np.arange(len(ids), dtype=np.uint32)
+            self.live[s] = len(ids)
+            self.offset[s] = offset
+            self.live_rows += len(ids)
+            if not len(ids):
+                self.emptied.append(seq)
+        self.applied = seq
+
+    def note_offset(self, seq: int, value, base: int) -> None:
+        """Segment ``seq`` (committed; ``value`` read from the map at ``base``) starts its slots there."""
+        self.offset[self._index[seq]] = address_of(value) - base + parse_header(value)[2]
+
+    def forget(self, seq: int) -> None:
+        """Segment ``seq`` was deleted (it held no live row, or it was a tombstone)."""
+        self.tombstones.pop(seq, None)
+        s = self._index.pop(seq, None)
+        if s is not None:
+            self.seq[s], self.slots[s], self.live[s] = 0, 0, 0
+            self._free.append(s)
+
+    def free_emptied(self) -> None:
+        """A reader's index: segments whose rows all moved on are forgotten at once."""
+        for seq in self.emptied:
+            self.forget(seq)
+        self.emptied.clear()
+
+    def replay(self, items: Iterator[tuple[bytes, memoryview]], base: int | None) -> None:
+        """Apply (key, value) segments in key order; ``base``: the address of the file's
+        first byte in this process's LMDB map, to note where each segment's slots are."""
+        for key, value in items:
+            kind, ids, start = parse_header(value)
+            offset = -1 if base is None or kind == TOMBSTONES else address_of(value) - base + start
+            self.apply(int.from_bytes(key, "big"), kind, ids, offset)
+
+    # -- reading ---------------------------------------------------------------------------
+    def places(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(segment index, slot, found) of each id; the caller holds the index still."""
+        loc = self.loc[ids]
+        found = loc != NONE
+        loc = loc[found]
+        return (loc >> _SLOT_BITS).astype(np.int64), (loc & (MAX_SLOTS - 1)).astype(np.int64), found
+
+    # -- writing ---------------------------------------------------------------------------
+    def slots_of(self, rows: np.ndarray, steps: np.ndarray | None) -> np.ndarray:
+        packed = self.codec.pack(rows)
+        if not self.last_use:
+            return packed
+        slots = np.empty((len(rows), self.slot_bytes), dtype=np.uint8)
+        slots[:, : self.codec.row_bytes] = packed
+        slots[:, self.codec.row_bytes:] = np.ascontiguousarray(steps, dtype=_STEP).view(np.uint8).reshape(-1, 8)
+        return slots
+
+    def victims(self, written: int) -> list[int]:
+        """Seqs of the row segments to clean now, emptiest first: enough to bring dead slots
+        under SPARE of the live rows, copying at most about twice the rows just written (a
+        write never waits on a whole cleanup), or to merge segments a few rows each."""
+        used = np.flatnonzero(self.seq > 0)
+        if not len(used):
+            return []
+        over = self.dead_slots - max(_MIN_DEAD, int(SPARE * self.live_rows))
+        too_many = len(used) - (2 * (-(-self.live_rows // self.per_segment)) + 16)
+        if over <= 0 and too_many <= 0:
+            return []
+        order = used[np.argsort(self.live[used] / np.maximum(self.slots[used], 1), kind="stable")]
+        budget = max(2 * written, self.per_segment)
+        chosen, copied, freed, merged = [], 0, 0, 0
+        for s in order.tolist():
+            if (freed >= over and merged >= too_many) or copied + self.live[s] > budget:
+                break
+            chosen.append(int(self.seq[s]))
+            copied += int(self.live[s])
+            freed += int(self.slots[s] - self.live[s])
+            merged += 1
+        return chosen if len(chosen) > 1 or freed > 0 else []
+
+    def live_of(self, seq: int, ids: np.ndarray) -> np.ndarray:
+        """Mask of the slots of segment ``seq`` (of ``ids``) that hold their id's latest row."""
+        s = self._index[seq]
+        return self.loc[ids] == ((s << _SLOT_BITS) | np.arange(len(ids), dtype=np.uint32))
+
+    def droppable_tombstones(self) -> list[int]:
+        """Tombstones older than every row segment: no older copy of their ids is left."""
+        rows = self.seq[self.seq > 0]
+        oldest = int(rows.min()) if len(rows) else self.applied
+        # never the newest segment: a reader that finds the newest sequence number it knows
+        # gone from a snapshot could not tell what it missed (io.lmdb_backend rebuilds then)
+        return [seq for seq in self.tombstones if seq < min(oldest, self.applied)]
+
+
+def address_of(value) -> int:
+    return np.frombuffer(value, dtype=np.uint8).ctypes.data
+
+
+def map_base(value) -> int:
+    """The address at which this process's LMDB map holds the file's first byte, found from
+    ``value`` (a buffer into the map) and the mapping that contains it in /proc/self/maps."""
+    addr = address_of(value)
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, _perms, offset = line.split()[:3]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= addr < hi:
+                return lo - int(offset, 16)
+    raise RuntimeError("no mapping of the store's file holds a value LMDB returned")
+
+
+def gather(base: int, size: int, offsets: np.ndarray, width: int, out: np.ndarray) -> None:
+    """Copy ``width`` bytes at each file offset of ``offsets`` into ``out`` [n, width]
+    (uint8), from the LMDB map at ``base`` of ``size`` bytes: one vectorized copy."""
+    if not len(offsets):
+        return
+    whole = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(base))
+    windows = np.lib.stride_tricks.as_strided(whole, shape=(size - width + 1, width), strides=(1, 1), writeable=False)
+    out[:] = windows[offsets]  # not np.take: it copies a strided source whole first
+
