@@ -47,6 +47,8 @@ def register(sub) -> None:
     p.add_argument("--device", default="cpu", help="HBM device for the read, train and peers benches (cuda puts every row in HBM)")
     p.add_argument("--dir", default=None, help="directory for bench stores (default: a temporary one)")
     p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--tier", choices=("hbm", "ddr"), default=None,
+                   help="peers: ddr also times every row resident in the DDR tier (hbm_rows=0), beside the HBM tier")
     p.add_argument("--rounds", type=int, default=None, help="cold runs per setting (prefetch; default 7)")
     p.add_argument("--path", default=None, help="scale: the table's store, built there once and reused (default: a temporary one)")
     p.add_argument("--budgets", nargs="+", default=None, help="scale: memory budgets (default 512MiB 1GiB 2GiB)")

@@ -1,7 +1,10 @@
 """``tierstore bench peers``: tierstore's resident training step and lookup
 against FBGEMM's fused table-batched embedding (fbgemm-gpu-cpu) on the same batches.
 
-Every row the batches touch is resident on both sides. Each optimizer is timed
+Every row the batches touch is resident on both sides: in tierstore's HBM tier
+(on the CPU, a tier in host memory like any other), and with ``--tier ddr`` also
+in a second store whose DDR tier holds the whole table (``hbm_rows=0``; FBGEMM's
+``EmbeddingLocation.HOST``), timed in the same rounds. Each optimizer is timed
 at torch's thread count and at 1 thread, the two sides interleaved round by
 round so that both see the same machine load; figures are medians. Afterwards
 the trained rows of both sides are compared. FBGEMM is optional: without it the
@@ -29,6 +32,10 @@ OPTIMIZERS = {
     "Adagrad": ("EXACT_ADAGRAD", {"lr": 0.01, "eps": 1e-8}),
     "Adam": (None, {"lr": 0.001, "eps": 1e-8}),
 }
+# --tier: the tiers whose resident rows are timed, and how their sides are labelled
+TIERS = {"hbm": ("hbm",), "ddr": ("hbm", "ddr")}
+TIER_LABELS = {"hbm": "", "ddr": ", DDR-resident"}
+TIER_NAMES = {"hbm": "HBM tier (hbm_rows=working set)", "ddr": "DDR tier (hbm_rows=0, ddr_rows=rows)"}
 
 
 def fbgemm_module(rows: int, dim: int, optim_name: str, hyper: dict, device: torch.device, fp16: bool = False):
@@ -83,16 +90,20 @@ def _run(args: argparse.Namespace) -> None:
     if not have_fbgemm:
         lines.append(("FBGEMM", f"not installed: timing tierstore alone. Install it with {INSTALL}"))
 
+    tiers = TIERS[getattr(args, "tier", None) or "hbm"]
     for name, (fb_name, hyper) in OPTIMIZERS.items():
         with tempfile.TemporaryDirectory(prefix="tierstore-bench-peers-", dir=args.dir) as d:
             fb = fbgemm_module(rows, dim, fb_name, hyper, device) if fb_name and have_fbgemm else None
-            # tierstore with its torch kernels, and with FBGEMM's fused backward on its rows where FBGEMM runs
-            embs = {}
-            for kernels in ("torch",) + (("fbgemm",) if fb is not None and device.type == "cpu" else ()):
-                embs[kernels] = emb = tierstore.TieredEmbeddingBag(
-                    rows, dim, mode="sum", path=f"{d}/{kernels}", hbm_rows=len(working) + 1024,
-                    optimizer=getattr(tierstore.optim, name)(**hyper), init=tierstore.RowInit(), device=device, kernels=kernels)
-                _make_resident(emb, working)
+            # tierstore with its torch kernels, and with FBGEMM's fused backward on its rows where FBGEMM runs,
+            # the rows in each tier asked for: {tier: {kernels: module}}
+            embs = {tier: {} for tier in tiers}
+            for tier in tiers:
+                sizes = {"hbm_rows": len(working) + 1024} if tier == "hbm" else {"hbm_rows": 0, "ddr_rows": rows}
+                for kernels in ("torch",) + (("fbgemm",) if fb is not None and device.type == "cpu" else ()):
+                    embs[tier][kernels] = emb = tierstore.TieredEmbeddingBag(
+                        rows, dim, mode="sum", path=f"{d}/{tier}-{kernels}", **sizes,
+                        optimizer=getattr(tierstore.optim, name)(**hyper), init=tierstore.RowInit(), device=device, kernels=kernels)
+                    _make_resident(emb, working)
 
             def step(module, fbgemm=False):
                 return _turns(module, dev_batches, dev_offsets, sync, fbgemm, grads)
@@ -104,30 +115,36 @@ def _run(args: argparse.Namespace) -> None:
                 for n_threads in settings:
                     torch.set_num_threads(n_threads)
                     tag = f"[{n_threads} thread{'s' if n_threads > 1 else ''}] {name}"
-                    kinds = [("step", {f"tierstore ({k})": step(e) for k, e in embs.items()}, step(fb, True) if fb else None)]
-                    if name == "SGD":  # the lookup does not depend on the optimizer (nor on the kernels)
-                        kinds.append(("lookup", {"tierstore": lookup(embs["torch"])}, lookup(fb, True) if fb else None))
-                    for kind, ours, theirs in kinds:
-                        times = interleaved_medians(list(ours.values()) + ([theirs] if theirs else []), args.repeat)
-                        if theirs is None:
-                            why = "" if fb_name or not have_fbgemm else " (FBGEMM's CPU build has no Adam)"
-                            lines.append((f"{tag} {kind}", f"tierstore {times[0] * 1e3:7.2f} ms{why}"))
+                    for kind, make in (("step", step), ("lookup", lookup)):
+                        if kind == "lookup" and name != "SGD":  # the lookup depends on neither the optimizer nor the kernels
                             continue
-                        parts = []
-                        for side, t in zip(ours, times):
-                            ratios[(name, n_threads, kind, side)] = t / times[-1]
-                            parts.append(f"{side} {t * 1e3:7.2f} ms {t / times[-1]:.2f}x")
-                        lines.append((f"{tag} {kind}", "   ".join(parts) + f"   FBGEMM {times[-1] * 1e3:7.2f} ms"))
+                        # every tier's sides and FBGEMM in the same rounds: {(tier, side name): timed side}
+                        sides = {(tier, f"tierstore ({k})" if kind == "step" else "tierstore"): make(e)
+                                 for tier, by_kernels in embs.items() for k, e in by_kernels.items() if kind == "step" or k == "torch"}
+                        times = interleaved_medians(list(sides.values()) + ([make(fb, True)] if fb else []), args.repeat)
+                        fb_time = times[-1] if fb else None
+                        for tier in embs:
+                            ours = {side: t for (t_tier, side), t in zip(sides, times) if t_tier == tier}
+                            if fb_time is None:
+                                why = "" if fb_name or not have_fbgemm else " (FBGEMM's CPU build has no Adam)"
+                                lines.append((f"{tag} {kind}{TIER_LABELS[tier]}", "   ".join(f"{side} {t * 1e3:7.2f} ms" for side, t in ours.items()) + why))
+                                continue
+                            for side, t in ours.items():
+                                ratios[(name, n_threads, kind, side + TIER_LABELS[tier])] = t / fb_time
+                            lines.append((f"{tag} {kind}{TIER_LABELS[tier]}", "   ".join(f"{side} {t * 1e3:7.2f} ms {t / fb_time:.2f}x" for side, t in ours.items())
+                                          + f"   FBGEMM {fb_time * 1e3:7.2f} ms"))
             finally:
                 torch.set_num_threads(threads)
             if fb is not None:  # every side trained on the same batches the same number of times
                 theirs_rows = fb.split_embedding_weights()[0][working.to(device)].float().cpu()
-                for kernels, emb in embs.items():
-                    diff = (emb.store.read(emb.table, working.to(device)).cpu() - theirs_rows).abs().max().item()
-                    lines.append((f"{name} check ({kernels})", f"max |tierstore - FBGEMM| over trained rows {diff:.1e} "
-                                                               f"(rows up to {theirs_rows.abs().max().item():.1e})"))
-            for emb in embs.values():
-                emb.close()
+                for tier, by_kernels in embs.items():
+                    for kernels, emb in by_kernels.items():
+                        diff = (emb.store.read(emb.table, working.to(device)).cpu() - theirs_rows).abs().max().item()
+                        lines.append((f"{name} check ({kernels}){TIER_LABELS[tier]}", f"max |tierstore - FBGEMM| over trained rows "
+                                                                                    f"{diff:.1e} (rows up to {theirs_rows.abs().max().item():.1e})"))
+            for by_kernels in embs.values():
+                for emb in by_kernels.values():
+                    emb.close()
             del fb
 
     lines += _half_lookups(args, rows, dim, working, dev_batches, dev_offsets, device, sync, have_fbgemm)
@@ -135,7 +152,8 @@ def _run(args: argparse.Namespace) -> None:
             for (_, _, k, side) in ratios if k == "step"}
     lookup = [r for (_, _, k, _), r in ratios.items() if k == "lookup"]
     params = {"rows": rows, "dim": dim, "bags": bags, "pooling": POOLING, "zipf alpha": ALPHA, "device": device,
-              "unique ids/batch": f"{unique_per_batch:.0f}", "working set": len(working)}
+              "unique ids/batch": f"{unique_per_batch:.0f}", "working set": len(working),
+              "resident in": " and ".join(TIER_NAMES[t] for t in tiers)}
     if lookup:
         params["lookup x FBGEMM (goal <= 1.5)"] = ", ".join(f"{r:.2f}" for r in lookup)
     for side, worst in list(step.items())[:-1]:
