@@ -46,6 +46,11 @@ _MAGIC = b"TSG1"
 ROWS, TOMBSTONES = 0, 1
 PAGE = 4096
 _VALUE_OFFSET = 16  # LMDB stores a large value 16 bytes (its page header) into its first page
+# A row segment is at least this long: LMDB keeps a value of more than about half a page in
+# overflow pages of its own, which stay where they are until the value is rewritten; a
+# smaller one lives in a B-tree leaf, and moves whenever another key of that leaf changes
+# (the index caches where each segment's slots are in the file)
+MIN_SEGMENT = PAGE // 2
 _STEP = np.dtype("<i8")
 _MIN_DEAD = MAX_SLOTS  # dead slots below this never trigger a collection
 MAX_TOMBSTONE_SEGMENTS = 16  # more are merged into one
@@ -72,9 +77,9 @@ def encode_segment(ids: np.ndarray, slots: np.ndarray | None, slot_bytes: int) -
         kind = TOMBSTONES
     else:
         start = _rows_offset(n, slot_bytes)
-        out = np.empty(start + n * slot_bytes, dtype=np.uint8)
-        out[_HEADER.size + 8 * n: start] = 0
-        out[start:].reshape(n, slot_bytes)[:] = slots
+        end = start + n * slot_bytes
+        out = np.zeros(max(end, MIN_SEGMENT), dtype=np.uint8)
+        out[start:end].reshape(n, slot_bytes)[:] = slots
         kind = ROWS
     out[: _HEADER.size] = np.frombuffer(_HEADER.pack(_MAGIC, kind, n, slot_bytes), dtype=np.uint8)
     out[_HEADER.size: _HEADER.size + 8 * n] = np.ascontiguousarray(ids, dtype="<i8").view(np.uint8)
@@ -91,7 +96,7 @@ def parse_header(value) -> tuple[int, np.ndarray, int]:
         raise SegmentFormatError(f"a segment of {len(value)} bytes, shorter than its header")
     magic, kind, n, slot_bytes = _HEADER.unpack_from(value)
     start = _rows_offset(n, slot_bytes)
-    need = _HEADER.size + 8 * n if kind == TOMBSTONES else start + n * slot_bytes
+    need = _HEADER.size + 8 * n if kind == TOMBSTONES else max(start + n * slot_bytes, MIN_SEGMENT)
     if magic != _MAGIC or kind not in (ROWS, TOMBSTONES) or len(value) != need:
         raise SegmentFormatError(f"a segment with header {bytes(value[:_HEADER.size])!r} and {len(value)} bytes")
     return kind, np.frombuffer(value, dtype="<i8", count=n, offset=_HEADER.size), start

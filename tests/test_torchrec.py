@@ -160,3 +160,71 @@ def test_rowwise_adagrad_agrees_step_by_step_with_torchrecs_fused_optimizer(tmp_
                 torch.testing.assert_close(rows[:, DIM], state[cfg.name], rtol=1e-6, atol=0)
     assert ours.store.stats()["ssd"]["writes"] > 0
     ours.close()
+
+
+# -- checkpoints (issue #32) ----------------------------------------------------------------------
+def dlrm(ebc):
+    torch.manual_seed(0)
+    return DLRM(embedding_bag_collection=ebc, dense_in_features=3, dense_arch_layer_sizes=[8, DIM], over_arch_layer_sizes=[8, 1])
+
+
+def test_a_torchrec_dlrm_checkpoint_loads_strictly_into_ours_and_back(tmp_path):
+    theirs = dlrm(EmbeddingBagCollection(tables=configs(shared=False)))
+    ours = dlrm(TieredEmbeddingBagCollection(configs(shared=False), path=tmp_path, ddr_rows=6, device="cpu",
+                                             optimizer=tierstore.optim.SGD(lr=0.1)))
+    assert list(ours.state_dict()) == list(theirs.state_dict())  # sparse_arch.embedding_bag_collection.embedding_bags.<t>.weight
+    ours.load_state_dict(theirs.state_dict())  # strict
+    g = torch.Generator().manual_seed(5)
+    kjt, x = batch(g), torch.randn(B, 3, generator=g)
+    assert torch.equal(ours(x, kjt), theirs(x, kjt))
+    ours(x, kjt).sum().backward()  # trains our rows
+    back = dlrm(EmbeddingBagCollection(tables=configs(shared=False)))
+    back.load_state_dict(ours.state_dict())  # and back, strict
+    for cfg in configs(shared=False):
+        w = back.sparse_arch.embedding_bag_collection.embedding_bags[cfg.name].weight
+        assert torch.equal(w.detach(), ours.sparse_arch.embedding_bag_collection.store.read(cfg.name, torch.arange(cfg.num_embeddings)))
+    assert torch.equal(back(x, kjt), ours(x, kjt))
+    ours.sparse_arch.embedding_bag_collection.close()
+
+
+def test_dcp_round_trip_of_a_dlrm_with_its_fused_optimizer_state(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torchrec.optim.keyed import KeyedOptimizer
+
+    ebc = TieredEmbeddingBagCollection(configs(shared=False), path=tmp_path / "s", ddr_rows=6, device="cpu",
+                                       optimizer=tierstore.optim.RowWiseAdagrad(lr=0.1))
+    model = dlrm(ebc)
+    assert isinstance(ebc.fused_optimizer, KeyedOptimizer)
+    state = ebc.fused_optimizer.state_dict()["state"]
+    assert {k: {n: tuple(v.shape) for n, v in s.items()} for k, s in state.items()} == {
+        "embedding_bags.user.weight": {"user.momentum1": (50,)}, "embedding_bags.item.weight": {"item.momentum1": (40,)}}
+    dense = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(6)
+
+    def train(steps):
+        for _ in range(steps):
+            kjt, x = batch(g), torch.randn(B, 3, generator=g)
+            dense.zero_grad()
+            model(x, kjt).sum().backward()
+            dense.step()
+
+    def everything():
+        rows = {c.name: ebc.store.read(c.name, torch.arange(c.num_embeddings), with_state=True) for c in configs(shared=False)}
+        return rows, {k: v.detach().clone() for k, v in model.state_dict().items() if "embedding_bag" not in k}
+
+    train(3)
+    saved = everything()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... a single process"
+        dcp.save({"model": model.state_dict(), "optim": ebc.fused_optimizer.state_dict()}, checkpoint_id=tmp_path / "ckpt")
+        train(2)
+        sd = {"model": model.state_dict(), "optim": ebc.fused_optimizer.state_dict()}
+        dcp.load(sd, checkpoint_id=tmp_path / "ckpt")
+    model.load_state_dict(sd["model"])
+    ebc.fused_optimizer.load_state_dict(sd["optim"])
+    rows, dense_now = everything()
+    for k in saved[0]:
+        assert torch.equal(rows[k].view(torch.int32), saved[0][k].view(torch.int32)), k
+    for k in saved[1]:
+        assert torch.equal(dense_now[k], saved[1][k]), k
+    ebc.close()

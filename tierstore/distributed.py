@@ -62,6 +62,7 @@ from torch import nn
 
 from tierstore.io import StoreCorruptError
 
+from .checkpointing import FusedOptimizer, TableViews, check_loadable, load_views, state_layout, table_views
 from .nn import MODES, EmbeddingBagConfig, _Bags, _mean_grads, _plan_bags, _Rows, _sum_rows, feature_parts
 from .optim import RowOptimizer
 from .planner import plan
@@ -198,16 +199,6 @@ class _Reader:
             part = part.clone()
         self.at += size
         return part.view(dtype).reshape(n, width).to(torch.float32)
-
-
-def _state_layout(optimizer: RowOptimizer | None) -> tuple[int, int]:
-    """(per-column state segments, per-row state values) of a row: state_dim(dim) = a * dim + b,
-    stored as the a column segments then the b row values (Adagrad 1, 0; row-wise Adagrad 0, 1;
-    Adam 2, 1: m, v, then the step count)."""
-    if optimizer is None:
-        return 0, 0
-    a = optimizer.state_dim(2) - optimizer.state_dim(1)
-    return a, optimizer.state_dim(1) - a
 
 
 @dataclass
@@ -406,7 +397,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.optimizer, self.plan = optimizer, plan
         self._mode_name, self._mode = mode, MODES[mode]
         self._comm_dtype = COMM_DTYPES[comm_dtype]
-        layout = _state_layout(optimizer)
+        layout = state_layout(optimizer)
         coupled = optimizer is not None and optimizer.row_coupled
         self._tables = {}
         for spec in specs:
@@ -844,6 +835,37 @@ class ShardedEmbeddingBagCollection(nn.Module):
             for s in stores.values():
                 s.close()
         self._begin(_Op.RESTORED, error=error)
+
+    # -- checkpoints through torch.distributed.checkpoint (tierstore.checkpointing) -------------
+    def views(self, table: str) -> TableViews:
+        """This rank's shard of ``table`` and its optimizer state as TableViews of the whole
+        table's shape: what state_dict() and fused_optimizer hold, and DCP saves and loads
+        (each rank its own rows; a checkpoint of another plan or world size is resharded)."""
+        t = self._tables[self._known(table)]
+        s = t.tplan.shards[t.mine] if t.mine is not None else None
+        if s is None:
+            rows, cols = (0, 0), (0, t.spec.dim)
+        else:
+            rows = (s.row_start, s.row_stop) if s.row_start is not None else (0, t.spec.num_rows or 0)
+            cols = (s.col_start, s.col_stop)
+        return table_views(self.local_store, table, t.spec.num_rows, t.spec.dim, t.spec.dtype, self.optimizer, rows, cols)
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        """The optimizer state of this rank's shards: ``{"state": {"embedding_bags.<table>.weight": {"<table>.momentum1": ...}}}``."""
+        return FusedOptimizer(self.optimizer, {f"embedding_bags.{name}.weight": state for name in self._tables
+                                               if (state := self.views(name).state)})
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name in self._tables:
+            destination[f"{prefix}embedding_bags.{name}.weight"] = self.views(name).weight
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        views = {f"{prefix}embedding_bags.{name}.weight": self.views(name).weight for name in self._tables}
+        unexpected_keys[:] = [k for k in unexpected_keys if k not in views]
+        load_views(views, check_loadable(views, state_dict, missing_keys, error_msgs))
 
     def close(self) -> None:
         """Flush and close this rank's store, after every rank got here. Collective."""

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from . import fbgemm
+from .checkpointing import FusedOptimizer, TableViews, check_loadable, load_views, table_views
 from .optim import RowOptimizer
 from .precision import round_stochastic
 from .spec import MAX_ID, RowInit, TableSpec
@@ -618,6 +619,33 @@ class TieredEmbeddingBag(nn.Module):
         if self._owns_store:
             self.store.close()
 
+    # -- checkpoints (tierstore.checkpointing) ------------------------------------------------
+    def views(self) -> TableViews:
+        """The table's rows and optimizer state as TableViews (what state_dict() and
+        fused_optimizer.state_dict() hold)."""
+        return table_views(self.store, self.table, self.num_embeddings, self.embedding_dim, self.dtype, self.optimizer)
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        """The fused optimizer's state, keyed as TorchRec's fused optimizers key theirs:
+        ``{"state": {"weight": {"<table>.momentum1": ...}}}``."""
+        state = self.views().state
+        return FusedOptimizer(self.optimizer, {"weight": state} if state else {})
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.views().weight
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        self._load_weight(state_dict, prefix + "weight", missing_keys, unexpected_keys, error_msgs)
+
+    def _load_weight(self, state_dict, key: str, missing_keys, unexpected_keys, error_msgs) -> None:
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        views = {key: self.views().weight}
+        load_views(views, check_loadable(views, state_dict, missing_keys, error_msgs))
+
     def extra_repr(self) -> str:
         c = self.config
         s = f"{c.num_embeddings}, {c.embedding_dim}, mode={c.mode!r}, table={c.table!r}, store={str(self.store.path)!r}"
@@ -895,6 +923,23 @@ class TieredEmbeddingBagCollection(nn.Module):
         """Close the store if this collection opened it (flushes every row)."""
         if self._owns_store:
             self.store.close()
+
+    # -- checkpoints: TorchRec's keys, embedding_bags.<table>.weight ---------------------------
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        """The fused optimizer's state: ``{"state": {"embedding_bags.<table>.weight": {"<table>.momentum1": ...}}}``."""
+        return FusedOptimizer(self.optimizer, {f"embedding_bags.{name}.weight": state for name, bag in self._bags.items()
+                                               if (state := bag.views().state)})
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, bag in self._bags.items():
+            destination[f"{prefix}embedding_bags.{name}.weight"] = bag.views().weight
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        for name, bag in self._bags.items():
+            bag._load_weight(state_dict, f"{prefix}embedding_bags.{name}.weight", missing_keys, unexpected_keys, error_msgs)
 
     def extra_repr(self) -> str:
         return f"tables={sorted(self._bags)}, store={str(self.store.path)!r}, optimizer={self.optimizer!r}"

@@ -358,6 +358,26 @@ class TieredStore:
             return torch.index_select(src, 0, index, out=out)
         return out.copy_(src.index_select(0, index), non_blocking=True)
 
+    def peek(self, table: str, ids, with_state: bool = False) -> torch.Tensor:
+        """Rows of ``ids`` as read() would give them, float32 on the CPU, without a use:
+        not a step, nothing moves between tiers, no admission or TTL use is counted
+        (checkpoints read whole tables so, tierstore.checkpointing)."""
+        with self._lock:
+            self._check_open()
+            t = self._table(table)
+            self._reap()
+            uid, inverse = torch.unique(self._as_ids(t.spec, ids).cpu(), return_inverse=True)
+            rows = t.reread(uid)
+        return (rows if with_state else rows[:, :t.spec.dim]).index_select(0, inverse)
+
+    def __reduce_ex__(self, protocol):
+        # pickle and deepcopy would otherwise fail on the lock with "cannot pickle '_thread.RLock'"
+        raise TypeError(
+            f"{self!r} cannot be pickled or deep-copied: it holds LMDB files, locks and threads. "
+            "Save a model holding it with torch.save(model.state_dict()) (small tables) or "
+            "torch.distributed.checkpoint.save(model.state_dict(), checkpoint_id=DIR) (any size), or snapshot "
+            "the store with store.checkpoint(path); to copy such a model, build it again and load_state_dict() into it")
+
     def write(self, table: str, ids, values, with_state: bool = False) -> None:
         """Set rows; for an id repeated in one call the last value wins.
 

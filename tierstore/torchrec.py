@@ -21,6 +21,7 @@ try:
     from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, PoolingType
     from torchrec.modules.embedding_configs import DataType
     from torchrec.modules.embedding_modules import get_embedding_names_by_table
+    from torchrec.optim.keyed import KeyedOptimizer
 except ImportError as e:  # pragma: no cover - depends on what is installed
     raise ImportError(
         "tierstore.torchrec needs TorchRec: pip install --no-deps torchrec==1.8.0 && pip install 'tierstore[torchrec]' "
@@ -33,6 +34,16 @@ from .spec import RowInit, TableSpec
 from .store import Sizes, TieredStore
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
+
+
+class _FusedKeyedOptimizer(KeyedOptimizer):
+    """A KeyedOptimizer over TableViews: the update itself runs in the backward."""
+
+    def step(self, closure=None) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
 
 
 class TieredEmbeddingBagCollection(nn.Module):
@@ -87,7 +98,7 @@ class TieredEmbeddingBagCollection(nn.Module):
                                  memory_budget=memory_budget)
         self._configs = tables
         self._is_weighted = is_weighted
-        self.bags = nn.ModuleDict({
+        self.embedding_bags = nn.ModuleDict({
             t.name: TieredEmbeddingBag(t.num_embeddings, t.embedding_dim, mode=_MODES[t.pooling], store=self.store, table=t.name,
                                        optimizer=optimizer, include_last_offset=True, kernels=kernels)
             for t in tables
@@ -106,13 +117,29 @@ class TieredEmbeddingBagCollection(nn.Module):
         for t in self._configs:
             for f in t.feature_names:
                 jt = jagged[f]
-                pooled.append(self.bags[t.name](jt.values(), jt.offsets(), jt.weights() if self._is_weighted else None))
+                pooled.append(self.embedding_bags[t.name](jt.values(), jt.offsets(), jt.weights() if self._is_weighted else None))
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=torch.cat(pooled, dim=1))
 
     def batch_reads(self, features: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
         """The ids a forward of ``features`` reads, by table: what LookaheadLoader prefetches."""
         jagged = features.to_dict()
         return {t.name: torch.cat([jagged[f].values().reshape(-1) for f in t.feature_names]) for t in self._configs}
+
+    @property
+    def bags(self) -> nn.ModuleDict:
+        """The tables' modules (TorchRec's name for them is ``embedding_bags``)."""
+        return self.embedding_bags
+
+    @property
+    def fused_optimizer(self) -> KeyedOptimizer:
+        """The fused optimizer's state as TorchRec's fused optimizers present theirs (a
+        KeyedOptimizer): ``{"state": {"embedding_bags.<table>.weight": {"<table>.momentum1": ...}}}``,
+        TableViews that DCP saves and loads in chunks. ``step()`` does nothing (the rows
+        are updated in the backward)."""
+        views = {f"embedding_bags.{name}.weight": bag.views() for name, bag in self.embedding_bags.items()}
+        params = {key: v.weight for key, v in views.items()}
+        state = {v.weight: v.state for v in views.values() if v.state}
+        return _FusedKeyedOptimizer(params, state, [{"params": list(params.values())}])
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs

@@ -1,0 +1,145 @@
+"""The log row layout (io/rowlog.py) against a plain model and against the keyed layout.
+
+Segments are made small (a few slots) so a few dozen operations cross every path: many
+segments, collection of the emptiest, tombstones merged and dropped, a reader that falls
+behind and finds segments gone, reopening from the segments alone."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tierstore.io import lmdb_backend, rowlog
+from tierstore.io.lmdb_backend import LmdbBackend
+
+N, DIM = 40, 3
+
+
+@pytest.fixture(autouse=True)
+def small_segments(monkeypatch):
+    # 4 slots a segment (the slot is 3 float32 and a step): every path within a few writes
+    monkeypatch.setattr(rowlog, "SEGMENT_BYTES", 4 * (4 * DIM + 8))
+    monkeypatch.setattr(rowlog, "_MIN_DEAD", 2)
+    monkeypatch.setattr(rowlog, "MAX_TOMBSTONE_SEGMENTS", 3)
+
+
+def open_backend(path, layout, readonly=False):
+    old = lmdb_backend.NEW_TABLE_LAYOUT
+    lmdb_backend.NEW_TABLE_LAYOUT = layout
+    try:
+        b = LmdbBackend(path, readonly=readonly)
+        if not readonly:
+            b.write_meta({}, new_tables={"t": (True, N)})
+        b.open_table("t", DIM, last_use=True, create=False, num_rows=N)
+    finally:
+        lmdb_backend.NEW_TABLE_LAYOUT = old
+    return b
+
+
+ids_st = st.lists(st.integers(0, N - 1), min_size=1, max_size=12, unique=True).map(sorted)
+
+
+class LogAgainstModel(RuleBasedStateMachine):
+    """Every operation on a log table and on a keyed one; both must read as the model."""
+
+    def __init__(self):
+        super().__init__()
+        import tempfile
+        self.dir = tempfile.mkdtemp()
+        self.model: dict[int, tuple[np.ndarray, int]] = {}
+        self.writers = {layout: open_backend(f"{self.dir}/{layout}", layout) for layout in ("log", "keyed")}
+        self.reader = None  # a readonly log backend of its own index, read only now and then
+        self.version = 0
+
+    def teardown(self):
+        for b in [*self.writers.values(), self.reader]:
+            if b is not None:
+                b.close()
+
+    @rule(ids=ids_st, step=st.integers(0, 20))
+    def put(self, ids, step):
+        self.version += 1
+        rows = np.array([[i, self.version, step] for i in ids], dtype=np.float32)
+        steps = np.full(len(ids), step, dtype=np.int64)
+        for b in self.writers.values():
+            b.put_rows([("t", np.array(ids), rows)], last_use={"t": steps})
+        for i, r in zip(ids, rows):
+            self.model[i] = (r, step)
+
+    @rule(ids=ids_st)
+    def delete(self, ids):
+        counts = {layout: b.delete_rows("t", np.array(ids)) for layout, b in self.writers.items()}
+        assert counts["log"] == counts["keyed"] == sum(i in self.model for i in ids)
+        for i in ids:
+            self.model.pop(i, None)
+
+    @rule(cutoff=st.integers(0, 20))
+    def sweep_all(self, cutoff):
+        expect = sum(step <= cutoff for _, step in self.model.values())
+        for b in self.writers.values():
+            assert b.sweep("t", cutoff, budget=10 * N) == expect
+        self.model = {i: v for i, v in self.model.items() if v[1] > cutoff}
+
+    @rule()
+    def reopen_writer(self):
+        self.writers["log"].close()
+        self.writers["log"] = open_backend(f"{self.dir}/log", "log")
+
+    @rule()
+    def open_reader(self):
+        if self.reader is not None:
+            self.reader.close()
+        self.reader = open_backend(f"{self.dir}/log", "log", readonly=True)
+
+    @precondition(lambda self: self.reader is not None)
+    @rule()
+    def reader_reads(self):
+        self.check(self.reader)
+
+    @invariant()
+    def writers_read_as_the_model(self):
+        for b in self.writers.values():
+            self.check(b)
+
+    def check(self, b):
+        every = np.arange(N)
+        rows, found = b.get_rows("t", every)
+        assert found.tolist() == [i in self.model for i in range(N)]
+        for i in np.flatnonzero(found):
+            assert rows[i].tolist() == self.model[i][0].tolist(), i
+        assert b.stored_ids("t").tolist() == sorted(self.model)
+        assert b.get_last_use("t", every).tolist() == [self.model[i][1] if i in self.model else -1 for i in range(N)]
+        assert b.table_stats()["t"] == len(self.model)
+
+
+LogAgainstModel.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestLogAgainstModel = LogAgainstModel.TestCase
+
+
+def test_overwrites_keep_the_log_within_its_spare_room(tmp_path):
+    """Rewriting the same rows over and over: collection keeps dead slots near SPARE of the
+    live rows and the segments few, whatever the number of writes."""
+    b = open_backend(tmp_path / "s", "log")
+    rng = np.random.default_rng(0)
+    for step in range(300):
+        ids = np.sort(rng.choice(N, 8, replace=False))
+        b.put_rows([("t", ids, np.full((8, DIM), step, dtype=np.float32))], last_use={"t": np.full(8, step)})
+    log = b._logs["t"]
+    assert log.dead_slots <= rowlog.SPARE * log.live_rows + 2 * rowlog.MAX_SLOTS
+    assert len(log._index) <= 2 * (-(-log.live_rows // log.per_segment)) + 16
+    b.close()
+
+
+def test_a_damaged_segment_is_named_damage(tmp_path):
+    import lmdb
+    b = open_backend(tmp_path / "s", "log")
+    b.put_rows([("t", np.arange(4), np.ones((4, DIM), dtype=np.float32))], last_use={"t": np.zeros(4, dtype=np.int64)})
+    b.close()
+    env = lmdb.open(str(tmp_path / "s"), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.put(rowlog.seq_key(1), b"not a segment", db=env.open_db(b"s:t", txn=txn))
+    env.close()
+    with pytest.raises(lmdb_backend.StoreCorruptError, match="damaged segment"):
+        open_backend(tmp_path / "s", "log")
