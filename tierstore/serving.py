@@ -34,8 +34,8 @@ _KERNEL_TYPES = {"float32": 0, "float16": 1, "int8": 2, "int4": 3}  # FBGEMM's S
 class _Tier:
     """A fixed number of packed rows on one device, by id, least recently used out first."""
 
-    def __init__(self, capacity: int, row_bytes: int, device: torch.device, num_rows: int | None):
-        self.capacity = capacity
+    def __init__(self, name: str, capacity: int, row_bytes: int, device: torch.device, num_rows: int | None):
+        self.name, self.capacity = name, capacity
         self.rows = torch.zeros((capacity, row_bytes), dtype=torch.uint8, device=device)
         self.ids = torch.full((capacity,), -1, dtype=torch.int64, device=device)
         self.last = torch.zeros(capacity, dtype=torch.int64, device=device)
@@ -84,8 +84,9 @@ class _ServingTable:
         self.device = device
         n = self.spec.num_rows
         bytes_ = self.format.row_bytes
-        self.hbm = _Tier(min(hbm_rows, n or hbm_rows), bytes_, device, n) if hbm_rows else None
-        self.ddr = _Tier(min(ddr_rows, n or ddr_rows), bytes_, torch.device("cpu"), n) if ddr_rows else None
+        self.hbm = _Tier("hbm", min(hbm_rows, n or hbm_rows), bytes_, device, n) if hbm_rows else None
+        self.ddr = _Tier("ddr", min(ddr_rows, n or ddr_rows), bytes_, torch.device("cpu"), n) if ddr_rows else None
+        self.tiers = [t for t in (self.hbm, self.ddr) if t is not None] or [None]
         self.clock = 0
         self.counts = {"hbm_hits": 0, "ddr_hits": 0, "lmdb_reads": 0, "initial_rows": 0}
 
@@ -106,44 +107,45 @@ class _ServingTable:
         return torch.from_numpy(self.kernel_rows(packed))
 
     def fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, index): kernel rows on ``device`` and the row of each of ``ids``
-        among them; brings the rows into the HBM tier."""
+        """(rows, index): kernel rows and the row of each of ``ids`` among them; brings
+        the rows into the top tier (HBM, else DDR), the rows it evicts into DDR."""
         self.clock += 1
-        if self.hbm is not None:
-            slots = self.hbm.lookup(ids)
-            if bool((slots >= 0).all()):  # every row in HBM: pooled in place
-                self.hbm.last[slots] = self.clock
-                self.counts["hbm_hits"] += len(ids)
-                return self.hbm.rows, slots
+        top, lower = self.tiers[0], self.tiers[1] if len(self.tiers) > 1 else None
+        if top is not None:
+            slots = top.lookup(ids)
+            if int(slots.min()) >= 0:  # every row in the top tier: pooled in place
+                top.last.index_fill_(0, slots, self.clock)  # an index_put with repeated slots took 2x the pooling
+                self.counts[f"{top.name}_hits"] += len(ids)
+                return top.rows, slots
         uid, inverse = torch.unique(ids.cpu(), return_inverse=True)
-        rows = torch.empty((len(uid), self.format.row_bytes), dtype=torch.uint8, device=self.device)
+        dev = top.rows.device if top is not None else self.device
+        rows = torch.empty((len(uid), self.format.row_bytes), dtype=torch.uint8, device=dev)
         hit = torch.zeros(len(uid), dtype=torch.bool)
-        keep = torch.zeros(0, dtype=torch.int64)
-        if self.hbm is not None:
-            slots = self.hbm.lookup(uid).cpu()
-            hit = slots >= 0
-            keep = slots[hit]
-            rows[hit.to(self.device)] = self.hbm.rows[keep.to(self.device)]
-            self.hbm.last[keep.to(self.device)] = self.clock
-            self.counts["hbm_hits"] += int(hit.sum())
-        miss = torch.nonzero(~hit).squeeze(1)
-        mid = uid[miss]
+        keep = torch.zeros(0, dtype=torch.int64, device=dev)
+        if top is not None:
+            slots = top.lookup(uid)
+            hit = (slots >= 0).cpu()
+            keep = slots[hit.to(dev)]
+            rows[hit.to(dev)] = top.rows.index_select(0, keep)
+            top.last.index_fill_(0, keep, self.clock)
+            self.counts[f"{top.name}_hits"] += int(hit.sum())
+        mid = uid[~hit]
         got = torch.empty((len(mid), self.format.row_bytes), dtype=torch.uint8)
-        in_ddr = torch.zeros(len(mid), dtype=torch.bool)
-        if self.ddr is not None and len(mid):
-            dslots = self.ddr.lookup(mid)
-            in_ddr = dslots >= 0
-            got[in_ddr] = self.ddr.take(dslots[in_ddr])
-            self.counts["ddr_hits"] += int(in_ddr.sum())
-        if not bool(in_ddr.all()):
-            got[~in_ddr] = self._cold(mid[~in_ddr])
-        rows[miss.to(self.device)] = got.to(self.device)
-        out_ids, out_rows = (self.hbm.put(mid, got, self.clock, keep.to(self.hbm.rows.device))
-                             if self.hbm is not None else (mid, got))
-        if self.ddr is not None and len(out_ids):
-            out_ids, out_rows = out_ids[-self.ddr.capacity:], out_rows[-self.ddr.capacity:]
-            self.ddr.put(out_ids.cpu(), out_rows.cpu(), self.clock, torch.zeros(0, dtype=torch.int64))
-        return rows, inverse.to(self.device)
+        below = torch.zeros(len(mid), dtype=torch.bool)
+        if lower is not None and len(mid):
+            dslots = lower.lookup(mid)
+            below = dslots >= 0
+            got[below] = lower.take(dslots[below])
+            self.counts[f"{lower.name}_hits"] += int(below.sum())
+        if not bool(below.all()):
+            got[~below] = self._cold(mid[~below])
+        rows[(~hit).to(dev)] = got.to(dev)
+        if top is not None:
+            out_ids, out_rows = top.put(mid, got, self.clock, keep)
+            if lower is not None and len(out_ids):
+                n = lower.capacity
+                lower.put(out_ids[-n:].cpu(), out_rows[-n:].cpu(), self.clock, torch.zeros(0, dtype=torch.int64))
+        return rows, inverse.to(dev)
 
 
 class ServingStore:
@@ -235,7 +237,7 @@ class ServingStore:
             raise TypeError(f"ids for table {t.name!r} must be integers, got {ids.dtype}")
         ids = ids.reshape(-1).to("cpu", torch.int64)
         if len(ids):
-            lo, hi = int(ids.min()), int(ids.max())
+            lo, hi = (int(v) for v in torch.aminmax(ids))
             if lo < 0 or (t.spec.num_rows is not None and hi >= t.spec.num_rows):
                 bad = lo if lo < 0 else hi
                 raise IndexError(f"id {bad} out of range for table {t.name!r} (ids are in [0, {t.spec.num_rows or '2**63'}))")

@@ -29,6 +29,7 @@ BENCHES = {
     "sharded": "tierstore.tools.bench_sharded:run",
     "churn": "tierstore.tools.bench_churn:run",
     "instructions": "tierstore.tools.bench_instructions:run",
+    "serve": "tierstore.tools.bench_serve:run",
     "scale": "tierstore.tools.bench_scale:run",
 }
 DEFAULT = ("read", "cold", "memory")
