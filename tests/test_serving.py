@@ -17,8 +17,7 @@ import tierstore
 from tierstore import RowInit, TableSpec, TieredStore
 from tierstore.io import StoreCorruptError
 from tierstore.io.serving_layout import RowFormat
-from tierstore.serving import ServingEmbeddingBag, ServingEmbeddingBagCollection, ServingStore
-from tierstore.serving_export import export
+from tierstore import ServingEmbeddingBag, ServingEmbeddingBagCollection, ServingStore, export
 
 try:
     import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)

@@ -8,9 +8,12 @@ from .nn import TieredEmbeddingBag, TieredEmbeddingBagCollection
 from .prefetch import LookaheadLoader, PrefetchConfig, PrefetchTicket
 from .client import open_store
 from .wire import DaemonBusyError
+from .serving_export import export
+from .serving import ServingEmbeddingBag, ServingEmbeddingBagCollection, ServingStore
 
 __all__ = ["RowInit", "StoreConfig", "StoreCorruptError", "StoreLockedError", "TableSpec", "TieredStore"]
 __all__ += ["TieredEmbeddingBag", "TieredEmbeddingBagCollection", "optim"]
 __all__ += ["LookaheadLoader", "PrefetchConfig", "PrefetchTicket"]
 __all__ += ["DaemonBusyError", "open_store"]
+__all__ += ["ServingEmbeddingBag", "ServingEmbeddingBagCollection", "ServingStore", "export"]
 __version__ = "0.1.0"
