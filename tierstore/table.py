@@ -529,7 +529,7 @@ class TableStore:
             return False
         self._shared.await_gathers()
         update(top)
-        top.dirty.index_fill_(0, slots, True)  # slots may repeat: cheaper than index_put
+        top.mark_dirty(slots)
         return True
 
     # -- unbounded id spaces: admission and TTL (README "Unbounded id spaces") --------------

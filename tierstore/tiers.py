@@ -228,10 +228,8 @@ class CacheTier:
             return
         self.index.remove(self.ids.index_select(0, slots))
         self.generation += 1
-        self.ids.index_fill_(0, slots, -1)
-        self.last.index_fill_(0, slots, UNUSED)
-        self.freq.index_fill_(0, slots, UNUSED)
-        self.dirty.index_fill_(0, slots, False)
+        for values, free in ((self.ids, -1), (self.last, UNUSED), (self.freq, UNUSED), (self.dirty, False)):
+            fill(values, slots, free)
         self._free[self._nfree : self._nfree + n] = slots
         self._nfree += n
 
@@ -241,15 +239,29 @@ class CacheTier:
         number of distinct rows used; no dedupe is needed."""
         clocks = torch.arange(clock, clock + len(slots), device=self.device)
         # include_self=False would fill the slots by a scatter: filling them first costs ~25% less
-        self.last.index_fill_(0, slots, clock + len(slots))
+        fill(self.last, slots, clock + len(slots))
         self.last.scatter_reduce_(0, slots, clocks, "amin")
         first_use = self.last.index_select(0, slots) == clocks  # one True per distinct row
         if self.policy.uses_frequency:
             self.freq.index_add_(0, slots, first_use.long())
         return int(first_use.sum())
 
+    def mark_dirty(self, slots: torch.Tensor) -> None:
+        """Rows at ``slots`` (on this tier's device; they may repeat) differ from LMDB's."""
+        fill(self.dirty, slots, True)
+
     def dirty_slots(self) -> torch.Tensor:
         return nonzero(self.dirty)
+
+
+def fill(dst: torch.Tensor, slots: torch.Tensor, value) -> None:
+    """dst[slots] = value (slots may repeat). On the CPU by numpy: index_fill_ there took
+    1.5-2x the time over a resident step's 64k slots of a 1M-slot tier (0.30 against 0.19 ms
+    for the dirty bits, 1M x 128, 1 thread), and a resident step fills twice."""
+    if dst.device.type == "cpu":
+        dst.numpy()[slots.numpy()] = value
+    else:
+        dst.index_fill_(0, slots, value)
 
 
 def _copy_rows(dst: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
