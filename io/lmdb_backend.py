@@ -847,6 +847,10 @@ class LmdbBackend:
                     logged = {name: log.live_rows for name, log in self._logs.items()}
                     return {**{name: txn.stat(db)["entries"] for name, db in self._dbs.items()}, **logged}
 
+    def index_bytes(self) -> int:
+        """Memory the log layout's indexes hold (io.rowlog)."""
+        return sum(log.index_bytes() for log in self._logs.values())
+
     def disk_bytes(self) -> int:
         return (self.path / "data.mdb").stat().st_size
 

@@ -85,7 +85,7 @@ METRICS = (
     ("histogram", "tierstore_flush_seconds", "Wall time of flush() calls.", _S),
     ("gauge", "tierstore_writeback_queue_rows", "Rows queued for LMDB that the writer thread has not committed yet.", _S),
     ("gauge", "tierstore_memory_budget_bytes", "The store's memory_budget (README \"Memory budget\"); NaN without one.", _S),
-    ("gauge", "tierstore_memory_bytes", "Host memory of each part of the store (hbm, ddr, staging, writeback, lmdb_dirty, "
+    ("gauge", "tierstore_memory_bytes", "Host memory of each part of the store (hbm, ddr, staging, writeback, lmdb_dirty, row_index, "
      "page_cache): what it may hold (kind=allowed) and what its rows fill now (kind=used; absent where not seen).",
      _S + ["part", "kind"]),
     ("gauge", "tierstore_store_info", "Always 1; labels describe the store.", _S + ["path", "policy", "device", "readonly"]),

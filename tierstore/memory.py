@@ -26,6 +26,7 @@ from .spec import TableSpec
 PAGE = 4096  # LMDB's page: a transaction copies (mallocs) a dirty page for every random row it writes
 PAGE_CACHE_SHARE = 4  # 1/4 of the budget is left to the page cache of data.mdb
 DIRTY_SHARE = 16  # 1/16 of it (at most WRITE_TXN_ROWS pages, at least MIN_TXN_ROWS): one write transaction's dirty pages
+INDEX_BYTES_PER_ROW = 4  # io.rowlog's place of a row: segment and slot in a uint32
 MIN_TXN_ROWS = 1024  # fewer rows a transaction and its commit costs more than its rows
 QUEUE_SHARE = 8  # 1/8 of what is left after the page cache and LMDB's dirty pages: the write-back queue
 STAGING_SHARE = 8  # 1/8 of it: prefetch staging; the rest: the DDR tier
@@ -202,10 +203,12 @@ def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Si
     - page_cache: B/4 is left to the page cache of data.mdb (LMDB reads through it; under a
       memory cgroup its pages count against the limit, and a cache squeezed to nothing makes
       every get a disk read);
+    - row_index: 4 bytes a row of every table with num_rows, where the log layout keeps
+      where each row is (io.rowlog; a table of an unbounded id space keeps its rows by key);
     - lmdb_dirty: B/16 for one write transaction's dirty pages, a 4 KiB page for each row it
       writes (the worst case: every row on its own page), so a transaction writes at most
       B/16 / 4 KiB rows (txn_rows; within MIN_TXN_ROWS..WRITE_TXN_ROWS); 0 for a readonly store;
-    - of the rest R = B - page_cache - lmdb_dirty: R/8 to the write-back queue (writeback_rows
+    - of the rest R = B - page_cache - lmdb_dirty - row_index: R/8 to the write-back queue (writeback_rows
       rows of the widest table's float32 values, ids and bookkeeping), R/8 to prefetch staging,
       and what is left to the DDR tier; staging and the DDR tier are shared among the tables in
       proportion to their slot bytes (about the same rows each), each at most num_rows;
@@ -226,12 +229,15 @@ def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Si
     txn_rows = WRITE_TXN_ROWS if budget is None else min(WRITE_TXN_ROWS, max(MIN_TXN_ROWS, budget // DIRTY_SHARE // PAGE))
     dirty = txn_rows * PAGE if writes else 0
     page_cache = 0 if budget is None else budget // PAGE_CACHE_SHARE
-    rest = 0 if budget is None else budget - page_cache - dirty
+    indexed = sum(s.num_rows for s in specs if s.num_rows is not None)
+    index = INDEX_BYTES_PER_ROW * indexed
+    rest = 0 if budget is None else budget - page_cache - dirty - index
     if budget is not None and rest <= 0:
-        need = (dirty * PAGE_CACHE_SHARE) // (PAGE_CACHE_SHARE - 1) + (1 << 20)
+        need = ((dirty + index) * PAGE_CACHE_SHARE) // (PAGE_CACHE_SHARE - 1) + (1 << 20)
         raise ValueError(f"memory_budget={format_bytes(budget)} is too small: the share left to the page cache "
-                         f"({format_bytes(page_cache)}) and LMDB's dirty pages of one write transaction ({txn_rows:,} rows "
-                         f"x 4 KiB = {format_bytes(dirty)}) alone take it; give at least {format_bytes(need)}")
+                         f"({format_bytes(page_cache)}), LMDB's dirty pages of one write transaction ({txn_rows:,} rows "
+                         f"x 4 KiB = {format_bytes(dirty)}) and the row index ({indexed:,} rows x {INDEX_BYTES_PER_ROW} "
+                         f"bytes = {format_bytes(index)}) alone take it; give at least {format_bytes(need)}")
 
     if writeback_rows is None:
         writeback_rows = DEFAULT_WRITEBACK_ROWS if budget is None else (rest // QUEUE_SHARE) // qrow if qrow else 0
@@ -265,6 +271,7 @@ def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Si
     parts = {"hbm": part(hbm, hbm_on_host), "ddr": part(ddr), "staging": part(staged),
              "writeback": MemoryPart(writeback_rows, writeback_rows * qrow),
              "lmdb_dirty": MemoryPart(txn_rows if writes else 0, dirty),
+             "row_index": MemoryPart(indexed, index),
              "page_cache": MemoryPart(0, page_cache)}
     split = MemorySplit(budget, parts, hbm, ddr, staged, writeback_rows, txn_rows)
     if budget is not None and split.host_bytes > budget:

@@ -550,6 +550,7 @@ class TieredStore:
             parts[name] = self._filled(m.parts[name], sum(tier.resident for tier in tiers))
         parts["staging"] = self._filled(m.parts["staging"], sum(t.counters.prefetch.staged_rows for t in tables))
         parts["writeback"] = self._filled(m.parts["writeback"], self._writeback.queued_rows)
+        parts["row_index"] = dataclasses.replace(m.parts["row_index"], used_bytes=self._backend.index_bytes())
         return dataclasses.replace(m, parts=parts)
 
     @staticmethod
