@@ -207,6 +207,7 @@ class LmdbBackend:
         # one write transaction, its commit and index update at a time; held around a read that
         # decides a write (collection, sweep), so no commit comes between
         self._write_lock = threading.RLock()
+        self._unsynced = 0  # bytes commits left dirty in the page cache since the last sync (_write)
         with _OPEN_LOCK:
             shared = _shared_env(self.path)
             if shared is not None:
@@ -686,7 +687,7 @@ class LmdbBackend:
                         cur.putmulti(zip(keys, values))
                 for k, v in (meta or {}).items() if last else ():
                     txn.put(k.encode(), json.dumps(v).encode(), db=self._meta)
-            self._write(op)
+            self._write(op, dirties=sum(len(ids) for _, ids, _, _ in group) * rowlog.PAGE)
         return sum(len(ids) * (8 + self._codecs[t].row_bytes) for t, ids, _ in logged + batches)
 
     def _write_log(self, segments: dict[str, list[tuple[np.ndarray, np.ndarray | None]]], meta: dict | None = None,
@@ -734,7 +735,8 @@ class LmdbBackend:
                         if slots is not None:
                             db = self._log_dbs[t]
                             self._logs[t].note_offset(seq, txn.get(rowlog.seq_key(seq), db=db), self._map_base(txn, db)[1])
-        self._write(op, applied, plan)
+        self._write(op, applied, plan, dirties=sum(len(ids) * self._logs[t].slot_bytes for t, parts in segments.items()
+                                                   for ids, slots in parts if slots is not None))
 
     def _collect(self, table: str, written: int) -> None:
         """Clean ``table``'s log after ``written`` rows were appended (io.rowlog): copy the live
@@ -805,10 +807,15 @@ class LmdbBackend:
         doomed = np.concatenate(dead) if dead else np.zeros(0, dtype=np.int64)
         return self.delete_rows(table, np.sort(doomed)) if len(doomed) else 0
 
-    def _write(self, op, applied=None, plan=None) -> None:
+    def _write(self, op, applied=None, plan=None, dirties: int = 0) -> None:
         """Run ``op(txn)`` in a write transaction and commit it, growing the map and replaying
         it when full. With ``plan``, ``op(txn, plan())`` and then ``applied(plan())`` right
-        after the commit, before any reader of a log's index sees the new snapshot."""
+        after the commit, before any reader of a log's index sees the new snapshot.
+        ``dirties``: about the bytes the commit leaves dirty in the page cache. Once commits
+        since the last sync left a transaction's share of them (txn_rows pages), they are
+        synced: under a memory cgroup, dirty pages of the file count against the limit and
+        cannot be reclaimed until written, and cgroup v1 does not throttle a writer for them
+        (a bulk write-back was OOM-killed so)."""
         if self.readonly:
             raise PermissionError(f"tierstore at {self.path} is open readonly; reopen without readonly=True to write")
         with self._write_lock:
@@ -829,6 +836,9 @@ class LmdbBackend:
                                 applied(planned)
                             for t in self._logs:
                                 self._log_synced[t] = tid
+                    self._unsynced += dirties
+                    if self._unsynced >= self.txn_rows * rowlog.PAGE:
+                        self.sync()
                     return
                 except lmdb.MapFullError:
                     # the transaction aborted; grow the map and replay it
@@ -838,6 +848,7 @@ class LmdbBackend:
 
     def sync(self) -> None:
         self.env.sync(True)
+        self._unsynced = 0
 
     def table_stats(self) -> dict[str, int]:
         """Rows stored in each table, of one snapshot."""
