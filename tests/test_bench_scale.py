@@ -8,8 +8,7 @@ import pytest
 from tierstore.tools import bench_scale, cli
 
 FIELDS = ("lookups_per_s", "p50_s", "p90_s", "p99_s", "ddr_hit", "rows_read_per_step", "rows_written_per_step",
-          "disk_read_bytes_per_step", "disk_written_bytes_per_step", "read_amp", "write_amp", "rss_peak", "x_disk_floor",
-          "lmdb_floor_s", "x_in_memory")
+          "disk_read_bytes_per_step", "read_amp", "rss_peak", "x_disk_floor", "x_in_memory")
 
 
 @pytest.fixture
@@ -29,14 +28,14 @@ def test_small_run_under_a_memory_cgroup(tmp_path, capsys, quick):
     if group is None:
         pytest.skip(f"this machine does not let the test make a memory cgroup: {why}")
     group.remove()
-    # 64 MB of rows, 10.7x the budget: the DLRM model runs too
-    assert cli.main(["bench", "scale", "--rows", "500000", "--dim", "32", "--budgets", "6MiB", "--depths", "0", "4",
+    # 128 MB of rows, 10.2x the budget: the DLRM model runs too
+    assert cli.main(["bench", "scale", "--rows", "500000", "--dim", "64", "--budgets", "12MiB", "--depths", "4",
                      "--repeat", "2", "--path", str(tmp_path / "store"), "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["cgroup"].startswith(f"cgroup v{group.version} memory group")
-    assert [(r["kind"], r["depth"]) for r in res["runs"]] == [("emb", 0), ("emb", 4), ("dlrm", bench_scale.DLRM_DEPTH)]
+    assert [(r["kind"], r["depth"]) for r in res["runs"]] == [("emb", 4), ("dlrm", bench_scale.DLRM_DEPTH)]
     for r in res["runs"]:
-        assert r["budget"] == 6 << 20
+        assert r["budget"] == 12 << 20
         assert r["limit"] == r["rss_before"] + r["budget"] + bench_scale.MARGIN
         # the limit held the child (the kernel charges pages in batches of up to 64 past it)
         assert 0 < r["cgroup_peak"] <= r["limit"] + 64 * 4096
@@ -44,7 +43,9 @@ def test_small_run_under_a_memory_cgroup(tmp_path, capsys, quick):
         missing = [f for f in FIELDS if r.get(f) is None and not (f == "x_in_memory" and r["kind"] == "emb" and not _have_fbgemm())]
         assert not missing, r
         assert r["rows_read_per_step"] > 0 and r["disk_read_bytes_per_step"] > 0  # a table 10x its budget misses
-    assert res["floors"]["disk"]["iops_qd32"] > 0 and res["floors"]["lmdb"]["get_cold_us"] > 0
+        # py-lmdb's get loop is timed where the table has a key per row
+        assert (r["lmdb_floor_s"] is None) == (res["floors"]["lmdb"]["layout"] != "keyed")
+    assert res["floors"]["disk"]["iops_qd32"] > 0
     assert res["in_memory"]["dlrm"]["lookups_per_s"] > 0
     assert not (group.path.parent / f"tierstore-bench-scale-{os.getpid()}").exists()  # the run removed its group
 

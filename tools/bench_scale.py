@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import mmap
@@ -43,7 +44,7 @@ BUDGETS = ("512MiB", "1GiB", "2GiB")
 DEPTHS = (0, 4)
 DLRM_DEPTH = 2
 BAGS, POOLING, ALPHA, LR = 2048, 32, 1.05, 0.01
-WARMUP = 5  # steps before the timed ones: the cold start fills the tiers
+WARMUP = 5  # untimed steps before the timed ones (--warmup); filling a large DDR tier takes many more
 MARGIN = 16 << 20  # over the child's RSS + the budget: the interpreter's own growth
 FLOOR_SECONDS = 3.0  # per queue depth
 TABLE = "t0"  # TieredEmbeddingBag's default table name
@@ -154,8 +155,8 @@ def lmdb_floor(path: Path, ids: np.ndarray) -> dict:
     store = tierstore.TieredStore(path, hbm_rows=0, ddr_rows=0, device="cpu")
     try:
         env, db = store._backend.env, store._backend._dbs.get(TABLE)
-        if db is None:  # rows not stored a key each (another layout): there is no such loop to time
-            return {"rows": n, "get_cold_us": None, "get_warm_us": None, "put_us": None}
+        if db is None:  # the log layout (io.rowlog): rows are not stored a key each, there is no such loop
+            return {"rows": n, "layout": "log", "get_cold_us": None, "get_warm_us": None, "put_us": None}
         drop_page_cache(path / "data.mdb")
         times = []
         for _ in range(2):  # cold, then warm
@@ -163,16 +164,21 @@ def lmdb_floor(path: Path, ids: np.ndarray) -> dict:
             with env.begin(db=db, buffers=False) as txn:
                 values = list(map(txn.get, keys))
             times.append(time.perf_counter() - t0)
+        # copy-on-write: the transaction takes new pages (a leaf and its branches a row) past the file's end
+        env.set_mapsize(env.info()["map_size"] + n * 4 * 4096 + (64 << 20))
         t0 = time.perf_counter()
         with env.begin(write=True, db=db) as txn:
             txn.cursor().putmulti(zip(keys, values))
         put = time.perf_counter() - t0
     finally:
         store.close()
-    return {"rows": n, "get_cold_us": 1e6 * times[0] / n, "get_warm_us": 1e6 * times[1] / n, "put_us": 1e6 * put / n}
+    return {"rows": n, "layout": "keyed", "get_cold_us": 1e6 * times[0] / n, "get_warm_us": 1e6 * times[1] / n, "put_us": 1e6 * put / n}
 
 
 # -- the memory cgroup -------------------------------------------------------------------------
+_RUNS = itertools.count()
+
+
 class MemoryGroup:
     """A memory cgroup this process made (v1 ``memory`` controller or v2), for one child."""
 
@@ -200,7 +206,12 @@ class MemoryGroup:
         return cls(path, version), f"cgroup v{version} memory group {path}"
 
     def limit(self, nbytes: int) -> None:
+        """Set the limit, and start the peak afresh where the kernel can (v1; v2 from Linux 6.12)."""
         (self.path / ("memory.limit_in_bytes" if self.version == 1 else "memory.max")).write_text(str(nbytes))
+        try:
+            (self.path / ("memory.max_usage_in_bytes" if self.version == 1 else "memory.peak")).write_text("0")
+        except OSError:
+            pass  # v2 before 6.12: the peak includes the batches' building
 
     def peak(self) -> int | None:
         text = _read(self.path / ("memory.max_usage_in_bytes" if self.version == 1 else "memory.peak"))
@@ -359,7 +370,7 @@ def _tiered(job: dict, batches, go) -> dict:
             emb(ids, offsets).sum().backward()
 
     store = emb.store
-    times, (s0, io0) = _times(step, loader, job["warmup"], lambda: (store.stats(), _disk_io()))
+    times, (s0, io0, ddr0) = _times(step, loader, job["warmup"], lambda: (store.stats(), _disk_io(), store.memory().parts["ddr"]))
     s1, io1 = store.stats(), _disk_io()
     n = len(times)
     ssd = {k: s1["ssd"][k] - s0["ssd"][k] for k in ("reads", "writes", "read_bytes", "write_bytes")}
@@ -371,7 +382,8 @@ def _tiered(job: dict, batches, go) -> dict:
 
     memory = store.memory()
     result = {**_summary(times, sum(map(_lookups, timed))), "hbm_hit": hit_rate("hbm"), "ddr_hit": hit_rate("ddr"),
-              "rows_read_per_step": ssd["reads"] / n, "rows_written_per_step": ssd["writes"] / n,
+              "ddr_full_at_start": ddr0.used_rows / ddr0.rows if ddr0.rows else None,
+              "ddr_evictions": s1["ddr"]["evictions"] - s0["ddr"]["evictions"], "rows_read_per_step": ssd["reads"] / n, "rows_written_per_step": ssd["writes"] / n,
               "disk_read_bytes_per_step": read / n, "disk_written_bytes_per_step": written / n,
               "read_amp": read / ssd["read_bytes"] if ssd["read_bytes"] else None,
               "write_amp": written / ssd["write_bytes"] if ssd["write_bytes"] else None,
@@ -397,11 +409,21 @@ def child(job: dict) -> None:
 
 
 # -- the parent --------------------------------------------------------------------------------
-def _spawn(job: dict, path: Path, group: MemoryGroup | None = None) -> dict:
-    """Run ``child(job)``; in ``group`` from its start, limited once its batches are built
-    to their RSS + the budget + MARGIN. Returns its result and what it held."""
+def _spawn(job: dict, path: Path, limited: bool = False) -> dict:
+    """Run ``child(job)``; with ``limited``, in a memory cgroup of its own from its start
+    (where one can be made), limited once its batches are built to their RSS + the
+    budget + MARGIN. Returns its result and what it held."""
     what = {k: job[k] for k in ("kind", "budget", "depth") if k in job}
     print(f"bench scale: running {what}", file=sys.stderr, flush=True)
+    group = MemoryGroup.make(f"tierstore-bench-scale-{os.getpid()}-{next(_RUNS)}")[0] if limited else None
+    try:
+        return _run_child(job, path, group)
+    finally:
+        if group is not None:
+            group.remove()
+
+
+def _run_child(job: dict, path: Path, group: MemoryGroup | None) -> dict:
     cmd = [sys.executable, "-m", "tierstore.tools.bench_scale", json.dumps(job)]
     if group is not None:  # joins before exec, so every page it touches is charged to the group
         cmd = ["sh", "-c", f'echo $$ > {shlex.quote(str(group.procs))} && exec "$@"', "sh", *cmd]
@@ -451,7 +473,8 @@ def run(args: argparse.Namespace) -> dict:
         temp = tempfile.TemporaryDirectory(prefix="tierstore-bench-scale-", dir=args.dir)
         path = Path(temp.name) / "store"
     try:
-        result = _run(path, rows, dim, seed, budgets, depths, args.repeat)
+        warmup = WARMUP if getattr(args, "warmup", None) is None else args.warmup
+        result = _run(path, rows, dim, seed, budgets, depths, args.repeat, warmup)
     finally:
         if temp is not None:
             temp.cleanup()
@@ -462,30 +485,28 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def _run(path: Path, rows: int, dim: int, seed: int, budgets: list[int], depths: list[int], repeat: int) -> dict:
+def _run(path: Path, rows: int, dim: int, seed: int, budgets: list[int], depths: list[int], repeat: int, warmup: int) -> dict:
     table = prepare_table(path, rows, dim, seed)
     table_bytes = rows * dim * 4
-    job = {"rows": rows, "dim": dim, "seed": seed, "path": str(path), "warmup": WARMUP, "steps": WARMUP + repeat,
+    job = {"rows": rows, "dim": dim, "seed": seed, "path": str(path), "warmup": warmup, "steps": warmup + repeat,
            "bags": BAGS}
     floors = {"disk": disk_floor(path / "data.mdb"), "lmdb": lmdb_floor(path, _emb_batches(rows, 1, seed, BAGS)[0].numpy())}
-    group, cgroup = MemoryGroup.make(f"tierstore-bench-scale-{os.getpid()}")
-    try:
-        in_memory = _spawn({**job, "kind": "inmem"}, path)
-        runs = [{"kind": "emb", "budget": b, "depth": d, **_spawn({**job, "kind": "emb", "budget": b, "depth": d}, path, group)}
-                for b in budgets for d in depths]
-        fits = [b for b in budgets if table_bytes >= 10 * b]
-        if fits:
-            b = max(fits)
-            runs.append({"kind": "dlrm", "budget": b, "depth": DLRM_DEPTH,
-                         **_spawn({**job, "kind": "dlrm", "budget": b, "depth": DLRM_DEPTH}, path, group)})
-    finally:
-        if group is not None:
-            group.remove()
+    probe, cgroup = MemoryGroup.make(f"tierstore-bench-scale-{os.getpid()}")
+    if probe is not None:
+        probe.remove()
+    in_memory = _spawn({**job, "kind": "inmem"}, path)
+    runs = [{"kind": "emb", "budget": b, "depth": d, **_spawn({**job, "kind": "emb", "budget": b, "depth": d}, path, True)}
+            for b in budgets for d in depths]
+    fits = [b for b in budgets if table_bytes >= 10 * b]
+    if fits:
+        b = max(fits)
+        runs.append({"kind": "dlrm", "budget": b, "depth": DLRM_DEPTH,
+                     **_spawn({**job, "kind": "dlrm", "budget": b, "depth": DLRM_DEPTH}, path, True)})
     for r in runs:
         _ratios(r, floors, in_memory)
     return {"table": {**table, "path": str(path), "row_bytes": dim * 4, "table_bytes": table_bytes},
-            "batch": {"bags": job["bags"], "pooling": POOLING, "zipf": ALPHA, "warmup": WARMUP, "timed_steps": repeat, "threads": 1},
-            "cgroup": cgroup if group is not None else f"none: {cgroup}; ran without a memory limit",
+            "batch": {"bags": job["bags"], "pooling": POOLING, "zipf": ALPHA, "warmup": warmup, "timed_steps": repeat, "threads": 1},
+            "cgroup": cgroup.replace(f"-{os.getpid()}", "-PID-N") if probe is not None else f"none: {cgroup}; ran without a memory limit",
             "dlrm": None if fits else f"skipped: no budget in --budgets is a tenth of the table ({table_bytes:,} bytes) or less",
             "floors": floors, "in_memory": in_memory, "runs": runs}
 
@@ -517,11 +538,11 @@ def print_report(res: dict) -> None:
           f"{format_bytes(t['data_mdb_bytes'])}, {'reused' if t['reused'] else 'built in %.0f s' % t['build_s']}) at {t['path']}")
     b = res["batch"]
     print(f"   step: {b['bags']} bags x {b['pooling']} ids, Zipf {b['zipf']}, SGD, {b['threads']} thread; "
-          f"{b['timed_steps']} timed steps after {b['warmup']}")
+          f"{b['timed_steps']} timed steps after {b['warmup']} untimed (--warmup)")
     print(f"   memory limit: {res['cgroup']}")
     print(f"   disk floor ({disk['tool']}): {_f(disk['iops_qd32'], ',.0f')} reads/s at depth 32, "
           f"{_f(disk['iops_qd1'], ',.0f')} at depth 1")
-    print(f"   LMDB floor (py-lmdb alone, {lm['rows']:,} rows of a step): get {_f(lm['get_cold_us'], '.1f')} us a row cold, "
+    print(f"   LMDB floor (py-lmdb alone, {lm['rows']:,} rows of a step; the table's layout: {lm['layout']}): get {_f(lm['get_cold_us'], '.1f')} us a row cold, "
           f"{_f(lm['get_warm_us'], '.1f')} us warm; put {_f(lm['put_us'], '.1f')} us")
     for name, label in (("fbgemm", "FBGEMM in memory (EmbeddingLocation.HOST, EXACT_SGD)"), ("dlrm", "DLRM demo model in memory")):
         m = res["in_memory"].get(name)
@@ -551,6 +572,9 @@ def _print_run(r: dict) -> None:
     hit = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731
     print(f"   {r['lookups_per_s'] / 1e6:.3f} M lookups/s; step p50 / p90 / p99 {r['p50_s'] * 1e3:.0f} / {r['p90_s'] * 1e3:.0f} / "
           f"{r['p99_s'] * 1e3:.0f} ms (p99/p50 {r['p99_s'] / r['p50_s']:.1f}x); hit rate HBM {hit(r['hbm_hit'])}, DDR {hit(r['ddr_hit'])}")
+    filling = " (none: the tier was still filling; more --warmup steps reach the steady state)" if not r["ddr_evictions"] else ""
+    print(f"   DDR tier {hit(r['ddr_full_at_start'])} full at the first timed step; {r['ddr_evictions']:,} DDR evictions "
+          f"while timed{filling}")
     print(f"   a step: {r['rows_read_per_step']:,.0f} rows read, {r['rows_written_per_step']:,.0f} written back; disk "
           f"{format_bytes(round(r['disk_read_bytes_per_step']))} read, {format_bytes(round(r['disk_written_bytes_per_step']))} "
           f"written; amplification read {_f(r['read_amp'], '.1f')}x, write {_f(r['write_amp'], '.1f')}x")
