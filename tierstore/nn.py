@@ -413,7 +413,41 @@ def _plan_bags(c: EmbeddingBagConfig, input, offsets, per_sample_weights) -> _Ba
     return _Bags(ids, sizes, bag_offsets, used, n_input, bag_of)
 
 
-class TieredEmbeddingBag(nn.Module):
+def as_leaf(module: nn.Module, args: Sequence) -> "torch.fx.Proxy | None":
+    """Under torch.fx symbolic tracing (torch.fx, torchrec.fx): the module's call as one
+    call_module node, a leaf of the graph, as TorchRec's tables appear in theirs (its rows
+    live in a store, not in tensors a graph can hold). None when not tracing."""
+    proxy = next((a for a in args if isinstance(a, torch.fx.Proxy)), None)
+    if proxy is None:
+        return None
+    path = proxy.tracer.path_of_module(module)
+    if not path:
+        raise TypeError(f"torch.fx cannot trace a {type(module).__name__} by itself: its rows live in a TieredStore, "
+                        "not in tensors. Trace the model that holds it, where it is a leaf (a call_module node)")
+    return proxy.tracer.create_proxy("call_module", path, tuple(args), {})
+
+
+def refuse_export(module: nn.Module) -> None:
+    """torch.export captures tensors and ops; a store lookup is neither."""
+    if torch.compiler.is_exporting():
+        raise RuntimeError(
+            f"torch.export cannot capture {type(module).__name__}: its rows live in a TieredStore, outside any graph. "
+            "Use torch.compile(model) instead (the dense layers compile; the lookup runs between the graphs), or "
+            "export the dense part alone and feed it the pooled embeddings from this module or from "
+            "tierstore.ServingEmbeddingBagCollection")
+
+
+class ScriptRefusal:
+    """torch.jit.script would compile forward, which calls into the store (Python, threads, LMDB)."""
+
+    def __prepare_scriptable__(self):
+        raise RuntimeError(
+            f"torch.jit.script cannot compile {type(self).__name__}: its forward reads rows from a TieredStore in "
+            "Python. Use torch.compile(model) (the dense layers compile, the lookup runs eagerly between the graphs); "
+            "to script the dense part, script those submodules alone")
+
+
+class TieredEmbeddingBag(ScriptRefusal, nn.Module):
     """torch.nn.EmbeddingBag over a TieredStore, with a fused row optimizer.
 
     ``TieredEmbeddingBag(num_embeddings, embedding_dim, mode=..., path=...,
@@ -594,8 +628,13 @@ class TieredEmbeddingBag(nn.Module):
         """Whether a forward with grad enabled trains the rows (an optimizer, not frozen)."""
         return self.optimizer is not None and not self._frozen
 
+    @torch.compiler.disable  # torch.compile: a graph break; the dense layers around it compile
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        leaf = as_leaf(self, (input, offsets, per_sample_weights))
+        if leaf is not None:
+            return leaf
+        refuse_export(self)
         bags = self._plan(input, offsets, per_sample_weights)  # validates before the store is touched
         _warn_untrained([self], self.training)
         return self._run(bags, per_sample_weights)
@@ -821,7 +860,7 @@ def feature_parts(name: str, feature) -> tuple:
     raise TypeError(f"feature {name!r} must be (values, offsets), (values, offsets, per_sample_weights) or a 2-D tensor")
 
 
-class TieredEmbeddingBagCollection(nn.Module):
+class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
     """Several TieredEmbeddingBags over the tables of one store.
 
     ``ebc = TieredEmbeddingBagCollection(tables=[TableSpec(...), ...], path=..., optimizer=...)``;
@@ -894,7 +933,12 @@ class TieredEmbeddingBagCollection(nn.Module):
             raise KeyError(f"unknown table {name!r}; the collection has tables {sorted(self._bags)}")
         return name
 
+    @torch.compiler.disable  # torch.compile: a graph break; the dense layers around it compile
     def forward(self, features: Mapping[str, object]) -> dict[str, torch.Tensor]:
+        leaf = as_leaf(self, (features,))
+        if leaf is not None:
+            return leaf
+        refuse_export(self)
         if not isinstance(features, Mapping):
             raise TypeError("features must be a mapping {table: (values, offsets)}")
         plans = {}

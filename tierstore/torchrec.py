@@ -20,7 +20,8 @@ from torch import nn
 try:
     from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, PoolingType
     from torchrec.modules.embedding_configs import DataType
-    from torchrec.modules.embedding_modules import get_embedding_names_by_table
+    from torchrec.modules.embedding_modules import get_embedding_names_by_table, reorder_inverse_indices
+    from torchrec.sparse.tensor_dict import maybe_td_to_kjt
     from torchrec.optim.keyed import KeyedOptimizer
 except ImportError as e:  # pragma: no cover - depends on what is installed
     raise ImportError(
@@ -28,12 +29,25 @@ except ImportError as e:  # pragma: no cover - depends on what is installed
         "(TorchRec's package names the CUDA build of FBGEMM; the extra installs the CPU build and TorchRec's other dependencies)"
     ) from e
 
-from .nn import TieredEmbeddingBag
+torch.fx.wrap("reorder_inverse_indices")  # a leaf when traced here too, as where TorchRec calls it
+
+from .nn import ScriptRefusal, TieredEmbeddingBag, refuse_export
 from .optim import RowOptimizer
 from .spec import RowInit, TableSpec
 from .store import Sizes, TieredStore
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
+
+
+@torch.fx.wrap
+def _pool_per_sample(pooled: list[torch.Tensor], inverse_indices: torch.Tensor) -> torch.Tensor:
+    """The features' pooled bags side by side, [B, sum of dims]; with variable batch sizes
+    (inverse indices, [features, B]) each feature's bags spread to the B samples first, as
+    TorchRec's process_pooled_embeddings does (here with index_select: FBGEMM's
+    group_index_select_dim0 has no CPU kernel)."""
+    if inverse_indices.numel() > 0:
+        pooled = [p.index_select(0, i) for p, i in zip(pooled, torch.unbind(inverse_indices))]
+    return torch.cat(pooled, dim=1)
 
 
 class _FusedKeyedOptimizer(KeyedOptimizer):
@@ -46,7 +60,7 @@ class _FusedKeyedOptimizer(KeyedOptimizer):
         pass
 
 
-class TieredEmbeddingBagCollection(nn.Module):
+class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
     """torchrec.EmbeddingBagCollection over the tables of one TieredStore.
 
     ``tables`` are TorchRec's EmbeddingBagConfigs (sum or mean pooling, FP32);
@@ -106,19 +120,26 @@ class TieredEmbeddingBagCollection(nn.Module):
         self._embedding_names = [n for names in get_embedding_names_by_table(tables) for n in names]
         self._lengths_per_embedding = [t.embedding_dim for t in tables for _ in t.feature_names]
 
+    @torch.compiler.disable  # torch.compile: a graph break; the dense layers around it compile
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        if features.inverse_indices_or_none() is not None:
-            raise NotImplementedError("variable batch sizes (a KeyedJaggedTensor with inverse indices) are not supported")
+        """As TorchRec's: a KeyedJaggedTensor (or TensorDict), variable batch sizes by its
+        inverse indices. Under torch.fx tracing this is traced, its tables leaves."""
+        refuse_export(self)
+        features = maybe_td_to_kjt(features, None)
+        flat = [f for t in self._configs for f in t.feature_names]
+        inverse_indices = reorder_inverse_indices(inverse_indices=features.inverse_indices_or_none(), feature_names=flat)
         jagged = features.to_dict()
-        missing = list(dict.fromkeys(f for t in self._configs for f in t.feature_names if f not in jagged))
-        if missing:
-            raise KeyError(f"features {missing} are not in the KeyedJaggedTensor (it has {list(jagged)})")
+        if not isinstance(jagged, torch.fx.Proxy):
+            missing = list(dict.fromkeys(f for f in flat if f not in jagged))
+            if missing:
+                raise KeyError(f"features {missing} are not in the KeyedJaggedTensor (it has {list(jagged)})")
         pooled = []
         for t in self._configs:
             for f in t.feature_names:
                 jt = jagged[f]
                 pooled.append(self.embedding_bags[t.name](jt.values(), jt.offsets(), jt.weights() if self._is_weighted else None))
-        return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=torch.cat(pooled, dim=1))
+        return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding,
+                           values=_pool_per_sample(pooled, inverse_indices))
 
     def batch_reads(self, features: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
         """The ids a forward of ``features`` reads, by table: what LookaheadLoader prefetches."""
