@@ -443,22 +443,24 @@ class LmdbBackend:
                     got = under_lock(self._logs[table])
                 return after(txn, got) if after is not None else got
 
-    def _log_slots(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _log_slots(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The stored slots (row bytes, then the last-use step where kept) of ``ids`` and the
-        mask of those found, all of one snapshot."""
+        mask of those found, all of one snapshot; into ``out`` (uint8 [n, slot bytes]) when given."""
         def places(log):
             segs, slots, found = log.places(ids)
             return log.slot_bytes, log.offset[segs] + slots * log.slot_bytes, found
 
         def read(txn, got):
             width, offsets, found = got
-            out = np.empty((len(ids), width), dtype=np.uint8)
+            slots = np.empty((len(ids), width), dtype=np.uint8) if out is None else out
             if len(offsets):
                 _, base, size = self._map_base(txn, self._log_dbs[table])
-                picked = np.empty((len(offsets), width), dtype=np.uint8)
+                every = len(offsets) == len(ids)
+                picked = slots if every else np.empty((len(offsets), width), dtype=np.uint8)
                 rowlog.gather(base, size, offsets, width, picked)
-                out[found] = picked
-            return out, found
+                if not every:
+                    slots[found] = picked
+            return slots, found
         return self._log_read(table, places, read)
 
     def _sync_log(self, table: str, txn) -> bool:
@@ -505,6 +507,9 @@ class LmdbBackend:
         codec = self._codecs[table]
         rows = np.empty((len(ids), codec.width), dtype=np.float32) if out is None else out
         if table in self._logs:
+            if codec.dtype == "float32" and not self._logs[table].last_use and rows.flags.c_contiguous:
+                # the stored bytes are the rows themselves: gathered straight into them
+                return rows, self._log_slots(table, ids, rows.view(np.uint8))[1]
             slots, found = self._log_slots(table, ids)
             rows[found] = codec.unpack(slots[found, : codec.row_bytes])
             return rows, found

@@ -41,7 +41,7 @@ _SLOT_BITS = 12
 MAX_SLOTS = 1 << _SLOT_BITS
 _MAX_SEGMENTS = (1 << (32 - _SLOT_BITS)) - 1  # the last one would make NONE a place
 NONE = np.uint32(0xFFFFFFFF)
-_HEADER = struct.Struct("<4sB3xII")  # magic, kind, ids, slot bytes
+HEADER = struct.Struct("<4sB3xII")  # magic, kind, ids, slot bytes
 _MAGIC = b"TSG1"
 ROWS, TOMBSTONES = 0, 1
 PAGE = 4096
@@ -63,7 +63,7 @@ def seq_key(seq: int) -> bytes:
 def _rows_offset(n: int, slot_bytes: int) -> int:
     """Where a segment of ``n`` slots puts its first slot: on a page boundary of the file
     when the slots fill a page or more (a slot then spans as few pages as it can)."""
-    end = _HEADER.size + 8 * n
+    end = HEADER.size + 8 * n
     if n * slot_bytes < PAGE:
         return end
     return -(-(end + _VALUE_OFFSET) // PAGE) * PAGE - _VALUE_OFFSET
@@ -73,7 +73,7 @@ def encode_segment(ids: np.ndarray, slots: np.ndarray | None, slot_bytes: int) -
     """A segment of ``ids`` and their ``slots`` (uint8 [n, slot_bytes]); tombstones when ``slots`` is None."""
     n = len(ids)
     if slots is None:
-        out = np.empty(_HEADER.size + 8 * n, dtype=np.uint8)
+        out = np.empty(HEADER.size + 8 * n, dtype=np.uint8)
         kind = TOMBSTONES
     else:
         start = _rows_offset(n, slot_bytes)
@@ -81,8 +81,8 @@ def encode_segment(ids: np.ndarray, slots: np.ndarray | None, slot_bytes: int) -
         out = np.zeros(max(end, MIN_SEGMENT), dtype=np.uint8)
         out[start:end].reshape(n, slot_bytes)[:] = slots
         kind = ROWS
-    out[: _HEADER.size] = np.frombuffer(_HEADER.pack(_MAGIC, kind, n, slot_bytes), dtype=np.uint8)
-    out[_HEADER.size: _HEADER.size + 8 * n] = np.ascontiguousarray(ids, dtype="<i8").view(np.uint8)
+    out[: HEADER.size] = np.frombuffer(HEADER.pack(_MAGIC, kind, n, slot_bytes), dtype=np.uint8)
+    out[HEADER.size: HEADER.size + 8 * n] = np.ascontiguousarray(ids, dtype="<i8").view(np.uint8)
     return out.tobytes()
 
 
@@ -92,14 +92,14 @@ class SegmentFormatError(ValueError):
 
 def parse_header(value) -> tuple[int, np.ndarray, int]:
     """(kind, ids, offset of the first slot) of a segment ``value`` (a buffer)."""
-    if len(value) < _HEADER.size:
+    if len(value) < HEADER.size:
         raise SegmentFormatError(f"a segment of {len(value)} bytes, shorter than its header")
-    magic, kind, n, slot_bytes = _HEADER.unpack_from(value)
+    magic, kind, n, slot_bytes = HEADER.unpack_from(value)
     start = _rows_offset(n, slot_bytes)
-    need = _HEADER.size + 8 * n if kind == TOMBSTONES else max(start + n * slot_bytes, MIN_SEGMENT)
+    need = HEADER.size + 8 * n if kind == TOMBSTONES else max(start + n * slot_bytes, MIN_SEGMENT)
     if magic != _MAGIC or kind not in (ROWS, TOMBSTONES) or len(value) != need:
-        raise SegmentFormatError(f"a segment with header {bytes(value[:_HEADER.size])!r} and {len(value)} bytes")
-    return kind, np.frombuffer(value, dtype="<i8", count=n, offset=_HEADER.size), start
+        raise SegmentFormatError(f"a segment with header {bytes(value[:HEADER.size])!r} and {len(value)} bytes")
+    return kind, np.frombuffer(value, dtype="<i8", count=n, offset=HEADER.size), start
 
 
 class RowLog:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from tierstore import TableSpec, TieredEmbeddingBag, TieredStore, optim
 from tierstore.io import RowCodec, encode_keys
+from tierstore.io import rowlog
 from tierstore.precision import DTYPES, round_nearest, round_stochastic, update_key
 
 HALF = ["float16", "bfloat16"]
@@ -76,8 +77,8 @@ def test_a_half_table_stores_half_the_weight_bytes_and_reads_what_was_written_ro
         assert torch.equal(store.read("t", torch.arange(100), with_state=True), expect)
         assert store.tables["t"].row_bytes == 8 * 2 + 2 * 4
     env = lmdb.open(str(tmp_path / "s"), readonly=True, max_dbs=8, lock=False)
-    with env.begin(db=env.open_db(b"t:t", create=False)) as txn:
-        assert {len(v) for _, v in txn.cursor()} == {8 * 2 + 2 * 4}
+    with env.begin(db=env.open_db(b"s:t", create=False)) as txn:  # segments of the log layout (io.rowlog)
+        assert {rowlog.HEADER.unpack_from(v)[3] for _, v in txn.cursor()} == {8 * 2 + 2 * 4}  # each slot's bytes
     env.close()
     with TieredStore(tmp_path / "s", readonly=True) as again:
         assert again.tables["t"].dtype == dtype
