@@ -1,5 +1,6 @@
 """tierstore.torchrec against the real TorchRec: its EmbeddingBagCollection's
 output, and torchrec.models.dlrm.DLRM trained on both collections."""
+import functools
 import warnings
 
 import pytest
@@ -109,7 +110,9 @@ def test_lookahead_prefetch_over_keyed_jagged_batches_changes_nothing(tmp_path):
 
 @pytest.mark.parametrize("change, match", [
     (dict(pooling=PoolingType.NONE), "pooling"),
-    (dict(data_type=DataType.FP16), "data_type"),
+    (dict(data_type=DataType.INT8), "data_type"),
+    (dict(init_fn=lambda w: w.fill_(0.5)), "init_fn"),
+    (dict(init_fn=functools.partial(torch.nn.init.trunc_normal_, std=0.02)), "init_fn"),
 ])
 def test_what_it_cannot_do_is_refused(tmp_path, change, match):
     cfg = EmbeddingBagConfig(name="t", embedding_dim=DIM, num_embeddings=10, **change)
@@ -228,3 +231,94 @@ def test_dcp_round_trip_of_a_dlrm_with_its_fused_optimizer_state(tmp_path):
     for k in saved[1]:
         assert torch.equal(dense_now[k], saved[1][k]), k
     ebc.close()
+
+
+# -- the rest of TorchRec's contract (issue #32) ------------------------------------------------------
+def read_table(ebc, cfg, with_state=False):
+    return ebc.store.read(cfg.name, torch.arange(cfg.num_embeddings), with_state=with_state)
+
+
+def test_init_fn_and_weight_init_bounds_give_each_row_its_value_deterministically(tmp_path):
+    tables = [EmbeddingBagConfig(name="lo", embedding_dim=DIM, num_embeddings=500, feature_names=["a"],
+                                 weight_init_min=0.25, weight_init_max=0.5),
+              EmbeddingBagConfig(name="n", embedding_dim=DIM, num_embeddings=500, feature_names=["b"],
+                                 init_fn=functools.partial(torch.nn.init.normal_, mean=3.0, std=0.1)),
+              EmbeddingBagConfig(name="z", embedding_dim=DIM, num_embeddings=50, feature_names=["c"],
+                                 init_fn=torch.nn.init.zeros_)]
+    a = TieredEmbeddingBagCollection(tables, path=tmp_path / "a", device="cpu")
+    b = TieredEmbeddingBagCollection(tables, path=tmp_path / "b", device="cpu")
+    lo, n, z = (read_table(a, t) for t in tables)
+    assert 0.25 <= float(lo.min()) and float(lo.max()) < 0.5 and float(lo.max()) > 0.45
+    assert abs(float(n.mean()) - 3.0) < 0.01 and abs(float(n.std()) - 0.1) < 0.01
+    assert not bool(z.any())
+    assert all(torch.equal(read_table(a, t), read_table(b, t)) for t in tables)  # per row, whatever the store
+    a.close()
+    b.close()
+
+
+def test_fp16_tables_pool_their_half_rows_in_float32(tmp_path):
+    tables = [EmbeddingBagConfig(name=c.name, embedding_dim=DIM, num_embeddings=c.num_embeddings, feature_names=c.feature_names,
+                                 pooling=c.pooling, data_type=DataType.FP16) for c in configs(shared=False)]
+    ours = TieredEmbeddingBagCollection(tables, path=tmp_path, ddr_rows=6, device="cpu")
+    theirs = theirs_with_our_rows(ours)  # float32 copies of the half rows
+    for cfg in tables:
+        rows = read_table(ours, cfg)
+        assert torch.equal(rows.half().float(), rows)
+    kjt = batch(torch.Generator().manual_seed(7))
+    assert torch.equal(ours(kjt).values(), theirs(kjt).values())
+    ours.close()
+
+
+def vbe_batch():
+    """Variable batch sizes: feature u_click has 2 bags, i_view 3, spread to 4 samples by inverse indices."""
+    return KeyedJaggedTensor(keys=["u_click", "i_view"], values=torch.tensor([1, 2, 3, 4, 5, 6, 7]),
+                             lengths=torch.tensor([2, 1, 1, 0, 3]), stride_per_key_per_rank=[[2], [3]],
+                             inverse_indices=(["u_click", "i_view"], torch.tensor([[0, 1, 1, 0], [2, 0, 1, 2]])))
+
+
+def test_variable_batch_sizes_tensordict_and_torchrecs_signature_as_torchrec(tmp_path):
+    from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
+
+    ours = TieredEmbeddingBagCollection(configs(shared=False), False, "cpu", path=tmp_path)  # (tables, is_weighted, device)
+    assert isinstance(ours, EmbeddingBagCollectionInterface) and not ours.is_weighted()
+    assert ours.embedding_bags["user"] is ours.bags["user"] and "embedding_bags.item" in dict(ours.named_modules())
+    theirs = theirs_with_our_rows(ours)
+    kjt = vbe_batch()
+    got = ours(kjt)
+    assert got.values().shape == (4, 2 * DIM) and torch.equal(got.values(), theirs(kjt).values())
+    tensordict = pytest.importorskip("tensordict", reason="tensordict (TorchRec's optional input type) is not installed")
+    plain = batch(torch.Generator().manual_seed(8)).to_dict()
+    td = tensordict.TensorDict({k: torch.nested.nested_tensor_from_jagged(jt.values(), lengths=jt.lengths())
+                                for k, jt in plain.items() if k != "shared"}, batch_size=[B])
+    assert torch.equal(ours(td).values(), theirs(td).values())
+    ours.close()
+
+
+def test_meta_device_creates_no_files_and_gives_shapes(tmp_path):
+    ours = TieredEmbeddingBagCollection(configs(shared=False), device="meta", path=tmp_path / "s")
+    assert not (tmp_path / "s").exists() and ours.device == torch.device("meta")
+    assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == {
+        "embedding_bags.user.weight": (50, DIM), "embedding_bags.item.weight": (40, DIM)}
+    kjt = batch(torch.Generator().manual_seed(9)).to("meta")
+    theirs = EmbeddingBagCollection(tables=configs(shared=False), device=torch.device("meta"))
+    assert ours(kjt).values().shape == theirs(kjt).values().shape == (B, 2 * DIM)
+
+
+def test_reset_parameters_and_a_zero_learning_rate(tmp_path):
+    opt = tierstore.optim.Adagrad(lr=0.5)
+    ours = TieredEmbeddingBagCollection(configs(shared=False), path=tmp_path, ddr_rows=6, device="cpu", optimizer=opt)
+    initial = {c.name: read_table(ours, c, with_state=True) for c in configs(shared=False)}
+    g = torch.Generator().manual_seed(10)
+    opt.lr = 0.0  # a warm-up schedule's first step: the state accumulates, no weight moves (as torch.optim.Adagrad)
+    ours(batch(g)).values().square().sum().backward()
+    after = {c.name: read_table(ours, c, with_state=True) for c in configs(shared=False)}
+    assert all(torch.equal(after[k][:, :DIM], initial[k][:, :DIM]) for k in after)
+    assert any(bool(after[k][:, DIM:].any()) for k in after)
+    opt.lr = 0.5
+    ours(batch(g)).values().square().sum().backward()
+    assert not all(torch.equal(read_table(ours, c), initial[c.name][:, :DIM]) for c in configs(shared=False))
+    ours.reset_parameters()
+    for c in configs(shared=False):
+        assert torch.equal(read_table(ours, c, with_state=True), initial[c.name])
+        assert len(ours.store.stored_ids(c.name)) == 0
+    ours.close()

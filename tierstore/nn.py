@@ -658,6 +658,16 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         if self._owns_store:
             self.store.close()
 
+    def reset_parameters(self) -> None:
+        """Every row back to its initial value with zero optimizer state, as nn.EmbeddingBag's
+        re-initializes its weight: the table's rows are deleted (they read as ``init`` again)."""
+        self.store.flush()  # every row is then in LMDB, where stored_ids sees it
+        ids = self.store.stored_ids(self.table)
+        for lo in range(0, len(ids), _CHUNK_ROWS):
+            self.store.evict(self.table, ids[lo: lo + _CHUNK_ROWS])
+        if self.config.padding_idx is not None:
+            self.store.write(self.table, [self.config.padding_idx], torch.zeros(1, self.embedding_dim))
+
     # -- checkpoints (tierstore.checkpointing) ------------------------------------------------
     def views(self) -> TableViews:
         """The table's rows and optimizer state as TableViews (what state_dict() and

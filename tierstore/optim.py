@@ -45,7 +45,10 @@ class RowOptimizer:
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self._lr = _positive("lr", value)
+        # 0 is what a warm-up schedule's first step gives, and torch.optim accepts it
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"lr must be a finite number >= 0, got {value!r}")
+        self._lr = float(value)
 
     def state_dim(self, dim: int) -> int:
         """float32 state values stored after the ``dim`` weights of each row."""

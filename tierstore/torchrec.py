@@ -11,6 +11,7 @@ tables share named ``feature@table``.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,7 +21,8 @@ from torch import nn
 try:
     from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, PoolingType
     from torchrec.modules.embedding_configs import DataType
-    from torchrec.modules.embedding_modules import get_embedding_names_by_table, reorder_inverse_indices
+    from torchrec.modules.embedding_modules import (EmbeddingBagCollectionInterface, get_embedding_names_by_table,
+                                                    reorder_inverse_indices)
     from torchrec.sparse.tensor_dict import maybe_td_to_kjt
     from torchrec.optim.keyed import KeyedOptimizer
 except ImportError as e:  # pragma: no cover - depends on what is installed
@@ -37,14 +39,39 @@ from .spec import RowInit, TableSpec
 from .store import Sizes, TieredStore
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
+_DTYPES = {DataType.FP32: ("float32", torch.float32), DataType.FP16: ("float16", torch.float16),
+           DataType.BF16: ("bfloat16", torch.bfloat16)}
+_INITS = {torch.nn.init.uniform_: ("uniform", {"a": 0.0, "b": 1.0}), torch.nn.init.normal_: ("normal", {"mean": 0.0, "std": 1.0}),
+          torch.nn.init.zeros_: ("zeros", {})}
+
+
+def row_init(config: EmbeddingBagConfig) -> RowInit:
+    """The RowInit of a config: its init_fn where that is a partial of torch.nn.init's uniform_,
+    normal_ or zeros_, else uniform(weight_init_min, weight_init_max) as TorchRec's default."""
+    fn = config.init_fn
+    if fn is None:
+        return RowInit.uniform(config.get_weight_init_min(), config.get_weight_init_max())
+    base = fn.func if isinstance(fn, functools.partial) else fn
+    if base not in _INITS:
+        raise ValueError(
+            f"table {config.name!r}: init_fn={fn!r} cannot give each row its value from its id alone (the store creates "
+            "rows when first read, in any order); use functools.partial(torch.nn.init.uniform_, a=..., b=...), "
+            "normal_(mean=..., std=...) or zeros_, weight_init_min/weight_init_max, or init=tierstore.RowInit(...)")
+    kind, defaults = _INITS[base]
+    given = fn.keywords if isinstance(fn, functools.partial) else {}
+    if (isinstance(fn, functools.partial) and fn.args) or set(given) - set(defaults):
+        raise ValueError(f"table {config.name!r}: init_fn {fn!r} must give only the keywords {sorted(defaults)} "
+                         "(the rows' values are made per row from them)")
+    args = [float(given.get(n, d)) for n, d in defaults.items()]
+    return RowInit("zeros") if kind == "zeros" else getattr(RowInit, kind)(*args)
 
 
 @torch.fx.wrap
 def _pool_per_sample(pooled: list[torch.Tensor], inverse_indices: torch.Tensor) -> torch.Tensor:
     """The features' pooled bags side by side, [B, sum of dims]; with variable batch sizes
     (inverse indices, [features, B]) each feature's bags spread to the B samples first, as
-    TorchRec's process_pooled_embeddings does (here with index_select: FBGEMM's
-    group_index_select_dim0 has no CPU kernel)."""
+    TorchRec's process_pooled_embeddings does (with index_select in place of FBGEMM's
+    group_index_select_dim0: the same rows copied)."""
     if inverse_indices.numel() > 0:
         pooled = [p.index_select(0, i) for p, i in zip(pooled, torch.unbind(inverse_indices))]
     return torch.cat(pooled, dim=1)
@@ -60,27 +87,33 @@ class _FusedKeyedOptimizer(KeyedOptimizer):
         pass
 
 
-class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
+class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterface):
     """torchrec.EmbeddingBagCollection over the tables of one TieredStore.
 
-    ``tables`` are TorchRec's EmbeddingBagConfigs (sum or mean pooling, FP32);
-    each becomes a store table of the same name. A config without
-    ``feature_names`` gets ``[name]``, as TorchRec does. ``is_weighted`` pools
-    the features' weights (sum pooling). Rows never written start as ``init``
-    (tierstore.RowInit; default TorchRec's uniform(+-1/sqrt(num_embeddings))).
-    Without ``optimizer`` the rows are not trained.
+    ``TieredEmbeddingBagCollection(tables, is_weighted=False, device=None, *, path=..., ...)``
+    (TorchRec's signature, then the store's arguments). ``tables`` are TorchRec's
+    EmbeddingBagConfigs (sum or mean pooling; FP32, FP16 or BF16 rows, pooled in float32);
+    each becomes a store table of the same name. A config without ``feature_names`` gets
+    ``[name]``, as TorchRec does. ``is_weighted`` pools the features' weights (sum pooling).
+    Rows never written start as the config says, a pure function of (table, id, seed)
+    (tierstore.RowInit): ``init_fn`` when it is ``functools.partial`` of
+    ``torch.nn.init.uniform_``, ``normal_`` or ``zeros_``, else uniform(weight_init_min,
+    weight_init_max) (TorchRec's default +-1/sqrt(num_embeddings)); ``init=`` (a RowInit)
+    sets every table's instead. Without ``optimizer`` the rows are not trained.
+    ``device="meta"`` builds the module as TorchRec does on meta (nn.EmbeddingBags of meta
+    tensors, for shapes and planning) and creates no store.
     """
 
     def __init__(
         self,
         tables: Sequence[EmbeddingBagConfig],
+        is_weighted: bool = False,
+        device: str | torch.device | None = None,
         *,
         path: str | Path | None = None,
-        is_weighted: bool = False,
         hbm_rows: Sizes | None = None,
         ddr_rows: Sizes | None = None,
         policy: str = "lru",
-        device: str | torch.device | None = None,
         optimizer: RowOptimizer | None = None,
         init: RowInit | None = None,
         kernels: str = "torch",
@@ -90,35 +123,47 @@ class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
         tables = list(tables)
         if not tables or not all(isinstance(t, EmbeddingBagConfig) for t in tables):
             raise TypeError("tables must be a non-empty list of torchrec.EmbeddingBagConfig")
+        if not isinstance(is_weighted, bool):
+            raise TypeError(f"is_weighted must be a bool (TorchRec's signature is (tables, is_weighted, device)), got {is_weighted!r}")
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"Duplicate table name in {names}")
+        inits = {}
         for t in tables:
             if t.pooling not in _MODES:
                 raise ValueError(f"table {t.name!r}: pooling {t.pooling} is not supported; use PoolingType.SUM or PoolingType.MEAN")
-            if t.data_type != DataType.FP32:
-                raise ValueError(f"table {t.name!r}: data_type {t.data_type} is not supported; use DataType.FP32")
+            if t.data_type not in _DTYPES:
+                raise ValueError(f"table {t.name!r}: data_type {t.data_type} is not supported; use DataType.FP32, FP16 or BF16 "
+                                 "(for int8/int4 serving rows see tierstore.export)")
             if is_weighted and t.pooling != PoolingType.SUM:
                 raise ValueError(f"table {t.name!r}: weighted features need PoolingType.SUM (as torch.nn.EmbeddingBag)")
             if not t.feature_names:
                 t.feature_names = [t.name]
+            inits[t.name] = init if init is not None else row_init(t)
+        self._configs = tables
+        self._is_weighted = is_weighted
+        self._embedding_names = [n for names in get_embedding_names_by_table(tables) for n in names]
+        self._lengths_per_embedding = [t.embedding_dim for t in tables for _ in t.feature_names]
+        if device is not None and torch.device(device).type == "meta":
+            # shapes only, as TorchRec's EBC on meta: no store, no files
+            self.store = None
+            self.embedding_bags = nn.ModuleDict({
+                t.name: nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=_MODES[t.pooling], include_last_offset=True,
+                                        device="meta", dtype=_DTYPES[t.data_type][1])
+                for t in tables})
+            return
         if path is None:
             raise ValueError("pass path= (a directory for a new or existing store)")
-        specs = [TableSpec(t.name, t.num_embeddings, t.embedding_dim,
-                           state_dim=optimizer.state_dim(t.embedding_dim) if optimizer else 0,
-                           init=init or RowInit.uniform(-(1 / t.num_embeddings) ** 0.5, (1 / t.num_embeddings) ** 0.5))
+        specs = [TableSpec(t.name, t.num_embeddings, t.embedding_dim, dtype=_DTYPES[t.data_type][0],
+                           state_dim=optimizer.state_dim(t.embedding_dim) if optimizer else 0, init=inits[t.name])
                  for t in tables]
         self.store = TieredStore(path, tables=specs, hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device,
                                  memory_budget=memory_budget)
-        self._configs = tables
-        self._is_weighted = is_weighted
         self.embedding_bags = nn.ModuleDict({
             t.name: TieredEmbeddingBag(t.num_embeddings, t.embedding_dim, mode=_MODES[t.pooling], store=self.store, table=t.name,
                                        optimizer=optimizer, include_last_offset=True, kernels=kernels)
             for t in tables
         })
-        self._embedding_names = [n for names in get_embedding_names_by_table(tables) for n in names]
-        self._lengths_per_embedding = [t.embedding_dim for t in tables for _ in t.feature_names]
 
     @torch.compiler.disable  # torch.compile: a graph break; the dense layers around it compile
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -170,8 +215,14 @@ class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.store.device
+        return self.store.device if self.store is not None else torch.device("meta")
+
+    def reset_parameters(self) -> None:
+        """Every row back to its initial value, with zero optimizer state (as TorchRec's re-runs init_fn)."""
+        for bag in self.embedding_bags.values():
+            bag.reset_parameters()
 
     def close(self) -> None:
         """Flush every row and close the store."""
-        self.store.close()
+        if self.store is not None:
+            self.store.close()
