@@ -322,3 +322,86 @@ def test_reset_parameters_and_a_zero_learning_rate(tmp_path):
         assert torch.equal(read_table(ours, c, with_state=True), initial[c.name])
         assert len(ours.store.stored_ids(c.name)) == 0
     ours.close()
+
+
+# -- ported from TorchRec: torchrec/modules/tests/test_embedding_modules.py, EmbeddingBagCollectionTest -----
+# The same tables and batches, run on ours and on TorchRec's EmbeddingBagCollection holding our rows:
+# the same keys and offsets, and the same values bit for bit.
+def _ported_batch(weighted: bool, device="cpu"):
+    if not weighted:  # test_unweighted, test_shared_tables: features f1, f2 over a batch of 3
+        return KeyedJaggedTensor.from_offsets_sync(keys=["f1", "f2"], values=torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]),
+                                                   offsets=torch.tensor([0, 2, 2, 3, 4, 5, 8]))
+    return KeyedJaggedTensor.from_offsets_sync(  # test_weighted, test_forward_with_meta_device, test_fx
+        keys=["f1", "f3", "f2"], values=torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 1, 3, 4, 7], device=device),
+        offsets=torch.tensor([0, 2, 4, 6, 8, 10, 12], device=device),
+        weights=torch.tensor([0.1, 0.2, 0.4, 0.5, 0.4, 0.3, 0.2, 0.9, 0.1, 0.3, 0.4, 0.7], device=device))
+
+
+def _weighted_tables():
+    return [EmbeddingBagConfig(name="t1", embedding_dim=3, num_embeddings=10, feature_names=["f1", "f3"]),
+            EmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=10, feature_names=["f2"])]
+
+
+PORTED = {  # test name in TorchRec's file: (tables, weighted, output size, keys, offsets)
+    "test_unweighted": (lambda: [
+        EmbeddingBagConfig(name="t1", embedding_dim=3, num_embeddings=10, feature_names=["f1"],
+                           init_fn=functools.partial(torch.nn.init.normal_, mean=0.0, std=1.5)),
+        EmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=10, feature_names=["f2"],
+                           init_fn=functools.partial(torch.nn.init.uniform_, a=-0.036, b=0.036))],
+        False, (3, 7), ["f1", "f2"], [0, 3, 7]),
+    "test_shared_tables": (lambda: [EmbeddingBagConfig(name="t1", embedding_dim=3, num_embeddings=10, feature_names=["f1", "f2"])],
+                           False, (3, 6), ["f1", "f2"], [0, 3, 6]),
+    "test_weighted": (_weighted_tables, True, (2, 10), ["f1", "f3", "f2"], [0, 3, 6, 10]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PORTED))
+def test_ported_embedding_bag_collection(tmp_path, name):
+    tables, weighted, size, keys, offsets = PORTED[name]
+    ours = TieredEmbeddingBagCollection(tables(), weighted, path=tmp_path, device="cpu")
+    theirs = EmbeddingBagCollection(tables=tables(), is_weighted=weighted)
+    with torch.no_grad():
+        for cfg in tables():
+            theirs.embedding_bags[cfg.name].weight.copy_(ours.store.read(cfg.name, torch.arange(cfg.num_embeddings)))
+    got, want = ours(_ported_batch(weighted)), theirs(_ported_batch(weighted))
+    assert got.values().size() == size and got.keys() == keys and got.offset_per_key() == offsets
+    assert torch.equal(got.values(), want.values())
+    ours.close()
+
+
+def test_ported_shared_features(tmp_path):
+    """test_shared_features: one feature pooled by two tables, keys f1@t1, f1@t2."""
+    tables = [EmbeddingBagConfig(name="t1", embedding_dim=3, num_embeddings=10, feature_names=["f1"]),
+              EmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=10, feature_names=["f1"])]
+    ours = TieredEmbeddingBagCollection(tables, path=tmp_path, device="cpu")
+    kjt = KeyedJaggedTensor.from_offsets_sync(keys=["f1"], values=torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]),
+                                              offsets=torch.tensor([0, 2, 2, 3, 4, 5, 8]))
+    got = ours(kjt)
+    assert got.values().size() == (6, 7) and got.keys() == ["f1@t1", "f1@t2"] and got.offset_per_key() == [0, 3, 7]
+    ours.close()
+
+
+def test_ported_forward_with_meta_device_and_device(tmp_path):
+    """test_forward_with_meta_device and test_device (the meta parts; no store, no files)."""
+    ours = TieredEmbeddingBagCollection(_weighted_tables(), is_weighted=True, device=torch.device("meta"), path=tmp_path / "s")
+    got = ours(_ported_batch(True, device="meta"))
+    assert got.values().size() == (2, 10) and got.keys() == ["f1", "f3", "f2"] and got.offset_per_key() == [0, 3, 6, 10]
+    assert got.values().device == torch.device("meta") == ours.device == ours.embedding_bags["t1"].weight.device
+    assert not (tmp_path / "s").exists()
+
+
+def test_ported_fx_and_scripting(tmp_path):
+    """test_fx: torchrec.fx traces the collection and the graph gives the same output; test_scripting:
+    TorchRec's EBC scripts, ours refuses naming torch.compile (its forward reads a store in Python)."""
+    from torchrec.fx import symbolic_trace
+
+    ours = TieredEmbeddingBagCollection(_weighted_tables(), is_weighted=True, path=tmp_path, device="cpu")
+    gm = symbolic_trace(ours)
+    got = gm(_ported_batch(True))
+    assert got.values().size() == (2, 10) and got.keys() == ["f1", "f3", "f2"] and got.offset_per_key() == [0, 3, 6, 10]
+    assert torch.equal(got.values(), ours(_ported_batch(True)).values())
+    with pytest.raises(RuntimeError, match=r"torch\.jit\.script cannot compile .*torch\.compile"):
+        torch.jit.script(ours)
+    with pytest.raises(ValueError, match="Duplicate table name"):  # test_duplicate_config_name_fails
+        TieredEmbeddingBagCollection([_weighted_tables()[0], _weighted_tables()[0]], path=tmp_path / "dup", device="cpu")
+    ours.close()
