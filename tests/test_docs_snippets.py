@@ -163,6 +163,13 @@ def test_block_runs(block: Block, fork_server: ForkServer, tmp_path: Path):
     assert code == 0, f"{block.name} exited {code}:\n{log.read_text()[-4000:]}"
 
 
+def test_ci_runs_the_readme_test_command():
+    # a newcomer runs what CI runs: the quick start's second command is a line of .ci/run
+    quick_start = (ROOT / "README.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    command = quick_start[quick_start.index(next(x for x in quick_start if x.startswith("# 2."))) + 1]
+    assert command in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
 def test_docs_build_strict(tmp_path: Path):
     """mkdocs.yml is strict: a broken link, a missing page or a bad API reference fails the build."""
     if importlib.util.find_spec("mkdocs") is None:
