@@ -70,7 +70,7 @@ def test_bench_peers_times_the_ddr_resident_step_beside_the_hbm_resident_one(cap
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert cli.main(["bench", "peers", "--tier", "ddr", "--rows", "5000", "--batch", "1024", "--repeat", "1",
+        assert cli.main(["bench", "peers", "--tier", "ddr", "--rows", "2000", "--batch", "256", "--repeat", "1",
                          "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "resident in=HBM tier (hbm_rows=working set) and DDR tier (hbm_rows=0, ddr_rows=rows)" in out
