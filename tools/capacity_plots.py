@@ -53,12 +53,15 @@ def check_plot_dir(out_dir: str | Path) -> Path:
     return given
 
 
-_POLICY_STYLE = {  # marker and colour per replayed policy, apart from the tables' line colours
-    "lru": ("o", "none", "simulated LRU"),
-    "lfu": ("s", "tab:red", "LFU"),
-    "lookahead": ("^", "tab:purple", "lookahead"),
-    "belady": ("x", "black", "Belady bound"),
+# a replayed policy's marker; its colour is its table's, so tables of near sizes stay apart
+_POLICY_STYLE = {
+    "lru": ("o", "simulated LRU"),
+    "lfu": ("s", "LFU"),
+    "lookahead": ("^", "lookahead"),
+    "belady": ("x", "Belady bound"),
 }
+# what the tables' points mean, under the axes (the y label only says what is measured)
+POINTS_NOTE = "Points: at a table's HBM rows, the HBM tier's miss ratio; at its HBM + DDR rows, both tiers' (misses that go to LMDB)."
 
 
 def _policy_key(name: str) -> str:
@@ -98,20 +101,20 @@ def plot_report(report: dict, out_dir: str | Path) -> list[Path]:
             if s["predicted"] != "simulated":
                 continue
             k = _policy_key(s["policy"])
-            marker, colour, _ = _POLICY_STYLE[k]
+            marker, _ = _POLICY_STYLE[k]
             for size, ratio in ((s["hbm_rows"], s["hbm_hit_ratio"]), (s["hbm_rows"] + s["ddr_rows"], s["hit_ratio"])):
                 if size:  # HBM hits at the HBM size, all cache hits at HBM + DDR
-                    ax.plot(size, 1 - ratio, marker, ms=8, mew=1.5, zorder=6,
-                            color=line.get_color() if colour == "none" else colour, mfc="none" if marker != "x" else None)
+                    ax.plot(size, 1 - ratio, marker, ms=8, mew=1.5, zorder=6, color=line.get_color(),
+                            mfc="none" if marker != "x" else None)
             seen.add(k)
-    for k in _POLICY_STYLE:  # legend entries for the point styles used
+    for k in _POLICY_STYLE:  # legend entries for the point styles used, in a neutral colour: the shape is the policy
         if k in seen:
-            marker, colour, label = _POLICY_STYLE[k]
-            ax.plot([], [], marker, color="gray" if colour == "none" else colour, mfc="none" if marker != "x" else None,
-                    ms=8, mew=1.5, ls="none", label=label)
+            marker, label = _POLICY_STYLE[k]
+            ax.plot([], [], marker, color="gray", mfc="none" if marker != "x" else None, ms=8, mew=1.5, ls="none", label=label)
     if any(t.get("recommendation") for t in tables):
         ax.plot([], [], "v", color="gray", mec="black", ms=10, ls="none", label="recommended HBM rows")
         ax.plot([], [], "*", color="gray", mec="black", ms=12, ls="none", label="recommended HBM + DDR rows")
+        ax.plot([], [], color="gray", ls="--", lw=0.8, label="recommended sizes (dashed, table's colour)")
     if any("exact_curve" in t for t in tables):
         ax.plot([], [], "k:", lw=0.8, label="exact LRU")
     if any("error_bound" in t["curve"] for t in tables):
@@ -120,24 +123,33 @@ def plot_report(report: dict, out_dir: str | Path) -> list[Path]:
     ax.xaxis.set_major_formatter(plain)
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("cache rows (HBM + DDR), per table")
-    ax.set_ylabel("miss ratio\n(points: HBM at HBM rows, all tiers at HBM + DDR)")
+    ax.set_ylabel("miss ratio (share of row lookups not served)")
     ax.set_title(f"Miss ratio against cache rows per table ({report['method']})")
     ax.legend(fontsize=7, loc="lower left", ncol=2 if len(tables) > 6 else 1)
     ax.grid(True, which="both", alpha=0.3)
+    fig.text(0.01, -0.02, POINTS_NOTE, fontsize=8, ha="left", va="top")
     files.append(out / PLOT_FILES[0])
-    fig.savefig(files[-1], dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    _save(fig, ax, files[-1], plt)
 
     tc = report.get("total", {}).get("curve")
     fig, ax = plt.subplots(figsize=(9, 4.5))
+    xs = []
     if tc and tc["bytes"]:
-        ax.plot(np.maximum(np.array(tc["bytes"]), 1) / div, 1 - np.array(tc["hit_ratio"]), "k-", label="LRU, bytes split for the most hits")
-    b = report.get("budget")
-    if b:  # the chosen budget: HBM alone, then HBM + DDR
-        for x, label, colour in ((b["hbm_bytes"], "HBM budget", "tab:green"), (b["hbm_bytes"] + b["ddr_bytes"], "HBM + DDR budget", "tab:orange")):
+        x, hit = np.maximum(np.array(tc["bytes"]), 1) / div, np.array(tc["hit_ratio"])
+        # the sampled sizes as dots, so a long straight segment reads as interpolation
+        ax.plot(x, 1 - hit, "k.-", ms=3, label="LRU, bytes split for the most hits")
+        xs.append(_rise_start(x, hit))
+    sizes = report.get("budget") or report.get("total", {}).get("recommendation")
+    if sizes:  # the byte budget given, else the bytes of the recommended rows: HBM alone, then HBM + DDR
+        kind = "budget" if report.get("budget") else "recommended"
+        for x, label, colour in ((sizes["hbm_bytes"], f"HBM {kind}", "tab:green"),
+                                 (sizes["hbm_bytes"] + sizes["ddr_bytes"], f"HBM + DDR {kind}", "tab:orange")):
             if x > 0:
                 ax.axvline(x / div, color=colour, ls="--", lw=1.5, label=f"{label} {fmt_bytes(x, iec)}")
+                xs.append(x / div)
     ax.set_xscale("log")
+    if xs:
+        ax.set_xlim(left=min(xs) / 2)
     ax.xaxis.set_major_formatter(plain)
     ax.set_ylim(0, 1.02)
     ax.set_xlabel(f"cache {mb} (HBM + DDR), split across tables for the most hits")
@@ -146,12 +158,31 @@ def plot_report(report: dict, out_dir: str | Path) -> list[Path]:
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     files.append(out / PLOT_FILES[1])
-    fig.savefig(files[-1], dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    _save(fig, ax, files[-1], plt)
 
     files.append(out / PLOT_FILES[2])
     _plot_bandwidth(report, files[-1], plt, plain, div, mb)
     return files
+
+
+def _rise_start(x: np.ndarray, hit: np.ndarray) -> float:
+    """The first sampled size with 1% of the most hits: below it the curve is flat, or one
+    straight segment across decades where nothing was sampled, which a log axis would spread
+    over half its width."""
+    rising = np.flatnonzero(hit >= 0.01 * hit.max())
+    return float(x[rising[0]] if len(rising) else x[0])
+
+
+def _save(fig, ax, path: Path, plt) -> None:
+    """Save the PNG with what it shows in its text chunks (title, axis labels and ranges, legend),
+    for tools and readers that cannot see it."""
+    legend = ax.get_legend()
+    about = {"axes": f"x {ax.get_xlabel()!r} from {ax.get_xlim()[0]:g} to {ax.get_xlim()[1]:g}; "
+                     f"y {ax.get_ylabel()!r} from {ax.get_ylim()[0]:g} to {ax.get_ylim()[1]:g}",
+             "legend": "; ".join(t.get_text() for t in legend.get_texts()) if legend else ""}
+    fig.savefig(path, dpi=120, bbox_inches="tight",
+                metadata={"Title": ax.get_title(), "Description": "\n".join(f"{k}: {v}" for k, v in about.items())})
+    plt.close(fig)
 
 
 def _plot_bandwidth(report: dict, path: Path, plt, plain, div: float, mb: str) -> None:
@@ -186,5 +217,4 @@ def _plot_bandwidth(report: dict, path: Path, plt, plain, div: float, mb: str) -
     ax.set_title(f"SSD read bandwidth per table and in total at {report['steps_per_s']:g} steps/s")
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", which="major", alpha=0.3)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    _save(fig, ax, path, plt)
