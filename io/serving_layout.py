@@ -119,6 +119,8 @@ class ServingWriter:
             cur.putmulti(zip(encode_keys(ids), values), append=True)
 
     def commit(self, meta: dict) -> Path:
+        for t in meta["tables"]:  # a table with no rows stored still has its database
+            self._dbs.setdefault(t["name"], self._env.open_db(b"q:" + t["name"].encode()))
         db = self._env.open_db(_META_DB)
         with self._env.begin(write=True, db=db) as txn:
             txn.put(b"meta", json.dumps({**meta, "format": SERVING_FORMAT}).encode())

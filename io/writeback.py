@@ -226,6 +226,7 @@ class WriteBack:
         self._seq = 0
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None  # alive while there is something to write
+        self.changed: dict[str, list[np.ndarray]] | None = None  # ids submitted, once recording (TieredStore.take_changes)
 
     @property
     def queued_rows(self) -> int:
@@ -237,6 +238,8 @@ class WriteBack:
         batches; returns at once. The queue owns the rows arrays from now on.
         ``last[table]``: the rows' last-use steps, for tables that keep them."""
         self._seq += 1
+        for table, ids, _ in items if self.changed is not None else ():
+            self.changed.setdefault(table, []).append(ids.copy())
         for table, ids, rows in items:
             if table not in self._queued:
                 self._queued[table] = QueuedRows(rows.shape[1])

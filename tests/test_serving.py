@@ -3,6 +3,7 @@ from its tiers. Real LMDB, real FBGEMM where installed, the CLI and a training w
 subprocesses."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -319,3 +320,150 @@ def test_modules(tmp_path):
     with pytest.raises(ValueError, match="per_sample_weights are only supported with mode='sum'"):
         ebc({"t": (ids, offsets, psw)})
     ebc.close()
+
+
+# -- streaming updates ---------------------------------------------------------------------------
+
+from tierstore.serving_stream import DeltaCorruptError, Publisher, Replica  # noqa: E402
+
+
+def test_replica_follows_published_deltas(tmp_path):
+    spec = TableSpec("t", 500, 8, state_dim=8, init=RowInit.normal(0, 0.1))
+    rng = np.random.default_rng(0)
+    with TieredStore(tmp_path / "train", tables=[spec], hbm_rows=64, device="cpu") as store:
+        pub = Publisher(store, tmp_path / "pub", dtype="float32")
+        replica = Replica(tmp_path / "pub", hbm_rows=100, ddr_rows=100, device="cpu")
+        replica.rows("t", np.arange(500))  # rows resident in the replica's tiers are updated in place
+        for step in range(1, 5):
+            ids = rng.choice(500, 120, replace=False)
+            store.write("t", ids, rng.normal(0, 1, (120, 8)).astype(np.float32))
+            store.read("t", rng.choice(500, 100, replace=False))  # evicts dirty rows: written back, not flushed
+            assert pub.publish() == step
+            assert replica.poll() == step
+            assert np.array_equal(replica.rows("t", np.arange(500)).numpy(), store.read("t", np.arange(500)).numpy())
+        m = replica.metrics()
+        assert (m["version"], m["published_version"], m["lag_versions"], m["lag_seconds"]) == (4, 4, 0, 0.0)
+        assert m["rows_applied"] == pub.rows_published > 0
+        # a replica opened later starts from the export and applies every delta
+        late = Replica(tmp_path / "pub", device="cpu")
+        assert late.version == 4 and np.array_equal(late.rows("t", np.arange(500)).numpy(), store.read("t", np.arange(500)).numpy())
+        late.close()
+        replica.close()
+
+
+@contextlib.contextmanager
+def published(tmp_path, dtype: str, hbm_rows: int):
+    """A store of one table of 100 x 8, its Publisher, and a Replica following it."""
+    with TieredStore(tmp_path / "train", tables=[TableSpec("t", 100, 8)], device="cpu") as store:
+        pub = Publisher(store, tmp_path / "pub", dtype=dtype)
+        replica = Replica(tmp_path / "pub", hbm_rows=hbm_rows, device="cpu")
+        try:
+            yield store, pub, replica
+        finally:
+            replica.close()
+
+
+def test_a_damaged_delta_is_refused_and_the_version_kept(tmp_path):
+    with published(tmp_path, "int8", hbm_rows=10) as (store, pub, replica):
+        store.write("t", np.arange(100), np.ones((100, 8), np.float32))
+        pub.publish()
+        assert replica.poll() == 1
+        store.write("t", np.arange(100), np.full((100, 8), 2.0, np.float32))
+        pub.publish()
+        delta = tmp_path / "pub" / "delta-00000002.bin"
+        whole = delta.read_bytes()
+        for damage in (whole[:-100], whole[:20], whole[:300] + bytes([whole[300] ^ 1]) + whole[301:], b""):
+            delta.write_bytes(damage)
+            with pytest.raises(DeltaCorruptError, match="delta-00000002.bin is damaged"):
+                replica.poll()
+            assert replica.version == 1
+            assert (replica.rows("t", np.arange(100)).numpy() == 1).all()
+        delta.write_bytes(whole)
+        assert replica.poll() == 2 and (replica.rows("t", np.arange(100)).numpy() == 2).all()
+
+
+def test_a_replica_behind_a_compaction_catches_up_from_the_export(tmp_path):
+    with published(tmp_path, "float32", hbm_rows=100) as (store, pub, replica):
+        for k in range(1, 4):
+            store.write("t", [k], np.full((1, 8), k, np.float32))
+            pub.publish()
+        assert pub.compact() == 3
+        assert sorted(p.name for p in (tmp_path / "pub").iterdir()) == ["export-00000003"]
+        store.write("t", [9], np.full((1, 8), 9, np.float32))
+        pub.publish()
+        assert replica.poll() == 4
+        assert np.array_equal(replica.rows("t", [1, 2, 3, 9]).numpy()[:, 0], [1, 2, 3, 9])
+
+
+PUBLISHER = """
+import sys, numpy as np, tierstore
+from tierstore.serving_stream import Publisher
+with tierstore.TieredStore(sys.argv[1], tables=[tierstore.TableSpec("t", 3000, 8)], hbm_rows=500, device="cpu") as store:
+    pub = Publisher(store, sys.argv[2], dtype="int8")
+    k = 0
+    while True:
+        k += 1
+        store.write("t", np.arange(3000), np.full((3000, 8), k % 50, np.float32))
+        print(pub.publish(), flush=True)
+"""
+
+READER = """
+import os, sys, threading, numpy as np, torch
+from tierstore.serving_stream import Replica
+replica = Replica(sys.argv[1], hbm_rows=1000, ddr_rows=1000, device="cpu")
+done = threading.Event()
+
+def follow():  # applies deltas while the main thread looks up
+    while not done.is_set():
+        replica.poll()
+
+threading.Thread(target=follow, daemon=True).start()
+print("ready", replica.version, flush=True)
+ids, offsets = torch.arange(3000), torch.tensor([0, 3000])
+versions = set()
+while True:
+    stop = os.path.exists(sys.argv[2])  # the publisher is gone: serve until all it left is applied
+    rows = replica.rows("t", ids).numpy()
+    assert len(np.unique(rows)) == 1, f"a lookup mixed versions: {np.unique(rows)}"
+    mean = replica.lookup("t", ids, offsets, mode="mean").numpy()
+    assert len(np.unique(mean)) == 1, f"a lookup mixed versions: {np.unique(mean)}"
+    versions.add(float(rows[0, 0]))
+    if stop and replica.metrics()["lag_versions"] == 0:
+        break
+done.set()
+print(len(versions), replica.version, flush=True)
+"""
+
+
+def test_replicas_never_see_a_mix_of_versions(tmp_path):
+    """A publisher process rewrites every row each step and publishes; a replica process
+    applies deltas while looking every row up, each lookup one version (all rows equal). The
+    publisher is killed (SIGKILL) mid-run: the replica ends on the last version it published whole."""
+    stop = tmp_path / "stop"
+    publisher = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(tmp_path / "train"), str(tmp_path / "pub")],
+                                 stdout=subprocess.PIPE, text=True)
+    readers = []
+    try:
+        assert publisher.stdout.readline().strip() == "1"
+        readers = [subprocess.Popen([sys.executable, "-c", READER, str(tmp_path / "pub"), str(stop)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)]
+        ready = readers[0].stdout.readline().split()
+        assert ready[0] == "ready", readers[0].stderr.read()[-2000:]
+        while int(publisher.stdout.readline()) < int(ready[1]) + 4:  # the replica looks up while these are published
+            pass
+        publisher.send_signal(signal.SIGKILL)
+        publisher.wait()
+        stop.touch()
+        last = max(int(p.name[6:14]) for p in (tmp_path / "pub").iterdir() if p.name.startswith("delta-"))
+        seen = []
+        for r in readers:
+            out, err = r.communicate(timeout=300)
+            assert r.returncode == 0, err[-2000:]
+            n, version = map(int, out.split())
+            assert version == last
+            seen.append(n)
+        assert max(seen) > 1  # the replica served several versions while deltas came
+    finally:
+        for p in (publisher, *readers):
+            if p.poll() is None:
+                p.kill()

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tierstore.io import find_sorted
 from tierstore.io.serving_layout import RowFormat, ServingReader
 
 from . import fbgemm
@@ -88,6 +89,9 @@ class _ServingTable:
         self.ddr = _Tier("ddr", min(ddr_rows, n or ddr_rows), bytes_, torch.device("cpu"), n) if ddr_rows else None
         self.tiers = [t for t in (self.hbm, self.ddr) if t is not None] or [None]
         self.clock = 0
+        # rows newer than LMDB's (applied deltas, tierstore.serving_stream): sorted ids, rows as LMDB stores them
+        self.newer_ids = np.zeros(0, dtype=np.int64)
+        self.newer_rows = np.zeros((0, bytes_), dtype=np.uint8)
         self.counts = {"hbm_hits": 0, "ddr_hits": 0, "lmdb_reads": 0, "initial_rows": 0}
 
     def kernel_rows(self, packed: np.ndarray) -> np.ndarray:
@@ -100,11 +104,28 @@ class _ServingTable:
         """Kernel rows of sorted ids in no tier: from LMDB, else the table's initial rows."""
         ids_np = ids.numpy()
         packed, found = self.reader.get_rows(self.name, ids_np, self.format.row_bytes)
+        pos, newer = find_sorted(self.newer_ids, ids_np)
+        packed[newer], found = self.newer_rows[pos[newer]], found | newer
         if not found.all():
             packed[~found] = self.format.encode(initial_rows(self.spec, ids_np[~found])[:, : self.spec.dim])
         self.counts["lmdb_reads"] += len(ids_np)
         self.counts["initial_rows"] += int((~found).sum())
         return torch.from_numpy(self.kernel_rows(packed))
+
+    def apply(self, ids: np.ndarray, packed: np.ndarray) -> None:
+        """Serve rows ``packed`` (as LMDB stores them) for the sorted unique ``ids`` from now on:
+        written over the tiers' copies, and kept beside LMDB's rows for reads that miss."""
+        kernel = torch.from_numpy(self.kernel_rows(packed))
+        for tier in self.tiers:
+            if tier is not None:
+                slots = tier.lookup(torch.from_numpy(ids))
+                hit = slots >= 0
+                tier.rows[slots[hit]] = kernel[hit.cpu()].to(tier.rows.device)
+        every = np.concatenate([self.newer_ids, ids])
+        order = np.argsort(every, kind="stable")  # an id's newest row last among its copies
+        ordered = every[order]
+        newest = np.append(ordered[1:] != ordered[:-1], True)
+        self.newer_ids, self.newer_rows = ordered[newest], np.concatenate([self.newer_rows, packed])[order[newest]]
 
     def fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, index): kernel rows and the row of each of ``ids`` among them; brings
@@ -164,6 +185,7 @@ class ServingStore:
         self._lock = threading.Lock()
         try:
             self.meta = self._reader.meta
+            self._version = int(self.meta.get("version", 0))
             names = [t["name"] for t in self.meta["tables"]]
             for what, sizes in (("hbm_rows", hbm_rows), ("ddr_rows", ddr_rows)):
                 _check_sizes(what, sizes, names)
@@ -176,6 +198,23 @@ class ServingStore:
     @property
     def tables(self) -> dict[str, TableSpec]:
         return {name: t.spec for name, t in self._tables.items()}
+
+    @property
+    def version(self) -> int:
+        """The published version served (tierstore.serving_stream): the export's, then each delta's applied."""
+        return self._version
+
+    def apply(self, version: int, rows: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        """Serve version ``version``: ``rows[table]`` = (sorted unique ids, rows packed as LMDB
+        stores them). Lookups take turns with it, so each sees the versions before or after."""
+        for name, (ids, packed) in rows.items():
+            t = self._table(name)
+            if packed.shape != (len(ids), t.format.row_bytes):
+                raise ValueError(f"rows for table {name!r} must be {len(ids)} x {t.format.row_bytes} bytes, got {packed.shape}")
+        with self._lock:
+            for name, (ids, packed) in rows.items():
+                self._tables[name].apply(ids, packed)
+            self._version = version
 
     def dtype(self, table: str) -> str:
         return self._table(table).dtype

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,12 +26,13 @@ from .store import TieredStore
 _CHUNK = 65536  # rows read and written at a time
 
 
-def export(src, dst: str | os.PathLike, tables: Sequence[str] | None = None, dtype: str = "int8") -> Path:
+def export(src, dst: str | os.PathLike, tables: Sequence[str] | None = None, dtype: str = "int8", version: int = 0) -> Path:
     """Write the serving store ``dst`` (a new directory) from the training store
     ``src``: a path (a store that may be open for writing elsewhere) or an open
     TieredStore (its checkpoint: what a flush made durable, at the step boundary of
     the call). ``tables``: the tables to export (default: all); ``dtype``: float32,
-    float16, int8 or int4 (row-wise, FBGEMM's formats). Returns ``dst``."""
+    float16, int8 or int4 (row-wise, FBGEMM's formats); ``version``: the published version
+    the export stands for (tierstore.serving_stream). Returns ``dst``."""
     if dtype not in SERVING_DTYPES:
         raise ValueError(f"dtype must be one of {list(SERVING_DTYPES)} (the serving rows' type), got {dtype!r}")
     writer = ServingWriter(dst)
@@ -46,7 +48,7 @@ def export(src, dst: str | os.PathLike, tables: Sequence[str] | None = None, dty
                 RowFormat(spec.dim, dtype)  # refuses an int4 table of odd dim before any work
             described = [_export_table(snap, writer, spec, dtype) for spec in chosen]
         source = str(Path(src if isinstance(src, (str, os.PathLike)) else src.path).resolve())
-        return writer.commit({"tables": described, "source": source})
+        return writer.commit({"tables": described, "source": source, "version": version, "time": time.time()})
     except BaseException:
         writer.abort()
         raise

@@ -37,7 +37,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from tierstore.eviction import make_policy
-from tierstore.io import FORMAT_VERSION, LmdbBackend, WriteBack
+from tierstore.io import FORMAT_VERSION, LmdbBackend, WriteBack, unique_ids
 from tierstore.io.lmdb_backend import corrupt
 from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
@@ -474,6 +474,14 @@ class TieredStore:
             sc.flushes += 1
             sc.last_flush = now
             sc.flush_latency.observe("flush", time.perf_counter() - start)
+
+    def take_changes(self) -> dict[str, torch.Tensor]:
+        """Ids (ascending, CPU) of each table's rows sent to LMDB since the last call: written
+        back or flushed. The first call starts the record and returns {}. What a serving
+        publisher ships (tierstore.serving_stream); deletions (evict, TTL, L2) are not in it."""
+        with self._lock:
+            changed, self._writeback.changed = self._writeback.changed, {}
+            return {t: torch.from_numpy(unique_ids(np.concatenate(ids))) for t, ids in (changed or {}).items()}
 
     def checkpoint(self, path: str | Path, compact: bool = True) -> Path:
         """Flush, then copy the LMDB environment into the new directory ``path``:

@@ -1,0 +1,245 @@
+"""Streaming updates from a training store to serving replicas (docs/serving.md).
+
+A Publisher, beside a training store, writes into one directory: ``export-V/``, a
+whole serving store at version V, and ``delta-V.bin``, the rows changed from
+version V - 1 to V. ``publish()``, called at a training step boundary, flushes the
+store and writes the rows sent to LMDB since the last publish (TieredStore.take_changes),
+read as the store reads them, packed in the serving dtype. ``compact()`` writes a
+new export at the current version and removes the files it makes unnecessary.
+
+A Replica, in any process that sees the directory (shared or copied), serves the
+newest export and applies each delta after it in order (``poll()``). A delta is
+applied whole while lookups wait, so a lookup sees one version. A delta that is
+damaged or cut short raises DeltaCorruptError and changes nothing; a replica that
+finds the next delta gone (compacted away) catches up from the newest export.
+
+Files appear whole: each is written aside, synced and renamed. Deletions in the
+training store (evict, TTL and L2 expiry) reach replicas with the next export.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tierstore.io import StoreCorruptError
+from tierstore.io.serving_layout import RowFormat
+
+from .serving import ServingStore
+from .serving_export import export
+
+MAGIC = b"TSDELTA1"
+_LEN = struct.Struct("<I")
+_EXPORT = re.compile(r"export-(\d{8})")
+_DELTA = re.compile(r"delta-(\d{8})\.bin")
+
+
+class DeltaCorruptError(StoreCorruptError):
+    """A published delta file is damaged or truncated; the replica keeps the version it serves."""
+
+
+def _versions(directory: Path, pattern: re.Pattern) -> list[int]:
+    return sorted(int(m.group(1)) for p in directory.iterdir() if (m := pattern.fullmatch(p.name)))
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    aside = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+    with open(aside, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(aside, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def encode_delta(version: int, published: float, tables: Mapping[str, tuple[str, np.ndarray, np.ndarray]]) -> bytes:
+    """A delta file: MAGIC, a JSON header's length and the header, each table's ids
+    (int64) and packed rows, then the CRC-32 of all before it. ``tables[name]`` is
+    (dtype, sorted ids, packed rows)."""
+    header = {"version": version, "time": published,
+              "tables": [{"name": n, "dtype": dt, "rows": len(ids), "row_bytes": rows.shape[1]} for n, (dt, ids, rows) in tables.items()]}
+    head = json.dumps(header).encode()
+    body = [MAGIC, _LEN.pack(len(head)), head]
+    for _, ids, rows in tables.values():
+        body += [np.ascontiguousarray(ids, dtype="<i8").tobytes(), np.ascontiguousarray(rows, dtype=np.uint8).tobytes()]
+    data = b"".join(body)
+    return data + _LEN.pack(zlib.crc32(data))
+
+
+def decode_delta(path: Path) -> tuple[dict, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """(header, {table: (ids, packed rows)}) of a delta file; DeltaCorruptError if it is not whole."""
+    data = path.read_bytes()
+
+    def damaged(what: str) -> DeltaCorruptError:
+        return DeltaCorruptError(f"delta {path} is damaged: {what}; the replica keeps serving its version. "
+                                 "Publish again from the training store, or compact() to write a new export")
+    if len(data) < len(MAGIC) + 2 * _LEN.size or not data.startswith(MAGIC):
+        raise damaged("it does not start with a delta's header (truncated or not a delta)")
+    if zlib.crc32(data[:-_LEN.size]) != _LEN.unpack_from(data, len(data) - _LEN.size)[0]:
+        raise damaged(f"its checksum does not match its {len(data)} bytes (truncated or overwritten)")
+    at = len(MAGIC) + _LEN.size
+    n = _LEN.unpack_from(data, len(MAGIC))[0]
+    try:
+        header = json.loads(data[at: at + n])
+        at += n
+        rows = {}
+        for t in header["tables"]:
+            count, width = int(t["rows"]), int(t["row_bytes"])
+            ids = np.frombuffer(data, dtype="<i8", count=count, offset=at).astype(np.int64)
+            at += 8 * count
+            packed = np.frombuffer(data, dtype=np.uint8, count=count * width, offset=at).reshape(count, width)
+            rows[t["name"]] = (ids, packed.copy())  # writable: tiers take the rows as tensors
+            at += count * width
+    except (ValueError, KeyError, TypeError) as e:
+        raise damaged(f"its contents do not parse ({type(e).__name__}: {e})") from None
+    if at != len(data) - _LEN.size:
+        raise damaged(f"its tables take {at} bytes of {len(data) - _LEN.size}")
+    return header, rows
+
+
+class Publisher:
+    """Publishes a training store's changes into ``directory`` for replicas. Opening one
+    writes an export at a new version (a publisher's record of changes starts there)."""
+
+    def __init__(self, store, directory: str | os.PathLike, dtype: str = "int8", tables=None):
+        self.store, self.dtype = store, dtype
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        known = _versions(self.directory, _EXPORT) + _versions(self.directory, _DELTA)
+        self.version = max(known, default=-1) + 1
+        store.take_changes()  # the record starts before the export's flush: nothing falls between
+        path = export(store, self.directory / f"export-{self.version:08d}", tables, dtype, version=self.version)
+        with ServingStore(path) as s:
+            self.tables = {name: RowFormat(spec.dim, dtype) for name, spec in s.tables.items()}
+        self.rows_published = 0
+
+    def publish(self) -> int:
+        """Flush the store and publish the rows it sent to LMDB since the last publish as
+        the next version; returns it. Call at a step boundary."""
+        self.store.flush()
+        changed = self.store.take_changes()
+        tables = {}
+        for name, ids in changed.items():
+            if name in self.tables and len(ids):
+                weights = self.store.peek(name, ids).numpy()
+                tables[name] = (self.dtype, ids.numpy(), self.tables[name].encode(weights))
+        self.version += 1
+        _write_whole(self.directory / f"delta-{self.version:08d}.bin", encode_delta(self.version, time.time(), tables))
+        self.rows_published += sum(len(ids) for _, ids, _ in tables.values())
+        return self.version
+
+    def compact(self) -> int:
+        """Write an export of the current version; remove the older exports and the deltas it
+        holds. A replica behind it catches up from this export. Returns the version."""
+        export(self.store, self.directory / f"export-{self.version:08d}", list(self.tables), self.dtype, version=self.version)
+        for v in _versions(self.directory, _DELTA):
+            if v <= self.version:
+                (self.directory / f"delta-{v:08d}.bin").unlink(missing_ok=True)
+        for v in _versions(self.directory, _EXPORT):
+            if v < self.version:
+                _remove_tree(self.directory / f"export-{v:08d}")
+        return self.version
+
+
+def _remove_tree(path: Path) -> None:
+    # renamed first, so a reader never opens a half-removed export
+    aside = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.removing")
+    os.rename(path, aside)
+    for f in aside.iterdir():
+        f.unlink()
+    aside.rmdir()
+
+
+class Replica:
+    """Serves the versions published in ``directory``: the newest export, then each
+    delta after it, applied by ``poll()``. ``hbm_rows``, ``ddr_rows``, ``device`` as
+    ServingStore's; lookups and ``rows`` as ServingStore's."""
+
+    def __init__(self, directory: str | os.PathLike, hbm_rows=0, ddr_rows=0, device=None):
+        self.directory = Path(directory)
+        self._open_args = dict(hbm_rows=hbm_rows, ddr_rows=ddr_rows, device=device)
+        self._lock = threading.Lock()  # a catch-up swaps the store
+        self.rows_applied = 0
+        self.store = self._open_newest()
+        if self.store is None:
+            raise FileNotFoundError(f"no export in {self.directory}; a tierstore.serving_stream.Publisher writes one")
+        self.poll()
+
+    def _open_newest(self) -> ServingStore | None:
+        for v in reversed(_versions(self.directory, _EXPORT)):
+            try:
+                return ServingStore(self.directory / f"export-{v:08d}", **self._open_args)
+            except FileNotFoundError:  # removed by a compaction meanwhile
+                continue
+        return None
+
+    @property
+    def version(self) -> int:
+        return self.store.version
+
+    def poll(self) -> int:
+        """Apply every delta published after the version served, in order; returns the
+        version served. Raises DeltaCorruptError (the version stays) on a damaged delta."""
+        while True:
+            v = self.store.version + 1
+            path = self.directory / f"delta-{v:08d}.bin"
+            try:
+                header, rows = decode_delta(path)
+            except FileNotFoundError:
+                if max(_versions(self.directory, _EXPORT), default=-1) > self.store.version:
+                    self._catch_up()
+                    continue
+                return self.store.version
+            if header["version"] != v:
+                raise DeltaCorruptError(f"delta {path} holds version {header['version']}, not {v}; the replica keeps serving "
+                                        f"version {v - 1}")
+            self.store.apply(v, rows)
+            self.rows_applied += sum(len(ids) for ids, _ in rows.values())
+
+    def _catch_up(self) -> None:
+        newer = self._open_newest()
+        if newer is None or newer.version <= self.store.version:
+            if newer is not None:
+                newer.close()
+            return
+        with self._lock:
+            old, self.store = self.store, newer
+        old.close()
+
+    def metrics(self) -> dict:
+        """version served, the newest published, lag in versions and seconds, rows applied."""
+        published = max(_versions(self.directory, _EXPORT) + _versions(self.directory, _DELTA), default=self.version)
+        lag_s = 0.0
+        if published > self.version:
+            nxt = self.directory / f"delta-{self.version + 1:08d}.bin"
+            try:
+                lag_s = max(0.0, time.time() - nxt.stat().st_mtime)
+            except FileNotFoundError:
+                lag_s = float("nan")
+        return {"version": self.version, "published_version": published, "lag_versions": published - self.version,
+                "lag_seconds": lag_s, "rows_applied": self.rows_applied}
+
+    def lookup(self, table: str, ids, offsets, per_sample_weights: torch.Tensor | None = None, mode: str = "sum") -> torch.Tensor:
+        with self._lock:  # the store is not swapped (and closed) under a lookup
+            return self.store.lookup(table, ids, offsets, per_sample_weights, mode)
+
+    def rows(self, table: str, ids) -> torch.Tensor:
+        with self._lock:
+            return self.store.rows(table, ids)
+
+    def close(self) -> None:
+        self.store.close()
