@@ -120,6 +120,15 @@ def test_export_holds_weights_only_packed(tmp_path, dtype):
     assert data < (tmp_path / "train" / "data.mdb").stat().st_size
 
 
+def test_a_table_with_no_rows_stored_exports(tmp_path):
+    spec = TableSpec("empty", None, 4, init=RowInit.uniform(-1, 1))
+    with TieredStore(tmp_path / "train", tables=[spec], device="cpu") as s:
+        expected = s.read("empty", [3, 10**15]).numpy()
+    with ServingStore(export(tmp_path / "train", tmp_path / "serve", dtype="float32")) as srv:
+        assert srv.meta["tables"][0]["rows"] == 0
+        assert np.array_equal(srv.rows("empty", [3, 10**15]).numpy(), expected)
+
+
 def test_export_of_admission_ttl_and_half_tables_reads_as_the_store(tmp_path):
     specs = [TableSpec("ttl", 400, 8, init=RowInit.uniform(-1, 1, seed=3), ttl_steps=3),
              TableSpec("admit", 400, 8, init=RowInit.normal(0, 0.5), admit_after=2, state_dim=8),
@@ -467,3 +476,19 @@ def test_replicas_never_see_a_mix_of_versions(tmp_path):
         for p in (publisher, *readers):
             if p.poll() is None:
                 p.kill()
+
+
+@pytest.mark.gpu
+def test_cuda_tiers_serve_the_same_rows(tmp_path, monkeypatch):
+    """HBM tier on the GPU, DDR on the host: the same dequantized rows as the CPU store, and
+    pooled bags as torch pools them there (FBGEMM's CPU build has no CUDA kernel)."""
+    trained_store(tmp_path / "train")
+    export(tmp_path / "train", tmp_path / "serve", dtype="int8")
+    monkeypatch.setattr(tierstore.serving.fbgemm, "installed", lambda: False)
+    with ServingStore(tmp_path / "serve", hbm_rows=40, ddr_rows=90, device="cuda") as gpu, \
+            ServingStore(tmp_path / "serve", device="cpu") as cpu:
+        for seed in range(4):
+            ids, offsets, psw = bags(600, seed)
+            torch.testing.assert_close(gpu.lookup("t", ids, offsets, psw).cpu(), cpu.lookup("t", ids, offsets, psw))
+        assert torch.equal(gpu.rows("t", np.arange(600)).cpu(), cpu.rows("t", np.arange(600)))
+        assert gpu.stats()["t"]["hbm_resident"] == 40
