@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -492,3 +493,33 @@ def test_cuda_tiers_serve_the_same_rows(tmp_path, monkeypatch):
             torch.testing.assert_close(gpu.lookup("t", ids, offsets, psw).cpu(), cpu.lookup("t", ids, offsets, psw))
         assert torch.equal(gpu.rows("t", np.arange(600)).cpu(), cpu.rows("t", np.arange(600)))
         assert gpu.stats()["t"]["hbm_resident"] == 40
+
+
+def test_concurrent_polls_apply_each_delta_once_in_order(tmp_path, monkeypatch):
+    """Two threads poll; the first stalls reading its delta (injected latency) while the
+    second would apply the later ones: the stalled delta must not land after them."""
+    import threading
+
+    import tierstore.serving_stream as stream
+
+    with published(tmp_path, "float32", hbm_rows=100) as (store, pub, replica):
+        for k in range(1, 4):
+            store.write("t", np.arange(100), np.full((100, 8), k, np.float32))
+            pub.publish()
+        real, stalled = stream.decode_delta, threading.Event()
+
+        def slow_first(path):
+            if not stalled.is_set():
+                stalled.set()
+                got = real(path)
+                time.sleep(0.5)
+                return got
+            return real(path)
+        monkeypatch.setattr(stream, "decode_delta", slow_first)
+        first = threading.Thread(target=replica.poll)
+        first.start()
+        stalled.wait()
+        replica.poll()
+        first.join()
+        assert replica.version == 3 and (replica.rows("t", np.arange(100)).numpy() == 3).all()
+        assert replica.metrics()["rows_applied"] == 300

@@ -173,6 +173,7 @@ class Replica:
         self.directory = Path(directory)
         self._open_args = dict(hbm_rows=hbm_rows, ddr_rows=ddr_rows, device=device)
         self._lock = threading.Lock()  # a catch-up swaps the store
+        self._polling = threading.Lock()  # one poll at a time: each delta is applied once
         self.rows_applied = 0
         self.store = self._open_newest()
         if self.store is None:
@@ -194,6 +195,10 @@ class Replica:
     def poll(self) -> int:
         """Apply every delta published after the version served, in order; returns the
         version served. Raises DeltaCorruptError (the version stays) on a damaged delta."""
+        with self._polling:
+            return self._poll()
+
+    def _poll(self) -> int:
         while True:
             v = self.store.version + 1
             path = self.directory / f"delta-{v:08d}.bin"
