@@ -42,6 +42,7 @@ _STEP = np.dtype("<i8")  # a row's last-use step, in a table's u: database
 # the rows' own bytes) or "keyed" (a key per row, as every table of an unbounded id space is,
 # and as stores written before the log layout are). A table keeps the layout it was created with.
 NEW_TABLE_LAYOUT = "log"
+_ADVISED_READ = 64  # rows a log read gathers from which it asks for all their pages at once first
 
 
 class _ResizeGuard:
@@ -167,6 +168,7 @@ class _Env:
         self.users = 0
         self.writer = False
         self.maps = 0  # counts the map's moves (set_mapsize): io.rowlog caches addresses in it
+        self.main = env.open_db(None)  # LMDB's main database: the records of the named ones
 
     def set_mapsize(self, size: int) -> None:
         self.env.set_mapsize(size)
@@ -454,7 +456,9 @@ class LmdbBackend:
             width, offsets, found = got
             slots = np.empty((len(ids), width), dtype=np.uint8) if out is None else out
             if len(offsets):
-                _, base, size = self._map_base(txn, self._log_dbs[table])
+                _, base, size = self._map_base(txn)
+                if len(offsets) >= _ADVISED_READ:
+                    rowlog.will_need(base, offsets, width)
                 every = len(offsets) == len(ids)
                 picked = slots if every else np.empty((len(offsets), width), dtype=np.uint8)
                 rowlog.gather(base, size, offsets, width, picked)
@@ -471,33 +475,31 @@ class LmdbBackend:
         tid, synced = txn.id(), self._log_synced[table]
         if tid <= synced:
             return tid == synced
-        log, db = self._logs[table], self._log_dbs[table]
-        with txn.cursor(db=db) as cur:
-            newer = [int.from_bytes(k, "big") for k in cur.iternext(values=False)] \
-                if cur.set_range(rowlog.seq_key(log.applied + 1)) else []
-        if newer and newer[-1] - newer[0] + 1 != len(newer) or newer[:1] not in ([], [log.applied + 1]):
-            log = self._logs[table] = rowlog.RowLog(log.codec, len(log.loc), log.last_use)
-            with txn.cursor(db=db) as cur:
-                newer = [int.from_bytes(k, "big") for k in cur.iternext(values=False)]
-        if newer:
-            base = self._map_base(txn, db)[1]
-            try:
-                log.replay(((rowlog.seq_key(q), txn.get(rowlog.seq_key(q), db=db)) for q in newer), base)
-            except rowlog.SegmentFormatError as e:
-                raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
+        log = self._logs[table]
+        _, base, size = self._map_base(txn)
+        mem = rowlog.map_view(base, size)
+        record = txn.get(b"s:" + table.encode(), db=self._shared.main)
+        try:
+            newer = rowlog.walk_values(mem, record, log.applied)
+            seqs = [seq for seq, _, _ in newer]
+            if seqs and seqs[-1] - seqs[0] + 1 != len(seqs) or seqs[:1] not in ([], [log.applied + 1]):
+                log = self._logs[table] = rowlog.RowLog(log.codec, len(log.loc), log.last_use)
+                newer = rowlog.walk_values(mem, record, 0)
+            log.replay(mem, newer)
+        except rowlog.SegmentFormatError as e:
+            raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
         if self._lock_fd is None:  # a reader: segments left behind are gone from its snapshots
             log.free_emptied()
             log.tombstones.clear()
         self._log_synced[table] = tid
         return True
 
-    def _map_base(self, txn, db) -> tuple[int, int, int]:
+    def _map_base(self, txn) -> tuple[int, int, int]:
         """(map moves, address of the file's first byte in this process's map, map size), found
-        again after the map moves; ``txn`` reads a database ``db`` holding a value."""
+        again after the map moves; ``txn`` reads with buffers."""
         if self._base[0] != self._shared.maps:
-            with txn.cursor(db=db) as cur:
-                cur.first()
-                self._base = (self._shared.maps, rowlog.map_base(cur.value()), self.env.info()["map_size"])
+            # a value of the main database, in the map: the metadata database's record
+            self._base = (self._shared.maps, rowlog.map_base(txn.get(_META_DB, db=self._shared.main)), self.env.info()["map_size"])
         return self._base
 
     # -- rows ----------------------------------------------------------------------
@@ -739,7 +741,7 @@ class LmdbBackend:
                     for t, seq, ids, slots in new:
                         if slots is not None:
                             db = self._log_dbs[t]
-                            self._logs[t].note_offset(seq, txn.get(rowlog.seq_key(seq), db=db), self._map_base(txn, db)[1])
+                            self._logs[t].note_offset(seq, txn.get(rowlog.seq_key(seq), db=db), self._map_base(txn)[1])
         self._write(op, applied, plan, dirties=sum(len(ids) * self._logs[t].slot_bytes for t, parts in segments.items()
                                                    for ids, slots in parts if slots is not None))
 
