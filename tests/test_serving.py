@@ -310,6 +310,16 @@ def test_lookups_equal_fbgemm_intnbit_bit_for_bit(tmp_path, dtype, hbm, ddr):
                 assert torch.equal(s.lookup("t", ids, offsets, w, mode), tbe(ids, offsets, w))
 
 
+@pytest.mark.parametrize("hbm,ddr", TIERS)
+def test_empty_lookups(tmp_path, hbm, ddr):
+    trained_store(tmp_path / "train")
+    with ServingStore(export(tmp_path / "train", tmp_path / "serve"), hbm_rows=hbm, ddr_rows=ddr, device="cpu") as s:
+        assert torch.equal(s.lookup("t", torch.zeros(0, dtype=torch.int64), [0, 0, 0]), torch.zeros(2, 16))
+        assert s.rows("t", []).shape == (0, 16)
+        s.rows("t", [1, 2])  # then from a tier
+        assert torch.equal(s.lookup("t", [], [0]), torch.zeros(0, 16))
+
+
 def test_modules(tmp_path):
     full = trained_store(tmp_path / "train")
     export(tmp_path / "train", tmp_path / "serve", dtype="float32")

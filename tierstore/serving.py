@@ -132,7 +132,7 @@ class _ServingTable:
         the rows into the top tier (HBM, else DDR), the rows it evicts into DDR."""
         self.clock += 1
         top, lower = self.tiers[0], self.tiers[1] if len(self.tiers) > 1 else None
-        if top is not None:
+        if top is not None and len(ids):
             slots = top.lookup(ids)
             if int(slots.min()) >= 0:  # every row in the top tier: pooled in place
                 top.last.index_fill_(0, slots, self.clock)  # an index_put with repeated slots took 2x the pooling
@@ -272,6 +272,8 @@ class ServingStore:
     @staticmethod
     def _ids(t: _ServingTable, ids) -> torch.Tensor:
         ids = torch.as_tensor(ids)
+        if not ids.numel():  # [] is a float tensor to torch
+            ids = ids.long()
         if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dtype.is_complex:
             raise TypeError(f"ids for table {t.name!r} must be integers, got {ids.dtype}")
         ids = ids.reshape(-1).to("cpu", torch.int64)
