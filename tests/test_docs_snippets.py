@@ -8,6 +8,8 @@ already (a fork per block saves the ~3 s import each block would pay).
 A block is skipped only by a marker on the line before its fence:
 ``<!-- snippet: skip REASON -->`` (it must not run here, e.g. a torchrun
 launch) or ``<!-- snippet: needs MODULE -->`` (it runs where MODULE imports).
+A ```bash block of ``tierstore`` commands runs too where the line before it is
+``<!-- snippet: run -->`` (each command imports torch: keep such blocks few).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-MARKER = re.compile(r"<!--\s*snippet:\s*(skip|needs)\s+(.+?)\s*-->")
+MARKER = re.compile(r"<!--\s*snippet:\s*(skip|needs|run)\b\s*(.*?)\s*-->")
 SNIPPET_TIMEOUT_S = 300  # a hung block fails instead of stalling the suite
 
 # Reads "script<TAB>cwd<TAB>log" lines; for each forks a child that runs the
@@ -75,16 +77,16 @@ def doc_files() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def python_blocks(path: Path) -> list[Block]:
+def python_blocks(path: Path, fence: str = "```python") -> list[Block]:
     lines = path.read_text().splitlines()
     blocks, i = [], 0
     while i < len(lines):
-        if lines[i].strip() == "```python":
+        if lines[i].strip() == fence:
             start, end = i, i + 1
             while end < len(lines) and lines[end].strip() != "```":
                 end += 1
             if end == len(lines):
-                raise ValueError(f"{path}:{start + 1}: a ```python block is never closed")
+                raise ValueError(f"{path}:{start + 1}: a {fence} block is never closed")
             before = lines[start - 1] if start else ""
             marker = MARKER.search(before)
             blocks.append(Block(path, start + 1, "\n".join(lines[start + 1:end]) + "\n",
@@ -95,6 +97,7 @@ def python_blocks(path: Path) -> list[Block]:
 
 
 BLOCKS = [b for f in doc_files() for b in python_blocks(f)]
+SHELL_BLOCKS = [b for f in doc_files() for b in python_blocks(f, "```bash") if b.marker and b.marker[0] == "run"]
 
 
 class ForkServer:
@@ -149,7 +152,7 @@ def test_skipped_blocks_are_few():
 
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.name)
 def test_block_runs(block: Block, fork_server: ForkServer, tmp_path: Path):
-    if block.marker:
+    if block.marker and block.marker[0] != "run":
         kind, what = block.marker
         if kind == "skip":
             pytest.skip(f"marked not to run: {what}")
@@ -168,6 +171,13 @@ def test_ci_runs_the_readme_test_command():
     quick_start = (ROOT / "README.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
     command = quick_start[quick_start.index(next(x for x in quick_start if x.startswith("# 2."))) + 1]
     assert command in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+@pytest.mark.parametrize("block", SHELL_BLOCKS, ids=lambda b: b.name)
+def test_shell_block_runs(block: Block, tmp_path: Path):
+    run = subprocess.run(["bash", "-euo", "pipefail", "-c", block.code], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=SNIPPET_TIMEOUT_S)
+    assert run.returncode == 0, f"{block.name} exited {run.returncode}:\n{(run.stdout + run.stderr)[-4000:]}"
 
 
 def test_docs_build_strict(tmp_path: Path):
