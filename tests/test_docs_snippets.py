@@ -180,6 +180,13 @@ def test_shell_block_runs(block: Block, tmp_path: Path):
     assert run.returncode == 0, f"{block.name} exited {run.returncode}:\n{(run.stdout + run.stderr)[-4000:]}"
 
 
+def test_readme_links_exist():
+    # mkdocs checks the links of docs/; the README is outside the site, so its relative links are checked here
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    relative = [link for link in links if "://" not in link]
+    assert relative and [link for link in relative if not (ROOT / link).exists()] == []
+
+
 def test_docs_build_strict(tmp_path: Path):
     """mkdocs.yml is strict: a broken link, a missing page or a bad API reference fails the build."""
     if importlib.util.find_spec("mkdocs") is None:
