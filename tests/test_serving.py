@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 import time
 
 import numpy as np
@@ -533,3 +534,34 @@ def test_concurrent_polls_apply_each_delta_once_in_order(tmp_path, monkeypatch):
         first.join()
         assert replica.version == 3 and (replica.rows("t", np.arange(100)).numpy() == 3).all()
         assert replica.metrics()["rows_applied"] == 300
+
+
+def _sharded_rank(rank: int, world: int, port: int, out: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    import test_distributed as td
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    td.train_sharded(rank, world, Path(out) / "train", "sgd", checkpoint=Path(out) / "ckpt")
+    dist.destroy_process_group()
+
+
+def test_export_of_a_sharded_checkpoint_is_the_whole_tables(tmp_path):
+    """Two gloo ranks train tables sharded by rows, by hash, whole and by columns
+    (tests/test_distributed.py's plan) and checkpoint; the export of the checkpoint serves
+    the rows a single process trained on the same global batches (bit for bit, float32)."""
+    import torch.multiprocessing as mp
+
+    import test_distributed as td
+
+    mp.spawn(_sharded_rank, args=(2, td._free_port(), str(tmp_path)), nprocs=2, join=True)
+    _, expected = td.train_single(tmp_path / "single", 2, "sgd")
+    with ServingStore(export(tmp_path / "ckpt", tmp_path / "serve", dtype="float32")) as srv:
+        assert {t["name"] for t in srv.meta["tables"]} == set(td.CHECK_IDS)
+        for name, ids in td.CHECK_IDS.items():
+            dim = srv.tables[name].dim
+            assert torch.equal(srv.rows(name, ids), expected[name][:, :dim]), name
