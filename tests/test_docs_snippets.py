@@ -193,4 +193,5 @@ def test_docs_build_strict(tmp_path: Path):
         pytest.skip('needs mkdocs (the docs extra: pip install -e ".[docs]")')
     run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                          cwd=ROOT, capture_output=True, text=True)
-    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.returncode == 0, (run.stdout + run.stderr +
+                                 "\n(a new page in docs/ goes into the nav of mkdocs.yml; links between pages are relative .md paths)")
