@@ -23,7 +23,6 @@ import argparse
 import gc
 import itertools
 import json
-import math
 import mmap
 import os
 import shlex
