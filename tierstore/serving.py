@@ -49,6 +49,14 @@ class _Tier:
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return self.index.lookup(ids.to(self.rows.device))
 
+    def mark(self, slots: torch.Tensor, clock: int) -> None:
+        """Rows at ``slots`` (repeats allowed) used at ``clock``. A 2-thread index_put over 65,536
+        repeated slots took 16 ms, index_fill_ 0.3 ms, numpy's fill on a host tier 0.17 ms."""
+        if self.last.device.type == "cpu":
+            self.last.numpy()[slots.numpy()] = clock
+        else:
+            self.last.index_fill_(0, slots, clock)
+
     def take(self, slots: torch.Tensor) -> torch.Tensor:
         """Rows at ``slots``, which leave the tier (a row is in one tier at a time)."""
         rows = self.rows.index_select(0, slots)
@@ -135,7 +143,7 @@ class _ServingTable:
         if top is not None and len(ids):
             slots = top.lookup(ids)
             if int(slots.min()) >= 0:  # every row in the top tier: pooled in place
-                top.last.index_fill_(0, slots, self.clock)  # an index_put with repeated slots took 2x the pooling
+                top.mark(slots, self.clock)
                 self.counts[f"{top.name}_hits"] += len(ids)
                 return top.rows, slots
         uid, inverse = torch.unique(ids.cpu(), return_inverse=True)
@@ -148,7 +156,7 @@ class _ServingTable:
             hit = (slots >= 0).cpu()
             keep = slots[hit.to(dev)]
             rows[hit.to(dev)] = top.rows.index_select(0, keep)
-            top.last.index_fill_(0, keep, self.clock)
+            top.mark(keep, self.clock)
             self.counts[f"{top.name}_hits"] += int(hit.sum())
         mid = uid[~hit]
         got = torch.empty((len(mid), self.format.row_bytes), dtype=torch.uint8)
