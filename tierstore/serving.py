@@ -160,20 +160,27 @@ class _ServingTable:
             self.counts[f"{top.name}_hits"] += int(hit.sum())
         mid = uid[~hit]
         got = torch.empty((len(mid), self.format.row_bytes), dtype=torch.uint8)
-        below = torch.zeros(len(mid), dtype=torch.bool)
+        # the misses that go up to the top tier: as many as it has room for beside this call's hits;
+        # the others stay where they are (read from DDR in place), not moved up and straight back
+        up = torch.arange(len(mid)) < (top.capacity - len(keep) if top is not None else 0)
+        below, dslots = torch.zeros(len(mid), dtype=torch.bool), None
         if lower is not None and len(mid):
             dslots = lower.lookup(mid)
             below = dslots >= 0
-            got[below] = lower.take(dslots[below])
+            got[below & up] = lower.take(dslots[below & up])
+            got[below & ~up] = lower.rows.index_select(0, dslots[below & ~up])
+            lower.mark(dslots[below & ~up], self.clock)
             self.counts[f"{lower.name}_hits"] += int(below.sum())
         if not bool(below.all()):
             got[~below] = self._cold(mid[~below])
         rows[(~hit).to(dev)] = got.to(dev)
         if top is not None:
-            out_ids, out_rows = top.put(mid, got, self.clock, keep)
-            if lower is not None and len(out_ids):
+            out_ids, out_rows = top.put(mid[up], got[up], self.clock, keep)
+            if lower is not None:
+                down = ~below & ~up  # read from LMDB, no room above: into DDR
+                out_ids, out_rows = torch.cat([out_ids.cpu(), mid[down]]), torch.cat([out_rows.cpu(), got[down]])
                 n = lower.capacity
-                lower.put(out_ids[-n:].cpu(), out_rows[-n:].cpu(), self.clock, torch.zeros(0, dtype=torch.int64))
+                lower.put(out_ids[-n:], out_rows[-n:], self.clock, dslots[below & ~up] if dslots is not None else torch.zeros(0, dtype=torch.int64))
         return rows, inverse.to(dev)
 
 
