@@ -650,19 +650,25 @@ class LmdbBackend:
         logged = [(t, ids, rows) for t, ids, rows in batches if t in self._logs]
         if logged:
             batches = [b for b in batches if b[0] not in self._logs]
-            # transactions of at most txn_rows pages of dirty bytes: the rows' own bytes here
-            txns, size = [{}], 0
-            for t, ids, rows in logged:
-                log = self._logs[t]
-                for lo in range(0, len(ids), log.per_segment):
-                    hi = lo + log.per_segment
-                    if size and size + (hi - lo) * log.slot_bytes > self.txn_rows * rowlog.PAGE:
-                        txns.append({})
-                        size = 0
-                    steps = last_use[t][lo:hi] if log.last_use else None
-                    txns[-1].setdefault(t, []).append((ids[lo:hi], log.slots_of(rows[lo:hi], steps)))
-                    size += len(ids[lo:hi]) * log.slot_bytes
-            for i, segments in enumerate(txns):
+            # transactions of at most txn_rows pages of dirty bytes (the rows' own bytes here),
+            # each one's slots packed only when it is written
+            parts = [(t, lo, min(lo + self._logs[t].per_segment, len(ids))) for t, ids, _ in logged
+                     for lo in range(0, len(ids), self._logs[t].per_segment)]
+            by_table = {t: (ids, rows) for t, ids, rows in logged}
+            txns, size = [[]], 0
+            for t, lo, hi in parts:
+                if size and size + (hi - lo) * self._logs[t].slot_bytes > self.txn_rows * rowlog.PAGE:
+                    txns.append([])
+                    size = 0
+                txns[-1].append((t, lo, hi))
+                size += (hi - lo) * self._logs[t].slot_bytes
+            for i, txn_parts in enumerate(txns):
+                segments: dict[str, list] = {}
+                for t, lo, hi in txn_parts:
+                    ids, rows = by_table[t]
+                    log = self._logs[t]
+                    segments.setdefault(t, []).append(
+                        (ids[lo:hi], log.slots_of(rows[lo:hi], last_use[t][lo:hi] if log.last_use else None)))
                 self._write_log(segments, meta if not batches and i == len(txns) - 1 else None)
                 for t in segments:
                     self._collect(t, sum(len(ids) for ids, _ in segments[t]))

@@ -437,3 +437,21 @@ def test_prefetchd_takes_a_memory_budget(tmp_path):
         proc.stdout.close()
         proc.stderr.close()
         shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def test_flush_writes_a_write_back_queue_of_rows_at_a_time(tmp_path):
+    """A flush of a DDR tier full of dirty rows copies them out a queue's worth at a time
+    (writeback_rows), not all at once: what numpy allocates meanwhile stays near one
+    queue's rows (taken whole, 14.6 MB at the peak for 5.1 MB of rows; 2.5 MB in chunks)."""
+    import tracemalloc
+    with TieredStore(tmp_path, [TableSpec("t", 20_000, 64)], ddr_rows=20_000, writeback_rows=1_000, device="cpu") as s:
+        s.read("t", np.arange(20_000))  # every row resident: the write leaves them dirty in the DDR tier
+        s.write("t", np.arange(20_000), np.ones((20_000, 64), dtype=np.float32))
+        tracemalloc.start()
+        try:
+            s.flush()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert s.stored_ids("t").numel() == 20_000
+    assert peak < 20_000 * 256, f"flush allocated {peak:,} bytes at its peak"

@@ -42,7 +42,8 @@ from tierstore.io.lmdb_backend import corrupt
 from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
 from .counters import LifeCounters, StoreCounters, TableCounters, add_dicts, restored_on_error
-from .memory import MemoryPart, MemorySplit, check_fits, detect_limit, parse_bytes, process_rss, split_memory
+from .memory import (DEFAULT_WRITEBACK_ROWS, MemoryPart, MemorySplit, check_fits, detect_limit, parse_bytes, process_rss,
+                     split_memory)
 from .precision import DTYPES, round_nearest, update_key
 from .spec import MAX_ID, TableSpec
 from .trace import TraceRecorder
@@ -461,10 +462,15 @@ class TieredStore:
                 return
             start = time.perf_counter()
             self._writeback.retry()
-            batches = [(t, *dirty) for t in self._tables.values() if (dirty := t.take_dirty()) is not None]
+            # the dirty rows a write-back queue's worth at a time: taken whole, a DDR tier's
+            # dirty rows were copied out at once, twice the memory budget's queue share and more
+            chunk = self.config.writeback_rows or DEFAULT_WRITEBACK_ROWS
+            while batches := [(t, *dirty) for t in self._tables.values() if (dirty := t.take_dirty(chunk)) is not None]:
+                self._shared.queue_write(batches)
+                self._reap()  # waits while the queue holds more than its limit
             now = self.config.clock()
             life = self._life_meta()
-            self._shared.queue_write(batches, meta={"last_flush": now, "updates": dict(self._updates), **life})
+            self._shared.queue_write([], meta={"last_flush": now, "updates": dict(self._updates), **life})
             self._reap(drain=True)
             self._store_sketches()
             for name, steps in life["steps"].items():  # committed: the sweep may judge rows by them

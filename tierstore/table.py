@@ -507,14 +507,14 @@ class TableStore:
         self.counters.life.evicted += deleted
         return deleted
 
-    def take_dirty(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """The dirty rows of both tiers by id, marked clean: the caller queues them
-        for LMDB, and the queue holds their values until committed. None if none."""
+    def take_dirty(self, limit: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+        """The dirty rows of both tiers by id (``limit`` of them at most), marked clean: the
+        caller queues them for LMDB, and the queue holds their values until committed. None if none."""
         ids, rows = [], []
         for tier in (self.hbm, self.ddr):
             if tier is None:
                 continue
-            slots = tier.dirty_slots()
+            slots = tier.dirty_slots()[: None if limit is None else limit - sum(len(i) for i in ids)]
             if len(slots):
                 ids.append(tier.ids[slots].cpu())
                 rows.append(tier.gather(slots).cpu())
