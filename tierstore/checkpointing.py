@@ -24,6 +24,7 @@ Adagrad's [num_rows, dim]; Adam adds ``exp_avg_sq`` and its per-row ``step``).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -181,8 +182,13 @@ class TableView(torch.Tensor):
         changed = (new.view(torch.int32) != old.view(torch.int32)).any(1)
         if not bool(changed.any()):
             return
-        init = torch.from_numpy(initial_rows(spec, ids.numpy()))
-        to_init = changed & (new.view(torch.int32) == init.view(torch.int32)).all(1)
+        # a row back at its initial value: its first column is, which costs 1/dim of the whole row's
+        first = torch.from_numpy(initial_rows(dataclasses.replace(spec, dim=1, state_dim=0), ids.numpy()))
+        maybe = torch.nonzero(changed & (new[:, :1].view(torch.int32) == first.view(torch.int32)).squeeze(1)).squeeze(1)
+        to_init = torch.zeros(len(ids), dtype=torch.bool)
+        if len(maybe):
+            init = torch.from_numpy(initial_rows(spec, ids[maybe].numpy()))
+            to_init[maybe] = (new[maybe].view(torch.int32) == init.view(torch.int32)).all(1)
         if bool(to_init.any()):
             self._store.evict(self._table, ids[to_init])
         keep = changed & ~to_init
