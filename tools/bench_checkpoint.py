@@ -4,8 +4,9 @@
 
 Checkpoints: one table of rows x dim float32 with row-wise Adagrad, every row written, in
 a TieredStore (no tiers) and in TorchRec's in-memory EmbeddingBagCollection. Each operation
-runs in a fresh process (spawn); its time and the peak RSS it added (sampled every 5 ms over
-the RSS the process had before it) are printed. The page cache is warm (the files were just
+runs in a fresh process (spawn); its time and the peak anonymous RSS it added (RssAnon,
+sampled every 5 ms, over what the process held before it; LMDB's mapped file pages are
+not counted) are printed. The page cache is warm (the files were just
 written).
 
 Compile: the demo's DLRM (tools/demo.py, its defaults) trained ``--steps`` steps on the same
@@ -28,12 +29,14 @@ CHUNK = 1 << 16
 
 
 def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """Anonymous resident bytes: the process's own memory. LMDB's map and the page cache
+    (file pages mapped in) count in RSS too but are the kernel's to drop."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
 
 class Peak:
-    """Peak RSS over a block, sampled every 5 ms, less the RSS at its start."""
+    """Peak anonymous RSS over a block, sampled every 5 ms, less that at its start."""
 
     def __enter__(self):
         self.base, self.peak, self.done = _rss(), _rss(), False
@@ -200,7 +203,7 @@ def checkpoints(d: Path, rows: int, dim: int) -> None:
     print("build (every row written):", _in_child("op_build", d, rows, dim), f"{time.perf_counter() - start:.1f} s,",
           "data", _du(d / "store"))
     for label, op, out in (("tierstore DCP save", "op_dcp_save", "dcp"),
-                           ("tierstore DCP load into a fresh store (+ flush)", "op_dcp_load_fresh", None),
+                           ("tierstore DCP load into a fresh store (+ flush)", "op_dcp_load_fresh", "fresh"),
                            ("tierstore DCP load into the same store (+ flush)", "op_dcp_load_same", None),
                            ("store.checkpoint()", "op_store_checkpoint", "snapshot"),
                            ("open the store.checkpoint() copy", "op_store_restore", None),
@@ -211,7 +214,7 @@ def checkpoints(d: Path, rows: int, dim: int) -> None:
             print(f"{label}: {r}")
             continue
         size = f", files {_du(d / out)}" if out else ""
-        print(f"{label}: {r[0]:.2f} s, peak RSS +{r[1] / 2**20:.0f} MiB{size} {r[2]}")
+        print(f"{label}: {r[0]:.2f} s, peak anonymous RSS +{r[1] / 2**20:.0f} MiB{size} {r[2]}")
 
 
 def compile_step(d: Path, steps: int) -> None:
