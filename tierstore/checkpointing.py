@@ -37,7 +37,9 @@ from .spec import initial_rows
 
 __all__ = ["CHUNK_BYTES", "MAX_MATERIALIZE_BYTES", "FusedOptimizer", "TableTooLargeError", "TableView"]
 
-CHUNK_BYTES = 64 << 20  # a DCP chunk of a table; the most of it one save or load step holds
+CHUNK_BYTES = 64 << 20  # a DCP chunk of a table (one item in its files)
+IO_BYTES = 8 << 20  # stored rows read or written by one store call: the store's transients (e.g. initial
+# values made in float64 for rows never written) are several times this
 MAX_MATERIALIZE_BYTES = 1 << 30  # a view larger than this is refused as one tensor (torch.save, clone, ...)
 
 _DCP_HINT = ("torch.distributed.checkpoint.save(model.state_dict(), checkpoint_id=DIR) and, to restore, "
@@ -117,6 +119,9 @@ class TableView(torch.Tensor):
     def _chunk_rows(self) -> int:
         return max(1, CHUNK_BYTES // (self._cols * 4))
 
+    def _io_rows(self) -> int:
+        return max(1, IO_BYTES // (self._store.tables[self._table].width * 4))
+
     def _read(self, blk: Block, a: int, b: int, c: int, d: int) -> torch.Tensor:
         rows = self._store.peek(self._table, torch.arange(a, b), with_state=True)
         part = rows[:, blk.base + c - blk.c0: blk.base + d - blk.c0].to(self.dtype)
@@ -137,7 +142,7 @@ class TableView(torch.Tensor):
         R0, C0 = self._region[0][0], (self._region[1][0] if len(self._full) == 2 else 0)
         covered = 0
         for blk, a, b, c, d in self._pieces():
-            step = self._chunk_rows()
+            step = self._io_rows()
             for lo in range(a, b, step):
                 hi = min(b, lo + step)
                 flat[lo - R0: hi - R0, c - C0: d - C0] = self._read(blk, lo, hi, c, d).reshape(hi - lo, d - c)
@@ -159,14 +164,14 @@ class TableView(torch.Tensor):
         R0, C0 = self._region[0][0], (self._region[1][0] if len(self._full) == 2 else 0)
         for blk, a, b, c, d in self._pieces():
             spec = self._store.tables[self._table]
-            step = self._chunk_rows()
+            step = self._io_rows()
             for lo in range(a, b, step):
                 hi = min(b, lo + step)
                 part = src[lo - R0: hi - R0]
                 if src.dim() == 2:
                     part = part[:, c - C0: d - C0]
                 if isinstance(part, TableView):
-                    part = part.materialize(limit=CHUNK_BYTES * 8)
+                    part = part.materialize(limit=IO_BYTES * 8)
                 self._put(spec, blk, lo, hi, c, part.reshape(hi - lo, d - c))
 
     def _put(self, spec, blk: Block, lo: int, hi: int, c: int, part: torch.Tensor) -> None:
