@@ -302,6 +302,8 @@ def test_meta_device_creates_no_files_and_gives_shapes(tmp_path):
     kjt = batch(torch.Generator().manual_seed(9)).to("meta")
     theirs = EmbeddingBagCollection(tables=configs(shared=False), device=torch.device("meta"))
     assert ours(kjt).values().shape == theirs(kjt).values().shape == (B, 2 * DIM)
+    with pytest.raises(RuntimeError, match="meta device has no rows"):
+        ours.fused_optimizer
 
 
 def test_reset_parameters_and_a_zero_learning_rate(tmp_path):

@@ -202,6 +202,9 @@ class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterfac
         KeyedOptimizer): ``{"state": {"embedding_bags.<table>.weight": {"<table>.momentum1": ...}}}``,
         TableViews that DCP saves and loads in chunks. ``step()`` does nothing (the rows
         are updated in the backward)."""
+        if self.store is None:
+            raise RuntimeError("a collection built on the meta device has no rows and no optimizer state; "
+                               "build it with path= and a real device to checkpoint it")
         views = {f"embedding_bags.{name}.weight": bag.views() for name, bag in self.embedding_bags.items()}
         params = {key: v.weight for key, v in views.items()}
         state = {v.weight: v.state for v in views.values() if v.state}
