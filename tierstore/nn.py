@@ -26,6 +26,8 @@ bit for bit as the general path's read, update and write.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import sys
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
@@ -413,6 +415,26 @@ def _plan_bags(c: EmbeddingBagConfig, input, offsets, per_sample_weights) -> _Ba
     return _Bags(ids, sizes, bag_offsets, used, n_input, bag_of)
 
 
+def outside_graphs(fn):
+    """``fn`` (a forward that reads the store) runs eagerly under torch.compile, the graph
+    broken at its call, as torch.compiler.disable does. That decorator imports dynamo
+    (2 s of every ``import tierstore``); this one marks the function as dynamo's tracer
+    reads it and disables it once dynamo is loaded (nothing compiles before)."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            if "torch._dynamo" not in sys.modules:
+                return fn(*args, **kwargs)
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    call._torchdynamo_disable = True  # the attribute torch.compiler.disable sets: dynamo does not inline the call
+    return call
+
+
 def as_leaf(module: nn.Module, args: Sequence) -> "torch.fx.Proxy | None":
     """Under torch.fx symbolic tracing (torch.fx, torchrec.fx): the module's call as one
     call_module node, a leaf of the graph, as TorchRec's tables appear in theirs (its rows
@@ -628,7 +650,7 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         """Whether a forward with grad enabled trains the rows (an optimizer, not frozen)."""
         return self.optimizer is not None and not self._frozen
 
-    @torch.compiler.disable  # torch.compile: a graph break; the dense layers around it compile
+    @outside_graphs  # torch.compile: a graph break; the dense layers around it compile
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         leaf = as_leaf(self, (input, offsets, per_sample_weights))
@@ -943,7 +965,7 @@ class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
             raise KeyError(f"unknown table {name!r}; the collection has tables {sorted(self._bags)}")
         return name
 
-    @torch.compiler.disable  # torch.compile: a graph break; the dense layers around it compile
+    @outside_graphs  # torch.compile: a graph break; the dense layers around it compile
     def forward(self, features: Mapping[str, object]) -> dict[str, torch.Tensor]:
         leaf = as_leaf(self, (features,))
         if leaf is not None:

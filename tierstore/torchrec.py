@@ -33,7 +33,7 @@ except ImportError as e:  # pragma: no cover - depends on what is installed
 
 torch.fx.wrap("reorder_inverse_indices")  # a leaf when traced here too, as where TorchRec calls it
 
-from .nn import ScriptRefusal, TieredEmbeddingBag, refuse_export
+from .nn import ScriptRefusal, TieredEmbeddingBag, outside_graphs, refuse_export
 from .optim import RowOptimizer
 from .spec import RowInit, TableSpec
 from .store import Sizes, TieredStore
@@ -165,7 +165,7 @@ class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterfac
             for t in tables
         })
 
-    @torch.compiler.disable  # torch.compile: a graph break; the dense layers around it compile
+    @outside_graphs  # torch.compile: a graph break; the dense layers around it compile
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """As TorchRec's: a KeyedJaggedTensor (or TensorDict), variable batch sizes by its
         inverse indices. Under torch.fx tracing this is traced, its tables leaves."""
