@@ -871,6 +871,13 @@ class LmdbBackend:
                     logged = {name: log.live_rows for name, log in self._logs.items()}
                     return {**{name: txn.stat(db)["entries"] for name, db in self._dbs.items()}, **logged}
 
+    def indexed_tables(self, specs) -> list[str]:
+        """Names of the tables of ``specs`` (TableSpecs) that keep a row index in memory: those
+        in the log layout, or that take it when created (a keyed table has none)."""
+        with self._reading() as txn:
+            return [s.name for s in specs if txn.get(b"s:" + s.name.encode(), db=self._shared.main) is not None or (
+                txn.get(b"t:" + s.name.encode(), db=self._shared.main) is None and _new_layout(s.num_rows) == "log")]
+
     def index_bytes(self) -> int:
         """Memory the log layout's indexes hold (io.rowlog)."""
         return sum(log.index_bytes() for log in self._logs.values())

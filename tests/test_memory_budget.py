@@ -455,3 +455,17 @@ def test_flush_writes_a_write_back_queue_of_rows_at_a_time(tmp_path):
             tracemalloc.stop()
         assert s.stored_ids("t").numel() == 20_000
     assert peak < 20_000 * 256, f"flush allocated {peak:,} bytes at its peak"
+
+
+def test_only_tables_in_the_log_layout_charge_a_row_index(tmp_path, monkeypatch):
+    """A store written before the log layout keeps its bounded tables by key: no index in
+    memory, so none of the budget goes to one (it went to every bounded table)."""
+    from tierstore.io import lmdb_backend
+    monkeypatch.setattr(lmdb_backend, "NEW_TABLE_LAYOUT", "keyed")
+    with TieredStore(tmp_path / "keyed", [TableSpec("t", 100_000, 4)], device="cpu"):
+        pass
+    monkeypatch.undo()
+    with TieredStore(tmp_path / "keyed", memory_budget="64MiB", device="cpu") as s:
+        assert s.memory().parts["row_index"].bytes == 0
+    with TieredStore(tmp_path / "log", [TableSpec("t", 100_000, 4)], memory_budget="64MiB", device="cpu") as s:
+        assert s.memory().parts["row_index"].bytes == 4 * 100_000

@@ -196,15 +196,17 @@ def _shared_out(specs: Sequence[TableSpec], nbytes: int) -> dict[str, int]:
 
 def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Sizes | None = None,
                  ddr_rows: Sizes | None = None, staged_rows: Sizes | Mapping[str, int | None] | None = None,
-                 writeback_rows: int | None = None, hbm_on_host: bool = True, writes: bool = True) -> MemorySplit:
+                 writeback_rows: int | None = None, hbm_on_host: bool = True, writes: bool = True,
+                 indexed_tables: Sequence[str] | None = None) -> MemorySplit:
     """How a store of ``specs`` divides its host memory.
 
     The rule, for a budget B (bytes):
     - page_cache: B/4 is left to the page cache of data.mdb (LMDB reads through it; under a
       memory cgroup its pages count against the limit, and a cache squeezed to nothing makes
       every get a disk read);
-    - row_index: 4 bytes a row of every table with num_rows, where the log layout keeps
-      where each row is (io.rowlog; a table of an unbounded id space keeps its rows by key);
+    - row_index: 4 bytes a row of every table with num_rows (of the tables ``indexed_tables`` names,
+      where given), where the log layout keeps where each row is (io.rowlog; a table of an
+      unbounded id space, or of a store written before the log layout, keeps its rows by key);
     - lmdb_dirty: B/16 for one write transaction's dirty pages, a 4 KiB page for each row it
       writes (the worst case: every row on its own page), so a transaction writes at most
       B/16 / 4 KiB rows (txn_rows; within MIN_TXN_ROWS..WRITE_TXN_ROWS); 0 for a readonly store;
@@ -229,7 +231,7 @@ def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Si
     txn_rows = WRITE_TXN_ROWS if budget is None else min(WRITE_TXN_ROWS, max(MIN_TXN_ROWS, budget // DIRTY_SHARE // PAGE))
     dirty = txn_rows * PAGE if writes else 0
     page_cache = 0 if budget is None else budget // PAGE_CACHE_SHARE
-    indexed = sum(s.num_rows for s in specs if s.num_rows is not None)
+    indexed = sum(s.num_rows for s in specs if s.num_rows is not None and (indexed_tables is None or s.name in indexed_tables))
     index = INDEX_BYTES_PER_ROW * indexed
     rest = 0 if budget is None else budget - page_cache - dirty - index
     if budget is not None and rest <= 0:

@@ -226,6 +226,7 @@ class TieredStore:
         limit when a budget or tier sizes were given; sets the sizes the budget derived."""
         cfg = self.config
         split = split_memory(cfg.memory_budget, list(specs.values()), hbm_rows=cfg.hbm_rows, ddr_rows=cfg.ddr_rows,
+                             indexed_tables=self._backend.indexed_tables(list(specs.values())),
                              staged_rows=prefetch.staged_rows, writeback_rows=cfg.writeback_rows,
                              hbm_on_host=self.device.type == "cpu", writes=not self.readonly)
         split.limit = detect_limit()
