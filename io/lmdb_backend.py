@@ -668,7 +668,9 @@ class LmdbBackend:
                     ids, rows = by_table[t]
                     log = self._logs[t]
                     segments.setdefault(t, []).append(
-                        (ids[lo:hi], log.slots_of(rows[lo:hi], last_use[t][lo:hi] if log.last_use else None)))
+                        # packed inside the transaction, a segment at a time: packed here, a whole
+                        # transaction's rows were copied once more beside LMDB's own dirty pages
+                        (ids[lo:hi], functools.partial(log.slots_of, rows[lo:hi], last_use[t][lo:hi] if log.last_use else None)))
                 self._write_log(segments, meta if not batches and i == len(txns) - 1 else None)
                 for t in segments:
                     self._collect(t, sum(len(ids) for ids, _ in segments[t]))
@@ -705,7 +707,7 @@ class LmdbBackend:
 
     def _write_log(self, segments: dict[str, list[tuple[np.ndarray, np.ndarray | None]]], meta: dict | None = None,
                    deleting: dict[str, list[int]] | None = None) -> None:
-        """Append segments (ids, slots; tombstones where slots is None) to log tables, delete
+        """Append segments (ids, slots or a function making them; tombstones where slots is None) to log tables, delete
         the segments ``deleting`` names and those left without a live row, then meta: one
         transaction; the index follows once it has committed."""
         def plan():
@@ -723,7 +725,7 @@ class LmdbBackend:
         def op(txn, planned):
             new, gone = planned
             for t, seq, ids, slots in new:
-                blob = rowlog.encode_segment(ids, slots, self._logs[t].slot_bytes)
+                blob = rowlog.encode_segment(ids, slots() if callable(slots) else slots, self._logs[t].slot_bytes)
                 txn.put(rowlog.seq_key(seq), blob, db=self._log_dbs[t], append=True)
             for t, seqs in gone.items():
                 for seq in seqs:

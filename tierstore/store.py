@@ -463,9 +463,11 @@ class TieredStore:
                 return
             start = time.perf_counter()
             self._writeback.retry()
-            # the dirty rows a write-back queue's worth at a time: taken whole, a DDR tier's
-            # dirty rows were copied out at once, twice the memory budget's queue share and more
-            chunk = self.config.writeback_rows or DEFAULT_WRITEBACK_ROWS
+            # the dirty rows a quarter of the write-back queue at a time: taken whole, a DDR tier's
+            # dirty rows were copied out at once; a chunk is copied out, sorted and packed while
+            # the queue holds up to its limit (0.5 GiB budget: anonymous memory +208 MiB closing
+            # with whole-queue chunks)
+            chunk = max(1, (self.config.writeback_rows or DEFAULT_WRITEBACK_ROWS) // 4)
             while batches := [(t, *dirty) for t in self._tables.values() if (dirty := t.take_dirty(chunk)) is not None]:
                 self._shared.queue_write(batches)
                 self._reap()  # waits while the queue holds more than its limit
