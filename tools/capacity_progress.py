@@ -30,8 +30,11 @@ class LineBar:
         rate = self.n / max(now - self.t0, 1e-9)
         left = f", ~{(self.total - self.n) / rate:,.0f} s left" if rate and self.n < self.total else ""
         post = "".join(f" {k}={v}" for k, v in self.postfix.items())
-        print(f"{self.desc}: {self.n:,}/{self.total:,} {self.unit}s ({self.n / max(self.total, 1):.0%}, "
-              f"{rate:,.{1 if rate < 100 else 0}f} {self.unit}s/s{left}){end}{post}", file=sys.stderr, flush=True)
+        # one write, newline included: print() writes the line and its newline apart, and a
+        # Ctrl-C between the two left the CLI's "interrupted" line glued to the progress line
+        sys.stderr.write(f"{self.desc}: {self.n:,}/{self.total:,} {self.unit}s ({self.n / max(self.total, 1):.0%}, "
+                         f"{rate:,.{1 if rate < 100 else 0}f} {self.unit}s/s{left}){end}{post}\n")
+        sys.stderr.flush()
         self.shown = now
 
     def set_postfix(self, postfix: dict, refresh: bool = False) -> None:
