@@ -17,7 +17,7 @@ copy of a row is the one in the highest segment: replaying segments in key order
 the index, in any process and after any crash (a segment is in LMDB exactly when its
 transaction committed).
 
-Space: overwritten rows leave dead slots; ``collect`` copies the live rows of the emptiest
+Space: overwritten rows leave dead slots; a collection copies the live rows of the emptiest
 segments into a new one and deletes them, in one transaction, once dead slots pass
 SPARE of the live ones. A tombstone is dropped once every row segment is newer than it
 (no older copy of its ids is left to resurrect).
@@ -40,7 +40,7 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 SEGMENT_BYTES = 1 << 20  # a segment's slots at most, in bytes: big enough that a write is sequential
-SPARE = 0.5  # dead slots kept at most, as a fraction of live rows, before collect() cleans
+SPARE = 0.5  # dead slots kept at most, as a fraction of live rows, before a collection (RowLog.victims)
 _SLOT_BITS = 12
 MAX_SLOTS = 1 << _SLOT_BITS
 _MAX_SEGMENTS = (1 << (32 - _SLOT_BITS)) - 1  # the last one would make NONE a place
