@@ -95,9 +95,12 @@ def test_requires_grad_false_freezes_a_module_with_an_optimizer(tmp_path):
 # -- item 5: Ctrl-C ---------------------------------------------------------------------------------
 def test_ctrl_c_in_the_demo_ends_with_one_line_and_a_consistent_store(tmp_path):
     d = tmp_path / "demo"
+    # Ctrl-C as at a terminal: a suite started in the background by a shell without job control
+    # inherits SIGINT ignored, and Python then keeps it ignored in the demo
     proc = subprocess.Popen([*CLI, "demo", "--dir", str(d), "--steps", "1000000", "--batch", "16", "--rows", "2000",
                              "--hbm-rows", "32", "--ddr-rows", "128", "--tables", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         shown = b""
         while b"10/1" not in shown:  # progress after 10 steps: training has begun
