@@ -743,13 +743,17 @@ class LmdbBackend:
                     log.forget(seq)
                 log.emptied = [q for q in log.emptied if q not in seqs]
             if any(slots is not None for *_, slots in new):
-                # where the new segments' slots are in the file, read back from a snapshot (this
-                # process's own map never moves under it: only its writer grows the map)
+                # where the new segments' slots are in the file: their B-tree walked in a snapshot,
+                # as a replay finds them (this process's own map never moves under it: only its
+                # writer grows the map)
                 with self._reading(buffers=True) as txn:
-                    for t, seq, ids, slots in new:
-                        if slots is not None:
-                            db = self._log_dbs[t]
-                            self._logs[t].note_offset(seq, txn.get(rowlog.seq_key(seq), db=db), self._map_base(txn)[1])
+                    _, base, size = self._map_base(txn)
+                    mem = rowlog.map_view(base, size)
+                    for t in {t for t, *_ in new}:
+                        first = min(seq for table, seq, *_ in new if table == t)
+                        record = txn.get(b"s:" + t.encode(), db=self._shared.main)
+                        for seq, at, length in rowlog.walk_values(mem, record, first - 1):
+                            self._logs[t].note_offset(seq, mem[at: at + length], at)
         self._write(op, applied, plan, dirties=sum(len(ids) * self._logs[t].slot_bytes for t, parts in segments.items()
                                                    for ids, slots in parts if slots is not None))
 

@@ -182,9 +182,11 @@ class RowLog:
                 self.emptied.append(seq)
         self.applied = seq
 
-    def note_offset(self, seq: int, value, base: int) -> None:
-        """Segment ``seq`` (committed; ``value`` read from the map at ``base``) starts its slots there."""
-        self.offset[self._index[seq]] = address_of(value) - base + parse_header(value)[2]
+    def note_offset(self, seq: int, value, at: int) -> None:
+        """Segment ``seq`` (committed; ``value``, found at file offset ``at``) starts its slots there;
+        a tombstone has none."""
+        if seq in self._index:
+            self.offset[self._index[seq]] = at + parse_header(value)[2]
 
     def forget(self, seq: int) -> None:
         """Segment ``seq`` was deleted (it held no live row, or it was a tombstone)."""
