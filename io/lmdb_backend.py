@@ -27,6 +27,7 @@ import numpy as np
 
 from . import rowlog
 from .codecs import RowCodec, encode_keys, row_norms_sq
+from .errors import TierstoreError
 
 FORMAT_VERSION = 1
 _META_DB = b"__meta__"
@@ -71,11 +72,11 @@ class _ResizeGuard:
             yield
 
 
-class StoreLockedError(RuntimeError):
+class StoreLockedError(RuntimeError, TierstoreError):
     """Another writer (another process, or another store object in this one) has the store open."""
 
 
-class StoreCorruptError(RuntimeError):
+class StoreCorruptError(RuntimeError, TierstoreError):
     """data.mdb is damaged (truncated, overwritten, emptied) or its metadata is unreadable."""
 
 

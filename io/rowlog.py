@@ -35,6 +35,7 @@ import struct
 import numpy as np
 
 from .codecs import RowCodec
+from .errors import TierstoreError
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -90,7 +91,7 @@ def encode_segment(ids: np.ndarray, slots: np.ndarray | None, slot_bytes: int) -
     return out.tobytes()
 
 
-class SegmentFormatError(ValueError):
+class SegmentFormatError(ValueError, TierstoreError):
     """A segment's bytes are not a segment (damage): the backend names the file."""
 
 

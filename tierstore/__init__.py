@@ -1,6 +1,7 @@
 """tierstore: embedding tables in a memory hierarchy (HBM, DDR, LMDB on SSD)."""
 from tierstore.io import StoreCorruptError, StoreLockedError
 
+from .errors import TierstoreError
 from .spec import RowInit, TableSpec
 from .store import StoreConfig, TieredStore
 from . import optim
@@ -12,6 +13,7 @@ from .serving_export import export
 from .serving import ServingEmbeddingBag, ServingEmbeddingBagCollection, ServingStore
 
 __all__ = ["RowInit", "StoreConfig", "StoreCorruptError", "StoreLockedError", "TableSpec", "TieredStore"]
+__all__ += ["TierstoreError"]
 __all__ += ["TieredEmbeddingBag", "TieredEmbeddingBagCollection", "optim"]
 __all__ += ["LookaheadLoader", "PrefetchConfig", "PrefetchTicket"]
 __all__ += ["DaemonBusyError", "open_store"]

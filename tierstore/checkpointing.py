@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_map
 
+from .errors import TierstoreError
 from .optim import Adam, RowOptimizer
 from .precision import DTYPES
 from .spec import initial_rows
@@ -46,7 +47,7 @@ _DCP_HINT = ("torch.distributed.checkpoint.save(model.state_dict(), checkpoint_i
              "sd = model.state_dict(); torch.distributed.checkpoint.load(sd, checkpoint_id=DIR); model.load_state_dict(sd)")
 
 
-class TableTooLargeError(RuntimeError):
+class TableTooLargeError(RuntimeError, TierstoreError):
     """A table asked for as one in-memory tensor that is larger than MAX_MATERIALIZE_BYTES."""
 
 

@@ -63,6 +63,7 @@ from torch import nn
 from tierstore.io import StoreCorruptError
 
 from .checkpointing import FusedOptimizer, TableViews, check_loadable, load_views, state_layout, table_views
+from .errors import TierstoreError
 from .nn import MODES, EmbeddingBagConfig, _Bags, _mean_grads, _plan_bags, _Rows, _sum_rows, feature_parts
 from .optim import RowOptimizer
 from .planner import plan
@@ -81,7 +82,7 @@ _MAX_MESSAGE = 2048  # bytes of an error message sent to the other ranks
 _RESHARD_CHUNK = 1 << 16  # rows moved at once when resharding a checkpoint
 
 
-class RankFailedError(RuntimeError):
+class RankFailedError(RuntimeError, TierstoreError):
     """Another rank failed this collective step (named in the message), the ranks
     called different collectives (each rank's call named), or the collective itself
     failed: a rank died or did not answer within the timeout."""

@@ -39,6 +39,7 @@ from torch import nn
 
 from . import fbgemm
 from .checkpointing import FusedOptimizer, TableViews, check_loadable, load_views, table_views
+from .errors import TierstoreError
 from .optim import RowOptimizer
 from .precision import round_stochastic
 from .spec import MAX_ID, RowInit, TableSpec
@@ -57,15 +58,15 @@ MODES = {"sum": 0, "mean": 1, "max": 2}
 _CHUNK_ROWS = 1 << 18  # from_pretrained writes in chunks of this many rows
 
 
-class BagIndexError(IndexError, RuntimeError):
+class BagIndexError(IndexError, RuntimeError, TierstoreError):
     """An id outside [0, num_embeddings). A RuntimeError too, as torch raises."""
 
 
-class BagOffsetsError(ValueError, RuntimeError):
+class BagOffsetsError(ValueError, RuntimeError, TierstoreError):
     """Offsets that do not describe bags of the input. A RuntimeError too, as torch raises."""
 
 
-class BagTypeError(TypeError, RuntimeError):
+class BagTypeError(TypeError, RuntimeError, TierstoreError):
     """Ids, offsets or per-sample weights of the wrong dtype. A RuntimeError too, as torch raises."""
 
 

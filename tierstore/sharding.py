@@ -20,10 +20,12 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from .errors import TierstoreError
+
 SHARDING_TYPES = ("table", "row", "column")
 
 
-class PlanMismatchError(ValueError):
+class PlanMismatchError(ValueError, TierstoreError):
     """A plan does not fit the tables, or differs between ranks."""
 
 

@@ -55,6 +55,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import TierstoreError
+
 MAGIC = b"TSD\x00"
 VERSION = 3
 HEADER = struct.Struct("<4sHBBB3xIQQI")
@@ -74,7 +76,7 @@ SHM_ALIGN = 64  # array offsets in the segment are cache-line aligned
 SHM_FD_BYTE = b"S"  # the byte the segment's descriptor rides on after the HELLO reply
 
 
-class DaemonBusyError(ConnectionError):
+class DaemonBusyError(ConnectionError, TierstoreError):
     """The daemon cannot take this client now: it serves its maximum of clients
     (``--max-clients``), or its listen queue stayed full while the client retried."""
 
@@ -89,7 +91,7 @@ ERRORS: dict[int, type[Exception]] = {
 STATUS_OF = {cls: code for code, cls in ERRORS.items()}
 
 
-class ProtocolError(ValueError):
+class ProtocolError(ValueError, TierstoreError):
     """A frame that breaks the format: bad magic, version, type, lengths or offsets."""
 
 

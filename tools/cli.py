@@ -18,6 +18,7 @@ import sys
 
 import lmdb
 
+from tierstore.errors import TierstoreError
 from tierstore.eviction import POLICIES
 from tierstore.io import StoreLockedError
 from tierstore.memory import size_bytes
@@ -26,8 +27,9 @@ from tierstore.memory import size_bytes
 COMMAND_MODULES = ("bench", "stats", "trace_cli", "daemon", "demo", "plan_cli", "export_cli")
 
 # The types tierstore raises for bad input, bad files and the environment (a full
-# disk, a taken port); every exception class defined in tierstore is one too.
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, KeyError, IndexError, OSError, ImportError, lmdb.Error)
+# disk, a taken port), and its own errors, whatever their builtin base.
+USER_ERRORS: tuple[type[BaseException], ...] = (TierstoreError, ValueError, TypeError, KeyError, IndexError, OSError,
+                                                ImportError, lmdb.Error)
 # prefetchd refuses to start with a RuntimeError when a daemon already serves its socket
 COMMAND_USER_ERRORS: dict[str, tuple[type[BaseException], ...]] = {"prefetchd": (RuntimeError,)}
 # The command line's advice in place of a Python caller's: these errors' messages state the
@@ -152,8 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def is_user_error(e: BaseException, command: str | None = None) -> bool:
-    return (isinstance(e, USER_ERRORS + COMMAND_USER_ERRORS.get(command, ()))
-            or type(e).__module__.split(".")[0] == "tierstore")
+    return isinstance(e, USER_ERRORS + COMMAND_USER_ERRORS.get(command, ()))
 
 
 def error_message(e: BaseException) -> str:

@@ -1,0 +1,11 @@
+"""The base class of tierstore's own errors.
+
+It lives in io/, the lowest layer, because io/ defines errors too and imports
+nothing above itself; tierstore.errors re-exports it as the public name."""
+
+
+class TierstoreError(Exception):
+    """An error tierstore raises on purpose: bad input, a damaged or busy store, a peer
+    that failed. Each subclass also keeps a builtin base (ValueError, RuntimeError,
+    OSError, ...), so ``except ValueError`` and the like catch it as before; ``except
+    tierstore.TierstoreError`` catches all of them."""
