@@ -200,6 +200,7 @@ class LmdbBackend:
         self._dbs: dict[str, object] = {}
         self._last_dbs: dict[str, object] = {}  # tables with ttl_steps: row id -> last-use step
         self._sweep_from: dict[str, bytes] = {}  # where each table's sweep goes on
+        self.deleted: dict[str, list[np.ndarray]] | None = None  # ids deleted, once recording (TieredStore.take_changes)
         self._sketch_db = None
         self._codecs: dict[str, RowCodec] = {}
         self._logs: dict[str, rowlog.RowLog] = {}  # tables in the log layout, and their segments' databases:
@@ -578,6 +579,7 @@ class LmdbBackend:
 
     def delete_rows(self, table: str, ids: np.ndarray) -> int:
         """Delete the rows of ``ids`` (and their last-use steps) in one transaction; returns how many existed."""
+        self._record_deleted(table, ids)
         if table in self._logs:
             with self._write_lock:  # the writer's index changes only under it
                 gone = ids[self._logs[table].loc[ids] != rowlog.NONE]
@@ -591,6 +593,21 @@ class LmdbBackend:
             deleted[0] = self._delete(txn, table, keys)
         self._write(op)
         return deleted[0]
+
+    def _record_deleted(self, table: str, ids: np.ndarray) -> None:
+        # recorded before the commit: a delete that then fails leaves ids that did not change
+        # among the recorded ones, which a reader of the record reads back as they are
+        if self.deleted is not None and len(ids):
+            self.deleted.setdefault(table, []).append(np.array(ids, dtype=np.int64))
+
+    def sweep_all(self, table: str, cutoff: int | None, l2_below: float | None = None, chunk: int = 65536) -> int:
+        """sweep() over the whole table from its first row, a transaction a ``chunk`` of rows:
+        every row the rules delete now is deleted. Returns the rows deleted."""
+        self._sweep_from.pop(table, None)
+        deleted = self.sweep(table, cutoff, chunk, l2_below)
+        while self._sweep_from.get(table):
+            deleted += self.sweep(table, cutoff, chunk, l2_below)
+        return deleted
 
     def _delete(self, txn, table: str, keys: list[bytes]) -> int:
         # map: the per-key calls run in C, as get_rows's gets
@@ -626,7 +643,9 @@ class LmdbBackend:
                 rows = np.empty((len(keys), codec.width), dtype=np.float32)
                 found = codec.decode(values, rows)
                 dead[found] |= row_norms_sq(rows[found, : codec.dim]) < l2_below ** 2
-            deleted[0] = self._delete(txn, table, [keys[i] for i in np.flatnonzero(dead)])
+            dead_keys = [keys[i] for i in np.flatnonzero(dead)]
+            self._record_deleted(table, np.frombuffer(b"".join(dead_keys), dtype=">u8").astype(np.int64))
+            deleted[0] = self._delete(txn, table, dead_keys)
             # the next sweep starts after the last key seen (keys are 8-byte big-endian ids < 2**63)
             last = int.from_bytes(keys[-1], "big")
             resume[0] = (last + 1).to_bytes(8, "big") if len(items) == budget else b""

@@ -120,9 +120,15 @@ class _ServingTable:
         self.counts["initial_rows"] += int((~found).sum())
         return torch.from_numpy(self.kernel_rows(packed))
 
-    def apply(self, ids: np.ndarray, packed: np.ndarray) -> None:
-        """Serve rows ``packed`` (as LMDB stores them) for the sorted unique ``ids`` from now on:
-        written over the tiers' copies, and kept beside LMDB's rows for reads that miss."""
+    def apply(self, ids: np.ndarray, packed: np.ndarray, deleted: np.ndarray) -> None:
+        """Serve rows ``packed`` (as LMDB stores them) for the sorted unique ``ids`` from now on,
+        and the initial rows for ``deleted`` (as for rows an export leaves out): written over the
+        tiers' copies, and kept beside LMDB's rows for reads that miss."""
+        if len(deleted):
+            ids = np.concatenate([ids, deleted])
+            packed = np.concatenate([packed, self.format.encode(initial_rows(self.spec, deleted)[:, : self.spec.dim])])
+            order = np.argsort(ids, kind="stable")
+            ids, packed = ids[order], packed[order]
         kernel = torch.from_numpy(self.kernel_rows(packed))
         for tier in self.tiers:
             if tier is not None:
@@ -219,16 +225,19 @@ class ServingStore:
         """The published version served (tierstore.serving_stream): the export's, then each delta's applied."""
         return self._version
 
-    def apply(self, version: int, rows: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    def apply(self, version: int, rows: Mapping[str, tuple[np.ndarray, ...]]) -> None:
         """Serve version ``version``: ``rows[table]`` = (sorted unique ids, rows packed as LMDB
-        stores them). Lookups take turns with it, so each sees the versions before or after."""
-        for name, (ids, packed) in rows.items():
+        stores them[, sorted ids deleted: served as their initial rows from now on]). Lookups
+        take turns with it, so each sees the versions before or after."""
+        changes = {}
+        for name, (ids, packed, *deleted) in rows.items():
             t = self._table(name)
             if packed.shape != (len(ids), t.format.row_bytes):
                 raise ValueError(f"rows for table {name!r} must be {len(ids)} x {t.format.row_bytes} bytes, got {packed.shape}")
+            changes[name] = (ids, packed, deleted[0] if deleted else np.zeros(0, dtype=np.int64))
         with self._lock:
-            for name, (ids, packed) in rows.items():
-                self._tables[name].apply(ids, packed)
+            for name, change in changes.items():
+                self._tables[name].apply(*change)
             self._version = version
 
     def dtype(self, table: str) -> str:

@@ -146,7 +146,7 @@ def _export_table(source: "_Store | _Sharded", writer: ServingWriter, spec: Tabl
     for lo in range(0, len(stored), _CHUNK):
         ids = stored[lo: lo + _CHUNK]
         weights = source.weights(spec.name, ids)
-        kept = (weights != initial_rows(spec, ids)[:, : spec.dim]).any(axis=1)
+        kept = written(spec, ids, weights)
         ids, weights = ids[kept], weights[kept]
         _check_values(spec.name, ids, weights, dtype)
         if len(ids):
@@ -154,6 +154,12 @@ def _export_table(source: "_Store | _Sharded", writer: ServingWriter, spec: Tabl
             rows_out += len(ids)
     return {"name": spec.name, "dtype": dtype, "dim": spec.dim, "row_bytes": fmt.row_bytes, "rows": rows_out,
             "spec": spec.to_json()}
+
+
+def written(spec: TableSpec, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Mask of the rows whose ``weights`` (as the store reads them) are not their initial
+    values: those a serving store holds; a lookup computes the others from the RowInit."""
+    return (weights != initial_rows(spec, ids)[:, : spec.dim]).any(axis=1)
 
 
 def _check_values(table: str, ids: np.ndarray, weights: np.ndarray, dtype: str) -> None:

@@ -13,8 +13,10 @@ applied whole while lookups wait, so a lookup sees one version. A delta that is
 damaged or cut short raises DeltaCorruptError and changes nothing; a replica that
 finds the next delta gone (compacted away) catches up from the newest export.
 
-Files appear whole: each is written aside, synced and renamed. Deletions in the
-training store (evict, TTL and L2 expiry) reach replicas with the next export.
+Files appear whole: each is written aside, synced and renamed. A delta carries the
+rows deleted in the training store too (evict, TTL and L2 expiry: every row that reads
+as its initial value again): a replica serves their initial values from then on, as
+for a row an export leaves out.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from tierstore.io import StoreCorruptError
 from tierstore.io.serving_layout import RowFormat
 
 from .serving import ServingStore
-from .serving_export import export
+from .serving_export import export, written
 
 MAGIC = b"TSDELTA1"
 _LEN = struct.Struct("<I")
@@ -66,22 +68,24 @@ def _write_whole(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def encode_delta(version: int, published: float, tables: Mapping[str, tuple[str, np.ndarray, np.ndarray]]) -> bytes:
+def encode_delta(version: int, published: float, tables: Mapping[str, tuple[str, np.ndarray, np.ndarray, np.ndarray]]) -> bytes:
     """A delta file: MAGIC, a JSON header's length and the header, each table's ids
-    (int64) and packed rows, then the CRC-32 of all before it. ``tables[name]`` is
-    (dtype, sorted ids, packed rows)."""
+    (int64), packed rows and deleted ids (int64), then the CRC-32 of all before it.
+    ``tables[name]`` is (dtype, sorted ids, packed rows, sorted deleted ids)."""
     header = {"version": version, "time": published,
-              "tables": [{"name": n, "dtype": dt, "rows": len(ids), "row_bytes": rows.shape[1]} for n, (dt, ids, rows) in tables.items()]}
+              "tables": [{"name": n, "dtype": dt, "rows": len(ids), "row_bytes": rows.shape[1], "deleted": len(gone)}
+                         for n, (dt, ids, rows, gone) in tables.items()]}
     head = json.dumps(header).encode()
     body = [MAGIC, _LEN.pack(len(head)), head]
-    for _, ids, rows in tables.values():
-        body += [np.ascontiguousarray(ids, dtype="<i8").tobytes(), np.ascontiguousarray(rows, dtype=np.uint8).tobytes()]
+    for _, ids, rows, gone in tables.values():
+        body += [np.ascontiguousarray(ids, dtype="<i8").tobytes(), np.ascontiguousarray(rows, dtype=np.uint8).tobytes(),
+                 np.ascontiguousarray(gone, dtype="<i8").tobytes()]
     data = b"".join(body)
     return data + _LEN.pack(zlib.crc32(data))
 
 
-def decode_delta(path: Path) -> tuple[dict, dict[str, tuple[np.ndarray, np.ndarray]]]:
-    """(header, {table: (ids, packed rows)}) of a delta file; DeltaCorruptError if it is not whole."""
+def decode_delta(path: Path) -> tuple[dict, dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+    """(header, {table: (ids, packed rows, deleted ids)}) of a delta file; DeltaCorruptError if it is not whole."""
     data = path.read_bytes()
 
     def damaged(what: str) -> DeltaCorruptError:
@@ -98,12 +102,14 @@ def decode_delta(path: Path) -> tuple[dict, dict[str, tuple[np.ndarray, np.ndarr
         at += n
         rows = {}
         for t in header["tables"]:
-            count, width = int(t["rows"]), int(t["row_bytes"])
+            count, width, deleted = int(t["rows"]), int(t["row_bytes"]), int(t.get("deleted", 0))
             ids = np.frombuffer(data, dtype="<i8", count=count, offset=at).astype(np.int64)
             at += 8 * count
             packed = np.frombuffer(data, dtype=np.uint8, count=count * width, offset=at).reshape(count, width)
-            rows[t["name"]] = (ids, packed.copy())  # writable: tiers take the rows as tensors
             at += count * width
+            gone = np.frombuffer(data, dtype="<i8", count=deleted, offset=at).astype(np.int64)
+            at += 8 * deleted
+            rows[t["name"]] = (ids, packed.copy(), gone)  # writable: tiers take the rows as tensors
     except (ValueError, KeyError, TypeError) as e:
         raise damaged(f"its contents do not parse ({type(e).__name__}: {e})") from None
     if at != len(data) - _LEN.size:
@@ -128,18 +134,20 @@ class Publisher:
         self.rows_published = 0
 
     def publish(self) -> int:
-        """Flush the store and publish the rows it sent to LMDB since the last publish as
-        the next version; returns it. Call at a step boundary."""
+        """Flush the store and publish the rows it changed in LMDB since the last publish
+        (written or deleted) as the next version; returns it. Call at a step boundary."""
         self.store.flush()
         changed = self.store.take_changes()
         tables = {}
         for name, ids in changed.items():
             if name in self.tables and len(ids):
+                ids = ids.numpy()
                 weights = self.store.peek(name, ids).numpy()
-                tables[name] = (self.dtype, ids.numpy(), self.tables[name].encode(weights))
+                kept = written(self.store.tables[name], ids, weights)  # the others read as initial: deleted
+                tables[name] = (self.dtype, ids[kept], self.tables[name].encode(weights[kept]), ids[~kept])
         self.version += 1
         _write_whole(self.directory / f"delta-{self.version:08d}.bin", encode_delta(self.version, time.time(), tables))
-        self.rows_published += sum(len(ids) for _, ids, _ in tables.values())
+        self.rows_published += sum(len(ids) + len(gone) for _, ids, _, gone in tables.values())
         return self.version
 
     def compact(self) -> int:
@@ -213,7 +221,7 @@ class Replica:
                 raise DeltaCorruptError(f"delta {path} holds version {header['version']}, not {v}; the replica keeps serving "
                                         f"version {v - 1}")
             self.store.apply(v, rows)
-            self.rows_applied += sum(len(ids) for ids, _ in rows.values())
+            self.rows_applied += sum(len(ids) + len(gone) for ids, _, gone in rows.values())
 
     def _catch_up(self) -> None:
         newer = self._open_newest()

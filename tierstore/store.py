@@ -485,12 +485,22 @@ class TieredStore:
             sc.flush_latency.observe("flush", time.perf_counter() - start)
 
     def take_changes(self) -> dict[str, torch.Tensor]:
-        """Ids (ascending, CPU) of each table's rows sent to LMDB since the last call: written
-        back or flushed. The first call starts the record and returns {}. What a serving
-        publisher ships (tierstore.serving_stream); deletions (evict, TTL, L2) are not in it."""
+        """Ids (ascending, CPU) of each table's rows changed in LMDB since the last call: written
+        back, flushed or deleted (evict, the TTL and L2 sweeps). Rows a TTL has expired by the
+        durable step count are deleted first, by a sweep over each such table's last-use steps.
+        The first call starts the record and returns {}. A row may be among them unchanged; read
+        it (peek) for its value. What a serving publisher ships (tierstore.serving_stream)."""
         with self._lock:
-            changed, self._writeback.changed = self._writeback.changed, {}
-            return {t: torch.from_numpy(unique_ids(np.concatenate(ids))) for t, ids in (changed or {}).items()}
+            self._reap(drain=True)  # no sweep in flight: none records into a taken record
+            recording = self._writeback.changed is not None
+            for name, t in self._tables.items():
+                cutoff = t.life.sweep_cutoff()
+                if recording and not self.readonly and cutoff is not None and cutoff >= 0:
+                    self._backend.sweep_all(name, cutoff)
+            changed, self._writeback.changed = self._writeback.changed or {}, {}
+            deleted, self._backend.deleted = self._backend.deleted or {}, {}
+            return {t: torch.from_numpy(unique_ids(np.concatenate(changed.get(t, []) + deleted.get(t, []))))
+                    for t in changed.keys() | deleted.keys()}
 
     def checkpoint(self, path: str | Path, compact: bool = True) -> Path:
         """Flush, then copy the LMDB environment into the new directory ``path``:
