@@ -47,6 +47,7 @@ from .memory import (DEFAULT_WRITEBACK_ROWS, MemoryPart, MemorySplit, check_fits
 from .precision import DTYPES, round_nearest, update_key
 from .spec import MAX_ID, TableSpec
 from .trace import TraceRecorder
+from .validate import check_choice, check_int, check_rows, set_fields, with_keywords
 from .prefetch import PrefetchConfig, Prefetcher, PrefetchGroup, PrefetchTicket
 from .table import Resident, Shared, TableStore
 from .tiers import CacheTier, first_uses, last_values
@@ -56,40 +57,33 @@ Sizes = int | Mapping[str, int]
 
 @dataclass
 class StoreConfig:
-    path: Path
-    hbm_rows: Sizes | None = 0  # None: left out (0, or derived from memory_budget); set to {table: rows} at open
-    ddr_rows: Sizes | None = 0
+    """A store's settings, checked: ``TieredStore(path, tables, config=StoreConfig(...))``
+    takes them whole (the keywords of the same names are the other way to give them).
+    The defaults are TieredStore's."""
+    path: Path | None = None  # None: the path TieredStore is given
+    hbm_rows: Sizes | None = None  # None: left out (0, or derived from memory_budget); set to {table: rows} at open
+    ddr_rows: Sizes | None = None
     policy: str = "lru"
     device: torch.device | None = None
     readonly: bool = False
     map_size: int | None = None
     clock: Callable[[], float] = field(default=time.time)
     eviction: str = "policy"
-    writeback_rows: int | None = 65536  # None: 65536, or derived from memory_budget
+    writeback_rows: int | None = None  # None: 65536, or derived from memory_budget
     writeback_group_rows: int = 32768
     memory_budget: int | str | None = None  # bytes (tierstore.memory.parse_bytes); an int once checked
 
     def __post_init__(self):
-        self.path = Path(self.path)
+        self.path = None if self.path is None else Path(self.path)
         if self.memory_budget is not None:
             self.memory_budget = parse_bytes(self.memory_budget, "memory_budget")
-        for name, meaning in (("writeback_rows", "rows queued for LMDB before a call waits; 0 = wait for every write"),
-                              ("writeback_group_rows", "rows the writer gathers into one LMDB commit, at most writeback_rows // 2; 0 = commit each write at once")):
-            value = getattr(self, name)
-            if value is None and name == "writeback_rows":
-                continue
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0 ({meaning}), got {value!r}")
-        if self.eviction not in ("policy", "lookahead"):
-            raise ValueError(f"eviction must be 'policy' or 'lookahead' (next use in the prefetch window first), got {self.eviction!r}")
-        for name in ("hbm_rows", "ddr_rows"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            items = value.items() if isinstance(value, Mapping) else [("every table", value)]
-            for table, rows in items:
-                if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or rows < 0:
-                    raise ValueError(f"{name} for {table} must be an int >= 0 (0 = no such tier), got {rows!r}")
+        check_int(self.writeback_rows, "writeback_rows", none=True,
+                  meaning="rows queued for LMDB before a call waits; 0 = wait for every write")
+        check_int(self.writeback_group_rows, "writeback_group_rows",
+                  meaning="rows the writer gathers into one LMDB commit, at most writeback_rows // 2; 0 = commit each write at once")
+        check_choice(self.eviction, "eviction", ("policy", "lookahead"), "next use in the prefetch window first")
+        check_rows(self.hbm_rows, "hbm_rows")
+        check_rows(self.ddr_rows, "ddr_rows")
         make_policy(self.policy)  # raises on unknown names
         self.device = resolve_device(self.device)
 
@@ -158,6 +152,7 @@ class TieredStore:
         daemon: None = None,
         claim: Sequence[str] = (),
         memory_budget: int | str | None = None,
+        config: StoreConfig | None = None,
     ):
         if daemon is not None:
             raise TypeError(f"TieredStore is the embedded store; attach to the `tierstore prefetchd` at {daemon} with "
@@ -165,14 +160,21 @@ class TieredStore:
         if claim:
             raise ValueError(f"claim={list(claim)} only applies to a client of `tierstore prefetchd` "
                              "(tierstore.open_store(path, daemon=SOCK, claim=...)); an embedded store is its tables' only writer")
-        self.config = StoreConfig(path, hbm_rows, ddr_rows, policy, device, readonly, map_size, clock, eviction, writeback_rows,
-                                  writeback_group_rows, memory_budget)
+        settings = dict(hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device, readonly=readonly, map_size=map_size,
+                        clock=clock, eviction=eviction, writeback_rows=writeback_rows,
+                        writeback_group_rows=writeback_group_rows, memory_budget=memory_budget)
+        self.config = StoreConfig(path, **settings)
+        if config is not None:  # taken whole (a copy: opening sets its sizes); a keyword also given must agree
+            if not isinstance(config, StoreConfig):
+                raise TypeError(f"config must be a tierstore.StoreConfig, got {type(config).__name__}")
+            passed = set_fields(StoreConfig, settings) + (["path"] if config.path is not None else [])
+            self.config = dataclasses.replace(with_keywords(config, self.config, passed, "TieredStore"), path=self.config.path)
         # metrics: exported to registry (default: prometheus_client's global one) under
         # the label name (default: the resolved path); metrics_port starts an endpoint
         metrics_config = MetricsConfig(registry, name, metrics_port, metrics_addr)
         self.path = self.config.path
         self.device = self.config.device
-        self.readonly = readonly
+        self.readonly = self.config.readonly
         self._lock = threading.RLock()
         # All-resident reads gather outside the lock, so that several readers
         # (the daemon's clients) gather at once. Whoever overwrites tier rows
@@ -186,7 +188,7 @@ class TieredStore:
         self._closed = False
         self._shared: Shared | None = None
         # without tables= nothing is created: a mistyped path fails, leaving nothing behind
-        self._backend = LmdbBackend(self.path, readonly=readonly, map_size=map_size, create=bool(tables))
+        self._backend = LmdbBackend(self.path, readonly=self.readonly, map_size=self.config.map_size, create=bool(tables))
         try:
             specs = self._reconcile_specs(list(tables or []))
             for name in ("hbm_rows", "ddr_rows"):
@@ -200,7 +202,7 @@ class TieredStore:
             self._writeback = WriteBack(self._backend, self._lock, self.config.writeback_rows, self.config.writeback_group_rows,
                                         on_swept=self._count_swept)
             # what the tables share, handed to each (tierstore/table.py): none reaches back into the store
-            self._shared = Shared(self._backend, self._writeback, readonly, self._await_gathers)
+            self._shared = Shared(self._backend, self._writeback, self.readonly, self._await_gathers)
             if record_trace is not None:
                 self._shared.recorder = TraceRecorder(record_trace, specs.values())
             meta = self._backend.read_meta()

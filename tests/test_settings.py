@@ -1,0 +1,133 @@
+"""Settings in one place (issue #33, item 4): a store's settings passed whole as
+``TieredStore(path, tables, config=StoreConfig(...))``, a keyword that contradicts
+the config refused before anything is created, and the shared validators
+(tierstore.validate) with the messages the entry points give. Real LMDB stores."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from tierstore import StoreConfig, TableSpec, TieredStore
+from tierstore.validate import check_choice, check_int, check_number, check_rows
+
+SPEC = TableSpec("t", 1000, 4)
+
+
+def opened(path, *args, **kwargs) -> TieredStore:
+    return TieredStore(path, *args, registry=CollectorRegistry(), **kwargs)
+
+
+def test_a_config_opens_the_store_as_its_keywords_do(tmp_path):
+    cfg = StoreConfig(hbm_rows=8, ddr_rows={"t": 32}, policy="lfu", device="cpu", writeback_group_rows=16)
+    with opened(tmp_path / "a", [SPEC], config=cfg) as a, \
+            opened(tmp_path / "b", [SPEC], hbm_rows=8, ddr_rows={"t": 32}, policy="lfu", device="cpu",
+                   writeback_group_rows=16) as b:
+        assert dataclasses.replace(a.config, path=None) == dataclasses.replace(b.config, path=None)
+        assert a.config.path == tmp_path / "a" and a.path == tmp_path / "a"
+        ids = torch.arange(100)
+        for s in (a, b):
+            s.read("t", ids)
+        assert a.stats() == b.stats()  # the same tier sizes and policy: the same hits, evictions, write-backs
+    assert cfg.hbm_rows == 8 and cfg.path is None  # the caller's config is not the store's to change
+
+
+def test_a_config_reopens_readonly(tmp_path):
+    opened(tmp_path / "s", [SPEC], device="cpu").close()
+    with opened(tmp_path / "s", config=StoreConfig(readonly=True, device="cpu")) as s:
+        assert s.readonly
+        with pytest.raises(PermissionError):
+            s.write("t", [1], torch.ones(1, 4))
+
+
+@pytest.mark.parametrize("keywords, setting", [
+    (dict(hbm_rows=4), "hbm_rows"),
+    (dict(policy="lru", eviction="lookahead"), "eviction"),
+    (dict(memory_budget="1GiB"), "memory_budget"),
+])
+def test_a_keyword_that_contradicts_the_config_is_refused_and_creates_nothing(tmp_path, keywords, setting):
+    cfg = StoreConfig(hbm_rows=8, policy="lfu", device="cpu")
+    with pytest.raises(ValueError, match=rf"^TieredStore: {setting}=.* contradicts config\.{setting}=.*"
+                                         rf"dataclasses\.replace\(config, {setting}=\.\.\.\)"):
+        opened(tmp_path / "s", [SPEC], config=cfg, **keywords)
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_config_naming_another_path_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="path=.* contradicts config.path="):
+        opened(tmp_path / "s", [SPEC], config=StoreConfig(tmp_path / "other", device="cpu"))
+    assert not (tmp_path / "s").exists() and not (tmp_path / "other").exists()
+
+
+def test_keywords_that_agree_with_the_config_are_taken(tmp_path):
+    cfg = StoreConfig(tmp_path / "s", hbm_rows=8, policy="lfu", device="cpu", memory_budget=1 << 30)
+    with opened(tmp_path / "s", [SPEC], config=cfg, hbm_rows=8, device=torch.device("cpu"), memory_budget="1GiB") as s:
+        assert s.config.policy == "lfu" and s.config.memory_budget == 1 << 30
+
+
+def test_config_must_be_a_store_config(tmp_path):
+    with pytest.raises(TypeError, match="config must be a tierstore.StoreConfig, got dict"):
+        opened(tmp_path / "s", [SPEC], config={"hbm_rows": 8})
+
+
+def test_the_keywords_and_the_config_have_the_same_defaults():
+    """A keyword left out yields to the config only while its default is the config's."""
+    params = inspect.signature(TieredStore.__init__).parameters
+    for f in dataclasses.fields(StoreConfig):
+        if f.name != "path":
+            assert params[f.name].default == f.default, f.name
+
+
+# -- the validators ------------------------------------------------------------------
+
+def test_check_int():
+    assert check_int(np.int64(3), "n") == 3 and type(check_int(np.int64(3), "n")) is int
+    assert check_int(None, "n", none=True) is None
+    assert check_int(5, "n", at_least=1, at_most=5) == 5
+    with pytest.raises(ValueError, match=r"^workers must be an int >= 1 \(threads reading ahead\), got 0$"):
+        check_int(0, "workers", at_least=1, meaning="threads reading ahead")
+    with pytest.raises(ValueError, match=r"^n must be an int in \[1, 255\], got 256$"):
+        check_int(256, "n", at_least=1, at_most=255)
+    with pytest.raises(ValueError, match=r"^n must be an int >= 0 or None, got -1$"):
+        check_int(-1, "n", none=True)
+    for bad in (True, np.bool_(False), 2.0, "3", None):
+        with pytest.raises(ValueError, match="n must be an int >= 0"):
+            check_int(bad, "n")
+
+
+def test_check_number():
+    assert check_number(2, "lr", above=True) == 2.0
+    assert check_number(0, "wait") == 0.0
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(ValueError, match=r"^lr must be a number > 0 \(the step size\), got "):
+            check_number(bad, "lr", above=True, meaning="the step size")
+
+
+def test_check_choice_and_rows():
+    assert check_choice("lfu", "policy", ("lru", "lfu")) == "lfu"
+    with pytest.raises(ValueError, match=r"^policy must be one of 'lru', 'lfu', got 'mru'$"):
+        check_choice("mru", "policy", ("lru", "lfu"))
+    check_rows({"a": 0, "b": np.int32(4)}, "hbm_rows")
+    check_rows(None, "hbm_rows")
+    with pytest.raises(ValueError, match=r"^hbm_rows for b must be an int >= 0 \(0 = no such tier\), got -4$"):
+        check_rows({"a": 0, "b": -4}, "hbm_rows")
+    with pytest.raises(ValueError, match=r"^ddr_rows for every table must be an int >= 0 \(0 = no such tier\), got 1.5$"):
+        check_rows(1.5, "ddr_rows")
+
+
+@pytest.mark.parametrize("keywords, message", [
+    (dict(hbm_rows={"t": -1}), r"hbm_rows for t must be an int >= 0 \(0 = no such tier\), got -1"),
+    (dict(writeback_group_rows=True), r"writeback_group_rows must be an int >= 0 \(rows the writer gathers"),
+    (dict(writeback_rows=-1), r"writeback_rows must be an int >= 0 or None \(rows queued for LMDB"),
+    (dict(eviction="belady"), r"eviction must be one of 'policy', 'lookahead'"),
+])
+def test_the_store_reports_bad_settings_by_name(tmp_path, keywords, message):
+    with pytest.raises(ValueError, match=message):
+        opened(tmp_path / "s", [SPEC], device="cpu", **keywords)
+    with pytest.raises(ValueError, match=message):
+        StoreConfig(**keywords)
+    assert not (tmp_path / "s").exists()
