@@ -469,3 +469,39 @@ def test_only_tables_in_the_log_layout_charge_a_row_index(tmp_path, monkeypatch)
         assert s.memory().parts["row_index"].bytes == 0
     with TieredStore(tmp_path / "log", [TableSpec("t", 100_000, 4)], memory_budget="64MiB", device="cpu") as s:
         assert s.memory().parts["row_index"].bytes == 4 * 100_000
+
+
+_FREED_HELD = textwrap.dedent("""
+    import ctypes, sys, tempfile
+    import numpy as np
+    from tierstore import TableSpec, TieredStore
+
+    class Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = Info
+    if sys.argv[1] == "budget":
+        store = TieredStore(tempfile.mkdtemp(), [TableSpec("t", num_rows=1000, dim=8)], memory_budget="64MiB")
+    first = np.ones(1 << 18, np.float32)
+    del first  # a freed 1 MiB block: glibc raises its mmap threshold past it
+    blocks = [np.ones(1 << 18, np.float32) for _ in range(64)]
+    del blocks[::2]  # every other one freed, none at the heap's top
+    print(libc.mallinfo2().fordblks)
+""")
+
+
+def test_a_budgeted_store_keeps_malloc_from_holding_freed_blocks(tmp_path):
+    """Freed temporaries of 1 MiB stay in glibc's arenas once its mmap threshold has risen (the
+    control process), memory outside every part of the budget; a process with a budgeted store
+    open gives them back (tierstore.memory.return_freed_blocks)."""
+    held = {}
+    for mode in ("control", "budget"):
+        out = subprocess.run([sys.executable, "-c", _FREED_HELD, mode], capture_output=True, text=True, cwd=tmp_path)
+        if out.returncode and "mallinfo2" in out.stderr:
+            pytest.skip("needs glibc >= 2.33 (mallinfo2) to see what malloc holds")
+        assert out.returncode == 0, out.stderr
+        held[mode] = int(out.stdout)
+    if held["control"] < 24 << 20:
+        pytest.skip(f"this C library's malloc does not hold freed 1 MiB blocks (held {held['control']:,} bytes)")
+    assert held["budget"] < 4 << 20, held

@@ -8,6 +8,8 @@ functions take their paths as parameters (tests point them at fixture files).
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import os
 import re
@@ -367,6 +369,32 @@ def _read_limit(file: Path) -> int | None:
     if text == "max" or not text.isdigit() or int(text) >= _UNLIMITED:
         return None
     return int(text)
+
+
+# glibc's malloc raises its mmap threshold (up to 32 MiB) each time a large block is freed, so
+# a step's temporaries (index_select, cat, fetched rows: 0.1-30 MiB each) come to live in its
+# arenas, one per thread, and stay there freed: at a 0.5 GiB budget with prefetch, 115-137 MiB
+# held free by malloc (BENCHMARKS.md, "malloc's freed blocks"), a quarter of the budget outside
+# every part of the split, and the kernel's OOM killer at close. A fixed threshold
+# sends every block of this size or more to its own mapping, returned to the kernel when freed.
+MMAP_THRESHOLD = 128 << 10
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+def return_freed_blocks(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Have glibc's malloc give blocks of ``threshold`` bytes or more back to the kernel when
+    freed (mallopt M_MMAP_THRESHOLD, process-wide; see MMAP_THRESHOLD). A store opened with a
+    memory budget calls this: what malloc keeps freed is memory the budget cannot see. False
+    where the C library is not glibc (nothing changed)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+        libc.gnu_get_libc_version  # glibc only: other libcs' mallopt numbers differ
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(_M_MMAP_THRESHOLD, threshold) == 1
 
 
 def detect_limit(proc_cgroup: str | Path = "/proc/self/cgroup", root: str | Path = "/sys/fs/cgroup",

@@ -43,7 +43,7 @@ from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
 from .counters import LifeCounters, StoreCounters, TableCounters, add_dicts, restored_on_error
 from .memory import (DEFAULT_WRITEBACK_ROWS, MemoryPart, MemorySplit, check_fits, detect_limit, parse_bytes, process_rss,
-                     split_memory)
+                     return_freed_blocks, split_memory)
 from .precision import DTYPES, round_nearest, update_key
 from .spec import MAX_ID, TableSpec
 from .trace import TraceRecorder
@@ -232,6 +232,8 @@ class TieredStore:
                              staged_rows=prefetch.staged_rows, writeback_rows=cfg.writeback_rows,
                              hbm_on_host=self.device.type == "cpu", writes=not self.readonly)
         split.limit = detect_limit()
+        if cfg.memory_budget is not None:
+            return_freed_blocks()
         if cfg.memory_budget is not None or cfg.hbm_rows is not None or cfg.ddr_rows is not None:
             what = (f"memory_budget={cfg.memory_budget:,} bytes" if cfg.memory_budget is not None else
                     f"the store at {self.path} with hbm_rows={cfg.hbm_rows}, ddr_rows={cfg.ddr_rows}")
