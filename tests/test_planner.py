@@ -162,7 +162,7 @@ def test_forced_types_are_honoured(trace):
     (dict(world_size=2, sharding={"a": "rows"}), ValueError, "sharding types must be one of"),
     (dict(world_size=2, hbm_bytes=10, ddr_bytes=10), ValueError, "cannot hold one row"),
     (dict(world_size=2, hbm_bytes=-1), ValueError, "hbm_bytes must be an int >= 0"),
-    (dict(world_size=2, batch_size=0), ValueError, "batch_size must be >= 1"),
+    (dict(world_size=2, batch_size=0), ValueError, "batch_size must be an int >= 1"),
     (dict(world_size=2, trace="trace.npz"), TypeError, "Trace.load"),
 ])
 def test_bad_input_is_named(kwargs, error, words):

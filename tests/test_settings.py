@@ -12,8 +12,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from tierstore import StoreConfig, TableSpec, TieredStore
+from tierstore import PrefetchConfig, StoreConfig, TableSpec, TieredStore
+from tierstore.trace import TraceTable
 from tierstore.validate import check_choice, check_int, check_number, check_rows
+from tierstore.wire import Limits
 
 SPEC = TableSpec("t", 1000, 4)
 
@@ -103,8 +105,11 @@ def test_check_number():
     assert check_number(2, "lr", above=True) == 2.0
     assert check_number(0, "wait") == 0.0
     for bad in (0, -1.0, float("nan"), float("inf"), True, "1"):
-        with pytest.raises(ValueError, match=r"^lr must be a number > 0 \(the step size\), got "):
+        with pytest.raises(ValueError, match=r"^lr must be a finite number > 0 \(the step size\), got "):
             check_number(bad, "lr", above=True, meaning="the step size")
+    assert check_number(float("inf"), "wait", finite=False) == float("inf")  # a threshold never reached
+    with pytest.raises(ValueError, match=r"^wait must be a number >= 0, got nan$"):
+        check_number(float("nan"), "wait", finite=False)
 
 
 def test_check_choice_and_rows():
@@ -131,3 +136,39 @@ def test_the_store_reports_bad_settings_by_name(tmp_path, keywords, message):
     with pytest.raises(ValueError, match=message):
         StoreConfig(**keywords)
     assert not (tmp_path / "s").exists()
+
+
+# -- the entry points that use them ---------------------------------------------------
+
+def _daemon_config(**kw):
+    from tierstore.tools.daemon import DaemonConfig
+    return DaemonConfig("store", "sock", **{"ddr_rows": 10, **kw})
+
+
+def _capacity_config(**kw):
+    from tierstore.tools.capacity_analysis import CapacityConfig
+    return CapacityConfig(**kw)
+
+
+@pytest.mark.parametrize("make, message", [
+    # a bool is not a count: True passed isinstance(x, int) in several of the checks these replace
+    (lambda: PrefetchConfig(workers=True), r"prefetch workers must be an int >= 1, got True"),
+    (lambda: PrefetchConfig(staged_rows={"t": True}), r"prefetch staged_rows must be an int >= 0 or None, got True"),
+    (lambda: _daemon_config(ddr_rows=True), r"--ddr-rows must be an int >= 0 or None, got True"),
+    (lambda: _daemon_config(depth=True), r"--depth must be an int >= 1, got True"),
+    (lambda: _daemon_config(frame_timeout=0), r"--frame-timeout must be a number > 0 \(seconds\), got 0"),
+    (lambda: _capacity_config(steps_per_s=float("nan")), r"steps_per_s must be a finite number > 0, got nan"),
+    (lambda: TableSpec("t", 0, 4), r"TableSpec.num_rows must be an int in \[1, 9223372036854775808\] or None \(None = an unbounded"),
+    (lambda: TableSpec("t", 10, 4, ttl_steps=0), r"TableSpec.ttl_steps must be an int >= 1 or None \(steps of the table"),
+    (lambda: TableSpec("t", 10, 4, evict_l2_below=float("inf")), r"TableSpec.evict_l2_below must be a finite number > 0 or None"),
+    (lambda: Limits(max_ids=0), r"Limits.max_ids must be an int >= 1, got 0"),
+    (lambda: TraceTable("t", num_rows=0), r"trace table 't': num_rows must be an int >= 1 or None, got 0"),
+])
+def test_entry_points_report_bad_settings_by_name(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_infinity_stays_a_threshold_never_reached():
+    assert PrefetchConfig(sync_read_us=float("inf")).sync_read_us == float("inf")  # never read ahead
+    assert _daemon_config(idle_timeout=float("inf")).idle_timeout == float("inf")

@@ -460,6 +460,15 @@ def refuse_export(module: nn.Module) -> None:
             "tierstore.ServingEmbeddingBagCollection")
 
 
+def _check_store_options(path, device, hbm_rows, ddr_rows, policy, memory_budget, record_trace) -> None:
+    """A module given store= takes that store as it was opened: options for opening one are refused, not ignored."""
+    if path is not None or device is not None or hbm_rows or ddr_rows or policy != "lru" or memory_budget is not None \
+            or record_trace is not None:
+        raise ValueError("with store= the store's own path, device, tiers, memory budget, policy and trace apply; "
+                         "drop path=, device=, hbm_rows=, ddr_rows=, memory_budget=, policy= and record_trace= "
+                         "(open the store with TieredStore(..., record_trace=PATH) to record its reads)")
+
+
 class ScriptRefusal:
     """torch.jit.script would compile forward, which calls into the store (Python, threads, LMDB)."""
 
@@ -477,7 +486,8 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
     hbm_rows=..., ddr_rows=..., policy=..., device=..., optimizer=...)`` creates
     (or reopens) a store at ``path`` holding one table; ``store=``/``table=``
     use a table of an open store instead. ``num_embeddings=None`` is an
-    unbounded id space.
+    unbounded id space. ``record_trace=PATH`` records the store's reads as a
+    trace for ``tierstore capacity`` (TieredStore's option).
 
     Without ``optimizer`` the rows are not trained: the output has no grad. That
     is for inference (``.eval()`` or ``torch.no_grad()``) or for rows kept frozen
@@ -514,6 +524,7 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         sparse: bool = True,
         kernels: str = "torch",
         memory_budget: int | str | None = None,
+        record_trace: str | Path | None = None,
     ):
         super().__init__()
         if kernels not in ("torch", "fbgemm"):
@@ -541,11 +552,9 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
             state_dim = optimizer.state_dim(embedding_dim) if optimizer else 0
             spec = TableSpec(table, num_embeddings, embedding_dim, dtype=dtype or "float32", init=cfg.init, state_dim=state_dim)
             store = TieredStore(path, tables=[spec], hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device,
-                                memory_budget=memory_budget)
+                                memory_budget=memory_budget, record_trace=record_trace)
         else:
-            if path is not None or device is not None or hbm_rows or ddr_rows or policy != "lru" or memory_budget is not None:
-                raise ValueError("with store= the store's own path, device, tiers, memory budget and policy apply; "
-                                 "drop path=, device=, hbm_rows=, ddr_rows=, memory_budget= and policy=")
+            _check_store_options(path, device, hbm_rows, ddr_rows, policy, memory_budget, record_trace)
             if not isinstance(store, TieredStore):
                 raise TypeError(f"store must be a tierstore.TieredStore, got {type(store).__name__}")
             spec = store.tables.get(table)
@@ -900,7 +909,8 @@ class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
     ``ebc({"user": (values, offsets), "item": (values, offsets)})`` returns
     ``{"user": pooled [B, dim], "item": ...}``. A feature may also be
     ``(values, offsets, per_sample_weights)`` or a 2-D tensor of fixed-length bags.
-    Each table's ``state_dim`` is set to what the optimizer needs.
+    Each table's ``state_dim`` is set to what the optimizer needs. ``record_trace=PATH``
+    records the store's reads as a trace for ``tierstore capacity`` (TieredStore's option).
     """
 
     def __init__(
@@ -918,6 +928,7 @@ class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
         include_last_offset: bool = False,
         kernels: str = "torch",
         memory_budget: int | str | None = None,
+        record_trace: str | Path | None = None,
     ):
         super().__init__()
         tables = list(tables)
@@ -936,10 +947,9 @@ class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
             if path is None:
                 raise ValueError("pass path= (a directory for a new or existing store) or store= (an open TieredStore)")
             store = TieredStore(path, tables=specs, hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device,
-                                memory_budget=memory_budget)
-        elif path is not None or device is not None or hbm_rows or ddr_rows or policy != "lru" or memory_budget is not None:
-            raise ValueError("with store= the store's own path, device, tiers, memory budget and policy apply; "
-                             "drop path=, device=, hbm_rows=, ddr_rows=, memory_budget= and policy=")
+                                memory_budget=memory_budget, record_trace=record_trace)
+        else:
+            _check_store_options(path, device, hbm_rows, ddr_rows, policy, memory_budget, record_trace)
         self.store = store
         self.optimizer = optimizer
         self._bags = {

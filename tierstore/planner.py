@@ -56,6 +56,7 @@ from tierstore.trace import Trace, TraceTable, gather_ranges
 from .precision import DTYPES
 from .sharding import SHARDING_TYPES, Shard, ShardingPlan, TablePlan
 from .spec import TableSpec
+from .validate import check_int
 
 SPLIT_ABOVE = 1.25  # a rank's load over the mean per rank above which its largest whole table is split
 COLUMN_SKEW = 1.5  # max / mean lookups of an even row split above which a wide, hot table is split by columns
@@ -87,16 +88,12 @@ class PlanConfig:
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"plan() got duplicate table names: {names}")
-        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ValueError(f"world_size must be an int >= 1 (the number of ranks), got {self.world_size!r}")
+        check_int(self.world_size, "world_size", at_least=1, meaning="the number of ranks")
         if self.trace is not None and not isinstance(self.trace, Trace):
             raise TypeError(f"trace must be a tierstore.trace.Trace (Trace.load(path)), got {type(self.trace).__name__}")
-        for name in ("hbm_bytes", "ddr_bytes", "batch_size"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
-                raise ValueError(f"{name} must be an int >= 0 or None, got {v!r}")
-        if self.batch_size == 0:
-            raise ValueError("batch_size must be >= 1 (samples per step on each rank)")
+        for name in ("hbm_bytes", "ddr_bytes"):
+            check_int(getattr(self, name), name, none=True)
+        check_int(self.batch_size, "batch_size", at_least=1, none=True, meaning="samples per step on each rank")
         unknown = sorted(set(self.sharding) - set(names))
         if unknown:
             raise KeyError(f"sharding names tables {unknown} that are not planned; the tables are {names}")

@@ -46,6 +46,7 @@ from tierstore.io.workers import MIN_CHUNK, read_rows_async
 
 from .precision import DTYPES
 from .tiers import CacheTier, is_sorted_unique, masked
+from .validate import check_int, check_number
 
 
 # A window's ids are found in a hash-indexed tier by probing while they number less than
@@ -74,14 +75,11 @@ class PrefetchConfig:
     sync_read_us: float = 8.0
 
     def __post_init__(self):
-        if not isinstance(self.workers, int) or self.workers < 1:
-            raise ValueError(f"prefetch workers must be an int >= 1, got {self.workers!r}")
-        if not isinstance(self.sync_read_us, (int, float)) or not self.sync_read_us >= 0:
-            raise ValueError(f"prefetch sync_read_us must be a number >= 0 (0: always read ahead), got {self.sync_read_us!r}")
+        check_int(self.workers, "prefetch workers", at_least=1)
+        check_number(self.sync_read_us, "prefetch sync_read_us", meaning="0: always read ahead", finite=False)
         values = self.staged_rows.values() if isinstance(self.staged_rows, Mapping) else [self.staged_rows]
         for v in values:
-            if v is not None and (not isinstance(v, int) or v < 0):
-                raise ValueError(f"prefetch staged_rows must be an int >= 0, got {v!r}")
+            check_int(v, "prefetch staged_rows", none=True)
 
 
 class PrefetchTicket:
@@ -571,8 +569,7 @@ class LookaheadLoader:
 
     def __init__(self, batches: Iterable, module, depth: int = 2, ids: Callable[[object], Mapping[str, object]] | None = None,
                  clock: Callable[[], float] = time.perf_counter):
-        if not isinstance(depth, int) or depth < 0:
-            raise ValueError(f"depth must be an int >= 0 (0 = no prefetch), got {depth!r}")
+        check_int(depth, "depth", meaning="0 = no prefetch")
         self.batches = batches
         self.module = module
         self.store = module.store if hasattr(module, "store") else module

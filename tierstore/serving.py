@@ -27,6 +27,7 @@ from . import fbgemm
 from .hashindex import make_index
 from .spec import TableSpec, initial_rows
 from .store import resolve_device
+from .validate import check_int
 
 MODES = {"sum": 0, "mean": 1}
 _KERNEL_TYPES = {"float32": 0, "float16": 1, "int8": 2, "int4": 3}  # FBGEMM's SparseType
@@ -318,8 +319,7 @@ def _check_sizes(what: str, sizes, names: Sequence[str]) -> None:
     for table, rows in items:
         if isinstance(sizes, Mapping) and table not in names:
             raise KeyError(f"{what} names unknown table {table!r}; the serving store has tables {sorted(names)}")
-        if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or rows < 0:
-            raise ValueError(f"{what} for {table} must be an int >= 0 (0 = no such tier), got {rows!r}")
+        check_int(rows, f"{what} for {table}", meaning="0 = no such tier")
 
 
 def _offsets(offsets, n: int) -> torch.Tensor:

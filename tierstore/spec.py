@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from .precision import DTYPES, round_nearest
+from .validate import check_choice, check_int, check_number, is_int
 
 MAX_ID = (1 << 63) - 1
 MAX_NAME = 128
@@ -41,8 +42,7 @@ class RowInit:
             raise ValueError(f"RowInit uniform needs a < b, got a={self.a}, b={self.b}")
         if self.kind == "normal" and not self.b > 0:
             raise ValueError(f"RowInit normal needs std b > 0, got b={self.b}")
-        if not _is_int(self.col_start) or self.col_start < 0:
-            raise ValueError(f"RowInit.col_start must be an int >= 0 (first column of a column shard), got {self.col_start!r}")
+        check_int(self.col_start, "RowInit.col_start", meaning="first column of a column shard")
 
     @classmethod
     def uniform(cls, low: float, high: float, seed: int = 0) -> "RowInit":
@@ -89,36 +89,28 @@ class TableSpec:
             # LMDB names are C strings: "a\0x" and "a\0y" would be one database
             raise ValueError(f"TableSpec.name must be 1 to {MAX_NAME} ASCII letters, digits, '_', '.' or '-', "
                              f"starting with a letter, digit or '_', got {self.name!r}")
-        if self.num_rows is not None and (not _is_int(self.num_rows) or not 0 < self.num_rows <= MAX_ID + 1):
-            raise ValueError(f"TableSpec.num_rows must be a positive int or None, got {self.num_rows!r}")
-        if not _is_int(self.dim) or self.dim <= 0:
-            raise ValueError(f"TableSpec.dim must be a positive int, got {self.dim!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"TableSpec.dtype must be one of {sorted(DTYPES)} (the weights' storage type), got {self.dtype!r}")
+        check_int(self.num_rows, "TableSpec.num_rows", at_least=1, at_most=MAX_ID + 1, none=True,
+                  meaning="None = an unbounded id space")
+        check_int(self.dim, "TableSpec.dim", at_least=1)
+        check_choice(self.dtype, "TableSpec.dtype", sorted(DTYPES), "the weights' storage type")
         if not isinstance(self.init, RowInit):
             raise TypeError("TableSpec.init must be a tierstore.RowInit (e.g. RowInit.normal(0, 0.01))")
-        if not _is_int(self.state_dim) or self.state_dim < 0:
-            raise ValueError(f"TableSpec.state_dim must be an int >= 0, got {self.state_dim!r}")
+        check_int(self.state_dim, "TableSpec.state_dim", meaning="optimizer state values per row")
         self._check_unbounded_knobs()
 
     def _check_unbounded_knobs(self) -> None:
         # 255: the sketch's counters are 8-bit and saturate there
-        if not _is_int(self.admit_after) or not 1 <= self.admit_after <= 255:
-            raise ValueError(f"TableSpec.admit_after must be an int in [1, 255] (steps a row is used in before its updates "
-                             f"are kept; 1 = always), got {self.admit_after!r}")
-        if not _is_int(self.admit_width) or not 1 <= self.admit_width <= 1 << 30 or self.admit_width & (self.admit_width - 1):
+        check_int(self.admit_after, "TableSpec.admit_after", at_least=1, at_most=255,
+                  meaning="steps a row is used in before its updates are kept; 1 = always")
+        if not is_int(self.admit_width) or not 1 <= self.admit_width <= 1 << 30 or self.admit_width & (self.admit_width - 1):
             raise ValueError(f"TableSpec.admit_width must be a power of two in [1, 2**30] (counters per sketch row; "
                              f"about the distinct ids expected, e.g. 1 << 22), got {self.admit_width!r}")
-        if not _is_int(self.admit_depth) or not 1 <= self.admit_depth <= 8:
-            raise ValueError(f"TableSpec.admit_depth must be an int in [1, 8] (sketch rows, each with its own hash), "
-                             f"got {self.admit_depth!r}")
-        if self.ttl_steps is not None and (not _is_int(self.ttl_steps) or self.ttl_steps < 1):
-            raise ValueError(f"TableSpec.ttl_steps must be an int >= 1 (steps of the table a row may go unused before it "
-                             f"is evicted) or None (never), got {self.ttl_steps!r}")
-        x = self.evict_l2_below
-        if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float, np.floating)) or not 0 < x < float("inf")):
-            raise ValueError(f"TableSpec.evict_l2_below must be a finite number > 0 (rows whose weights' L2 norm is below it "
-                             f"are evicted when used; keep it below the initial rows' norms) or None, got {x!r}")
+        check_int(self.admit_depth, "TableSpec.admit_depth", at_least=1, at_most=8,
+                  meaning="sketch rows, each with its own hash")
+        check_int(self.ttl_steps, "TableSpec.ttl_steps", at_least=1, none=True,
+                  meaning="steps of the table a row may go unused before it is evicted; None = never")
+        check_number(self.evict_l2_below, "TableSpec.evict_l2_below", above=True, none=True,
+                     meaning="rows whose weights' L2 norm is below it are evicted when used; keep it below the initial rows' norms")
 
     @property
     def width(self) -> int:
@@ -150,10 +142,6 @@ class TableSpec:
         d = dict(d)
         d["init"] = RowInit(**d["init"])
         return cls(**d)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:

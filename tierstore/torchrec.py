@@ -101,7 +101,8 @@ class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterfac
     weight_init_max) (TorchRec's default +-1/sqrt(num_embeddings)); ``init=`` (a RowInit)
     sets every table's instead. Without ``optimizer`` the rows are not trained.
     ``device="meta"`` builds the module as TorchRec does on meta (nn.EmbeddingBags of meta
-    tensors, for shapes and planning) and creates no store.
+    tensors, for shapes and planning) and creates no store. ``record_trace=PATH`` records the
+    store's reads as a trace for ``tierstore capacity`` (TieredStore's option).
     """
 
     def __init__(
@@ -118,6 +119,7 @@ class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterfac
         init: RowInit | None = None,
         kernels: str = "torch",
         memory_budget: int | str | None = None,
+        record_trace: str | Path | None = None,
     ):
         super().__init__()
         tables = list(tables)
@@ -146,6 +148,9 @@ class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterfac
         self._lengths_per_embedding = [t.embedding_dim for t in tables for _ in t.feature_names]
         if device is not None and torch.device(device).type == "meta":
             # shapes only, as TorchRec's EBC on meta: no store, no files
+            if record_trace is not None:
+                raise ValueError("device='meta' builds shapes only and reads no rows: there is nothing to record; "
+                                 "drop record_trace= or build the collection with path= on a real device")
             self.store = None
             self.embedding_bags = nn.ModuleDict({
                 t.name: nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=_MODES[t.pooling], include_last_offset=True,
@@ -158,7 +163,7 @@ class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterfac
                            state_dim=optimizer.state_dim(t.embedding_dim) if optimizer else 0, init=inits[t.name])
                  for t in tables]
         self.store = TieredStore(path, tables=specs, hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device,
-                                 memory_budget=memory_budget)
+                                 memory_budget=memory_budget, record_trace=record_trace)
         self.embedding_bags = nn.ModuleDict({
             t.name: TieredEmbeddingBag(t.num_embeddings, t.embedding_dim, mode=_MODES[t.pooling], store=self.store, table=t.name,
                                        optimizer=optimizer, include_last_offset=True, kernels=kernels)

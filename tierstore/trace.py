@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .validate import check_int
+
 FORMAT = "tierstore-trace"
 VERSION = 1
 ARRAYS = ("ids", "offsets", "call_table", "call_step")
@@ -52,9 +54,7 @@ class TraceTable:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"trace table name must be a non-empty string, got {self.name!r}")
         for f in ("num_rows", "dim", "row_bytes"):
-            v = getattr(self, f)
-            if v is not None and (not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0):
-                raise ValueError(f"trace table {self.name!r}: {f} must be a positive int or None, got {v!r}")
+            check_int(getattr(self, f), f"trace table {self.name!r}: {f}", at_least=1, none=True)
 
     def to_json(self) -> dict:
         return {"name": self.name, "num_rows": self.num_rows, "dim": self.dim, "row_bytes": self.row_bytes}

@@ -38,14 +38,15 @@ def check_int(value: Any, name: str, at_least: int = 0, at_most: int | None = No
 
 
 def check_number(value: Any, name: str, at_least: float = 0.0, above: bool = False, meaning: str = "",
-                 none: bool = False) -> float | None:
-    """``value`` as a finite float ``>= at_least`` (``> at_least`` when ``above``)."""
+                 none: bool = False, finite: bool = True) -> float | None:
+    """``value`` as a float ``>= at_least`` (``> at_least`` when ``above``); infinity passes
+    only where ``finite=False`` (a threshold that is never reached), NaN never."""
     if value is None and none:
         return None
     ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
-    if not ok or not math.isfinite(value) or value < at_least or (above and value == at_least):
-        raise ValueError(f"{name} must be a number {'>' if above else '>='} {at_least:g}{' or None' if none else ''}"
-                         f"{_said(meaning)}, got {value!r}")
+    if not ok or math.isnan(value) or (finite and math.isinf(value)) or value < at_least or (above and value == at_least):
+        raise ValueError(f"{name} must be a {'finite ' if finite else ''}number {'>' if above else '>='} {at_least:g}"
+                         f"{' or None' if none else ''}{_said(meaning)}, got {value!r}")
     return float(value)
 
 

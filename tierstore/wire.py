@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import TierstoreError
+from .validate import check_int
 
 MAGIC = b"TSD\x00"
 VERSION = 3
@@ -106,9 +107,7 @@ class Limits:
 
     def __post_init__(self):
         for name in ("max_text", "max_ids", "max_cols", "max_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"Limits.{name} must be an int >= 1, got {v!r}")
+            check_int(getattr(self, name), f"Limits.{name}", at_least=1)
 
 
 @dataclass

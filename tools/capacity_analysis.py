@@ -25,6 +25,7 @@ from tierstore.shards import MIN_SAMPLE_ROWS, shards_curves
 from tierstore.tools.capacity_progress import bars
 from tierstore.trace import Trace
 from tierstore.trace_streams import build_streams
+from tierstore.validate import check_int, check_number
 
 DEFAULT_ROW_BYTES = 512  # a dim-128 float32 row, when the trace does not say
 
@@ -65,18 +66,13 @@ class CapacityConfig:
         if self.hbm_target and self.hit_target and self.hit_target < self.hbm_target:
             raise ValueError(f"hit_target ({self.hit_target}) counts HBM and DDR hits, so it cannot be below hbm_target ({self.hbm_target})")
         for name in ("hbm_bytes", "ddr_bytes"):
-            v = getattr(self, name)
-            if v is not None and v < 0:
-                raise ValueError(f"{name} must be >= 0, got {v}")
+            check_number(getattr(self, name), name, none=True)
         bad = [p for p in self.policies if p not in ("lru", "lfu", "lookahead")]
         if bad:
             raise ValueError(f"unknown policies {bad}; simulate lru, lfu or lookahead")
-        if not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"window must be an int >= 1 (batches), got {self.window!r}")
-        if not self.steps_per_s > 0:
-            raise ValueError(f"steps_per_s must be > 0, got {self.steps_per_s}")
-        if self.row_bytes is not None and self.row_bytes <= 0:
-            raise ValueError(f"row_bytes must be > 0, got {self.row_bytes}")
+        check_int(self.window, "window", at_least=1, meaning="batches")
+        check_number(self.steps_per_s, "steps_per_s", above=True)
+        check_number(self.row_bytes, "row_bytes", above=True, none=True)
         for h, d in self.sizes:
             _size_rows(h, 1)
             _size_rows(d, 1)

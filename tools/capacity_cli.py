@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from tierstore.tools.cli import parse_size, positive_float, positive_int, ratio, size
 
@@ -71,6 +72,27 @@ def _config(args):
     )
 
 
+def passes(cfg, n_tables: int) -> dict[str, int]:
+    """The passes over a trace's uses that capacity.analyze makes for ``cfg``, by kind, each
+    with its own progress line; Belady's are skipped at a size of 0 rows."""
+    sizes = n_tables * max(len(cfg.sizes), 1)
+    out = {"exact LRU curves": int(cfg.shards_rate is None or cfg.compare_exact),
+           "SHARDS (sampling, then the sample's curves)": 2 * int(cfg.shards_rate is not None)}
+    out.update({f"{p} replays": sizes for p in cfg.policies})
+    out["Belady bounds"] = 2 * sizes if cfg.belady else 0
+    return {k: v for k, v in out.items() if v}
+
+
+def plan_line(trace, cfg) -> str:
+    n_tables = len(cfg.tables or trace.table_names)
+    kinds = passes(cfg, n_tables)
+    prep = "first each table's uses (ids per step, deduplicated: no progress line, about as long as a pass), then " \
+        if cfg.shards_rate is None or cfg.compare_exact or cfg.policies or cfg.belady else ""
+    n = sum(kinds.values())
+    return (f"capacity: {trace.n_accesses:,} accesses in {n_tables} tables: {prep}up to {n} pass{'es' * (n != 1)} "
+            f"({', '.join(f'{k} {v}' for k, v in kinds.items())}), each shown with its time left")
+
+
 def _capacity(args) -> int:
     # the analysis, report and plots through tierstore.tools.capacity, the public module a
     # Python caller uses: the command is that API plus its checks and its order
@@ -86,6 +108,9 @@ def _capacity(args) -> int:
     # a long run shows progress: tqdm on a terminal, a line every few seconds in a log
     show = args.progress if args.progress is not None else trace.n_accesses > capacity_progress.PROGRESS_ACCESSES
     cfg = dataclasses.replace(cfg, progress=capacity_progress.bars if show else False)
+    if show:  # before the work: how much of it there is, so the progress lines can be read against it
+        sys.stderr.write(plan_line(trace, cfg) + "\n")
+        sys.stderr.flush()
     report = capacity.analyze(trace, cfg)
     if plot_dir is not None:
         report["plots"] = [str(plot_dir / f) for f in capacity_plots.PLOT_FILES]

@@ -67,6 +67,7 @@ from tierstore import wire
 from tierstore.memory import parse_bytes
 from tierstore.tools.cli import nonneg_float, nonneg_int, positive_float, positive_int
 from tierstore.tools.stats import require_store
+from tierstore.validate import check_int, check_number
 
 log = logging.getLogger("tierstore.prefetchd")
 
@@ -110,26 +111,16 @@ class DaemonConfig:
             self.memory_budget = parse_bytes(self.memory_budget, "--memory-budget")
         elif self.ddr_rows is None:
             raise ValueError("give --ddr-rows N (rows of the DDR tier per table) or --memory-budget SIZE (which sizes it)")
-        if self.ddr_rows is not None and (not isinstance(self.ddr_rows, int) or self.ddr_rows < 0):
-            raise ValueError(f"--ddr-rows must be an int >= 0, got {self.ddr_rows!r}")
-        if not isinstance(self.depth, int) or self.depth < 1:
-            raise ValueError(f"--depth must be an int >= 1, got {self.depth!r}")
-        if not isinstance(self.max_hints, int) or self.max_hints < 1:
-            raise ValueError(f"max_hints must be an int >= 1, got {self.max_hints!r}")
-        if not isinstance(self.max_claims, int) or self.max_claims < 1:
-            raise ValueError(f"--max-claims must be an int >= 1, got {self.max_claims!r}")
+        check_int(self.ddr_rows, "--ddr-rows", none=True)
+        check_int(self.depth, "--depth", at_least=1)
+        check_int(self.max_hints, "max_hints", at_least=1)
+        check_int(self.max_claims, "--max-claims", at_least=1)
         for name in ("shm_max_bytes", "shm_threshold", "shm_total_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-        if not isinstance(self.max_inflight_bytes, int) or self.max_inflight_bytes < 1 << 16:
-            raise ValueError(f"--max-inflight-mib: max_inflight_bytes must be an int >= 65536, got {self.max_inflight_bytes!r}")
-        if self.max_clients is not None and (not isinstance(self.max_clients, int) or self.max_clients < 1):
-            raise ValueError(f"--max-clients must be an int >= 1, got {self.max_clients!r}")
-        for name in ("idle_timeout", "frame_timeout"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or v < 0 or (name == "frame_timeout" and v == 0):
-                raise ValueError(f"--{name.replace('_', '-')} must be a number of seconds >= 0 (> 0 for the frame timeout), got {v!r}")
+            check_int(getattr(self, name), name)
+        check_int(self.max_inflight_bytes, "--max-inflight-mib: max_inflight_bytes", at_least=1 << 16)
+        check_int(self.max_clients, "--max-clients", at_least=1, none=True)
+        check_number(self.idle_timeout, "--idle-timeout", meaning="seconds; 0 = forever", finite=False)
+        check_number(self.frame_timeout, "--frame-timeout", above=True, meaning="seconds", finite=False)
         if self.limits is None:
             self.limits = wire.Limits(max_bytes=min(64 << 20, self.max_inflight_bytes))
         if self.limits.max_bytes > self.max_inflight_bytes:
@@ -640,8 +631,7 @@ class Daemon:
                              "covering several), or restart the daemon with a higher --max-claims")
         claims = wire.parse_claims(claims)  # TypeError/ValueError name the bad item
         shm_bytes = body.get("shm_bytes", 0)
-        if not isinstance(shm_bytes, int) or isinstance(shm_bytes, bool) or shm_bytes < 0:
-            raise ValueError(f"shm_bytes must be an int >= 0, got {shm_bytes!r}")
+        check_int(shm_bytes, "shm_bytes")
         if readonly and claims:
             raise ValueError(f"a readonly client cannot claim tables for writing (claims {claims}); drop readonly=True or claim=")
         if path is not None and Path(path).resolve() != self.config.path.resolve():

@@ -137,15 +137,30 @@ def _permutation(n: int, rng: np.random.Generator) -> tuple[int, int]:
             return a, int(rng.integers(0, n))
 
 
+def _call_sizes(cfg: SynthConfig) -> list[int]:
+    """Ids each table's call reads, every step."""
+    return [max(1, int(round(cfg.batch_size * (t.pooling if t.pooling is not None else cfg.pooling)))) for t in cfg.tables]
+
+
+def trace_size(config: SynthConfig) -> tuple[int, int]:
+    """(accesses, bytes) of the trace :func:`synth` makes, known before any of it is:
+    the bytes of the arrays it builds in memory and ``Trace.save`` writes (file headers
+    aside): int64 ids, int64 offsets (one more than the calls), int32 call_table and
+    int64 call_step per call."""
+    calls = len(config.tables) * config.steps
+    accesses = sum(_call_sizes(config)) * config.steps
+    return accesses, 8 * accesses + 8 * (calls + 1) + (4 + 8) * calls
+
+
 def synth(config: SynthConfig) -> Trace:
     """Generate the trace (deterministic for a seed)."""
     cfg = config
     rng = np.random.default_rng(cfg.seed)
-    samplers, perms, sizes = [], [], []
+    samplers, perms = [], []
+    sizes = _call_sizes(cfg)
     for t in cfg.tables:
         samplers.append(ZipfSampler(int(t.rows), t.alpha if t.alpha is not None else cfg.alpha))
         perms.append(_permutation(int(t.rows), rng))
-        sizes.append(max(1, int(round(cfg.batch_size * (t.pooling if t.pooling is not None else cfg.pooling)))))
     T = len(cfg.tables)
     lengths = np.tile(np.array(sizes, dtype=np.int64), cfg.steps)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)

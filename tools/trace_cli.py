@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
 
 from tierstore.tools import capacity_cli
-from tierstore.tools.cli import nonneg_float, nonneg_int, positive_float, positive_int
+from tierstore.memory import format_bytes
+from tierstore.tools.cli import nonneg_float, nonneg_int, parse_size, positive_float, positive_int, size
 
 DEFAULT_STATS_DIR = Path("../shared/data/dlrm_datasets")
+SYNTH_MAX_BYTES = "1GiB"  # a mistyped --steps or --batch-size must not fill a disk or the memory unasked
 
 
 def register(sub) -> None:
@@ -40,6 +43,9 @@ def _register_trace(sub) -> None:
     s.add_argument("--drift", type=nonneg_float, default=0.0, help="rows every popularity rank moves per step (temporal locality)")
     s.add_argument("--dim", type=positive_int, default=64, help="embedding dim recorded in the trace (for bandwidth)")
     s.add_argument("--seed", type=int, default=0, help="random seed")
+    s.add_argument("--max-bytes", type=size("--max-bytes"), default=SYNTH_MAX_BYTES, metavar="SIZE",
+                   help="refuse to write a trace larger than this (it is built in memory too), e.g. 4G "
+                        f"(default {SYNTH_MAX_BYTES}; the size is printed before the trace is made)")
     s.set_defaults(func=_synth, kept=_unwritten)
 
     c = verbs.add_parser("convert", help="convert dlrm_datasets .pt files or a CSV (step,table,id) into a trace")
@@ -89,13 +95,35 @@ def _parse_tables(args):
 
 
 def _synth(args) -> int:
-    from tierstore.tools.synth import SynthConfig, synth
+    from tierstore.tools.synth import SynthConfig, synth, trace_size
 
     cfg = SynthConfig(_parse_tables(args), args.alpha, args.batch_size, args.pooling, args.steps, args.drift, args.dim, args.seed)
+    # the size is known from the options alone: checked against the limit and the disk before any work
+    (accesses, need), limit = trace_size(cfg), parse_size(args.max_bytes, "--max-bytes")
+    what = f"{accesses:,} accesses in {len(cfg.tables) * cfg.steps:,} calls, {format_bytes(need)}"
+    if need > limit:
+        raise ValueError(f"this trace would be {what}, over --max-bytes {args.max_bytes}; pass --max-bytes "
+                         f"{_round_up_gib(need)} to write it, or lower --steps, --batch-size or the pooling")
+    free = shutil.disk_usage(_existing_parent(Path(args.out))).free
+    if need > free:
+        raise ValueError(f"this trace would be {what}, but {_existing_parent(Path(args.out))} has {format_bytes(free)} free; "
+                         "write it to another disk, or lower --steps, --batch-size or the pooling")
+    print(f"writing {args.out}: {what} (held in memory while it is made)", flush=True)
     trace = synth(cfg)
     path = trace.save(args.out)
     print(f"wrote {path}: {trace.n_accesses:,} accesses, {trace.n_calls:,} calls, {trace.n_steps:,} steps, {len(trace.tables)} tables")
     return 0
+
+
+def _round_up_gib(n: int) -> str:
+    return f"{-(-n // (1 << 30))}GiB"
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.resolve()
+    while not path.exists():
+        path = path.parent
+    return path
 
 
 def _convert(args) -> int:
