@@ -1,6 +1,7 @@
 """`tierstore bench scale` at a small size: its runs complete and report their figures."""
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -61,9 +62,15 @@ def test_without_a_cgroup_or_fio_it_says_so_and_runs(tmp_path, capsys, monkeypat
     assert "fio is not installed (apt-get install -y fio): Python O_DIRECT preads" in out
     assert "DLRM: skipped: no budget in --budgets is a tenth of the table" in out
     for field in ("M lookups/s", "p50 / p90 / p99", "hit rate HBM", "rows read", "amplification read",
-                  "peak RSS", "the disk floor", "LMDB floor", "no limit"):
+                  "peak RSS", "the disk floor", "LMDB floor", "no limit", "by stage (ms): dedupe", "CPU a step by thread (ms): MainThread"):
         assert field in out
     assert ("x FBGEMM in memory" in out) == _have_fbgemm()
+    # the capacity library, replaying the run's recorded trace, predicts the store's DDR counts to the row
+    predicted = re.search(r"DDR misses replayed ([\d,]+), LRU curve ([\d,]+); the store measured ([\d,]+) \(equal\); "
+                          r"hits ([\d,]+) / ([\d,]+), evictions ([\d,]+) / ([\d,]+)", out)
+    assert predicted, out
+    replayed, curve, measured, hits, measured_hits, evictions, measured_evictions = predicted.groups()
+    assert replayed == curve == measured != "0" and hits == measured_hits and evictions == measured_evictions != "0"
 
 
 def test_a_built_table_is_reused_and_another_is_refused_naming_the_fix(tmp_path):

@@ -567,6 +567,16 @@ class TieredStore:
             total = add_dicts(total, d)
         return {**total, "memory": memory}
 
+    def stage_seconds(self) -> dict[str, float]:
+        """Seconds the store's calls spent in each stage since it opened, over every table
+        (the sums of ``tierstore_lookup_seconds``: dedupe, hbm, ddr, ssd_read, writeback,
+        total) and in flush(). Reads plain counts without the lock."""
+        out = {"flush": self._counters.flush_latency.sums.get("flush", 0.0)}
+        for t in list(self._tables.values()):
+            for stage, (_, seconds) in t.counters.latency.snapshot().items():
+                out[stage] = out.get(stage, 0.0) + seconds
+        return out
+
     def memory(self) -> MemorySplit:
         """The store's memory as split at open (tierstore.memory.split_memory, README "Memory
         budget"), with what each part holds now: ``used_rows``, the rows resident in the tiers,

@@ -25,11 +25,13 @@ import itertools
 import json
 import mmap
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -353,8 +355,14 @@ def _tiered(job: dict, batches, go) -> dict:
 
     dlrm = job["kind"] == "dlrm"
     go()  # the limit is set and the page cache dropped: open the store now
-    emb = tierstore.TieredEmbeddingBag(job["rows"], job["dim"], mode="sum", path=job["path"], table=TABLE, device="cpu",
-                                       optimizer=tierstore.optim.SGD(lr=LR), memory_budget=job["budget"])
+    if job.get("trace"):  # recorded, for the capacity tools' prediction of this run (_predicted)
+        opened = tierstore.TieredStore(job["path"], [_spec(job["rows"], job["dim"])], memory_budget=job["budget"],
+                                       record_trace=job["trace"])
+        emb = tierstore.TieredEmbeddingBag(job["rows"], job["dim"], mode="sum", store=opened, table=TABLE,
+                                           optimizer=tierstore.optim.SGD(lr=LR))
+    else:
+        emb = tierstore.TieredEmbeddingBag(job["rows"], job["dim"], mode="sum", path=job["path"], table=TABLE, device="cpu",
+                                           optimizer=tierstore.optim.SGD(lr=LR), memory_budget=job["budget"])
     if dlrm:
         data, name, make = batches
         step = _dlrm_step(make(lambda sparse: {name: emb(*sparse[name])}))
@@ -369,8 +377,9 @@ def _tiered(job: dict, batches, go) -> dict:
             emb(ids, offsets).sum().backward()
 
     store = emb.store
-    times, (s0, io0, ddr0) = _times(step, loader, job["warmup"], lambda: (store.stats(), _disk_io(), store.memory().parts["ddr"]))
-    s1, io1 = store.stats(), _disk_io()
+    times, (s0, io0, ddr0, st0, cpu0) = _times(step, loader, job["warmup"], lambda: (
+        store.stats(), _disk_io(), store.memory().parts["ddr"], store.stage_seconds(), _thread_cpu()))
+    s1, io1, st1, cpu1 = store.stats(), _disk_io(), store.stage_seconds(), _thread_cpu()
     n = len(times)
     ssd = {k: s1["ssd"][k] - s0["ssd"][k] for k in ("reads", "writes", "read_bytes", "write_bytes")}
     read, written = io1[0] - io0[0], io1[1] - io0[1]
@@ -387,10 +396,37 @@ def _tiered(job: dict, batches, go) -> dict:
               "read_amp": read / ssd["read_bytes"] if ssd["read_bytes"] else None,
               "write_amp": written / ssd["write_bytes"] if ssd["write_bytes"] else None,
               "rss_peak": _rss("VmHWM"), "store_host_bytes": memory.host_bytes,
-              "parts": {k: p.bytes for k, p in memory.parts.items()}}
+              "parts": {k: p.bytes for k, p in memory.parts.items()}, "ddr_rows": memory.parts["ddr"].rows,
+              "ddr_since_open": {k: s1["ddr"][k] for k in ("hits", "misses", "evictions")},
+              "stage_ms_per_step": {k: 1e3 * (v - st0.get(k, 0.0)) / n for k, v in st1.items()},
+              "thread_cpu_ms_per_step": _per_step(cpu0, cpu1, n)}
     print(json.dumps(result), flush=True)  # before close: its flush may be what the limit kills
     emb.close()
+    store.close()  # where the module was given it, closing the module leaves it open
     return result
+
+
+def _thread_cpu() -> dict[int, tuple[str, float]]:
+    """{thread id: (name, CPU seconds)} of this process's threads: Python's names where the
+    thread is Python's (tierstore names its own), "native" for torch's, LMDB's and others."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        stat = _read(Path(f"/proc/self/task/{tid}/stat"))
+        if not stat:  # it ended meanwhile
+            continue
+        utime, stime = stat[stat.rindex(")") + 2:].split()[11:13]
+        out[int(tid)] = (re.sub(r"_\d+$", "", names.get(int(tid), "native")), (int(utime) + int(stime)) / tick)
+    return out
+
+
+def _per_step(before: dict, after: dict, steps: int) -> dict[str, float]:
+    """CPU ms a step by thread name (pools' threads together) between two _thread_cpu()."""
+    out: dict[str, float] = {}
+    for tid, (name, seconds) in after.items():
+        out[name] = out.get(name, 0.0) + 1e3 * (seconds - before.get(tid, (name, 0.0))[1]) / steps
+    return out
 
 
 def child(job: dict) -> None:
@@ -494,8 +530,16 @@ def _run(path: Path, rows: int, dim: int, seed: int, budgets: list[int], depths:
     if probe is not None:
         probe.remove()
     in_memory = _spawn({**job, "kind": "inmem"}, path)
-    runs = [{"kind": "emb", "budget": b, "depth": d, **_spawn({**job, "kind": "emb", "budget": b, "depth": d}, path, True)}
-            for b in budgets for d in depths]
+    with tempfile.TemporaryDirectory(prefix="tierstore-bench-scale-traces-") as traces:
+        runs = []
+        for b in budgets:
+            for d in depths:
+                emb = {**job, "kind": "emb", "budget": b, "depth": d}
+                if d == 0:  # what the capacity tools predict is the store without prefetch
+                    emb["trace"] = str(Path(traces) / f"trace-{b}")
+                runs.append({"kind": "emb", "budget": b, "depth": d, **_spawn(emb, path, True)})
+                if "trace" in emb and "ddr_since_open" in runs[-1]:
+                    runs[-1]["predicted"] = _predicted(Path(emb["trace"]), runs[-1]["ddr_rows"])
     fits = [b for b in budgets if table_bytes >= 10 * b]
     if fits:
         b = max(fits)
@@ -508,6 +552,25 @@ def _run(path: Path, rows: int, dim: int, seed: int, budgets: list[int], depths:
             "cgroup": cgroup.replace(f"-{os.getpid()}", "-PID-N") if probe is not None else f"none: {cgroup}; ran without a memory limit",
             "dlrm": None if fits else f"skipped: no budget in --budgets is a tenth of the table ({table_bytes:,} bytes) or less",
             "floors": floors, "in_memory": in_memory, "runs": runs}
+
+
+def _predicted(trace: Path, ddr_rows: int) -> dict:
+    """What the capacity library predicts for the run's trace at its DDR tier's rows (the
+    store's LRU policy, no HBM tier): the replay (cachesim.simulate) and the one-pass LRU
+    curve `tierstore capacity` draws, to compare with the store's own counts."""
+    from tierstore.cachesim import simulate
+    from tierstore.curves import LruCurve, stack_distances
+    from tierstore.trace import Trace
+    from tierstore.trace_streams import build_streams
+
+    start = time.perf_counter()
+    (stream,) = build_streams(Trace.load(trace))
+    replay = simulate(stream, 0, ddr_rows, "lru")
+    (distances,) = stack_distances([stream])
+    curve = LruCurve.from_distances(stream, distances).tiers(0, ddr_rows)
+    return {"replay": {"hits": replay.ddr_hits, "misses": replay.ddr_misses, "evictions": replay.ddr_evictions},
+            "curve": {"hits": int(curve["ddr_hits"]), "misses": int(curve["misses"])},
+            "seconds": time.perf_counter() - start}
 
 
 def _ratios(r: dict, floors: dict, in_memory: dict) -> None:
@@ -579,6 +642,17 @@ def _print_run(r: dict) -> None:
           f"written; amplification read {_f(r['read_amp'], '.1f')}x, write {_f(r['write_amp'], '.1f')}x")
     print(f"   store's budgeted host memory {format_bytes(r['store_host_bytes'])}: "
           + ", ".join(f"{k} {format_bytes(v)}" for k, v in r["parts"].items() if v))
+    stages = r.get("stage_ms_per_step", {})
+    print("   a step's time in the store by stage (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items() if v >= 0.05))
+    cpu = sorted(r.get("thread_cpu_ms_per_step", {}).items(), key=lambda kv: -kv[1])
+    print("   CPU a step by thread (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in cpu if v >= 0.05))
+    p = r.get("predicted")
+    if p:
+        got = r["ddr_since_open"]
+        print(f"   capacity prediction from the run's trace ({r['ddr_rows']:,} DDR rows, LRU, {p['seconds']:.1f} s): DDR misses "
+              f"replayed {p['replay']['misses']:,}, LRU curve {p['curve']['misses']:,}; the store measured {got['misses']:,} "
+              f"({'equal' if p['replay']['misses'] == got['misses'] else 'DIFFERENT'}); hits {p['replay']['hits']:,} / "
+              f"{got['hits']:,}, evictions {p['replay']['evictions']:,} / {got['evictions']:,}")
     vs = "x its in-memory step" if r["kind"] == "dlrm" else "x FBGEMM in memory"
     print(f"   mean step {r['mean_s'] * 1e3:.0f} ms = {_f(r['x_in_memory'], '.1f')}{vs}; {_f(r['x_disk_floor'], '.1f')}x the disk "
           f"floor ({_f(r['disk_floor_s'] and r['disk_floor_s'] * 1e3, '.1f')} ms: rows read / reads/s at depth 32); LMDB floor "
