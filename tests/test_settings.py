@@ -150,6 +150,16 @@ def _capacity_config(**kw):
     return CapacityConfig(**kw)
 
 
+def _synth_config(**kw):
+    from tierstore.tools.synth import SynthConfig
+    return SynthConfig(**{"tables": (("t", 100),), **kw})
+
+
+def _bench_config(**kw):
+    from tierstore.tools.bench_sharded import ShardedBenchConfig
+    return ShardedBenchConfig(**kw)
+
+
 @pytest.mark.parametrize("make, message", [
     # a bool is not a count: True passed isinstance(x, int) in several of the checks these replace
     (lambda: PrefetchConfig(workers=True), r"prefetch workers must be an int >= 1, got True"),
@@ -163,6 +173,9 @@ def _capacity_config(**kw):
     (lambda: TableSpec("t", 10, 4, evict_l2_below=float("inf")), r"TableSpec.evict_l2_below must be a finite number > 0 or None"),
     (lambda: Limits(max_ids=0), r"Limits.max_ids must be an int >= 1, got 0"),
     (lambda: TraceTable("t", num_rows=0), r"trace table 't': num_rows must be an int >= 1 or None, got 0"),
+    (lambda: _synth_config(tables=(("t", True),)), r"table 't': rows must be an int >= 1, got True"),
+    (lambda: _synth_config(alpha=float("inf")), r"alpha must be a finite number > 0 \(Zipf exponent"),
+    (lambda: _bench_config(steps=True), r"steps must be an int >= 1, got True"),
 ])
 def test_entry_points_report_bad_settings_by_name(make, message):
     with pytest.raises(ValueError, match=message):

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from tierstore.planner import READS_PER_STEP
+from tierstore.validate import check_int
 
 WORLD_SIZES = (1, 2, 4)
 WARMUP = 3
@@ -53,9 +54,7 @@ class ShardedBenchConfig:
 
     def __post_init__(self):
         for name in ("dim", "batch", "pooling", "steps", "hbm_bytes", "ddr_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            check_int(getattr(self, name), name, at_least=1)
         if self.batch % max(WORLD_SIZES):
             raise ValueError(f"batch must be a multiple of {max(WORLD_SIZES)} (every rank gets an equal part), got {self.batch}")
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from tierstore.trace import Trace, TraceTable
+from tierstore.validate import check_int, check_number
 
 # bucket upper bounds of the dlrm_datasets locality histograms: (0,1], (1,2], (2,4], ... (16384,32768], 32768+
 BUCKET_EDGES = np.array([0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768])
@@ -108,22 +109,14 @@ class SynthConfig:
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate table names {names}")
         for t in self.tables:
-            if not isinstance(t.rows, (int, np.integer)) or t.rows < 1:
-                raise ValueError(f"table {t.name!r}: rows must be an int >= 1, got {t.rows!r}")
-            if t.alpha is not None and not t.alpha > 0:
-                raise ValueError(f"table {t.name!r}: alpha must be > 0, got {t.alpha}")
-            if t.pooling is not None and not t.pooling > 0:
-                raise ValueError(f"table {t.name!r}: pooling must be > 0, got {t.pooling}")
-        if not self.alpha > 0:
-            raise ValueError(f"alpha must be > 0 (Zipf exponent; 0.8-1.2 is typical), got {self.alpha}")
+            check_int(t.rows, f"table {t.name!r}: rows", at_least=1)
+            check_number(t.alpha, f"table {t.name!r}: alpha", above=True, none=True)
+            check_number(t.pooling, f"table {t.name!r}: pooling", above=True, none=True)
+        check_number(self.alpha, "alpha", above=True, meaning="Zipf exponent; 0.8-1.2 is typical")
         for name in ("batch_size", "steps", "dim"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if not self.pooling > 0:
-            raise ValueError(f"pooling must be > 0, got {self.pooling}")
-        if self.drift < 0:
-            raise ValueError(f"drift must be >= 0 rows per step, got {self.drift}")
+            check_int(getattr(self, name), name, at_least=1)
+        check_number(self.pooling, "pooling", above=True)
+        check_number(self.drift, "drift", meaning="rows per step")
 
 
 def _permutation(n: int, rng: np.random.Generator) -> tuple[int, int]:
