@@ -7,9 +7,11 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 import tierstore.io.lmdb_backend as lmdb_backend
 from tierstore import RowInit, TableSpec, TieredStore
+from tierstore.io.serving_layout import RowFormat
 from tierstore.serving_stream import Publisher
 
 REPLICA = """
@@ -83,3 +85,31 @@ def test_deleted_evicted_and_expired_rows_leave_a_replica_in_another_process(tmp
                 assert np.array_equal(rows[name], now[name]), f"table {name!r}: the replica serves rows the store deleted"
         finally:
             replica.close()
+
+
+def test_a_tier_holding_the_whole_table_pools_on_the_ids(tmp_path, monkeypatch):
+    """A tier with room for every row keeps row id in slot id: once all are resident a lookup
+    neither maps ids to slots nor marks their use (the int8 lookup's bookkeeping beside the
+    kernel), and gives the rows a store without tiers gives, deltas applied included."""
+    import tierstore.serving as serving
+    from tierstore import ServingStore, export
+
+    with TieredStore(tmp_path / "train", tables=[TableSpec("t", 300, 8)], device="cpu") as store:
+        store.write("t", np.arange(0, 300, 2), np.random.default_rng(0).normal(0, 1, (150, 8)).astype(np.float32))
+    export(tmp_path / "train", tmp_path / "serve", dtype="int8")
+    ids, offsets = torch.randint(0, 300, (500,), generator=torch.Generator().manual_seed(0)), torch.arange(0, 501, 5)
+    with ServingStore(tmp_path / "serve", hbm_rows=300, device="cpu") as whole, ServingStore(tmp_path / "serve") as plain:
+        whole.rows("t", np.random.default_rng(1).permutation(300))  # every row resident, in no order
+
+        def unused(*args):
+            raise AssertionError("a whole tier looked ids up or marked their use")
+        monkeypatch.setattr(serving._Tier, "lookup", unused)
+        monkeypatch.setattr(serving._Tier, "mark", unused)
+        assert torch.equal(whole.lookup("t", ids, offsets), plain.lookup("t", ids, offsets))
+        monkeypatch.undo()
+        packed = RowFormat(8, "int8").encode(np.full((3, 8), 5.0, np.float32))
+        for s in (whole, plain):
+            s.apply(1, {"t": (np.array([1, 2, 3]), packed, np.array([4]))})
+        assert torch.equal(whole.lookup("t", ids, offsets), plain.lookup("t", ids, offsets))
+        assert torch.equal(whole.rows("t", np.arange(300)), plain.rows("t", np.arange(300)))
+        assert whole.stats()["t"]["hbm_resident"] == 300
