@@ -150,7 +150,7 @@ def test_simulation_equals_store_on_random_traces(tmp_path_factory, trace, hbm, 
        st.sampled_from(["lru", "lfu"]), st.integers(1, 5))
 @settings(max_examples=60)
 def test_heap_replay_counts_like_the_vectorized_one(trace, hbm, ddr, policy, base, window):
-    """HeapSim (O(log tier) per id) against CacheSim, the data-free copy of the store's planning."""
+    """HeapSim (O(log tier) per id) against CacheSim, the store's step (tierstore.step) without rows."""
     for s in cap.build_streams(trace):
         kw = {"window": window, "base": base} if policy in ("lookahead", "belady") else {}
         assert cap.simulate(s, hbm, ddr, policy, method="heap", **kw) == cap.simulate(s, hbm, ddr, policy, method="scan", **kw)

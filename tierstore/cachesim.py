@@ -3,17 +3,17 @@ data: LRU, LFU, lookahead and Belady's MIN.
 
 LFU and lookahead are not stack algorithms (one pass cannot give every size, as
 tierstore/curves.py does for LRU): :class:`CacheSim` replays a table at one
-size through a data-free copy of the planning in ``TableStore._access``
-(tierstore/table.py), with the same policies (``tierstore.eviction``), so its
-counts equal the store's; :class:`HeapSim` picks the same victims from heaps,
-for many small calls. Belady's MIN (farthest next use evicted first, one level
-of h + d rows) bounds the hits any policy can get at that size.
-
-This module is the one place the capacity tools simulate a cache step: a change
-to how the store plans a step is mirrored here, and nowhere else.
+size through the store's own step (tierstore.step plans it; CacheSim carries
+it out on slot arrays without data), with the same policies
+(``tierstore.eviction``), so its counts equal the store's; :class:`HeapSim`
+picks the same victims from heaps, for many small calls, and is checked
+against CacheSim (tests/test_capacity.py). Belady's MIN (farthest next use
+evicted first, one level of h + d rows) bounds the hits any policy can get at
+that size.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Callable
@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tierstore.eviction import make_policy
+from tierstore.eviction import EvictionPolicy, make_policy
 from tierstore.eviction.lookahead import NOT_IN_WINDOW, LookaheadPolicy
 from tierstore.progress import ProgressFactory, open_progress
+from tierstore.step import UNUSED, LevelPlan, StepPlan, StepPlanner
 from tierstore.trace_streams import TableStream
 
 
@@ -41,56 +42,84 @@ class TierCounts:
 
 
 class _SimTier:
-    """One tier's slots: row, use clock and step count per slot, like CacheTier without data."""
+    """One tier's slots without data: row id, use clock and step count per slot (UNUSED
+    where free), as tierstore.step reads a CacheTier."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, policy: EvictionPolicy, lookahead: bool):
         self.capacity = capacity
+        self.policy = policy
+        self.lookahead = lookahead
         self.rows = np.full(capacity, -1, dtype=np.int64)
-        self.last = np.zeros(capacity, dtype=np.int64)
-        self.freq = np.zeros(capacity, dtype=np.int64)
+        self.last = np.full(capacity, UNUSED, dtype=np.int64)
+        self.freq = np.full(capacity, UNUSED, dtype=np.int64)
         self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
-        self.n_free = capacity
+        self.free = capacity
 
-    def occupied_except(self, slots: np.ndarray) -> np.ndarray:
-        mask = self.rows >= 0
-        mask[slots] = False
-        return np.flatnonzero(mask)
+    def slot_meta(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.last, self.freq
+
+    def meta_at(self, slots: np.ndarray, *names: str) -> list[np.ndarray]:
+        columns = {"ids": self.rows, "last": self.last, "freq": self.freq}
+        return [columns[name][slots] if name in columns else np.zeros(len(slots), dtype=bool) for name in names]  # never dirty
+
+    def commit(self, level: LevelPlan, plan: StepPlan, u: np.ndarray) -> np.ndarray:
+        """This tier's part of a planned step of the call's rows ``u``, as CacheTier.commit;
+        returns the slots of the rows that came in."""
+        self.remove(level.leaving())
+        stay = level.staying()
+        self.last[level.slot[stay]], self.freq[level.slot[stay]] = plan.clock[stay], plan.freq[stay]
+        enter = level.entering()
+        return self.add(u[enter], plan.clock[enter], plan.freq[enter])
 
     def add(self, rows, last, freq) -> np.ndarray:
         n = len(rows)
-        slots = self._free[self.n_free - n : self.n_free].copy()
-        self.n_free -= n
+        slots = self._free[self.free - n : self.free].copy()
+        self.free -= n
         self.rows[slots], self.last[slots], self.freq[slots] = rows, last, freq
         return slots
 
     def remove(self, slots) -> None:
         n = len(slots)
-        self.rows[slots] = -1
-        self._free[self.n_free : self.n_free + n] = slots
-        self.n_free += n
+        self.rows[slots], self.last[slots], self.freq[slots] = -1, UNUSED, UNUSED
+        self._free[self.free : self.free + n] = slots
+        self.free += n
+
+
+# the next use of each of the rows, in the window (NOT_IN_WINDOW outside it), at call ``now``
+RowsNextUse = Callable[[np.ndarray, int], np.ndarray]
+# positions of the k of a call's rows to send below, from the rows, use clocks, step counts, at call ``now``
+CallChoice = Callable[[np.ndarray, np.ndarray, np.ndarray, int, int], np.ndarray]
 
 
 class CacheSim:
-    """The store's two exclusive tiers for one table, without data: the planning of
-    ``TableStore._access`` (tierstore/table.py) on slot arrays, one call at a time.
+    """The store's two exclusive tiers for one table, without data: the step that
+    tierstore.step plans, carried out on slot arrays, one call at a time.
 
-    ``choose(rows, last, freq, k, now)`` returns positions of the k victims among
-    resident rows; ``choose_call`` (default: ``choose``) ranks the rows of a call
-    that is larger than a tier (the store uses the plain policy there). A call
-    costs O(call + tier) like the store's own planning: the victims are chosen
-    among every resident row.
+    ``policy`` ranks rows as the store's tiers do; with ``next_use`` (lookahead
+    eviction) the rows the window uses are pinned and ranked by next use.
+    ``rank_call`` ranks the rows of a call larger than a tier (default: the policy,
+    as the store does). A call costs O(call + tier) like the store's own planning:
+    the victims are chosen among every resident row.
     """
 
-    def __init__(self, space: int, hbm_rows: int, ddr_rows: int,
-                 choose: Callable[[np.ndarray, np.ndarray, np.ndarray, int, int], np.ndarray],
-                 choose_call: Callable[[np.ndarray, np.ndarray, np.ndarray, int, int], np.ndarray] | None = None):
-        self.H = _SimTier(int(hbm_rows)) if hbm_rows > 0 else None
-        self.D = _SimTier(int(ddr_rows)) if ddr_rows > 0 else None
-        self.choose = choose
-        self.choose_call = choose_call or choose
+    def __init__(self, space: int, hbm_rows: int, ddr_rows: int, policy: EvictionPolicy,
+                 next_use: RowsNextUse | None = None, rank_call: CallChoice | None = None):
+        look = next_use is not None
+        self.H = _SimTier(int(hbm_rows), policy, look) if hbm_rows > 0 else None
+        self.D = _SimTier(int(ddr_rows), policy, look) if ddr_rows > 0 else None
+        self.next_use = next_use
+        self.rank_call = rank_call
+        self.planner = StepPlanner()
         self.where = np.zeros(space, dtype=np.int8)  # 0 uncached, 1 HBM, 2 DDR
         self.slot = np.zeros(space, dtype=np.int64)
         self.counts = TierCounts()
+
+    def _window(self, tier: _SimTier, now: int) -> np.ndarray:
+        occupied = tier.rows >= 0
+        return np.where(occupied, self.next_use(np.where(occupied, tier.rows, 0), now), NOT_IN_WINDOW)
+
+    def _rank_call(self, u: np.ndarray, now: int, at: np.ndarray, last: np.ndarray, freq: np.ndarray, k: int) -> np.ndarray:
+        return self.rank_call(u[at], last, freq, k, now)
 
     def call(self, u: np.ndarray, key: np.ndarray, now: int) -> None:
         H, D, c = self.H, self.D, self.counts
@@ -102,7 +131,7 @@ class CacheSim:
         if H is not None:
             c.hbm_hits += n_h
             c.hbm_misses += n - n_h
-            if n_h == n:
+            if n_h == n:  # every row in HBM: nothing moves
                 H.last[sl] = key
                 H.freq[sl] += 1
                 return
@@ -116,62 +145,21 @@ class CacheSim:
                 return
         if H is None and D is None:
             return
-        new_freq = np.ones(n, dtype=np.int64)
-        if n_h:
-            new_freq[in_h] += H.freq[sl[in_h]]
-        if n_d:
-            new_freq[in_d] += D.freq[sl[in_d]]
-        keep_h = np.zeros(n, dtype=bool)
-        demote = np.empty(0, dtype=np.int64)  # HBM slots of non-call rows going down
+        plan = self.planner.plan(H, D, key, np.where(in_h, sl, -1), np.where(in_d, sl, -1),
+                                 next_use=None if self.next_use is None else functools.partial(self._window, now=now),
+                                 call_victims=None if self.rank_call is None else functools.partial(self._rank_call, u, now))
+        down = plan.demoted
         if H is not None:
-            keep_h[:] = True
-            if n <= H.capacity:
-                need = (n - n_h) - H.n_free
-                if need > 0:
-                    cand = H.occupied_except(sl[in_h])
-                    demote = cand[self.choose(H.rows[cand], H.last[cand], H.freq[cand], need, now)]
-            else:
-                keep_h[self.choose_call(u, key, new_freq, n - H.capacity, now)] = False
-                demote = H.occupied_except(sl[in_h])
-        e_rows = H.rows[demote] if H is not None else demote
-        e_last = H.last[demote] if H is not None else demote
-        e_freq = H.freq[demote] if H is not None else demote
-        down = np.flatnonzero(~keep_h)
-        keep_d = np.zeros(n, dtype=bool)
-        drop = np.empty(0, dtype=np.int64)  # DDR slots of non-call rows leaving
-        survive = np.zeros(len(demote), dtype=bool)
+            c.hbm_evictions += plan.hbm.evictions
+            self.slot[u[plan.hbm.entering()]] = H.commit(plan.hbm, plan, u)
         if D is not None:
-            keep_d[down] = True
-            if len(down) > D.capacity:
-                keep_d[down[self.choose_call(u[down], key[down], new_freq[down], len(down) - D.capacity, now)]] = False
-            others = D.occupied_except(sl[in_d])
-            survive[:] = True
-            k = len(others) + len(demote) - (D.capacity - int(np.count_nonzero(keep_d)))
-            if k > 0:
-                v = self.choose(np.concatenate([D.rows[others], e_rows]), np.concatenate([D.last[others], e_last]),
-                                np.concatenate([D.freq[others], e_freq]), k, now)
-                drop = others[v[v < len(others)]]
-                survive[v[v >= len(others)] - len(others)] = False
-        if H is not None:
-            c.hbm_evictions += len(demote) + int(np.count_nonzero(in_h & ~keep_h))
-        if D is not None:
-            c.ddr_evictions += int(np.count_nonzero(in_d & ~keep_d & ~keep_h)) + len(drop) + int(np.count_nonzero(~survive))
-        # commit, in the store's order
-        if H is not None:
-            H.remove(np.concatenate([demote, sl[in_h & ~keep_h]]))
-            stay = in_h & keep_h
-            H.last[sl[stay]], H.freq[sl[stay]] = key[stay], new_freq[stay]
-            enter = ~in_h & keep_h
-            self.slot[u[enter]] = H.add(u[enter], key[enter], new_freq[enter])
-        if D is not None:
-            self.where[D.rows[drop]] = 0
-            D.remove(np.concatenate([sl[in_d & ~keep_d], drop]))
-            stay = in_d & keep_d
-            D.last[sl[stay]], D.freq[sl[stay]] = key[stay], new_freq[stay]
-            enter = ~in_d & keep_d
-            self.slot[u[enter]] = D.add(u[enter], key[enter], new_freq[enter])
-            self.slot[e_rows[survive]] = D.add(e_rows[survive], e_last[survive], e_freq[survive])
-        self.where[e_rows] = np.where(survive, 2, 0)
+            c.ddr_evictions += plan.ddr.evictions
+            self.where[D.rows[plan.ddr.evict]] = 0
+            self.slot[u[plan.ddr.entering()]] = D.commit(plan.ddr, plan, u)
+            self.slot[down.ids[down.kept]] = D.add(down.ids[down.kept], down.last[down.kept], down.freq[down.kept])
+        self.where[down.ids] = np.where(down.kept, 2, 0)
+        keep_h = plan.hbm.keep if H is not None else False
+        keep_d = plan.ddr.keep if D is not None else False
         self.where[u] = np.where(keep_h, 1, np.where(keep_d, 2, 0))
 
 
@@ -192,7 +180,7 @@ class HeapSim:
     """
 
     def __init__(self, hbm_rows: int, ddr_rows: int, lfu: bool, window: int | None, look: bool,
-                 choose_call: Callable[[np.ndarray, np.ndarray, np.ndarray, int, int], np.ndarray]):
+                 rank_call: CallChoice):
         self.cap = (0, int(hbm_rows), int(ddr_rows))  # tiers 1 (HBM) and 2 (DDR); 0 rows: no tier
         self.members: tuple[set, set, set] = (set(), set(), set())
         self.tier: dict[int, int] = {}
@@ -202,7 +190,7 @@ class HeapSim:
         self.lfu, self.window, self.look = lfu, window, look
         self.heaps: tuple[list, list, list] = ([], [], [])  # by base order (lookahead: rows outside the window)
         self.inside: tuple[list, list, list] = ([], [], [])  # lookahead: in-window rows by (-next use, base order)
-        self.choose_call = choose_call
+        self.rank_call = rank_call
         self.counts = TierCounts()
         self.now = 0
 
@@ -292,7 +280,7 @@ class HeapSim:
                 need = (n - n_h) - (self.cap[1] - len(self.members[1]))
                 demote = [self._pop(1, exclude) for _ in range(need)]
             else:
-                for i in self.choose_call(np.array(u), np.array(key), np.array(new_freq), n - self.cap[1], now).tolist():
+                for i in self.rank_call(np.array(u), np.array(key), np.array(new_freq), n - self.cap[1], now).tolist():
                     keep_h[i] = False
                 demote = list(self.members[1] - exclude)
         down = [i for i in range(n) if not keep_h[i]]
@@ -303,7 +291,7 @@ class HeapSim:
                 keep_d[i] = True
             if len(down) > self.cap[2]:
                 cand = np.array(down)
-                for i in self.choose_call(np.array(u)[cand], np.array(key)[cand], np.array(new_freq)[cand],
+                for i in self.rank_call(np.array(u)[cand], np.array(key)[cand], np.array(new_freq)[cand],
                                           len(down) - self.cap[2], now).tolist():
                     keep_d[down[i]] = False
             for r in demote:  # demoted rows compete for DDR with their HBM order
@@ -378,25 +366,26 @@ def simulate(stream: TableStream, hbm_rows: int, ddr_rows: int, policy: str = "l
     if stream.num_rows is not None:  # as the store does
         hbm_rows, ddr_rows = min(hbm_rows, stream.num_rows), min(ddr_rows, stream.num_rows)
     hbm_rows, ddr_rows = clamp_sizes(hbm_rows, ddr_rows, stream.working_set)
-    choose_call = None
     if policy in ("lru", "lfu"):
         pol = make_policy(policy)
-        choose = lambda rows, last, freq, k, now: pol.select(last, freq, k)  # noqa: E731
-        next_call = None
+        next_call = rows_next_use = rank_call = None
     elif policy in ("lookahead", "belady"):
         look = LookaheadPolicy(make_policy(base), None if policy == "belady" else window)
         if policy == "lookahead" and window is None:
             raise ValueError("policy='lookahead' needs window=K (batches); policy='belady' is the infinite window")
+        pol = look.base
         nxt = stream.next_use()
         calls = stream.use_call()
         next_call = np.where(nxt >= 0, calls[np.maximum(nxt, 0)], NOT_IN_WINDOW)
         row_next = np.full(stream.space, NOT_IN_WINDOW, dtype=np.int64)
 
-        def choose(rows, last, freq, k, now):
-            return look.select(look.next_use_in_window(row_next[rows], now), last, freq, k)
+        def rows_next_use(rows, now):  # pins the rows the window uses
+            return look.next_use_in_window(row_next[rows], now)
 
-        if policy == "lookahead":
-            choose_call = lambda rows, last, freq, k, now: look.base.select(last, freq, k)  # noqa: E731
+        def by_next_use(rows, last, freq, k, now):  # the offline bound ranks the call's own rows so too
+            return look.select(rows_next_use(rows, now), last, freq, k)
+
+        rank_call = by_next_use if policy == "belady" else None
     else:
         raise ValueError(f"unknown policy {policy!r}; choose lru, lfu, lookahead or belady")
     if method == "auto":
@@ -407,7 +396,8 @@ def simulate(stream: TableStream, hbm_rows: int, ddr_rows: int, policy: str = "l
     bar = open_progress(progress, stream.n_uses, f"{policy} {stream.name} {hbm_rows}:{ddr_rows}")
     if method == "heap":
         sim = HeapSim(hbm_rows, ddr_rows, "lfu" in (policy, base if next_call is not None else None),
-                      window if policy == "lookahead" else None, next_call is not None, choose_call or choose)
+                      window if policy == "lookahead" else None, next_call is not None,
+                      rank_call or (lambda rows, last, freq, k, now: pol.select(last, freq, k)))
         rows, keys = stream.row.tolist(), stream.key.tolist()
         nxt = next_call.tolist() if next_call is not None else None
         bl = b.tolist()
@@ -416,7 +406,7 @@ def simulate(stream: TableStream, hbm_rows: int, ddr_rows: int, policy: str = "l
             lo, hi = bl[j], bl[j + 1]
             if hi == lo:
                 continue
-            if policy == "belady":  # its choose_call reads row_next
+            if policy == "belady":  # its rank_call reads row_next
                 row_next[stream.row[lo:hi]] = next_call[lo:hi]
             sim.call(rows[lo:hi], keys[lo:hi], nxt[lo:hi] if nxt is not None else None, j)
             if hi - done >= 1 << 16:
@@ -425,7 +415,7 @@ def simulate(stream: TableStream, hbm_rows: int, ddr_rows: int, policy: str = "l
         bar.update(stream.n_uses - done)
         bar.close()
         return sim.counts
-    sim = CacheSim(stream.space, hbm_rows, ddr_rows, choose, choose_call)
+    sim = CacheSim(stream.space, hbm_rows, ddr_rows, pol, rows_next_use, rank_call)
     for j in range(stream.n_calls):  # a loop per call; each call is vectorized
         lo, hi = int(b[j]), int(b[j + 1])
         if hi == lo:

@@ -76,7 +76,8 @@ from .prefetch import PrefetchGroup, PrefetchTicket
 from .precision import DTYPES
 from .spec import TableSpec
 from .store import TieredStore, resolve_device
-from .tiers import CacheTier, first_uses, last_values
+from .step import StepPlanner
+from .tiers import CacheTier, first_uses, last_values, nonzero
 
 Claim = str | tuple[str, int, int]
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -153,6 +154,7 @@ class DaemonStore(TieredStore):
         self._max_hint_ids = self._max_ids
         self._hbm: dict[str, CacheTier] = {}
         self._hbm_counts: dict[str, TierCounters] = {}
+        self._planners: dict[str, StepPlanner] = {}  # a step of each HBM tier
         self._use_clock = 0
         self._updates: dict[str, int] = {}  # per table, for _update_key (kept by this client only)
         self._sock = self._connect()
@@ -208,6 +210,7 @@ class DaemonStore(TieredStore):
                 self._hbm[table] = CacheTier("hbm", int(rows), spec.dim, spec.state_dim, self.device, make_policy(policy), spec.num_rows,
                                              DTYPES[spec.dtype])
                 self._hbm_counts[table] = TierCounters()
+                self._planners[table] = StepPlanner()
         if not isinstance(hbm_rows, Mapping) and hbm_rows and not self._hbm:
             raise ValueError("hbm_rows > 0 with no claim=: a client caches only rows it has claimed for writing "
                              "(readonly and unclaimed reads always go to the daemon); add claim=[...] or drop hbm_rows")
@@ -401,24 +404,21 @@ class DaemonStore(TieredStore):
             return self._gather_tier(H, slots, cols, out)
 
         uid, inverse, first = first_uses(ids)
-        use_clock = first + self._use_clock
-        u = len(uid)
         slot = H.lookup(uid).cpu()
         hit = slot >= 0
-        miss = torch.nonzero(~hit).squeeze(1)
+        miss = nonzero(~hit)
         fetched = self._daemon_read(table, uid[miss].numpy(), H.width, True, None)
 
-        rows = torch.empty((u, H.width), dtype=torch.float32, device=H.device)
+        rows = torch.empty((len(uid), H.width), dtype=torch.float32, device=H.device)
         rows[hit.to(H.device)] = H.gather(slot[hit].to(H.device))
         rows[miss.to(H.device)] = fetched.to(H.device)
-        new_freq = H.counts_after(slot, hit)
-
-        keep, victims = H.make_room(slot[hit], len(miss), use_clock, new_freq)
+        plan = self._planners[table].plan(H, None, (first + self._use_clock).numpy(), slot.numpy(),
+                                          np.full(len(uid), -1, dtype=np.int64))
         # before anything changes: a failure leaves the tier as it was
-        self._write_back(table, H, torch.cat([victims, slot[hit & ~keep]]))
-        enter = ~hit & keep
-        _, left = H.apply_step(uid, slot, hit, keep, victims, rows[enter.to(H.device)], use_clock, new_freq)
-        c.evictions += left
+        wb = plan.write_back
+        self._write_back(table, H, torch.cat([torch.from_numpy(wb.hbm), slot[torch.from_numpy(wb.call)]]))
+        H.commit(plan.hbm, plan, uid, rows.index_select(0, torch.from_numpy(plan.hbm.entering()).to(H.device)))
+        c.evictions += plan.hbm.evictions
         c.hits += int(hit.sum())
         c.misses += len(miss)
         self._use_clock += n

@@ -5,12 +5,13 @@ TieredStore.read checks the call, then hands it to the table (TableStore):
   gathers the rows (no dedupe, and outside the lock);
 - else dedupe, and step (_access) through the tiers:
   probe HBM, then DDR for the rest;
-  plan while fetching: _plan picks the rows each tier keeps and the victims,
-  changing nothing, while _fetch reads the misses from prefetch staging, the
-  write-back queue, else LMDB (the two on two threads for long fetches);
-  write back: dirty rows leaving the cache are queued for LMDB;
-  commit: evict, touch, add (in memory only: it cannot fail half-way);
-  (_access_one_tier is this step where one tier, with none below, takes every row);
+  plan while fetching: tierstore.step plans the step (the rows each tier keeps,
+  the victims, the write-back), changing nothing, while _fetch reads the misses
+  from prefetch staging, the write-back queue, else LMDB (the two on two
+  threads for long fetches);
+  write back: the plan's dirty rows leaving the cache are queued for LMDB;
+  commit: each tier carries out its part (in memory only: it cannot fail half-way);
+  (_access_one_tier commits where one tier, with none below, takes every row);
 - the store gathers the call's rows from the one tier holding them all, or from the step's rows.
 Admission and TTL (tierstore/admission.py) wrap the step: _lived_access.
 
@@ -20,7 +21,6 @@ gathers running outside the lock) comes in one Shared object.
 """
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -35,7 +35,8 @@ from tierstore.io import LmdbBackend, WriteBack, find_sorted
 from .admission import RowLife
 from .counters import TableCounters, restored_on_error
 from .spec import TableSpec, initial_rows
-from .tiers import CacheTier, by_id, first_uses, masked, nonzero, select
+from .step import StepPlan, StepPlanner
+from .tiers import CacheTier, by_id, first_uses, nonzero, select
 from .trace import TraceRecorder
 
 _SCRATCH_BYTES = 64 << 20
@@ -75,7 +76,7 @@ class Shared:
             t.counters.ssd.count_writes(len(ids), t.spec.row_bytes)
             self.prefetcher.written(t.spec.name, ids)  # staged copies are older now
 
-    def planner(self) -> futures.ThreadPoolExecutor:
+    def plan_pool(self) -> futures.ThreadPoolExecutor:
         if self._plan_pool is None:
             self._plan_pool = futures.ThreadPoolExecutor(1, thread_name_prefix="tierstore-plan")
         return self._plan_pool
@@ -92,24 +93,9 @@ class Resident(NamedTuple):
     generation: int  # the tier's, when the slots were taken
 
 
-class _Plan(NamedTuple):
-    """One step of both levels, decided before anything changes (masks over the call's rows)."""
-    old_dirty: torch.Tensor  # each call row's dirty bit where cached
-    new_freq: torch.Tensor  # its step count after this call
-    keep_h: torch.Tensor  # call rows the HBM tier holds after the call
-    keep_d: torch.Tensor  # call rows the DDR tier holds after the call
-    demote: torch.Tensor  # HBM slots of other rows going down
-    e_ids: torch.Tensor  # the demoted rows' ids, use clocks, step counts and dirty bits
-    e_last: torch.Tensor
-    e_freq: torch.Tensor
-    e_dirty: torch.Tensor
-    e_drop: torch.Tensor  # positions into the demoted rows that leave the cache
-    resident_drop: torch.Tensor  # DDR slots of other rows leaving the cache
-
-
-def _where(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """rows[mask] (mask on the CPU), without copying when every row is selected."""
-    return rows if bool(mask.all()) else masked(rows, mask.to(rows.device))
+def _rows_at(rows: torch.Tensor, at: np.ndarray) -> torch.Tensor:
+    """rows at positions ``at`` (sorted, unique), without copying when every row is selected."""
+    return rows if len(at) == len(rows) else rows.index_select(0, torch.from_numpy(at).to(rows.device))
 
 
 class TableStore:
@@ -124,6 +110,7 @@ class TableStore:
         self.counters = TableCounters.new()
         self.life = RowLife(spec.admit_after, spec.admit_width, spec.admit_depth, spec.ttl_steps, steps, spec.evict_l2_below)
         self._shared = shared
+        self._planner = StepPlanner()
         self._scratch = np.empty((0, spec.width), dtype=np.float32)
 
     def scratch(self, n: int) -> np.ndarray | None:
@@ -227,16 +214,11 @@ class TableStore:
                 D.touch(slot_d, use_clock)
                 return D, slot_d, None
 
-        if (H is None) != (D is None):
-            tier, slot, hit = (H, slot_h, in_h) if D is None else (D, slot_d, in_d)
-            if n <= tier.capacity:
-                return self._access_one_tier(tier, uid, use_clock, slot, hit)
+        if (H is None) != (D is None) and n <= (H or D).capacity:
+            return self._access_one_tier(H or D, uid, use_clock, slot_h, slot_d)
 
         miss = nonzero(~in_h & ~in_d)
-        plan, fetched = self._fetch_while_planning(uid[miss], lambda: self._plan(use_clock, slot_h, in_h, slot_d, in_d))
-        old_dirty, new_freq, keep_h, keep_d, demote, e_ids, e_last, e_freq, e_dirty, e_drop, resident_drop = plan
-        demote_dev = demote.to(H.device) if H else demote
-
+        plan, fetched = self._fetch_while_planning(uid[miss], lambda: self._plan(use_clock, slot_h, slot_d, refresh))
         dev = H.device if H else torch.device("cpu")
         fetched = (fetched.pin_memory() if dev.type == "cuda" else fetched).to(dev, non_blocking=True)
         if len(miss) == n:  # all cold: the fetched rows are the call's rows, in uid order
@@ -248,143 +230,94 @@ class TableStore:
                     at = nonzero(inside)
                     rows.index_copy_(0, at.to(dev), tier.gather(slot.index_select(0, at).to(tier.device)).to(dev))
             rows.index_copy_(0, miss.to(dev), fetched)
-        leave = nonzero(~keep_h & ~keep_d)  # call rows leaving the cache after this call
-
-        # write back dirty rows that leave the cache
-        wb_ids, wb_rows = [], []
-        if len(leave):
-            dirty = masked(leave, (old_dirty if refresh is None else old_dirty | refresh).index_select(0, leave))
-            wb_ids.append(uid.index_select(0, dirty))
-            wb_rows.append(rows.index_select(0, dirty.to(dev)).cpu())
-        if len(e_drop):
-            dirty = masked(e_drop, e_dirty.index_select(0, e_drop))
-            wb_ids.append(e_ids.index_select(0, dirty))
-            wb_rows.append(H.gather(demote.index_select(0, dirty).to(H.device)).cpu())
-        if len(resident_drop):
-            dirty = masked(resident_drop, D.dirty.index_select(0, resident_drop))
-            wb_ids.append(D.ids.index_select(0, dirty))
-            wb_rows.append(D.gather(dirty))
-        n_wb = sum(len(i) for i in wb_ids)
-        if n_wb:
-            self._queue_write_back(*by_id(torch.cat(wb_ids), torch.cat(wb_rows)))
+        n_wb = self._write_back(plan, uid, rows)
 
         # -- commit the plan (in memory only; cannot fail half-way) --
         self._shared.await_gathers()
+        down = plan.demoted
         if H:
-            e_survive = torch.ones(len(demote), dtype=torch.bool).index_fill_(0, e_drop, False)
-            e_rows = H.gather(masked(demote_dev, e_survive.to(H.device))).cpu() if D else None
-            leaving_h = torch.cat([demote, masked(slot_h, in_h & ~keep_h)])
-            H.remove(leaving_h.to(H.device))
-            c.hbm.evictions += len(leaving_h)
-            H.touch(*select(in_h & keep_h, slot_h, use_clock, new_freq))
-            enter = ~in_h & keep_h
-            ids, clock, counts, was_dirty = select(enter, uid, use_clock, new_freq, old_dirty)
-            H.add(ids, _where(rows, enter), clock, counts, was_dirty)
+            kept_down = torch.from_numpy(np.flatnonzero(down.kept))
+            down_rows = H.gather(torch.from_numpy(down.slots).index_select(0, kept_down).to(H.device)).cpu() if D else None
+            H.commit(plan.hbm, plan, uid, _rows_at(rows, plan.hbm.entering()))
+            c.hbm.evictions += plan.hbm.evictions
         if D:
-            leaving_d = torch.cat([masked(slot_d, in_d & ~keep_d), resident_drop])
-            D.remove(leaving_d)
-            c.ddr.evictions += int((in_d & ~keep_d & ~keep_h).sum()) + len(resident_drop) + len(e_drop)
-            D.touch(*select(in_d & keep_d, slot_d, use_clock, new_freq))
-            enter = ~in_d & keep_d
-            ids, clock, counts, was_dirty = select(enter, uid, use_clock, new_freq, old_dirty)
-            D.add(ids, _where(rows, enter).cpu(), clock, counts, was_dirty)
-            if H and e_survive.any():
-                e_ids, e_last, e_freq, e_dirty = select(e_survive, e_ids, e_last, e_freq, e_dirty)
-                D.add(e_ids, e_rows, e_last, e_freq, e_dirty)
+            D.commit(plan.ddr, plan, uid, _rows_at(rows, plan.ddr.entering()).cpu())
+            c.ddr.evictions += plan.ddr.evictions
+            if H and len(kept_down):
+                ids, last, freq, dirty = (torch.from_numpy(a).index_select(0, kept_down)
+                                          for a in (down.ids, down.last, down.freq, down.dirty))
+                D.add(ids, down_rows, last, freq, dirty)
             c.ddr.writebacks += n_wb
         elif H:
             c.hbm.writebacks += n_wb
         return None, None, rows
 
     def _access_one_tier(self, T: CacheTier, uid: torch.Tensor, use_clock: torch.Tensor,
-                         slot: torch.Tensor, hit: torch.Tensor):
+                         slot_h: torch.Tensor, slot_d: torch.Tensor):
         """_access where one tier, with none below it, takes every row of the call:
         the fetched rows go straight into it, and the output is gathered from it.
-        A quarter of the tensor ops of the two-level plan, which for the few
+        A quarter of the tensor ops of the two-level commit, which for the few
         thousand rows of a prefetched step cost more than the rows themselves."""
         c = self.counters.hbm if T is self.hbm else self.counters.ddr
-        miss = nonzero(~hit)
-        hit_slots = masked(slot, hit)
-        new_freq = T.counts_after(slot, hit)
-
-        def plan() -> tuple[torch.Tensor, torch.Tensor]:
-            return T.make_room(hit_slots, len(miss), use_clock, new_freq, self._window_of(T))
-
-        (keep, evict), fetched = self._fetch_while_planning(uid[miss], plan)
+        slot = slot_h if T is self.hbm else slot_d
+        miss = nonzero(slot < 0)
+        plan, fetched = self._fetch_while_planning(uid[miss], lambda: self._plan(use_clock, slot_h, slot_d))
+        level = plan.hbm if T is self.hbm else plan.ddr
         fetched = (fetched.pin_memory() if T.device.type == "cuda" else fetched).to(T.device, non_blocking=True)
-        evict_dev = evict.to(T.device)
-        dirty = masked(evict_dev, T.dirty.index_select(0, evict_dev))
-        self._queue_write_back(*T.rows_by_id(dirty))
+        n_wb = self._write_back(plan, uid, None)
 
         # -- commit (in memory only; cannot fail half-way) --
         self._shared.await_gathers()
-        added, left = T.apply_step(uid, slot, hit, keep, evict, fetched, use_clock, new_freq)
-        c.evictions += left
-        c.writebacks += len(dirty)
+        added = T.commit(level, plan, uid, fetched)
+        c.evictions += level.evictions
+        c.writebacks += n_wb
         if len(miss) == len(uid):  # all cold: the fetched rows are contiguous, faster to gather from
             return None, None, fetched
         slots = slot.to(T.device)
         slots.index_copy_(0, miss.to(T.device), added)
         return T, slots, None
 
-    def _fetch_while_planning(self, ids: torch.Tensor, plan: Callable[[], object]) -> tuple[object, torch.Tensor]:
+    def _fetch_while_planning(self, ids: torch.Tensor, plan: Callable[[], StepPlan]) -> tuple[StepPlan, torch.Tensor]:
         """``plan()`` and the rows of ids not cached. A plan needs no fetched row:
         for a long fetch it is made on a helper thread while this one reads LMDB
         (both release the GIL in their C calls)."""
         if len(ids) < _PLAN_ASIDE_ROWS:
             return plan(), self._fetch(ids, self.scratch(len(ids)))
-        planned = self._shared.planner().submit(plan)
+        planned = self._shared.plan_pool().submit(plan)
         try:
             fetched = self._fetch(ids, self.scratch(len(ids)))
         finally:
             futures.wait([planned])  # never leave it reading tiers that a later call changes
         return planned.result(), fetched
 
-    def _plan(self, use_clock: torch.Tensor, slot_h: torch.Tensor, in_h: torch.Tensor,
-              slot_d: torch.Tensor, in_d: torch.Tensor) -> "_Plan":
-        """Plan one step of both levels, changing nothing, so that a failed fetch
-        or write-back leaves the store exactly as it was."""
-        H, D = self.hbm, self.ddr
-        n = len(use_clock)
-        old_freq = torch.zeros(n, dtype=torch.int64)
-        old_dirty = torch.zeros(n, dtype=torch.bool)
-        for tier, slot, inside in ((H, slot_h, in_h), (D, slot_d, in_d)):
-            if tier is not None and bool(inside.any()):
-                at = nonzero(inside)
-                s = slot.index_select(0, at).to(tier.device)
-                old_freq.index_copy_(0, at, tier.freq.index_select(0, s).cpu())
-                old_dirty.index_copy_(0, at, tier.dirty.index_select(0, s).cpu())
-        new_freq = old_freq + 1
+    def _plan(self, use_clock: torch.Tensor, slot_h: torch.Tensor, slot_d: torch.Tensor,
+              refresh: torch.Tensor | None = None) -> StepPlan:
+        """This table's step (tierstore.step), with the prefetch window pinning rows."""
+        return self._planner.plan(self.hbm, self.ddr, use_clock.numpy(), slot_h.numpy(), slot_d.numpy(),
+                                  refresh=None if refresh is None else refresh.numpy(), next_use=self._next_use)
 
-        hbm_window = self._window_of(H) if H else None  # asked once a step: by HBM's plan and by DDR's
-        if H:  # demote: HBM slots of non-call rows going down
-            keep_h, demote = H.make_room(masked(slot_h, in_h), n - int(in_h.sum()), use_clock, new_freq, hbm_window)
-        else:
-            keep_h, demote = torch.zeros(n, dtype=torch.bool), torch.empty(0, dtype=torch.int64)
-        down = nonzero(~keep_h)  # call rows below HBM
-        if H:
-            demote_dev = demote.to(H.device)
-            e_ids, e_last, e_freq, e_dirty = (t.index_select(0, demote_dev).cpu() for t in (H.ids, H.last, H.freq, H.dirty))
-        else:
-            e_ids, e_last, e_freq, e_dirty = demote, demote, demote, demote.bool()
+    def _next_use(self, tier: CacheTier) -> np.ndarray | None:
+        return self._shared.prefetcher.next_use(self.spec.name, tier)
 
-        keep_d = torch.zeros(n, dtype=torch.bool)
-        resident_drop = torch.empty(0, dtype=torch.int64)  # DDR slots of non-call rows leaving
-        e_drop = torch.arange(len(demote))  # positions into the demoted rows that leave the cache
-        if D:
-            keep_d.index_fill_(0, down, True)
-            if len(down) > D.capacity:
-                over = D.policy.select(use_clock.index_select(0, down).numpy(), new_freq.index_select(0, down).numpy(),
-                                       len(down) - D.capacity)
-                keep_d.index_fill_(0, down.index_select(0, torch.from_numpy(over)), False)
-            hits_d = masked(slot_d, in_d)
-            k = D.resident - len(hits_d) + len(demote) - (D.capacity - int(keep_d.sum()))
-            e_drop = e_drop[:0]
-            if k > 0:  # ranked: DDR's slots, then the rows HBM demotes (see CacheTier.make_room)
-                v = D.pick_victims(*D.ranked(hits_d.numpy(), e_last, e_freq), k, self._next_use(D, hbm_window, demote))
-                resident_drop = masked(v, v < D.capacity)
-                e_drop = masked(v, v >= D.capacity) - D.capacity
-        return _Plan(old_dirty, new_freq, keep_h, keep_d, demote, e_ids, e_last, e_freq, e_dirty, e_drop, resident_drop)
+    def _write_back(self, plan: StepPlan, uid: torch.Tensor, rows: torch.Tensor | None) -> int:
+        """Queue the plan's dirty rows leaving the cache for LMDB, before anything changes:
+        call rows from the step's ``rows`` (None when no call row leaves), the others from
+        their tiers. Returns how many."""
+        wb = plan.write_back
+        if not len(wb):
+            return 0
+        ids, values = [], []
+        if len(wb.call):
+            at = torch.from_numpy(wb.call)
+            ids.append(uid.index_select(0, at))
+            values.append(rows.index_select(0, at.to(rows.device)).cpu())
+        for tier, slots in ((self.hbm, wb.hbm), (self.ddr, wb.ddr)):
+            if len(slots):
+                s = torch.from_numpy(slots).to(tier.device)
+                ids.append(tier.ids.index_select(0, s).cpu())
+                values.append(tier.gather(s).cpu())
+        self._queue_write_back(*by_id(torch.cat(ids), torch.cat(values)))
+        return len(wb)
 
     def _fetch(self, ids: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor:
         """Rows of ids (sorted) not in any tier: prefetched into staging, else queued
@@ -419,19 +352,6 @@ class TableStore:
             rows[~found] = initial_rows(self.spec, ids[~found])
         self.counters.ssd.count_reads(len(ids), int(found.sum()), self.spec.row_bytes)
         return rows
-
-    def _window_of(self, tier: CacheTier) -> Callable[[], np.ndarray | None]:
-        """The prefetch window's next use of each slot of ``tier`` (None without a window),
-        worked out at the first call only."""
-        return functools.cache(functools.partial(self._shared.prefetcher.next_use, self.spec.name, tier))
-
-    def _next_use(self, ddr: CacheTier, hbm_window: Callable[[], np.ndarray | None] | None, demote: torch.Tensor) -> np.ndarray | None:
-        """Next use in the prefetch window of the rows of each slot of ``ddr``, then of the
-        rows at HBM slots ``demote``; None without a window."""
-        per_slot = self._shared.prefetcher.next_use(self.spec.name, ddr)
-        if per_slot is None or hbm_window is None:
-            return per_slot
-        return np.concatenate([per_slot, hbm_window()[demote.cpu().numpy()]])
 
     def _queue_write_back(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Queue dirty rows leaving the cache (sorted by id) for LMDB."""

@@ -7,22 +7,19 @@ directly), its id, its use clock (``last``), its step count (``freq``) and
 whether it differs from LMDB (``dirty``). A stored row, as LMDB and the read
 API see it, is its weights followed by its state. Tiers are exclusive: a cached row lives in
 exactly one tier, so its one cached copy is always the newest.
+
+Which rows a step moves is planned by tierstore.step, which reads a tier through
+slot_meta and meta_at; the tier carries its part of the plan out (commit).
 """
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from tierstore.eviction import EvictionPolicy
-from tierstore.eviction.lookahead import NOT_IN_WINDOW, lookahead_victims
 
 from .hashindex import DenseIndex, make_index
-
-# use clock and step count of a free slot: ranked after every row by each policy, so
-# that victims can be chosen over the per-slot arrays as they are (see make_room)
-UNUSED = np.iinfo(np.int64).max
+from .step import UNUSED, LevelPlan, StepPlan
 
 
 class CacheTier:
@@ -46,7 +43,6 @@ class CacheTier:
         self.freq = torch.full((capacity,), UNUSED, dtype=torch.int64, device=device)
         self.dirty = torch.zeros(capacity, dtype=torch.bool, device=device)
         self._free = torch.arange(capacity - 1, -1, -1, dtype=torch.int64, device=device)
-        self._rank_buffers: tuple[np.ndarray, np.ndarray] | None = None  # see ranked
         self._nfree = capacity
 
     @property
@@ -67,102 +63,29 @@ class CacheTier:
         # non-blocking only to a GPU: a copy to the host would be read before it lands
         return self.index.lookup(ids.to(self.device, non_blocking=ids.device.type == "cpu"))
 
-    def occupied_except(self, slots: torch.Tensor) -> torch.Tensor:
-        """Occupied slots not in ``slots``."""
-        mask = self.ids >= 0
-        mask.index_fill_(0, slots, False)
-        return nonzero(mask)
+    def slot_meta(self) -> tuple[np.ndarray, np.ndarray]:
+        """Use clock and step count of every slot, on the host (views on the CPU); see
+        tierstore.step.TierMeta."""
+        return self.last.cpu().numpy(), self.freq.cpu().numpy()
 
-    def pick_victims(self, last: np.ndarray, freq: np.ndarray, k: int, next_use: np.ndarray | None = None) -> torch.Tensor:
-        """Positions into the candidates' use clocks and step counts (from ``ranked``,
-        which it may overwrite) of the k rows to evict. A candidate whose use clock is
-        UNUSED is not a row: it is never chosen.
+    def meta_at(self, slots: np.ndarray, *names: str) -> list[np.ndarray]:
+        """The per-slot ``names`` ("ids", "last", "freq", "dirty") at host ``slots``, on the host."""
+        if self.device.type == "cpu":
+            return [getattr(self, name).numpy()[slots] for name in names]
+        s = torch.from_numpy(slots).to(self.device)
+        return [getattr(self, name).index_select(0, s).cpu().numpy() for name in names]
 
-        ``next_use`` (the prefetch window's next step using each candidate, or
-        NOT_IN_WINDOW) pins rows the window uses: they go only when nothing else
-        is left, farthest next use first with lookahead eviction, else by policy.
-        """
-        pinned = None if next_use is None else np.flatnonzero(next_use != NOT_IN_WINDOW)
-        if pinned is not None and len(pinned):
-            pinned = pinned[last[pinned] != UNUSED]
-            if np.count_nonzero(last != UNUSED) - len(pinned) >= k:  # the usual step: enough rows the window does not use
-                last[pinned] = UNUSED
-                if self.policy.uses_frequency:
-                    freq[pinned] = UNUSED
-                pinned = None
-        if pinned is None or not len(pinned):
-            return torch.from_numpy(self.policy.select(last, freq, k))
-        if not self.lookahead:  # pinned, but ranked among themselves by the policy
-            next_use = np.where(next_use == NOT_IN_WINDOW, NOT_IN_WINDOW, 0)
-        next_use = np.where(last == UNUSED, -1, next_use)  # not a row: behind every pinned one
-        return torch.from_numpy(lookahead_victims(next_use, last, freq, k, self.policy))
-
-    def make_room(self, hit_slots: torch.Tensor, n_new: int, use_clock: torch.Tensor, freq: torch.Tensor,
-                  next_use: Callable[[], np.ndarray | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Plan one step of this tier, changing nothing: the call's unique rows
-        (used at ``use_clock``, step counts ``freq``) are resident at ``hit_slots``
-        or ``n_new`` rows to bring in. Returns the mask of call rows the tier keeps
-        (all of them unless the call is larger than the tier) and the CPU slots of
-        resident rows to evict. ``next_use()``, per slot, pins the prefetch window.
-
-        The policy ranks the per-slot arrays themselves, the call's slots set to
-        UNUSED in a copy (free slots hold it already), not a gathered list of the
-        other occupied slots: at 1M slots, gathering that list and its metadata took
-        ~20 ms a step, the copy ~1 ms."""
-        n = len(use_clock)
-        keep = torch.ones(n, dtype=torch.bool)
-        if n > self.capacity:  # keep the call rows the policy ranks highest, and only them
-            keep[torch.from_numpy(self.policy.select(use_clock.numpy(), freq.numpy(), n - self.capacity))] = False
-            return keep, self.occupied_except(hit_slots.to(self.device)).cpu()
-        need = n_new - self.free
-        if need <= 0:
-            return keep, torch.empty(0, dtype=torch.int64)
-        last, freq = self.ranked(hit_slots.cpu().numpy())
-        return keep, self.pick_victims(last, freq, need, next_use() if next_use else None)
-
-    def ranked(self, hits: np.ndarray, more_last: torch.Tensor | None = None, more_freq: torch.Tensor | None = None
-               ) -> tuple[np.ndarray, np.ndarray]:
-        """What a policy ranks to evict from this tier, but the rows at slots ``hits``: the
-        per-slot use clocks and step counts, the hits' (and free slots') UNUSED, followed
-        by those of rows coming in from above (``more_*``, also candidates). Copies, in
-        buffers kept for the next step: a fresh 8 MB array (1M slots) page-faults on
-        every step."""
-        n = self.capacity + (0 if more_last is None else len(more_last))
-        if self._rank_buffers is None or len(self._rank_buffers[0]) < n:
-            self._rank_buffers = (np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64))
-        ranked = []
-        for buffer, values, more in zip(self._rank_buffers, (self.last, self.freq), (more_last, more_freq)):
-            if values is self.freq and not self.policy.uses_frequency and more is None:
-                ranked.append(values.cpu().numpy())  # not read, not written (pick_victims)
-                continue
-            out = buffer[:n]
-            np.copyto(out[: self.capacity], values.cpu().numpy())
-            out[hits] = UNUSED
-            if more is not None:
-                out[self.capacity:] = more.cpu().numpy()
-            ranked.append(out)
-        return ranked[0], ranked[1]
-
-    def counts_after(self, slot: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
-        """Step counts of one step's unique rows after it: one more than a resident
-        row (at ``slot`` where ``hit``) had, 1 for a row coming in (on the CPU)."""
-        freq = torch.ones(len(slot), dtype=torch.int64)
-        at = nonzero(hit)
-        freq.index_add_(0, at, self.freq.index_select(0, slot.index_select(0, at).to(self.device)).cpu())
-        return freq
-
-    def apply_step(self, uid: torch.Tensor, slot: torch.Tensor, hit: torch.Tensor, keep: torch.Tensor, evict: torch.Tensor,
-                   entering: torch.Tensor, use_clock: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Carry out what ``make_room`` planned for one step's unique rows ``uid``
-        (resident at ``slot`` where ``hit``): evict ``evict`` and the call rows not
-        kept, update the kept hits, add the kept misses (``entering``, their rows in
-        uid order) clean. Returns the slots they were added at and how many rows left."""
-        leaving = torch.cat([evict, masked(slot, hit & ~keep)])
-        self.remove(leaving.to(self.device))
-        self.touch(*select(hit & keep, slot, use_clock, freq))
-        ids, clock, counts = select(~hit & keep, uid, use_clock, freq)
-        added = self.add(ids, entering, clock, counts, torch.zeros(len(ids), dtype=torch.bool))
-        return added, len(leaving)
+    def commit(self, level: LevelPlan, plan: StepPlan, uid: torch.Tensor, entering: torch.Tensor) -> torch.Tensor:
+        """Carry out this tier's part of a planned step of the unique ids ``uid`` (on the
+        CPU): the rows leaving it go, the call rows it keeps are used, and ``entering``,
+        the rows of level.entering() in uid order, come in. Returns their slots."""
+        self.remove(torch.from_numpy(level.leaving()).to(self.device))
+        stay = level.staying()
+        if len(stay):
+            self.touch(torch.from_numpy(level.slot[stay]), torch.from_numpy(plan.clock[stay]), torch.from_numpy(plan.freq[stay]))
+        enter = torch.from_numpy(level.entering())
+        clock, freq, dirty = (torch.from_numpy(a).index_select(0, enter) for a in (plan.clock, plan.freq, plan.dirty))
+        return self.add(uid.index_select(0, enter), entering, clock, freq, dirty)
 
     def touch(self, slots: torch.Tensor, use_clock: torch.Tensor, freq: torch.Tensor | None = None) -> None:
         """Resident rows used again: their use clock, and their step count (one more, or ``freq``)."""
