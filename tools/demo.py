@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tierstore.memory import format_bytes
 from tierstore.precision import DTYPES
 from tierstore.tools.capacity_progress import LineBar
 
@@ -59,6 +60,8 @@ class DemoConfig:
     compare: bool = False
     progress: bool = True
     world_size: int = 1  # > 1: tables sharded over that many local processes (gloo), checked against one process
+    record_trace: Path | None = None  # the store's reads, as a trace for `tierstore capacity`
+    serve: bool = True  # after training: export int8 and float32 serving stores, serve the held-out batches from each
 
     def __post_init__(self):
         self.dir = Path(self.dir)
@@ -83,6 +86,10 @@ class DemoConfig:
                              "trains an equal part of each batch")
         if self.world_size > 1 and self.compare:
             raise ValueError("--compare is for one process; --world-size N already checks the ranks against one process")
+        if self.world_size > 1 and self.record_trace is not None:
+            raise ValueError("--record-trace records one process's store; drop --world-size or --record-trace")
+        if self.record_trace is not None:
+            self.record_trace = Path(self.record_trace)
 
     @property
     def table_names(self) -> list[str]:
@@ -194,6 +201,24 @@ class RunResult:
     eval_loss: float
     eval_accuracy: float
     stats: dict | None = None  # the store's counters after the last training step (before the held-out batches)
+    held_out: list | None = None  # the held-out batches (dense, sparse, labels), for the serving step
+
+
+HELD_OUT_BATCHES = 4
+
+
+def _evaluate(model: nn.Module, batches: list) -> tuple[float, float]:
+    """Mean loss and accuracy of a forward over held-out batches: nothing is updated."""
+    loss_fn = nn.BCEWithLogitsLoss()
+    model.eval()
+    with torch.no_grad():
+        ev_loss, ev_acc = [], []
+        for dense, sparse, labels in batches:
+            logits = model(dense, sparse)
+            ev_loss.append(loss_fn(logits, labels).item())
+            ev_acc.append(((logits > 0).float() == labels).float().mean().item())
+    model.train()
+    return float(np.mean(ev_loss)), float(np.mean(ev_acc))
 
 
 def _prepare_dir(path: Path) -> None:
@@ -284,17 +309,8 @@ def _train(cfg: DemoConfig, model: DLRM, emb_opt, data: ClickData, generator: to
     seconds = clock() - start
     bar.close()
     trained = stats() if stats else None
-    # held-out batches, forward only: no backward, nothing is updated
-    model.eval()
-    with torch.no_grad():
-        ev_loss, ev_acc = [], []
-        for _ in range(4):
-            dense, sparse, labels = data.batch(generator)
-            logits = model(dense, sparse)
-            ev_loss.append(loss_fn(logits, labels).item())
-            ev_acc.append(((logits > 0).float() == labels).float().mean().item())
-    model.train()
-    return RunResult(losses, seconds, float(np.mean(ev_loss)), float(np.mean(ev_acc)), trained)
+    held_out = [data.batch(generator) for _ in range(HELD_OUT_BATCHES)]
+    return RunResult(losses, seconds, *_evaluate(model, held_out), trained, held_out)
 
 
 @dataclass
@@ -372,6 +388,70 @@ def summary_lines(cfg: DemoConfig, run: RunResult, store: StoreFigures) -> list[
     ]
 
 
+def trace_line(path: Path) -> str:
+    from tierstore.trace import Trace
+
+    trace = Trace.load(path)
+    return (f"  trace      {path}: {trace.n_accesses:,} row lookups in {trace.n_steps:,} steps (training, then the held-out "
+            f"batches); size the tiers from it: tierstore capacity {path} --hbm-hit 0.5 --hit 0.8")
+
+
+@dataclass
+class Served:
+    """The held-out batches served from serving stores exported after training, one per dtype."""
+
+    results: dict[str, tuple[float, float]]  # dtype -> (held-out loss, accuracy)
+    row_bytes: dict[str, int]  # dtype -> bytes of the rows stored (no optimizer state; initial rows left out)
+    rows: int  # rows stored (the same for every dtype)
+    seconds: float  # export of every dtype, and serving
+    paths: dict[str, Path]
+
+    def faithful(self, trained: RunResult) -> bool:
+        """float32 serving pools the trained rows: its held-out loss is the trained model's."""
+        return math.isclose(self.results["float32"][0], trained.eval_loss, rel_tol=SERVE_RTOL)
+
+    def lines(self, trained: RunResult) -> list[str]:
+        (q_loss, q_acc), (f_loss, f_acc) = self.results["int8"], self.results["float32"]
+        check = "equals" if self.faithful(trained) else "DIFFERS FROM"
+        return [
+            f"  serving    int8 rows (row-wise scale and bias): held-out loss {q_loss:.4f}, accuracy {100 * q_acc:.1f}% against "
+            f"float32 serving {f_loss:.4f}, {100 * f_acc:.1f}% ({check} training's held-out); {self.rows:,} rows stored in "
+            f"{format_bytes(self.row_bytes['int8'])} int8 vs {format_bytes(self.row_bytes['float32'])} float32",
+            f"             exported and served in {self.seconds:.1f} s: {self.paths['int8']} "
+            "(tierstore.ServingEmbeddingBagCollection(path) opens it; --no-serve skips this step)",
+        ]
+
+
+SERVE_RTOL = 1e-5  # float32 serving against training's forward: the same rows, pooled in another order
+SERVE_DTYPES = ("float32", "int8")
+
+
+def serve(cfg: DemoConfig, store_dir: Path, model: "DLRM", held_out: list, clock: Callable[[], float]) -> Served:
+    """Export the trained store per dtype of SERVE_DTYPES and serve the held-out batches through
+    tierstore.serving, the dense layers as trained."""
+    from tierstore.serving import ServingEmbeddingBagCollection
+    from tierstore.serving_export import export
+
+    start = clock()
+    results, row_bytes, paths, rows = {}, {}, {}, 0
+    trained = model.embeddings
+    try:
+        for dtype in SERVE_DTYPES:
+            paths[dtype] = export(store_dir, cfg.dir / f"serving-{dtype}", dtype=dtype)
+            serving = ServingEmbeddingBagCollection(paths[dtype], hbm_rows=cfg.hbm_rows, ddr_rows=cfg.ddr_rows, device="cpu")
+            try:
+                model.embeddings = serving
+                results[dtype] = _evaluate(model, held_out)
+                tables = serving.store.meta["tables"]
+            finally:
+                serving.close()
+            rows = sum(t["rows"] for t in tables)
+            row_bytes[dtype] = sum(t["rows"] * t["row_bytes"] for t in tables)
+    finally:
+        model.embeddings = trained
+    return Served(results, row_bytes, rows, clock() - start, paths)
+
+
 def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -385,6 +465,10 @@ def _specs(cfg: DemoConfig):
 
 def _start(cfg: DemoConfig) -> None:
     torch.set_num_threads(cfg.threads)
+    t = cfg.record_trace
+    replaced = (cfg.dir / MARKER).exists() and cfg.dir.resolve() in t.resolve().parents if t is not None else False
+    if t is not None and t.exists() and (not t.is_dir() or any(t.iterdir())) and not replaced:
+        raise ValueError(f"--record-trace {t} exists and is not an empty directory; pass a new directory for the trace")
     _prepare_dir(cfg.dir)
     (cfg.dir / MARKER).write_text(json.dumps({k: str(v) for k, v in dataclasses.asdict(cfg).items()}, indent=1))
 
@@ -396,7 +480,8 @@ def _one_process(cfg: DemoConfig, path: Path, seed_generator: Callable[[int], to
     g = seed_generator(cfg.seed)
     data = ClickData(cfg, g)
     ebc = tierstore.TieredEmbeddingBagCollection(tables=_specs(cfg), path=path, hbm_rows=cfg.hbm_rows, ddr_rows=cfg.ddr_rows,
-                                                 policy=cfg.policy, device="cpu", optimizer=_tierstore_opt(cfg.optimizer, cfg.lr))
+                                                 policy=cfg.policy, device="cpu", optimizer=_tierstore_opt(cfg.optimizer, cfg.lr),
+                                                 record_trace=cfg.record_trace)
     return ebc, DLRM(ebc, cfg.table_names, cfg.dim, seed_generator(cfg.seed + 1)), data, g
 
 
@@ -428,6 +513,12 @@ def run_demo(cfg: DemoConfig, seed_generator: Callable[[int], torch.Generator] =
     w = loss_window(len(tiered.losses))
     lines = summary_lines(cfg, tiered, figures)
     status = 0
+    if cfg.record_trace is not None:
+        lines.append(trace_line(cfg.record_trace))
+    if cfg.serve:
+        served = serve(cfg, store_dir, model, tiered.held_out, clock)
+        lines += served.lines(tiered)
+        status = 0 if served.faithful(tiered) else 1
     if cfg.compare:
         initial = {s.name: torch.from_numpy(initial_rows(s, np.arange(cfg.rows))) for s in specs}
         bags = InMemoryBags(initial)
@@ -479,6 +570,12 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads")
     p.add_argument("--compare", action="store_true", help="also train with nn.EmbeddingBag in memory and compare")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--record-trace", type=Path, default=None, metavar="PATH",
+                   help="record the store's lookups (training and held-out) as a trace in PATH, a new directory, "
+                        "for `tierstore capacity PATH`")
+    p.add_argument("--no-serve", dest="serve", action="store_false",
+                   help="skip the serving step (export the trained tables to int8 and float32 serving stores and "
+                        "serve the held-out batches from both: a few seconds)")
     p.add_argument("--world-size", type=int, default=d.world_size,
                    help="shard the tables over this many local processes (gloo on 127.0.0.1, plan from tierstore.planner) "
                         "and check every loss and trained row against one process")
