@@ -25,18 +25,29 @@ Adagrad's [num_rows, dim]; Adam adds ``exp_avg_sq`` and its per-row ``step``).
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import shutil
+import time
+import uuid
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils._pytree import tree_map
+
+from tierstore.io import StoreCorruptError
 
 from .errors import TierstoreError
 from .optim import Adam, RowOptimizer
 from .precision import DTYPES
 from .spec import initial_rows
 
-__all__ = ["CHUNK_BYTES", "MAX_MATERIALIZE_BYTES", "FusedOptimizer", "TableTooLargeError", "TableView"]
+__all__ = ["CHUNK_BYTES", "MAX_MATERIALIZE_BYTES", "CheckpointChainError", "FusedOptimizer", "TableTooLargeError", "TableView",
+           "restore"]
 
 CHUNK_BYTES = 64 << 20  # a DCP chunk of a table (one item in its files)
 IO_BYTES = 8 << 20  # stored rows read or written by one store call: the store's transients (e.g. initial
@@ -372,3 +383,109 @@ def load_views(views: Mapping[str, TableView], values: Mapping[str, torch.Tensor
         for key, value in values.items():
             views[key].write(value)
 
+
+
+# -- incremental checkpoints (TieredStore.checkpoint(path, incremental=True), docs/serving.md) --------------------
+
+CHAIN_FILE, LINK_FILE = "chain.json", "link.bin"
+_CHAIN_READER = "checkpoint"  # TieredStore.take_changes's record for the chain
+_chains: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # store -> its chain's last checkpoint (path, id, link)
+
+
+class CheckpointChainError(StoreCorruptError):
+    """An incremental checkpoint's chain cannot be replayed: a link is damaged, missing, or not its parent's."""
+
+
+def incremental_checkpoint(store, path: str | os.PathLike) -> Path:
+    """TieredStore.checkpoint(path, incremental=True), the store flushed and its lock held: a whole
+    copy (the chain's base) if the store has none yet, else a link of the rows changed since its
+    last: each one's weights and optimizer state as the store reads them, and the ids now deleted."""
+    from .serving_stream import encode_delta, write_whole  # serving_stream imports the store
+
+    path = Path(path)
+    last = _chains.get(store)
+    if last is None:
+        store.checkpoint(path)
+        store.take_changes(_CHAIN_READER)  # the record starts at the copy: the lock is held, nothing falls between
+        return _chained(store, path, None, 0)
+    parent, parent_id, link = last
+    tables = {}
+    for name, ids in store.take_changes(_CHAIN_READER).items():
+        ids = ids.numpy()
+        rows = store.peek(name, ids, with_state=True).numpy()
+        kept = (rows != initial_rows(store.tables[name], ids)).any(axis=1)  # the others read as never written
+        tables[name] = ("float32", ids[kept], rows[kept].view(np.uint8), ids[~kept])
+    path.mkdir(parents=True)
+    write_whole(path / LINK_FILE, encode_delta(link + 1, time.time(), tables))
+    return _chained(store, path, (parent, parent_id), link + 1)
+
+
+def _chained(store, path: Path, parent: tuple[Path, str] | None, link: int) -> Path:
+    chain = {"id": uuid.uuid4().hex, "link": link, "parent": None, "parent_id": None}
+    if parent is not None:
+        chain.update(parent=os.path.relpath(parent[0], path), parent_id=parent[1])
+    from .serving_stream import write_whole
+
+    write_whole(path / CHAIN_FILE, json.dumps(chain).encode())
+    _chains[store] = (path.resolve(), chain["id"], link)
+    return path
+
+
+def restore(path: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Restore the incremental checkpoint ``path`` into the new directory ``dst``: its chain's
+    base copied, then every link up to ``path`` replayed in order (rows written with their
+    optimizer state, deleted ids evicted), bit for bit. CheckpointChainError names a link that
+    is damaged, missing, or not its parent's; ``dst`` is then left out."""
+    from .serving_stream import DeltaCorruptError, decode_delta
+    from .store import TieredStore
+
+    links, at = [], Path(path)
+    while True:
+        chain = _read_chain(at)
+        if chain["parent"] is None:
+            base = at
+            break
+        parent = (at / chain["parent"]).resolve()
+        if not (parent / CHAIN_FILE).exists() or _read_chain(parent)["id"] != chain["parent_id"]:
+            raise CheckpointChainError(f"incremental checkpoint {at} follows checkpoint {chain['parent_id']} at {parent}, "
+                                       "which is missing or another checkpoint; restore from a whole chain, or from a "
+                                       "checkpoint taken without incremental=True")
+        links.append(at)
+        at = parent
+    dst = Path(dst)
+    if dst.exists():
+        raise FileExistsError(f"{dst} exists; restore into a new directory")
+    partial = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:8]}.partial")
+    try:
+        partial.mkdir(parents=True)
+        shutil.copyfile(base / "data.mdb", partial / "data.mdb")
+        with TieredStore(partial, device="cpu") as store:
+            for link in reversed(links):
+                try:
+                    _, tables = decode_delta(link / LINK_FILE)
+                except (DeltaCorruptError, FileNotFoundError) as e:
+                    raise CheckpointChainError(f"incremental checkpoint {link}'s {LINK_FILE} is damaged or missing ({e}); "
+                                               "restore an earlier link of the chain, or its base") from None
+                for name, (ids, packed, deleted) in tables.items():
+                    width = store.tables[name].width
+                    if len(ids):
+                        store.write(name, ids, np.ascontiguousarray(packed).view(np.float32).reshape(-1, width), with_state=True)
+                    if len(deleted):
+                        store.evict(name, deleted)
+        os.rename(partial, dst)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return dst
+
+
+def _read_chain(path: Path) -> dict:
+    try:
+        chain = json.loads((path / CHAIN_FILE).read_text())
+        if not {"id", "link", "parent", "parent_id"} <= chain.keys():
+            raise ValueError(f"it lacks {sorted({'id', 'link', 'parent', 'parent_id'} - chain.keys())}")
+        return chain
+    except FileNotFoundError:
+        raise CheckpointChainError(f"{path} is not an incremental checkpoint (no {CHAIN_FILE}); one is written by "
+                                   "store.checkpoint(path, incremental=True)") from None
+    except (ValueError, AttributeError) as e:
+        raise CheckpointChainError(f"{path / CHAIN_FILE} is damaged ({e}); restore an earlier link of the chain") from None

@@ -54,7 +54,7 @@ def _versions(directory: Path, pattern: re.Pattern) -> list[int]:
     return sorted(int(m.group(1)) for p in directory.iterdir() if (m := pattern.fullmatch(p.name)))
 
 
-def _write_whole(path: Path, data: bytes) -> None:
+def write_whole(path: Path, data: bytes) -> None:
     aside = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
     with open(aside, "wb") as f:
         f.write(data)
@@ -146,7 +146,7 @@ class Publisher:
                 kept = written(self.store.tables[name], ids, weights)  # the others read as initial: deleted
                 tables[name] = (self.dtype, ids[kept], self.tables[name].encode(weights[kept]), ids[~kept])
         self.version += 1
-        _write_whole(self.directory / f"delta-{self.version:08d}.bin", encode_delta(self.version, time.time(), tables))
+        write_whole(self.directory / f"delta-{self.version:08d}.bin", encode_delta(self.version, time.time(), tables))
         self.rows_published += sum(len(ids) + len(gone) for _, ids, _, gone in tables.values())
         return self.version
 

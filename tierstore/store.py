@@ -41,6 +41,7 @@ from tierstore.io import FORMAT_VERSION, LmdbBackend, WriteBack, unique_ids
 from tierstore.io.lmdb_backend import corrupt
 from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
+from .checkpointing import incremental_checkpoint
 from .counters import LifeCounters, StoreCounters, TableCounters, add_dicts, restored_on_error
 from .memory import (DEFAULT_WRITEBACK_ROWS, MemoryPart, MemorySplit, check_fits, detect_limit, parse_bytes, process_rss,
                      return_freed_blocks, split_memory)
@@ -186,6 +187,7 @@ class TieredStore:
         self._gathers_done = threading.Condition(threading.Lock())
         self._gather_events: dict = {}  # CUDA stream -> event after its last gather
         self._closed = False
+        self._change_records: dict[str, dict[str, list[np.ndarray]]] = {}  # take_changes's, by reader
         self._shared: Shared | None = None
         # without tables= nothing is created: a mistyped path fails, leaving nothing behind
         self._backend = LmdbBackend(self.path, readonly=self.readonly, map_size=self.config.map_size, create=bool(tables))
@@ -488,12 +490,13 @@ class TieredStore:
             sc.last_flush = now
             sc.flush_latency.observe("flush", time.perf_counter() - start)
 
-    def take_changes(self) -> dict[str, torch.Tensor]:
-        """Ids (ascending, CPU) of each table's rows changed in LMDB since the last call: written
-        back, flushed or deleted (evict, the TTL and L2 sweeps). Rows a TTL has expired by the
-        durable step count are deleted first, by a sweep over each such table's last-use steps.
-        The first call starts the record and returns {}. A row may be among them unchanged; read
-        it (peek) for its value. What a serving publisher ships (tierstore.serving_stream)."""
+    def take_changes(self, reader: str = "serving") -> dict[str, torch.Tensor]:
+        """Ids (ascending, CPU) of each table's rows changed in LMDB since ``reader``'s last call:
+        written back, flushed or deleted (evict, the TTL and L2 sweeps). Rows a TTL has expired by
+        the durable step count are deleted first, by a sweep over each such table's last-use steps.
+        A reader's first call starts its record and returns {}. A row may be among them unchanged;
+        read it (peek) for its value. Readers: a serving publisher (tierstore.serving_stream) and
+        incremental checkpoints, each with its own record."""
         with self._lock:
             self._reap(drain=True)  # no sweep in flight: none records into a taken record
             recording = self._writeback.changed is not None
@@ -503,15 +506,25 @@ class TieredStore:
                     self._backend.sweep_all(name, cutoff)
             changed, self._writeback.changed = self._writeback.changed or {}, {}
             deleted, self._backend.deleted = self._backend.deleted or {}, {}
-            return {t: torch.from_numpy(unique_ids(np.concatenate(changed.get(t, []) + deleted.get(t, []))))
-                    for t in changed.keys() | deleted.keys()}
+            for record in self._change_records.values():
+                for t, ids in [*changed.items(), *deleted.items()]:
+                    record.setdefault(t, []).extend(ids)
+            mine, self._change_records[reader] = self._change_records.get(reader, {}), {}
+            return {t: torch.from_numpy(unique_ids(np.concatenate(ids))) for t, ids in mine.items()}
 
-    def checkpoint(self, path: str | Path, compact: bool = True) -> Path:
+    def checkpoint(self, path: str | Path, compact: bool = True, incremental: bool = False) -> Path:
         """Flush, then copy the LMDB environment into the new directory ``path``:
         a consistent snapshot that opens as a store (``TieredStore(path)``), which
-        is how it is restored. The store stays open; training can go on."""
+        is how it is restored. The store stays open; training can go on.
+
+        ``incremental=True``: after this store's last incremental checkpoint, ``path`` holds only
+        the rows changed since (weights and optimizer state, and the ids deleted), a link of a
+        chain that ``tierstore.checkpointing.restore(path, dst)`` replays; the first is a whole
+        copy, the chain's base (docs/serving.md)."""
         with self._lock:
             self.flush()
+            if incremental:
+                return incremental_checkpoint(self, path)
             return self._backend.copy_to(path, compact=compact)
 
     @staticmethod
