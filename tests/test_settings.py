@@ -12,7 +12,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from tierstore import PrefetchConfig, StoreConfig, TableSpec, TieredStore
+from tierstore import PrefetchConfig, StoreConfig, TableSpec, TieredStore, open_store
 from tierstore.trace import TraceTable
 from tierstore.validate import check_choice, check_int, check_number, check_rows
 from tierstore.wire import Limits
@@ -176,6 +176,8 @@ def _bench_config(**kw):
     (lambda: _synth_config(tables=(("t", True),)), r"table 't': rows must be an int >= 1, got True"),
     (lambda: _synth_config(alpha=float("inf")), r"alpha must be a finite number > 0 \(Zipf exponent"),
     (lambda: _bench_config(steps=True), r"steps must be an int >= 1, got True"),
+    (lambda: open_store("store", daemon="no.sock", shm_bytes=True), r"shm_bytes must be an int >= 0 \(0 = no shared memory\), got True"),
+    (lambda: open_store("store", daemon="no.sock", timeout=0), r"timeout must be a number > 0 \(seconds\), got 0"),
 ])
 def test_entry_points_report_bad_settings_by_name(make, message):
     with pytest.raises(ValueError, match=message):

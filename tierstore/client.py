@@ -78,6 +78,7 @@ from .spec import TableSpec
 from .store import TieredStore, resolve_device
 from .step import StepPlanner
 from .tiers import CacheTier, first_uses, last_values, nonzero
+from .validate import check_int, check_number
 
 Claim = str | tuple[str, int, int]
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -131,10 +132,8 @@ class DaemonStore(TieredStore):
         claims = wire.parse_claims([claim] if _is_range(claim) else claim)  # one bare (table, lo, hi) is one claim
         if readonly and claims:
             raise ValueError(f"readonly=True and claim={list(claim)} contradict each other; a readonly client writes nothing")
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-        if not isinstance(shm_bytes, int) or shm_bytes < 0:
-            raise ValueError(f"shm_bytes must be an int >= 0 (0 = no shared memory), got {shm_bytes!r}")
+        check_number(timeout, "timeout", above=True, meaning="seconds", finite=False)
+        check_int(shm_bytes, "shm_bytes", meaning="0 = no shared memory")
         self.path = Path(path)
         self.socket_path = Path(daemon)
         self.readonly = bool(readonly)
@@ -193,8 +192,7 @@ class DaemonStore(TieredStore):
         make_policy(policy)  # raises on unknown names
         sizes = dict(hbm_rows) if isinstance(hbm_rows, Mapping) else {t: hbm_rows for t in self._ranges}
         for table, rows in sizes.items():
-            if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or rows < 0:
-                raise ValueError(f"hbm_rows for {table} must be an int >= 0 (0 = no HBM tier), got {rows!r}")
+            check_int(rows, f"hbm_rows for {table}", meaning="0 = no HBM tier")
             spec = self._spec(table)
             if rows and spec.lived:
                 raise ValueError(f"hbm_rows for table {table!r}, which has admit_after, ttl_steps or evict_l2_below: the daemon counts "
@@ -540,8 +538,7 @@ class DaemonStore(TieredStore):
 
     def report_step(self, step: int) -> None:
         """Tell the daemon this trainer's step (its trace lookahead follows the slowest client)."""
-        if not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        check_int(step, "step")
         self._request(wire.Frame(wire.STEP, ids=np.array([step], dtype=np.int64)))
 
     def _write_back_all(self) -> None:
