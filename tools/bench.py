@@ -56,6 +56,10 @@ def register(sub) -> None:
     p.add_argument("--depths", nargs="+", type=int, default=None, help="scale: LookaheadLoader depths (default 0 4)")
     p.add_argument("--warmup", type=int, default=None, help="scale: untimed steps before the timed ones (default 5)")
     p.add_argument("--json", action="store_true", help="scale: print the results as JSON")
+    p.add_argument("--clients", type=int, default=None, help="serve: concurrent client processes (default 2)")
+    p.add_argument("--seconds", type=float, default=None, help="serve: seconds of each client phase, idle and with deltas (default 8)")
+    p.add_argument("--delta-rows", type=int, default=None,
+                   help="serve: rows of the table a 1%% delta is applied to (default 1,000,000; the goal's 10,000,000)")
     p.set_defaults(func=run)
 
 
