@@ -126,6 +126,8 @@ class TieredStore:
     ``memory_budget`` (bytes, or a string such as "1GiB") sizes the store's host
     memory (tierstore.memory.split_memory): the tiers left out, prefetch staging,
     the write-back queue, LMDB's dirty pages and a share for the page cache.
+    ``config=StoreConfig(...)`` gives these settings whole instead; a keyword also
+    given must agree with it.
     ``tierstore.open_store(path, daemon=SOCK, ...)`` attaches to a
     ``tierstore prefetchd`` instead (tierstore.client.DaemonStore, the same API).
     """
