@@ -392,8 +392,9 @@ def trace_line(path: Path) -> str:
     from tierstore.trace import Trace
 
     trace = Trace.load(path)
-    return (f"  trace      {path}: {trace.n_accesses:,} row lookups in {trace.n_steps:,} steps (training, then the held-out "
-            f"batches); size the tiers from it: tierstore capacity {path} --hbm-hit 0.5 --hit 0.8")
+    return (f"  trace      {path}: {trace.n_accesses:,} ids looked up in {trace.n_steps:,} steps (training, then the held-out "
+            f"batches; an id repeated in a batch counts each time); size the tiers from it: tierstore capacity {path} "
+            "--hbm-hit 0.5 --hit 0.8")
 
 
 @dataclass
