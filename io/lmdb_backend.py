@@ -18,6 +18,7 @@ import shutil
 import struct
 import threading
 import uuid
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +32,7 @@ from .errors import TierstoreError
 
 FORMAT_VERSION = 1
 _META_DB = b"__meta__"
+_INDEX_KEY = b"index:"  # + a log table's name: the token of its saved index (_save_indexes)
 _SKETCH_DB = b"__sketch__"  # admission sketches, by table name, as raw counters
 _INITIAL_MAP = 1 << 30
 _MAX_GROWTH_RETRIES = 16
@@ -428,6 +430,7 @@ class LmdbBackend:
             self._log_dbs[name] = open_db(b"s:" + name.encode())
             self._logs[name] = rowlog.RowLog(self._codecs[name], num_rows, last_use)
             self._log_synced[name] = -1
+            self._load_index(name)
             self._log_slots(name, np.zeros(0, dtype=np.int64))  # replays the segments into the index
             return
         self._dbs[name] = open_db(b"t:" + name.encode())
@@ -435,6 +438,39 @@ class LmdbBackend:
             self._last_dbs[name] = open_db(b"u:" + name.encode())
 
     # -- the log layout (io.rowlog) ------------------------------------------------------
+    def _index_file(self, table: str) -> Path:
+        return self.path / f"index-{table.encode().hex()}.bin"
+
+    def _load_index(self, table: str) -> None:
+        """Start ``table``'s index from the one its writer saved at close (io.rowlog.save_index),
+        where LMDB names that file: then only the segments written since are replayed."""
+        with self._reading(buffers=True) as txn:
+            saved = txn.get(_INDEX_KEY + table.encode(), db=self._meta)
+            log = self._logs[table]
+            if saved is None or not rowlog.load_index(self._index_file(table), log, json.loads(bytes(saved))["token"]):
+                return
+            _, base, size = self._map_base(txn)
+            mem = rowlog.map_view(base, size)
+            try:
+                log.replay(mem, log.adopt(rowlog.walk_values(mem, txn.get(b"s:" + table.encode(), db=self._shared.main), 0)))
+            except rowlog.SegmentFormatError as e:
+                raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
+            if self._lock_fd is None:
+                log.free_emptied()
+                log.tombstones.clear()
+            self._log_synced[table] = txn.id()
+
+    def _save_indexes(self) -> None:
+        """Save each log table's index beside data.mdb, then name it in LMDB (a new token each
+        time): an index written but not named, or named by another copy of the file, is ignored."""
+        for table, log in self._logs.items():
+            token = os.urandom(16).hex()
+            rowlog.save_index(log, self._index_file(table), token)
+
+            def op(txn, table=table, token=token):
+                txn.put(_INDEX_KEY + table.encode(), json.dumps({"token": token}).encode(), db=self._meta)
+            self._write(op)
+
     def _log_read(self, table: str, under_lock, after=None):
         """``under_lock(log)`` with ``table``'s index brought to a read snapshot, then
         ``after(txn, its result)`` in that snapshot with the index free again (a
@@ -936,7 +972,15 @@ class LmdbBackend:
         _fsync(dest.parent)
         return dest
 
-    def close(self) -> None:
+    def close(self, save_index: bool = True) -> None:
+        """Release LMDB and the writer lock; a writer first saves its log tables' indexes
+        (``save_index=False``: not, as after a crash)."""
+        if save_index and self._shared is not None and self._lock_fd is not None and self._logs:
+            try:
+                with self._write_lock:
+                    self._save_indexes()
+            except OSError as e:  # a cache: the next open replays the segments instead
+                warnings.warn(f"could not save the row index at {self.path} ({e}); the next open replays it", stacklevel=2)
         with _OPEN_LOCK:
             shared, self._shared = self._shared, None
             if shared is None:
