@@ -28,6 +28,7 @@ import numpy as np
 
 from . import rowlog
 from .codecs import RowCodec, encode_keys, row_norms_sq
+from .files import fsync_path
 from .errors import TierstoreError
 
 FORMAT_VERSION = 1
@@ -963,13 +964,13 @@ class LmdbBackend:
         try:
             with self._named_errors(dest / "data.mdb"):
                 self.env.copy(str(partial), compact=compact)
-            _fsync(partial / "data.mdb")
-            _fsync(partial)
+            fsync_path(partial / "data.mdb")
+            fsync_path(partial)
             os.rename(partial, dest)  # replaces dest if it is an empty directory
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
-        _fsync(dest.parent)
+        fsync_path(dest.parent)
         return dest
 
     def close(self, save_index: bool = True) -> None:
@@ -1048,7 +1049,7 @@ class LmdbBackend:
                             f"tierstore at {self.path} is open in another process (a reader: tierstore stats, a readonly "
                             "store, prefetchd); close it, then compact; nothing changed")
                     os.rename(aside, data)
-                    _fsync(self.path)  # the rename itself survives a power loss
+                    fsync_path(self.path)  # the rename itself survives a power loss
                 finally:
                     if lock is not None:
                         os.close(lock)  # before the directory: an opener let in must find lock.mdb free, and reset it
@@ -1057,14 +1058,6 @@ class LmdbBackend:
         finally:
             os.close(writer_lock)
         return before, data.stat().st_size
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _lock_directory(path: Path, how: int) -> int:

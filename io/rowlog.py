@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from .codecs import RowCodec
+from .files import fsync_path
 from .errors import TierstoreError
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -340,11 +341,7 @@ def save_index(log: "RowLog", path: Path, token: str) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_path(path.parent)
 
 
 def load_index(path: Path, log: "RowLog", token: str) -> bool:
