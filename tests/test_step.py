@@ -96,7 +96,7 @@ def filled_tier(data, name: str, capacity: int, policy: str, ids: list[int], clo
     return tier
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(data=st.data(), capacity=st.integers(4, 48), policy=st.sampled_from(["lru", "lfu"]), lookahead=st.booleans(),
        window=st.booleans())
 def test_victims_are_the_lowest_ranked_other_occupied_rows(data, capacity, policy, lookahead, window):
@@ -124,7 +124,7 @@ def test_victims_are_the_lowest_ranked_other_occupied_rows(data, capacity, polic
     assert len(plan.ddr.evict) == need and set(plan.ddr.evict.tolist()) == expected_victims(tier, hits, need, next_use)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(data=st.data(), h=st.integers(1, 12), d=st.integers(1, 12), policy=st.sampled_from(["lru", "lfu"]),
        refresh=st.booleans())
 def test_a_plan_changes_nothing_and_writes_back_every_dirty_row_leaving(data, h, d, policy, refresh):

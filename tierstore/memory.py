@@ -35,7 +35,7 @@ STAGING_SHARE = 8  # 1/8 of it: prefetch staging; the rest: the DDR tier
 DEFAULT_WRITEBACK_ROWS = 65536
 DEFAULT_STAGED_ROWS = 65536
 # a tier's per-slot working buffers beside its tensors: the two rank arrays eviction
-# fills (CacheTier.ranked) and prefetch's next-use array (Prefetcher.next_use)
+# fills (tierstore.step.StepPlanner, kept per tier between steps) and prefetch's next-use array (Prefetcher.next_use)
 WORK_BYTES_PER_SLOT = 24
 # a queued row beside its values: id, pool slot, sequence number, last-use step (tierstore.io.writeback)
 QUEUE_BYTES_PER_ROW = 32

@@ -194,7 +194,7 @@ class StepPlanner:
             k = (ddr.capacity - ddr.free) - len(hits) + len(demote) - (ddr.capacity - int(np.count_nonzero(keep_d)))
             d_kept[:] = True
             if k > 0:  # DDR's other rows and HBM's demoted ones compete for its room
-                last, ranked_freq = self._ranked("ddr", ddr, hits, d_last, d_freq)
+                last, ranked_freq = self._ranked("ddr", ddr, hits, *((d_last, d_freq) if len(demote) else ()))
                 nu = window(ddr)
                 if nu is not None and hbm is not None:
                     nu = np.concatenate([nu, window(hbm)[demote]])
