@@ -121,12 +121,13 @@ def test_trace_synth_refuses_a_trace_larger_than_the_free_disk(tmp_path):
     assert code == 2 and not (tmp_path / "t").exists()
 
 
-@pytest.mark.parametrize("options", [
-    [],
-    ["--hbm-hit", "0.5", "--hit", "0.8", "--policies", "lfu,lookahead"],
-    ["--shards", "0.5", "--compare", "--sizes", "10:100", "--sizes", "1%:5%", "--no-belady"],
+@pytest.mark.parametrize("options,dedupes", [
+    ([], True),
+    (["--hbm-hit", "0.5", "--hit", "0.8", "--policies", "lfu,lookahead"], True),
+    (["--shards", "0.5", "--compare", "--sizes", "10:100", "--sizes", "1%:5%", "--no-belady"], True),
+    (["--shards", "0.5", "--policies", "", "--no-belady"], False),  # no exact pass: the ids are not deduplicated whole
 ])
-def test_capacity_says_how_many_passes_it_will_make_before_the_first(tmp_path, options):
+def test_capacity_says_how_many_passes_it_will_make_before_the_first(tmp_path, options, dedupes):
     r = cli("trace", "synth", str(tmp_path / "t"), "--table", "a:3000:1.1:4", "--table", "b:500:0.9:2", "--batch-size", "64",
             "--steps", "30")
     assert r.returncode == 0, r.stderr
@@ -136,3 +137,27 @@ def test_capacity_says_how_many_passes_it_will_make_before_the_first(tmp_path, o
     n = int(re.search(r"up to (\d+) passes", first).group(1))
     assert first.startswith("capacity: 11,520 accesses in 2 tables: ")
     assert sum(line.endswith(" s") and ", done in " in line for line in lines) == n  # every pass ends with its line
+    # the ids are deduplicated per call before any exact pass, itself a pass that shows progress
+    assert any(line.startswith("deduplicating ids: 11,520/11,520 ids") for line in lines) == dedupes
+
+
+def test_deduplicating_a_trace_reports_every_id_to_its_progress_bar(tmp_path):
+    from tierstore.trace_streams import build_streams
+
+    counted = []
+
+    class Bar:
+        def __init__(self, total, desc):
+            counted.append([desc, total, 0, False])
+
+        def update(self, n):
+            counted[-1][2] += n
+
+        def close(self):
+            counted[-1][3] = True
+
+    # one table of long calls (a loop over calls), one of short ones (one sort)
+    cfg = SynthConfig((SynthTable("long", 5000, None, 20.0), SynthTable("short", 300, None, 0.01)), batch_size=64, steps=10)
+    trace = synth(cfg)
+    build_streams(trace, progress=Bar)
+    assert counted == [["deduplicating ids", trace.n_accesses, trace.n_accesses, True]]

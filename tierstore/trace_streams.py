@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tierstore.progress import Progress, ProgressFactory, open_progress
 from tierstore.trace import Trace
 
 
@@ -76,24 +77,27 @@ def _densify(ids: np.ndarray) -> tuple[np.ndarray, int]:
     return inverse.astype(np.int64, copy=False), len(uniq)
 
 
-def build_stream(trace: Trace, table: int) -> TableStream:
+def build_stream(trace: Trace, table: int, bar: Progress | None = None) -> TableStream:
     """Deduplicate each call of one table the way the store does and link every
-    use to its row's previous use."""
+    use to its row's previous use; ``bar`` counts the ids done."""
+    if bar is None:
+        bar = open_progress(None, 0, "")
     ids, offsets, calls = trace.table_calls(table)
     dense, space = _densify(ids)
     n_calls = len(calls)
     t = trace.tables[table]
     if n_calls and len(ids) < SMALL_CALLS * n_calls and space * n_calls < 2**62:
         row, key, prev, bounds = _dedupe_by_sort(dense, offsets)
+        bar.update(len(ids))  # one sort: done all at once
     else:
-        row, key, prev, bounds = _dedupe_per_call(dense, offsets, space)
+        row, key, prev, bounds = _dedupe_per_call(dense, offsets, space, bar)
     return TableStream(t.name, row, key, prev, bounds, calls.astype(np.int64), space, len(ids), t.num_rows)
 
 
 SMALL_CALLS = 64  # mean ids per call below which one sort beats a loop over calls
 
 
-def _dedupe_per_call(dense: np.ndarray, offsets: np.ndarray, space: int):
+def _dedupe_per_call(dense: np.ndarray, offsets: np.ndarray, space: int, bar: Progress):
     """A loop per call, vectorized within it; per-row scratch arrays."""
     n_ids, n_calls = len(dense), len(offsets) - 1
     # int32 scratch where it fits: these arrays span the id space, and touching
@@ -122,6 +126,7 @@ def _dedupe_per_call(dense: np.ndarray, offsets: np.ndarray, space: int):
         last_use[u] = np.arange(n, n + m, dtype=small)
         n += m
         bounds[j + 1] = n
+        bar.update(e - s)
     return row[:n], key[:n], prev[:n], bounds
 
 
@@ -148,10 +153,15 @@ def _dedupe_by_sort(dense: np.ndarray, offsets: np.ndarray):
     return rows[by_time], key, prev_sorted[by_time], np.searchsorted(key, offsets).astype(np.int64)
 
 
-def build_streams(trace: Trace, tables: Sequence[str] | None = None) -> list[TableStream]:
-    """The streams of ``tables`` (default: every table of the trace), in that order."""
+def build_streams(trace: Trace, tables: Sequence[str] | None = None, progress: ProgressFactory | None = None) -> list[TableStream]:
+    """The streams of ``tables`` (default: every table of the trace), in that order;
+    ``progress`` (tierstore.progress) is shown one bar over their ids."""
     names = list(tables) if tables else trace.table_names
-    return [build_stream(trace, trace.table_index(n)) for n in names]
+    per_table = trace.accesses_per_table()
+    bar = open_progress(progress, int(sum(per_table[trace.table_index(n)] for n in names)), "deduplicating ids")
+    streams = [build_stream(trace, trace.table_index(n), bar) for n in names]
+    bar.close()
+    return streams
 
 
 def trace_counts(trace: Trace, names: Sequence[str]) -> tuple[list[int], list[int]]:

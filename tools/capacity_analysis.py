@@ -114,7 +114,7 @@ def analyze(trace: Trace, config: CapacityConfig | None = None) -> dict:
     progress = bars if cfg.progress is True else cfg.progress or None
     t0 = time.perf_counter()
     need_streams = cfg.shards_rate is None or cfg.compare_exact or bool(cfg.policies) or cfg.belady  # replays need every use
-    streams = build_streams(trace, names) if need_streams else None
+    streams = build_streams(trace, names, progress) if need_streams else None
     t_streams = time.perf_counter() - t0
     report: dict = {
         "iec": cfg.iec,

@@ -73,10 +73,12 @@ def _config(args):
 
 
 def passes(cfg, n_tables: int) -> dict[str, int]:
-    """The passes over a trace's uses that capacity.analyze makes for ``cfg``, by kind, each
-    with its own progress line; Belady's are skipped at a size of 0 rows."""
+    """The passes over a trace that capacity.analyze makes for ``cfg``, by kind, each with
+    its own progress line; Belady's are skipped at a size of 0 rows."""
     sizes = n_tables * max(len(cfg.sizes), 1)
-    out = {"exact LRU curves": int(cfg.shards_rate is None or cfg.compare_exact),
+    exact = cfg.shards_rate is None or cfg.compare_exact
+    out = {"deduplicating ids": int(exact or bool(cfg.policies) or cfg.belady),  # the uses every exact pass reads
+           "exact LRU curves": int(exact),
            "SHARDS (sampling, then the sample's curves)": 2 * int(cfg.shards_rate is not None)}
     out.update({f"{p} replays": sizes for p in cfg.policies})
     out["Belady bounds"] = 2 * sizes if cfg.belady else 0
@@ -86,10 +88,8 @@ def passes(cfg, n_tables: int) -> dict[str, int]:
 def plan_line(trace, cfg) -> str:
     n_tables = len(cfg.tables or trace.table_names)
     kinds = passes(cfg, n_tables)
-    prep = "first each table's uses (ids per step, deduplicated: no progress line, about as long as a pass), then " \
-        if cfg.shards_rate is None or cfg.compare_exact or cfg.policies or cfg.belady else ""
     n = sum(kinds.values())
-    return (f"capacity: {trace.n_accesses:,} accesses in {n_tables} tables: {prep}up to {n} pass{'es' * (n != 1)} "
+    return (f"capacity: {trace.n_accesses:,} accesses in {n_tables} tables: up to {n} pass{'es' * (n != 1)} "
             f"({', '.join(f'{k} {v}' for k, v in kinds.items())}), each shown with its time left")
 
 

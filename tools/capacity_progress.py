@@ -53,7 +53,7 @@ class LineBar:
 def bars(total: int, desc: str, seconds: float | None = None) -> Progress:
     """A bar for ``total`` units of ``desc``: tqdm on a terminal, else a :class:`LineBar`
     printing every ``seconds`` (default :data:`PROGRESS_SECONDS`)."""
-    unit = "id" if "SHARDS" in desc else "use"
+    unit = "id" if "SHARDS" in desc or "ids" in desc else "use"
     if not sys.stderr.isatty():
         return LineBar(total, desc, unit, PROGRESS_SECONDS if seconds is None else seconds)
     from tqdm import tqdm
