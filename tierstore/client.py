@@ -525,15 +525,15 @@ class DaemonStore(TieredStore):
     def _resident(self, table: str, ids: torch.Tensor, admit: bool = False):
         yield None  # a module's forward reads through read(): rows may be at the daemon
 
-    def _prefetch_batch(self, reads) -> PrefetchGroup:
+    def prefetch_batch(self, reads) -> PrefetchGroup:
         # hints only: the daemon stages rows in its own DDR tier, so there is
         # always room and nothing here to pin or release
         return PrefetchGroup(self.prefetch(t, ids) for t, ids in reads.items())
 
-    def _report_depth(self, effective_depth: int, shrunk_steps: int) -> None:
+    def report_prefetch_depth(self, effective_depth: int, shrunk_steps: int) -> None:
         pass  # the daemon never shrinks a client's window: hints need no room here
 
-    def _report_step(self, seconds: float) -> None:
+    def report_step_seconds(self, seconds: float) -> None:
         pass  # the daemon serves several trainers: it reads hints with all its threads
 
     def report_step(self, step: int) -> None:

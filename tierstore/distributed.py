@@ -262,16 +262,16 @@ class _Announcer:
     def __init__(self, module: "ShardedEmbeddingBagCollection"):
         self.module = module
 
-    def _prefetch_batch(self, reads: Mapping[str, torch.Tensor]) -> PrefetchGroup:
+    def prefetch_batch(self, reads: Mapping[str, torch.Tensor]) -> PrefetchGroup:
         return self.module._announce(reads)
 
-    def _report_step(self, seconds: float) -> None:
+    def report_step_seconds(self, seconds: float) -> None:
         if self.module.local_store is not None:
-            self.module.local_store._report_step(seconds)
+            self.module.local_store.report_step_seconds(seconds)
 
-    def _report_depth(self, effective_depth: int, shrunk_steps: int) -> None:
+    def report_prefetch_depth(self, effective_depth: int, shrunk_steps: int) -> None:
         if self.module.local_store is not None:
-            self.module.local_store._report_depth(effective_depth, shrunk_steps)
+            self.module.local_store.report_prefetch_depth(effective_depth, shrunk_steps)
 
 
 class _ShardedBagFunction(torch.autograd.Function):
@@ -695,7 +695,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 wanted[name] = ids[t.masks(ids)[t.mine]]
         if self.local_store is None:
             return PrefetchGroup(())
-        return self.local_store._prefetch_batch(wanted) or PrefetchGroup(())
+        return self.local_store.prefetch_batch(wanted) or PrefetchGroup(())
 
     # -- rows wherever they live (collectives) ----------------------------------------------------
     def _table_ids(self, table: str, ids) -> tuple[_Table, torch.Tensor]:

@@ -36,6 +36,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -558,6 +559,21 @@ def _smoothed(average: float | None, value: float, weight: float = 0.25) -> floa
     return value if average is None else (1 - weight) * average + weight * value
 
 
+class PrefetchTarget(Protocol):
+    """What a LookaheadLoader needs of a store: TieredStore, the daemon client
+    (DaemonStore) and the sharded module's prefetch each provide it."""
+
+    def prefetch_batch(self, reads: Mapping[str, torch.Tensor]) -> "PrefetchGroup | None":
+        """Issue one batch's prefetches whole (its unique ids per table); None, issuing
+        nothing, while there is no room for all of them yet."""
+
+    def report_step_seconds(self, seconds: float) -> None:
+        """The trainer spent ``seconds`` on a batch: prefetch reads are sized to land in time."""
+
+    def report_prefetch_depth(self, effective_depth: int, shrunk_steps: int) -> None:
+        """The loader's depth now and the steps at which it was short of the one asked, for stats."""
+
+
 class LookaheadLoader:
     """Yield ``batches`` in order while keeping ``depth`` batches ahead prefetched.
 
@@ -572,7 +588,7 @@ class LookaheadLoader:
         check_int(depth, "depth", meaning="0 = no prefetch")
         self.batches = batches
         self.module = module
-        self.store = module.store if hasattr(module, "store") else module
+        self.store: PrefetchTarget = module.store if hasattr(module, "store") else module
         if ids is None and not hasattr(module, "batch_reads"):
             raise TypeError(f"pass ids= (a function batch -> {{table: ids}}): a {type(module).__name__} cannot say what a batch reads")
         self.depth = depth
@@ -603,7 +619,7 @@ class LookaheadLoader:
             except (RuntimeError, TypeError):  # not ids: the store says so at the batch's step
                 pass
             entry[2] = reads
-        return self.store._prefetch_batch(entry[2])
+        return self.store.prefetch_batch(entry[2])
 
     def __iter__(self) -> Iterator:
         it = iter(self.batches)
@@ -636,7 +652,7 @@ class LookaheadLoader:
                     handed = self.clock()
                     yield batch
                     if self.depth:
-                        self.store._report_step(self.clock() - handed)
+                        self.store.report_step_seconds(self.clock() - handed)
                 finally:
                     if group is not None:
                         group.release()
@@ -648,4 +664,4 @@ class LookaheadLoader:
             self._report()
 
     def _report(self) -> None:
-        self.store._report_depth(self.effective_depth, self.shrunk_steps)
+        self.store.report_prefetch_depth(self.effective_depth, self.shrunk_steps)

@@ -430,7 +430,7 @@ class TieredStore:
             self._reap()
             return self._prefetcher.prefetch(table, ids)
 
-    def _prefetch_batch(self, reads: Mapping[str, torch.Tensor]) -> PrefetchGroup | None:
+    def prefetch_batch(self, reads: Mapping[str, torch.Tensor]) -> PrefetchGroup | None:
         """One batch's prefetches, owned by a LookaheadLoader; None (nothing issued)
         while staging lacks room for all of them: a batch is prefetched whole or not yet."""
         with self._lock:
@@ -444,12 +444,12 @@ class TieredStore:
                 ticket.owned = True
             return group
 
-    def _report_step(self, seconds: float) -> None:
+    def report_step_seconds(self, seconds: float) -> None:
         """A LookaheadLoader's batch took the trainer this long: it sizes the prefetch reads."""
         with self._lock:
             self._prefetcher.trainer_step(seconds)
 
-    def _report_depth(self, effective_depth: int, shrunk_steps: int) -> None:
+    def report_prefetch_depth(self, effective_depth: int, shrunk_steps: int) -> None:
         """A LookaheadLoader's depth, for stats and metrics."""
         for t in self._tables.values():
             t.counters.prefetch.effective_depth = effective_depth
