@@ -116,15 +116,14 @@ def _export_store(f: dict[str, Metric], label: str, store: "TieredStore") -> Non
 
 def _export_store_samples(f: dict[str, Metric], label: str, store: "TieredStore") -> None:
     """Tiers a table does not have are left out rather than exported as zeros."""
-    if store._closed:
+    snap = store.snapshot()
+    if snap is None:  # closed
         return
-    sc = store._counters
-    for name, t in list(store._tables.items()):
+    sc = snap.store
+    for name, t in snap.tables.items():
         c = t.counters
         ssd, pre, lat = asdict(c.ssd), c.prefetch, c.latency.snapshot()
-        for tier, cache in (("hbm", t.hbm), ("ddr", t.ddr)):
-            if cache is None:
-                continue
+        for tier, cache in t.tiers.items():
             tc = getattr(c, tier)
             hits, misses = tc.hits, tc.misses
             key = [label, name, tier]
@@ -153,7 +152,7 @@ def _export_store_samples(f: dict[str, Metric], label: str, store: "TieredStore"
     flush = sc.flush_latency.snapshot().get("flush")
     if flush is not None:
         _add_histogram(f["tierstore_flush_seconds"], [label], sc.flush_latency.bounds, *flush)
-    f["tierstore_writeback_queue_rows"].add_metric([label], store._writeback.queued_rows)
+    f["tierstore_writeback_queue_rows"].add_metric([label], snap.writeback_queued_rows)
     memory = store.memory()
     f["tierstore_memory_budget_bytes"].add_metric([label], math.nan if memory.budget is None else memory.budget)
     for part, p in memory.parts.items():

@@ -128,6 +128,29 @@ class StoreCounters:
     flush_latency: StageHistogram = field(default_factory=StageHistogram)
 
 
+@dataclass(frozen=True)
+class TierFill:
+    capacity: int  # rows the tier holds at most
+    resident: int  # rows it holds now
+
+
+@dataclass(frozen=True)
+class TableSnapshot:
+    """One table as readers see it: its counters (the live objects, read without a lock:
+    plain ints and lists a reader copies) and the fill of the tiers it has."""
+    counters: TableCounters
+    tiers: dict[str, TierFill]  # "hbm", "ddr": only the tiers the table has
+
+
+@dataclass(frozen=True)
+class StoreSnapshot:
+    """What stats(), stage_seconds() and the Prometheus collector read of a store
+    (TieredStore.snapshot()): one public view instead of the store's internals."""
+    tables: dict[str, TableSnapshot]
+    store: StoreCounters
+    writeback_queued_rows: int
+
+
 @contextmanager
 def restored_on_error(tables: "list[TableCounters]"):
     """Counts of a call that fails are taken back: a failed call changes nothing."""

@@ -42,7 +42,8 @@ from tierstore.io.lmdb_backend import corrupt
 from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
 from .checkpointing import incremental_checkpoint
-from .counters import LifeCounters, StoreCounters, TableCounters, add_dicts, restored_on_error
+from .counters import (LifeCounters, StoreCounters, StoreSnapshot, TableCounters, TableSnapshot, TierFill, add_dicts,
+                       restored_on_error)
 from .memory import (DEFAULT_WRITEBACK_ROWS, MemoryPart, MemorySplit, check_fits, detect_limit, parse_bytes, process_rss,
                      return_freed_blocks, split_memory)
 from .precision import DTYPES, round_nearest, update_key
@@ -572,7 +573,7 @@ class TieredStore:
         Store-wide, "memory" is memory() as a dict: the budget, the limit detected at
         open and what each part may hold and holds now."""
         with self._lock:
-            each = {name: t.counters.as_dict() for name, t in self._tables.items()}
+            each = {name: t.counters.as_dict() for name, t in self._snapshot_or_raise().tables.items()}
             self._add_row_stats(each)
             memory = self.memory().as_dict()
         if per_table:
@@ -582,15 +583,30 @@ class TieredStore:
             total = add_dicts(total, d)
         return {**total, "memory": memory}
 
+    def snapshot(self) -> StoreSnapshot | None:
+        """The store's counters and tier fill as readers see them (stats(), stage_seconds(),
+        the Prometheus collector); None once closed. Reads plain counts without the lock."""
+        if self._closed:
+            return None
+        tables = {name: TableSnapshot(t.counters, {tier: TierFill(cache.capacity, cache.resident)
+                                                   for tier, cache in (("hbm", t.hbm), ("ddr", t.ddr)) if cache is not None})
+                  for name, t in list(self._tables.items())}
+        return StoreSnapshot(tables, self._counters, self._writeback.queued_rows)
+
     def stage_seconds(self) -> dict[str, float]:
         """Seconds the store's calls spent in each stage since it opened, over every table
         (the sums of ``tierstore_lookup_seconds``: dedupe, hbm, ddr, ssd_read, writeback,
-        total) and in flush(). Reads plain counts without the lock."""
-        out = {"flush": self._counters.flush_latency.sums.get("flush", 0.0)}
-        for t in list(self._tables.values()):
+        total) and in flush()."""
+        snap = self._snapshot_or_raise()
+        out = {"flush": snap.store.flush_latency.sums.get("flush", 0.0)}
+        for t in snap.tables.values():
             for stage, (_, seconds) in t.counters.latency.snapshot().items():
                 out[stage] = out.get(stage, 0.0) + seconds
         return out
+
+    def _snapshot_or_raise(self) -> StoreSnapshot:
+        self._check_open()
+        return self.snapshot()
 
     def memory(self) -> MemorySplit:
         """The store's memory as split at open (tierstore.memory.split_memory, README "Memory

@@ -130,7 +130,7 @@ def _scenario(args, title: str, hbm_rows: int, ddr_rows: int, warm_all: bool) ->
         scraper = Scraper(server.url)
         time.sleep(0.5)  # let the scraper process start before anything is timed
         reads = max(2, int(BLOCK_S / min(block(2)[0] for _ in range(3))))
-        hist = store._tables["t"].counters.latency
+        hist = store.snapshot().tables["t"].counters.latency
         obs0, calls0 = _observations(hist)
         before = store.stats()
         times: dict[str, list[float]] = {m: [] for m in MODES}
