@@ -125,7 +125,7 @@ class StepPlan:
 
     clock: np.ndarray  # each call row's use clock
     freq: np.ndarray  # its step count after the step
-    dirty: np.ndarray  # its dirty bit before the step (it moves with the row)
+    dirty: np.ndarray  # its dirty bit before the step, where it moves between tiers or out (else False)
     hbm: LevelPlan | None
     ddr: LevelPlan | None
     demoted: Demotion
@@ -158,13 +158,10 @@ class StepPlanner:
         n = len(clock)
         in_h, in_d = slot_h >= 0, slot_d >= 0
         freq = np.ones(n, dtype=np.int64)
-        dirty = np.zeros(n, dtype=bool)
         for tier, slot, hit in ((hbm, slot_h, in_h), (ddr, slot_d, in_d)):
             if tier is not None and hit.any():
                 at = np.flatnonzero(hit)
-                old_freq, old_dirty = tier.meta_at(slot[at], "freq", "dirty")
-                freq[at] += old_freq
-                dirty[at] = old_dirty
+                freq[at] += tier.meta_at(slot[at], "freq")[0]
         windows: dict[int, np.ndarray | None] = {}
 
         def window(tier: TierMeta) -> np.ndarray | None:  # asked once a step: HBM's is read by both levels
@@ -186,9 +183,9 @@ class StepPlanner:
         evict_d = _EMPTY
         d_kept = np.zeros(len(demote), dtype=bool)
         if ddr is not None:
-            down = np.flatnonzero(~keep_h)
-            keep_d[down] = True
-            if len(down) > ddr.capacity:
+            keep_d = ~keep_h
+            if n - int(np.count_nonzero(keep_h)) > ddr.capacity:
+                down = np.flatnonzero(keep_d)
                 keep_d[down[self._rank_call(ddr, call_victims, down, clock, freq, len(down) - ddr.capacity)]] = False
             hits = slot_d[in_d]
             k = (ddr.capacity - ddr.free) - len(hits) + len(demote) - (ddr.capacity - int(np.count_nonzero(keep_d)))
@@ -209,6 +206,13 @@ class StepPlanner:
         if ddr is not None:
             ddr_plan = LevelPlan(slot_d, in_d, keep_d, evict_d, int(np.count_nonzero(in_d & ~keep_d & ~keep_h)) + len(evict_d)
                                  + int(np.count_nonzero(dropped)))
+        # dirty bits of the call rows that move: a row keeps its bit where it stays
+        dirty = np.zeros(n, dtype=bool)
+        for tier, level in ((hbm, hbm_plan), (ddr, ddr_plan)):
+            if level is not None:
+                moving = np.flatnonzero(level.hit & ~level.keep)
+                if len(moving):
+                    dirty[moving] = tier.meta_at(level.slot[moving], "dirty")[0]
         call_dirty = dirty if refresh is None else dirty | refresh
         write_back = WriteBack(
             call=np.flatnonzero(~keep_h & ~keep_d & call_dirty),
