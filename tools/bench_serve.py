@@ -36,7 +36,7 @@ import torch
 
 from tierstore.tools.bench import DEFAULT_BATCH
 
-DEFAULTS = {"rows": 200_000, "dim": 64, "repeat": 300, "clients": 2, "seconds": 8.0, "delta_rows": 1_000_000}
+DEFAULTS = {"rows": 200_000, "dim": 64, "repeat": 200, "clients": 2, "seconds": 8.0, "delta_rows": 1_000_000}
 POOLING = 32
 N_BATCHES = 8
 DTYPES = ("float32", "int8", "int4")
@@ -79,8 +79,7 @@ def run(args: argparse.Namespace) -> None:
         default_threads = torch.get_num_threads()
         for threads in dict.fromkeys((default_threads, 1)):
             torch.set_num_threads(threads)
-            lat = _time(sides, batches, args.repeat)
-            _report(lat, bags, n, dim, threads)
+            _report(*_time(sides, batches, args.repeat), bags, n, dim, threads)
         torch.set_num_threads(default_threads)
         for s in stores:
             s.close()
@@ -221,28 +220,40 @@ def _delta_apply(d: Path, n: int, dim: int, seed: int) -> None:
           "(goal for 10,000,000 rows: <= 2 s)")
 
 
-def _time(sides: dict, batches: list[torch.Tensor], repeat: int) -> dict[str, list[float]]:
-    """Seconds of each lookup, the sides in turn each round (LMDB lookups, ~100x slower, every 20th)."""
-    lat = {k: [] for k in sides}
+def _time(sides: dict, batches: list[torch.Tensor], repeat: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Seconds of each lookup, wall-clock and of this thread's CPU, the sides in turn each round in
+    a new random order (a side's rows may still be in the CPU's cache from the one before it; a
+    fixed order gave int8 and int4 sides 0.84-1.26x FBGEMM's time on the same kernel) (DDR
+    lookups, ~25x slower, every 5th; LMDB lookups, ~50x slower, every 20th)."""
+    lat, cpu = {k: [] for k in sides}, {k: [] for k in sides}
+    rng = np.random.default_rng(0)
     for r in range(repeat + 3):
-        for name, fn in sides.items():
-            if "LMDB" in name and (r - 3) % 20:
+        for name in rng.permutation(list(sides)):
+            fn = sides[name]
+            if ("LMDB" in name and (r - 3) % 20) or ("DDR" in name and (r - 3) % 5):
                 continue
             ids = batches[r % N_BATCHES]
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             fn(ids)
             if r >= 3:
                 lat[name].append(time.perf_counter() - t0)
-    return lat
+                cpu[name].append(time.thread_time() - c0)
+    return lat, cpu
 
 
-def _report(lat: dict[str, list[float]], bags: int, n: int, dim: int, threads: int) -> None:
+def _report(lat: dict[str, list[float]], cpu: dict[str, list[float]], bags: int, n: int, dim: int, threads: int) -> None:
+    """Wall-clock percentiles and throughput; at 1 thread also the CPU time's median, which a
+    loaded machine (other processes on the cores) disturbs less: the ratio to FBGEMM's from it."""
     print(f"\n== serve: pooled lookups, {bags} bags x {POOLING} ids, table {n:,} x {dim}, torch threads {threads}")
     base = {dt: np.median(lat[f"FBGEMM IntNBit {dt}"]) for dt in DTYPES if f"FBGEMM IntNBit {dt}" in lat}
+    base_cpu = {dt: np.median(cpu[f"FBGEMM IntNBit {dt}"]) for dt in base}
     for name, ts in lat.items():
         ms = np.percentile(np.array(ts) * 1e3, [50, 99, 99.9])
         dt = name.split(",")[0].split()[-1]
-        vs = f"  {np.median(ts) / base[dt]:.2f}x FBGEMM {dt}" if dt in base and name.startswith("tierstore") else ""
+        ours = dt in base and name.startswith("tierstore")
+        vs = f"  {np.median(ts) / base[dt]:.2f}x FBGEMM {dt}" if ours else ""
+        if threads == 1:
+            vs += f"  CPU p50 {np.median(cpu[name]) * 1e3:7.3f} ms" + (f" {np.median(cpu[name]) / base_cpu[dt]:.2f}x" if ours else "")
         print(f"   {name:<26} p50 {ms[0]:7.3f} ms  p99 {ms[1]:7.3f} ms  p999 {ms[2]:7.3f} ms  "
               f"{bags * POOLING / np.median(ts) / 1e6:6.2f} M ids/s  (n={len(ts)}){vs}")
 
