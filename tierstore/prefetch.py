@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -46,8 +46,14 @@ from tierstore.io import find_sorted, unique_ids
 from tierstore.io.workers import MIN_CHUNK, read_rows_async
 
 from .precision import DTYPES
+from .spec import TableSpec
 from .tiers import CacheTier, is_sorted_unique, masked
 from .validate import check_int, check_number
+
+if TYPE_CHECKING:
+    from tierstore.io import LmdbBackend, WriteBack
+
+    from .table import TableStore
 
 
 # A window's ids are found in a hash-indexed tier by probing while they number less than
@@ -152,12 +158,24 @@ class PrefetchGroup:
             t.release()
 
 
+@dataclass(frozen=True)
+class StoreParts:
+    """What the prefetcher uses of its store, and nothing more."""
+    tables: Mapping[str, "TableStore"]  # the store's tables (the live mapping: emptied when it closes)
+    table: Callable[[str], "TableStore"]  # a table by name, or the store's KeyError naming the tables
+    as_ids: Callable[[TableSpec, object], torch.Tensor]  # the store's one id check
+    lock: threading.RLock  # the store's: held by every caller but the workers, which take it to land
+    backend: "LmdbBackend"  # LMDB, read by the workers
+    writeback: "WriteBack"  # rows queued for LMDB: newer than LMDB's
+
+
 class Prefetcher:
     """The store's background reader. Every method but the worker callback runs
-    with the store lock held by the caller."""
+    with the store lock held by the caller. ``config.staged_rows``: per table, resolved
+    by the store (its memory split)."""
 
-    def __init__(self, store, config: PrefetchConfig):
-        self._store = store
+    def __init__(self, parts: StoreParts, config: PrefetchConfig):
+        self._uses = parts
         self._config = config
         self._executor = config.executor
         self._owns_executor = config.executor is None
@@ -170,7 +188,7 @@ class Prefetcher:
         self._inflight: dict[int, int] = {}  # ticket step -> write seq when its fetch began
         self._write_seq = 0
         self._step = 0
-        self._idle = threading.Condition(store._lock)
+        self._idle = threading.Condition(parts.lock)
         self._row_seconds: float | None = None  # a reading thread's time per row, recent fetches
         self._read_seconds: float | None = None  # the same, with the step's own reads: see reading_ahead
         self._step_seconds: float | None = None  # the trainer's time per batch, waits excluded
@@ -179,13 +197,8 @@ class Prefetcher:
 
     # -- capacity ------------------------------------------------------------------
     def capacity(self, table: str) -> int:
-        cfg = self._store.config
         v = self._config.staged_rows
-        if isinstance(v, Mapping):
-            v = v.get(table)
-        if v is None:
-            v = cfg.rows_for("ddr_rows", table) or cfg.rows_for("hbm_rows", table) or 65536
-        return int(v)
+        return int((v.get(table) if isinstance(v, Mapping) else v) or 0)
 
     def room(self, table: str) -> int:
         """Rows a new prefetch of this table can still stage."""
@@ -195,7 +208,7 @@ class Prefetcher:
     def _staging(self, table: str) -> CacheTier | None:
         if table not in self._staged:
             cap = self.capacity(table)
-            spec = self._store._tables[table].spec
+            spec = self._uses.tables[table].spec
             self._staged[table] = CacheTier("staged", cap, spec.dim, spec.state_dim, torch.device("cpu"), None, spec.num_rows,
                                             DTYPES[spec.dtype]) if cap else None
         return self._staged[table]
@@ -221,7 +234,7 @@ class Prefetcher:
         sample = uid[need][:: max(1, int(need.sum()) // FIRST_READ_ROWS)][:FIRST_READ_ROWS]
         if len(sample) >= FIRST_READ_MIN and self._config.sync_read_us:
             mark = time.perf_counter()
-            self._store._backend.get_rows(table, sample, None)
+            self._uses.backend.get_rows(table, sample, None)
             self.read_time(len(sample), time.perf_counter() - mark)
 
     def read_time(self, rows: int, seconds: float) -> None:
@@ -233,8 +246,8 @@ class Prefetcher:
     def _needs(self, table: str, ids) -> tuple:
         """A read's table, its sorted unique ids, the mask of those it would fetch,
         and the staging slots of those already staged (-1 where not)."""
-        t = self._store._table(table)
-        ids = self._store._as_ids(t.spec, ids).cpu()
+        t = self._uses.table(table)
+        ids = self._uses.as_ids(t.spec, ids).cpu()
         uid = (ids if is_sorted_unique(ids) else torch.unique(ids)).numpy()
         if self.reading_ahead():
             need = self._uncached(t, uid)
@@ -289,7 +302,7 @@ class Prefetcher:
             self._pin(table, step, held)
         fetch = uid[need][: max(0, self.room(table))]
         c.dropped_rows += int(need.sum()) - len(fetch)
-        queued, queued_rows = self._store._writeback.lookup(table, fetch)
+        queued, queued_rows = self._uses.writeback.lookup(table, fetch)
         if queued_rows is not None:
             self._add_staged(t, table, fetch[queued], queued_rows, step)
             fetch = fetch[~queued]
@@ -302,7 +315,7 @@ class Prefetcher:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self._config.workers, thread_name_prefix="tierstore-prefetch")
         read_rows_async(
-            self._store._backend, table, fetch, t.spec.width, self._executor,
+            self._uses.backend, table, fetch, t.spec.width, self._executor,
             self._parts(len(fetch), batches_ahead=len(self._outstanding[table]) - 1),
             lambda rows, found, err, seconds: self._land(ticket, fetch, rows, found, err, seconds), self._yield_to_store,
             chunk=self._chunk(),
@@ -336,19 +349,19 @@ class Prefetcher:
         """Called by the workers before every few rows they read: they wait while
         the trainer is in the store. On a small machine they otherwise queue with it
         for the GIL at each of its many tensor ops, which doubled its read time."""
-        with self._store._lock:
+        with self._uses.lock:
             pass
 
     def _land(self, ticket: PrefetchTicket, ids: np.ndarray, rows: np.ndarray, found: np.ndarray, error, seconds: float) -> None:
         """Worker thread: install fetched rows under the store lock."""
-        with self._store._lock:
+        with self._uses.lock:
             if error is None:
                 self._row_seconds = _smoothed(self._row_seconds, seconds / len(ids))
                 self.read_time(len(ids), seconds)
             table = ticket.table
             self._reserved[table] -= len(ids)
             began = self._inflight.pop(ticket.step)
-            store_t = self._store._tables.get(table)
+            store_t = self._uses.tables.get(table)
             try:
                 if error is not None:
                     raise error
@@ -402,7 +415,7 @@ class Prefetcher:
             slots = slots[found]
             out[found] = staging.gather(slots)
         staging.remove(slots)
-        c = self._store._tables[table].counters.prefetch
+        c = self._uses.tables[table].counters.prefetch
         c.served_rows += int(found.sum())
         c.staged_rows = staging.resident
         return found.numpy()
@@ -413,7 +426,7 @@ class Prefetcher:
         if staging is not None and staging.resident:
             slots = staging.lookup(torch.from_numpy(ids))
             staging.remove(slots[slots >= 0])
-            self._store._tables[table].counters.prefetch.staged_rows = staging.resident
+            self._uses.tables[table].counters.prefetch.staged_rows = staging.resident
         if self._inflight:
             self._log.setdefault(table, []).append((self._write_seq, ids.copy()))
         self._write_seq += 1
@@ -471,7 +484,7 @@ class Prefetcher:
 
     # -- releasing -----------------------------------------------------------------------
     def _release(self, ticket: PrefetchTicket) -> None:
-        with self._store._lock:
+        with self._uses.lock:
             table = ticket.table
             self._window.get(table, {}).pop(ticket.step, None)
             queue = self._outstanding.get(table)
@@ -485,8 +498,8 @@ class Prefetcher:
                 # still staged and not pinned since for a later batch
                 slots = torch.unique(torch.cat(due))
                 staging.remove(masked(slots, (staging.ids.index_select(0, slots) >= 0) & (staging.last.index_select(0, slots) <= ticket.step)))
-                if table in self._store._tables:
-                    self._store._tables[table].counters.prefetch.staged_rows = staging.resident
+                if table in self._uses.tables:
+                    self._uses.tables[table].counters.prefetch.staged_rows = staging.resident
 
     def _pin(self, table: str, step: int, slots: torch.Tensor) -> None:
         """Note staging slots pinned until announced step ``step``: its release looks at
@@ -494,7 +507,7 @@ class Prefetcher:
         self._pins.setdefault(table, {}).setdefault(step, []).append(slots)
 
     def _delivered(self, ticket: PrefetchTicket) -> None:
-        with self._store._lock:
+        with self._uses.lock:
             pending = self._undelivered.get(ticket.table, [])
             if ticket in pending:
                 pending.remove(ticket)
@@ -523,7 +536,7 @@ class Prefetcher:
     def close(self) -> None:
         """Wait for fetches in flight, release everything, stop owned threads.
         Called without the store lock (landing fetches take it)."""
-        with self._store._lock:
+        with self._uses.lock:
             self._idle.wait_for(lambda: not self._inflight, timeout=60)
             for queue in list(self._outstanding.values()):
                 for ticket in list(queue):

@@ -50,7 +50,7 @@ from .precision import DTYPES, round_nearest, update_key
 from .spec import MAX_ID, TableSpec
 from .trace import TraceRecorder
 from .validate import check_choice, check_int, check_rows, set_fields, with_keywords
-from .prefetch import PrefetchConfig, Prefetcher, PrefetchGroup, PrefetchTicket
+from .prefetch import PrefetchConfig, Prefetcher, PrefetchGroup, PrefetchTicket, StoreParts
 from .table import Resident, Shared, TableStore
 from .tiers import CacheTier, first_uses, last_values
 
@@ -218,7 +218,8 @@ class TieredStore:
             self._counters = StoreCounters(last_flush=meta.get("last_flush"))
             self._updates: dict[str, int] = dict(meta.get("updates", {}))  # per table, for _update_key
             self.metrics = StoreMetrics(self, metrics_config)
-            self._prefetcher = Prefetcher(self, prefetch)
+            self._prefetcher = Prefetcher(StoreParts(self._tables, self._table, self._as_ids, self._lock, self._backend,
+                                                     self._writeback), prefetch)
             self._shared.prefetcher = self._prefetcher
         except BaseException:
             if getattr(self, "metrics", None) is not None:
