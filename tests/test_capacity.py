@@ -433,7 +433,7 @@ def test_capacity_cli_json_and_errors(tmp_path, capsys):
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="hit ratio"):
         cap.CapacityConfig(hbm_target=1.5)
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="not hit-ratio targets and byte budgets"):
         cap.CapacityConfig(hbm_target=0.5, hbm_bytes=1e9)
     with pytest.raises(ValueError, match="cannot be below"):
         cap.CapacityConfig(hbm_target=0.8, hit_target=0.5)

@@ -83,3 +83,45 @@ def test_the_report_is_printed_before_the_plots_are_written(trace_path, tmp_path
     out, err = capsys.readouterr()
     assert "recommendation" in out or "reuse distances" in out  # the report is there to read
     assert "no space left on device" in one_error_line(err).lower() and work["analyze"] == 1
+
+
+def test_a_memory_budget_is_split_and_predicted_as_the_store_does(tmp_path, capsys):
+    """`tierstore capacity TRACE --memory-budget SIZE`: the split a store opened with that budget
+    gets, and, at its DDR rows, the hits and misses that store measures on the same reads, to the
+    row (the store records the trace it is checked against)."""
+    import json
+
+    import numpy as np
+    from prometheus_client import CollectorRegistry
+
+    import tierstore
+
+    budget = "12MiB"
+    rng = np.random.default_rng(5)
+    store = tierstore.TieredStore(tmp_path / "s", [tierstore.TableSpec("t", 200_000, 16)], memory_budget=budget,
+                                  record_trace=tmp_path / "trace", registry=CollectorRegistry())
+    for _ in range(40):
+        store.read("t", (rng.zipf(1.05, 3_000) * 7919) % 200_000)
+    measured, ddr_rows = store.stats()["ddr"], store.memory().parts["ddr"].rows
+    store.close()
+    assert 0 < ddr_rows and measured["evictions"] > 0  # the tier is full and evicting: a real test
+
+    assert cli_main(["capacity", str(tmp_path / "trace"), "--memory-budget", budget, "--policies", "lru", "--no-belady", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (t,) = report["tables"]
+    assert (t["recommendation"]["hbm_rows"], t["recommendation"]["ddr_rows"]) == (0, ddr_rows)
+    lru_curve, lru_replay = t["simulations"][:2]
+    uses = measured["hits"] + measured["misses"]
+    for predicted in (lru_curve, lru_replay):
+        assert round(predicted["hit_ratio"] * uses) == measured["hits"], (predicted, measured)
+    assert report["memory_budget"]["parts"]["ddr"] == tierstore.memory.split_memory(
+        12 << 20, [tierstore.TableSpec("t", 200_000, 16)], indexed_tables=["t"]).parts["ddr"].bytes
+
+    assert cli_main(["capacity", str(tmp_path / "trace"), "--memory-budget", budget, "--policies", "", "--no-belady"]) == 0
+    out = capsys.readouterr().out
+    assert "the memory budget's split" in out and "memory_budget=12.0 MiB splits as: ddr" in out
+
+
+def test_a_memory_budget_with_targets_is_refused_naming_both(trace_path, capsys):
+    assert cli_main(["capacity", str(trace_path), "--memory-budget", "1GiB", "--hit", "0.9"]) == 2
+    assert "not hit-ratio targets and a memory budget" in capsys.readouterr().err

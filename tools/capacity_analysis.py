@@ -20,8 +20,10 @@ from tierstore.admission_replay import predict_admission
 from tierstore.budget import rows_for_targets, split_budget, total_curve
 from tierstore.cachesim import clamp_sizes, simulate
 from tierstore.curves import LruCurve, mean_abs_error, stack_distances
+from tierstore.memory import MemorySplit, split_memory
 from tierstore.progress import ProgressFactory
 from tierstore.shards import MIN_SAMPLE_ROWS, shards_curves
+from tierstore.spec import TableSpec
 from tierstore.tools.capacity_progress import bars
 from tierstore.trace import Trace
 from tierstore.trace_streams import build_streams
@@ -50,6 +52,7 @@ class CapacityConfig:
     seed: int = 0
     progress: bool | ProgressFactory = False  # True: tools/capacity_progress.py's bars
     iec: bool = False  # report bytes in KiB/MiB/GiB (the budget was given so), else kB/MB/GB
+    memory_budget: int | None = None  # a store's memory_budget= (bytes): its split (tierstore.memory) and what it hits
     admit_after: int | None = None  # predict admission (TableSpec.admit_after) with this sketch
     admit_width: int = 1 << 20
     admit_depth: int = 4
@@ -61,8 +64,13 @@ class CapacityConfig:
             v = getattr(self, name)
             if v is not None and not 0 < v <= 1:
                 raise ValueError(f"{name} must be a hit ratio in (0, 1], got {v}")
-        if (self.hbm_target or self.hit_target) and (self.hbm_bytes is not None or self.ddr_bytes is not None):
-            raise ValueError("give hit-ratio targets (per table) or byte budgets (split across tables), not both")
+        asks = [what for what, given in (("hit-ratio targets", bool(self.hbm_target or self.hit_target)),
+                                         ("byte budgets", self.hbm_bytes is not None or self.ddr_bytes is not None),
+                                         ("a memory budget", self.memory_budget is not None)) if given]
+        if len(asks) > 1:
+            raise ValueError(f"give one of hit-ratio targets (per table), byte budgets (split across tables) or a store's "
+                             f"memory budget, not {' and '.join(asks)}")
+        check_int(self.memory_budget, "memory_budget", at_least=1, none=True)
         if self.hbm_target and self.hit_target and self.hit_target < self.hbm_target:
             raise ValueError(f"hit_target ({self.hit_target}) counts HBM and DDR hits, so it cannot be below hbm_target ({self.hbm_target})")
         for name in ("hbm_bytes", "ddr_bytes"):
@@ -180,6 +188,12 @@ def analyze(trace: Trace, config: CapacityConfig | None = None) -> dict:
             if asked > used and full:
                 report["notes"].append(f"the {tier} budget {fmt_bytes(asked, cfg.iec)} is beyond what the tables can use: "
                                        f"{fmt_bytes(used, cfg.iec)} of it already get every hit the trace allows")
+    if cfg.memory_budget is not None:
+        split = store_split(trace, names, cfg.memory_budget, cfg.row_bytes)
+        recs = [{"hbm_rows": split.hbm_rows[n], "ddr_rows": split.ddr_rows[n], "reachable": True,
+                 "max_hit_ratio": c.max_hit_ratio()} for n, c in zip(names, curves)]
+        report["memory_budget"] = {"budget": cfg.memory_budget, "parts": {k: p.bytes for k, p in split.parts.items()},
+                                   "txn_rows": split.txn_rows, "writeback_rows": split.writeback_rows}
     if recs is not None:
         for t, c, r, rb in zip(tables, curves, recs, row_bytes):
             tiers = c.tiers(r["hbm_rows"], r["ddr_rows"])
@@ -225,6 +239,22 @@ def analyze(trace: Trace, config: CapacityConfig | None = None) -> dict:
     report["total"]["curve"] = total_curve(curves, row_bytes)
     report["seconds"] = time.perf_counter() - t0
     return report
+
+
+def store_split(trace: Trace, names: list[str], budget: int, row_bytes: int | None = None) -> MemorySplit:
+    """The memory split (tierstore.memory.split_memory) of a new store of the trace's tables
+    ``names`` opened with ``memory_budget=budget``: its tiers, staging, queue, row index."""
+    specs = []
+    for n in names:
+        t = trace.tables[trace.table_index(n)]
+        width = (row_bytes or t.row_bytes or 0) // 4
+        if t.dim is None and not width:
+            raise ValueError(f"a memory budget's split needs table {n!r}'s row size, which this trace does not record "
+                             "(a store's recorded trace does): give --row-bytes (4 x (dim + optimizer state floats))")
+        dim = t.dim or width
+        specs.append(TableSpec(n, t.num_rows, dim, state_dim=max(width - dim, 0)))
+    # a new store puts bounded tables in the log layout, which keeps a row index in memory
+    return split_memory(budget, specs, indexed_tables=[s.name for s in specs if s.num_rows is not None])
 
 
 DECADES = [10**k for k in range(1, 8)]

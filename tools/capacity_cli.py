@@ -29,6 +29,9 @@ def register(sub) -> None:
     p.add_argument("--hit", type=ratio, default=None, help="target cache (HBM + DDR) hit ratio per table (recommend DDR rows)")
     p.add_argument("--hbm-bytes", type=size("--hbm-bytes"), default=None, help="HBM budget to split across tables, e.g. 16G or 16GiB")
     p.add_argument("--ddr-bytes", type=size("--ddr-bytes"), default=None, help="DDR budget to split across tables, e.g. 256G")
+    p.add_argument("--memory-budget", type=size("--memory-budget"), default=None, metavar="SIZE",
+                   help="a store's memory_budget=, e.g. 512MiB: the split it gets (tiers, staging, queue, row index, "
+                        "page cache) and the hits its tiers then get, as TieredStore(memory_budget=) sizes them")
     p.add_argument("--sizes", action="append", default=[], metavar="HBM:DDR",
                    help="simulate at these tier sizes per table, rows or %% of the working set, e.g. 10000:100000 or 1%%:10%% (repeatable; default: the recommendation, else 1%%:10%%)")
     p.add_argument("--policies", default="lfu", help="policies to replay at those sizes: lfu, lookahead, lru (LRU is always read off the curve; "
@@ -66,8 +69,9 @@ def _config(args):
         policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()), window=args.window,
         belady=not args.no_belady, hbm_target=args.hbm_hit, hit_target=args.hit,
         hbm_bytes=parse_size(args.hbm_bytes, "--hbm-bytes"), ddr_bytes=parse_size(args.ddr_bytes, "--ddr-bytes"),
+        memory_budget=parse_size(args.memory_budget, "--memory-budget"),
         steps_per_s=args.steps_per_s, row_bytes=args.row_bytes, seed=args.seed,
-        iec=any("i" in str(b).lower() for b in (args.hbm_bytes, args.ddr_bytes) if b),
+        iec=any("i" in str(b).lower() for b in (args.hbm_bytes, args.ddr_bytes, args.memory_budget) if b),
         admit_after=args.admit_after, admit_width=args.admit_width, admit_depth=args.admit_depth,
     )
 

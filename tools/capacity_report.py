@@ -51,7 +51,13 @@ def format_report(report: dict) -> str:
     lines += _table(head, rows)
     if any("recommendation" in t for t in report["tables"]):
         lines.append("")
-        lines.append("recommendation (LRU" + (", byte budget split" if "budget" in report else ", targets") + "):")
+        kind = ", byte budget split" if "budget" in report else ", the memory budget's split" if "memory_budget" in report else ", targets"
+        lines.append("recommendation (LRU" + kind + "):")
+        mb = report.get("memory_budget")
+        if mb:
+            lines.append(f"  memory_budget={fmt_bytes(mb['budget'], iec)} splits as: "
+                         + ", ".join(f"{k} {fmt_bytes(v, iec)}" for k, v in mb["parts"].items() if v)
+                         + f"; LMDB write transactions of {mb['txn_rows']:,} rows")
         head = ["table", "HBM rows", "DDR rows", "HBM hit", "hit", "SSD rows/s", f"SSD {mb}/s", "note"]
         rows = []
         for t in report["tables"]:
