@@ -8,6 +8,7 @@ from . import optim
 from .nn import TieredEmbeddingBag, TieredEmbeddingBagCollection
 from .prefetch import LookaheadLoader, PrefetchConfig, PrefetchTicket
 from .client import open_store
+from .interface import EmbeddingStore
 from .wire import DaemonBusyError
 from .serving_export import export
 from .serving import ServingEmbeddingBag, ServingEmbeddingBagCollection, ServingStore
@@ -16,6 +17,6 @@ __all__ = ["RowInit", "StoreConfig", "StoreCorruptError", "StoreLockedError", "T
 __all__ += ["TierstoreError"]
 __all__ += ["TieredEmbeddingBag", "TieredEmbeddingBagCollection", "optim"]
 __all__ += ["LookaheadLoader", "PrefetchConfig", "PrefetchTicket"]
-__all__ += ["DaemonBusyError", "open_store"]
+__all__ += ["DaemonBusyError", "EmbeddingStore", "open_store"]
 __all__ += ["ServingEmbeddingBag", "ServingEmbeddingBagCollection", "ServingStore", "export"]
 __version__ = "0.1.0"

@@ -1,0 +1,113 @@
+"""One suite of checks run against every implementation of tierstore.EmbeddingStore: the
+embedded TieredStore and the daemon client (DaemonStore, attached to a real `tierstore
+prefetchd` process over its Unix socket). Each is checked against a plain model of the
+rows, and the two against each other."""
+from __future__ import annotations
+
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+import tierstore
+from tierstore.spec import initial_rows
+
+from test_daemon import ITEM, USER, Daemon, _embedded, no_daemon_outlives_its_test, sockdir  # noqa: F401 (fixtures)
+
+
+@pytest.fixture(params=["embedded", "daemon"])
+def opened(request, tmp_path, sockdir):  # noqa: F811
+    """(open a store of USER and ITEM, stop everything) for one implementation."""
+    path = tmp_path / "store"
+    _embedded(path, tables=[USER, ITEM]).close()
+    daemons = []
+
+    def open_():
+        if request.param == "embedded":
+            return _embedded(path)
+        if not daemons:
+            daemons.append(Daemon(path, sockdir / "d.sock"))
+        return tierstore.open_store(path, daemon=str(daemons[0].sock), claim=["user", "item"])
+
+    def stop():
+        for d in daemons:
+            d.stop(signal.SIGTERM)
+        daemons.clear()
+    yield path, open_, stop
+    stop()
+
+
+def test_it_is_an_embedding_store_of_its_tables(opened):
+    path, open_, _ = opened
+    with open_() as s:
+        assert isinstance(s, tierstore.EmbeddingStore)
+        assert s.tables == {"user": USER, "item": ITEM}
+        assert s.device == torch.device("cpu")
+
+
+def test_rows_read_as_written_then_as_initial_once_evicted(opened):
+    path, open_, _ = opened
+    rng = np.random.default_rng(0)
+    model = {}
+    with open_() as s:
+        for _ in range(5):
+            ids = rng.integers(0, 10_000, 300)
+            values = rng.standard_normal((300, 8)).astype(np.float32)
+            s.write("user", ids, values)
+            for i, v in zip(ids, values):  # the last of repeated ids wins
+                model[int(i)] = v
+        probe = np.concatenate([np.array(sorted(model))[:200], rng.integers(0, 10_000, 100)])
+        expect = np.stack([model[i] if i in model else initial_rows(USER, np.array([i]))[0] for i in probe.tolist()])
+        assert np.array_equal(s.read("user", probe).numpy(), expect)
+        out = torch.empty((len(probe), 8))
+        assert s.read("user", probe, out=out) is out and np.array_equal(out.numpy(), expect)
+        gone = np.array(sorted(model))[:50]
+        assert s.evict("user", np.concatenate([gone, gone[:5]])) == 50
+        assert np.array_equal(s.read("user", gone).numpy(), initial_rows(USER, gone))
+
+
+def test_state_travels_with_the_rows_and_survives_a_reopen_after_flush(opened):
+    path, open_, stop = opened
+    ids = np.array([5, 2**40, 7])
+    rows = np.arange(18, dtype=np.float32).reshape(3, 6)  # 4 weights + 2 state floats
+    with open_() as s:
+        s.write("item", ids, rows, with_state=True)
+        s.flush()
+        assert np.array_equal(s.read("item", ids, with_state=True).numpy(), rows)
+        assert np.array_equal(s.read("item", ids).numpy(), rows[:, :4])
+    stop()
+    with _embedded(path, readonly=True) as oracle:  # the file itself, opened in this process
+        assert np.array_equal(oracle.read("item", ids, with_state=True).numpy(), rows)
+
+
+def test_a_prefetched_read_equals_a_plain_one(opened):
+    path, open_, _ = opened
+    ids = torch.arange(0, 4000, 7)
+    with open_() as s:
+        s.write("user", ids[:100], np.ones((100, 8), dtype=np.float32))
+        ticket = s.prefetch("user", ids)
+        ticket.wait()
+        assert torch.equal(s.read("user", ids), torch.from_numpy(np.concatenate(
+            [np.ones((100, 8), dtype=np.float32), initial_rows(USER, ids[100:].numpy())])))
+
+
+def test_bad_calls_are_named_and_change_nothing(opened):
+    path, open_, _ = opened
+    with open_() as s:
+        before = s.read("user", np.arange(10))
+        with pytest.raises(KeyError, match="user"):
+            s.read("nope", [1])
+        with pytest.raises(TypeError, match="integers"):
+            s.read("user", torch.tensor([1.5]))
+        with pytest.raises(ValueError):
+            s.write("user", [1, 2], np.ones((3, 8), dtype=np.float32))
+        assert torch.equal(s.read("user", np.arange(10)), before)
+        stats = s.stats()
+        assert {"hbm", "ddr", "ssd"} <= set(stats)
+        # a daemon client's DDR tier is the daemon's: it counts only the tier it holds
+        held = {"hbm"} if isinstance(s, tierstore.client.DaemonStore) else {"hbm", "ddr"}
+        assert set(s.resident_rows("user")) == held
+    s.close()  # idempotent
+    with pytest.raises(Exception, match="closed"):
+        s.read("user", [1])
