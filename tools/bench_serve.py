@@ -12,8 +12,9 @@ latencies' p50/p99/p999 and the ids per second at the median are reported.
 Then ``--clients`` processes, each a Replica (tierstore.serving_stream) of the int8
 export with every row in its HBM tier and a thread polling for deltas, send batches
 like the demo model's (256 bags of 1-15 ids, 8 on average, uniform over the rows)
-back to back: for ``--seconds`` with no deltas published (idle), then as long with
-a delta of 1% of the rows published every DELTA_EVERY seconds. Their latencies'
+back to back: ``--seconds`` with no deltas published (idle) and as long with a delta
+of 1% of the rows published every DELTA_EVERY seconds, alternating in slices of SLICE
+seconds. Their latencies'
 p50/p99/p999 and the lookups per second of all clients are reported per phase, and
 the p99 while deltas are applied against idle (goal <= 1.5x).
 
@@ -42,6 +43,7 @@ N_BATCHES = 8
 DTYPES = ("float32", "int8", "int4")
 DEMO_BAGS, DEMO_POOLING = 256, 8  # tools/demo.py's batch: 256 bags of 1..2*8-1 ids
 DELTA_EVERY = 0.1  # seconds between deltas while the clients look up
+SLICE = 1.0  # seconds of each slice of a client phase; the phases alternate
 
 
 def run(args: argparse.Namespace) -> None:
@@ -105,45 +107,51 @@ def _stage_deltas(directory: Path, n: int, dim: int, count: int, seed: int) -> l
 
 
 def _clients(published: Path, n: int, dim: int, args: argparse.Namespace) -> None:
-    """The client processes' two phases (module docstring): latencies and throughput, idle and while deltas land."""
-    staged = _stage_deltas(published.parent / "staged", n, dim, int(args.seconds / DELTA_EVERY) + 1, args.seed)
+    """The client processes' two phases (module docstring): latencies and throughput, idle and
+    while deltas land. The phases alternate in slices of SLICE seconds, so that other processes'
+    load on the machine falls on both alike (run back to back, the idle phase's p99 was 0.66 ms in
+    one run here and 6.4 ms in the next, as the load came and went)."""
+    slices = max(1, round(args.seconds / SLICE))
+    staged = _stage_deltas(published.parent / "staged", n, dim, slices * round(SLICE / DELTA_EVERY) + 1, args.seed)
     ctx = multiprocessing.get_context("spawn")
-    barrier, results = ctx.Barrier(args.clients + 1), ctx.Queue()
-    procs = [ctx.Process(target=_client, args=(str(published), n, args.seconds, args.seed + k, barrier, results))
+    barrier, results, phase = ctx.Barrier(args.clients + 1), ctx.Queue(), ctx.Value("i", 0, lock=False)
+    procs = [ctx.Process(target=_client, args=(str(published), n, args.seed + k, barrier, results, phase))
              for k in range(args.clients)]
     for p in procs:
         p.start()
     try:
         barrier.wait(timeout=600)  # every client ready: rows resident
-        for phase in ("idle", "deltas"):
-            barrier.wait(timeout=60)
-            end = time.monotonic() + args.seconds
-            while phase == "deltas" and staged and time.monotonic() < end:
+        for k in range(2 * slices):
+            phase.value = k % 2  # 0 idle, 1 deltas
+            end = time.monotonic() + SLICE
+            while phase.value and staged and time.monotonic() < end:
                 path = staged.pop(0)
                 os.rename(path, published / path.name)  # published whole, as a Publisher's rename
                 time.sleep(DELTA_EVERY)
-            barrier.wait(timeout=args.seconds + 600)
-        got = [results.get(timeout=60) for _ in procs]
+            time.sleep(max(0.0, end - time.monotonic()))
+        phase.value = -1
+        got = [results.get(timeout=600) for _ in procs]
     finally:
+        phase.value = -1
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
     print(f"\n== serve: {args.clients} client processes, each a Replica of the int8 export (every row in HBM), "
-          f"batches of {DEMO_BAGS} bags x 1-{2 * DEMO_POOLING - 1} ids, {args.seconds:g} s a phase, torch threads 1")
+          f"batches of {DEMO_BAGS} bags x 1-{2 * DEMO_POOLING - 1} ids, {slices} s a phase in slices of {SLICE:g} s "
+          "alternating, torch threads 1")
     p99 = {}
-    for phase in ("idle", "deltas"):
-        lat = np.concatenate([r[phase][0] for r in got]) * 1e3
+    for k, name in enumerate(("idle", "deltas")):
+        lat = np.concatenate([r[k] for r, _ in got]) * 1e3
         ms = np.percentile(lat, [50, 99, 99.9])
-        p99[phase] = ms[1]
-        versions = [r[phase][1] for r in got]
-        print(f"   {phase:<7} p50 {ms[0]:7.3f} ms  p99 {ms[1]:7.3f} ms  p999 {ms[2]:7.3f} ms  "
-              f"{len(lat) / args.seconds:8.0f} lookups/s in all  (n={len(lat)}, versions served at the end {versions})")
+        p99[name] = ms[1]
+        print(f"   {name:<7} p50 {ms[0]:7.3f} ms  p99 {ms[1]:7.3f} ms  p999 {ms[2]:7.3f} ms  "
+              f"{len(lat) / (slices * SLICE):8.0f} lookups/s in all  (n={len(lat)})")
     print(f"   p99 while deltas of 1% of the rows ({max(1, n // 100):,}) land every {DELTA_EVERY:g} s against idle: "
-          f"{p99['deltas'] / p99['idle']:.2f}x  (goal <= 1.5x)")
+          f"{p99['deltas'] / p99['idle']:.2f}x  (goal <= 1.5x); versions served at the end {[v for _, v in got]}")
 
 
-def _client(directory: str, n: int, seconds: float, seed: int, barrier, results) -> None:
+def _client(directory: str, n: int, seed: int, barrier, results, phase) -> None:
     from tierstore.serving_stream import Replica
 
     torch.set_num_threads(1)
@@ -166,23 +174,19 @@ def _client(directory: str, n: int, seconds: float, seed: int, barrier, results)
             stop.wait(0.005)
     follower = threading.Thread(target=follow, daemon=True)
     follower.start()
-    out = {}
+    lat, k = ([], []), 0
     barrier.wait(timeout=600)
-    for phase in ("idle", "deltas"):
-        barrier.wait(timeout=60)
-        lat, end, k = [], time.monotonic() + seconds, 0
-        while time.monotonic() < end:
-            ids, offsets = batches[k % N_BATCHES]
-            k += 1
-            t0 = time.perf_counter()
-            replica.lookup("t", ids, offsets)
-            lat.append(time.perf_counter() - t0)
-        barrier.wait(timeout=seconds + 600)
-        out[phase] = (np.array(lat), replica.version)
+    while (now := phase.value) >= 0:  # the phase a lookup starts in is the one it counts for
+        ids, offsets = batches[k % N_BATCHES]
+        k += 1
+        t0 = time.perf_counter()
+        replica.lookup("t", ids, offsets)
+        lat[now].append(time.perf_counter() - t0)
     stop.set()
     follower.join()
+    replica.poll()  # what was published last
+    results.put(((np.array(lat[0]), np.array(lat[1])), replica.version))
     replica.close()
-    results.put(out)
 
 
 def _delta_apply(d: Path, n: int, dim: int, seed: int) -> None:
