@@ -407,3 +407,30 @@ def test_ported_fx_and_scripting(tmp_path):
     with pytest.raises(ValueError, match="Duplicate table name"):  # test_duplicate_config_name_fails
         TieredEmbeddingBagCollection([_weighted_tables()[0], _weighted_tables()[0]], path=tmp_path / "dup", device="cpu")
     ours.close()
+
+
+def test_a_serving_collection_pools_the_exported_rows_as_the_trained_one(tmp_path):
+    """tierstore.torchrec.ServingEmbeddingBagCollection over `tierstore.export` of a trained
+    collection: KeyedJaggedTensor in, the same KeyedTensor out (float32 rows: equal to the
+    training collection's forward; int8: within a few hundredths)."""
+    from tierstore.torchrec import ServingEmbeddingBagCollection
+
+    ours = TieredEmbeddingBagCollection(configs(), path=tmp_path / "train", ddr_rows=8, device="cpu",
+                                        optimizer=tierstore.optim.SGD(lr=0.5))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        ours(batch(g)).values().sum().backward()
+    ours.store.flush()
+    kjt = batch(g)
+    with torch.no_grad():
+        want = ours(kjt)
+    for dtype, atol in (("float32", 1e-6), ("int8", 0.05)):
+        tierstore.export(tmp_path / "train", tmp_path / dtype, dtype=dtype)
+        serving = ServingEmbeddingBagCollection(configs(), tmp_path / dtype, hbm_rows=16)
+        got = serving(kjt)
+        assert got.keys() == want.keys() and got.length_per_key() == want.length_per_key()
+        torch.testing.assert_close(got.values(), want.values(), rtol=0, atol=atol)
+        serving.close()
+    ours.close()
+    with pytest.raises(ValueError, match="embedding_dim=5"):
+        ServingEmbeddingBagCollection([EmbeddingBagConfig(name="user", embedding_dim=5, num_embeddings=50)], tmp_path / "int8")

@@ -77,6 +77,27 @@ def _pool_per_sample(pooled: list[torch.Tensor], inverse_indices: torch.Tensor) 
     return torch.cat(pooled, dim=1)
 
 
+def _pooled(collection, features: KeyedJaggedTensor) -> KeyedTensor:
+    """A collection's forward, TorchRec's layout: each table's features pooled by its bag
+    module (``collection.embedding_bags[name]``), tables in order, per sample."""
+    features = maybe_td_to_kjt(features, None)
+    configs = collection._configs
+    flat = [f for t in configs for f in t.feature_names]
+    inverse_indices = reorder_inverse_indices(inverse_indices=features.inverse_indices_or_none(), feature_names=flat)
+    jagged = features.to_dict()
+    if not isinstance(jagged, torch.fx.Proxy):
+        missing = list(dict.fromkeys(f for f in flat if f not in jagged))
+        if missing:
+            raise KeyError(f"features {missing} are not in the KeyedJaggedTensor (it has {list(jagged)})")
+    pooled = []
+    for t in configs:
+        for f in t.feature_names:
+            jt = jagged[f]
+            pooled.append(collection.embedding_bags[t.name](jt.values(), jt.offsets(), jt.weights() if collection._is_weighted else None))
+    return KeyedTensor(keys=collection._embedding_names, length_per_key=collection._lengths_per_embedding,
+                       values=_pool_per_sample(pooled, inverse_indices))
+
+
 class _FusedKeyedOptimizer(KeyedOptimizer):
     """A KeyedOptimizer over TableViews: the update itself runs in the backward."""
 
@@ -175,21 +196,7 @@ class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterfac
         """As TorchRec's: a KeyedJaggedTensor (or TensorDict), variable batch sizes by its
         inverse indices. Under torch.fx tracing this is traced, its tables leaves."""
         refuse_export(self)
-        features = maybe_td_to_kjt(features, None)
-        flat = [f for t in self._configs for f in t.feature_names]
-        inverse_indices = reorder_inverse_indices(inverse_indices=features.inverse_indices_or_none(), feature_names=flat)
-        jagged = features.to_dict()
-        if not isinstance(jagged, torch.fx.Proxy):
-            missing = list(dict.fromkeys(f for f in flat if f not in jagged))
-            if missing:
-                raise KeyError(f"features {missing} are not in the KeyedJaggedTensor (it has {list(jagged)})")
-        pooled = []
-        for t in self._configs:
-            for f in t.feature_names:
-                jt = jagged[f]
-                pooled.append(self.embedding_bags[t.name](jt.values(), jt.offsets(), jt.weights() if self._is_weighted else None))
-        return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding,
-                           values=_pool_per_sample(pooled, inverse_indices))
+        return _pooled(self, features)
 
     def batch_reads(self, features: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
         """The ids a forward of ``features`` reads, by table: what LookaheadLoader prefetches."""
@@ -234,3 +241,45 @@ class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterfac
         """Flush every row and close the store."""
         if self.store is not None:
             self.store.close()
+
+
+class ServingEmbeddingBagCollection(nn.Module):
+    """Inference over a serving store (``tierstore export``: float32, float16, int8 or int4
+    rows) with TorchRec's interface: the training collection's EmbeddingBagConfigs,
+    ``forward(KeyedJaggedTensor) -> KeyedTensor`` in the same keys, order and layout, pooled
+    from the serving tiers (tierstore.serving), without gradients. ``hbm_rows``/``ddr_rows``
+    size the serving store's tiers."""
+
+    def __init__(self, tables: Sequence[EmbeddingBagConfig], path: str | Path, is_weighted: bool = False,
+                 hbm_rows: int = 0, ddr_rows: int = 0, device: str | torch.device | None = None):
+        super().__init__()
+        from .serving import ServingEmbeddingBag, ServingStore
+
+        tables = list(tables)
+        if not tables or not all(isinstance(t, EmbeddingBagConfig) for t in tables):
+            raise TypeError("tables must be a non-empty list of torchrec.EmbeddingBagConfig")
+        store = ServingStore(path, hbm_rows=hbm_rows, ddr_rows=ddr_rows, device=device)
+        for t in tables:
+            if t.name not in store.tables:
+                store.close()
+                raise KeyError(f"table {t.name!r} is not in the serving store at {path} (it has {sorted(store.tables)})")
+            dim = store.tables[t.name].dim
+            if t.pooling not in _MODES or dim != t.embedding_dim:
+                store.close()
+                raise ValueError(f"table {t.name!r}: the serving store holds dim {dim} rows and pools "
+                                 f"sum or mean; the config says embedding_dim={t.embedding_dim}, pooling {t.pooling}")
+            if not t.feature_names:
+                t.feature_names = [t.name]
+        self.store = store
+        self._configs, self._is_weighted = tables, is_weighted
+        self._embedding_names = [n for names in get_embedding_names_by_table(tables) for n in names]
+        self._lengths_per_embedding = [t.embedding_dim for t in tables for _ in t.feature_names]
+        self.embedding_bags = nn.ModuleDict({t.name: ServingEmbeddingBag(store, t.name, _MODES[t.pooling], include_last_offset=True)
+                                             for t in tables})
+
+    @torch.no_grad()
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        return _pooled(self, features)
+
+    def close(self) -> None:
+        self.store.close()
