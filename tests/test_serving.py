@@ -459,22 +459,32 @@ print(len(versions), replica.version, flush=True)
 def test_replicas_never_see_a_mix_of_versions(tmp_path):
     """A publisher process rewrites every row each step and publishes; a replica process
     applies deltas while looking every row up, each lookup one version (all rows equal). The
-    publisher is killed (SIGKILL) mid-run: the replica ends on the last version it published whole."""
+    publisher is killed (SIGKILL) mid-run: the replica ends on the last version it published whole.
+    A second replica is killed (SIGKILL) while it applies deltas, and one started after both
+    kills catches up to that same last version: a kill on either side leaves the published
+    directory whole."""
     stop = tmp_path / "stop"
     publisher = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(tmp_path / "train"), str(tmp_path / "pub")],
                                  stdout=subprocess.PIPE, text=True)
     readers = []
     try:
         assert publisher.stdout.readline().strip() == "1"
-        readers = [subprocess.Popen([sys.executable, "-c", READER, str(tmp_path / "pub"), str(stop)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)]
-        ready = readers[0].stdout.readline().split()
-        assert ready[0] == "ready", readers[0].stderr.read()[-2000:]
-        while int(publisher.stdout.readline()) < int(ready[1]) + 4:  # the replica looks up while these are published
+        def reader():
+            return subprocess.Popen([sys.executable, "-c", READER, str(tmp_path / "pub"), str(stop)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+        readers = [reader(), reader()]
+        ready = [r.stdout.readline().split() for r in readers]
+        assert [x[0] for x in ready] == ["ready"] * 2, readers[0].stderr.read()[-2000:]
+        while int(publisher.stdout.readline()) < max(int(x[1]) for x in ready) + 4:  # replicas look up while these come
             pass
+        killed = readers.pop()
+        killed.send_signal(signal.SIGKILL)
+        killed.communicate()
         publisher.send_signal(signal.SIGKILL)
         publisher.wait()
         stop.touch()
+        readers.append(reader())
+        assert readers[-1].stdout.readline().startswith("ready")
         last = max(int(p.name[6:14]) for p in (tmp_path / "pub").iterdir() if p.name.startswith("delta-"))
         seen = []
         for r in readers:
@@ -483,7 +493,7 @@ def test_replicas_never_see_a_mix_of_versions(tmp_path):
             n, version = map(int, out.split())
             assert version == last
             seen.append(n)
-        assert max(seen) > 1  # the replica served several versions while deltas came
+        assert max(seen) > 1  # the first replica served several versions while deltas came
     finally:
         for p in (publisher, *readers):
             if p.poll() is None:
