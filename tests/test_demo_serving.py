@@ -36,17 +36,11 @@ def test_the_demo_serves_its_held_out_batches_from_int8_and_float32_exports(tmp_
     assert f"{stored:,} rows stored" in r.stdout
 
 
-def test_no_serve_skips_the_serving_step(tmp_path):
-    d = tmp_path / "demo"
-    r = demo("--dir", str(d), *TINY, "--no-progress", "--no-serve")
-    assert r.returncode == 0, r.stderr
-    assert "serving" not in r.stdout and not (d / "serving-int8").exists()
-
-
-def test_the_demo_records_a_trace_that_capacity_reads(tmp_path):
+def test_the_demo_records_a_trace_that_capacity_reads_and_no_serve_skips_serving(tmp_path):
     d, tr = tmp_path / "demo", tmp_path / "trace"
     r = demo("--dir", str(d), *TINY, "--no-progress", "--no-serve", "--record-trace", str(tr))
     assert r.returncode == 0, r.stderr
+    assert "serving" not in r.stdout and not (d / "serving-int8").exists()  # --no-serve
     trace = Trace.load(tr)
     served = int(re.search(r"of ([\d,]+) row lookups", r.stdout).group(1).replace(",", ""))
     uses, _ = trace_counts(trace, trace.table_names)  # ids per call, repeats within a call merged, as the tiers count

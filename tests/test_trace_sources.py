@@ -121,17 +121,24 @@ def test_trace_synth_refuses_a_trace_larger_than_the_free_disk(tmp_path):
     assert code == 2 and not (tmp_path / "t").exists()
 
 
+@pytest.fixture(scope="module")
+def two_table_trace(tmp_path_factory):
+    """One synthesized trace for every case below (a synth process per case cost seconds each)."""
+    path = tmp_path_factory.mktemp("trace") / "t"
+    r = cli("trace", "synth", str(path), "--table", "a:3000:1.1:4", "--table", "b:500:0.9:2", "--batch-size", "64",
+            "--steps", "30")
+    assert r.returncode == 0, r.stderr
+    return path
+
+
 @pytest.mark.parametrize("options,dedupes", [
     ([], True),
     (["--hbm-hit", "0.5", "--hit", "0.8", "--policies", "lfu,lookahead"], True),
     (["--shards", "0.5", "--compare", "--sizes", "10:100", "--sizes", "1%:5%", "--no-belady"], True),
     (["--shards", "0.5", "--policies", "", "--no-belady"], False),  # no exact pass: the ids are not deduplicated whole
 ])
-def test_capacity_says_how_many_passes_it_will_make_before_the_first(tmp_path, options, dedupes):
-    r = cli("trace", "synth", str(tmp_path / "t"), "--table", "a:3000:1.1:4", "--table", "b:500:0.9:2", "--batch-size", "64",
-            "--steps", "30")
-    assert r.returncode == 0, r.stderr
-    r = cli("capacity", str(tmp_path / "t"), "--progress", *options)
+def test_capacity_says_how_many_passes_it_will_make_before_the_first(two_table_trace, options, dedupes):
+    r = cli("capacity", str(two_table_trace), "--progress", *options)
     assert r.returncode == 0, r.stderr
     first, *lines = r.stderr.splitlines()
     n = int(re.search(r"up to (\d+) passes", first).group(1))
