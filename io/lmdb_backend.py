@@ -458,7 +458,6 @@ class LmdbBackend:
                 raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
             if self._lock_fd is None:
                 log.free_emptied()
-                log.tombstones.clear()
             self._log_synced[table] = txn.id()
 
     def _save_indexes(self) -> None:
@@ -529,7 +528,6 @@ class LmdbBackend:
             raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
         if self._lock_fd is None:  # a reader: segments left behind are gone from its snapshots
             log.free_emptied()
-            log.tombstones.clear()
         self._log_synced[table] = tid
         return True
 

@@ -231,10 +231,12 @@ class RowLog:
         return [v for v in values if v[0] > self.applied]
 
     def free_emptied(self) -> None:
-        """A reader's index: segments whose rows all moved on are forgotten at once."""
+        """A reader's index: segments whose rows all moved on are forgotten at once, and
+        tombstones are not tracked (it never collects)."""
         for seq in self.emptied:
             self.forget(seq)
         self.emptied.clear()
+        self.tombstones.clear()
 
     def replay(self, mem: np.ndarray, values: list[tuple[int, int, int]]) -> None:
         """Apply the segments ``values`` ((seq, file offset, bytes), in seq order) of the map ``mem``."""
@@ -311,6 +313,13 @@ def _bytes(a: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
 
 
+def _crc(arrays: list[np.ndarray]) -> int:
+    crc = 0
+    for a in arrays:
+        crc = zlib.crc32(_bytes(a), crc)
+    return crc
+
+
 def _saved_arrays(log: "RowLog") -> list[np.ndarray]:
     tombstones = np.array(sorted(log.tombstones.items()), dtype=np.int64).reshape(-1, 2)
     return [log.loc, log.seq, log.live, log.slots, tombstones]
@@ -319,12 +328,9 @@ def _saved_arrays(log: "RowLog") -> list[np.ndarray]:
 def save_index(log: "RowLog", path: Path, token: str) -> None:
     """Write ``log``'s index to ``path`` (a temporary file, synced, renamed over it)."""
     arrays = _saved_arrays(log)
-    crc = 0
-    for a in arrays:
-        crc = zlib.crc32(_bytes(a), crc)
     header = {"token": token, "rows": len(log.loc), "slot_bytes": log.slot_bytes, "slot_bits": _SLOT_BITS,
               "applied": log.applied, "live_rows": log.live_rows, "segments": len(log.seq),
-              "tombstones": len(log.tombstones), "crc": crc}
+              "tombstones": len(log.tombstones), "crc": _crc(arrays)}
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -364,10 +370,7 @@ def load_index(path: Path, log: "RowLog", token: str) -> bool:
             whole = f.readinto(_bytes(log.loc)) == log.loc.nbytes
             arrays = [log.loc] + [np.fromfile(f, dtype=np.int64, count=n) for _ in range(3)]
             arrays.append(np.fromfile(f, dtype=np.int64, count=2 * t).reshape(-1, 2))
-            crc = 0
-            for a in arrays:
-                crc = zlib.crc32(_bytes(a), crc)
-            whole = whole and [len(a) for a in arrays[1:]] == [n, n, n, t] and f.read(1) == b"" and crc == h["crc"]
+            whole = whole and [len(a) for a in arrays[1:]] == [n, n, n, t] and f.read(1) == b"" and _crc(arrays) == h["crc"]
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         except (OSError, ValueError, KeyError, TypeError):
             whole = False

@@ -77,6 +77,12 @@ def _pool_per_sample(pooled: list[torch.Tensor], inverse_indices: torch.Tensor) 
     return torch.cat(pooled, dim=1)
 
 
+def _output_layout(tables: Sequence[EmbeddingBagConfig]) -> tuple[list[str], list[int]]:
+    """The KeyedTensor keys and widths of the configs' features, TorchRec's order and names."""
+    return ([n for names in get_embedding_names_by_table(tables) for n in names],
+            [t.embedding_dim for t in tables for _ in t.feature_names])
+
+
 def _pooled(collection, features: KeyedJaggedTensor) -> KeyedTensor:
     """A collection's forward, TorchRec's layout: each table's features pooled by its bag
     module (``collection.embedding_bags[name]``), tables in order, per sample."""
@@ -165,8 +171,7 @@ class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterfac
             inits[t.name] = init if init is not None else row_init(t)
         self._configs = tables
         self._is_weighted = is_weighted
-        self._embedding_names = [n for names in get_embedding_names_by_table(tables) for n in names]
-        self._lengths_per_embedding = [t.embedding_dim for t in tables for _ in t.feature_names]
+        self._embedding_names, self._lengths_per_embedding = _output_layout(tables)
         if device is not None and torch.device(device).type == "meta":
             # shapes only, as TorchRec's EBC on meta: no store, no files
             if record_trace is not None:
@@ -272,8 +277,7 @@ class ServingEmbeddingBagCollection(nn.Module):
                 t.feature_names = [t.name]
         self.store = store
         self._configs, self._is_weighted = tables, is_weighted
-        self._embedding_names = [n for names in get_embedding_names_by_table(tables) for n in names]
-        self._lengths_per_embedding = [t.embedding_dim for t in tables for _ in t.feature_names]
+        self._embedding_names, self._lengths_per_embedding = _output_layout(tables)
         self.embedding_bags = nn.ModuleDict({t.name: ServingEmbeddingBag(store, t.name, _MODES[t.pooling], include_last_offset=True)
                                              for t in tables})
 
