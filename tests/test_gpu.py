@@ -133,7 +133,9 @@ def test_training_gives_the_same_bits_whatever_the_tiers(tmp_path, device, opt, 
     for rows in runs[1:]:
         assert torch.equal(rows, runs[0])
     if device == "cuda":
-        torch.testing.assert_close(runs[0], _train(tmp_path / "cpu", "cpu", opt, mode, dtype, 16, 32, 0), rtol=1e-5, atol=1e-6)
+        # float16 rows: a sum rounded differently lands one float16 step away (seen on an H100)
+        rtol = torch.finfo(torch.float16).eps if dtype == "float16" else 1e-5
+        torch.testing.assert_close(runs[0], _train(tmp_path / "cpu", "cpu", opt, mode, dtype, 16, 32, 0), rtol=rtol, atol=1e-6)
 
 
 @gpu
