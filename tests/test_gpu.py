@@ -162,3 +162,36 @@ def test_a_trace_records_ids_given_on_the_gpu(tmp_path):
         s.read("t", torch.tensor([5, 3, 5], device="cuda"))
         s.read("t", torch.tensor([7], device="cuda"))
     assert [ids.tolist() for _, _, ids in Trace.load(tmp_path / "trace").calls()] == [[5, 3, 5], [7]]
+
+
+@gpu
+def test_a_hot_row_trains_on_cuda_as_torch_sparse_sgd(tmp_path):
+    """Half of a batch's entries on one row (its gradient is summed in pieces on a GPU,
+    nn._RUN): the same bits run to run, and torch's sparse SGD's rows to rounding."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.where(torch.rand(4096, generator=g) < 0.5, 0, torch.randint(0, 1000, (4096,), generator=g)).cuda()
+    offsets = torch.arange(0, 4096, 16, device="cuda")
+    grad = torch.randn(256, 8, generator=g).cuda()
+
+    def train(path):
+        emb = TieredEmbeddingBag(1000, 8, mode="sum", path=path, hbm_rows=1000, device="cuda",
+                                 optimizer=optim.SGD(lr=0.1), init=RowInit.normal(0, 1, seed=1))
+        start = emb.store.read(emb.table, torch.arange(1000, device="cuda"))
+        for _ in range(3):
+            emb(ids, offsets).backward(grad)
+        rows = emb.store.read(emb.table, torch.arange(1000, device="cuda"))
+        emb.close()
+        return start, rows
+
+    start, rows = train(tmp_path / "a")
+    assert torch.equal(rows, train(tmp_path / "b")[1])
+    ref = torch.nn.EmbeddingBag(1000, 8, mode="sum", sparse=True, device="cuda")
+    with torch.no_grad():
+        ref.weight.copy_(start)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        ref(ids, offsets).backward(grad)
+        opt.step()
+    assert not torch.equal(start, rows)
+    torch.testing.assert_close(rows, ref.weight.detach(), rtol=1e-5, atol=1e-5)

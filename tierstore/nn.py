@@ -131,6 +131,7 @@ class _Bags:
     offsets: torch.Tensor  # [B] start of each bag among the used entries
     used: torch.Tensor | None  # [M] positions in the flat input of the used entries; None = all, in order
     n_input: int  # entries in the flat input
+    sort_on: torch.device | None = None  # the GPU the ids came from: it groups them (rows), the host takes milliseconds
     admitted: torch.Tensor | None = None  # [U] rows whose update is kept (admit_after); None = all
     _bag_of: torch.Tensor | None = None
     _rows: "_Rows | None" = None
@@ -146,7 +147,7 @@ class _Bags:
     def rows(self) -> "_Rows":
         """The entries grouped by row."""
         if self._rows is None:
-            self._rows = _Rows.group(self.ids)
+            self._rows = _Rows.group(self.ids, sort_on=self.sort_on)
         return self._rows
 
     def ends(self) -> torch.Tensor:
@@ -195,15 +196,19 @@ class _Rows:
     _local: torch.Tensor | None = None
 
     @classmethod
-    def group(cls, ids: torch.Tensor, keep: torch.Tensor | None = None) -> "_Rows":
+    def group(cls, ids: torch.Tensor, keep: torch.Tensor | None = None, sort_on: torch.device | None = None) -> "_Rows":
         """``keep`` [M] (bool) leaves entries out after the sort, so the kept ones stay
-        in the order the sort of all ``ids`` gives them (a sharded owner's rows)."""
-        sorted_ids, perm = torch.sort(ids)
+        in the order the sort of all ``ids`` gives them (a sharded owner's rows).
+        ``sort_on``: a device that sorts; the result is on ``ids``' device either way.
+        The sort is torch's default, as its sparse gradients' coalesce uses: a row's
+        entries are in the order that sums them as nn.EmbeddingBag does."""
+        on = ids if sort_on is None else ids.to(sort_on)
+        sorted_ids, perm = torch.sort(on)
         if keep is not None:
-            perm = perm[keep[perm]]
-            sorted_ids = ids.index_select(0, perm)
+            perm = perm[keep.to(perm.device)[perm]]
+            sorted_ids = on.index_select(0, perm)
         uid, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-        return cls(uid, perm, counts)
+        return cls(uid.to(ids.device), perm.to(ids.device), counts.to(ids.device))
 
     def positions(self) -> torch.Tensor:
         """[M] position in ``uid`` of each entry."""
@@ -298,9 +303,28 @@ def _mean_grads(grad_out: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     return grad_out * (1.0 / sizes.clamp(min=1).to(device=grad_out.device, dtype=grad_out.dtype)).unsqueeze(1)
 
 
+# Entries one CUDA embedding_bag thread adds one after another: a hot row's thousands
+# of entries in one bag would make its sum the whole step's critical path.
+_RUN = 32
+
+
 def _sum_rows(src: torch.Tensor, index: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     """[U, dim]: row u sums ``src[index[j]]`` (times ``weights[j]``) over its run of
-    ``counts[u]`` entries of ``index``, in that order (embedding_bag: no atomics)."""
+    ``counts[u]`` entries of ``index``, in that order (embedding_bag: no atomics).
+    On a GPU a run longer than _RUN is summed in pieces of _RUN, then its pieces in
+    order: a fixed order still (the same bits whatever the tiers), rounded unlike the
+    host's one pass."""
+    if src.device.type == "cuda":
+        while len(counts) and int(counts.max()) > _RUN:
+            pieces = (counts + _RUN - 1) // _RUN  # counts are >= 1: every row has an entry
+            sizes = torch.full((int(pieces.sum()),), _RUN, dtype=torch.int64, device=counts.device)
+            sizes[torch.cumsum(pieces, 0) - 1] = counts - _RUN * (pieces - 1)
+            src = _bag_sums(src, index, sizes, weights)
+            index, weights, counts = torch.arange(len(sizes), device=src.device), None, pieces
+    return _bag_sums(src, index, counts, weights)
+
+
+def _bag_sums(src: torch.Tensor, index: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     dev = src.device
     row_offsets = torch.zeros(len(counts), dtype=torch.int64, device=dev)
     if len(counts) > 1:
@@ -413,7 +437,7 @@ def _plan_bags(c: EmbeddingBagConfig, input, offsets, per_sample_weights) -> _Ba
     bag_offsets = torch.zeros(nbags, dtype=torch.int64)
     if nbags > 1:
         torch.cumsum(sizes[:-1], 0, out=bag_offsets[1:])
-    return _Bags(ids, sizes, bag_offsets, used, n_input, bag_of)
+    return _Bags(ids, sizes, bag_offsets, used, n_input, input.device if input.device.type == "cuda" else None, _bag_of=bag_of)
 
 
 def outside_graphs(fn):
