@@ -5,6 +5,7 @@ module of the package, so a new error that forgets the base fails here."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
 import subprocess
 import sys
@@ -37,12 +38,18 @@ BUILTIN_BASES = {
 }
 
 
+PEER_ADAPTERS = {"tierstore.torchrec": "torchrec"}
+
+
 def error_classes() -> dict[str, type[BaseException]]:
     """Every exception class defined in a module of the package, by qualified name."""
     found = {}
     for package in PACKAGES:
         for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
-            module = importlib.import_module(f"{package}.{info.name}")
+            name = f"{package}.{info.name}"
+            if name in PEER_ADAPTERS and importlib.util.find_spec(PEER_ADAPTERS[name]) is None:
+                continue  # the adapter refuses to import without its optional peer
+            module = importlib.import_module(name)
             for value in vars(module).values():
                 if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == module.__name__:
                     found[f"{module.__name__}.{value.__qualname__}"] = value

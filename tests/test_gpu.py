@@ -47,14 +47,16 @@ def test_cuda_all_hit_read_stays_on_device(tmp_path):
 
 @gpu
 def test_cuda_means_the_current_gpu(tmp_path):
-    """"cuda" and the default name the current device with its index, so a tensor made
-    on the GPU (always cuda:N) is a valid ``out=``."""
+    """"cuda" names the current device with its index, so a tensor made on the GPU
+    (always cuda:N) is a valid ``out=``. No device is torch's default, the CPU, as for
+    nn.EmbeddingBag: a model built beside the store on a GPU machine is on one device."""
     here = torch.device("cuda", torch.cuda.current_device())
-    for name, device in (("named", "cuda"), ("default", None)):
-        with TieredStore(tmp_path / name, [TableSpec("t", 100, 4)], hbm_rows=10, device=device) as s:
-            assert s.device == here and s._tables["t"].hbm.weights.device == here
-            out = torch.empty((3, 4), device="cuda")
-            assert s.read("t", torch.tensor([1, 2, 3], device="cuda"), out=out) is out
+    with TieredStore(tmp_path / "named", [TableSpec("t", 100, 4)], hbm_rows=10, device="cuda") as s:
+        assert s.device == here and s._tables["t"].hbm.weights.device == here
+        out = torch.empty((3, 4), device="cuda")
+        assert s.read("t", torch.tensor([1, 2, 3], device="cuda"), out=out) is out
+    with TieredStore(tmp_path / "default", [TableSpec("t", 100, 4)], hbm_rows=10) as s:
+        assert s.device == torch.device("cpu") == torch.nn.EmbeddingBag(4, 2).weight.device
 
 
 @gpu

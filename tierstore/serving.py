@@ -212,7 +212,7 @@ class ServingStore:
     """A serving store (tierstore.export's output) opened for lookups, readonly.
 
     ``hbm_rows`` / ``ddr_rows``: rows each table keeps in the HBM tier (on
-    ``device``: CUDA when there is one, else "cpu") and the DDR tier; an int for
+    ``device``; None is torch's default device, as for torch's modules) and the DDR tier; an int for
     every table or {table: rows}. Thread-safe: lookups take turns.
     """
 

@@ -96,11 +96,13 @@ class StoreConfig:
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The HBM tier's device: CUDA when there is one, and "cuda" as the device current
-    now, index included. Threads start on device 0, so tensors the store's threads make
-    for "cuda" would land on cuda:0 beside tiers on cuda:k; and cuda:0 != cuda, so a
-    caller's ``out=`` would never match."""
-    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    """The HBM tier's device. None is torch's default device (the CPU unless
+    torch.set_default_device), as for the torch modules tierstore's stand in for: a
+    model built beside them on a GPU machine computes on one device. "cuda" is the
+    device current now, index included: threads start on device 0, so tensors the
+    store's threads make for "cuda" would land on cuda:0 beside tiers on cuda:k; and
+    cuda:0 != cuda, so a caller's ``out=`` would never match."""
+    device = torch.device(device) if device is not None else torch.get_default_device()
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available; pass device='cpu'")
