@@ -38,26 +38,30 @@ class HashIndex:
     def _find(self, ids: torch.Tensor) -> torch.Tensor:
         """Table position of each id, or -1.
 
-        Probes a window of PROBE_WINDOW slots per round as one [n, window]
-        gather: at load <= 0.75 nearly every id ends in the first window (a hit,
-        or an EMPTY slot, which ends a linear probe), so a lookup is a handful
-        of tensor ops instead of a round of ops per probe.
+        After the home slot, probes a window of PROBE_WINDOW slots per round as
+        one [n, window] gather: at load <= 0.75 nearly every id ends in the first
+        window (a hit, or an EMPTY slot, which ends a linear probe), so a lookup
+        is a handful of tensor ops instead of a round of ops per probe.
         """
         h = self._hash(ids)
-        pos, todo, want = None, None, ids
+        # first the home slot alone: at load <= 0.5 it settles most ids (the id, or
+        # EMPTY), so only the rest pay for a window's gather and compares
+        k = self.keys.index_select(0, h)
+        pos = torch.where(k == ids, h, -1)
+        todo = torch.nonzero((k != ids) & (k != EMPTY)).squeeze(1)
+        if len(todo) == 0:
+            return pos
+        want, h = ids.index_select(0, todo), (h.index_select(0, todo) + 1) & self._mask
         while True:
             k = self.keys.index_select(0, ((h.unsqueeze(1) + self._window) & self._mask).view(-1)).view(-1, PROBE_WINDOW)
             hit = k == want.unsqueeze(1)
             found = hit.any(1)
             at = torch.where(found, (h + hit.to(torch.uint8).argmax(1)) & self._mask, -1)
-            if pos is None:
-                pos = at
-            else:
-                pos[todo] = at
+            pos[todo] = at
             go_on = torch.nonzero(~found & ~(k == EMPTY).any(1)).squeeze(1)
             if len(go_on) == 0:
                 return pos
-            todo = go_on if todo is None else todo[go_on]
+            todo = todo[go_on]
             want, h = want[go_on], (h[go_on] + PROBE_WINDOW) & self._mask
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
