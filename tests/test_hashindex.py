@@ -52,3 +52,30 @@ def test_dense_only_where_it_costs_at_most_128_bytes_per_slot():
     assert isinstance(make_index(1000, 32_000), DenseIndex)
     assert isinstance(make_index(1000, 32_001), HashIndex)
     assert isinstance(make_index(1000, None), HashIndex)
+
+
+def test_a_rebuild_keeps_every_id_including_a_run_that_wraps_past_the_end():
+    """Tombstones fill the table until a rebuild places the live ids afresh; ids that
+    all hash to the last slot make a run that wraps to the table's start."""
+    index = HashIndex(64)  # 128 slots
+    home = index._hash(torch.arange(400_000))
+    last = torch.nonzero(home == 127).squeeze(1)[:PROBE_WINDOW + 3]
+    others = torch.nonzero(home != 127).squeeze(1)
+    index.insert(last, torch.arange(len(last)))
+    model = dict(zip(last.tolist(), range(len(last))))
+    rebuilt, at, before = False, 0, others[:0]
+    for _ in range(40):  # at most 11 + 2 x 20 ids live, of 64
+        batch = others[at: at + 20]
+        at += 20
+        index.insert(batch, batch)
+        rebuilt |= index.tombstones == 0 and len(before) > 0
+        model.update(zip(batch.tolist(), batch.tolist()))
+        index.remove(before)
+        for i in before.tolist():
+            del model[i]
+        before = batch
+    assert rebuilt
+    q = torch.tensor(list(model) + others[at: at + 50].tolist())
+    assert index.lookup(q).tolist() == [model.get(i, -1) for i in q.tolist()]
+    keys, vals = index.items()
+    assert dict(zip(keys.tolist(), vals.tolist())) == model
