@@ -1,11 +1,15 @@
-"""Vectorized open-addressing hash map from row id to tier slot, in torch.
+"""Vectorized id -> tier slot maps: an open-addressing hash table, or a dense array.
 
-Per-id Python dicts run at ~1.5M ids/s; this runs whole batches as a few tensor
-ops per probe round, on the tier's own device (GPU for the HBM tier). Memory is
-~32 bytes per slot of capacity, independent of the table's id space.
+Per-id Python dicts run at ~1.5M ids/s; these run whole batches as a few array ops
+per probe round, on the tier's own device. Their arrays are numpy's on the host and
+torch's on a GPU: torch wakes its OpenMP team for each of these small ops, and on a
+2-core machine with a second busy thread the team spins against it (a 65k-id lookup
+took 93 ms at 2 intra-op threads against 10 at one; numpy, one thread, 7 ms). The
+hash table's memory is ~32 bytes per slot of capacity, independent of the id space.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 EMPTY = -1
@@ -15,60 +19,145 @@ PROBE_WINDOW = 8
 _MULT = -7046029254386353131
 
 
+class _HostArrays:
+    """The array operations the maps use, on numpy arrays (viewing the callers' tensors)."""
+
+    device = torch.device("cpu")
+    int32 = np.int32
+
+    @staticmethod
+    def array(t: torch.Tensor) -> np.ndarray:
+        return t.numpy()
+
+    @staticmethod
+    def tensor(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a)
+
+    @staticmethod
+    def full(n: int, value: int, dtype=np.int64) -> np.ndarray:
+        return np.full(n, value, dtype=dtype)
+
+    @staticmethod
+    def arange(n: int) -> np.ndarray:
+        return np.arange(n, dtype=np.int64)
+
+    where = staticmethod(np.where)
+    nonzero = staticmethod(np.flatnonzero)
+
+    @staticmethod
+    def first_true(rows: np.ndarray) -> np.ndarray:
+        return rows.argmax(1)
+
+    @staticmethod
+    def sort(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        order = np.argsort(a, kind="stable")
+        return a[order], order
+
+    @staticmethod
+    def cummax(a: np.ndarray) -> np.ndarray:
+        return np.maximum.accumulate(a)
+
+
+class _DeviceArrays:
+    """The same operations on torch tensors on an accelerator."""
+
+    int32 = torch.int32
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    @staticmethod
+    def array(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @staticmethod
+    def tensor(a: torch.Tensor) -> torch.Tensor:
+        return a
+
+    def full(self, n: int, value: int, dtype=torch.int64) -> torch.Tensor:
+        return torch.full((n,), value, dtype=dtype, device=self.device)
+
+    def arange(self, n: int) -> torch.Tensor:
+        return torch.arange(n, dtype=torch.int64, device=self.device)
+
+    where = staticmethod(torch.where)
+
+    @staticmethod
+    def nonzero(mask: torch.Tensor) -> torch.Tensor:
+        return torch.nonzero(mask).squeeze(1)
+
+    @staticmethod
+    def first_true(rows: torch.Tensor) -> torch.Tensor:
+        return rows.to(torch.uint8).argmax(1)
+
+    @staticmethod
+    def sort(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.sort(a, stable=True)
+
+    @staticmethod
+    def cummax(a: torch.Tensor) -> torch.Tensor:
+        return torch.cummax(a, 0).values
+
+
+def _arrays(device: torch.device | str) -> _HostArrays | _DeviceArrays:
+    device = torch.device(device)
+    return _HostArrays() if device.type == "cpu" else _DeviceArrays(device)
+
+
 class HashIndex:
     def __init__(self, capacity: int, device: torch.device | str = "cpu"):
         self.capacity = int(capacity)
-        self.device = torch.device(device)
+        self._xp = _arrays(device)
+        self.device = self._xp.device
         bits = max(4, (2 * max(self.capacity, 1) - 1).bit_length())  # load <= 0.5
         self._bits = bits
         self._mask = (1 << bits) - 1
-        self.keys = torch.full((1 << bits,), EMPTY, dtype=torch.int64, device=self.device)
-        self.vals = torch.full((1 << bits,), -1, dtype=torch.int64, device=self.device)
-        self._mult = torch.tensor(_MULT, dtype=torch.int64, device=self.device)
-        self._window = torch.arange(PROBE_WINDOW, dtype=torch.int64, device=self.device)
+        self.keys = self._xp.full(1 << bits, EMPTY)
+        self.vals = self._xp.full(1 << bits, -1)
+        self._window = self._xp.arange(PROBE_WINDOW)
         self.live = 0
         self.tombstones = 0
 
     def __len__(self) -> int:
         return self.live
 
-    def _hash(self, ids: torch.Tensor) -> torch.Tensor:
-        return ((ids * self._mult) >> (64 - self._bits)) & self._mask
+    def home_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """Where each id's probe starts."""
+        return self._xp.tensor(self._home(self._xp.array(ids.to(torch.int64))))
 
-    def _find(self, ids: torch.Tensor) -> torch.Tensor:
+    def _home(self, ids):
+        # int64 products wrap, and >> keeps the sign, alike in numpy and torch: the same slots
+        return ((ids * _MULT) >> (64 - self._bits)) & self._mask
+
+    def _find(self, ids):
         """Table position of each id, or -1.
 
         After the home slot, probes a window of PROBE_WINDOW slots per round as
         one [n, window] gather: at load <= 0.75 nearly every id ends in the first
         window (a hit, or an EMPTY slot, which ends a linear probe), so a lookup
-        is a handful of tensor ops instead of a round of ops per probe.
+        is a handful of array ops instead of a round of ops per probe.
         """
-        h = self._hash(ids)
+        xp = self._xp
+        h = self._home(ids)
         # first the home slot alone: at load <= 0.5 it settles most ids (the id, or
         # EMPTY), so only the rest pay for a window's gather and compares
-        k = self.keys.index_select(0, h)
-        pos = torch.where(k == ids, h, -1)
-        todo = torch.nonzero((k != ids) & (k != EMPTY)).squeeze(1)
-        if len(todo) == 0:
-            return pos
-        want, h = ids.index_select(0, todo), (h.index_select(0, todo) + 1) & self._mask
-        while True:
-            k = self.keys.index_select(0, ((h.unsqueeze(1) + self._window) & self._mask).view(-1)).view(-1, PROBE_WINDOW)
-            hit = k == want.unsqueeze(1)
+        k = self.keys.take(h)  # take: numpy's fancy indexing is 2x slower
+        pos = xp.where(k == ids, h, -1)
+        todo = xp.nonzero((k != ids) & (k != EMPTY))
+        want, h = ids[todo], (h[todo] + 1) & self._mask
+        while len(todo):
+            k = self.keys.take((h[:, None] + self._window) & self._mask)
+            hit = k == want[:, None]
             found = hit.any(1)
-            at = torch.where(found, (h + hit.to(torch.uint8).argmax(1)) & self._mask, -1)
-            pos[todo] = at
-            go_on = torch.nonzero(~found & ~(k == EMPTY).any(1)).squeeze(1)
-            if len(go_on) == 0:
-                return pos
-            todo = todo[go_on]
-            want, h = want[go_on], (h[go_on] + PROBE_WINDOW) & self._mask
+            pos[todo] = xp.where(found, (h + xp.first_true(hit)) & self._mask, -1)
+            go_on = xp.nonzero(~found & ~(k == EMPTY).any(1))
+            todo, want, h = todo[go_on], want[go_on], (h[go_on] + PROBE_WINDOW) & self._mask
+        return pos
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Slot of each id (int64), -1 where absent."""
-        pos = self._find(ids)
-        found = pos >= 0
-        return torch.where(found, self.vals[pos.clamp(min=0)], pos)
+        pos = self._find(self._xp.array(ids.to(torch.int64)))
+        return self._xp.tensor(self._xp.where(pos >= 0, self.vals.take(pos.clip(min=0)), pos))
 
     def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Add ids (unique, none present) mapping to slots."""
@@ -77,34 +166,38 @@ class HashIndex:
             return
         if self.live + self.tombstones + n > (self._mask + 1) * 3 // 4:
             self._rebuild(extra=n)
-        h = self._hash(ids)
+        self._place(self._xp.array(ids.to(torch.int64)), self._xp.array(slots.to(torch.int64)))
+        self.live += n
+
+    def _place(self, ids, slots) -> None:
+        xp = self._xp
+        h = self._home(ids)
         while len(ids):
             # the first free slot (EMPTY or TOMBSTONE) in each id's next window
-            k = self.keys.index_select(0, ((h.unsqueeze(1) + self._window) & self._mask).view(-1)).view(-1, PROBE_WINDOW)
+            k = self.keys.take((h[:, None] + self._window) & self._mask)
             free = (k == EMPTY) | (k == TOMBSTONE)
             has = free.any(1)
-            first = free.to(torch.uint8).argmax(1)
+            first = xp.first_true(free)
             at = (h + first) & self._mask
-            tried = torch.nonzero(has).squeeze(1)
-            pos, want = at.index_select(0, tried), ids.index_select(0, tried)
+            tried = xp.nonzero(has)
+            pos, want = at[tried], ids[tried]
             self.keys[pos] = want
             # ids that chose the same slot race; the id read back is the one that won
-            won = self.keys.index_select(0, pos) == want
-            self.tombstones -= int((k[tried, first.index_select(0, tried)][won] == TOMBSTONE).sum())
-            self.vals[pos[won]] = slots.index_select(0, tried)[won]
+            won = self.keys.take(pos) == want
+            self.tombstones -= int((k[tried, first[tried]][won] == TOMBSTONE).sum())
+            self.vals[pos[won]] = slots[tried][won]
             # a loser goes on from the slot it lost (every slot before it is taken); an id
             # whose window was full, from the next window
             again = ~has
             again[tried[~won]] = True
             ids, slots = ids[again], slots[again]
-            h = torch.where(has, at, (h + PROBE_WINDOW) & self._mask)[again]
-        self.live += n
+            h = xp.where(has, at, (h + PROBE_WINDOW) & self._mask)[again]
 
     def remove(self, ids: torch.Tensor) -> None:
         """Drop ids (all present)."""
         if len(ids) == 0:
             return
-        pos = self._find(ids)
+        pos = self._find(self._xp.array(ids.to(torch.int64)))
         if bool((pos < 0).any()):
             raise KeyError("HashIndex.remove: id not present")
         self.keys[pos] = TOMBSTONE
@@ -113,29 +206,34 @@ class HashIndex:
         self.tombstones += len(ids)
 
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:
-        at = torch.nonzero(self.keys >= 0).squeeze(1)
-        return self.keys.index_select(0, at), self.vals.index_select(0, at)
+        keys, vals = self._items()
+        return self._xp.tensor(keys), self._xp.tensor(vals)
+
+    def _items(self):
+        at = self._xp.nonzero(self.keys >= 0)
+        return self.keys[at], self.vals[at]
 
     def _rebuild(self, extra: int) -> None:
         """Drop the tombstones: the live ids placed afresh in a few whole-table ops
         (inserting them again took ~0.3 s for 0.5M ids, a stalled step)."""
-        keys, vals = self.items()
+        keys, vals = self._items()
         if len(keys) + extra > (self._mask + 1) * 3 // 4:
             raise RuntimeError("HashIndex over capacity: more ids than the tier was sized for")
-        self.keys.fill_(EMPTY)
-        self.vals.fill_(-1)
+        self.keys[:] = EMPTY
+        self.vals[:] = -1
         self.tombstones = 0
         # inserted in order of home slot, each id lands at its home or just past the id
         # before it: pos[i] = max(home[i], pos[i-1] + 1) = i + max(home[:i+1] - arange)
-        home, order = torch.sort(self._hash(keys))
-        keys, vals = keys.index_select(0, order), vals.index_select(0, order)
-        i = torch.arange(len(keys), device=self.device)
-        pos = torch.cummax(home - i, 0).values + i
+        home, order = self._xp.sort(self._home(keys))
+        keys, vals = keys[order], vals[order]
+        i = self._xp.arange(len(keys))
+        pos = self._xp.cummax(home - i) + i
         inside = pos <= self._mask
         self.keys[pos[inside]] = keys[inside]
         self.vals[pos[inside]] = vals[inside]
         self.live = int(inside.sum())
-        self.insert(keys[~inside], vals[~inside])  # a run past the table's end wraps to its start
+        self._place(keys[~inside], vals[~inside])  # a run past the table's end wraps to its start
+        self.live = len(keys)
 
 
 class DenseIndex:
@@ -148,27 +246,28 @@ class DenseIndex:
     """
 
     def __init__(self, num_rows: int, device: torch.device | str = "cpu"):
-        self.device = torch.device(device)
-        self.slots = torch.full((num_rows,), -1, dtype=torch.int32, device=self.device)
+        self._xp = _arrays(device)
+        self.device = self._xp.device
+        self.slots = self._xp.full(num_rows, -1, dtype=self._xp.int32)
         self.live = 0
 
     def __len__(self) -> int:
         return self.live
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.slots.index_select(0, ids).long()  # index_select: 2x faster than slots[ids] here
+        return self._xp.tensor(self.slots.take(self._xp.array(ids))).long()
 
     def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        self.slots[ids] = slots.to(torch.int32)
+        self.slots[self._xp.array(ids)] = self._xp.array(slots.to(torch.int32))
         self.live += len(ids)
 
     def remove(self, ids: torch.Tensor) -> None:
-        self.slots[ids] = -1
+        self.slots[self._xp.array(ids)] = -1
         self.live -= len(ids)
 
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.nonzero(self.slots >= 0).squeeze(1)
-        return ids, self.slots[ids].long()
+        ids = self._xp.nonzero(self.slots >= 0)
+        return self._xp.tensor(ids), self._xp.tensor(self.slots[ids]).long()
 
 
 def make_index(capacity: int, num_rows: int | None, device: torch.device | str = "cpu") -> HashIndex | DenseIndex:
