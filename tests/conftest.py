@@ -13,13 +13,40 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
+def pytest_configure(config):
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")  # set in each worker of `pytest -n N`
+    if workers:
+        # N workers share the cores: torch's default, a thread per core in each worker, oversubscribes them
+        # (idle threads spin: `-n 2` ran test_nn.py in 45 s, serially 25 s). Each worker takes its share (or
+        # fewer threads, if OMP_NUM_THREADS says so), and through the environment so do the daemons, demos
+        # and ranks it starts.
+        share = max(1, (os.cpu_count() or 1) // int(workers))
+        share = min(share, int(os.environ.get("OMP_NUM_THREADS", share)))
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        torch.set_num_threads(share)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        for item in items:
+            _group_by_module_fixture(item)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _group_by_module_fixture(item):
+    """Every worker that runs a test builds that test's module-scoped fixtures (a daemon, two ranks, a
+    synthesized trace: seconds each): under `--dist loadgroup` the tests of a module that share such a
+    fixture go to one worker, which builds it once."""
+    info = getattr(item, "_fixtureinfo", None)
+    scopes = {defs[-1].scope for defs in info.name2fixturedefs.values() if defs} if info else set()
+    if "module" in scopes:
+        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture

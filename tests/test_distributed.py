@@ -8,7 +8,6 @@ import dataclasses
 import datetime
 import os
 import re
-import socket
 import traceback
 from importlib import resources
 from pathlib import Path
@@ -94,16 +93,17 @@ CHECK_IDS = {"user": torch.arange(40), "item": torch.arange(30), "wide": torch.a
 
 
 # -- rank side ------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous(out: Path) -> str:
+    """Where the ranks of one launch meet: a file in the launch's own folder. (A port picked free and
+    closed again can be taken by another test's process before rank 0 binds it: `pytest -n` runs
+    tests side by side.) The ranks still talk over gloo's TCP sockets."""
+    return f"file://{Path(out).resolve() / 'rendezvous'}"
 
 
-def _rank_main(rank: int, world: int, port: int, out: str, scenario: str):
+def _rank_main(rank: int, world: int, init_method: str, out: str, scenario: str):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=20))
     try:
         result = SCENARIOS[scenario](rank, world, Path(out))
@@ -117,7 +117,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, scenario: str):
 def launch(tmp_path: Path, scenario: str, world: int) -> list:
     tmp_path.mkdir(parents=True, exist_ok=True)
     try:
-        mp.spawn(_rank_main, args=(world, _free_port(), str(tmp_path), scenario), nprocs=world, join=True)
+        mp.spawn(_rank_main, args=(world, rendezvous(tmp_path), str(tmp_path), scenario), nprocs=world, join=True)
     except Exception:
         errors = "\n".join(p.read_text() for p in sorted(tmp_path.glob("error-*.txt")))
         raise AssertionError(f"a rank failed:\n{errors}") from None
@@ -369,7 +369,7 @@ def test_four_ranks_then_reshard_to_two_then_three(tmp_path):
 def test_a_dead_rank_makes_the_others_raise_and_its_flushed_rows_survive(tmp_path):
     from tierstore import TieredStore
 
-    ctx = mp.start_processes(_rank_main, args=(2, _free_port(), str(tmp_path), "dead"), nprocs=2, join=False,
+    ctx = mp.start_processes(_rank_main, args=(2, rendezvous(tmp_path), str(tmp_path), "dead"), nprocs=2, join=False,
                              start_method="spawn")
     for p in ctx.processes:
         p.join(timeout=90)

@@ -15,17 +15,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_distributed import CHECK_IDS, TABLES, TIERS, _free_port, local_batch, loss_of, make_plan, raised
+from test_distributed import CHECK_IDS, TABLES, TIERS, local_batch, loss_of, make_plan, raised, rendezvous
 
 from tierstore import RowInit, TieredEmbeddingBagCollection, optim
 
 PARTS = ("settings", "empty", "mismatch")  # run in this order by one launch of 2 ranks
 
 
-def _rank_main(rank: int, world: int, port: int, out: str, parts: tuple[str, ...]):
+def _rank_main(rank: int, world: int, init_method: str, out: str, parts: tuple[str, ...]):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=20))
     for part in parts:  # each part's result saved at once: a later part that kills the rank loses none
         try:
@@ -40,7 +40,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, parts: tuple[str, ...
 def run_ranks(out: Path, parts: tuple[str, ...] = PARTS, world: int = 2) -> list[int | None]:
     """Run ``parts`` on ``world`` ranks; their exit codes (negative: killed by that signal)."""
     out.mkdir(parents=True, exist_ok=True)
-    ctx = mp.start_processes(_rank_main, args=(world, _free_port(), str(out), parts), nprocs=world, join=False,
+    ctx = mp.start_processes(_rank_main, args=(world, rendezvous(out), str(out), parts), nprocs=world, join=False,
                              start_method="spawn")
     for p in ctx.processes:
         p.join(timeout=120)

@@ -546,7 +546,7 @@ def test_concurrent_polls_apply_each_delta_once_in_order(tmp_path, monkeypatch):
         assert replica.metrics()["rows_applied"] == 300
 
 
-def _sharded_rank(rank: int, world: int, port: int, out: str) -> None:
+def _sharded_rank(rank: int, world: int, init_method: str, out: str) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -554,7 +554,7 @@ def _sharded_rank(rank: int, world: int, port: int, out: str) -> None:
     import test_distributed as td
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     td.train_sharded(rank, world, Path(out) / "train", "sgd", checkpoint=Path(out) / "ckpt")
     dist.destroy_process_group()
@@ -568,7 +568,7 @@ def test_export_of_a_sharded_checkpoint_is_the_whole_tables(tmp_path):
 
     import test_distributed as td
 
-    mp.spawn(_sharded_rank, args=(2, td._free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_sharded_rank, args=(2, td.rendezvous(tmp_path), str(tmp_path)), nprocs=2, join=True)
     _, expected = td.train_single(tmp_path / "single", 2, "sgd")
     with ServingStore(export(tmp_path / "ckpt", tmp_path / "serve", dtype="float32")) as srv:
         assert {t["name"] for t in srv.meta["tables"]} == set(td.CHECK_IDS)
