@@ -145,9 +145,9 @@ def test_rows_read_initial_and_drop_updates_until_admitted(tmp_path):
     init = torch.from_numpy(initial_rows(table, IDS[:2]))
     for step in (1, 2):
         loss(emb(ids, off), torch.ones(2, D)).backward()
-        assert torch.equal(emb.store._reread("t", torch.sort(ids).values), init[torch.argsort(ids)]), f"step {step}"
+        assert torch.equal(emb.store.trainer("t").reread(torch.sort(ids).values), init[torch.argsort(ids)]), f"step {step}"
     loss(emb(ids, off), torch.ones(2, D)).backward()  # the third use: its update is kept
-    assert not torch.equal(emb.store._reread("t", torch.sort(ids).values), init[torch.argsort(ids)])
+    assert not torch.equal(emb.store.trainer("t").reread(torch.sort(ids).values), init[torch.argsort(ids)])
     emb.store.flush()
     rows = emb.store.stats(per_table=True)["t"]["rows"]
     assert rows["admitted"] == 2 and rows["rejected"] == 4 and rows["stored"] == 2
@@ -304,7 +304,7 @@ def test_admission_counts_and_steps_are_durable_at_flush(tmp_path):
     assert emb.store._tables["t"].life.steps == 2
     init = torch.from_numpy(initial_rows(table, IDS[3:4]))
     loss(emb(ids, off), torch.ones(1, D)).backward()  # the third use since the store was made
-    assert not torch.equal(emb.store._reread("t", ids), init)
+    assert not torch.equal(emb.store.trainer("t").reread(ids), init)
     emb.store.close()
 
 
@@ -383,7 +383,7 @@ def test_capacity_predicts_admission_exactly_as_the_store_counts(tmp_path):
     with TieredStore(tmp_path / "trained", tables=[table], device="cpu", hbm_rows=16) as s:
         for c in calls:
             rows = s.read("t", np.unique(c))
-            keep = s._admitted("t", torch.from_numpy(np.unique(c)))
+            keep = s.trainer("t").admitted(torch.from_numpy(np.unique(c)))
             s.write("t", np.unique(c)[keep.numpy()], rows[keep] + 1)
         s.flush()
         assert s.stats(per_table=True)["t"]["rows"]["stored"] == predicted["rows_admitted"]
@@ -445,7 +445,7 @@ def test_a_failed_read_counts_no_step_and_changes_nothing(tmp_path, monkeypatch)
                     assert life.steps == before[0] and np.array_equal(life.sketch.counters, before[1])
                     assert s.stats(per_table=True) == before[2]
                 rows = s.read("t", c)
-                keep = s._admitted("t", torch.from_numpy(np.sort(c)))
+                keep = s.trainer("t").admitted(torch.from_numpy(np.sort(c)))
                 s.write("t", np.sort(c)[keep.numpy()], rows[torch.argsort(torch.from_numpy(c))][keep] * 0.5 + 1)
                 out.append(rows)
             return torch.cat(out)
@@ -525,7 +525,7 @@ def test_flushed_counts_steps_and_evictions_survive_kill_9(tmp_path):
     table = spec(admit_after=2, ttl_steps=4, admit_width=1024)
     with TieredStore(tmp_path, device="cpu") as s:
         assert s._tables["t"].life.steps == 2
-        assert s._admitted("t", torch.tensor([1, 2])).all() and not s._admitted("t", torch.tensor([5])).any()
+        assert s.trainer("t").admitted(torch.tensor([1, 2])).all() and not s.trainer("t").admitted(torch.tensor([5])).any()
         assert torch.equal(s.read("t", [1, 2, 3]), torch.cat([torch.ones(2, D), torch.from_numpy(initial_rows(table, np.array([3])))]))
 
 

@@ -736,8 +736,8 @@ def test_admission_requests_keep_the_protocol_rules(tmp_path, sockdir):
             c.read("t", np.arange(100_000))  # past one frame: it would count as several steps
         c.read("t", [1, 2])
         c.read("t", [2])
-        assert c._admitted("t", torch.tensor([1, 2, 3])).tolist() == [False, True, False]
-        assert torch.equal(c._reread("t", torch.tensor([1, 2])), c.read("t", [1, 2], with_state=True))
+        assert c.trainer("t").admitted(torch.tensor([1, 2, 3])).tolist() == [False, True, False]
+        assert torch.equal(c.trainer("t").reread(torch.tensor([1, 2])), c.read("t", [1, 2], with_state=True))
         assert c.stats(per_table=True)["t"]["rows"]["admitted"] == 3  # 0, 1 (id 2), 2: re-reads and queries are no steps
         c.close()
     finally:

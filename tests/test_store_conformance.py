@@ -92,6 +92,28 @@ def test_a_prefetched_read_equals_a_plain_one(opened):
             [np.ones((100, 8), dtype=np.float32), initial_rows(USER, ids[100:].numpy())])))
 
 
+def test_a_training_module_gets_one_trainer_per_table(opened):
+    """store.trainer(table), the seam tierstore.nn and tierstore.distributed use beside read and write."""
+    from tierstore.precision import update_key
+    from tierstore.trainer import TableTrainer
+
+    path, open_, _ = opened
+    with open_() as s:
+        t = s.trainer("item")
+        assert isinstance(t, TableTrainer) and t.table == "item" and s.trainer("item") is t
+        with pytest.raises(KeyError, match="unknown table 'nope'.*item"):
+            s.trainer("nope")
+        uid = torch.tensor([1, 3, 5])
+        assert t.admitted(uid) is None  # no admission: every update is kept
+        rows = torch.arange(18, dtype=torch.float32).reshape(3, 6)
+        t.write_update(uid, rows)
+        assert t.written == 1
+        assert torch.equal(t.reread(uid), rows) and torch.equal(s.read("item", uid, with_state=True), rows)
+        assert [t.update_key(), t.update_key()] == [update_key("item", 0), update_key("item", 1)]
+        with t.resident(uid) as hit:  # pinned rows where the store holds them itself, else None: the caller reads
+            assert hit is None or torch.equal(hit.tier.weights[hit.slots], rows[:, :4])
+
+
 def test_bad_calls_are_named_and_change_nothing(opened):
     path, open_, _ = opened
     with open_() as s:

@@ -61,7 +61,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -75,9 +75,10 @@ from .eviction import make_policy
 from .prefetch import PrefetchGroup, PrefetchTicket
 from .precision import DTYPES
 from .spec import TableSpec
-from .store import TieredStore, resolve_device
+from .store import TieredStore, as_ids, as_values, resolve_device
 from .step import StepPlanner
 from .tiers import CacheTier, first_uses, last_values, nonzero
+from .trainer import TableTrainer
 from .validate import check_int, check_number
 
 Claim = str | tuple[str, int, int]
@@ -155,7 +156,8 @@ class DaemonStore(TieredStore):
         self._hbm_counts: dict[str, TierCounters] = {}
         self._planners: dict[str, StepPlanner] = {}  # a step of each HBM tier
         self._use_clock = 0
-        self._updates: dict[str, int] = {}  # per table, for _update_key (kept by this client only)
+        self._updates: dict[str, int] = {}  # per table, for trainer(t).update_key (kept by this client only)
+        self._trainers: dict[str, ClientTableTrainer] = {}
         self._sock = self._connect()
         name = client or f"{socket.gethostname()}:{os.getpid()}"
         hello = {"client": name, "claims": [list(c) for c in claims], "readonly": self.readonly,
@@ -193,7 +195,7 @@ class DaemonStore(TieredStore):
         sizes = dict(hbm_rows) if isinstance(hbm_rows, Mapping) else {t: hbm_rows for t in self._ranges}
         for table, rows in sizes.items():
             check_int(rows, f"hbm_rows for {table}", meaning="0 = no HBM tier")
-            spec = self._spec(table)
+            spec = self.spec(table)
             if rows and spec.lived:
                 raise ValueError(f"hbm_rows for table {table!r}, which has admit_after, ttl_steps or evict_l2_below: the daemon counts "
                                  "each read of it as a step, and a client HBM tier would keep reads from it; give hbm_rows as "
@@ -289,7 +291,7 @@ class DaemonStore(TieredStore):
         n, chunk = len(ids), self._chunk(cols)
         if n <= chunk:
             return self._daemon_read_frame(table, ids, cols, with_state, out, ftype)
-        if ftype == wire.READ and self._spec(table).lived:  # every read of it is a step the daemon counts
+        if ftype == wire.READ and self.spec(table).lived:  # every read of it is a step the daemon counts
             raise ValueError(f"a read of {n} ids of table {table!r} exceeds the {chunk} ids of {cols} columns that fit one frame "
                              "(the daemon's frame limit and this client's shm_bytes); with admit_after, ttl_steps or "
                              "evict_l2_below each read is one step and cannot be split: read fewer ids per call")
@@ -339,14 +341,15 @@ class DaemonStore(TieredStore):
     def tables(self) -> dict[str, TableSpec]:
         return dict(self._tables)
 
-    def _spec(self, table: str) -> TableSpec:
+    def spec(self, table: str) -> TableSpec:
+        """``table``'s spec, as the daemon's store has it; a KeyError naming the tables if none."""
         try:
             return self._tables[table]
         except KeyError:
             raise KeyError(f"unknown table {table!r}; the store has tables {sorted(self._tables)}") from None
 
     def _ids_np(self, table: str, ids) -> np.ndarray:
-        spec = self._spec(table)
+        spec = self.spec(table)
         # The common case is checked in numpy, single-threaded: after a torch op on its
         # intra-op threads, OpenMP's idle workers spin for milliseconds, and while this
         # process waits for the daemon they would spin on the cores the daemon is using
@@ -355,7 +358,7 @@ class DaemonStore(TieredStore):
         # integers with values (float ids, ids on the meta device), before torch refuses it here.
         if isinstance(ids, torch.Tensor):
             if ids.dtype not in _INT_DTYPES or ids.device.type == "meta":
-                return self._as_ids(spec, ids).cpu().numpy()
+                return as_ids(spec, ids).cpu().numpy()
             arr = ids.detach().cpu().numpy()
         else:
             arr = np.asarray(ids)
@@ -363,10 +366,10 @@ class DaemonStore(TieredStore):
             arr = arr.astype(np.int64, copy=False)
             if arr.min() >= 0 and (spec.num_rows is None or arr.max() < spec.num_rows):
                 return arr
-        return self._as_ids(spec, ids).cpu().numpy()
+        return as_ids(spec, ids).cpu().numpy()
 
     def read(self, table: str, ids, with_state: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-        spec = self._spec(table)
+        spec = self.spec(table)
         ids_np = self._ids_np(table, ids)
         n, cols = len(ids_np), (spec.width if with_state else spec.dim)
         self._check_out(out, n, cols)
@@ -436,10 +439,10 @@ class DaemonStore(TieredStore):
     def write(self, table: str, ids, values, with_state: bool = False) -> None:
         if self.readonly:
             raise PermissionError(f"this client of {self.socket_path} attached readonly; attach with claim=[{table!r}] to write")
-        spec = self._spec(table)
+        spec = self.spec(table)
         ids_np = self._ids_np(table, ids)
         cols = spec.width if with_state else spec.dim
-        values = self._as_values(spec, values, len(ids_np), cols)
+        values = as_values(spec, values, len(ids_np), cols)
         if len(ids_np) == 0:
             return
         H = self._hbm.get(table)
@@ -458,35 +461,6 @@ class DaemonStore(TieredStore):
             s = slot[cached].to(H.device)
             H.put(s, values[cached], cols)
             H.dirty[s] = True
-
-    # -- admission and TTL: the daemon's store keeps the counts (README "Unbounded id spaces") --
-    def _admitted(self, table: str, uid: torch.Tensor) -> torch.Tensor | None:
-        """Which of the sorted unique ids a trainer's update may keep, as the daemon's
-        store counts them now; None when all may (no admission)."""
-        if self._spec(table).admit_after == 1:
-            return None
-        ids = self._ids_np(table, uid)
-        mask = np.empty(len(ids), dtype=bool)
-        chunk = self._chunk(0)
-        with self._lock:
-            for lo in range(0, len(ids), chunk):
-                part = ids[lo:lo + chunk]
-                reply = self._request(wire.Frame(wire.ADMITTED, text=table, ids=part))
-                if reply.ids is None or len(reply.ids) != len(part):
-                    raise RuntimeError(f"the daemon answered an admission query of {len(part)} ids with "
-                                       f"{0 if reply.ids is None else len(reply.ids)}")
-                mask[lo:lo + len(part)] = reply.ids != 0
-        return torch.from_numpy(mask)
-
-    def _reread(self, table: str, uid: torch.Tensor) -> torch.Tensor:
-        """The rows, with state, of sorted unique ids as the daemon's store has them now:
-        not a step. Such tables have no HBM tier here (see _make_hbm), so the daemon's
-        copy is the newest."""
-        spec = self._spec(table)
-        ids = self._ids_np(table, uid)
-        if not len(ids):
-            return torch.empty((0, spec.width), dtype=torch.float32, device=self.device)
-        return self._daemon_read(table, ids, spec.width, True, None, wire.REREAD)
 
     def evict(self, table: str, ids) -> int:
         """Delete the rows of ``ids`` from the daemon's tiers and LMDB (and this client's
@@ -521,9 +495,16 @@ class DaemonStore(TieredStore):
                 self._request(wire.Frame(wire.PREFETCH, 0, table, ids[lo:lo + self._max_hint_ids]))
         return PrefetchTicket(None, table, 0, None)
 
-    @contextlib.contextmanager
-    def _resident(self, table: str, ids: torch.Tensor, admit: bool = False):
-        yield None  # a module's forward reads through read(): rows may be at the daemon
+    def trainer(self, table: str) -> "ClientTableTrainer":
+        """This client's side of training ``table`` (tierstore.trainer.TableTrainer): a
+        module's forward reads its rows through read(), and admission and re-reads ask
+        the daemon's store."""
+        trainer = self._trainers.get(table)
+        if trainer is None:
+            self.spec(table)  # the KeyError for an unknown table
+            with self._lock:
+                trainer = self._trainers.setdefault(table, ClientTableTrainer(self, table, self._updates))
+        return trainer
 
     def prefetch_batch(self, reads) -> PrefetchGroup:
         # hints only: the daemon stages rows in its own DDR tier, so there is
@@ -575,7 +556,7 @@ class DaemonStore(TieredStore):
 
     def resident_rows(self, table: str) -> dict[str, int]:
         """Rows in this client's HBM tier (the daemon's DDR tier is not counted)."""
-        self._spec(table)
+        self.spec(table)
         H = self._hbm.get(table)
         return {"hbm": H.resident if H else 0}
 
@@ -618,6 +599,9 @@ class DaemonStore(TieredStore):
     def prefetch_stats(self) -> dict:
         self._unsupported("prefetch_stats")
 
+    def drain_writeback(self) -> None:
+        self._unsupported("drain_writeback")
+
     def __del__(self):
         # only hang up: writing HBM rows back would run torch ops, which is unsafe while
         # the interpreter shuts down (and an embedded store does not flush on collection
@@ -632,6 +616,48 @@ class DaemonStore(TieredStore):
     def __repr__(self) -> str:
         return (f"DaemonStore({str(self.path)!r}, daemon={str(self.socket_path)!r}, "
                 f"claims={[wire.describe_claim(c) for c in self.claims]}, readonly={self.readonly})")
+
+
+class ClientTableTrainer(TableTrainer):
+    """A daemon client's TableTrainer (``store.trainer(table)``). The rows may be at the
+    daemon, so a forward reads them (``resident`` yields None); tables with admission,
+    TTL or the L2 score have their steps counted by the daemon's store, which answers
+    which updates are kept (ADMITTED) and re-reads without a step (REREAD)."""
+
+    store: DaemonStore
+
+    @contextlib.contextmanager
+    def resident(self, ids: torch.Tensor, admit: bool = False) -> Iterator[None]:
+        yield None
+
+    def update_resident(self, slots: torch.Tensor, generation: int, update) -> bool:
+        return False  # never pinned (resident yields None): nothing changed
+
+    def admitted(self, uid: torch.Tensor) -> torch.Tensor | None:
+        c, table = self.store, self.table
+        if c.spec(table).admit_after == 1:
+            return None
+        ids = c._ids_np(table, uid)
+        mask = np.empty(len(ids), dtype=bool)
+        chunk = c._chunk(0)
+        with c._lock:
+            for lo in range(0, len(ids), chunk):
+                part = ids[lo:lo + chunk]
+                reply = c._request(wire.Frame(wire.ADMITTED, text=table, ids=part))
+                if reply.ids is None or len(reply.ids) != len(part):
+                    raise RuntimeError(f"the daemon answered an admission query of {len(part)} ids with "
+                                       f"{0 if reply.ids is None else len(reply.ids)}")
+                mask[lo:lo + len(part)] = reply.ids != 0
+        return torch.from_numpy(mask)
+
+    def reread(self, uid: torch.Tensor) -> torch.Tensor:
+        # such tables have no HBM tier here (DaemonStore._make_hbm): the daemon's copy is the newest
+        c, table = self.store, self.table
+        spec = c.spec(table)
+        ids = c._ids_np(table, uid)
+        if not len(ids):
+            return torch.empty((0, spec.width), dtype=torch.float32, device=c.device)
+        return c._daemon_read(table, ids, spec.width, True, None, wire.REREAD)
 
 
 def _is_range(c) -> bool:

@@ -64,14 +64,15 @@ from tierstore.io import StoreCorruptError
 
 from .checkpointing import FusedOptimizer, TableViews, check_loadable, load_views, state_layout, table_views
 from .errors import TierstoreError
-from .nn import MODES, EmbeddingBagConfig, _Bags, _mean_grads, _plan_bags, _Rows, _sum_rows, feature_parts
+from .bags import MODES, Bags, EmbeddingBagConfig, Rows, mean_grads, plan_bags, sum_rows
+from .nn import feature_parts
 from .optim import RowOptimizer
 from .planner import plan
 from .precision import round_stochastic
 from .prefetch import PrefetchGroup
 from .sharding import PlanMismatchError, Shard, ShardingPlan, TablePlan
 from .spec import TableSpec
-from .store import Sizes, TieredStore, resolve_device
+from .store import Sizes, TieredStore, as_ids, as_values, resolve_device
 
 __all__ = ["PlanMismatchError", "RankFailedError", "SettingsMismatchError", "Shard", "ShardedEmbeddingBagCollection",
            "ShardingPlan", "TablePlan", "plan"]
@@ -247,7 +248,7 @@ class _Step:
     """One forward's local bags and the table's ids on every rank, kept for backward."""
 
     names: list[str]  # tables of the batch, in the features' order
-    bags: dict[str, _Bags]
+    bags: dict[str, Bags]
     psw: dict[str, torch.Tensor | None]  # per used entry
     segs: dict[str, list[torch.Tensor]]  # per table of the plan: every rank's used ids
     psw_from: dict[str, list[bool]]  # per table: which ranks send per-sample weights
@@ -564,13 +565,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return out
 
     # -- forward and backward ------------------------------------------------------------------
-    def _plan_batch(self, features) -> tuple[dict[str, _Bags], dict[str, torch.Tensor | None]]:
+    def _plan_batch(self, features) -> tuple[dict[str, Bags], dict[str, torch.Tensor | None]]:
         if not isinstance(features, Mapping):
             raise TypeError("features must be a mapping {table: (values, offsets)}")
         bags, psws = {}, {}
         for name, feature in features.items():  # validate every table before anything moves
             values, offsets, psw = feature_parts(name, feature)
-            bags[name] = _plan_bags(self._configs[self._known(name)], values, offsets, psw)
+            bags[name] = plan_bags(self._configs[self._known(name)], values, offsets, psw)
             psws[name] = psw
         return bags, psws
 
@@ -613,7 +614,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 continue
             g = grads[name].cpu()
             if self._mode_name == "mean":
-                g = _mean_grads(g, bags.sizes)
+                g = mean_grads(g, bags.sizes)
             occ = g.index_select(0, bags.bag_of)
             psw = step.psw[name]
             for k, mask in enumerate(t.masks(bags.ids)):
@@ -645,10 +646,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         t, store = self._tables[name], self.local_store
         mask = torch.cat(masks)
         # the single process's order: the sort of the global batch's ids, ties included, then this shard's rows
-        grouped = _Rows.group(torch.cat(segs), mask)
+        grouped = Rows.group(torch.cat(segs), mask)
         uid = grouped.uid
         local = (torch.cumsum(mask, 0) - 1).index_select(0, grouped.perm)  # entries among those received
-        grad = _sum_rows(G, local, grouped.counts, None if P is None else P.index_select(0, local))
+        grad = sum_rows(G, local, grouped.counts, None if P is None else P.index_select(0, local))
         rows = store.read(name, uid, with_state=True)
         grad = grad.to(rows.device)
         shard = t.tplan.shards[t.mine]
@@ -659,7 +660,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         else:
             self.optimizer.step(rows[:, :dim], rows[:, dim:], grad)
         if t.spec.dtype != "float32":
-            rows[:, :dim] = round_stochastic(rows[:, :dim], t.spec.dtype, uid, store._update_key(name))
+            rows[:, :dim] = round_stochastic(rows[:, :dim], t.spec.dtype, uid, store.trainer(name).update_key())
         store.write(name, uid, rows, with_state=True)
 
     # -- prefetch (LookaheadLoader) --------------------------------------------------------------
@@ -700,7 +701,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     # -- rows wherever they live (collectives) ----------------------------------------------------
     def _table_ids(self, table: str, ids) -> tuple[_Table, torch.Tensor]:
         t = self._tables[self._known(table)]
-        return t, TieredStore._as_ids(t.spec, ids).cpu()
+        return t, as_ids(t.spec, ids).cpu()
 
     def _agree_table(self, op: _Op, table, with_state, ids, error) -> dict[str, list[torch.Tensor]]:
         index = list(self._tables).index(table) if isinstance(table, str) and table in self._tables else -1
@@ -730,7 +731,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             if not isinstance(with_state, bool):
                 raise TypeError(f"with_state must be True or False, got {with_state!r}")
             t, ids_t = self._table_ids(table, ids)
-            vals = TieredStore._as_values(t.spec, values, len(ids_t), t.spec.width if with_state else t.spec.dim)
+            vals = as_values(t.spec, values, len(ids_t), t.spec.width if with_state else t.spec.dim)
         except Exception as e:
             error, ids_t = e, torch.zeros(0, dtype=torch.int64)
         segs = self._agree_table(_Op.WRITE, table, with_state, ids_t, error)

@@ -22,6 +22,11 @@ When every row of a forward is in the table's top tier, the bags are pooled
 from the tier's weight matrix by slot and the backward updates the tier's rows
 in place (index_add_): no row is copied out or back, and the result is the same
 bit for bit as the general path's read, update and write.
+
+The modules use the store through its public calls and ``store.trainer(table)``
+(tierstore.trainer.TableTrainer: the resident forward, the in-place update, the
+rounding key, admission, re-reads and the count of backwards written); the bag
+math they share with tierstore.distributed is tierstore.bags.
 """
 from __future__ import annotations
 
@@ -29,21 +34,19 @@ import dataclasses
 import functools
 import sys
 import warnings
-import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from . import fbgemm
+from .bags import MODES, BagIndexError, BagOffsetsError, BagTypeError, Bags, EmbeddingBagConfig, plan_bags, row_grads
 from .checkpointing import FusedOptimizer, TableViews, check_loadable, load_views, table_views
-from .errors import TierstoreError
 from .optim import RowOptimizer
 from .precision import round_stochastic
-from .spec import MAX_ID, RowInit, TableSpec
-from .store import Sizes, TieredStore, check_has_values
+from .spec import RowInit, TableSpec
+from .store import Sizes, TieredStore
 
 __all__ = [
     "BagIndexError",
@@ -54,182 +57,7 @@ __all__ = [
     "TieredEmbeddingBagCollection",
 ]
 
-MODES = {"sum": 0, "mean": 1, "max": 2}
 _CHUNK_ROWS = 1 << 18  # from_pretrained writes in chunks of this many rows
-
-
-class BagIndexError(IndexError, RuntimeError, TierstoreError):
-    """An id outside [0, num_embeddings). A RuntimeError too, as torch raises."""
-
-
-class BagOffsetsError(ValueError, RuntimeError, TierstoreError):
-    """Offsets that do not describe bags of the input. A RuntimeError too, as torch raises."""
-
-
-class BagTypeError(TypeError, RuntimeError, TierstoreError):
-    """Ids, offsets or per-sample weights of the wrong dtype. A RuntimeError too, as torch raises."""
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-@dataclass
-class EmbeddingBagConfig:
-    """What a TieredEmbeddingBag computes; the store's layout is in its TableSpec."""
-
-    num_embeddings: int | None
-    embedding_dim: int
-    mode: str = "mean"
-    include_last_offset: bool = False
-    padding_idx: int | None = None
-    table: str = "t0"
-    init: RowInit = field(default_factory=lambda: RowInit.normal(0.0, 1.0))
-
-    def __post_init__(self):
-        n = self.num_embeddings
-        if n is not None and (not _is_int(n) or not 0 < n <= MAX_ID + 1):
-            raise ValueError(f"num_embeddings must be a positive int (or None for an unbounded id space), got {n!r}")
-        if not _is_int(self.embedding_dim) or self.embedding_dim <= 0:
-            raise ValueError(f"embedding_dim must be a positive int, got {self.embedding_dim!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode has to be one of sum, mean or max, got {self.mode!r}")
-        if not isinstance(self.include_last_offset, bool):
-            raise TypeError(f"include_last_offset must be a bool, got {self.include_last_offset!r}")
-        if self.padding_idx is not None:
-            p = self.padding_idx
-            if not _is_int(p):
-                raise TypeError(f"padding_idx must be an int or None, got {p!r}")
-            if n is None:
-                if p < 0:
-                    raise ValueError(f"padding_idx must be >= 0 for an unbounded table (num_embeddings=None), got {p}")
-            elif not -n <= p < n:
-                raise ValueError(f"padding_idx must be within num_embeddings: got {p} for num_embeddings={n}")
-            elif p < 0:
-                self.padding_idx = p + n  # as torch does
-        if not isinstance(self.init, RowInit):
-            raise TypeError("init must be a tierstore.RowInit, e.g. RowInit.normal(0, 1)")
-
-
-def _index_dtype_error(what: str, t: torch.Tensor) -> BagTypeError:
-    return BagTypeError(
-        f"Expected tensor for argument {what} to have one of the following scalar types: Long, Int; "
-        f"but got {t.type()} instead"
-    )
-
-
-def _is_index_dtype(t: torch.Tensor) -> bool:
-    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
-
-
-@dataclass
-class _Bags:
-    """One forward's bags over the used entries of its input (all CPU tensors)."""
-
-    ids: torch.Tensor  # [M] id of each used input entry
-    sizes: torch.Tensor  # [B] used entries per bag
-    offsets: torch.Tensor  # [B] start of each bag among the used entries
-    used: torch.Tensor | None  # [M] positions in the flat input of the used entries; None = all, in order
-    n_input: int  # entries in the flat input
-    sort_on: torch.device | None = None  # the GPU the ids came from: it groups them (rows), the host takes milliseconds
-    admitted: torch.Tensor | None = None  # [U] rows whose update is kept (admit_after); None = all
-    _bag_of: torch.Tensor | None = None
-    _rows: "_Rows | None" = None
-
-    @property
-    def bag_of(self) -> torch.Tensor:
-        """[M] bag of each used entry; only backward needs it, so it is made on first use."""
-        if self._bag_of is None:
-            self._bag_of = torch.repeat_interleave(torch.arange(len(self.sizes)), self.sizes, output_size=len(self.ids))
-        return self._bag_of
-
-    @property
-    def rows(self) -> "_Rows":
-        """The entries grouped by row."""
-        if self._rows is None:
-            self._rows = _Rows.group(self.ids, sort_on=self.sort_on)
-        return self._rows
-
-    def ends(self) -> torch.Tensor:
-        """[B + 1] bag offsets ending with the number of entries (FBGEMM's form)."""
-        return torch.cat([self.offsets, torch.tensor([len(self.ids)])])
-
-    def select(self, flat: torch.Tensor) -> torch.Tensor:
-        """Per-entry values of the flat input restricted to the used entries."""
-        return flat if self.used is None else flat.index_select(0, self.used.to(flat.device))
-
-    def pool(self, weights: torch.Tensor, index: torch.Tensor, mode: int,
-             psw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pooled bags, max_idx) from ``weights``, entry j being row ``index[j]``;
-        float16 weights only where FBGEMM sums them (TieredEmbeddingBag._run)."""
-        if weights.dtype == torch.float16:
-            return fbgemm.pool_half_sum(weights, index, self.ends(), psw), None
-        dev = weights.device
-        out, _, _, max_idx = torch.embedding_bag(weights, index.to(dev), self.offsets.to(dev), False, mode, False, psw, False, None)
-        return out, max_idx
-
-    def psw_grad(self, grad_out: torch.Tensor, weights: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        """Gradient of the per-sample weights (of the input's ``shape``), given the
-        bags' output gradient and the rows pooled (``weights``, by rows.positions())."""
-        dev = grad_out.device
-        per = (grad_out.index_select(0, self.bag_of.to(dev)) * weights.to(dev).index_select(0, self.rows.positions().to(dev))).sum(1)
-        return self.expand(per).reshape(shape)
-
-    def expand(self, per_used: torch.Tensor) -> torch.Tensor:
-        """Inverse of select: zeros at entries the bags do not use."""
-        if self.used is None:
-            return per_used
-        out = torch.zeros(self.n_input, dtype=per_used.dtype, device=per_used.device)
-        out[self.used.to(per_used.device)] = per_used
-        return out
-
-
-@dataclass
-class _Rows:
-    """A forward's entries grouped by row: sorted by id with torch.sort's default
-    (not stable=True), which orders equal ids as torch's sparse coalesce does,
-    so a row's summed gradient equals torch's (see _row_grads)."""
-
-    uid: torch.Tensor  # [U] sorted unique ids
-    perm: torch.Tensor  # [M] entries in id order
-    counts: torch.Tensor  # [U] entries per row
-    _local: torch.Tensor | None = None
-
-    @classmethod
-    def group(cls, ids: torch.Tensor, keep: torch.Tensor | None = None, sort_on: torch.device | None = None) -> "_Rows":
-        """``keep`` [M] (bool) leaves entries out after the sort, so the kept ones stay
-        in the order the sort of all ``ids`` gives them (a sharded owner's rows).
-        ``sort_on``: a device that sorts; the result is on ``ids``' device either way.
-        The sort is torch's default, as its sparse gradients' coalesce uses: a row's
-        entries are in the order that sums them as nn.EmbeddingBag does."""
-        on = ids if sort_on is None else ids.to(sort_on)
-        sorted_ids, perm = torch.sort(on)
-        if keep is not None:
-            perm = perm[keep.to(perm.device)[perm]]
-            sorted_ids = on.index_select(0, perm)
-        uid, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-        return cls(uid.to(ids.device), perm.to(ids.device), counts.to(ids.device))
-
-    def positions(self) -> torch.Tensor:
-        """[M] position in ``uid`` of each entry."""
-        if self._local is None:
-            self._local = torch.empty_like(self.perm)
-            self._local[self.perm] = torch.repeat_interleave(torch.arange(len(self.uid)), self.counts, output_size=len(self.perm))
-        return self._local
-
-    def firsts(self) -> torch.Tensor:
-        """[U] one entry of each row."""
-        return self.perm.index_select(0, torch.cumsum(self.counts, 0) - self.counts)
-
-
-# Rows a module's backward wrote, per (store, table): a backward whose forward
-# read rows before another backward wrote re-reads them instead of
-# overwriting that update with its stale copy.
-_WRITES: "weakref.WeakKeyDictionary[TieredStore, dict[str, int]]" = weakref.WeakKeyDictionary()
-
-
-def _write_count(store: TieredStore, table: str) -> int:
-    return _WRITES.get(store, {}).get(table, 0)
 
 
 class _TieredBagFunction(torch.autograd.Function):
@@ -244,7 +72,7 @@ class _TieredBagFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, per_sample_weights, weights, index, rows, resident, bags: _Bags, owner: "TieredEmbeddingBag"):
+    def forward(ctx, anchor, per_sample_weights, weights, index, rows, resident, bags: Bags, owner: "TieredEmbeddingBag"):
         dev = weights.device
         psw = None
         if per_sample_weights is not None:
@@ -253,7 +81,7 @@ class _TieredBagFunction(torch.autograd.Function):
         ctx.bags, ctx.owner, ctx.rows, ctx.resident = bags, owner, rows, resident
         ctx.weights = None if resident is not None else weights
         ctx.psw, ctx.psw_shape, ctx.max_idx = psw, None if per_sample_weights is None else per_sample_weights.shape, max_idx
-        ctx.writes = _write_count(owner.store, owner.table)
+        ctx.writes = owner.store.trainer(owner.table).written  # a backward written after this one's read: re-read
         return out
 
     @staticmethod
@@ -265,179 +93,11 @@ class _TieredBagFunction(torch.autograd.Function):
             grad_psw = bags.psw_grad(grad_out, ctx.weights, ctx.psw_shape)
         if ctx.needs_input_grad[0]:
             if ctx.resident is not None:
-                owner._update_resident(bags, ctx.resident, grad_out, ctx.psw)
+                owner._backward_in_place(bags, ctx.resident, grad_out, ctx.psw)
             else:
                 rows, ctx.rows = ctx.rows, None  # a failed or repeated backward re-reads
-                owner._update_read(bags, grad_out, ctx.psw, ctx.max_idx, rows, ctx.writes)
+                owner._backward_from_rows(bags, grad_out, ctx.psw, ctx.max_idx, rows, ctx.writes)
         return None, grad_psw, None, None, None, None, None, None
-
-
-def _row_grads(mode: str, bags: _Bags, rows: _Rows, grad_out: torch.Tensor, psw, max_idx) -> torch.Tensor:
-    """Summed gradient of each unique row, [U, dim], in a fixed summation order."""
-    U, dim = len(rows.uid), grad_out.shape[1]
-    dev = grad_out.device
-    if mode == "max":
-        # the row that gave each (bag, column) its maximum gets that column's gradient, summed
-        # in bag order: a stable sort and a bag sum (index_add_ adds in no fixed order on CUDA)
-        nonempty = (bags.sizes > 0).to(dev)
-        flat, order = torch.sort((max_idx[nonempty] * dim + torch.arange(dim, device=dev)).reshape(-1), stable=True)
-        at, counts = torch.unique_consecutive(flat, return_counts=True)
-        g = torch.zeros(U * dim, dtype=grad_out.dtype, device=dev)
-        g[at] = _sum_rows(grad_out[nonempty].reshape(-1, 1), order, counts, None).squeeze(1)
-        return g.reshape(U, dim)
-    # sum/mean: the transpose of the forward, itself a bag sum: row u's bag is the
-    # list of bags its entries fall in, in the order of _Rows. That is the order
-    # torch's sparse gradients are coalesced in, and the mean is applied as torch
-    # applies it, so without per-sample weights the row gradients equal
-    # nn.EmbeddingBag(sparse=True)'s bit for bit.
-    if mode == "mean":
-        grad_out = _mean_grads(grad_out, bags.sizes)
-    perm = rows.perm.to(dev)
-    w = None if psw is None else psw.index_select(0, perm)
-    return _sum_rows(grad_out, bags.bag_of.to(dev).index_select(0, perm), rows.counts, w)
-
-
-def _mean_grads(grad_out: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """The gradient of mean pooling from that of its bags' sums: times the reciprocal of
-    the bag's size, as torch does (not a division: that rounds differently)."""
-    return grad_out * (1.0 / sizes.clamp(min=1).to(device=grad_out.device, dtype=grad_out.dtype)).unsqueeze(1)
-
-
-# Entries one CUDA embedding_bag thread adds one after another: a hot row's thousands
-# of entries in one bag would make its sum the whole step's critical path.
-_RUN = 32
-
-
-def _sum_rows(src: torch.Tensor, index: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """[U, dim]: row u sums ``src[index[j]]`` (times ``weights[j]``) over its run of
-    ``counts[u]`` entries of ``index``, in that order (embedding_bag: no atomics).
-    On a GPU a run longer than _RUN is summed in pieces of _RUN, then its pieces in
-    order: a fixed order still (the same bits whatever the tiers), rounded unlike the
-    host's one pass."""
-    if src.device.type == "cuda":
-        while len(counts) and int(counts.max()) > _RUN:
-            pieces = (counts + _RUN - 1) // _RUN  # counts are >= 1: every row has an entry
-            sizes = torch.full((int(pieces.sum()),), _RUN, dtype=torch.int64, device=counts.device)
-            sizes[torch.cumsum(pieces, 0) - 1] = counts - _RUN * (pieces - 1)
-            src = _bag_sums(src, index, sizes, weights)
-            index, weights, counts = torch.arange(len(sizes), device=src.device), None, pieces
-    return _bag_sums(src, index, counts, weights)
-
-
-def _bag_sums(src: torch.Tensor, index: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    dev = src.device
-    row_offsets = torch.zeros(len(counts), dtype=torch.int64, device=dev)
-    if len(counts) > 1:
-        torch.cumsum(counts.to(dev)[:-1], 0, out=row_offsets[1:])
-    g, *_ = torch.embedding_bag(src, index, row_offsets, False, 0, False, weights, False, None)
-    return g
-
-
-def _plan_bags(c: EmbeddingBagConfig, input, offsets, per_sample_weights) -> _Bags:
-    """Validate like torch.nn.functional.embedding_bag and map the bags onto unique rows."""
-    if not isinstance(input, torch.Tensor):
-        raise TypeError(f"input must be a torch.Tensor of ids, got {type(input).__name__}")
-    if per_sample_weights is not None:
-        if not isinstance(per_sample_weights, torch.Tensor):
-            raise TypeError(f"per_sample_weights must be a torch.Tensor or None, got {type(per_sample_weights).__name__}")
-        if input.size() != per_sample_weights.size():
-            raise ValueError(
-                f"embedding_bag: If per_sample_weights ({per_sample_weights.shape}) is not None, "
-                f"then it must have the same shape as the input ({input.shape})"
-            )
-    include_last = c.include_last_offset
-    if input.dim() == 2:
-        if offsets is not None:
-            raise ValueError(
-                "if input is 2D, then offsets has to be None, as input is treated is a mini-batch of fixed length "
-                f"sequences. However, found offsets of type {type(offsets)}"
-            )
-        nbags, length = input.shape
-        starts = torch.arange(nbags, dtype=torch.int64) * length
-        include_last = False
-    elif input.dim() == 1:
-        if offsets is None:
-            raise ValueError("offsets has to be a 1D Tensor but got None")
-        if not isinstance(offsets, torch.Tensor):
-            raise TypeError(f"offsets must be a torch.Tensor, got {type(offsets).__name__}")
-        if offsets.dim() != 1:
-            raise ValueError("offsets has to be a 1D Tensor")
-        starts = None
-    else:
-        raise ValueError(f"input has to be 1D or 2D Tensor, but got Tensor of dimension {input.dim()}")
-    if per_sample_weights is not None and c.mode != "sum":
-        raise NotImplementedError(
-            "embedding_bag: per_sample_weights was not None. per_sample_weights is only supported for "
-            f"mode='sum' (got mode='{c.mode}'). Please open a feature request on GitHub."
-        )
-    if not _is_index_dtype(input):
-        raise _index_dtype_error("#1 'indices'", input)
-    if per_sample_weights is not None and per_sample_weights.dtype != torch.float32:
-        raise BagTypeError(
-            f"Expected tensor for argument #1 'weight' to have the same type as tensor for argument #1 "
-            f"'per_sample_weights'; but type torch.FloatTensor does not equal {per_sample_weights.type()}"
-        )
-    for what, t in (("ids", input), ("offsets", offsets), ("per_sample_weights", per_sample_weights)):
-        if t is not None:  # the store's error for a tensor with no values, not torch's when it is copied
-            check_has_values(t, what, c.table)
-    flat = input.detach().reshape(-1).to("cpu", torch.int64)
-    n_input = len(flat)
-    if starts is None:
-        if not _is_index_dtype(offsets):
-            raise _index_dtype_error("#2 'offsets'", offsets)
-        off = offsets.detach().to("cpu", torch.int64)
-        if include_last and len(off) == 0:
-            raise BagOffsetsError("include_last_offset: number of offset should be at least 1")
-        if len(off):
-            if int(off[0]) != 0:
-                raise BagOffsetsError(
-                    "offsets[0] has to be 0, i.e., the first sequence in the mini-batch has to start from "
-                    f"position 0. However, got {int(off[0])}"
-                )
-            if int(off[-1]) > n_input:
-                raise BagOffsetsError(
-                    f"offsets[-1] can not be greater than input's length {n_input} but got offsets[-1] of {int(off[-1])}"
-                )
-            down = torch.nonzero(off[1:] < off[:-1])
-            if len(down):
-                i = int(down[0])
-                raise BagOffsetsError(
-                    f"offsets must be non-decreasing, but offsets[{i}]={int(off[i])} > offsets[{i + 1}]={int(off[i + 1])}"
-                )
-        if include_last:
-            starts, end = off[:-1], int(off[-1])
-        else:
-            starts, end = off, (n_input if len(off) else 0)
-    else:
-        end = n_input
-    ids = flat[:end]
-    if end:
-        lo, hi = torch.aminmax(ids)
-        if lo < 0 or (c.num_embeddings is not None and hi >= c.num_embeddings):
-            bad = ids < 0
-            if c.num_embeddings is not None:
-                bad |= ids >= c.num_embeddings
-            i = int(torch.nonzero(bad)[0])
-            hi = c.num_embeddings if c.num_embeddings is not None else "2**63"
-            raise BagIndexError(
-                f"Index {i} of input takes value {int(ids[i])} which is not in the valid range [0, {hi}) "
-                f"of table {c.table!r}"
-            )
-    nbags = len(starts)
-    sizes = torch.diff(starts, append=torch.tensor([end], dtype=torch.int64))
-    bag_of = None
-    used = None if end == n_input else torch.arange(end)
-    if c.padding_idx is not None:
-        keep = ids != c.padding_idx
-        if not bool(keep.all()):
-            pos = torch.nonzero(keep).squeeze(1)
-            bag_of = torch.repeat_interleave(torch.arange(nbags), sizes, output_size=end)[pos]
-            ids, used = ids[pos], pos
-            sizes = torch.bincount(bag_of, minlength=nbags)
-    bag_offsets = torch.zeros(nbags, dtype=torch.int64)
-    if nbags > 1:
-        torch.cumsum(sizes[:-1], 0, out=bag_offsets[1:])
-    return _Bags(ids, sizes, bag_offsets, used, n_input, input.device if input.device.type == "cuda" else None, _bag_of=bag_of)
 
 
 def outside_graphs(fn):
@@ -761,10 +421,10 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         return s + f", optimizer={self.optimizer!r}"
 
     # -- the data path -------------------------------------------------------------------
-    def _plan(self, input, offsets, per_sample_weights) -> _Bags:
-        return _plan_bags(self.config, input, offsets, per_sample_weights)
+    def _plan(self, input, offsets, per_sample_weights) -> Bags:
+        return plan_bags(self.config, input, offsets, per_sample_weights)
 
-    def _run(self, bags: _Bags, per_sample_weights) -> torch.Tensor:
+    def _run(self, bags: Bags, per_sample_weights) -> torch.Tensor:
         train = self.trains and torch.is_grad_enabled()
         anchor = torch.empty(0, requires_grad=True) if train else None
         # Pool straight from the top tier's weights, once every row is there (the
@@ -773,9 +433,9 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         # reads the rows as the forward saw them).
         psw_grad = per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled()
         if self.config.mode != "max" and not psw_grad:
-            with self.store._resident(self.table, bags.ids, admit=True) as hit:
+            with self.store.trainer(self.table).resident(bags.ids, admit=True) as hit:
                 if hit is not None:
-                    bags.admitted = self._admitted(bags) if train else None
+                    bags.admitted = self._admitted_rows(bags) if train else None
                     weights, index = hit.tier.weights, hit.slots
                     # pool in float32, as from rows read: FBGEMM sums float16 rows so in place;
                     # else the batch's rows are gathered once and upcast
@@ -787,7 +447,7 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
                     return _TieredBagFunction.apply(anchor, per_sample_weights, weights, index, None,
                                                     hit if train else None, bags, self)
         rows = self.store.read(self.table, bags.rows.uid, with_state=train)
-        bags.admitted = self._admitted(bags) if train else None
+        bags.admitted = self._admitted_rows(bags) if train else None
         dim = self.config.embedding_dim
         weights = rows if rows.shape[1] == dim else rows[:, :dim].contiguous()
         if weights is rows and train and psw_grad:
@@ -795,18 +455,19 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         return _TieredBagFunction.apply(anchor, per_sample_weights, weights, bags.rows.positions(), rows if train else None,
                                         None, bags, self)
 
-    def _admitted(self, bags: _Bags) -> torch.Tensor | None:
+    def _admitted_rows(self, bags: Bags) -> torch.Tensor | None:
         """After the forward's read: which rows its backward may update (admit_after)."""
         if self.store.tables[self.table].admit_after == 1:
             return None
-        mask = self.store._admitted(self.table, bags.rows.uid)
+        mask = self.store.trainer(self.table).admitted(bags.rows.uid)
         return None if mask is None or bool(mask.all()) else mask
 
-    def _update_resident(self, bags: _Bags, hit, grad_out: torch.Tensor, psw) -> None:
+    def _backward_in_place(self, bags: Bags, hit, grad_out: torch.Tensor, psw) -> None:
         """The backward of a resident forward: the update runs on the tier's rows in
         place, unless a slot changed owner since the forward (then by id, as
-        _update_read does). The same update either way."""
-        key = self.store._update_key(self.table)
+        _backward_from_rows does). The same update either way."""
+        trainer = self.store.trainer(self.table)
+        key = trainer.update_key()
         # one slot per row (the entries grouped by row: a sort) only where needed; FBGEMM's kernel takes the entries' slots
         row_slots = None if self.kernels == "fbgemm" and bags.admitted is None else \
             hit.slots.index_select(0, bags.rows.firsts().to(hit.slots.device))
@@ -819,7 +480,7 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
                 fbgemm.fused_step(self.optimizer, top.weights, top.state, hit.slots, bags.ends(), grad_out, psw, self.config.mode)
                 held.restore()
         else:
-            grads = _row_grads(self.config.mode, bags, bags.rows, grad_out, psw, None)
+            grads = row_grads(self.config.mode, bags, bags.rows, grad_out, psw, None)
             slots = row_slots
             if bags.admitted is not None:
                 slots, grads = slots[bags.admitted.to(slots.device)], grads[bags.admitted.to(grads.device)]
@@ -835,37 +496,34 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
                     weights = top.weights.index_select(0, slots).to(torch.float32).add_(step)
                     weights = round_stochastic(weights, self.dtype, top.ids.index_select(0, slots), key)
                     top.weights.index_copy_(0, slots, weights.to(top.weights.dtype))
-        if self.store._update_resident(self.table, slots, hit.generation, update):
-            counts = _WRITES.setdefault(self.store, {})
-            counts[self.table] = counts.get(self.table, 0) + 1
-        else:
-            self._update_read(bags, grad_out, psw, None, None, 0, key)
+        if not trainer.update_resident(slots, hit.generation, update):
+            self._backward_from_rows(bags, grad_out, psw, None, None, 0, key)
 
-    def _update_read(self, bags: _Bags, grad_out: torch.Tensor, psw, max_idx, rows: torch.Tensor | None, writes: int,
-                     key: int | None = None) -> None:
-        """The backward of a forward that read its rows (``rows``, with state):
-        update them and write them back."""
+    def _backward_from_rows(self, bags: Bags, grad_out: torch.Tensor, psw, max_idx, rows: torch.Tensor | None, writes: int,
+                            key: int | None = None) -> None:
+        """The backward of a forward that read its rows (``rows``, with state, when
+        ``writes`` was the table's count of backwards written): update them and write
+        them back."""
         uid, dim = bags.rows.uid, self.config.embedding_dim
+        trainer = self.store.trainer(self.table)
         if key is None:
-            key = self.store._update_key(self.table)
-        counts = _WRITES.setdefault(self.store, {})
-        if rows is None or counts.get(self.table, 0) != writes:
+            key = trainer.update_key()
+        if rows is None or trainer.written != writes:
             # another backward wrote rows since this forward read them: update the current values
             # with admission or TTL, not a step: they count steps, and whether this happens depends on the tiers
-            rows = self.store._reread(self.table, uid) if self.store.tables[self.table].lived else self.store.read(self.table, uid, with_state=True)
+            rows = trainer.reread(uid) if self.store.tables[self.table].lived else self.store.read(self.table, uid, with_state=True)
         if self.kernels == "fbgemm":
             weights, state = rows[:, :dim].contiguous(), rows[:, dim:].contiguous()
             fbgemm.fused_step(self.optimizer, weights, state, bags.rows.positions(), bags.ends(), grad_out, psw, self.config.mode)
             rows = torch.cat([weights, state], dim=1)
         else:
-            grads = _row_grads(self.config.mode, bags, bags.rows, grad_out, psw, max_idx)
+            grads = row_grads(self.config.mode, bags, bags.rows, grad_out, psw, max_idx)
             self.optimizer.step(rows[:, :dim], rows[:, dim:], grads.to(rows.device))
             if self.dtype != "float32":
                 rows[:, :dim] = round_stochastic(rows[:, :dim], self.dtype, uid, key)
         if bags.admitted is not None:  # rows not admitted keep no update
             uid, rows = uid[bags.admitted], rows[bags.admitted.to(rows.device)]
-        self.store.write(self.table, uid, rows, with_state=True)
-        counts[self.table] = counts.get(self.table, 0) + 1
+        trainer.write_update(uid, rows)
 
 
 class _Held:

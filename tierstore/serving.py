@@ -258,6 +258,10 @@ class ServingStore:
                 self._tables[name].apply(*change)
             self._version = version
 
+    def spec(self, table: str) -> TableSpec:
+        """``table``'s spec; a KeyError naming the store's tables if it has no such table."""
+        return self._table(table).spec
+
     def dtype(self, table: str) -> str:
         return self._table(table).dtype
 
@@ -394,7 +398,7 @@ class ServingEmbeddingBag(nn.Module):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {sorted(MODES)} for serving, got {mode!r}")
-        store._table(table)
+        store.spec(table)  # the KeyError naming the store's tables
         self.store, self.table, self.mode, self.include_last_offset = store, table, mode, include_last_offset
 
     @classmethod
@@ -440,7 +444,7 @@ class ServingEmbeddingBagCollection(nn.Module):
         self._bags = {name: ServingEmbeddingBag(self.store, name, mode, include_last_offset) for name in self.store.tables}
 
     def __getitem__(self, name: str) -> ServingEmbeddingBag:
-        self.store._table(name)
+        self.store.spec(name)  # the KeyError naming the store's tables
         return self._bags[name]
 
     def forward(self, features: Mapping[str, object]) -> dict[str, torch.Tensor]:

@@ -46,9 +46,10 @@ from .counters import (LifeCounters, StoreCounters, StoreSnapshot, TableCounters
                        restored_on_error)
 from .memory import (DEFAULT_WRITEBACK_ROWS, MemoryPart, MemorySplit, check_fits, detect_limit, parse_bytes, process_rss,
                      return_freed_blocks, split_memory)
-from .precision import DTYPES, round_nearest, update_key
+from .precision import DTYPES, round_nearest
 from .spec import MAX_ID, TableSpec
 from .trace import TraceRecorder
+from .trainer import TableTrainer
 from .validate import check_choice, check_int, check_rows, set_fields, with_keywords
 from .prefetch import PrefetchConfig, Prefetcher, PrefetchGroup, PrefetchTicket, StoreParts
 from .table import Resident, Shared, TableStore
@@ -117,6 +118,65 @@ def check_has_values(t: torch.Tensor, what: str, table: str) -> None:
     if t.device.type == "meta":
         raise ValueError(f"{what} for table {table!r} are a tensor on the meta device, which holds no values; "
                          "pass a tensor on the CPU or a GPU")
+
+
+def as_ids(spec: TableSpec, ids) -> torch.Tensor:
+    """``ids`` as a 1-D int64 tensor on their device, or the store's named error: the
+    one id check of the store's calls, its prefetcher, the daemon and its client and
+    the sharded module."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(f"ids for table {spec.name!r} must be integers, got a tensor of {ids.dtype}")
+        check_has_values(ids, "ids", spec.name)
+        t = ids.detach()
+        if t.dtype == torch.uint64 and t.numel():  # torch casts ids >= 2**63 to negative int64s
+            wrapped = t.view(torch.int64)
+            if bool((wrapped < 0).any()):
+                big = int(wrapped[wrapped < 0].max()) + (1 << 64)
+                raise IndexError(f"id {big} out of range for table {spec.name!r} (ids are < 2**63)")
+    else:
+        arr = np.asarray(ids)
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"ids for table {spec.name!r} must be integers, got {arr.dtype}")
+        if arr.dtype == np.uint64 and arr.size and arr.max() > MAX_ID:
+            raise IndexError(f"id {int(arr.max())} out of range for table {spec.name!r} (ids are < 2**63)")
+        # a read-only array (a memory-mapped trace, np.frombuffer) is copied: torch tensors
+        # are always writable, and torch warns when it must share an array that is not
+        t = torch.from_numpy(arr.astype(np.int64, copy=not arr.flags.writeable))
+    if t.dim() != 1:
+        raise ValueError(f"ids for table {spec.name!r} must be 1-D, got shape {tuple(t.shape)}")
+    t = t.to(dtype=torch.int64)  # stays on its device: on CUDA the HBM probe runs there
+    if len(t):
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0:
+            raise IndexError(f"id {lo} is negative for table {spec.name!r}; ids must be >= 0")
+        if spec.num_rows is not None and hi >= spec.num_rows:
+            raise IndexError(f"id {hi} out of range for table {spec.name!r} with num_rows={spec.num_rows}")
+    return t
+
+
+def as_values(spec: TableSpec, values, n: int, cols: int) -> torch.Tensor:
+    """``values`` for ``n`` rows of ``cols`` columns as a float32 CPU tensor (the weights rounded
+    to the table's dtype), or the store's named error: the store's, the daemon client's and the
+    sharded module's one values check."""
+    if isinstance(values, torch.Tensor):
+        check_has_values(values, "values", spec.name)
+        v = values.detach()
+    else:
+        arr = np.asarray(values)
+        if arr.dtype.kind not in "fiu":
+            raise TypeError(f"values for table {spec.name!r} must be floating point, got {arr.dtype}")
+        v = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # as ids above
+    if v.dtype.is_complex or not (v.dtype.is_floating_point or v.dtype in (torch.int32, torch.int64)):
+        raise TypeError(f"values for table {spec.name!r} must be floating point, got {v.dtype}")
+    if tuple(v.shape) != (n, cols):
+        raise ValueError(f"values for table {spec.name!r} must have shape ({n}, {cols}), got {tuple(v.shape)}")
+    v = v.to(device="cpu", dtype=torch.float32)
+    if spec.dtype != "float32":  # a new tensor: the caller's is not changed
+        v = torch.cat([round_nearest(v[:, : spec.dim], spec.dtype), v[:, spec.dim:]], dim=1)
+    return v
 
 
 class TieredStore:
@@ -218,9 +278,10 @@ class TieredStore:
             self._evicted_before: dict[str, int] = dict(meta.get("evicted", {}))  # over the store's life, at the last flush
             self._load_sketches()
             self._counters = StoreCounters(last_flush=meta.get("last_flush"))
-            self._updates: dict[str, int] = dict(meta.get("updates", {}))  # per table, for _update_key
+            self._updates: dict[str, int] = dict(meta.get("updates", {}))  # per table, for trainer(t).update_key
+            self._trainers: dict[str, TableTrainer] = {}
             self.metrics = StoreMetrics(self, metrics_config)
-            self._prefetcher = Prefetcher(StoreParts(self._tables, self._table, self._as_ids, self._lock, self._backend,
+            self._prefetcher = Prefetcher(StoreParts(self._tables, self._table, as_ids, self._lock, self._backend,
                                                      self._writeback), prefetch)
             self._shared.prefetcher = self._prefetcher
         except BaseException:
@@ -333,7 +394,7 @@ class TieredStore:
         self._reap()
         self._prefetcher.check(table)  # a background failure nobody waited for surfaces here
         start = time.perf_counter()  # stage timings: one observation per call and stage, never per id
-        ids = self._as_ids(t.spec, ids)
+        ids = as_ids(t.spec, ids)
         cols = t.spec.width if with_state else t.spec.dim
         n = len(ids)
         self._check_out(out, n, cols)
@@ -380,7 +441,7 @@ class TieredStore:
             self._check_open()
             t = self._table(table)
             self._reap()
-            uid, inverse = torch.unique(self._as_ids(t.spec, ids).cpu(), return_inverse=True)
+            uid, inverse = torch.unique(as_ids(t.spec, ids).cpu(), return_inverse=True)
             rows = t.reread(uid)
         return (rows if with_state else rows[:, :t.spec.dim]).index_select(0, inverse)
 
@@ -400,9 +461,9 @@ class TieredStore:
         """
         with self._lock:
             t = self._table_to_write(table)
-            ids = self._as_ids(t.spec, ids)
+            ids = as_ids(t.spec, ids)
             cols = t.spec.width if with_state else t.spec.dim
-            values = self._as_values(t.spec, values, len(ids), cols)
+            values = as_values(t.spec, values, len(ids), cols)
             if len(ids) == 0:
                 return
             uid, values = last_values(ids.cpu(), values)
@@ -416,7 +477,7 @@ class TieredStore:
         the next flush(); a failure leaves every row as it was."""
         with self._lock:
             t = self._table_to_write(table)
-            uid = torch.unique(self._as_ids(t.spec, ids).cpu())
+            uid = torch.unique(as_ids(t.spec, ids).cpu())
             if not len(uid):
                 return 0
             self._reap(drain=True)
@@ -654,71 +715,30 @@ class TieredStore:
     def __repr__(self) -> str:
         return f"TieredStore({str(self.path)!r}, tables={sorted(self._tables)}, policy={self.config.policy!r}, device={str(self.device)!r})"
 
-    # -- the trainer modules' hooks (tierstore/nn.py; tools/daemon.py serves them) ----------
-    @contextlib.contextmanager
-    def _resident(self, table: str, ids: torch.Tensor, admit: bool = False) -> Iterator[Resident | None]:
-        """A module's forward: when every id (int64, in range) is in the top tier,
-        or, with ``admit``, once the use has brought them all there (unless the
-        call has more rows than the tier holds), count the use exactly as
-        ``read(table, ids)`` would and yield where the rows are, held steady
-        (calls that would overwrite tier rows wait) while the caller computes
-        from ``hit.tier.weights``; else yield None, having changed nothing, and
-        the caller reads."""
+    # -- what the training modules and the tools use beside the data calls ---------------------
+    def trainer(self, table: str) -> TableTrainer:
+        """The store's side of training ``table`` (tierstore.trainer.TableTrainer): what
+        TieredEmbeddingBag and the sharded module's shard owners use beside read() and
+        write(). One per table for the store's life."""
+        trainer = self._trainers.get(table)
+        if trainer is None:
+            with self._lock:
+                self._table(table)  # the store's KeyError for an unknown table
+                trainer = self._trainers.setdefault(table, EmbeddedTableTrainer(self, table, self._updates))
+        return trainer
+
+    def spec(self, table: str) -> TableSpec:
+        """``table``'s spec; a KeyError naming the store's tables if it has no such table."""
+        return self._table(table).spec
+
+    def drain_writeback(self) -> None:
+        """Return once every row already queued for LMDB (dirty rows the tiers evicted,
+        writes to rows not cached) is committed; rows still dirty in the tiers stay there
+        (flush() writes those too, and makes them durable). Raises a failed write-back as
+        the store's calls do."""
         with self._lock:
             self._check_open()
-            t = self._table(table)
-            self._reap()
-            self._prefetcher.check(table)
-            hit, top = None, t.hbm or t.ddr
-            # a module computes on the store's device, whatever tier holds the rows: a table
-            # with no HBM tier on a CUDA store is read (its rows go up), so its output and its
-            # update do not move between the GPU and the host with the tier sizes
-            if len(ids) and top is not None and top.device == self.device:
-                hit = t.use_top_tier(ids) or (t.admit(ids) if admit else None)
-            if hit is not None:
-                self._gathers += 1
-        if hit is None:
-            yield None
-            return
-        try:
-            yield hit
-        finally:
-            self._gather_done()
-
-    def _update_resident(self, table: str, slots: torch.Tensor, generation: int, update: Callable[[CacheTier], None]) -> bool:
-        """A module's backward: ``update(top tier)`` changes the rows at ``slots`` in
-        place (their weights and state), which are then dirty, as after a
-        ``write(..., with_state=True)`` of the updated rows, if no slot of the tier
-        changed owner since ``generation``. Returns False, having changed nothing,
-        if a slot did."""
-        with self._lock:
-            return self._table_to_write(table).update_resident(slots, generation, update)
-
-    def _update_key(self, table: str) -> int:
-        """Key of the next update of a table's rows (tierstore.precision): counts
-        the table's updates, a count that flush() makes durable."""
-        count = self._updates.get(table, 0)
-        self._updates[table] = count + 1
-        return update_key(table, count)
-
-    def _admitted(self, table: str, uid: torch.Tensor) -> torch.Tensor | None:
-        """Which of the sorted unique ids a trainer's update may change now (the
-        read of its step done); None when all may (no admission)."""
-        with self._lock:
-            life = self._table(table).life
-            if life.sketch is None:
-                return None
-            return torch.from_numpy(life.admitted(uid.cpu().numpy()))
-
-    def _reread(self, table: str, uid: torch.Tensor) -> torch.Tensor:
-        """The rows, with state, of sorted unique ids as they are now, for a backward
-        whose forward's copy is stale: not a step, no use, nothing moves between tiers
-        (whether a backward re-reads depends on the tiers' sizes)."""
-        with self._lock:
-            self._check_open()
-            t = self._table(table)
-            self._reap()
-            return t.reread(uid.cpu()).to(self.device)
+            self._reap(drain=True)
 
     def _gather_done(self) -> None:
         with self._gathers_done:
@@ -758,61 +778,6 @@ class TieredStore:
             return self._tables[name]
         except KeyError:
             raise KeyError(f"unknown table {name!r}; the store has tables {sorted(self._tables)}") from None
-
-    @staticmethod
-    def _as_ids(spec: TableSpec, ids) -> torch.Tensor:
-        """``ids`` as a 1-D int64 tensor on their device, or the store's named error: the
-        one id check of the store's calls, its prefetcher and the daemon client."""
-        if isinstance(ids, torch.Tensor):
-            if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-                raise TypeError(f"ids for table {spec.name!r} must be integers, got a tensor of {ids.dtype}")
-            check_has_values(ids, "ids", spec.name)
-            t = ids.detach()
-            if t.dtype == torch.uint64 and t.numel():  # torch casts ids >= 2**63 to negative int64s
-                wrapped = t.view(torch.int64)
-                if bool((wrapped < 0).any()):
-                    big = int(wrapped[wrapped < 0].max()) + (1 << 64)
-                    raise IndexError(f"id {big} out of range for table {spec.name!r} (ids are < 2**63)")
-        else:
-            arr = np.asarray(ids)
-            if arr.size == 0:
-                arr = arr.astype(np.int64)
-            if arr.dtype.kind not in "iu":
-                raise TypeError(f"ids for table {spec.name!r} must be integers, got {arr.dtype}")
-            if arr.dtype == np.uint64 and arr.size and arr.max() > MAX_ID:
-                raise IndexError(f"id {int(arr.max())} out of range for table {spec.name!r} (ids are < 2**63)")
-            # a read-only array (a memory-mapped trace, np.frombuffer) is copied: torch tensors
-            # are always writable, and torch warns when it must share an array that is not
-            t = torch.from_numpy(arr.astype(np.int64, copy=not arr.flags.writeable))
-        if t.dim() != 1:
-            raise ValueError(f"ids for table {spec.name!r} must be 1-D, got shape {tuple(t.shape)}")
-        t = t.to(dtype=torch.int64)  # stays on its device: on CUDA the HBM probe runs there
-        if len(t):
-            lo, hi = int(t.min()), int(t.max())
-            if lo < 0:
-                raise IndexError(f"id {lo} is negative for table {spec.name!r}; ids must be >= 0")
-            if spec.num_rows is not None and hi >= spec.num_rows:
-                raise IndexError(f"id {hi} out of range for table {spec.name!r} with num_rows={spec.num_rows}")
-        return t
-
-    @staticmethod
-    def _as_values(spec: TableSpec, values, n: int, cols: int) -> torch.Tensor:
-        if isinstance(values, torch.Tensor):
-            check_has_values(values, "values", spec.name)
-            v = values.detach()
-        else:
-            arr = np.asarray(values)
-            if arr.dtype.kind not in "fiu":
-                raise TypeError(f"values for table {spec.name!r} must be floating point, got {arr.dtype}")
-            v = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # as ids above
-        if v.dtype.is_complex or not (v.dtype.is_floating_point or v.dtype in (torch.int32, torch.int64)):
-            raise TypeError(f"values for table {spec.name!r} must be floating point, got {v.dtype}")
-        if tuple(v.shape) != (n, cols):
-            raise ValueError(f"values for table {spec.name!r} must have shape ({n}, {cols}), got {tuple(v.shape)}")
-        v = v.to(device="cpu", dtype=torch.float32)
-        if spec.dtype != "float32":  # a new tensor: the caller's is not changed
-            v = torch.cat([round_nearest(v[:, : spec.dim], spec.dtype), v[:, spec.dim:]], dim=1)
-        return v
 
     # -- the write-back queue, and what flush() keeps of admission ---------------------------
     def _reap(self, drain: bool = False) -> None:
@@ -860,3 +825,58 @@ class TieredStore:
         """What flush() makes durable of admission and eviction, beside the sketches."""
         return {"steps": {name: t.life.steps for name, t in self._tables.items()},
                 "evicted": {name: self._evicted_before.get(name, 0) + t.counters.life.evicted for name, t in self._tables.items()}}
+
+
+class EmbeddedTableTrainer(TableTrainer):
+    """An embedded store's TableTrainer (``store.trainer(table)``): the rows are the
+    store's own, so a forward may pool straight from its top tier."""
+
+    store: TieredStore
+
+    @contextlib.contextmanager
+    def resident(self, ids: torch.Tensor, admit: bool = False) -> Iterator[Resident | None]:
+        # held steady: calls that would overwrite tier rows wait, as for a read gathering outside the lock
+        s = self.store
+        with s._lock:
+            s._check_open()
+            t = s._table(self.table)
+            s._reap()
+            s._prefetcher.check(self.table)
+            hit, top = None, t.hbm or t.ddr
+            # a module computes on the store's device, whatever tier holds the rows: a table
+            # with no HBM tier on a CUDA store is read (its rows go up), so its output and its
+            # update do not move between the GPU and the host with the tier sizes
+            if len(ids) and top is not None and top.device == s.device:
+                hit = t.use_top_tier(ids) or (t.admit(ids) if admit else None)
+            if hit is not None:
+                s._gathers += 1
+        if hit is None:
+            yield None
+            return
+        try:
+            yield hit
+        finally:
+            s._gather_done()
+
+    def update_resident(self, slots: torch.Tensor, generation: int, update: Callable[[CacheTier], None]) -> bool:
+        with self.store._lock:
+            if not self.store._table_to_write(self.table).update_resident(slots, generation, update):
+                return False
+        self.written += 1
+        return True
+
+    def admitted(self, uid: torch.Tensor) -> torch.Tensor | None:
+        with self.store._lock:
+            life = self.store._table(self.table).life
+            if life.sketch is None:
+                return None
+            return torch.from_numpy(life.admitted(uid.cpu().numpy()))
+
+    def reread(self, uid: torch.Tensor) -> torch.Tensor:
+        # whether a backward re-reads depends on the tiers' sizes: so it is no step
+        s = self.store
+        with s._lock:
+            s._check_open()
+            t = s._table(self.table)
+            s._reap()
+            return t.reread(uid.cpu()).to(s.device)

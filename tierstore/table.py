@@ -399,7 +399,7 @@ class TableStore:
 
     def reread(self, uid: torch.Tensor) -> torch.Tensor:
         """The rows, with state, of sorted unique ids (on the CPU) as they are now:
-        not a step, no use, nothing moves between tiers (TieredStore._reread)."""
+        not a step, no use, nothing moves between tiers (store.trainer(table).reread)."""
         rows = torch.empty((len(uid), self.spec.width), dtype=torch.float32)
         targets, placed = self._cached(uid)
         self._shared.await_gathers()
@@ -442,7 +442,7 @@ class TableStore:
         return by_id(torch.cat(ids), torch.cat(rows)) if ids else None
 
     def update_resident(self, slots: torch.Tensor, generation: int, update: Callable[[CacheTier], None]) -> bool:
-        """TieredStore._update_resident on this table: False, having changed nothing,
+        """store.trainer(table).update_resident on this table: False, having changed nothing,
         if a slot of the top tier changed owner since ``generation``."""
         top = self.hbm or self.ddr
         if top is None or top.generation != generation:

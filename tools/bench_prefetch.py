@@ -83,7 +83,7 @@ def _model(path, ddr_rows: int, latency_us: float, workers: int, copy_of: str | 
         shutil.copytree(copy_of, path)
     store = tierstore.TieredStore(path, ddr_rows=ddr_rows, device="cpu", prefetch=PrefetchConfig(workers=workers, sync_read_us=sync_read_us))
     emb = tierstore.TieredEmbeddingBag(ROWS, DIM, mode="sum", store=store, table="t0", optimizer=tierstore.optim.SGD(lr=0.01))
-    if latency_us:
+    if latency_us:  # injected latency: a mock of LMDB's reads, as the tests inject faults (no public hook: LMDB stays in io/)
         real = emb.store._backend.get_rows
 
         def slow_get_rows(table, ids, out):  # a disk that serves a row every latency_us per thread
@@ -154,8 +154,7 @@ def _step_ms(step: _Step, data, depth: int) -> tuple[float, dict[str, float]]:
         times.append(now - t_prev)
         t_prev = now
     store = step.emb.store
-    with store._lock:  # the rows the steps queued for LMDB: their commits are part of the steps' cost
-        store._reap(drain=True)
+    store.drain_writeback()  # the rows the steps queued for LMDB: their commits are part of the steps' cost
     return statistics.median(times[len(times) // 4:]) * 1e3, _since(cpu, _cpu_seconds())
 
 

@@ -65,6 +65,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tierstore import wire
 from tierstore.memory import parse_bytes
+from tierstore.store import as_ids
 from tierstore.tools.cli import nonneg_float, nonneg_int, positive_float, positive_int
 from tierstore.tools.stats import require_store
 from tierstore.validate import check_int, check_number
@@ -559,13 +560,13 @@ class Daemon:
             return wire.Frame(f.type)
         if f.type == wire.ADMITTED:
             ids = self._unique_ids(f)
-            mask = store._admitted(f.text, torch.from_numpy(ids)) if len(ids) else None
+            mask = store.trainer(f.text).admitted(torch.from_numpy(ids)) if len(ids) else None
             self._count(s, "admitted", len(ids))
             return wire.Frame(f.type, ids=np.ones(len(ids), dtype=np.int64) if mask is None else mask.numpy().astype(np.int64))
         if f.type == wire.REREAD:
             ids = self._unique_ids(f)
             self._check_reply_rows(len(ids), store.tables[f.text].width)
-            rows = store._reread(f.text, torch.from_numpy(ids)) if len(ids) else torch.empty((0, store.tables[f.text].width))
+            rows = store.trainer(f.text).reread(torch.from_numpy(ids)) if len(ids) else torch.empty((0, store.tables[f.text].width))
             self._count(s, "reread", len(ids))
             return wire.Frame(f.type, rows=rows.numpy())
         if f.type == wire.EVICT:
@@ -771,7 +772,7 @@ class Daemon:
         return nbytes
 
     def _check_ids(self, table: str, ids: np.ndarray) -> None:
-        self.store._as_ids(self.store._table(table).spec, ids)  # the embedded store's checks and messages
+        as_ids(self.store.spec(table), ids)  # the embedded store's checks and messages
 
     # -- lookahead from a trace ----------------------------------------------------------------
     def _lookahead(self) -> None:
