@@ -161,9 +161,10 @@ def test_tier_bytes_are_what_a_tier_allocates(num_rows, dim, dtype, state_dim, r
 
 
 def allocated(tier: CacheTier) -> int:
-    """The tier's tensors and its index's, and the working buffers eviction and prefetch keep per slot."""
-    tensors = [v for obj in (tier, tier.index) for v in vars(obj).values() if isinstance(v, torch.Tensor)]
-    return sum(t.nbytes for t in tensors) + WORK_BYTES_PER_SLOT * tier.capacity
+    """The tier's tensors and its index's arrays (numpy's on the host), and the working
+    buffers eviction and prefetch keep per slot."""
+    arrays = [v for obj in (tier, tier.index) for v in vars(obj).values() if isinstance(v, (torch.Tensor, np.ndarray))]
+    return sum(a.nbytes for a in arrays) + WORK_BYTES_PER_SLOT * tier.capacity
 
 
 # -- the accounting: what the store says against what it allocates ---------------------------

@@ -93,7 +93,7 @@ def _index_bytes(spec: TableSpec, rows: int) -> int:
     if spec.num_rows is not None and spec.num_rows <= 32 * rows:
         return 4 * spec.num_rows
     bits = max(4, (2 * max(rows, 1) - 1).bit_length())
-    return (16 << bits) + 8 * (1 + PROBE_WINDOW)  # and its multiplier and probe offsets
+    return (16 << bits) + 8 * PROBE_WINDOW  # and its probe offsets
 
 
 def slot_bytes(spec: TableSpec) -> int:
