@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 import tierstore
 import tierstore.planner
 import tierstore.tools.plan_cli
+import tierstore.tools.demo
 import tierstore.tools.synth
 from tierstore.tools.cli import _parsers, build_parser, main, parse_size
 from tierstore.tools.demo import DemoConfig, RunResult, StoreFigures, summary_lines
@@ -122,6 +123,18 @@ def test_ctrl_c_in_the_demo_ends_with_one_line_and_a_consistent_store(tmp_path):
                     "at its end); rerun `tierstore demo` to train afresh")
     assert out == ""
     with tierstore.TieredStore(d / "store", readonly=True) as store:  # opens, as of its last commit
+        assert store.read("cat0", torch.arange(2000)).shape == (2000, 16)
+
+
+def test_ctrl_c_in_the_demo_after_training_says_the_store_is_complete(tmp_path, monkeypatch, capsys):
+    d = tmp_path / "demo"
+    monkeypatch.setattr(tierstore.tools.demo, "serve", interrupt)  # Ctrl-C in the serving step
+    assert main(["demo", "--dir", str(d), "--steps", "3", "--batch", "16", "--rows", "2000", "--hbm-rows", "32",
+                 "--ddr-rows", "128", "--tables", "2", "--no-progress"]) == 130
+    assert one_line(capsys) == (f"tierstore: interrupted; training had finished: the store in {d / 'store'} and its "
+                                "checkpoint are complete; what followed (the serving step, --compare) was cut short: "
+                                "--no-serve skips serving")
+    with tierstore.TieredStore(d / "checkpoint", readonly=True) as store:
         assert store.read("cat0", torch.arange(2000)).shape == (2000, 16)
 
 

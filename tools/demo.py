@@ -590,6 +590,10 @@ def register(sub) -> None:
 
 
 def _kept(args: argparse.Namespace) -> str:
+    # a run starts in an emptied directory and checkpoints (atomically) once training ends
+    if (args.dir / "checkpoint").exists():
+        return (f"training had finished: the store in {args.dir / 'store'} and its checkpoint are complete; "
+                "what followed (the serving step, --compare) was cut short: --no-serve skips serving")
     # LMDB commits are atomic: the store opens as of its last commit; the demo flushes only at its end
     return (f"the store in {args.dir} is consistent but only partly trained (the demo flushes at its end); "
             "rerun `tierstore demo` to train afresh")
