@@ -11,7 +11,7 @@ passes, per candidate row, the index of the step that next uses it, or
    policy, so the choice is deterministic.
 
 With an infinite window this is Belady's MIN (farthest next use evicted first).
-Numpy only, like the other policies: the store (issue 4) and the capacity
+Numpy only, like the other policies: the store and the capacity
 simulator share it and agree to the row.
 """
 from __future__ import annotations

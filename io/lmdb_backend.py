@@ -266,12 +266,10 @@ class LmdbBackend:
                     max_dbs=1024,
                     readonly=self.readonly,
                     sync=False,
-                    # Not writemap=True (README, "Tried, and not kept"): it halves a commit's CPU
-                    # while the pages are cached, but a page written through the map is read from
-                    # disk first when it is not, where pwrite of a whole page reads nothing:
-                    # with the page cache dropped the write-back's CPU went from ~2 to ~5-6 us a
-                    # row moved. (Its SIGBUS on a full disk can be avoided: posix_fallocate
-                    # ahead of each commit, bounded by the pages the commit can write.)
+                    # Not writemap=True: it halves a commit's CPU while the pages are cached, but
+                    # a page written through the map is read from disk first when it is not,
+                    # where pwrite of a whole page reads nothing (with the page cache dropped, 2-3x
+                    # the write-back's CPU a row moved).
                     readahead=False,  # random row access: readahead wastes page cache
                     max_readers=256,
                 )

@@ -1,4 +1,4 @@
-"""Embedding tables sharded across processes on torch.distributed (issue #17).
+"""Embedding tables sharded across processes on torch.distributed.
 
 ``ShardedEmbeddingBagCollection`` is TieredEmbeddingBagCollection split by a
 ShardingPlan: each rank keeps its shards in a TieredStore of its own under

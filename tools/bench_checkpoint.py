@@ -1,4 +1,4 @@
-"""Checkpoint and compile figures for issue #32 (BENCHMARKS.md, "Checkpoints and torch.compile").
+"""Checkpoint and compile figures (BENCHMARKS.md, "Checkpoints and torch.compile").
 
 ``python -m tierstore.tools.bench_checkpoint DIR [--rows 1000000] [--dim 128] [--steps 60]``
 

@@ -1,5 +1,5 @@
 """``tierstore bench scale``: a table many times larger than the memory a trainer is
-given, trained under a real memory limit (issue #31).
+given, trained under a real memory limit.
 
 One run builds (or reuses, ``--path``) a table of ``--rows`` x ``--dim`` float32 rows
 (8.1 GiB of rows by default), then, in the same run:

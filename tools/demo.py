@@ -9,7 +9,7 @@ tier, so rows move between HBM, DDR and LMDB all the time. ``--compare``
 trains the same model with torch.nn.EmbeddingBag in memory on the same data
 and checks that the two runs agree.
 
-After training, the serving step (issue #34; ``--no-serve`` skips it) exports
+After training, the serving step (``--no-serve`` skips it) exports
 the store to int8 and float32 serving stores and serves the held-out batches
 from each with the trained dense layers; float32 serving must reproduce
 training's held-out loss. ``--record-trace PATH`` records the store's lookups
