@@ -117,7 +117,7 @@ def raw_conn(sock_path) -> socket.socket:
 def test_socket_is_0600_and_reads_match_an_embedded_store(daemon, store_path):
     assert stat.S_IMODE(os.stat(daemon.sock).st_mode) == 0o600
     c = attach(daemon, store_path, readonly=True)
-    assert isinstance(c, tierstore.TieredStore) and c.tables == {"user": USER, "item": ITEM}
+    assert isinstance(c, tierstore.EmbeddingStore) and c.tables == {"user": USER, "item": ITEM}
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 10_000, 3000)
     got = c.read("user", ids)

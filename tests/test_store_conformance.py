@@ -4,6 +4,7 @@ prefetchd` process over its Unix socket). Each is checked against a plain model 
 rows, and the two against each other."""
 from __future__ import annotations
 
+import pickle
 import signal
 
 import numpy as np
@@ -42,8 +43,26 @@ def test_it_is_an_embedding_store_of_its_tables(opened):
     path, open_, _ = opened
     with open_() as s:
         assert isinstance(s, tierstore.EmbeddingStore)
-        assert s.tables == {"user": USER, "item": ITEM}
-        assert s.device == torch.device("cpu")
+        if isinstance(s, tierstore.client.DaemonStore):  # each implements the interface itself
+            assert not isinstance(s, tierstore.TieredStore)
+        assert s.tables == {"user": USER, "item": ITEM} and s.spec("item") == ITEM
+        assert s.device == torch.device("cpu") and s.path == path and s.readonly is False
+
+
+def test_a_module_takes_any_embedding_store_and_names_the_interface_otherwise(opened):
+    path, open_, _ = opened
+    with open_() as s:
+        bag = tierstore.TieredEmbeddingBag(10_000, 8, store=s, table="user", mode="sum").eval()
+        assert torch.equal(bag(torch.tensor([3, 4]), torch.tensor([0])), s.read("user", [3, 4]).sum(0, keepdim=True))
+    with pytest.raises(TypeError, match=r"store must be a tierstore.EmbeddingStore .*got dict"):
+        tierstore.TieredEmbeddingBag(10_000, 8, store={"user": USER}, table="user")
+
+
+def test_pickling_it_says_what_to_do(opened):
+    path, open_, _ = opened
+    with open_() as s:
+        with pytest.raises(TypeError, match=r"cannot be pickled or deep-copied.*state_dict\(\)"):
+            pickle.dumps(s)
 
 
 def test_rows_read_as_written_then_as_initial_once_evicted(opened):

@@ -72,10 +72,11 @@ from tierstore.io import unique_ids
 from . import wire
 from .counters import TierCounters, add_dicts
 from .eviction import make_policy
+from .interface import EmbeddingStore
 from .prefetch import PrefetchGroup, PrefetchTicket
 from .precision import DTYPES
 from .spec import TableSpec
-from .store import TieredStore, as_ids, as_values, resolve_device
+from .store import TieredStore, as_ids, as_values, check_out, gather_rows, gather_tier, resolve_device, unpicklable
 from .step import StepPlanner
 from .tiers import CacheTier, first_uses, last_values, nonzero
 from .trainer import TableTrainer
@@ -86,17 +87,18 @@ _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def open_store(path: str | Path, tables: Sequence[TableSpec] | None = None, *, daemon: str | Path | None = None,
-               **options) -> TieredStore:
+               **options) -> EmbeddingStore:
     """The store at ``path``: embedded (a TieredStore), or with ``daemon=SOCK`` a
-    client of the ``tierstore prefetchd`` serving it there (a DaemonStore, the same
-    API; ``claim=`` names what it writes). ``options`` are the class's own."""
+    client of the ``tierstore prefetchd`` serving it there (a DaemonStore; both are
+    tierstore.EmbeddingStore, ``claim=`` names what it writes). ``options`` are the class's own."""
     if daemon is None:
         return TieredStore(path, tables, **options)
     return DaemonStore(path, tables, daemon=daemon, **options)
 
 
-class DaemonStore(TieredStore):
-    """A store served by a ``tierstore prefetchd`` daemon (same read/write API).
+class DaemonStore:
+    """A store served by a ``tierstore prefetchd`` daemon: a tierstore.EmbeddingStore, as
+    the embedded TieredStore is (its checks and gathers are the functions both call).
 
     ``claim``: table names or ``(table, lo, hi)`` half-open row ranges this
     client writes (PermissionError naming the holder if someone else has any
@@ -248,8 +250,7 @@ class DaemonStore(TieredStore):
         """Send one frame and wait for its reply. Rows of a reply that came through
         shared memory are a view into it: valid until the next request."""
         with self._lock:
-            if self._closed:
-                raise RuntimeError(f"daemon store {self.path} (via {self.socket_path}) is closed")
+            self._check_open()
             try:
                 try:
                     wire.send_frame(self._sock, frame, self._shm, self._shm_threshold)
@@ -270,6 +271,10 @@ class DaemonStore(TieredStore):
                 self._drop_connection()  # the daemon closed the connection after this reply
         wire.raise_for(reply)
         return reply
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"daemon store {self.path} (via {self.socket_path}) is closed")
 
     def _drop_connection(self) -> None:
         self._closed = True
@@ -372,7 +377,7 @@ class DaemonStore(TieredStore):
         spec = self.spec(table)
         ids_np = self._ids_np(table, ids)
         n, cols = len(ids_np), (spec.width if with_state else spec.dim)
-        self._check_out(out, n, cols)
+        check_out(out, n, cols, self.device)
         if n == 0:
             return out if out is not None else torch.empty((0, cols), dtype=torch.float32, device=self.device)
         tier = self._hbm.get(table)
@@ -402,7 +407,7 @@ class DaemonStore(TieredStore):
         if bool((slots >= 0).all()):  # every row resident: no dedupe, no daemon
             c.hits += H.use_resident(slots, self._use_clock)
             self._use_clock += n
-            return self._gather_tier(H, slots, cols, out)
+            return gather_tier(H, slots, cols, out, self.device)
 
         uid, inverse, first = first_uses(ids)
         slot = H.lookup(uid).cpu()
@@ -423,7 +428,7 @@ class DaemonStore(TieredStore):
         c.hits += int(hit.sum())
         c.misses += len(miss)
         self._use_clock += n
-        return self._gather(rows, inverse.to(H.device), cols, out)
+        return gather_rows(rows, inverse.to(H.device), cols, out, self.device)
 
     def _write_back(self, table: str, H: CacheTier, slots: torch.Tensor) -> int:
         """WRITE the dirty rows among ``slots`` (with their state) to the daemon; marks them clean."""
@@ -601,6 +606,15 @@ class DaemonStore(TieredStore):
 
     def drain_writeback(self) -> None:
         self._unsupported("drain_writeback")
+
+    def __enter__(self) -> "DaemonStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __reduce_ex__(self, protocol):
+        raise unpicklable(self, "a connection to its daemon, shared memory and locks")
 
     def __del__(self):
         # only hang up: writing HBM rows back would run torch ops, which is unsafe while

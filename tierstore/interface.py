@@ -1,16 +1,21 @@
 """The store's public interface, as a Protocol: what a trainer, the embedding modules and the
 tools may rely on of any store. ``TieredStore`` (embedded) and ``DaemonStore`` (a client of
-``tierstore prefetchd``, from ``open_store(..., daemon=)``) both provide it, and
-tests/test_store_conformance.py runs the same checks against each."""
+``tierstore prefetchd``, from ``open_store(..., daemon=)``) both provide it, neither
+inheriting from the other, and tests/test_store_conformance.py runs the same checks
+against each. Code that takes any store checks ``isinstance(store, EmbeddingStore)``."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from .prefetch import PrefetchGroup, PrefetchTicket
 from .spec import TableSpec
+
+if TYPE_CHECKING:
+    from .trainer import TableTrainer
 
 
 @runtime_checkable
@@ -18,10 +23,19 @@ class EmbeddingStore(Protocol):
     """Rows of named tables by id, with optional optimizer state beside them."""
 
     device: torch.device  # where read() returns rows
+    path: Path  # the store's directory
+    readonly: bool  # True: write() and evict() raise PermissionError
 
     @property
     def tables(self) -> dict[str, TableSpec]:
         """The store's tables by name."""
+
+    def spec(self, table: str) -> TableSpec:
+        """``table``'s spec; a KeyError naming the store's tables if it has no such table."""
+
+    def trainer(self, table: str) -> "TableTrainer":
+        """What a training module uses of the store for ``table`` beside read() and write()
+        (tierstore.trainer): one per table for the store's life."""
 
     def read(self, table: str, ids, with_state: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of ``ids`` (any order, repeats allowed): [len(ids), dim] (+ state_dim with ``with_state``);

@@ -43,6 +43,7 @@ from torch import nn
 from . import fbgemm
 from .bags import MODES, BagIndexError, BagOffsetsError, BagTypeError, Bags, EmbeddingBagConfig, plan_bags, row_grads
 from .checkpointing import FusedOptimizer, TableViews, check_loadable, load_views, table_views
+from .interface import EmbeddingStore
 from .optim import RowOptimizer
 from .precision import round_stochastic
 from .spec import RowInit, TableSpec
@@ -192,7 +193,7 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         *,
         mode: str = "mean",
         path: str | Path | None = None,
-        store: TieredStore | None = None,
+        store: EmbeddingStore | None = None,
         table: str = "t0",
         hbm_rows: Sizes | None = None,
         ddr_rows: Sizes | None = None,
@@ -239,8 +240,9 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
                                 memory_budget=memory_budget, record_trace=record_trace)
         else:
             _check_store_options(path, device, hbm_rows, ddr_rows, policy, memory_budget, record_trace)
-            if not isinstance(store, TieredStore):
-                raise TypeError(f"store must be a tierstore.TieredStore, got {type(store).__name__}")
+            if not isinstance(store, EmbeddingStore):
+                raise TypeError(f"store must be a tierstore.EmbeddingStore (a TieredStore, or tierstore.open_store(path, daemon=SOCK)'s "
+                                f"client), got {type(store).__name__}")
             spec = store.tables.get(table)
             if spec is None:
                 raise KeyError(
@@ -600,7 +602,7 @@ class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
         tables: Sequence[TableSpec],
         *,
         path: str | Path | None = None,
-        store: TieredStore | None = None,
+        store: EmbeddingStore | None = None,
         hbm_rows: Sizes | None = None,
         ddr_rows: Sizes | None = None,
         policy: str = "lru",

@@ -179,6 +179,41 @@ def as_values(spec: TableSpec, values, n: int, cols: int) -> torch.Tensor:
     return v
 
 
+def check_out(out: torch.Tensor | None, n: int, cols: int, device: torch.device) -> None:
+    """Refuse a read's ``out=`` that cannot take its rows (the store's and the daemon client's check)."""
+    if out is not None and (tuple(out.shape) != (n, cols) or out.dtype != torch.float32 or out.device != device):
+        raise ValueError(f"out must be a float32 tensor of shape ({n}, {cols}) on {device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+
+
+def gather_tier(tier: CacheTier, slots: torch.Tensor, cols: int, out: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The first ``cols`` columns of ``tier``'s rows at ``slots``, on ``device`` or into ``out``."""
+    if out is None:
+        return tier.gather(slots, cols).to(device, non_blocking=True)
+    if out.device != tier.device:
+        return out.copy_(tier.gather(slots, cols), non_blocking=True)
+    return tier.gather(slots, cols, out)
+
+
+def gather_rows(rows: torch.Tensor, index: torch.Tensor, cols: int, out: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The first ``cols`` columns of ``rows[index]``, on ``device`` or into ``out``."""
+    src = rows if cols == rows.shape[1] else rows[:, :cols]
+    if out is None:
+        return src.index_select(0, index).to(device, non_blocking=True)
+    if src.device == out.device:
+        return torch.index_select(src, 0, index, out=out)
+    return out.copy_(src.index_select(0, index), non_blocking=True)
+
+
+def unpicklable(store: object, holds: str) -> TypeError:
+    """What pickling or deep-copying a store (or a model holding one) raises: pickle and
+    deepcopy would otherwise fail on its lock with "cannot pickle '_thread.RLock'"."""
+    return TypeError(
+        f"{store!r} cannot be pickled or deep-copied: it holds {holds}. "
+        "Save a model holding it with torch.save(model.state_dict()) (small tables) or "
+        "torch.distributed.checkpoint.save(model.state_dict(), checkpoint_id=DIR) (any size), or snapshot "
+        "the store with store.checkpoint(path); to copy such a model, build it again and load_state_dict() into it")
+
+
 class TieredStore:
     """Embedding rows by id, cached in HBM and DDR tiers over LMDB.
 
@@ -220,6 +255,8 @@ class TieredStore:
         memory_budget: int | str | None = None,
         config: StoreConfig | None = None,
     ):
+        # accepted only to refuse: open_store(path, claim=...) without daemon= lands here, and
+        # TieredStore(path, daemon=SOCK) reads like an attach; each gets its fix, not "unexpected keyword"
         if daemon is not None:
             raise TypeError(f"TieredStore is the embedded store; attach to the `tierstore prefetchd` at {daemon} with "
                             "tierstore.open_store(path, daemon=SOCK, ...)")
@@ -397,7 +434,7 @@ class TieredStore:
         ids = as_ids(t.spec, ids)
         cols = t.spec.width if with_state else t.spec.dim
         n = len(ids)
-        self._check_out(out, n, cols)
+        check_out(out, n, cols, self.device)
         if n == 0:
             return out if out is not None else torch.empty((0, cols), dtype=torch.float32, device=self.device)
         hit = t.use_top_tier(ids)  # fast path: no dedupe is needed
@@ -410,28 +447,12 @@ class TieredStore:
         if source is not None:  # every row in one tier
             result = self._gather_tier(source, slots.index_select(0, inverse.to(slots.device)), cols, out)
         else:
-            result = self._gather(rows, inverse.to(rows.device), cols, out)
+            result = gather_rows(rows, inverse.to(rows.device), cols, out, self.device)
         t.counters.latency.observe("total", time.perf_counter() - start)
         return result
 
-    def _check_out(self, out: torch.Tensor | None, n: int, cols: int) -> None:
-        if out is not None and (tuple(out.shape) != (n, cols) or out.dtype != torch.float32 or out.device != self.device):
-            raise ValueError(f"out must be a float32 tensor of shape ({n}, {cols}) on {self.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
-
     def _gather_tier(self, tier: CacheTier, slots: torch.Tensor, cols: int, out: torch.Tensor | None) -> torch.Tensor:
-        if out is None:
-            return tier.gather(slots, cols).to(self.device, non_blocking=True)
-        if out.device != tier.device:
-            return out.copy_(tier.gather(slots, cols), non_blocking=True)
-        return tier.gather(slots, cols, out)
-
-    def _gather(self, rows: torch.Tensor, index: torch.Tensor, cols: int, out: torch.Tensor | None) -> torch.Tensor:
-        src = rows if cols == rows.shape[1] else rows[:, :cols]
-        if out is None:
-            return src.index_select(0, index).to(self.device, non_blocking=True)
-        if src.device == out.device:
-            return torch.index_select(src, 0, index, out=out)
-        return out.copy_(src.index_select(0, index), non_blocking=True)
+        return gather_tier(tier, slots, cols, out, self.device)
 
     def peek(self, table: str, ids, with_state: bool = False) -> torch.Tensor:
         """Rows of ``ids`` as read() would give them, float32 on the CPU, without a use:
@@ -446,12 +467,7 @@ class TieredStore:
         return (rows if with_state else rows[:, :t.spec.dim]).index_select(0, inverse)
 
     def __reduce_ex__(self, protocol):
-        # pickle and deepcopy would otherwise fail on the lock with "cannot pickle '_thread.RLock'"
-        raise TypeError(
-            f"{self!r} cannot be pickled or deep-copied: it holds LMDB files, locks and threads. "
-            "Save a model holding it with torch.save(model.state_dict()) (small tables) or "
-            "torch.distributed.checkpoint.save(model.state_dict(), checkpoint_id=DIR) (any size), or snapshot "
-            "the store with store.checkpoint(path); to copy such a model, build it again and load_state_dict() into it")
+        raise unpicklable(self, "LMDB files, locks and threads")
 
     def write(self, table: str, ids, values, with_state: bool = False) -> None:
         """Set rows; for an id repeated in one call the last value wins.
