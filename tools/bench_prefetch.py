@@ -180,7 +180,7 @@ def lmdb_floor(path, rows: int = 4096, rounds: int = 5, seed: int = 0) -> tuple[
 
     rng = np.random.default_rng(seed)
     backend = LmdbBackend(path)
-    backend.open_table("t0", DIM)
+    backend.open_table("t0", DIM, num_rows=ROWS)  # a log-layout table's index is sized by its rows
     gets, puts, cold = [], [], []
     try:
         for _ in range(rounds):
