@@ -103,14 +103,14 @@ def test_prefetch_hints_keep_the_daemons_memory_within_the_readme_bound(store_pa
 
 
 def test_claim_index_finds_the_overlaps_and_holders_a_pairwise_check_finds():
-    from tierstore.tools.daemon import _ClaimIndex
+    from tierstore.tools.daemon_sessions import ClaimIndex
 
     rng = np.random.default_rng(5)
     for _ in range(50):
         cuts = np.unique(rng.integers(0, 400, 60))
         held = [(int(lo), int(hi)) for lo, hi in zip(cuts[:-1], cuts[1:]) if rng.random() < 0.6]
         owners = rng.integers(1, 4, len(held))
-        index = _ClaimIndex()
+        index = ClaimIndex()
         for owner in (1, 2, 3):  # each client's ranges added as its HELLO adds them
             index.add(wire.range_array([r for r, o in zip(held, owners) if o == owner]), owner)
         if rng.random() < 0.3:

@@ -22,7 +22,7 @@ BENCHES = {
     "train": "tierstore.tools.bench_train:run",
     "metrics": "tierstore.tools.bench_metrics:run",
     "capacity": "tierstore.tools.bench_capacity:run",
-    "daemon": "tierstore.tools.daemon:bench",
+    "daemon": "tierstore.tools.bench_daemon:run",
     "prefetch": "tierstore.tools.bench_prefetch:run",
     "peers": "tierstore.tools.bench_peers:run",
     "load": "tierstore.tools.bench:bench_load",
