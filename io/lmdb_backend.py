@@ -898,12 +898,14 @@ class LmdbBackend:
                         txn = self.env.begin(write=True)
                         try:
                             op(txn) if plan is None else op(txn, planned)
-                            tid = txn.id()
                         except BaseException:
                             txn.abort()
                             raise
                         with self._index_lock:
                             txn.commit()
+                            # the snapshot readers now get: a transaction that changed nothing (a sweep
+                            # finding no idle row) commits none, and keeps the last one's id
+                            tid = self.env.info()["last_txnid"]
                             if applied is not None:
                                 applied(planned)
                             for t in self._logs:

@@ -193,3 +193,28 @@ def test_an_open_replays_only_the_segments_after_the_saved_index(tmp_path, monke
     got = b.get_rows("t", np.arange(N))
     assert sum(replayed) > 1 and got[1].tolist() == want[1].tolist() and (got[0][got[1]] == want[0][want[1]]).all()
     b.close()
+
+
+def test_a_write_that_changes_nothing_leaves_log_reads_working(tmp_path, monkeypatch):
+    """A write transaction that changes nothing (a sweep of another table finding no idle row)
+    commits no new snapshot: the log's index must still name the snapshot readers get, or each
+    read waits forever for a newer one."""
+    b = open_backend(tmp_path / "s", "log")
+    b.write_meta({}, new_tables={"k": (True, None)})  # keyed (num_rows=None), with last-use steps
+    b.open_table("k", DIM, last_use=True, create=False)
+    b.put_rows([("t", np.arange(4), np.ones((4, DIM), np.float32)), ("k", np.arange(4), np.ones((4, DIM), np.float32))],
+               last_use={"t": np.full(4, 5), "k": np.full(4, 5)})
+    assert b.sweep("k", cutoff=0, budget=100) == 0  # every row used at step 5: nothing deleted, nothing written
+    stale = []
+    real = b._sync_log
+
+    def sync_log(table, txn):  # counts the reads that found the index ahead of their snapshot (the old loop)
+        ok = real(table, txn)
+        stale.append(not ok)
+        if sum(stale) > 100:
+            raise AssertionError(f"the index of {table!r} names a snapshot after every reader's ({txn.id()}): reads never return")
+        return ok
+    monkeypatch.setattr(b, "_sync_log", sync_log)
+    rows, found = b.get_rows("t", np.arange(4))
+    assert found.all() and (rows == 1).all() and not any(stale)
+    b.close()
