@@ -607,7 +607,7 @@ class TieredStore:
         with self._lock:
             self.flush()
             if incremental:
-                return incremental_checkpoint(self, path)
+                return incremental_checkpoint(self, self._backend, path)
             return self._backend.copy_to(path, compact=compact)
 
     @staticmethod
