@@ -149,12 +149,14 @@ def assert_same(a, b, what: str) -> None:
         assert same, f"{what} differs: {x.ravel()[:12]} vs {y.ravel()[:12]}"
 
 
-def test_a_restored_link_admits_expires_and_trains_as_the_store_at_that_checkpoint(tmp_path):
+@pytest.mark.parametrize("tiers", [dict(hbm_rows=8), dict(hbm_rows=0, ddr_rows=0)], ids=["cached", "uncached"])
+def test_a_restored_link_admits_expires_and_trains_as_the_store_at_that_checkpoint(tmp_path, tiers):
     """Each link restored equals a whole checkpoint taken at the same point (rows, stored ids, last-use
     steps, step counts, sketches, update counts), and the same further steps on both show the same
-    admissions, the same rows read as initial and the same trained bits."""
+    admissions, the same rows read as initial and the same trained bits. The rows a step uses reach
+    LMDB from the tiers at flush, or straight from the step without tiers."""
     links, wholes = [], []
-    with TieredStore(tmp_path / "train", tables=LIVED, hbm_rows=8, device="cpu") as store:
+    with TieredStore(tmp_path / "train", tables=LIVED, device="cpu", **tiers) as store:
         for k in range(4):  # the base (after a phase: the steps, sketches and last uses are not zero), then 3 links
             run_phase(store, seed=k)
             links.append(store.checkpoint(tmp_path / f"ckpt-{k}", incremental=True))
