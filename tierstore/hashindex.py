@@ -231,7 +231,6 @@ class HashIndex:
         inside = pos <= self._mask
         self.keys[pos[inside]] = keys[inside]
         self.vals[pos[inside]] = vals[inside]
-        self.live = int(inside.sum())
         self._place(keys[~inside], vals[~inside])  # a run past the table's end wraps to its start
         self.live = len(keys)
 

@@ -426,9 +426,7 @@ class TieredStore:
     def _read_locked(self, table: str, ids, with_state: bool, out: torch.Tensor | None):
         """read() under the lock: the rows, or, when every id is in the top tier,
         what the caller needs to gather them outside the lock."""
-        self._check_open()
-        t = self._table(table)
-        self._reap()
+        t = self._table_to_read(table)
         self._prefetcher.check(table)  # a background failure nobody waited for surfaces here
         start = time.perf_counter()  # stage timings: one observation per call and stage, never per id
         ids = as_ids(t.spec, ids)
@@ -459,9 +457,7 @@ class TieredStore:
         not a step, nothing moves between tiers, no admission or TTL use is counted
         (checkpoints read whole tables so, tierstore.checkpointing)."""
         with self._lock:
-            self._check_open()
-            t = self._table(table)
-            self._reap()
+            t = self._table_to_read(table)
             uid, inverse = torch.unique(as_ids(t.spec, ids).cpu(), return_inverse=True)
             rows = t.reread(uid)
         return (rows if with_state else rows[:, :t.spec.dim]).index_select(0, inverse)
@@ -780,6 +776,13 @@ class TieredStore:
         if self._closed:
             raise RuntimeError(f"store {self.path} is closed")
 
+    def _table_to_read(self, name: str) -> TableStore:
+        """The table a read goes to, under the lock, the write-backs done reaped."""
+        self._check_open()
+        t = self._table(name)
+        self._reap()
+        return t
+
     def _table_to_write(self, name: str) -> TableStore:
         """The table a write goes to, under the lock; raises first if none may."""
         self._check_open()
@@ -854,9 +857,7 @@ class EmbeddedTableTrainer(TableTrainer):
         # held steady: calls that would overwrite tier rows wait, as for a read gathering outside the lock
         s = self.store
         with s._lock:
-            s._check_open()
-            t = s._table(self.table)
-            s._reap()
+            t = s._table_to_read(self.table)
             s._prefetcher.check(self.table)
             hit, top = None, t.hbm or t.ddr
             # a module computes on the store's device, whatever tier holds the rows: a table
@@ -892,7 +893,4 @@ class EmbeddedTableTrainer(TableTrainer):
         # whether a backward re-reads depends on the tiers' sizes: so it is no step
         s = self.store
         with s._lock:
-            s._check_open()
-            t = s._table(self.table)
-            s._reap()
-            return t.reread(uid.cpu()).to(s.device)
+            return s._table_to_read(self.table).reread(uid.cpu()).to(s.device)
