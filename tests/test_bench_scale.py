@@ -44,8 +44,7 @@ def test_small_run_under_a_memory_cgroup(tmp_path, capsys, quick):
         missing = [f for f in FIELDS if r.get(f) is None and not (f == "x_in_memory" and r["kind"] == "emb" and not _have_fbgemm())]
         assert not missing, r
         assert r["rows_read_per_step"] > 0 and r["disk_read_bytes_per_step"] > 0  # a table 10x its budget misses
-        # py-lmdb's get loop is timed where the table has a key per row
-        assert (r["lmdb_floor_s"] is None) == (res["floors"]["lmdb"]["layout"] != "keyed")
+        assert r["lmdb_floor_s"] > 0  # py-lmdb's gets and puts of the run's rows, in the table's layout
     assert res["floors"]["disk"]["iops_qd32"] > 0
     assert res["in_memory"]["dlrm"]["lookups_per_s"] > 0
     assert not (group.path.parent / f"tierstore-bench-scale-{os.getpid()}").exists()  # the run removed its group
@@ -82,3 +81,36 @@ def test_a_built_table_is_reused_and_another_is_refused_naming_the_fix(tmp_path)
     (path / bench_scale.MARKER).unlink()
     with pytest.raises(SystemExit, match="not empty and holds no finished bench scale table"):
         bench_scale.prepare_table(path, 2000, 8, 0)
+
+
+def test_the_log_floor_reads_each_rows_newest_copy_with_lmdb_alone(tmp_path):
+    """The LMDB floor's own reader (py-lmdb over the segments) finds the bytes the store
+    reads, rewritten rows' newest copies included, and times a get and a put."""
+    import lmdb
+    import numpy as np
+
+    import tierstore
+
+    path = tmp_path / "store"
+    bench_scale.prepare_table(path, 5000, 8, 0)
+    rng = np.random.default_rng(1)
+    rewritten = np.unique(rng.integers(0, 5000, 700))
+    with tierstore.TieredStore(path, [bench_scale._spec(5000, 8)], hbm_rows=0, ddr_rows=0, device="cpu") as store:
+        store.write(bench_scale.TABLE, rewritten, rng.standard_normal((len(rewritten), 8), dtype=np.float32))
+        store.flush()
+        asked = np.unique(rng.integers(0, 5000, 900))
+        expected = store.read(bench_scale.TABLE, asked).numpy()
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=1024)
+    try:
+        db = env.open_db(b"s:" + bench_scale.TABLE.encode(), create=False)
+        found = bench_scale.locate_log_rows(env, db, asked)
+        out = np.empty((len(found.rows), found.width), dtype=np.uint8)
+        bench_scale.copy_log_rows(env, db, found, out)
+    finally:
+        env.close()
+    assert len(found.rows) == len(asked) and found.width == 8 * 4
+    assert np.array_equal(out.view(np.float32), expected[found.rows])
+    floor = bench_scale.lmdb_floor(path, asked)
+    assert floor["layout"] == "log" and floor["rows"] == len(asked) and floor["segments"] == len(found.segments) >= 2
+    assert all(floor[k] > 0 for k in ("get_cold_us", "get_warm_us", "put_us"))
+    assert not any(p.name.endswith("-lmdb-floor") for p in tmp_path.iterdir())  # the scratch put's files are gone
