@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tierstore.tools import bench_scale, cli
+from tierstore.tools import bench_floors, bench_scale, cli
 
 FIELDS = ("lookups_per_s", "p50_s", "p90_s", "p99_s", "ddr_hit", "rows_read_per_step", "rows_written_per_step",
           "disk_read_bytes_per_step", "read_amp", "rss_peak", "x_disk_floor", "x_in_memory")
@@ -103,14 +103,14 @@ def test_the_log_floor_reads_each_rows_newest_copy_with_lmdb_alone(tmp_path):
     env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=1024)
     try:
         db = env.open_db(b"s:" + bench_scale.TABLE.encode(), create=False)
-        found = bench_scale.locate_log_rows(env, db, asked)
+        found = bench_floors.locate_log_rows(env, db, asked)
         out = np.empty((len(found.rows), found.width), dtype=np.uint8)
-        bench_scale.copy_log_rows(env, db, found, out)
+        bench_floors.copy_log_rows(env, db, found, out)
     finally:
         env.close()
     assert len(found.rows) == len(asked) and found.width == 8 * 4
     assert np.array_equal(out.view(np.float32), expected[found.rows])
-    floor = bench_scale.lmdb_floor(path, asked)
+    floor = bench_floors.lmdb_floor(path, bench_scale.TABLE, asked)
     assert floor["layout"] == "log" and floor["rows"] == len(asked) and floor["segments"] == len(found.segments) >= 2
     assert all(floor[k] > 0 for k in ("get_cold_us", "get_warm_us", "put_us"))
     assert not any(p.name.endswith("-lmdb-floor") for p in tmp_path.iterdir())  # the scratch put's files are gone
