@@ -77,13 +77,14 @@ def test_bad_input_is_refused_and_changes_nothing(store, call, exc, words):
     store.write("user", [1, 2], torch.ones(2, 4))
     store.read("user", [1, 2, 3])
     before_stats = store.stats()
-    before = {n: t.ids.clone() for n, t in (("h", store._tables["user"].hbm), ("d", store._tables["user"].ddr))}
+    before = store.cached_ids("user")
     with pytest.raises(exc) as info:
         call(store)
     for w in words:
         assert w in str(info.value), (w, str(info.value))
     assert store.stats() == before_stats
-    assert all(torch.equal(before[n], t.ids) for n, t in (("h", store._tables["user"].hbm), ("d", store._tables["user"].ddr)))
+    after = store.cached_ids("user")
+    assert after.keys() == before.keys() and all(torch.equal(before[n], after[n]) for n in before)
     assert store.read("user", [1, 2]).tolist() == [[1.0] * 4] * 2
 
 
@@ -141,7 +142,7 @@ def test_call_larger_than_every_tier_returns_correct_rows(tmp_path):
             assert torch.equal(got[:, 0], torch.cat([ids, ids.flip(0)]).float())
         assert s.resident_rows("t") == {"hbm": 3, "ddr": 4}
         # recency follows first position: HBM keeps the ids first seen last
-        assert set(s._tables["t"].hbm.ids.tolist()) == set(ids[-3:].tolist())
+        assert s.cached_ids("t")["hbm"].tolist() == sorted(ids[-3:].tolist())
 
 
 def test_rows_read_from_lmdb_are_not_overwritten_by_later_reads(tmp_path):
@@ -163,9 +164,9 @@ def test_lmdb_reads_span_chunks_with_absent_rows(tmp_path):
     with TieredStore(tmp_path, [TableSpec("t", 7000, 2, init=RowInit.uniform(-1, 1, seed=4))], device="cpu") as s:
         s.write("t", written, np.stack([written, -written], 1).astype(np.float32))
         s.flush()
-        rows, found = s._backend.get_rows("t", np.arange(7000))
-        assert found.tolist() == [i % 3 == 0 for i in range(7000)]
-        assert rows[found].tolist() == np.stack([written, -written], 1).tolist()
+        stored = s.stored_rows("t", np.arange(7000))
+        assert stored.found.tolist() == [i % 3 == 0 for i in range(7000)]
+        assert stored.rows[stored.found].tolist() == np.stack([written, -written], 1).tolist()
     with TieredStore(tmp_path, ddr_rows=100, device="cpu") as s:
         got = s.read("t", torch.arange(7000))
         from tierstore.spec import initial_rows
@@ -180,13 +181,13 @@ def test_clean_rows_are_never_written(tmp_path):
             s.read("t", [i, i + 1, i + 2])
         s.flush()
         assert s.stats()["ssd"]["writes"] == 0
-        assert s._backend.table_stats()["t"] == 0
+        assert s.stats()["rows"]["stored"] == 0 and s.stored_ids("t").tolist() == []
 
 
 def test_dirty_rows_are_written_back_on_eviction(tmp_path, monkeypatch):
     with TieredStore(tmp_path, [TableSpec("t", 100, 2)], hbm_rows=1, ddr_rows=1, device="cpu") as s:
         gate = threading.Event()
-        real = s._backend.put_rows
+        real = s._backend.put_rows  # latency injection: LMDB commits wait for the gate
 
         def held_put_rows(*args, **kwargs):  # an LMDB commit that takes as long as the test wants
             gate.wait(30)
@@ -199,11 +200,11 @@ def test_dirty_rows_are_written_back_on_eviction(tmp_path, monkeypatch):
         s.read("t", [3])  # row 1 leaves the cache: queued for LMDB, the step does not wait
         st = s.stats()
         assert st["ddr"]["writebacks"] == 1 and st["ssd"]["writes"] == 1
-        assert s._backend.table_stats()["t"] == 0  # not committed yet
+        assert s.stored_ids("t").tolist() == []  # not committed yet
         assert s.read("t", [1]).tolist() == [[5.0, 5.0]]  # the queued value, not LMDB's older one
         gate.set()
         s.flush()
-        assert s._backend.table_stats()["t"] == 1
+        assert s.stored_ids("t").tolist() == [1]
         assert s.stats()["ssd"]["writes"] == 1  # row 1 came back clean: nothing more to write
     with TieredStore(tmp_path, device="cpu") as s:
         assert s.read("t", [1]).tolist() == [[5.0, 5.0]]
@@ -212,7 +213,7 @@ def test_dirty_rows_are_written_back_on_eviction(tmp_path, monkeypatch):
 def test_a_row_queued_twice_ends_with_its_newest_value(tmp_path, monkeypatch):
     with TieredStore(tmp_path, [TableSpec("t", 100, 2)], ddr_rows=1, device="cpu") as s:
         gate = threading.Event()
-        real = s._backend.put_rows
+        real = s._backend.put_rows  # latency injection: LMDB commits wait for the gate
         monkeypatch.setattr(s._backend, "put_rows", lambda *a, **k: (gate.wait(30), real(*a, **k))[1])
         for value in (1.0, 2.0, 3.0):  # each round: row 5 cached, made dirty, evicted into the queue
             s.read("t", [5])
@@ -220,10 +221,10 @@ def test_a_row_queued_twice_ends_with_its_newest_value(tmp_path, monkeypatch):
             s.read("t", [6])
             assert s.read("t", [5]).tolist() == [[value, value]]  # from the queue: its newest value
             s.read("t", [6])
-        assert s._writeback.queued_rows == 3
+        assert s.snapshot().writeback_queued_rows == 3
         gate.set()
         s.flush()
-        assert s._writeback.queued_rows == 0
+        assert s.snapshot().writeback_queued_rows == 0
     with TieredStore(tmp_path, device="cpu") as s:
         assert s.read("t", [5]).tolist() == [[3.0, 3.0]]
 
@@ -232,7 +233,7 @@ def test_writeback_rows_bounds_the_queue(tmp_path, monkeypatch):
     with TieredStore(tmp_path, [TableSpec("t", 1000, 2)], ddr_rows=10, device="cpu", writeback_rows=0) as s:
         s.write("t", np.arange(100), np.ones((100, 2), dtype=np.float32))  # not cached: queued for LMDB
         s.read("t", [0])  # waits until the queue is under the limit first
-        assert s._writeback.queued_rows == 0 and s._backend.table_stats()["t"] == 100
+        assert s.snapshot().writeback_queued_rows == 0 and s.stats()["rows"]["stored"] == 100
     with pytest.raises(ValueError, match="writeback_rows"):
         TieredStore(tmp_path, device="cpu", writeback_rows=-1)
     with pytest.raises(ValueError, match="writeback_group_rows"):
@@ -268,7 +269,7 @@ def test_a_gather_outside_the_lock_sees_its_rows(tmp_path, monkeypatch, overwrit
     with TieredStore(tmp_path, [TableSpec("t", 200, 2)], ddr_rows=100, device="cpu") as s:
         s.write("t", np.arange(200), np.repeat(np.arange(200, dtype=np.float32)[:, None], 2, 1))
         s.read("t", np.arange(100))  # rows 0..99 resident, filling the tier
-        real, started = s._gather_tier, threading.Event()
+        real, started = s._gather_tier, threading.Event()  # latency injection: other threads' gathers are slow
 
         def slow_gather(*args):
             if threading.current_thread() is not threading.main_thread():
@@ -305,9 +306,8 @@ def test_repr_names_the_store(tmp_path):
 
 def _state(s):
     """Counts and residents. (SSD reads are left out: a row still queued for writing is read from the queue.)"""
-    t = s._tables["t"]
     stats = s.stats()
-    return {k: stats[k] for k in ("hbm", "ddr")}, {name: sorted(tier.ids[tier.ids >= 0].tolist()) for name, tier in (("hbm", t.hbm), ("ddr", t.ddr)) if tier}
+    return {k: stats[k] for k in ("hbm", "ddr")}, {name: ids.tolist() for name, ids in s.cached_ids("t").items()}
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
@@ -343,7 +343,7 @@ def test_a_failed_fetch_with_its_plan_aside_leaves_the_store_as_it_was(tmp_path,
         s.flush()  # in LMDB, not in the write-back queue: the next read must go to LMDB
         s.read("t", np.arange(100))
         before = _state(s)
-        real = s._backend.get_rows
+        real = s._backend.get_rows  # fault injection: LMDB reads fail
 
         def failing(table, ids, out=None):
             time.sleep(0.05)  # the plan finishes first, while the read is still going
@@ -372,3 +372,61 @@ def test_stored_ids_are_the_rows_in_lmdb_once_flushed(store):
     assert store.stored_ids("user").tolist() == []
     with pytest.raises(KeyError, match="unknown table"):
         store.stored_ids("nope")
+
+
+def test_cached_ids_say_which_tier_holds_each_row(tmp_path):
+    """The exclusive LRU of README "Cache semantics": one list of hbm_rows + ddr_rows, its most recent
+    hbm_rows in HBM; recency follows first position in a call."""
+    with TieredStore(tmp_path, [TableSpec("t", 100, 2), TableSpec("d", 100, 2)], hbm_rows={"t": 2, "d": 0}, ddr_rows=3,
+                     device="cpu") as s:
+        s.read("t", [1, 2, 3, 4, 5, 1])  # 5 most recent, then 4; 1 is used once, at its first position
+        before = s.stats()
+        assert {k: v.tolist() for k, v in s.cached_ids("t").items()} == {"hbm": [4, 5], "ddr": [1, 2, 3]}
+        assert s.stats() == before  # looking is no use: nothing counted, nothing moved
+        s.read("t", [1])
+        s.read("t", [9])  # 2, the least recent, leaves the cache
+        assert {k: v.tolist() for k, v in s.cached_ids("t").items()} == {"hbm": [1, 9], "ddr": [3, 4, 5]}
+        s.read("d", [7, 8])
+        assert {k: v.tolist() for k, v in s.cached_ids("d").items()} == {"hbm": [], "ddr": [7, 8]}  # no HBM tier
+        with pytest.raises(KeyError, match="unknown table 'nope'"):
+            s.cached_ids("nope")
+    with pytest.raises(RuntimeError, match="closed"):
+        s.cached_ids("t")
+
+
+def test_stored_rows_are_what_lmdb_holds_not_what_the_store_serves(tmp_path):
+    table = TableSpec("t", 100, 2, state_dim=1, ttl_steps=50)
+    with TieredStore(tmp_path, [table], hbm_rows=4, device="cpu") as s:
+        s.write("t", [3, 5], np.array([[1, 1, 0.5], [2, 2, 0.5]], dtype=np.float32), with_state=True)
+        s.flush()
+        s.read("t", [5])  # step 1: 5 cached
+        s.write("t", [5], np.full((1, 2), 9.0, dtype=np.float32))  # dirty in the tier: LMDB keeps its old value
+        got = s.stored_rows("t", [5, 7, 3, 5])  # any order, repeats, a row never written
+        assert got.found.tolist() == [True, False, True, True]
+        assert got.rows[[0, 2, 3]].tolist() == [[2, 2, 0.5], [1, 1, 0.5], [2, 2, 0.5]] and np.isnan(got.rows[1]).all()
+        assert got.last_use.tolist() == [0, -1, 0, 0]  # written before any step; the use at step 1 is not flushed yet
+        s.flush()
+        got = s.stored_rows("t", [5])
+        assert got.rows.tolist() == [[9, 9, 0.5]] and got.last_use.tolist() == [1]
+        with pytest.raises(IndexError, match="100"):
+            s.stored_rows("t", [100])
+    with TieredStore(tmp_path / "plain", [TableSpec("p", None, 2)], device="cpu") as s:
+        assert s.stored_rows("p", []).rows.shape == (0, 2) and s.stored_rows("p", [1]).last_use is None  # no ttl_steps
+
+
+def test_life_is_the_steps_updates_and_admission_counts_a_table_goes_by(tmp_path):
+    table = TableSpec("t", 1000, 2, admit_after=3, admit_width=1024)
+    with TieredStore(tmp_path, [table, TableSpec("p", 10, 2)], device="cpu") as s:
+        for _ in range(2):
+            s.read("t", [4, 4, 8])  # a step counts each id once
+        s.trainer("t").update_key()
+        life = s.life("t")
+        assert (life.steps, life.updates) == (2, 1)
+        assert life.sketch.shape == (table.admit_depth, 1024) and life.sketch.dtype == np.uint8
+        assert life.sketch.sum() == 2 * 2 * table.admit_depth  # two ids, two steps, one counter a row of the sketch
+        life.sketch[:] = 0  # a copy
+        assert s.life("t").sketch.sum() > 0
+        assert s.life("p") == tierstore.store.TableLife(0, 0, None)  # no admission
+    with TieredStore(tmp_path, device="cpu") as s:  # durable at flush (close flushes)
+        again = s.life("t")
+        assert (again.steps, again.updates, int(again.sketch.sum())) == (2, 1, 2 * 2 * table.admit_depth)

@@ -214,6 +214,23 @@ def unpicklable(store: object, holds: str) -> TypeError:
         "the store with store.checkpoint(path); to copy such a model, build it again and load_state_dict() into it")
 
 
+@dataclass(frozen=True)
+class StoredRows:
+    """What LMDB holds for some rows (``store.stored_rows``), in the order of the ids asked for."""
+    found: np.ndarray  # bool [n]: LMDB holds the row
+    rows: np.ndarray  # float32 [n, dim + state_dim]: the stored weights then state; NaN where not found
+    last_use: np.ndarray | None  # int64 [n]: the stored last-use step, -1 where none; None unless the table has ttl_steps
+
+
+@dataclass(frozen=True)
+class TableLife:
+    """A table's counts that admission, TTL and stochastic rounding go by (``store.life``),
+    which flush() makes durable and incremental checkpoints carry."""
+    steps: int  # steps the table has counted over its life: its read calls and forwards
+    updates: int  # updates keyed for stochastic rounding so far (store.trainer(table).update_key)
+    sketch: np.ndarray | None  # uint8 [admit_depth, admit_width]: a copy of the admission counts; None without admit_after
+
+
 class TieredStore:
     """Embedding rows by id, cached in HBM and DDR tiers over LMDB.
 
@@ -717,6 +734,37 @@ class TieredStore:
             self._check_open()
             self._table(table)
             return torch.from_numpy(self._backend.stored_ids(table))
+
+    def cached_ids(self, table: str) -> dict[str, torch.Tensor]:
+        """Ids of ``table``'s rows in each cache tier now, ascending (int64, CPU): {"hbm": ...,
+        "ddr": ...}, empty for a tier the table does not have. Tiers are exclusive: no id is in
+        both. Nothing moves and nothing is counted."""
+        with self._lock:
+            self._check_open()
+            t = self._table(table)
+            return {name: torch.sort(tier.ids[tier.ids >= 0].cpu()).values if tier is not None else torch.empty(0, dtype=torch.int64)
+                    for name, tier in (("hbm", t.hbm), ("ddr", t.ddr))}
+
+    def stored_rows(self, table: str, ids) -> StoredRows:
+        """What LMDB holds for the rows of ``ids`` (any order, repeats allowed), as committed:
+        a newer value in a tier or queued for write-back is not there yet (read() or peek()
+        give the rows as the store serves them). Nothing moves and nothing is counted."""
+        with self._lock:
+            self._check_open()
+            spec = self._table(table).spec
+            uid, inverse = np.unique(as_ids(spec, ids).cpu().numpy(), return_inverse=True)
+            rows, found = self._backend.get_rows(table, uid)
+            rows[~found] = np.nan
+            last_use = self._backend.get_last_use(table, uid)[inverse] if spec.ttl_steps is not None else None
+            return StoredRows(found[inverse], rows[inverse], last_use)
+
+    def life(self, table: str) -> TableLife:
+        """``table``'s step count, update count and admission counts now (TableLife)."""
+        with self._lock:
+            self._check_open()
+            life = self._table(table).life
+            sketch = life.sketch.counters.copy() if life.sketch is not None else None
+            return TableLife(life.steps, self._updates.get(table, 0), sketch)
 
     def __enter__(self) -> "TieredStore":
         return self
