@@ -124,12 +124,13 @@ def life_of(store) -> dict:
     out = {}
     for s in LIVED:
         ids = np.sort(POOL[s.name])
+        stored, life = store.stored_rows(s.name, ids), store.life(s.name)
         out[s.name] = {"rows": store.peek(s.name, ids, with_state=True).numpy().view(np.uint32),
-                       "stored": store._backend.get_rows(s.name, ids)[1],
-                       "last_use": store._backend.get_last_use(s.name, ids),
-                       "steps": store._tables[s.name].life.steps,
-                       "sketch": store._tables[s.name].life.sketch.counters.copy(),
-                       "updates": store._updates.get(s.name, 0),
+                       "stored": stored.found,
+                       "last_use": stored.last_use,
+                       "steps": life.steps,
+                       "sketch": life.sketch,
+                       "updates": life.updates,
                        "counts": store.stats(per_table=True)[s.name]["rows"]["stored"]}
     return out
 

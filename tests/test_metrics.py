@@ -85,7 +85,7 @@ def zipf_ids(rng, n, rows):
 def check_equals_stats(scrape: Scrape, store: tierstore.TieredStore) -> None:
     label = store.metrics.label
     for table, st_ in store.stats(per_table=True).items():
-        tiers = {tier for tier in ("hbm", "ddr") if getattr(store._tables[table], tier) is not None}
+        tiers = set(store.snapshot().tables[table].tiers)
         for tier in ("hbm", "ddr"):
             if tier not in tiers:  # a tier the table does not have is not exported
                 assert not scrape.find("tierstore_lookups_total", store=label, table=table, tier=tier)
@@ -246,7 +246,7 @@ def test_observations_per_call_do_not_grow_with_batch_size(tmp_path, registry):
     """The hot path records a few numbers per call, never one per id."""
     with tierstore.TieredStore(tmp_path / "s", [tierstore.TableSpec("t", 100_000, 4)], hbm_rows=1_000, ddr_rows=4_000,
                                device="cpu", registry=registry) as store:
-        hist = store._tables["t"].counters.latency
+        hist = store.snapshot().tables["t"].counters.latency
         for batch in (10, 10_000, 50_000):
             before = sum(sum(c) for c, _ in hist.snapshot().values())
             store.read("t", np.random.default_rng(batch).integers(0, 100_000, batch))
@@ -492,7 +492,7 @@ def test_metrics_server_serves_any_registry_and_closes_idempotently(registry):
 def test_writeback_queue_gauge_counts_rows_not_yet_committed(tmp_path, registry, monkeypatch):
     with tierstore.TieredStore(tmp_path / "s", [tierstore.TableSpec("t", 100, 2)], device="cpu", registry=registry) as store:
         gate = threading.Event()
-        real = store._backend.put_rows
+        real = store._backend.put_rows  # latency injection: LMDB commits wait for the gate
         monkeypatch.setattr(store._backend, "put_rows", lambda *a, **k: (gate.wait(30), real(*a, **k))[1])
         store.write("t", np.arange(7), np.ones((7, 2), dtype=np.float32))  # not cached: queued for LMDB
         assert registry_scrape(registry).value("tierstore_writeback_queue_rows") == 7
