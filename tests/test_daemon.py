@@ -23,7 +23,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import tierstore
-from tierstore import wire
+from tierstore.daemon import wire
 from tierstore.optim import Adagrad
 from tierstore.spec import initial_rows
 from tierstore.trace import Trace
@@ -262,7 +262,7 @@ def test_malformed_and_oversized_frames_get_an_error_and_a_closed_connection(dae
 
 PARTIAL_WRITER = textwrap.dedent("""
     import sys, numpy as np, tierstore
-    from tierstore import wire
+    from tierstore.daemon import wire
     c = tierstore.open_store(sys.argv[1], daemon=sys.argv[2], claim=["user"], client="doomed")
     c.write("user", np.arange(200, 210), np.full((10, 8), 2.0, dtype=np.float32))
     c.flush()
@@ -942,7 +942,8 @@ def test_a_burst_of_100_clients_attaches_and_a_full_queue_gives_the_documented_e
 
 
 def test_socket_in_a_missing_directory_is_named_with_the_fix(store_path, sockdir):
-    from tierstore.tools.daemon import Daemon as Prefetchd, DaemonConfig
+    from tierstore.daemon.config import DaemonConfig
+    from tierstore.daemon.server import Daemon as Prefetchd
 
     missing = sockdir / "nope" / "d.sock"
     with pytest.raises(FileNotFoundError, match=f"{sockdir / 'nope'}.*mkdir -p"):

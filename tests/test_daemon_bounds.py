@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tierstore import wire
+from tierstore.daemon import wire
 from test_daemon import (Daemon, _embedded, _hello, _status, attach, attach_once_released,  # noqa: F401 (fixtures)
                          no_daemon_outlives_its_test, raw_conn, sockdir, store_path)
 
@@ -103,7 +103,7 @@ def test_prefetch_hints_keep_the_daemons_memory_within_the_readme_bound(store_pa
 
 
 def test_claim_index_finds_the_overlaps_and_holders_a_pairwise_check_finds():
-    from tierstore.tools.daemon_sessions import ClaimIndex
+    from tierstore.daemon.sessions import ClaimIndex
 
     rng = np.random.default_rng(5)
     for _ in range(50):

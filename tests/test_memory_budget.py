@@ -413,7 +413,7 @@ def test_stats_cli_shows_the_split_for_a_budget(tmp_path, capsys):
 
 
 def test_prefetchd_takes_a_memory_budget(tmp_path):
-    from tierstore.tools.daemon import DaemonConfig
+    from tierstore.daemon.config import DaemonConfig
 
     with pytest.raises(ValueError, match=r"--ddr-rows N .* or --memory-budget SIZE"):
         DaemonConfig(tmp_path, tmp_path / "s.sock", None)

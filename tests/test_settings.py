@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from tierstore import PrefetchConfig, StoreConfig, TableSpec, TieredStore, open_store
 from tierstore.trace import TraceTable
 from tierstore.validate import check_choice, check_int, check_number, check_rows
-from tierstore.wire import Limits
+from tierstore.daemon.wire import Limits
 
 SPEC = TableSpec("t", 1000, 4)
 
@@ -141,7 +141,7 @@ def test_the_store_reports_bad_settings_by_name(tmp_path, keywords, message):
 # -- the entry points that use them ---------------------------------------------------
 
 def _daemon_config(**kw):
-    from tierstore.tools.daemon import DaemonConfig
+    from tierstore.daemon.config import DaemonConfig
     return DaemonConfig("store", "sock", **{"ddr_rows": 10, **kw})
 
 

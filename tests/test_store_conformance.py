@@ -43,7 +43,7 @@ def test_it_is_an_embedding_store_of_its_tables(opened):
     path, open_, _ = opened
     with open_() as s:
         assert isinstance(s, tierstore.EmbeddingStore)
-        if isinstance(s, tierstore.client.DaemonStore):  # each implements the interface itself
+        if isinstance(s, tierstore.daemon.client.DaemonStore):  # each implements the interface itself
             assert not isinstance(s, tierstore.TieredStore)
         assert s.tables == {"user": USER, "item": ITEM} and s.spec("item") == ITEM
         assert s.device == torch.device("cpu") and s.path == path and s.readonly is False
@@ -147,7 +147,7 @@ def test_bad_calls_are_named_and_change_nothing(opened):
         stats = s.stats()
         assert {"hbm", "ddr", "ssd"} <= set(stats)
         # a daemon client's DDR tier is the daemon's: it counts only the tier it holds
-        held = {"hbm"} if isinstance(s, tierstore.client.DaemonStore) else {"hbm", "ddr"}
+        held = {"hbm"} if isinstance(s, tierstore.daemon.client.DaemonStore) else {"hbm", "ddr"}
         assert set(s.resident_rows("user")) == held
     s.close()  # idempotent
     with pytest.raises(Exception, match="closed"):

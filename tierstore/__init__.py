@@ -7,9 +7,9 @@ from .store import StoreConfig, TieredStore
 from . import optim
 from .nn import TieredEmbeddingBag, TieredEmbeddingBagCollection
 from .prefetch import LookaheadLoader, PrefetchConfig, PrefetchTicket
-from .client import open_store
+from .daemon.client import open_store
 from .interface import EmbeddingStore
-from .wire import DaemonBusyError
+from .daemon.wire import DaemonBusyError
 from .serving_export import export
 from .serving import ServingEmbeddingBag, ServingEmbeddingBagCollection, ServingStore
 

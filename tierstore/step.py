@@ -20,7 +20,7 @@ Each call row is used at its use clock; its step count is one more than it had
 in the cache (1 when it comes in), and it keeps its dirty bit as it moves.
 
 Three callers carry the plan out: the store over its rows (tierstore/table.py),
-the daemon client over the wire (tierstore/client.py), and the capacity
+the daemon client over the wire (tierstore/daemon/client.py), and the capacity
 simulator over slot arrays without rows (tierstore/cachesim.py); so the
 simulator's counts are the store's. Because planning changes nothing, a failed
 fetch or write-back leaves a store as it was.

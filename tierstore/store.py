@@ -244,7 +244,7 @@ class TieredStore:
     ``config=StoreConfig(...)`` gives these settings whole instead; a keyword also
     given must agree with it.
     ``tierstore.open_store(path, daemon=SOCK, ...)`` attaches to a
-    ``tierstore prefetchd`` instead (tierstore.client.DaemonStore, the same API).
+    ``tierstore prefetchd`` instead (tierstore.daemon.client.DaemonStore, the same API).
     """
 
     def __init__(

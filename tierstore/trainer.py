@@ -18,7 +18,7 @@ store is declared here, so that no module reaches into a store's internals:
 
 A store keeps one TableTrainer per table for its life, so every module training
 a table sees the same count. The embedded TieredStore (tierstore.store) and the
-daemon client (tierstore.client, whose forwards always read) each implement it.
+daemon client (tierstore.daemon.client, whose forwards always read) each implement it.
 """
 from __future__ import annotations
 

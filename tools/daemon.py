@@ -1,50 +1,6 @@
-"""``tierstore prefetchd``: one process per host that owns a store's DDR tier and
-LMDB files and serves them to trainer processes over a Unix socket.
-
-Clients attach with ``tierstore.open_store(PATH, daemon=SOCK, claim=[...])``
-(tierstore/client.py); the frames are described in tierstore/wire.py.
-
-Claims: each client names the tables or ``(table, lo, hi)`` row ranges it
-writes in its HELLO (at most ``max_claims``); the daemon keeps every client's
-claims of a table in one sorted array, so a HELLO is checked with binary
-searches, not against each claim held. It refuses a claim that overlaps another
-client's, and refuses WRITE frames touching rows outside the sender's claims. A client with an HBM tier caches only its claimed rows (see
-tierstore/client.py), so no other client's write can make its copy stale.
-
-Durability: WRITE frames go straight into the daemon's store (its DDR tier,
-else LMDB) and become durable at the next FLUSH from anyone, or when the
-daemon stops (SIGTERM/SIGINT flush before exit). A client killed mid-write
-loses at most the frame it was sending (a partial frame is never applied)
-plus the dirty rows of its own HBM tier, and its claims are released at once;
-rows it wrote that nobody flushed stay in the daemon's cache and are flushed
-with everything else. A daemon killed with SIGKILL loses the rows written
-since the last flush, like an embedded store.
-
-Limits: at most ``max_clients`` connections (by default as many as the
-open-file limit allows, up to 1024); the excess is told DaemonBusyError and
-closed, and an accept() that finds no free descriptor refuses that one
-connection, never the daemon. A connection must send HELLO within
-``frame_timeout``, finish each frame it begins within it, and read each
-reply within it; one idle for ``idle_timeout`` is closed (with a
-ConnectionError reply saying so). Memory: each frame's payload, plus a
-READ's reply, a PREFETCH's working copies or a HELLO's parsed JSON, is
-reserved from ``max_inflight_bytes`` before anything is allocated for it (a
-frame waits until it fits), and segments are granted from
-``shm_total_bytes``; a finished connection's segment and buffers go at once.
-Prefetch hints the store keeps (their ids, the rows they pin) hold at most
-half of ``max_inflight_bytes``, all clients together: a hint that would pass
-it first drops the oldest hints of the client holding the most (see HintPool).
-
-Concurrency: one thread per connection. Frames are read and written outside
-the store's lock, and READ rows are gathered straight into the client's
-shared-memory segment. A read whose rows are all in the DDR tier holds the
-store's lock only for the lookup and the policy update, and gathers outside
-it, so several clients' gathers run at once (TieredStore.read).
-
-This module is the command-line verb. The daemon's parts: its settings
-(daemon_config.py), its socket, client sessions and claims (daemon_sessions.py),
-its memory bounds and prefetch hints (daemon_memory.py), and the server itself
-(daemon_server.py); ``tierstore bench daemon`` is bench_daemon.py.
+"""``tierstore prefetchd``, the command-line verb: its arguments, logging and signal
+handling. The daemon itself (its wire format, client, server and the contracts they
+keep) is the package tierstore.daemon.
 """
 from __future__ import annotations
 
@@ -54,14 +10,14 @@ import signal
 
 import torch
 
+from tierstore.daemon.config import DaemonConfig
+from tierstore.daemon.memory import return_freed_memory
+from tierstore.daemon.server import Daemon
 from tierstore.memory import parse_bytes
 from tierstore.tools.cli import nonneg_float, nonneg_int, positive_float, positive_int
-from tierstore.tools.daemon_config import DaemonConfig
-from tierstore.tools.daemon_memory import return_freed_memory
-from tierstore.tools.daemon_server import Daemon
 from tierstore.tools.stats import require_store
 
-__all__ = ["Daemon", "DaemonConfig", "main", "register"]
+__all__ = ["main", "register"]
 
 
 # -- the CLI verb --------------------------------------------------------------------------

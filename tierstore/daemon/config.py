@@ -1,11 +1,11 @@
-"""``tierstore prefetchd``'s settings, checked (tools/daemon.py describes the daemon)."""
+"""``tierstore prefetchd``'s settings, checked (server.py describes the daemon)."""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierstore import wire
+from tierstore.daemon import wire
 from tierstore.memory import parse_bytes
 from tierstore.validate import check_int, check_number
 

@@ -1,7 +1,7 @@
 """A trainer's side of ``tierstore prefetchd``: ``tierstore.open_store(PATH, daemon=SOCK, ...)``.
 
-The daemon (tierstore/tools/daemon.py) owns the store's DDR tier and LMDB
-files; this class sends it READ/WRITE/PREFETCH/FLUSH frames (tierstore/wire.py)
+The daemon (server.py) owns the store's DDR tier and LMDB
+files; this class sends it READ/WRITE/PREFETCH/FLUSH frames (wire.py)
 over a Unix socket and has the read/write/prefetch/flush API of an embedded
 store. Writes that reach the daemon go into its store and are durable after
 ``flush()`` (anyone's) or when the daemon stops; see the daemon's docstring.
@@ -47,7 +47,7 @@ several steps); a module's backward asks the daemon which rows' updates it keeps
 sends EVICT, within the client's claims.
 
 Large arrays go through a shared-memory segment the daemon creates for this
-connection (``shm_bytes``; see tierstore/wire.py); small frames through the
+connection (``shm_bytes``; see wire.py); small frames through the
 socket. A call larger than the daemon's frame limit (its HELLO says it) is
 sent as several frames, in order: the rows read are the same; a write checks
 its claims first, so it is refused whole (only a daemon lost mid-call can
@@ -70,17 +70,17 @@ import torch
 from tierstore.io import unique_ids
 
 from . import wire
-from .counters import TierCounters, add_dicts
-from .eviction import make_policy
-from .interface import EmbeddingStore
-from .prefetch import PrefetchGroup, PrefetchTicket
-from .precision import DTYPES
-from .spec import TableSpec
-from .store import TieredStore, as_ids, as_values, check_out, gather_rows, gather_tier, resolve_device, unpicklable
-from .step import StepPlanner
-from .tiers import CacheTier, first_uses, last_values, nonzero
-from .trainer import TableTrainer
-from .validate import check_int, check_number
+from ..counters import TierCounters, add_dicts
+from ..eviction import make_policy
+from ..interface import EmbeddingStore
+from ..prefetch import PrefetchGroup, PrefetchTicket
+from ..precision import DTYPES
+from ..spec import TableSpec
+from ..store import TieredStore, as_ids, as_values, check_out, gather_rows, gather_tier, resolve_device, unpicklable
+from ..step import StepPlanner
+from ..tiers import CacheTier, first_uses, last_values, nonzero
+from ..trainer import TableTrainer
+from ..validate import check_int, check_number
 
 Claim = str | tuple[str, int, int]
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)

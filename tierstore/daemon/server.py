@@ -1,6 +1,45 @@
-"""The server of ``tierstore prefetchd`` (tools/daemon.py states its contracts: claims,
-durability, limits, concurrency): one Daemon owns a TieredStore and answers each
-client's frames (tierstore/wire.py) on a thread of its own."""
+"""The server of ``tierstore prefetchd``: one Daemon owns a TieredStore and answers each
+client's frames (wire.py) on a thread of its own. Clients attach with
+``tierstore.open_store(PATH, daemon=SOCK, claim=[...])`` (client.py).
+
+Claims: each client names the tables or ``(table, lo, hi)`` row ranges it
+writes in its HELLO (at most ``max_claims``); the daemon keeps every client's
+claims of a table in one sorted array, so a HELLO is checked with binary
+searches, not against each claim held. It refuses a claim that overlaps another
+client's, and refuses WRITE frames touching rows outside the sender's claims.
+A client with an HBM tier caches only its claimed rows (see client.py), so no
+other client's write can make its copy stale.
+
+Durability: WRITE frames go straight into the daemon's store (its DDR tier,
+else LMDB) and become durable at the next FLUSH from anyone, or when the
+daemon stops (SIGTERM/SIGINT flush before exit). A client killed mid-write
+loses at most the frame it was sending (a partial frame is never applied)
+plus the dirty rows of its own HBM tier, and its claims are released at once;
+rows it wrote that nobody flushed stay in the daemon's cache and are flushed
+with everything else. A daemon killed with SIGKILL loses the rows written
+since the last flush, like an embedded store.
+
+Limits: at most ``max_clients`` connections (by default as many as the
+open-file limit allows, up to 1024); the excess is told DaemonBusyError and
+closed, and an accept() that finds no free descriptor refuses that one
+connection, never the daemon. A connection must send HELLO within
+``frame_timeout``, finish each frame it begins within it, and read each
+reply within it; one idle for ``idle_timeout`` is closed (with a
+ConnectionError reply saying so). Memory: each frame's payload, plus a
+READ's reply, a PREFETCH's working copies or a HELLO's parsed JSON, is
+reserved from ``max_inflight_bytes`` before anything is allocated for it (a
+frame waits until it fits), and segments are granted from
+``shm_total_bytes``; a finished connection's segment and buffers go at once.
+Prefetch hints the store keeps (their ids, the rows they pin) hold at most
+half of ``max_inflight_bytes``, all clients together: a hint that would pass
+it first drops the oldest hints of the client holding the most (see HintPool).
+
+Concurrency: one thread per connection. Frames are read and written outside
+the store's lock, and READ rows are gathered straight into the client's
+shared-memory segment. A read whose rows are all in the DDR tier holds the
+store's lock only for the lookup and the policy update, and gathers outside
+it, so several clients' gathers run at once (TieredStore.read).
+"""
 from __future__ import annotations
 
 import errno
@@ -17,11 +56,11 @@ import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tierstore import wire
+from tierstore.daemon import wire
+from tierstore.daemon.config import DaemonConfig
+from tierstore.daemon.memory import HELLO_WORK_PER_BYTE, HINT_BYTES_PER_ID, PREFETCH_WORK_PER_ID, HintPool, MemoryBudget
+from tierstore.daemon.sessions import ClaimIndex, Session, bind_socket, client_cap
 from tierstore.store import as_ids
-from tierstore.tools.daemon_config import DaemonConfig
-from tierstore.tools.daemon_memory import HELLO_WORK_PER_BYTE, HINT_BYTES_PER_ID, PREFETCH_WORK_PER_ID, HintPool, MemoryBudget
-from tierstore.tools.daemon_sessions import ClaimIndex, Session, bind_socket, client_cap
 from tierstore.validate import check_int
 
 log = logging.getLogger("tierstore.prefetchd")

@@ -1,5 +1,5 @@
 """The daemon's client connections: its listening socket, how many clients it may hold,
-each client's session, and every client's write claims of a table (tools/daemon.py
+each client's session, and every client's write claims of a table (server.py
 describes the daemon)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tierstore import wire
+from tierstore.daemon import wire
 
 log = logging.getLogger("tierstore.prefetchd")
 

@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 
-from tierstore.tools.daemon_sessions import Session
+from tierstore.daemon.sessions import Session
 
 # What a prefetch hint costs the daemon's store while it is held: its sorted unique ids
 # (the announced window) and the staging slots it pins, 8 B an id each at most.
