@@ -787,6 +787,12 @@ def _hello_many(sock, n: int, check_refused=lambda s: None) -> tuple[list, list[
     return held, refused
 
 
+def test_daemon_busy_error_keeps_the_import_path_the_manual_named():
+    import tierstore.wire  # the wire format moved to tierstore.daemon.wire; this path was documented
+
+    assert tierstore.wire.DaemonBusyError is tierstore.DaemonBusyError is wire.DaemonBusyError
+
+
 def test_connections_past_the_fd_limit_are_refused_and_stalled_ones_dropped(store_path, sockdir):
     d = Daemon(store_path, sockdir / "d.sock", "--frame-timeout", "1", preexec_fn=_fd_limit(128))
     held, refused = _hello_many(d.sock, 120, assert_closed)  # attached and idle: each holds a descriptor in the daemon
