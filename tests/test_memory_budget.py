@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import uuid
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from tierstore.memory import (
     cgroup_memory_limit, detect_limit, fit_rows, machine_memory, parse_bytes, split_memory, tier_bytes,
 )
 from tierstore.precision import DTYPES
+from tierstore.prefetch import PrefetchConfig
 from tierstore.tiers import CacheTier
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -167,39 +169,66 @@ def allocated(tier: CacheTier) -> int:
     return sum(a.nbytes for a in arrays) + WORK_BYTES_PER_SLOT * tier.capacity
 
 
+def tier_of(spec: TableSpec, name: str, rows: int) -> CacheTier:
+    """A tier of ``rows`` slots for ``spec``'s rows, as the store builds its tiers and staging, on its own:
+    allocated() of it is what the store's tier of that many rows holds."""
+    policy = None if name == "staged" else make_policy("lru")
+    return CacheTier(name, rows, spec.dim, spec.state_dim, torch.device("cpu"), policy, spec.num_rows, DTYPES[spec.dtype])
+
+
 # -- the accounting: what the store says against what it allocates ---------------------------
-def test_a_store_reports_what_it_allocates(tmp_path):
+def test_a_store_reports_what_it_allocates(tmp_path, monkeypatch):
     specs = [TableSpec("u", None, 24, state_dim=1), TableSpec("b", 200_000, 8, dtype="float16"), TableSpec("small", 500, 4)]
     budget = 400 * MiB
-    with TieredStore(tmp_path, specs, memory_budget="400MiB", device="cpu") as s:
+    # sync_read_us=0: announced rows are always read ahead, so a prefetch fills staging
+    with TieredStore(tmp_path, specs, memory_budget="400MiB", device="cpu", prefetch=PrefetchConfig(sync_read_us=0)) as s:
         m = s.memory()
         assert m.budget == budget and s.stats()["memory"]["budget"] == budget
         assert m.host_bytes <= budget
-        ddr = [s._tables[n].ddr for n in ("u", "b", "small")]
-        assert all(s._tables[n].hbm is None for n in ("u", "b", "small"))
+        fill = {spec.name: s.snapshot().tables[spec.name].tiers for spec in specs}
+        assert all(set(tiers) == {"ddr"} for tiers in fill.values())  # no HBM tier
+        ddr = [tier_of(spec, "ddr", fill[spec.name]["ddr"].capacity) for spec in specs]
         assert m.parts["ddr"].bytes == sum(allocated(t) for t in ddr) > 0.5 * (budget - budget // 4 - WRITE_TXN)
         assert m.parts["ddr"].rows == sum(t.capacity for t in ddr) and ddr[2].capacity == 500
-        for name in ("u", "b", "small"):
-            s._prefetcher.room(name)  # staging is allocated at a table's first prefetch
-        staged = [s._prefetcher._staged[n] for n in ("u", "b", "small")]
-        assert m.parts["staging"].bytes == sum(allocated(t) for t in staged) and m.parts["staging"].rows == sum(t.capacity for t in staged)
-        assert s._writeback._limit == m.parts["writeback"].rows == s.config.writeback_rows > 0
+        # a prefetch of more rows than a table's staging holds stages as many as it holds
+        tickets = [s.prefetch(spec.name, np.arange(min(m.staged_rows[spec.name] + 10, spec.num_rows or 1 << 62))) for spec in specs]
+        for ticket in tickets:
+            ticket.wait()
+        staged = {name: c["staged_rows"] for name, c in s.prefetch_stats()["tables"].items()}
+        assert staged == m.staged_rows and s.memory().parts["staging"].used_rows == m.parts["staging"].rows
+        staging = [tier_of(spec, "staged", staged[spec.name]) for spec in specs]
+        assert m.parts["staging"].bytes == sum(allocated(t) for t in staging) and m.parts["staging"].rows == sum(staged.values())
+        for ticket in tickets:
+            ticket.release()
+        assert m.parts["writeback"].rows == s.config.writeback_rows > 0
         assert m.parts["writeback"].bytes == m.parts["writeback"].rows * (4 * 25 + QUEUE_BYTES_PER_ROW)
-        # what the parts hold now
+        # what the parts hold now, LMDB's commits held back so that the queue keeps what was written
+        gate = threading.Event()
+        real = s._backend.put_rows  # latency injection: LMDB commits wait for the gate
+        monkeypatch.setattr(s._backend, "put_rows", lambda *a, **k: (gate.wait(60), real(*a, **k))[1])
         s.read("u", np.arange(1000))
         s.write("b", np.arange(300), np.ones((300, 8), np.float32))
         now = s.memory().parts
-        assert now["ddr"].used_rows == sum(t.resident for t in ddr) == 1000
-        assert now["writeback"].used_rows == s._writeback.queued_rows
+        assert now["ddr"].used_rows == sum(s.resident_rows(spec.name)["ddr"] for spec in specs) == 1000
+        assert now["writeback"].used_rows == 300
         assert now["lmdb_dirty"].used_bytes is None and now["page_cache"].used_bytes is None
         assert json.loads(json.dumps(s.stats()["memory"]))["parts"]["ddr"]["used_rows"] == 1000
+        # the queue takes the rows the split gives it before a call waits for LMDB: a call with it full
+        # returns at once (waiting, it would return only after the gate, the queue committed)
+        limit = m.parts["writeback"].rows
+        s.write("u", np.arange(10**6, 10**6 + limit - 300), np.ones((limit - 300, 25), np.float32), with_state=True)
+        s.read("small", [0])
+        assert s.snapshot().writeback_queued_rows == limit
+        gate.set()
 
 
 def test_given_tiers_are_accounted_with_the_same_function(tmp_path):
     with TieredStore(tmp_path, [TableSpec("t", None, 16)], hbm_rows=3000, ddr_rows=7000, device="cpu") as s:
         m = s.memory()
         assert m.budget is None and s.stats()["memory"]["budget"] is None
-        assert m.parts["hbm"].bytes == allocated(s._tables["t"].hbm) and m.parts["ddr"].bytes == allocated(s._tables["t"].ddr)
+        fill, spec = s.snapshot().tables["t"].tiers, s.spec("t")
+        assert (fill["hbm"].capacity, fill["ddr"].capacity) == (3000, 7000)
+        assert m.parts["hbm"].bytes == allocated(tier_of(spec, "hbm", 3000)) and m.parts["ddr"].bytes == allocated(tier_of(spec, "ddr", 7000))
         assert m.parts["staging"].rows == 7000 and m.parts["writeback"].rows == DEFAULT_WRITEBACK_ROWS
         assert m.parts["lmdb_dirty"].bytes == WRITE_TXN and m.parts["page_cache"].bytes == 0
 
@@ -207,7 +236,7 @@ def test_given_tiers_are_accounted_with_the_same_function(tmp_path):
 def test_neither_budget_nor_tiers_keeps_todays_store_and_says_what_it_uses(tmp_path):
     with TieredStore(tmp_path, [TableSpec("t", 1000, 4)], device="cpu") as s:
         m = s.memory()
-        assert s._tables["t"].hbm is None and s._tables["t"].ddr is None
+        assert s.snapshot().tables["t"].tiers == {}  # no tier
         assert m.budget is None and m.host_bytes == m.parts["staging"].bytes + m.parts["writeback"].bytes + WRITE_TXN + 4 * 1000
         assert m.parts["row_index"].used_bytes >= 4 * 1000  # the log layout's index, 4 bytes a row
         assert m.limit is not None and m.limit.machine == machine_memory()
@@ -230,7 +259,7 @@ def test_a_budget_derived_split_trains_the_same_rows_as_no_tiers(tmp_path):
         for ids, offsets, target in steps:
             (emb(ids, offsets) * target).sum().backward()
         if name == "budget":
-            ddr = emb.store._tables[emb.table].ddr
+            ddr = emb.store.snapshot().tables[emb.table].tiers["ddr"]
             assert ddr.capacity < len(torch.cat([ids for ids, _, _ in steps]).unique()), "the budget must make the tier evict"
             assert emb.store.stats()["ddr"]["writebacks"] > 0
         touched = torch.cat([ids for ids, _, _ in steps]).unique()
