@@ -947,6 +947,56 @@ def test_a_burst_of_100_clients_attaches_and_a_full_queue_gives_the_documented_e
         s.close()
 
 
+def test_snapshot_is_what_stats_and_metrics_report_as_plain_values(store_path, sockdir):
+    """The daemon's one public view of its clients and counts: STATS and the scrape show
+    its figures, and a snapshot taken stays as it was while the daemon goes on."""
+    import dataclasses
+    import json
+    import threading
+
+    from prometheus_client import generate_latest
+
+    from tierstore.daemon.config import DaemonConfig
+    from tierstore.daemon.server import Daemon as Prefetchd
+
+    registry = CollectorRegistry()
+    d = Prefetchd(DaemonConfig(store_path, sockdir / "d.sock", 1000), registry=registry)
+    serving = threading.Thread(target=d.serve)
+    serving.start()
+    try:
+        w = tierstore.open_store(store_path, daemon=str(sockdir / "d.sock"), claim=["item", ("user", 0, 50)], client="w")
+        r = tierstore.open_store(store_path, daemon=str(sockdir / "d.sock"), readonly=True, client="r")
+        w.write("item", [1, 2], np.ones((2, 4), np.float32))
+        w.report_step(3)
+        r.read("user", [1, 2, 3])
+        snap = d.snapshot()
+        assert (snap.connections, snap.requests, snap.rows) == (
+            2, {"w": {"write": 1, "step": 1}, "r": {"read": 1}}, {"w": {"write": 2, "step": 0}, "r": {"read": 3}})
+        assert json.loads(json.dumps([dataclasses.asdict(c) for c in snap.clients])) == r.daemon_stats()["clients"]
+        assert [(c.name, c.claims, c.n_claims, c.readonly, c.step) for c in snap.clients] == [
+            ("w", (("item", 0, 1 << 63), ("user", 0, 50)), 2, False, 3), ("r", (), 0, True, None)]
+        scrape = generate_latest(registry).decode()
+        for line in ('tierstore_daemon_client_requests_total{client="w",op="write"} 1.0',
+                     'tierstore_daemon_client_rows_total{client="r",op="read"} 3.0',
+                     'tierstore_daemon_client_step{client="w"} 3.0', "tierstore_daemon_clients 2.0"):
+            assert line in scrape
+        r.read("user", [4])
+        r.close()
+        assert snap.requests["r"] == {"read": 1} and len(snap.clients) == 2  # copies, not the daemon's live state
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            snap.connections = 0
+        deadline = time.monotonic() + 10
+        while d.snapshot().connections != 1:  # the daemon notices r's hang-up
+            assert time.monotonic() < deadline, "a closed client is still counted"
+            time.sleep(0.05)
+        now = d.snapshot()
+        assert now.requests["r"] == {"read": 2} and [c.name for c in now.clients] == ["w"]
+        w.close()
+    finally:
+        d.stop()
+        serving.join(30)
+
+
 def test_socket_in_a_missing_directory_is_named_with_the_fix(store_path, sockdir):
     from tierstore.daemon.config import DaemonConfig
     from tierstore.daemon.server import Daemon as Prefetchd

@@ -49,6 +49,8 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +72,31 @@ MAX_NAMED_CLIENTS = 4096  # client names whose counters are kept apart; later na
 OTHER_CLIENTS = "(other clients)"
 
 
+@dataclass(frozen=True)
+class ClientInfo:
+    """One attached client as a snapshot saw it (STATS lists these, in this order)."""
+
+    name: str
+    pid: int | None
+    claims: tuple[tuple[str, int, int], ...]  # its first STATS_CLAIMS claims
+    n_claims: int
+    readonly: bool
+    step: int | None  # the step it last reported
+    shm_bytes: int
+    hints: int  # prefetch hints the store holds for it
+    hint_bytes: int
+
+
+@dataclass(frozen=True)
+class DaemonSnapshot:
+    """The daemon's own figures at one moment, copied under its lock (Daemon.snapshot)."""
+
+    connections: int  # connected now, attached or not
+    clients: tuple[ClientInfo, ...]  # attached (said HELLO)
+    requests: Mapping[str, Mapping[str, int]]  # client name -> op -> requests served, kept after it left
+    rows: Mapping[str, Mapping[str, int]]  # client name -> op -> rows read, written or hinted
+
+
 class _ClientCollector:
     """Per-client request and row counters, labelled by client name (scrape time)."""
 
@@ -84,18 +111,17 @@ class _ClientCollector:
         rows = CounterMetricFamily("tierstore_daemon_client_rows", "Rows read, written or hinted per client and operation.", labels=["client", "op"])
         steps = GaugeMetricFamily("tierstore_daemon_client_step", "Training step each client last reported.", labels=["client"])
         clients = GaugeMetricFamily("tierstore_daemon_clients", "Connected clients.")
-        with self._daemon._lock:
-            totals = {k: (dict(v[0]), dict(v[1])) for k, v in self._daemon._totals.items()}
-            sessions = list(self._daemon._sessions.values())
-        for name, (r, n) in totals.items():
-            for op in r:
-                req.add_metric([name, op], r[op])
-                rows.add_metric([name, op], n.get(op, 0))
-        for s in sessions:
-            if s.step is not None:
-                steps.add_metric([s.name], s.step)
-        clients.add_metric([], len(sessions))
+        snap = self._daemon.snapshot()
+        for name, ops in snap.requests.items():
+            for op, n in ops.items():
+                req.add_metric([name, op], n)
+                rows.add_metric([name, op], snap.rows[name].get(op, 0))
+        for c in snap.clients:
+            if c.step is not None:
+                steps.add_metric([c.name], c.step)
+        clients.add_metric([], snap.connections)
         yield from (req, rows, steps, clients)
+
 
 class Daemon:
     """Owns one TieredStore and serves it; ``serve()`` runs until ``stop()``."""
@@ -218,6 +244,17 @@ class Daemon:
         t = threading.Thread(target=self._serve_conn, args=(session,), name=f"prefetchd-{session.number}", daemon=True)
         t.start()
         self._threads = [x for x in self._threads if x.is_alive()] + [t]
+
+    def snapshot(self) -> DaemonSnapshot:
+        """Its clients and per-client counts now, as plain values (metrics and STATS read this)."""
+        with self._lock:  # a client's claims are fixed once it said HELLO; its counts change under this lock
+            return DaemonSnapshot(
+                connections=len(self._sessions),
+                clients=tuple(ClientInfo(x.name, x.pid, tuple(x.claims(STATS_CLAIMS)), sum(len(r) for r in x.ranges.values()),
+                                         x.readonly, x.step, shm.size if (shm := x.shm) is not None else 0, len(x.hints),
+                                         x.hint_bytes) for x in self._sessions.values() if x.hello),
+                requests={name: dict(r) for name, (r, _) in self._totals.items()},
+                rows={name: dict(n) for name, (_, n) in self._totals.items()})
 
     def stop(self) -> None:
         self._stop.set()
@@ -395,15 +432,8 @@ class Daemon:
             return wire.Frame(f.type)
         if f.type == wire.STATS:
             per_table = f.text == "per_table"
-            with self._lock:
-                sessions = [x for x in self._sessions.values() if x.hello]
-            # described outside the lock: a client's claims are fixed once it said HELLO. The first
-            # STATS_CLAIMS of each, and their number: all of them could pass the reply's text limit
-            clients = [{"name": x.name, "pid": x.pid, "claims": [list(c) for c in x.claims(STATS_CLAIMS)],
-                        "n_claims": sum(len(r) for r in x.ranges.values()), "readonly": x.readonly,
-                        "step": x.step, "shm_bytes": shm.size if (shm := x.shm) is not None else 0,
-                        "hints": len(x.hints), "hint_bytes": x.hint_bytes} for x in sessions]
-            body = {"store": store.stats(per_table=per_table), "clients": clients,
+            # the first STATS_CLAIMS claims of each client, and their number: all of them could pass the reply's text limit
+            body = {"store": store.stats(per_table=per_table), "clients": [asdict(c) for c in self.snapshot().clients],
                     "prefetch": store.prefetch_stats()["tables"]}
             return wire.Frame(f.type, text=json.dumps(body))
         raise ValueError(f"frame type {f.type} is not a request")
