@@ -410,8 +410,6 @@ def incremental_checkpoint(store, backend, path: str | os.PathLike) -> Path:
     else a link of the rows changed in LMDB since its last, as LMDB holds them (weights, optimizer
     state and, with ttl_steps, last-use steps), the ids deleted, and the life of every table:
     its step count, eviction and update counts, and its admission sketch, whole."""
-    from .serving_stream import encode_delta, write_whole  # serving_stream imports the store
-
     path = Path(path)
     last = _chains.get(store)
     if last is None:
@@ -419,10 +417,21 @@ def incremental_checkpoint(store, backend, path: str | os.PathLike) -> Path:
         store.take_changes(_CHAIN_READER)  # the record starts at the copy: the lock is held, nothing falls between
         return _chained(store, path, None, 0)
     parent, parent_id, link = last
+    changes = store.take_changes(_CHAIN_READER)
+    try:
+        return _write_link(store, backend, path, changes, (parent, parent_id), link + 1)
+    except BaseException:  # a link that failed is not in the chain: its changes go to the next one
+        store.return_changes(changes, _CHAIN_READER)
+        raise
+
+
+def _write_link(store, backend, path: Path, changes: Mapping[str, torch.Tensor], parent: tuple[Path, str], link: int) -> Path:
+    from .serving_stream import encode_delta, write_whole  # serving_stream imports the store
+
     tables, last_use = {}, {}
     # every LMDB write and delete of a row is recorded, a step's new last use among them
     # (flush writes each row a step used): these ids are all that changed of the rows
-    for name, ids in store.take_changes(_CHAIN_READER).items():
+    for name, ids in changes.items():
         ids = ids.numpy()
         rows, found = backend.get_rows(name, ids)
         tables[name] = ("float32", ids[found], rows[found].view(np.uint8), ids[~found])
@@ -431,9 +440,13 @@ def incremental_checkpoint(store, backend, path: str | os.PathLike) -> Path:
     meta = backend.read_meta()
     sketches = {name: blob for name in store.tables if (blob := backend.get_sketch(name)) is not None}
     path.mkdir(parents=True)
-    write_whole(path / LINK_FILE, encode_delta(link + 1, time.time(), tables))
-    write_whole(path / LIFE_FILE, encode_life({k: meta[k] for k in _LIFE_META if k in meta}, last_use, sketches))
-    return _chained(store, path, (parent, parent_id), link + 1)
+    try:
+        write_whole(path / LINK_FILE, encode_delta(link, time.time(), tables))
+        write_whole(path / LIFE_FILE, encode_life({k: meta[k] for k in _LIFE_META if k in meta}, last_use, sketches))
+        return _chained(store, path, parent, link)
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)  # the directory is this call's: no part of a link stays
+        raise
 
 
 def encode_life(meta: dict, last_use: Mapping[str, np.ndarray], sketches: Mapping[str, bytes]) -> bytes:

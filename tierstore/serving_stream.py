@@ -56,11 +56,15 @@ def _versions(directory: Path, pattern: re.Pattern) -> list[int]:
 
 def write_whole(path: Path, data: bytes) -> None:
     aside = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
-    with open(aside, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(aside, path)
+    try:
+        with open(aside, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(aside, path)
+    except BaseException:
+        aside.unlink(missing_ok=True)  # a disk that filled up keeps no half-written file
+        raise
     fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -138,15 +142,19 @@ class Publisher:
         (written or deleted) as the next version; returns it. Call at a step boundary."""
         self.store.flush()
         changed = self.store.take_changes()
-        tables = {}
-        for name, ids in changed.items():
-            if name in self.tables and len(ids):
-                ids = ids.numpy()
-                weights = self.store.peek(name, ids).numpy()
-                kept = written(self.store.tables[name], ids, weights)  # the others read as initial: deleted
-                tables[name] = (self.dtype, ids[kept], self.tables[name].encode(weights[kept]), ids[~kept])
+        try:
+            tables = {}
+            for name, ids in changed.items():
+                if name in self.tables and len(ids):
+                    ids = ids.numpy()
+                    weights = self.store.peek(name, ids).numpy()
+                    kept = written(self.store.tables[name], ids, weights)  # the others read as initial: deleted
+                    tables[name] = (self.dtype, ids[kept], self.tables[name].encode(weights[kept]), ids[~kept])
+            write_whole(self.directory / f"delta-{self.version + 1:08d}.bin", encode_delta(self.version + 1, time.time(), tables))
+        except BaseException:  # no delta: the version stays, and the next publish carries these rows
+            self.store.return_changes(changed)
+            raise
         self.version += 1
-        write_whole(self.directory / f"delta-{self.version:08d}.bin", encode_delta(self.version, time.time(), tables))
         self.rows_published += sum(len(ids) + len(gone) for _, ids, _, gone in tables.values())
         return self.version
 

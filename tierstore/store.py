@@ -608,6 +608,15 @@ class TieredStore:
             mine, self._change_records[reader] = self._change_records.get(reader, {}), {}
             return {t: torch.from_numpy(unique_ids(np.concatenate(ids))) for t, ids in mine.items()}
 
+    def return_changes(self, changes: Mapping[str, torch.Tensor], reader: str = "serving") -> None:
+        """Hand back what ``take_changes(reader)`` returned, when the reader could not use it
+        (its delta or checkpoint link failed to write): the ids go back into its record, and
+        its next take_changes returns them again, with whatever changed since."""
+        with self._lock:
+            record = self._change_records.setdefault(reader, {})
+            for t, ids in changes.items():
+                record.setdefault(t, []).append(torch.as_tensor(ids, dtype=torch.int64).cpu().numpy())
+
     def checkpoint(self, path: str | Path, compact: bool = True, incremental: bool = False) -> Path:
         """Flush, then copy the LMDB environment into the new directory ``path``:
         a consistent snapshot that opens as a store (``TieredStore(path)``), which
