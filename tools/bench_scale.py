@@ -213,16 +213,20 @@ def _dlrm_step(model, emb_opt=None):
 
 
 def _times(step, batches, warmup: int, at_start=lambda: None):
-    """Seconds of each step after ``warmup`` untimed ones; ``at_start()`` runs before the timed."""
+    """Seconds of each step after ``warmup`` untimed ones; ``at_start()`` runs before the timed.
+    A step's time includes taking its batch from ``batches``: a LookaheadLoader announces the
+    batches ahead then, in the trainer's thread."""
     it = iter(batches)
     for _ in range(warmup):
         step(next(it))
     start = at_start()
     times = []
+    t0 = time.perf_counter()
     for batch in it:
-        t0 = time.perf_counter()
         step(batch)
-        times.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        t0 = t1
     return times, start
 
 
