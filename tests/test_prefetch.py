@@ -13,12 +13,13 @@ import torch
 
 import tierstore
 from tierstore import TableSpec, TieredStore
+from tierstore.hashindex import DenseIndex, make_index
 from tierstore.prefetch import LookaheadLoader, PrefetchConfig
 
 
 def slow_reads(monkeypatch, store, delay=lambda: random.uniform(0, 0.004), fail=None):
     """Delay reads made by prefetch threads (main-thread reads stay fast); optionally fail some."""
-    real = store._backend.get_rows
+    real = store._backend.get_rows  # latency and fault injection into LMDB's reads
 
     def get_rows(table, ids, out):
         if threading.current_thread() is not threading.main_thread():
@@ -35,7 +36,7 @@ def no_prefetch_threads():
 
 
 def slow_commits(monkeypatch, store, delay=lambda: random.uniform(0, 0.004)):
-    real = store._backend.put_rows
+    real = store._backend.put_rows  # latency injection into LMDB's commits
 
     def put_rows(*args, **kwargs):
         time.sleep(delay())
@@ -85,15 +86,14 @@ def test_prefetch_racing_with_reads_writes_evictions_never_serves_stale_rows(tmp
     assert no_prefetch_threads()
 
 
-def make_bag(path, sync_read_us=0.0, **kw):
-    """sync_read_us 0: read ahead however fast LMDB is (these tests slow only the
-    prefetch threads' reads; the step's stay fast, which could stop read-ahead)."""
-    emb = tierstore.TieredEmbeddingBag(
-        2000, 8, mode="sum", path=path, optimizer=tierstore.optim.Adagrad(lr=0.1),
-        init=tierstore.RowInit.normal(0, 0.1, seed=3), device="cpu", **kw,
-    )
-    emb.store._prefetcher._config.sync_read_us = sync_read_us
-    return emb
+def make_bag(path, num_rows=2000, dim=8, optimizer=None, init=tierstore.RowInit.normal(0, 0.1, seed=3), staged_rows=None, **tiers):
+    """A bag on a store of its own (close it with emb.store.close()). sync_read_us 0: read ahead however
+    fast LMDB is (these tests slow only the prefetch threads' reads; the step's stay fast, which could stop
+    read-ahead)."""
+    optimizer = optimizer or tierstore.optim.Adagrad(lr=0.1)
+    spec = TableSpec("t0", num_rows, dim, init=init, state_dim=optimizer.state_dim(dim))
+    store = TieredStore(path, [spec], device="cpu", prefetch=PrefetchConfig(staged_rows=staged_rows, sync_read_us=0), **tiers)
+    return tierstore.TieredEmbeddingBag(num_rows, dim, mode="sum", store=store, table="t0", optimizer=optimizer)
 
 
 def batches(count=30, seed=0):
@@ -120,7 +120,7 @@ def test_training_is_bit_identical_for_depth_0_1_8(tmp_path, monkeypatch):
         assert emb.store.prefetch_stats()["staged_rows"] == 0
         if depth:
             assert emb.store.prefetch_stats()["tables"][emb.table]["served_rows"] > 0
-        emb.close()
+        emb.store.close()
     assert torch.equal(final[0], final[1]) and torch.equal(final[0], final[8])
 
 
@@ -142,7 +142,7 @@ def test_bad_id_in_a_future_batch_is_raised_at_its_step(tmp_path, bad, match, ca
     assert seen == [0, 1, 2, 3, 4, 5, 6]  # raised by batch 6's own forward
     assert type(info.value) is type(at_depth_0.value) and str(info.value) == str(at_depth_0.value)
     assert emb.store.prefetch_stats()["outstanding"] == 0
-    emb.close()
+    emb.store.close()
 
 
 def test_background_lmdb_failure_is_raised_at_its_step(tmp_path, monkeypatch):
@@ -157,7 +157,7 @@ def test_background_lmdb_failure_is_raised_at_its_step(tmp_path, monkeypatch):
             seen.append(i)
             emb(ids, offsets).sum().backward()
     assert seen == list(range(7))
-    emb.close()
+    emb.store.close()
 
 
 def test_unwaited_background_failure_surfaces_at_the_next_read(tmp_path, monkeypatch):
@@ -193,17 +193,12 @@ def test_nothing_leaks_however_the_loop_ends(tmp_path, monkeypatch, how):
         time.sleep(0.01)
     state = emb.store.prefetch_stats()
     assert (state["inflight"], state["staged_rows"], state["window_batches"], state["outstanding"]) == (0, 0, 0, 0), state
-    emb.close()
+    emb.store.close()
     assert no_prefetch_threads()
 
 
 def test_window_larger_than_staging_shrinks_instead_of_deadlocking(tmp_path):
-    emb = tierstore.TieredEmbeddingBag(
-        10_000, 4, mode="sum", path=tmp_path, optimizer=tierstore.optim.SGD(lr=0.1), device="cpu",
-        ddr_rows=64,
-    )
-    emb.store._prefetcher._config.staged_rows = 100  # room for about two batches
-    emb.store._prefetcher._config.sync_read_us = 0  # read ahead however fast LMDB is: staging is what is tested
+    emb = make_bag(tmp_path, 10_000, 4, tierstore.optim.SGD(lr=0.1), ddr_rows=64, staged_rows=100)  # room for about two batches
     g = torch.Generator().manual_seed(0)
     data = [(torch.randperm(10_000, generator=g)[:40], torch.tensor([0, 20])) for _ in range(20)]
     loader = LookaheadLoader(data, emb, depth=8)
@@ -215,18 +210,13 @@ def test_window_larger_than_staging_shrinks_instead_of_deadlocking(tmp_path):
     assert max(depths) < 8 and max(depths) >= 1
     assert loader.shrunk_steps > 0
     assert emb.store.prefetch_stats()["tables"][emb.table]["shrunk_steps"] == loader.shrunk_steps
-    emb.close()
+    emb.store.close()
 
 
 def test_cached_rows_take_no_staging_room(tmp_path):
     # each batch reads 60 hot rows (cached) and 20 new ones: only the 20 need room,
     # so a staging area of 100 rows holds the whole window of 4
-    emb = tierstore.TieredEmbeddingBag(
-        10_000, 4, mode="sum", path=tmp_path, optimizer=tierstore.optim.SGD(lr=0.1), device="cpu",
-        ddr_rows=200,
-    )
-    emb.store._prefetcher._config.staged_rows = 100
-    emb.store._prefetcher._config.sync_read_us = 0
+    emb = make_bag(tmp_path, 10_000, 4, tierstore.optim.SGD(lr=0.1), ddr_rows=200, staged_rows=100)
     hot = torch.arange(60)
     data = [(torch.cat([hot, torch.arange(100 + 20 * i, 120 + 20 * i)]), torch.tensor([0, 40])) for i in range(12)]
     emb(*data[0]).sum().backward()  # the hot rows are cached from here on
@@ -236,7 +226,7 @@ def test_cached_rows_take_no_staging_room(tmp_path):
         depths.append(loader.effective_depth)
         emb(ids, offsets).sum().backward()
     assert depths[:-4] == [4] * (len(data) - 5) and loader.shrunk_steps == 0
-    emb.close()
+    emb.store.close()
 
 
 def test_rows_queued_for_lmdb_are_staged_from_the_queue(tmp_path, monkeypatch):
@@ -246,14 +236,15 @@ def test_rows_queued_for_lmdb_are_staged_from_the_queue(tmp_path, monkeypatch):
         ids = np.arange(100, 150)
         values = np.random.default_rng(0).standard_normal((50, 2)).astype(np.float32)
         s.write("t", ids, values)  # not cached: queued
-        assert s._writeback.queued_rows == 50
+        assert s.snapshot().writeback_queued_rows == 50
         s.prefetch("t", ids).wait()
         s.flush()  # commits the queue
-        reads = []
-        real = s._backend.get_rows
-        monkeypatch.setattr(s._backend, "get_rows", lambda *a: reads.append(a[1]) or real(*a))
+
+        def no_lmdb_reads(*args):  # fault injection: any LMDB read now fails the test
+            raise AssertionError(f"rows {args[1]} were read from LMDB")
+        monkeypatch.setattr(s._backend, "get_rows", no_lmdb_reads)
         assert torch.equal(s.read("t", ids), torch.from_numpy(values))
-        assert reads == [] and s.prefetch_stats()["tables"]["t"]["served_rows"] == 50
+        assert s.prefetch_stats()["tables"]["t"]["served_rows"] == 50
 
 
 def test_a_read_releases_a_ticket_only_when_it_covers_the_ticket(tmp_path):
@@ -271,7 +262,7 @@ def test_cold_reads_spread_over_the_pool(tmp_path, monkeypatch):
     with TieredStore(tmp_path, [TableSpec("t", 50_000, 2)], ddr_rows=50_000, device="cpu",
                      prefetch=PrefetchConfig(workers=4, sync_read_us=0)) as s:
         names = set()
-        real = s._backend.get_rows
+        real = s._backend.get_rows  # latency injection: each LMDB read takes 10 ms
 
         def get_rows(table, ids, out):
             names.add(threading.current_thread().name)
@@ -288,14 +279,14 @@ def test_prefetch_threads_wait_while_the_trainer_is_in_the_store(tmp_path, monke
                      prefetch=PrefetchConfig(workers=4, sync_read_us=0)) as s:
         reads_while_held = []
         held = threading.Event()
-        real = s._backend.get_rows
+        real = s._backend.get_rows  # notes each LMDB read's moment: during the injected hold below or not
 
         def get_rows(table, ids, out):
             reads_while_held.append(held.is_set())
             return real(table, ids, out)
 
         monkeypatch.setattr(s._backend, "get_rows", get_rows)
-        with s._lock:  # as a trainer's read or write does
+        with s._lock:  # latency injection: the store held for 0.2 s, as a trainer's read or write holds it
             held.set()
             ticket = s.prefetch("t", np.arange(4_000))
             time.sleep(0.2)
@@ -330,12 +321,12 @@ def test_a_fetch_takes_the_threads_it_needs_to_land_before_its_batch(tmp_path, m
 def residents_after(tmp_path, eviction, announce, num_rows=100):
     """DDR of 3 holding 1, 2, 3 (1 least recent), batches `announce` announced, then a read of 4."""
     with TieredStore(tmp_path / f"{eviction}{announce}", [TableSpec("t", num_rows, 2)], ddr_rows=3, device="cpu", eviction=eviction) as s:
-        assert s._tables["t"].ddr.dense_index == (num_rows <= 32 * 3)
+        assert isinstance(make_index(3, num_rows), DenseIndex) == (num_rows <= 32 * 3)  # the index a 3-row tier takes
         for x in (1, 2, 3):
             s.read("t", [x])
         tickets = [s.prefetch("t", ids) for ids in announce]
         s.read("t", [4])
-        resident = set(s._tables["t"].ddr.ids.tolist())
+        resident = set(s.cached_ids("t")["ddr"].tolist())
         for t in tickets:
             t.release()
         return resident
@@ -360,25 +351,31 @@ def test_lookahead_evicts_the_farthest_next_use_among_pinned_rows(tmp_path, num_
 
 @pytest.mark.parametrize("num_rows, probe_fraction", [(1000, 0.25), (100_000, 0.0), (100_000, 1e9)],
                          ids=["dense-index", "hash-index-sorted", "hash-index-probed"])
-def test_next_use_is_each_cached_rows_earliest_announced_step(tmp_path, monkeypatch, num_rows, probe_fraction):
-    """Prefetcher.next_use against a plain scan of the window, whichever way the tier's index is searched."""
+def test_lookahead_evicts_by_each_cached_rows_earliest_announced_step(tmp_path, monkeypatch, num_rows, probe_fraction):
+    """Prefetcher.next_use, whichever way the tier's index is searched, seen in what lookahead eviction
+    keeps: a full DDR tier's rows are announced by 4 batches (a row's first batch is its next use; later
+    batches name it again) but for a few rows, none; a read of new rows evicts first the rows no batch
+    names, then those whose next use is the last batch, and nothing else."""
     from tierstore import prefetch as prefetch_module
-    from tierstore.eviction.lookahead import NOT_IN_WINDOW
 
     monkeypatch.setattr(prefetch_module, "PROBE_FRACTION", probe_fraction)
     rng = np.random.default_rng(num_rows)
-    with TieredStore(tmp_path, [TableSpec("t", num_rows, 2)], ddr_rows=200, device="cpu") as s:
-        s.read("t", rng.choice(num_rows, 150, replace=False))
-        cached = s._tables["t"].ddr.ids.numpy()
-        tickets = [s.prefetch("t", rng.choice(np.concatenate([cached[cached >= 0], np.arange(50)]), 40)) for _ in range(4)]
+    with TieredStore(tmp_path, [TableSpec("t", num_rows, 2)], ddr_rows=200, device="cpu", eviction="lookahead") as s:
+        cached = rng.choice(num_rows, 200, replace=False)
+        s.read("t", cached)
+        assert sorted(s.cached_ids("t")["ddr"].tolist()) == sorted(cached.tolist())
+        unannounced, groups = cached[:10], np.split(cached[10:], [50, 100, 150])  # groups[k]: first named by batch k
+        uncached = np.setdiff1d(np.arange(num_rows), cached)
+        batches = [np.concatenate([groups[k], rng.choice(cached[10:10 + 50 * k], 20 * k, replace=False),
+                                   rng.choice(uncached[:100], 10, replace=False)]) for k in range(4)]
+        tickets = [s.prefetch("t", rng.permutation(b)) for b in batches]
         for t in tickets:
             t.wait()
-        tier = s._tables["t"].ddr
-        window = s._prefetcher._window["t"]
-        expected = [min((step for step, ids in window.items() if row in set(ids.tolist())), default=NOT_IN_WINDOW) if row >= 0
-                    else NOT_IN_WINDOW for row in tier.ids.tolist()]
-        assert s._prefetcher.next_use("t", tier).tolist() == expected
-        assert tier.dense_index == (num_rows <= 32 * 200) and sum(e != NOT_IN_WINDOW for e in expected) > 10
+        new = rng.choice(uncached[100:], len(unannounced) + len(groups[3]), replace=False)
+        s.read("t", new)
+        kept = set(s.cached_ids("t")["ddr"].tolist())
+        assert kept == set(cached.tolist()) - set(unannounced.tolist()) - set(groups[3].tolist()) | set(new.tolist())
+        assert isinstance(make_index(200, num_rows), DenseIndex) == (num_rows <= 32 * 200)  # the index searched
         for t in tickets:
             t.release()
 
@@ -399,7 +396,7 @@ def test_module_prefetch_stages_the_rows_forward_reads(tmp_path):
     assert emb.store.prefetch_stats()["staged_rows"] == min(64, len(torch.unique(ids)))
     emb(ids, offsets).sum().backward()
     assert emb.store.prefetch_stats()["tables"][emb.table]["served_rows"] > 0
-    emb.close()
+    emb.store.close()
     ebc = tierstore.TieredEmbeddingBagCollection(
         tables=[TableSpec("a", 100, 4), TableSpec("b", 100, 4)], path=tmp_path / "ebc", ddr_rows=50,
         optimizer=tierstore.optim.SGD(lr=0.1), device="cpu",
@@ -431,19 +428,23 @@ def test_a_batch_the_module_cannot_read_raises_at_its_own_step(tmp_path):
 def test_reading_threads_take_rows_in_chunks_of_about_half_a_millisecond(tmp_path, monkeypatch, row_seconds, chunk):
     """Chunks of ~0.5 ms of reads, 256 to 2048 rows: smaller ones cost the threads
     more CPU (a transaction, the pause, GIL hand-offs) than the gets."""
-    from tierstore.io import workers
+    from tierstore.io import LmdbBackend, workers
+    from tierstore.prefetch import chunk_rows
 
+    assert chunk_rows(row_seconds) == chunk
     calls, pauses = [], []
-    with TieredStore(tmp_path, [TableSpec("t", 10_000, 2)], ddr_rows=5_000, device="cpu", prefetch=PrefetchConfig(workers=1)) as s:
-        real = s._backend.get_rows
-        monkeypatch.setattr(s._backend, "get_rows", lambda table, ids, out: (calls.append(len(ids)), real(table, ids, out))[1])
-        s._prefetcher._row_seconds = row_seconds
-        assert s._prefetcher._chunk() == chunk
+    backend = LmdbBackend(tmp_path)
+    try:
+        backend.open_table("t", 2)
+        real = backend.get_rows
+        monkeypatch.setattr(backend, "get_rows", lambda table, ids, out: (calls.append(len(ids)), real(table, ids, out))[1])
         done = threading.Event()
         ids = np.arange(0, 9_000, 3)
         with ThreadPoolExecutor(1) as pool:
-            workers.read_rows_async(s._backend, "t", ids, 2, pool, 1, lambda *a: done.set(), lambda: pauses.append(1), chunk=chunk)
+            workers.read_rows_async(backend, "t", ids, 2, pool, 1, lambda *a: done.set(), lambda: pauses.append(1), chunk=chunk)
             assert done.wait(30)
+    finally:
+        backend.close()
     assert calls == [min(chunk, len(ids) - a) for a in range(0, len(ids), chunk)]
     assert len(pauses) == len(calls)
 
@@ -478,7 +479,7 @@ def test_rows_are_read_ahead_only_while_lmdb_is_slow_and_train_the_same_either_w
         store = TieredStore(tmp_path / str(depth), [TableSpec("t", 5000, 4)], ddr_rows=100, device="cpu",
                             prefetch=PrefetchConfig(workers=2, sync_read_us=300))
         emb = tierstore.TieredEmbeddingBag(5000, 4, mode="sum", store=store, table="t", optimizer=tierstore.optim.SGD(lr=0.1))
-        real = emb.store._backend.get_rows
+        real = emb.store._backend.get_rows  # latency injection: 1 ms a row while slow[0]
 
         def get_rows(table, ids, out, real=real):
             if slow[0]:
@@ -498,7 +499,7 @@ def test_rows_are_read_ahead_only_while_lmdb_is_slow_and_train_the_same_either_w
             if depth:
                 phases.append((phase, emb.store.prefetch_stats()["reading_ahead"], issued[-1] - issued[-7], left[-1] - left[-7]))
         final[depth] = emb.store.read(emb.table, torch.arange(5000), with_state=True)
-        emb.close()
+        emb.store.close()
     (_, ahead_1, issued_1, left_1), (_, ahead_2, issued_2, left_2), (_, ahead_3, issued_3, left_3) = phases
     assert ahead_1 and issued_1 > 0 and left_1 == 0, phases  # slow: read ahead
     assert not ahead_2 and issued_2 == 0 and left_2 == 6, phases  # fast: the last 6 batches were left to the step
@@ -516,7 +517,7 @@ def test_a_fresh_store_times_a_read_of_the_first_batch_before_reading_ahead(tmp_
                      prefetch=PrefetchConfig(workers=2, staged_rows=2000, sync_read_us=50)) as s:
         s.write("t", np.arange(5000), np.ones((5000, 4), dtype=np.float32))
         s.flush()
-        real, calls = s._backend.get_rows, []
+        real, calls = s._backend.get_rows, []  # latency injection (200 us a row if slow); notes each read's thread
 
         def get_rows(table, ids, out):
             calls.append((threading.current_thread() is threading.main_thread(), len(ids)))

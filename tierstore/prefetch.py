@@ -70,6 +70,17 @@ MAX_CHUNK = 2048
 FIRST_READ_ROWS, FIRST_READ_MIN = 512, 128
 
 
+def chunk_rows(row_seconds: float | None) -> int:
+    """Rows a reading thread takes at a time (between two checks for the trainer, and the
+    fewest a thread is given), its recent time a row ``row_seconds`` (None: not measured
+    yet): CHUNK_SECONDS of reading, at least MIN_CHUNK rows. Rows from the page cache
+    (~1 us a row) come in chunks of several hundred; small chunks cost the threads more
+    CPU than the reads."""
+    if row_seconds is None:
+        return MIN_CHUNK
+    return max(MIN_CHUNK, min(MAX_CHUNK, int(CHUNK_SECONDS / max(row_seconds, 1e-9))))
+
+
 @dataclass
 class PrefetchConfig:
     workers: int = 8  # threads for cold reads: the most one fetch uses (it takes those it needs to land in time)
@@ -318,7 +329,7 @@ class Prefetcher:
             self._uses.backend, table, fetch, t.spec.width, self._executor,
             self._parts(len(fetch), batches_ahead=len(self._outstanding[table]) - 1),
             lambda rows, found, err, seconds: self._land(ticket, fetch, rows, found, err, seconds), self._yield_to_store,
-            chunk=self._chunk(),
+            chunk=chunk_rows(self._row_seconds),
         )
         return ticket
 
@@ -331,15 +342,6 @@ class Prefetcher:
             return self._config.workers
         needed = 2 * rows * self._row_seconds / (batches_ahead * self._step_seconds)
         return max(1, min(self._config.workers, math.ceil(needed)))
-
-    def _chunk(self) -> int:
-        """Rows a reading thread takes at a time (between two checks for the trainer,
-        and the fewest a thread is given): CHUNK_SECONDS of reading, at least
-        MIN_CHUNK rows. Rows from the page cache (~1 us a row) come in chunks of
-        several hundred; small chunks cost the threads more CPU than the reads."""
-        if self._row_seconds is None:
-            return MIN_CHUNK
-        return max(MIN_CHUNK, min(MAX_CHUNK, int(CHUNK_SECONDS / max(self._row_seconds, 1e-9))))
 
     def trainer_step(self, seconds: float) -> None:
         """A LookaheadLoader's batch took the trainer this long, waits excluded."""
