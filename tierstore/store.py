@@ -755,11 +755,13 @@ class TieredStore:
                     for name, tier in (("hbm", t.hbm), ("ddr", t.ddr))}
 
     def stored_rows(self, table: str, ids) -> StoredRows:
-        """What LMDB holds for the rows of ``ids`` (any order, repeats allowed), as committed:
-        a newer value in a tier or queued for write-back is not there yet (read() or peek()
-        give the rows as the store serves them). Nothing moves and nothing is counted."""
+        """What LMDB holds for the rows of ``ids`` (any order, repeats allowed) once the rows
+        already queued for it are committed (it waits for them, as drain_writeback): a newer
+        value still dirty in a tier is not there yet (read() or peek() give the rows as the
+        store serves them). Nothing moves and nothing is counted."""
         with self._lock:
             self._check_open()
+            self._reap(drain=True)  # else the answer would depend on how far the writer thread got
             spec = self._table(table).spec
             uid, inverse = np.unique(as_ids(spec, ids).cpu().numpy(), return_inverse=True)
             rows, found = self._backend.get_rows(table, uid)
