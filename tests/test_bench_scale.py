@@ -95,7 +95,7 @@ def test_the_log_floor_reads_each_rows_newest_copy_with_lmdb_alone(tmp_path):
     bench_scale.prepare_table(path, 5000, 8, 0)
     rng = np.random.default_rng(1)
     rewritten = np.unique(rng.integers(0, 5000, 700))
-    with tierstore.TieredStore(path, [bench_scale._spec(5000, 8)], hbm_rows=0, ddr_rows=0, device="cpu") as store:
+    with tierstore.TieredStore(path, [bench_scale.table_spec(5000, 8)], hbm_rows=0, ddr_rows=0, device="cpu") as store:
         store.write(bench_scale.TABLE, rewritten, rng.standard_normal((len(rewritten), 8), dtype=np.float32))
         store.flush()
         asked = np.unique(rng.integers(0, 5000, 900))

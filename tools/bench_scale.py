@@ -53,7 +53,7 @@ CGROUP_V2 = Path("/sys/fs/cgroup")
 
 
 # -- the table ---------------------------------------------------------------------------------
-def _spec(rows: int, dim: int):
+def table_spec(rows: int, dim: int):
     import tierstore
 
     # what TieredEmbeddingBag(rows, dim, optimizer=SGD) declares, so that it reopens the table
@@ -77,7 +77,7 @@ def prepare_table(path: Path, rows: int, dim: int, seed: int) -> dict:
 
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
-    with tierstore.TieredStore(path, [_spec(rows, dim)], hbm_rows=0, ddr_rows=0, device="cpu") as store:
+    with tierstore.TieredStore(path, [table_spec(rows, dim)], hbm_rows=0, ddr_rows=0, device="cpu") as store:
         for lo in range(0, rows, 1 << 18):
             n = min(rows, lo + (1 << 18)) - lo
             store.write(TABLE, np.arange(lo, lo + n), rng.standard_normal((n, dim), dtype=np.float32) * 0.01)
@@ -272,7 +272,7 @@ def _tiered(job: dict, batches, go) -> dict:
     dlrm = job["kind"] == "dlrm"
     go()  # the limit is set and the page cache dropped: open the store now
     if job.get("trace"):  # recorded, for the capacity tools' prediction of this run (_predicted)
-        opened = tierstore.TieredStore(job["path"], [_spec(job["rows"], job["dim"])], memory_budget=job["budget"],
+        opened = tierstore.TieredStore(job["path"], [table_spec(job["rows"], job["dim"])], memory_budget=job["budget"],
                                        record_trace=job["trace"])
         emb = tierstore.TieredEmbeddingBag(job["rows"], job["dim"], mode="sum", store=opened, table=TABLE,
                                            optimizer=tierstore.optim.SGD(lr=LR))
