@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,8 @@ import tierstore
 import tierstore.tools.stats
 from tierstore.tools.cli import _parsers, build_parser, main
 from tierstore.trace import Trace
+
+from test_daemon import ready_metrics_port
 
 USER = tierstore.TableSpec("user", 10_000, 4)
 CLI = [sys.executable, "-W", "error", "-m", "tierstore.tools.cli"]  # warnings are errors: none may leak
@@ -54,14 +55,13 @@ def served(tmp_path_factory):
     store = make_store(tmp / "store")
     rng = np.random.default_rng(0)
     Trace.from_calls([(s, "user", rng.choice(10_000, 50, replace=False)) for s in range(6)], tables=["user"]).save(tmp / "trace")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     sockdir = Path(tempfile.mkdtemp(prefix="tsc-"))  # short: Unix socket paths are limited to ~104 bytes
     proc = start("prefetchd", str(store), "--socket", str(sockdir / "a.sock"), "--ddr-rows", "1000",
-                 "--lookahead-source", str(tmp / "trace"), "--depth", "2", "--metrics-port", str(port))
+                 "--lookahead-source", str(tmp / "trace"), "--depth", "2", "--metrics-port", "0")
     try:
-        assert proc.stdout.readline().startswith("ready"), proc.stderr.read()
+        ready = proc.stdout.readline()
+        assert ready.startswith("ready"), proc.stderr.read()
+        port = ready_metrics_port(ready)  # the free port it bound: nothing can take it between a pick and the bind
         yield argparse.Namespace(tmp=tmp, store=store, sockdir=sockdir, port=port, proc=proc)
     finally:
         if proc.poll() is None:
@@ -96,6 +96,7 @@ def test_prefetchd_lookahead_leaks_no_warning(served):
     of letting torch warn (under -W error the lookahead thread would fail)."""
     client = tierstore.open_store(served.store, daemon=str(served.sockdir / "a.sock"), readonly=True, client="c")
     try:
+        assert client.daemon_stats()["metrics_port"] == served.port
         client.report_step(0)
         deadline = time.monotonic() + 60
         while client.daemon_stats()["prefetch"]["user"]["issued_batches"] < 2:  # steps 1 and 2

@@ -38,6 +38,12 @@ def _embedded(path, **kw):
     return tierstore.TieredStore(path, registry=CollectorRegistry(), device="cpu", **kw)
 
 
+def ready_metrics_port(line: str) -> int | None:
+    """The metrics port a daemon's ready line reports (``--metrics-port 0``: the free one it bound)."""
+    words = line.split()
+    return int(words[-1]) if words[-2:-1] == ["metrics-port"] else None
+
+
 class Daemon:
     started: list["Daemon"] = []  # every daemon a test starts; leftovers are killed after it (see below)
 
@@ -49,6 +55,7 @@ class Daemon:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
         line = self.proc.stdout.readline()
         assert line.startswith("ready"), f"daemon did not start: {line!r} {self.proc.stderr.read() if self.proc.poll() is not None else ''}"
+        self.metrics_port = ready_metrics_port(line)
 
     def stop(self, sig=signal.SIGTERM) -> int:
         if self.proc.poll() is None:
@@ -361,22 +368,17 @@ def test_second_daemon_refused_while_one_lives_and_stale_socket_replaced(store_p
     assert d.stop() == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_lookahead_follows_the_slowest_client_and_metrics_label_clients(store_path, sockdir, tmp_path):
     rng = np.random.default_rng(1)
     steps = {s: rng.choice(10_000, 50, replace=False) for s in range(6)}
     trace = tmp_path / "trace"
     Trace.from_calls([(s, "user", ids) for s, ids in steps.items()], tables=["user"]).save(trace)
-    port = _free_port()
-    d = Daemon(store_path, sockdir / "d.sock", "--lookahead-source", str(trace), "--depth", "2", "--metrics-port", str(port))
+    d = Daemon(store_path, sockdir / "d.sock", "--lookahead-source", str(trace), "--depth", "2", "--metrics-port", "0")
     try:
         fast = tierstore.open_store(store_path, daemon=str(d.sock), readonly=True, client="fast")
         slow = tierstore.open_store(store_path, daemon=str(d.sock), readonly=True, client="slow")
+        port = d.metrics_port  # the free port it bound, from its ready line; STATS says it too
+        assert port > 0 and fast.daemon_stats()["metrics_port"] == port
         slow.report_step(0)
         fast.report_step(4)  # the window follows the slowest client: steps 1 and 2
 
@@ -684,8 +686,8 @@ def test_admission_and_ttl_train_through_a_daemon_bit_identical_to_an_embedded_s
     with _embedded(tmp_path / "a", tables=[spec]):
         pass
     shutil.copytree(tmp_path / "a", tmp_path / "b")
-    port = _free_port()
-    d = Daemon(tmp_path / "a", sockdir / "d.sock", "--metrics-port", str(port), ddr_rows=64)
+    d = Daemon(tmp_path / "a", sockdir / "d.sock", "--metrics-port", "0", ddr_rows=64)
+    port = d.metrics_port
     try:
         client = tierstore.open_store(tmp_path / "a", daemon=str(d.sock), claim=["t"], client="trainer")
         with pytest.raises(ValueError, match="admit_after, ttl_steps or evict_l2_below.*hbm_rows"):
@@ -972,7 +974,9 @@ def test_snapshot_is_what_stats_and_metrics_report_as_plain_values(store_path, s
         snap = d.snapshot()
         assert (snap.connections, snap.requests, snap.rows) == (
             2, {"w": {"write": 1, "step": 1}, "r": {"read": 1}}, {"w": {"write": 2, "step": 0}, "r": {"read": 3}})
-        assert json.loads(json.dumps([dataclasses.asdict(c) for c in snap.clients])) == r.daemon_stats()["clients"]
+        stats = r.daemon_stats()
+        assert json.loads(json.dumps([dataclasses.asdict(c) for c in snap.clients])) == stats["clients"]
+        assert stats["metrics_port"] is None  # no --metrics-port
         assert [(c.name, c.claims, c.n_claims, c.readonly, c.step) for c in snap.clients] == [
             ("w", (("item", 0, 1 << 63), ("user", 0, 50)), 2, False, 3), ("r", (), 0, True, None)]
         scrape = generate_latest(registry).decode()

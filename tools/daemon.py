@@ -32,7 +32,8 @@ def register(sub) -> None:
     p.add_argument("--policy", default="lru", help="eviction policy: lru or lfu")
     p.add_argument("--lookahead-source", default=None, help="trace (tierstore.trace format) to prefetch from, ahead of the slowest client's step")
     p.add_argument("--depth", type=int, default=2, help="steps to prefetch ahead of the slowest client (with --lookahead-source)")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on 127.0.0.1:PORT/metrics")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on 127.0.0.1:PORT/metrics; 0 binds a free port, printed on the ready line")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch intra-op threads (default: torch's). Clients are served on a thread each; with N >= 2 "
                         "clients reading at once, 1 keeps their gathers from fighting over the cores")
@@ -72,6 +73,8 @@ def main(args: argparse.Namespace) -> int:
     # handlers only set a flag: the accept loop notices it within 0.2 s, then flushes and exits 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.stop())
-    print(f"ready {config.socket}", flush=True)  # a line for supervisors and tests to wait on
+    # a line for supervisors and tests to wait on, with the metrics port bound (--metrics-port 0: a free one)
+    metrics = f" metrics-port {daemon.metrics_port}" if daemon.metrics_port is not None else ""
+    print(f"ready {config.socket}{metrics}", flush=True)
     daemon.serve()
     return 0

@@ -556,7 +556,7 @@ class DaemonStore:
 
     def daemon_stats(self, per_table: bool = False) -> dict:
         """{"store": counters, "clients": [{name, pid, claims (the first 16), n_claims, readonly, step, shm_bytes,
-        hints, hint_bytes}], "prefetch": ...}."""
+        hints, hint_bytes}], "prefetch": ..., "metrics_port": the port its metrics are served on, or None}."""
         return self._request(wire.Frame(wire.STATS, text="per_table" if per_table else "")).json()
 
     def resident_rows(self, table: str) -> dict[str, int]:

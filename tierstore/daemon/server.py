@@ -157,6 +157,10 @@ class Daemon:
                                                device="cpu", registry=self.registry, name="prefetchd",
                                                metrics_port=config.metrics_port, memory_budget=config.memory_budget)
             self._hints = HintPool(self.store, hint_pool, config.max_hints)
+            endpoint = self.store.metrics.servers[0] if config.metrics_port is not None else None
+            # what it bound (metrics_port 0: a free port), for the ready line, the log and STATS
+            self.metrics_port: int | None = endpoint.port if endpoint is not None else None
+            self.metrics_url: str | None = endpoint.url if endpoint is not None else None
             self.registry.register(_ClientCollector(self))
             row_bytes = 4 * max((spec.width for spec in self.store.tables.values()), default=0)
             self._reply_bytes_per_id = {wire.READ: row_bytes, wire.REREAD: row_bytes, wire.ADMITTED: 8,
@@ -177,7 +181,8 @@ class Daemon:
 
     # -- lifecycle ---------------------------------------------------------------------
     def serve(self) -> None:
-        log.info("serving %s on %s (ddr_rows=%s, tables %s)", self.config.path, self.config.socket, self.store.config.ddr_rows, sorted(self.store.tables))
+        log.info("serving %s on %s (ddr_rows=%s, tables %s)%s", self.config.path, self.config.socket, self.store.config.ddr_rows,
+                 sorted(self.store.tables), f", metrics on {self.metrics_url}" if self.metrics_url else "")
         if self._trace is not None:
             t = threading.Thread(target=self._lookahead, name="prefetchd-lookahead", daemon=True)
             t.start()
@@ -434,7 +439,7 @@ class Daemon:
             per_table = f.text == "per_table"
             # the first STATS_CLAIMS claims of each client, and their number: all of them could pass the reply's text limit
             body = {"store": store.stats(per_table=per_table), "clients": [asdict(c) for c in self.snapshot().clients],
-                    "prefetch": store.prefetch_stats()["tables"]}
+                    "prefetch": store.prefetch_stats()["tables"], "metrics_port": self.metrics_port}
             return wire.Frame(f.type, text=json.dumps(body))
         raise ValueError(f"frame type {f.type} is not a request")
 
