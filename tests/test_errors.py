@@ -18,7 +18,7 @@ import tierstore.tools.stats
 from tierstore import TierstoreError
 from tierstore.tools.cli import main
 
-PACKAGES = ("tierstore", "tierstore.io", "tierstore.eviction", "tierstore.metrics", "tierstore.tools")
+PACKAGES = ("tierstore", "tierstore.daemon", "tierstore.io", "tierstore.eviction", "tierstore.metrics", "tierstore.tools")
 
 # the builtin bases each error had before TierstoreError: `except` clauses written for them still catch it
 BUILTIN_BASES = {
