@@ -87,10 +87,12 @@ def lmdb_floor(path: Path, table: str, ids: np.ndarray) -> dict:
     env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=1024)
     try:
         with env.begin() as txn:
-            if txn.get(b"s:" + table.encode()) is not None:
-                return _log_floor(path, table, env, uid)
+            log = txn.get(b"s:" + table.encode()) is not None
+        found = locate_log_rows(env, env.open_db(b"s:" + table.encode(), create=False), uid) if log else None
     finally:
-        env.close()
+        env.close()  # the pages this process has mapped would stay in the page cache
+    if log:
+        return _log_floor(path, table, found)
     keys = encode_keys(uid)
     n = len(keys)
     # copy-on-write: the transaction takes new pages (a leaf and its branches a row) past the file's end
@@ -115,16 +117,21 @@ def lmdb_floor(path: Path, table: str, ids: np.ndarray) -> dict:
             "put_us": 1e6 * put / n}
 
 
-def _log_floor(path: Path, table: str, env, uid: np.ndarray) -> dict:
-    db = env.open_db(b"s:" + table.encode(), create=False)
-    found = locate_log_rows(env, db, uid)
+def _log_floor(path: Path, table: str, found: "LogRows") -> dict:
+    import lmdb
+
     out = np.empty((len(found.rows), found.width), dtype=np.uint8)
     drop_page_cache(path / "data.mdb")
-    times = []
-    for _ in range(2):  # cold, then warm
-        t0 = time.perf_counter()
-        copy_log_rows(env, db, found, out)
-        times.append(time.perf_counter() - t0)
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=1024)
+    try:
+        db = env.open_db(b"s:" + table.encode(), create=False)
+        times = []
+        for _ in range(2):  # cold, then warm
+            t0 = time.perf_counter()
+            copy_log_rows(env, db, found, out)
+            times.append(time.perf_counter() - t0)
+    finally:
+        env.close()
     m = max(len(out), 1)
     put = _scratch_put(path, [(b"floor", out.tobytes())])
     return {"rows": len(out), "segments": len(found.segments), "layout": "log", "get_cold_us": 1e6 * times[0] / m,
