@@ -56,11 +56,6 @@ if TYPE_CHECKING:
     from .table import TableStore
 
 
-# A window's ids are found in a hash-indexed tier by probing while they number less than
-# this fraction of its slots; past it, one sort of the tier's ids and binary searches cost
-# less. Sorting every step does not scale with the tier: 82 ms for 1M slots, where 3,000
-# ids probe in 0.5 ms; at 10k slots the sort takes 0.4 ms.
-PROBE_FRACTION = 0.25
 CHUNK_SECONDS = 5e-4  # of reading a thread does between two checks for the trainer
 MAX_CHUNK = 2048
 # Rows of the first announced batch read and timed in the trainer's thread, before any
@@ -465,22 +460,12 @@ class Prefetcher:
         if out is None or len(out) != tier.capacity:  # kept for the next step: a fresh one page-faults at 1M slots
             out = self._next_use_out[(table, tier.name)] = np.empty(tier.capacity, dtype=np.int64)
         out.fill(NOT_IN_WINDOW)
-        announced = sum(len(ids) for ids in window.values())
-        if tier.dense_index or announced < PROBE_FRACTION * tier.capacity:  # dense: a gather an id, ~10x a search
-
-            def slots_of(ids: np.ndarray) -> np.ndarray:
-                return tier.lookup(torch.from_numpy(ids)).cpu().numpy()
-        else:
-            tier_ids = tier.ids.cpu().numpy()
-            order = np.argsort(tier_ids)
-            by_id = tier_ids[order]
-
-            def slots_of(ids: np.ndarray) -> np.ndarray:
-                pos, found = find_sorted(by_id, ids)
-                return np.where(found, order[pos], -1)
+        # The tier's index is probed for every announced id: a hash probe (~0.1 us an id) costs
+        # less than a binary search of the tier's ids sorted, even before the sort (505k slots,
+        # 125k ids announced: 14 ms probing, 50 ms sorting and searching).
         for step in sorted(window, reverse=True):  # the earliest step written last wins
             if len(window[step]):
-                slots = slots_of(window[step])
+                slots = tier.lookup(torch.from_numpy(window[step])).cpu().numpy()
                 out[slots[slots >= 0]] = step
         return out
 
