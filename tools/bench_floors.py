@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import lmdb
 import numpy as np
 
 
@@ -79,8 +80,6 @@ def lmdb_floor(path: Path, table: str, ids: np.ndarray) -> dict:
     newest segment (a value of LMDB's) and a copy of the row's slot out of it, and a put
     of the rows packed as one value into a scratch environment beside the store (LMDB's
     cost of appending them, as the write-back appends a segment)."""
-    import lmdb
-
     from tierstore.io import encode_keys
 
     uid = np.unique(ids)
@@ -118,8 +117,6 @@ def lmdb_floor(path: Path, table: str, ids: np.ndarray) -> dict:
 
 
 def _log_floor(path: Path, table: str, found: "LogRows") -> dict:
-    import lmdb
-
     out = np.empty((len(found.rows), found.width), dtype=np.uint8)
     drop_page_cache(path / "data.mdb")
     env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=1024)
@@ -133,7 +130,7 @@ def _log_floor(path: Path, table: str, found: "LogRows") -> dict:
     finally:
         env.close()
     m = max(len(out), 1)
-    put = _scratch_put(path, [(b"floor", out.tobytes())])
+    put = _scratch_put(path, out.tobytes())
     return {"rows": len(out), "segments": len(found.segments), "layout": "log", "get_cold_us": 1e6 * times[0] / m,
             "get_warm_us": 1e6 * times[1] / m, "put_us": 1e6 * put / m}
 
@@ -187,19 +184,16 @@ def copy_log_rows(env, db, found: LogRows, out: np.ndarray) -> None:
             out[group] = slots[found.offsets[found.rows[group]]]
 
 
-def _scratch_put(path: Path, items) -> float:
-    """Seconds LMDB takes to put ``items`` in one write transaction and commit it (not
+def _scratch_put(path: Path, value: bytes) -> float:
+    """Seconds LMDB takes to put ``value`` in one write transaction and commit it (not
     synced), in a scratch environment beside the store (on its disk), removed after."""
-    import lmdb
-
-    items = list(items)
     scratch = path.parent / f".{path.name}-lmdb-floor"
     shutil.rmtree(scratch, ignore_errors=True)
-    env = lmdb.open(str(scratch), map_size=sum(len(k) + len(v) for k, v in items) * 4 + (64 << 20), sync=False)
+    env = lmdb.open(str(scratch), map_size=2 * len(value) + (64 << 20), sync=False)
     try:
         t0 = time.perf_counter()
         with env.begin(write=True) as txn:
-            txn.cursor().putmulti(items)
+            txn.put(b"floor", value)
         return time.perf_counter() - t0
     finally:
         env.close()
