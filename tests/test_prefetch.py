@@ -376,6 +376,41 @@ def test_lookahead_evicts_by_each_cached_rows_earliest_announced_step(tmp_path, 
             t.release()
 
 
+@pytest.mark.parametrize("num_rows", [300, 4000], ids=["dense-index", "hash-index"])
+def test_next_uses_remembered_across_steps_evict_as_ones_looked_up_afresh(tmp_path, monkeypatch, num_rows):
+    """Prefetcher.next_use keeps where each announced batch's ids were found and only checks them
+    the next step; announced rows evicted (the window holds more rows than the tier; evict()) and
+    cached again elsewhere must not fool it. The oracle: the same steps with next_use forgetting
+    everything each call (a lookup of every id)."""
+    from tierstore.prefetch import Prefetcher
+
+    rng = np.random.default_rng(num_rows)
+    batches = [(rng.random(10) ** 2 * num_rows).astype(np.int64) for _ in range(80)]  # skewed: rows come back
+    evicted = [rng.permutation(np.unique(b))[:3] for b in batches]
+
+    def residents(store_dir) -> list[list[int]]:
+        seen = []
+        with TieredStore(tmp_path / store_dir, [TableSpec("t", num_rows, 2)], ddr_rows=12, device="cpu", eviction="lookahead") as s:
+            tickets = [s.prefetch("t", b) for b in batches[:4]]
+            for i, b in enumerate(batches):
+                if i + 4 < len(batches):
+                    tickets.append(s.prefetch("t", batches[i + 4]))
+                s.read("t", b)
+                tickets[i].release()
+                if i % 3 == 0 and i + 2 < len(batches):
+                    s.evict("t", evicted[i + 2])  # announced rows leave, to come back in another slot
+                seen.append(sorted(s.cached_ids("t")["ddr"].tolist()))
+            assert isinstance(make_index(12, num_rows), DenseIndex) == (num_rows <= 32 * 12)  # the index searched
+        return seen
+
+    remembered = residents("remembered")
+    real = Prefetcher.next_use
+    # the oracle switch: nothing is remembered between calls
+    monkeypatch.setattr(Prefetcher, "next_use", lambda self, table, tier: (self._window_slots.clear(), real(self, table, tier))[1])
+    assert remembered == residents("afresh")
+    assert len({tuple(r) for r in remembered}) > 40  # the tier's rows changed step after step
+
+
 def test_bad_config_is_refused(tmp_path):
     with pytest.raises(ValueError, match="eviction"):
         TieredStore(tmp_path, [TableSpec("t", 10, 2)], eviction="belady")
