@@ -38,12 +38,12 @@ import torch
 from tierstore.tools.bench_floors import disk_floor, drop_page_cache, lmdb_floor
 
 # the defaults of the shared bench flags for this bench (tools/bench.py fills them in)
-DEFAULTS = {"rows": 34_000_000, "dim": 64, "repeat": 30}  # 34M x 64 float32: 8.1 GiB of rows
+DEFAULTS = {"rows": 34_000_000, "dim": 64, "repeat": 100}  # 34M x 64 float32: 8.1 GiB of rows
 BUDGETS = ("512MiB", "1GiB", "2GiB")
 DEPTHS = (0, 4)
 DLRM_DEPTH = 2
 BAGS, POOLING, ALPHA, LR = 2048, 32, 1.05, 0.01
-WARMUP = 5  # untimed steps before the timed ones (--warmup); filling a large DDR tier takes many more
+WARMUP = 60  # untimed steps before the timed ones (--warmup): the 0.5 GiB DDR tier is full by then (22% after 5)
 MARGIN = 16 << 20  # over the child's RSS + the budget: the interpreter's own growth
 FLOOR_SECONDS = 3.0  # per queue depth
 TABLE = "t0"  # TieredEmbeddingBag's default table name
