@@ -19,8 +19,12 @@ import numpy as np
 
 
 def drop_page_cache(file: Path) -> None:
+    """Drop ``file``'s pages from the page cache, dirty ones too: they are written out first
+    (DONTNEED skips a dirty page, and the rows a run before wrote back would then serve the
+    next run from memory charged to no limit of its)."""
     fd = os.open(file, os.O_RDONLY)
     try:
+        os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
