@@ -5,6 +5,7 @@ here without rows, through the capacity simulator's slot arrays (CacheSim) or ov
 CacheTier's metadata; the stores running it are checked against the same oracles in
 test_oracle.py, test_store_model.py and test_capacity.py."""
 import numpy as np
+import pytest
 import torch
 from cache_model import CacheModel
 from cachetools import LFUCache, LRUCache
@@ -122,6 +123,82 @@ def test_victims_are_the_lowest_ranked_other_occupied_rows(data, capacity, polic
                               next_use=(lambda t: next_use) if window else None)
     assert plan.ddr.keep.all()
     assert len(plan.ddr.evict) == need and set(plan.ddr.evict.tolist()) == expected_victims(tier, hits, need, next_use)
+    if window:  # asking the window about the victims first picks the same rows
+        named = set(tier.ids.numpy()[next_use != NOT_IN_WINDOW].tolist())
+        asked = StepPlanner().plan(None, tier, np.arange(len(slot)), np.full(len(slot), -1), slot,
+                                   next_use=lambda t: next_use, in_window=lambda ids: np.isin(ids, list(named)))
+        assert set(asked.ddr.evict.tolist()) == set(plan.ddr.evict.tolist())
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), h=st.integers(1, 12), d=st.integers(1, 24), policy=st.sampled_from(["lru", "lfu"]),
+       lookahead=st.booleans())
+def test_asking_the_window_about_victims_plans_as_ranking_every_slot(data, h, d, policy, lookahead):
+    """StepPlanner.plan with in_window (the policy's victims asked first, HBM's demoted rows among
+    DDR's candidates) makes the plan that next_use for every slot makes: the same evictions,
+    demotions kept or dropped, rows kept in each tier."""
+    clock = iter(range(100_000))
+    ids = data.draw(st.lists(st.integers(0, 99), min_size=h + d, max_size=h + d, unique=True))
+    n_h, n_d = data.draw(st.integers(0, h)), data.draw(st.integers(0, d))
+    tiers = [filled_tier(data, "hbm", h, policy, ids[:n_h], clock), filled_tier(data, "ddr", d, policy, ids[h:h + n_d], clock)]
+    for tier in tiers:
+        tier.lookahead = lookahead
+    named = np.array(sorted(data.draw(st.lists(st.integers(0, 99), unique=True, max_size=100))), dtype=np.int64)
+    steps = np.array(data.draw(st.lists(st.integers(1, 4), min_size=len(named), max_size=len(named))), dtype=np.int64)
+
+    def next_use(tier):  # what the prefetcher gives: each slot's row's step, free slots in none
+        out = np.full(tier.capacity, NOT_IN_WINDOW, dtype=np.int64)
+        held = tier.ids.numpy()
+        at = np.searchsorted(named, held).clip(max=max(len(named) - 1, 0))
+        hit = (held >= 0) & (named[at] == held) if len(named) else np.zeros(len(held), dtype=bool)
+        out[hit] = steps[at[hit]]
+        return out
+
+    uid = np.array(sorted(data.draw(st.lists(st.integers(0, 99), min_size=1, max_size=h + d, unique=True))))
+    slot_h, slot_d = (t.lookup(torch.from_numpy(uid)).numpy() for t in tiers)
+    plans = [StepPlanner().plan(*tiers, np.arange(len(uid)) + 200_000, slot_h, slot_d, next_use=next_use, **extra)
+             for extra in ({}, {"in_window": lambda ids: np.isin(ids, named)})]
+    assert canonical(plans[1]) == canonical(plans[0])
+
+
+@pytest.mark.parametrize("named_tier", ["hbm", "ddr"])
+def test_rows_hbm_demotes_are_asked_about_by_their_own_ids(named_tier):
+    """A full HBM tier of the oldest rows demotes them into a full DDR tier, which must evict as
+    many: with HBM's rows named by the window DDR keeps them and evicts its own; with DDR's
+    named, the demoted rows go. Either way the plan equals next_use's for every slot."""
+    clock = iter(range(100_000))
+    tiers = []
+    for name, ids in (("hbm", range(0, 4)), ("ddr", range(10, 18))):
+        tier = CacheTier(name, len(ids), 2, 0, torch.device("cpu"), make_policy("lru"), num_rows=10_000)
+        n = len(ids)
+        tier.add(torch.tensor(list(ids)), torch.zeros(n, 2), torch.tensor([next(clock) for _ in ids]),
+                 torch.ones(n, dtype=torch.int64), torch.zeros(n, dtype=torch.bool))
+        tiers.append(tier)
+    named = np.arange(0, 4) if named_tier == "hbm" else np.arange(10, 18)
+
+    def next_use(tier):
+        held = tier.ids.numpy()
+        return np.where(np.isin(held, named), 1, NOT_IN_WINDOW).astype(np.int64)
+
+    uid = np.arange(50, 54)  # 4 new rows: HBM makes room by demoting its 4
+    slot = np.full(len(uid), -1)
+    plans = [StepPlanner().plan(*tiers, np.arange(len(uid)) + 1_000, slot, slot, next_use=next_use, **extra)
+             for extra in ({}, {"in_window": lambda ids: np.isin(ids, named)})]
+    assert canonical(plans[1]) == canonical(plans[0])
+    kept = plans[1].demoted.kept
+    assert kept.all() if named_tier == "hbm" else not kept.any()
+
+
+def canonical(plan) -> dict:
+    """A plan as sets and per-row records: which order equal sets come in is no part of it."""
+    down = plan.demoted
+    out = {"demoted": {int(i): (int(a), int(b), bool(c), bool(k)) for i, a, b, c, k in
+                       zip(down.ids, down.last, down.freq, down.dirty, down.kept)},
+           "write_back": [sorted(getattr(plan.write_back, f).tolist()) for f in ("call", "hbm", "ddr")]}
+    for name in ("hbm", "ddr"):
+        level = getattr(plan, name)
+        out[name] = (level.keep.tolist(), sorted(level.evict.tolist()), level.evictions)
+    return out
 
 
 @settings(max_examples=80, deadline=None)

@@ -69,6 +69,11 @@ class TierMeta(Protocol):
 NextUse = Callable[[TierMeta], "np.ndarray | None"]
 # positions (into the given call rows) of the k to send below, from their use clocks and step counts
 CallVictims = Callable[[np.ndarray, np.ndarray, np.ndarray, int], np.ndarray]
+# which of these ids an announced batch reads (a mask); None without a window
+InWindow = Callable[[np.ndarray], "np.ndarray | None"]
+# Rounds of asking the window about the policy's victims (excluding those it reads) before
+# ranking every slot by its next use: the rows a window pins are seldom the least recently used
+PIN_ROUNDS = 4
 
 
 @dataclass(frozen=True)
@@ -149,10 +154,11 @@ class StepPlanner:
 
     def plan(self, hbm: TierMeta | None, ddr: TierMeta | None, clock: np.ndarray, slot_h: np.ndarray,
              slot_d: np.ndarray, *, refresh: np.ndarray | None = None, next_use: NextUse | None = None,
-             call_victims: CallVictims | None = None) -> StepPlan:
+             in_window: InWindow | None = None, call_victims: CallVictims | None = None) -> StepPlan:
         """Plan one step of the call's unique rows, used at ``clock``, at ``slot_h`` in HBM and
         ``slot_d`` in DDR (-1 where not there). ``refresh``: call rows to write back if they
-        leave the cache even when clean. ``next_use``: the prefetch window, per slot of a tier.
+        leave the cache even when clean. ``next_use``: the prefetch window, per slot of a tier;
+        ``in_window``, where given, answers for the policy's victims alone first (the same plan).
         ``call_victims``: ranks the call's own rows where a tier cannot hold them all (default:
         the tier's policy)."""
         n = len(clock)
@@ -173,7 +179,7 @@ class StepPlanner:
 
         keep_h, demote = np.zeros(n, dtype=bool), _EMPTY
         if hbm is not None:
-            keep_h, demote = self._make_room("hbm", hbm, slot_h, in_h, clock, freq, window, call_victims)
+            keep_h, demote = self._make_room("hbm", hbm, slot_h, in_h, clock, freq, window, in_window, call_victims)
         if hbm is not None and len(demote):
             d_ids, d_last, d_freq, d_dirty = hbm.meta_at(demote, "ids", "last", "freq", "dirty")
         else:
@@ -192,10 +198,16 @@ class StepPlanner:
             d_kept[:] = True
             if k > 0:  # DDR's other rows and HBM's demoted ones compete for its room
                 last, ranked_freq = self._ranked("ddr", ddr, hits, *((d_last, d_freq) if len(demote) else ()))
-                nu = window(ddr)
-                if nu is not None and hbm is not None:
-                    nu = np.concatenate([nu, window(hbm)[demote]])
-                victims = self._pick(ddr, last, ranked_freq, k, nu)
+
+                def ddr_window() -> np.ndarray | None:
+                    nu = window(ddr)
+                    return np.concatenate([nu, window(hbm)[demote]]) if nu is not None and hbm is not None else nu
+
+                def ddr_ids(at: np.ndarray) -> np.ndarray:  # positions past DDR's slots are HBM's demoted rows
+                    inside = at < ddr.capacity
+                    return np.where(inside, ddr.meta_at(np.where(inside, at, 0), "ids")[0], d_ids[np.where(inside, 0, at - ddr.capacity)]) \
+                        if len(demote) else ddr.meta_at(at, "ids")[0]
+                victims = self._pick(ddr, last, ranked_freq, k, ddr_window, in_window and (lambda at: in_window(ddr_ids(at))))
                 evict_d = victims[victims < ddr.capacity]
                 d_kept[victims[victims >= ddr.capacity] - ddr.capacity] = False
 
@@ -223,7 +235,8 @@ class StepPlanner:
                         write_back)
 
     def _make_room(self, level: str, tier: TierMeta, slot: np.ndarray, hit: np.ndarray, clock: np.ndarray,
-                   freq: np.ndarray, window: NextUse, call_victims: CallVictims | None) -> tuple[np.ndarray, np.ndarray]:
+                   freq: np.ndarray, window: NextUse, in_window: InWindow | None,
+                   call_victims: CallVictims | None) -> tuple[np.ndarray, np.ndarray]:
         """The mask of call rows ``tier`` keeps (all of them unless the call is larger than
         the tier) and the slots of its other rows to evict.
 
@@ -242,7 +255,8 @@ class StepPlanner:
         if need <= 0:
             return keep, _EMPTY
         last, ranked_freq = self._ranked(level, tier, hits)
-        return keep, self._pick(tier, last, ranked_freq, need, window(tier))
+        return keep, self._pick(tier, last, ranked_freq, need, lambda: window(tier),
+                                in_window and (lambda at: in_window(tier.meta_at(at, "ids")[0])))
 
     @staticmethod
     def _rank_call(tier: TierMeta, call_victims: CallVictims | None, at: np.ndarray, clock: np.ndarray, freq: np.ndarray,
@@ -274,20 +288,48 @@ class StepPlanner:
         return ranked[0], ranked[1]
 
     @staticmethod
-    def _pick(tier: TierMeta, last: np.ndarray, freq: np.ndarray, k: int, next_use: np.ndarray | None) -> np.ndarray:
+    def _pick(tier: TierMeta, last: np.ndarray, freq: np.ndarray, k: int, next_use: Callable[[], np.ndarray | None],
+              in_window: Callable[[np.ndarray], np.ndarray | None] | None = None) -> np.ndarray:
         """Positions into the candidates' use clocks and step counts (from ``_ranked``, which
         it may overwrite) of the k rows to evict. A candidate whose use clock is UNUSED is
         not a row: it is never chosen.
 
-        ``next_use`` (the prefetch window's next step using each candidate, or
+        ``next_use()`` (the prefetch window's next step using each candidate, or
         NOT_IN_WINDOW) pins rows the window uses: they go only when nothing else is
-        left, farthest next use first with lookahead eviction, else by policy."""
+        left, farthest next use first with lookahead eviction, else by policy.
+        ``in_window(positions)``, where given, says which candidates the window reads: the
+        policy's k victims are asked first, those the window reads are set aside and the
+        policy asked again. Use clocks are unique, so the k chosen among the rows left are
+        the k the policy ranks lowest among the rows the window does not read, as with
+        ``next_use()``, which is asked only where PIN_ROUNDS did not settle it."""
+        uses_frequency = tier.policy.uses_frequency
+        if in_window is not None:
+            aside, asked = [], np.zeros(len(last), dtype=bool)
+            for _ in range(PIN_ROUNDS):
+                if np.count_nonzero(last != UNUSED) < k:
+                    break
+                chosen = tier.policy.select(last, freq, k)
+                new = chosen[~asked[chosen]]  # those asked before were not named: the named are set aside
+                asked[new] = True
+                named = in_window(new)
+                if named is None or not named.any():
+                    return chosen
+                pinned = new[named]
+                aside.append((pinned, last[pinned].copy(), freq[pinned].copy() if uses_frequency else None))
+                last[pinned] = UNUSED
+                if uses_frequency:
+                    freq[pinned] = UNUSED
+            for pinned, was_last, was_freq in reversed(aside):  # as they were, for the ranking of every slot
+                last[pinned] = was_last
+                if was_freq is not None:
+                    freq[pinned] = was_freq
+        next_use = next_use()
         pinned = None if next_use is None else np.flatnonzero(next_use != NOT_IN_WINDOW)
         if pinned is not None and len(pinned):
             pinned = pinned[last[pinned] != UNUSED]
             if np.count_nonzero(last != UNUSED) - len(pinned) >= k:  # the usual step: enough rows the window does not use
                 last[pinned] = UNUSED
-                if tier.policy.uses_frequency:
+                if uses_frequency:
                     freq[pinned] = UNUSED
                 pinned = None
         if pinned is None or not len(pinned):

@@ -300,10 +300,14 @@ class TableStore:
               refresh: torch.Tensor | None = None) -> StepPlan:
         """This table's step (tierstore.step), with the prefetch window pinning rows."""
         return self._planner.plan(self.hbm, self.ddr, use_clock.numpy(), slot_h.numpy(), slot_d.numpy(),
-                                  refresh=None if refresh is None else refresh.numpy(), next_use=self._next_use)
+                                  refresh=None if refresh is None else refresh.numpy(), next_use=self._next_use,
+                                  in_window=self._in_window)
 
     def _next_use(self, tier: CacheTier) -> np.ndarray | None:
         return self._shared.prefetcher.next_use(self.spec.name, tier)
+
+    def _in_window(self, ids: np.ndarray) -> np.ndarray | None:
+        return self._shared.prefetcher.in_window(self.spec.name, ids)
 
     def _write_back(self, plan: StepPlan, uid: torch.Tensor, rows: torch.Tensor | None) -> int:
         """Queue the plan's dirty rows leaving the cache for LMDB, before anything changes:
