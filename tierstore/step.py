@@ -204,9 +204,10 @@ class StepPlanner:
                     return np.concatenate([nu, window(hbm)[demote]]) if nu is not None and hbm is not None else nu
 
                 def ddr_ids(at: np.ndarray) -> np.ndarray:  # positions past DDR's slots are HBM's demoted rows
-                    inside = at < ddr.capacity
-                    return np.where(inside, ddr.meta_at(np.where(inside, at, 0), "ids")[0], d_ids[np.where(inside, 0, at - ddr.capacity)]) \
-                        if len(demote) else ddr.meta_at(at, "ids")[0]
+                    ids, inside = np.empty(len(at), dtype=np.int64), at < ddr.capacity
+                    ids[inside] = ddr.meta_at(at[inside], "ids")[0]
+                    ids[~inside] = d_ids[at[~inside] - ddr.capacity]
+                    return ids
                 victims = self._pick(ddr, last, ranked_freq, k, ddr_window, in_window and (lambda at: in_window(ddr_ids(at))))
                 evict_d = victims[victims < ddr.capacity]
                 d_kept[victims[victims >= ddr.capacity] - ddr.capacity] = False
