@@ -377,12 +377,12 @@ def test_lookahead_evicts_by_each_cached_rows_earliest_announced_step(tmp_path, 
 
 
 @pytest.mark.parametrize("num_rows", [300, 4000], ids=["dense-index", "hash-index"])
-def test_next_uses_remembered_across_steps_evict_as_ones_looked_up_afresh(tmp_path, monkeypatch, num_rows):
-    """Prefetcher.next_use keeps where each announced batch's ids were found and only checks them
-    the next step; announced rows evicted (the window holds more rows than the tier; evict()) and
-    cached again elsewhere must not fool it. The oracle: the same steps with next_use forgetting
-    everything each call (a lookup of every id)."""
-    from tierstore.prefetch import Prefetcher
+def test_asking_the_window_about_victims_evicts_as_ranking_every_slot(tmp_path, monkeypatch, num_rows):
+    """The planner asks the window about its victims alone (Prefetcher.in_window) and ranks every
+    slot by its next use only where that does not settle it; over 80 steps, with the window holding
+    more rows than the tier and announced rows evicted (evict()) and cached again elsewhere, the
+    tier holds what ranking every slot each step gives (in_window switched off: the oracle)."""
+    from tierstore import step as step_module
 
     rng = np.random.default_rng(num_rows)
     batches = [(rng.random(10) ** 2 * num_rows).astype(np.int64) for _ in range(80)]  # skewed: rows come back
@@ -403,12 +403,10 @@ def test_next_uses_remembered_across_steps_evict_as_ones_looked_up_afresh(tmp_pa
             assert isinstance(make_index(12, num_rows), DenseIndex) == (num_rows <= 32 * 12)  # the index searched
         return seen
 
-    remembered = residents("remembered")
-    real = Prefetcher.next_use
-    # the oracle switch: nothing is remembered between calls
-    monkeypatch.setattr(Prefetcher, "next_use", lambda self, table, tier: (self._window_slots.clear(), real(self, table, tier))[1])
-    assert remembered == residents("afresh")
-    assert len({tuple(r) for r in remembered}) > 40  # the tier's rows changed step after step
+    asked = residents("asked")
+    monkeypatch.setattr(step_module, "PIN_ROUNDS", 0)  # the oracle switch: every slot ranked by its next use
+    assert asked == residents("ranked")
+    assert len({tuple(r) for r in asked}) > 40  # the tier's rows changed step after step
 
 
 def test_bad_config_is_refused(tmp_path):

@@ -199,8 +199,6 @@ class Prefetcher:
         self._read_seconds: float | None = None  # the same, with the step's own reads: see reading_ahead
         self._step_seconds: float | None = None  # the trainer's time per batch, waits excluded
         self._next_use_out: dict[tuple[str, str], np.ndarray] = {}
-        # (table, tier name) -> (the tier, step -> where it held that step's ids when last looked up, -1: not there)
-        self._window_slots: dict[tuple[str, str], tuple[CacheTier, dict[int, np.ndarray]]] = {}
         self._pins: dict[str, dict[int, list[torch.Tensor]]] = {}  # table -> step -> staging slots pinned until it (see _pin)
 
     # -- capacity ------------------------------------------------------------------
@@ -475,33 +473,13 @@ class Prefetcher:
         if out is None or len(out) != tier.capacity:  # kept for the next step: a fresh one page-faults at 1M slots
             out = self._next_use_out[(table, tier.name)] = np.empty(tier.capacity, dtype=np.int64)
         out.fill(NOT_IN_WINDOW)
-        # The tier's index is probed for the announced ids (a hash probe, ~0.1 us an id, costs less
-        # than a binary search of the tier's ids sorted, even before the sort: 505k slots, 125k ids
-        # announced, 14 ms probing, 50 ms sorting and searching). A batch stays announced for
-        # several steps: where an id was found last time and the slot still holds it, it is there
-        # still (a gather, not a probe); only the others are probed again.
-        tier_known = self._window_slots.get((table, tier.name))
-        if tier_known is None or tier_known[0] is not tier:
-            tier_known = self._window_slots[(table, tier.name)] = (tier, {})
-        known = tier_known[1]
-        for step in [s for s in known if s not in window]:
-            del known[step]
-        held_ids = tier.ids.numpy() if tier.device.type == "cpu" else None
+        # The tier's index is probed for every announced id: a hash probe (~0.1 us an id) costs
+        # less than a binary search of the tier's ids sorted, even before the sort (505k slots,
+        # 125k ids announced: 14 ms probing, 50 ms sorting and searching).
         for step in sorted(window, reverse=True):  # the earliest step written last wins
-            ids = window[step]
-            if not len(ids):
-                continue
-            slots = known.get(step)
-            if slots is None or held_ids is None:
-                slots = tier.lookup(torch.from_numpy(ids)).cpu().numpy()
-            else:
-                again = np.flatnonzero(slots < 0)
-                found = np.flatnonzero(slots >= 0)
-                again = np.concatenate([again, found[held_ids[slots[found]] != ids[found]]])
-                if len(again):
-                    slots[again] = tier.lookup(torch.from_numpy(ids[again])).cpu().numpy()
-            known[step] = slots
-            out[slots[slots >= 0]] = step
+            if len(window[step]):
+                slots = tier.lookup(torch.from_numpy(window[step])).cpu().numpy()
+                out[slots[slots >= 0]] = step
         return out
 
     # -- releasing -----------------------------------------------------------------------
