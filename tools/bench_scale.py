@@ -264,7 +264,7 @@ def _in_memory(job: dict) -> dict:
     return out
 
 
-def _tiered(job: dict, batches, go) -> dict:
+def _tiered(job: dict, batches, go, first_use: float | None = None) -> dict:
     """The embedding-only step or the DLRM model over TieredEmbeddingBag(memory_budget=)."""
     import tierstore
     from tierstore.prefetch import LookaheadLoader
@@ -315,7 +315,7 @@ def _tiered(job: dict, batches, go) -> dict:
               "parts": {k: p.bytes for k, p in memory.parts.items()}, "ddr_rows": memory.parts["ddr"].rows,
               "ddr_since_open": {k: s1["ddr"][k] for k in ("hits", "misses", "evictions")},
               "stage_ms_per_step": {k: 1e3 * (v - st0.get(k, 0.0)) / n for k, v in st1.items()},
-              "thread_cpu_ms_per_step": _per_step(cpu0, cpu1, n)}
+              "thread_cpu_ms_per_step": _per_step(cpu0, cpu1, n), "first_use_rows_per_step": first_use}
     print(json.dumps(result), flush=True)  # before close: its flush may be what the limit kills
     emb.close()
     store.close()  # where the module was given it, closing the module leaves it open
@@ -353,10 +353,43 @@ def child(job: dict) -> None:
         print(json.dumps(_in_memory(job)), flush=True)
         return
     batches = _dlrm_parts(job) if job["kind"] == "dlrm" else _emb_batches(job["rows"], job["steps"], job["seed"], job["bags"])
+    batches = _relabeled(batches, job)
+    first_use = _first_use_rows(batches, job["rows"], job["warmup"])
     gc.collect()
     _reset_peak_rss()
     print(json.dumps({"rss": _rss()}), flush=True)
-    _tiered(job, batches, lambda: sys.stdin.readline())
+    _tiered(job, batches, lambda: sys.stdin.readline(), first_use)
+
+
+def _relabeled(batches, job: dict):
+    """The batches with their ids renamed by a permutation of the table's own (seeded by
+    job["layout_salt"]). Each run writes back the rows it evicts, packed side by side at the
+    log's end, so a run on the same ids as one before would find the rows it uses clustered
+    in pages that the one before wrote: its reads would be fewer than a table whose layout
+    owes nothing to the trace gives. A renamed batch has the same duplicates, bags and
+    ranks: only which rows they fall on changes."""
+    if job.get("layout_salt") is None:
+        return batches
+    rename = torch.randperm(job["rows"], generator=torch.Generator().manual_seed(job["layout_salt"]))
+    if job["kind"] == "dlrm":
+        out = [(dense, {k: (rename[ids], offsets) for k, (ids, offsets) in sparse.items()}, labels)
+               for dense, sparse, labels in batches[0]]
+        return (out, *batches[1:])
+    return [rename[ids] for ids in batches]
+
+
+def _first_use_rows(batches, rows: int, warmup: int) -> float:
+    """Rows a timed step uses that no step before it used, on average: the store opens with
+    empty tiers, so any cache of any size reads each of them from disk at least once."""
+    ids = [b[1][next(iter(b[1]))][0] for b in batches[0]] if isinstance(batches, tuple) else batches
+    seen = torch.zeros(rows, dtype=torch.bool)
+    new = []
+    for b in ids:  # a loop per step
+        u = torch.unique(b)
+        new.append(int((~seen[u]).sum()))
+        seen[u] = True
+    timed = new[warmup:]
+    return sum(timed) / len(timed) if timed else 0.0
 
 
 # -- the parent --------------------------------------------------------------------------------
@@ -454,14 +487,14 @@ def _run(path: Path, rows: int, dim: int, seed: int, budgets: list[int], depths:
                 emb = {**job, "kind": "emb", "budget": b, "depth": d}
                 if d == 0:  # what the capacity tools predict is the store without prefetch
                     emb["trace"] = str(Path(traces) / f"trace-{b}")
-                runs.append({"kind": "emb", "budget": b, "depth": d, **_spawn(emb, path, True)})
+                runs.append({"kind": "emb", "budget": b, "depth": d, **_spawn({**emb, "layout_salt": _next_salt(path)}, path, True)})
                 if "trace" in emb and "ddr_since_open" in runs[-1]:
                     runs[-1]["predicted"] = _predicted(Path(emb["trace"]), runs[-1]["ddr_rows"])
     fits = [b for b in budgets if table_bytes >= 10 * b]
     if fits:
         b = max(fits)
         runs.append({"kind": "dlrm", "budget": b, "depth": DLRM_DEPTH,
-                     **_spawn({**job, "kind": "dlrm", "budget": b, "depth": DLRM_DEPTH}, path, True)})
+                     **_spawn({**job, "kind": "dlrm", "budget": b, "depth": DLRM_DEPTH, "layout_salt": _next_salt(path)}, path, True)})
     for r in runs:
         _ratios(r, floors, in_memory)
     return {"table": {**table, "path": str(path), "row_bytes": dim * 4, "table_bytes": table_bytes},
@@ -469,6 +502,17 @@ def _run(path: Path, rows: int, dim: int, seed: int, budgets: list[int], depths:
             "cgroup": cgroup.replace(f"-{os.getpid()}", "-PID-N") if probe is not None else f"none: {cgroup}; ran without a memory limit",
             "dlrm": None if fits else f"skipped: no budget in --budgets is a tenth of the table ({table_bytes:,} bytes) or less",
             "floors": floors, "in_memory": in_memory, "runs": runs}
+
+
+def _next_salt(path: Path) -> int:
+    """A number no run on this table had before (counted in its marker): each run renames
+    its ids by it (_relabeled), so that no run reads a layout an earlier run of the same
+    ids wrote."""
+    marker = path / MARKER
+    built = json.loads(marker.read_text())
+    built["runs"] = built.get("runs", 0) + 1
+    marker.write_text(json.dumps(built))
+    return built["runs"]
 
 
 def _predicted(trace: Path, ddr_rows: int) -> dict:
@@ -502,6 +546,9 @@ def _ratios(r: dict, floors: dict, in_memory: dict) -> None:
         if lm["put_us"] is not None else None
     base = in_memory.get("dlrm" if r["kind"] == "dlrm" else "fbgemm")
     r["x_in_memory"] = base["lookups_per_s"] / r["lookups_per_s"] if base else None
+    first = r.get("first_use_rows_per_step")
+    r["first_use_floor_s"] = first / iops if iops and first is not None else None
+    r["first_use_floor_x_in_memory"] = r["first_use_floor_s"] / base["mean_s"] if base and r["first_use_floor_s"] else None
 
 
 def _f(x, fmt: str, none: str = "-") -> str:
@@ -574,6 +621,10 @@ def _print_run(r: dict) -> None:
     print(f"   mean step {r['mean_s'] * 1e3:.0f} ms = {_f(r['x_in_memory'], '.1f')}{vs}; {_f(r['x_disk_floor'], '.1f')}x the disk "
           f"floor ({_f(r['disk_floor_s'] and r['disk_floor_s'] * 1e3, '.1f')} ms: rows read / reads/s at depth 32); LMDB floor "
           f"{_f(r['lmdb_floor_s'] and r['lmdb_floor_s'] * 1e3, '.0f')} ms")
+    if r.get("first_use_floor_s"):
+        print(f"   rows no earlier step used: {r['first_use_rows_per_step']:,.0f} a step, which any cache that opens empty reads "
+              f"from disk: {r['first_use_floor_s'] * 1e3:.0f} ms at depth 32 = {_f(r['first_use_floor_x_in_memory'], '.1f')}{vs} "
+              "by themselves")
 
 
 if __name__ == "__main__":
