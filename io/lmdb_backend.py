@@ -27,6 +27,7 @@ import lmdb
 import numpy as np
 
 from . import rowlog
+from .direct import DirectReader, open_reader
 from .codecs import RowCodec, encode_keys, row_norms_sq
 from .files import fsync_path
 from .errors import TierstoreError
@@ -173,6 +174,22 @@ class _Env:
         self.writer = False
         self.maps = 0  # counts the map's moves (set_mapsize): io.rowlog caches addresses in it
         self.main = env.open_db(None)  # LMDB's main database: the records of the named ones
+        self.direct: DirectReader | None = None  # opened at the first direct read (_direct_reader)
+        self.direct_why = "not tried yet"
+        self._direct_lock = threading.Lock()
+
+    def direct_reader(self, file: Path) -> DirectReader | None:
+        """The O_DIRECT reader of data.mdb, opened once; None where the system refuses one."""
+        with self._direct_lock:
+            if self.direct_why == "not tried yet":
+                self.direct, self.direct_why = open_reader(file)
+            return self.direct
+
+    def close(self) -> None:
+        if self.direct is not None:
+            self.direct.close()
+            self.direct = None
+        self.env.close()
 
     def set_mapsize(self, size: int) -> None:
         self.env.set_mapsize(size)
@@ -194,10 +211,13 @@ def _shared_env(path: Path) -> _Env | None:
 
 class LmdbBackend:
     def __init__(self, path: str | os.PathLike, readonly: bool = False, map_size: int | None = None,
-                 create: bool = True, txn_rows: int = WRITE_TXN_ROWS):
-        """``create=False``: a store must already be at ``path``; nothing is created otherwise."""
+                 create: bool = True, txn_rows: int = WRITE_TXN_ROWS, direct_reads: bool = True):
+        """``create=False``: a store must already be at ``path``; nothing is created otherwise.
+        ``direct_reads``: a log table's large reads bypass the page cache (io.direct) where
+        the system allows; False: every read goes through LMDB's map."""
         self.path = Path(path)
         self.readonly = readonly
+        self.direct_reads = direct_reads
         self.txn_rows = txn_rows  # rows per write transaction at most (put_rows)
         self._lock_fd = None
         self._dbs: dict[str, object] = {}
@@ -226,6 +246,15 @@ class LmdbBackend:
             shared.users += 1
             self._shared = shared
         self._meta = shared.meta
+        if direct_reads:
+            shared.direct_reader(self.path / "data.mdb")
+
+    @property
+    def read_path(self) -> str:
+        """How a log table's large reads reach the disk: io.direct's reads, or LMDB's map and why."""
+        if not self.direct_reads:
+            return "LMDB's map (direct_reads=False)"
+        return self._shared.direct_why if self._shared.direct is not None else f"LMDB's map: {self._shared.direct_why}"
 
     def _join_as_writer(self, shared: _Env) -> None:
         if shared.writer:
@@ -492,12 +521,17 @@ class LmdbBackend:
             width, offsets, found = got
             slots = np.empty((len(ids), width), dtype=np.uint8) if out is None else out
             if len(offsets):
-                _, base, size = self._map_base(txn)
-                if len(offsets) >= _ADVISED_READ:
-                    rowlog.will_need(base, offsets, width)
                 every = len(offsets) == len(ids)
                 picked = slots if every else np.empty((len(offsets), width), dtype=np.uint8)
-                rowlog.gather(base, size, offsets, width, picked)
+                direct = self._shared.direct_reader(self.path / "data.mdb") \
+                    if self.direct_reads and len(offsets) >= _ADVISED_READ else None
+                if direct is not None and direct.fits(width):  # inside txn: LMDB reuses none of its pages meanwhile
+                    direct.read(offsets, width, picked)
+                else:
+                    _, base, size = self._map_base(txn)
+                    if len(offsets) >= _ADVISED_READ:
+                        rowlog.will_need(base, offsets, width)
+                    rowlog.gather(base, size, offsets, width, picked)
                 if not every:
                     slots[found] = picked
             return slots, found
@@ -990,7 +1024,7 @@ class LmdbBackend:
                     shared.writer = False
                 if shared.users == 0:
                     del _OPEN[shared.key]
-                    shared.env.close()
+                    shared.close()
             finally:
                 self._release_writer_lock()
 

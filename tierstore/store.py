@@ -75,6 +75,7 @@ class StoreConfig:
     writeback_rows: int | None = None  # None: 65536, or derived from memory_budget
     writeback_group_rows: int = 32768
     memory_budget: int | str | None = None  # bytes (tierstore.memory.parse_bytes); an int once checked
+    direct_reads: bool = True  # large reads of rows skip the page cache where the system allows (tierstore.io.direct)
 
     def __post_init__(self):
         self.path = None if self.path is None else Path(self.path)
@@ -309,7 +310,8 @@ class TieredStore:
         self._change_records: dict[str, dict[str, list[np.ndarray]]] = {}  # take_changes's, by reader
         self._shared: Shared | None = None
         # without tables= nothing is created: a mistyped path fails, leaving nothing behind
-        self._backend = LmdbBackend(self.path, readonly=self.readonly, map_size=self.config.map_size, create=bool(tables))
+        self._backend = LmdbBackend(self.path, readonly=self.readonly, map_size=self.config.map_size, create=bool(tables),
+                                    direct_reads=self.config.direct_reads)
         try:
             specs = self._reconcile_specs(list(tables or []))
             for name in ("hbm_rows", "ddr_rows"):
@@ -673,7 +675,8 @@ class TieredStore:
         """Cumulative counts: {"hbm": {hits, misses, evictions, writebacks}, "ddr": {...},
         "ssd": {reads, writes, read_bytes, write_bytes}}; per table with per_table=True.
         Store-wide, "memory" is memory() as a dict: the budget, the limit detected at
-        open and what each part may hold and holds now."""
+        open and what each part may hold and holds now; "read_path", how large reads of
+        rows reach the disk (io_uring O_DIRECT reads, or LMDB's map and why)."""
         with self._lock:
             each = {name: t.counters.as_dict() for name, t in self._snapshot_or_raise().tables.items()}
             self._add_row_stats(each)
@@ -683,7 +686,7 @@ class TieredStore:
         total = {**TableCounters.new().as_dict(), "rows": {"stored": 0, **dataclasses.asdict(LifeCounters())}}
         for d in each.values():
             total = add_dicts(total, d)
-        return {**total, "memory": memory}
+        return {**total, "memory": memory, "read_path": self._backend.read_path}
 
     def snapshot(self) -> StoreSnapshot | None:
         """The store's counters and tier fill as readers see them (stats(), stage_seconds(),

@@ -1,0 +1,107 @@
+"""io.direct: O_DIRECT reads through io_uring return the file's bytes, and a store reading
+through them returns the rows the page-cache path does."""
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import tierstore
+from tierstore.io import direct
+from tierstore.store import StoreConfig
+
+PAGE = direct.PAGE
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("direct") / "data.bin"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 64 * PAGE, dtype=np.uint8).tobytes())
+    reader, why = direct.open_reader(path)
+    if reader is None:
+        pytest.skip(f"this system refuses direct reads: {why}")
+    reader.close()
+    return path
+
+
+@settings(max_examples=60, deadline=None)
+@given(width=st.integers(1, 3 * PAGE), seed=st.integers(0, 2**31), n=st.integers(0, 40), depth=st.sampled_from([1, 3, 256]))
+def test_reads_equal_the_files_bytes(data_file, width, seed, n, depth):
+    """Any width (crossing pages or not), any offsets, in batches smaller than the call."""
+    raw = np.frombuffer(data_file.read_bytes(), dtype=np.uint8)
+    offsets = np.random.default_rng(seed).integers(0, len(raw) - width + 1, n)
+    reader = direct.DirectReader(data_file, depth=depth, nbytes=max(depth, 2) * 4 * PAGE)
+    try:
+        out = np.full((n, width), 7, dtype=np.uint8)
+        reader.read(offsets, width, out)
+    finally:
+        reader.close()
+    expected = raw[offsets[:, None] + np.arange(width)] if n else out
+    assert np.array_equal(out, expected)
+
+
+def test_threads_read_at_once_each_on_its_own_ring(data_file):
+    raw = np.frombuffer(data_file.read_bytes(), dtype=np.uint8)
+    reader = direct.DirectReader(data_file)
+    bad = []
+
+    def work(seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(20):
+            offsets = rng.integers(0, len(raw) - 300, 700)
+            out = np.empty((700, 300), dtype=np.uint8)
+            reader.read(offsets, 300, out)
+            bad.append(not np.array_equal(out, raw[offsets[:, None] + np.arange(300)]))
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    reader.close()
+    assert bad and not any(bad)
+
+
+def test_a_read_past_the_end_fails_naming_it(data_file):
+    reader = direct.DirectReader(data_file)
+    try:
+        with pytest.raises(OSError, match="short read: 0 of 4096 bytes at offset 524288"):
+            reader.read(np.array([128 * PAGE]), 16, np.empty((1, 16), dtype=np.uint8))
+        out = np.empty((1, 16), dtype=np.uint8)  # the reader goes on working
+        reader.read(np.array([5]), 16, out)
+        assert out.tobytes() == data_file.read_bytes()[5:21]
+    finally:
+        reader.close()
+
+
+def test_a_filesystem_refusing_o_direct_is_named(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(22, "Invalid argument")
+    monkeypatch.setattr(direct.os, "open", refuse)
+    reader, why = direct.open_reader(tmp_path / "data.mdb")
+    assert reader is None and why.startswith("O_DIRECT is refused for") and "Invalid argument" in why
+
+
+@pytest.mark.parametrize("direct_reads", [True, False])
+def test_a_store_reads_the_same_rows_either_way(tmp_path, direct_reads, data_file):
+    """Written, rewritten (newest copy in a later segment), flushed and not, reopened: the
+    rows read with direct reads on equal those read through LMDB's map."""
+    rng = np.random.default_rng(1)
+    spec = tierstore.TableSpec("t", 5000, 24)  # 96-byte rows: some cross a page
+    path = tmp_path / "store"
+    config = StoreConfig(hbm_rows=0, ddr_rows=0, device="cpu", direct_reads=direct_reads)
+    ids = np.arange(5000)
+    rows = rng.standard_normal((5000, 24)).astype(np.float32)
+    with tierstore.TieredStore(path, [spec], config=config) as store:
+        assert store.stats()["read_path"] == ("io_uring O_DIRECT reads" if direct_reads else "LMDB's map (direct_reads=False)")
+        store.write("t", ids, rows)
+        store.flush()
+        again = np.unique(rng.integers(0, 5000, 1500))
+        rows[again] = rng.standard_normal((len(again), 24)).astype(np.float32)
+        store.write("t", again, rows[again])  # not flushed: read back from the write-back queue or the log
+        asked = rng.permutation(5000)[:3000]
+        assert np.array_equal(store.read("t", asked).numpy(), rows[asked])
+        store.flush()
+        assert np.array_equal(store.read("t", asked).numpy(), rows[asked])
+    with tierstore.TieredStore(path, [spec], config=config) as store:
+        assert np.array_equal(store.read("t", ids).numpy(), rows)
