@@ -315,7 +315,8 @@ def _tiered(job: dict, batches, go, first_use: float | None = None) -> dict:
               "parts": {k: p.bytes for k, p in memory.parts.items()}, "ddr_rows": memory.parts["ddr"].rows,
               "ddr_since_open": {k: s1["ddr"][k] for k in ("hits", "misses", "evictions")},
               "stage_ms_per_step": {k: 1e3 * (v - st0.get(k, 0.0)) / n for k, v in st1.items()},
-              "thread_cpu_ms_per_step": _per_step(cpu0, cpu1, n), "first_use_rows_per_step": first_use}
+              "thread_cpu_ms_per_step": _per_step(cpu0, cpu1, n), "first_use_rows_per_step": first_use,
+              "read_path": s1["read_path"]}
     print(json.dumps(result), flush=True)  # before close: its flush may be what the limit kills
     emb.close()
     store.close()  # where the module was given it, closing the module leaves it open
@@ -604,6 +605,7 @@ def _print_run(r: dict) -> None:
     print(f"   a step: {r['rows_read_per_step']:,.0f} rows read, {r['rows_written_per_step']:,.0f} written back; disk "
           f"{format_bytes(round(r['disk_read_bytes_per_step']))} read, {format_bytes(round(r['disk_written_bytes_per_step']))} "
           f"written; amplification read {_f(r['read_amp'], '.1f')}x, write {_f(r['write_amp'], '.1f')}x")
+    print(f"   rows read through: {r.get('read_path', '-')}")
     print(f"   store's budgeted host memory {format_bytes(r['store_host_bytes'])}: "
           + ", ".join(f"{k} {format_bytes(v)}" for k, v in r["parts"].items() if v))
     stages = r.get("stage_ms_per_step", {})
