@@ -211,13 +211,11 @@ def _shared_env(path: Path) -> _Env | None:
 
 class LmdbBackend:
     def __init__(self, path: str | os.PathLike, readonly: bool = False, map_size: int | None = None,
-                 create: bool = True, txn_rows: int = WRITE_TXN_ROWS, direct_reads: bool = True):
-        """``create=False``: a store must already be at ``path``; nothing is created otherwise.
-        ``direct_reads``: a log table's large reads bypass the page cache (io.direct) where
-        the system allows; False: every read goes through LMDB's map."""
+                 create: bool = True, txn_rows: int = WRITE_TXN_ROWS):
+        """``create=False``: a store must already be at ``path``; nothing is created otherwise."""
         self.path = Path(path)
         self.readonly = readonly
-        self.direct_reads = direct_reads
+        self._direct = (False, "not asked for")  # read_directly()
         self.txn_rows = txn_rows  # rows per write transaction at most (put_rows)
         self._lock_fd = None
         self._dbs: dict[str, object] = {}
@@ -246,15 +244,23 @@ class LmdbBackend:
             shared.users += 1
             self._shared = shared
         self._meta = shared.meta
-        if direct_reads:
-            shared.direct_reader(self.path / "data.mdb")
+
+    def read_directly(self, on: bool, why: str) -> None:
+        """Whether a log table's large reads bypass the page cache (io.direct), where the
+        system allows; ``why`` is said by read_path."""
+        if on:
+            self._shared.direct_reader(self.path / "data.mdb")
+        self._direct = (on and self._shared.direct is not None, why)
 
     @property
     def read_path(self) -> str:
-        """How a log table's large reads reach the disk: io.direct's reads, or LMDB's map and why."""
-        if not self.direct_reads:
-            return "LMDB's map (direct_reads=False)"
-        return self._shared.direct_why if self._shared.direct is not None else f"LMDB's map: {self._shared.direct_why}"
+        """How a log table's large reads reach the disk, and why."""
+        on, why = self._direct
+        if on:
+            return f"{self._shared.direct_why} ({why})"
+        if self._shared.direct_why not in ("not tried yet", "io_uring O_DIRECT reads"):
+            why = f"{why}; {self._shared.direct_why}"
+        return f"LMDB's map ({why})"
 
     def _join_as_writer(self, shared: _Env) -> None:
         if shared.writer:
@@ -523,8 +529,7 @@ class LmdbBackend:
             if len(offsets):
                 every = len(offsets) == len(ids)
                 picked = slots if every else np.empty((len(offsets), width), dtype=np.uint8)
-                direct = self._shared.direct_reader(self.path / "data.mdb") \
-                    if self.direct_reads and len(offsets) >= _ADVISED_READ else None
+                direct = self._shared.direct if self._direct[0] and len(offsets) >= _ADVISED_READ else None
                 if direct is not None and direct.fits(width):  # inside txn: LMDB reuses none of its pages meanwhile
                     direct.read(offsets, width, picked)
                 else:

@@ -93,7 +93,8 @@ def test_a_store_reads_the_same_rows_either_way(tmp_path, direct_reads, data_fil
     ids = np.arange(5000)
     rows = rng.standard_normal((5000, 24)).astype(np.float32)
     with tierstore.TieredStore(path, [spec], config=config) as store:
-        assert store.stats()["read_path"] == ("io_uring O_DIRECT reads" if direct_reads else "LMDB's map (direct_reads=False)")
+        assert store.stats()["read_path"] == ("io_uring O_DIRECT reads (direct_reads=True)" if direct_reads
+                                              else "LMDB's map (direct_reads=False)")
         store.write("t", ids, rows)
         store.flush()
         again = np.unique(rng.integers(0, 5000, 1500))
@@ -105,3 +106,13 @@ def test_a_store_reads_the_same_rows_either_way(tmp_path, direct_reads, data_fil
         assert np.array_equal(store.read("t", asked).numpy(), rows[asked])
     with tierstore.TieredStore(path, [spec], config=config) as store:
         assert np.array_equal(store.read("t", ids).numpy(), rows)
+
+
+def test_left_to_itself_a_store_reads_directly_only_where_its_budget_cannot_cache_the_rows(tmp_path, data_file):
+    spec = tierstore.TableSpec("t", 200_000, 64)  # 51 MB of rows
+    cases = [({}, "LMDB's map (no memory_budget: the page cache may keep every row)"),
+             ({"memory_budget": "256MiB"}, "LMDB's map (the tables' rows (48.8 MiB) fit the budget's page-cache share (64.0 MiB))"),
+             ({"memory_budget": "64MiB"}, "io_uring O_DIRECT reads (the tables' rows (48.8 MiB) exceed the budget's page-cache share (16.0 MiB))")]
+    for kwargs, said in cases:
+        with tierstore.TieredStore(tmp_path / "s", [spec], device="cpu", **kwargs) as store:
+            assert store.stats()["read_path"] == said

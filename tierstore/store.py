@@ -44,8 +44,8 @@ from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 from .checkpointing import incremental_checkpoint
 from .counters import (LifeCounters, StoreCounters, StoreSnapshot, TableCounters, TableSnapshot, TierFill, add_dicts,
                        restored_on_error)
-from .memory import (DEFAULT_WRITEBACK_ROWS, MemoryPart, MemorySplit, check_fits, detect_limit, parse_bytes, process_rss,
-                     return_freed_blocks, split_memory)
+from .memory import (DEFAULT_WRITEBACK_ROWS, MemoryPart, MemorySplit, check_fits, detect_limit, format_bytes, parse_bytes,
+                     process_rss, return_freed_blocks, split_memory)
 from .precision import DTYPES, round_nearest
 from .spec import MAX_ID, TableSpec
 from .trace import TraceRecorder
@@ -75,12 +75,17 @@ class StoreConfig:
     writeback_rows: int | None = None  # None: 65536, or derived from memory_budget
     writeback_group_rows: int = 32768
     memory_budget: int | str | None = None  # bytes (tierstore.memory.parse_bytes); an int once checked
-    direct_reads: bool = True  # large reads of rows skip the page cache where the system allows (tierstore.io.direct)
+    # large reads of rows skip the page cache (tierstore.io.direct) where the system allows: True, False, or None:
+    # when a memory_budget's page-cache share is smaller than the tables' rows, whose pages it then could not keep
+    direct_reads: bool | None = None
 
     def __post_init__(self):
         self.path = None if self.path is None else Path(self.path)
         if self.memory_budget is not None:
             self.memory_budget = parse_bytes(self.memory_budget, "memory_budget")
+        if self.direct_reads not in (None, True, False):
+            raise ValueError(f"direct_reads must be True, False or None (None: when a memory_budget cannot cache the "
+                             f"tables' rows), got {self.direct_reads!r}")
         check_int(self.writeback_rows, "writeback_rows", none=True,
                   meaning="rows queued for LMDB before a call waits; 0 = wait for every write")
         check_int(self.writeback_group_rows, "writeback_group_rows",
@@ -242,6 +247,8 @@ class TieredStore:
     ``memory_budget`` (bytes, or a string such as "1GiB") sizes the store's host
     memory (tierstore.memory.split_memory): the tiers left out, prefetch staging,
     the write-back queue, LMDB's dirty pages and a share for the page cache.
+    ``direct_reads``: large reads skip the page cache (tierstore.io.direct); None (the
+    default) does so where a memory_budget's page-cache share is smaller than the rows.
     ``config=StoreConfig(...)`` gives these settings whole instead; a keyword also
     given must agree with it.
     ``tierstore.open_store(path, daemon=SOCK, ...)`` attaches to a
@@ -271,6 +278,7 @@ class TieredStore:
         daemon: None = None,
         claim: Sequence[str] = (),
         memory_budget: int | str | None = None,
+        direct_reads: bool | None = None,
         config: StoreConfig | None = None,
     ):
         # accepted only to refuse: open_store(path, claim=...) without daemon= lands here, and
@@ -283,7 +291,7 @@ class TieredStore:
                              "(tierstore.open_store(path, daemon=SOCK, claim=...)); an embedded store is its tables' only writer")
         settings = dict(hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device, readonly=readonly, map_size=map_size,
                         clock=clock, eviction=eviction, writeback_rows=writeback_rows,
-                        writeback_group_rows=writeback_group_rows, memory_budget=memory_budget)
+                        writeback_group_rows=writeback_group_rows, memory_budget=memory_budget, direct_reads=direct_reads)
         self.config = StoreConfig(path, **settings)
         if config is not None:  # taken whole (a copy: opening sets its sizes); a keyword also given must agree
             if not isinstance(config, StoreConfig):
@@ -310,8 +318,7 @@ class TieredStore:
         self._change_records: dict[str, dict[str, list[np.ndarray]]] = {}  # take_changes's, by reader
         self._shared: Shared | None = None
         # without tables= nothing is created: a mistyped path fails, leaving nothing behind
-        self._backend = LmdbBackend(self.path, readonly=self.readonly, map_size=self.config.map_size, create=bool(tables),
-                                    direct_reads=self.config.direct_reads)
+        self._backend = LmdbBackend(self.path, readonly=self.readonly, map_size=self.config.map_size, create=bool(tables))
         try:
             specs = self._reconcile_specs(list(tables or []))
             for name in ("hbm_rows", "ddr_rows"):
@@ -365,7 +372,22 @@ class TieredStore:
             check_fits(split, split.limit, process_rss(), what)
         cfg.hbm_rows, cfg.ddr_rows, cfg.writeback_rows = split.hbm_rows, split.ddr_rows, split.writeback_rows
         self._backend.txn_rows = split.txn_rows
+        self._backend.read_directly(*self._direct_reads(split, specs))
         return split
+
+    def _direct_reads(self, split: MemorySplit, specs: Mapping[str, TableSpec]) -> tuple[bool, str]:
+        """Whether large reads skip the page cache, and why. Through the page cache a read
+        of a cached row costs ~1 us, a direct one the disk's ~10: direct reads pay only where
+        the page cache could not keep the rows anyway."""
+        if self.config.direct_reads is not None:
+            return self.config.direct_reads, f"direct_reads={self.config.direct_reads}"
+        if split.budget is None:
+            return False, "no memory_budget: the page cache may keep every row"
+        rows = sum(s.num_rows * s.row_bytes for s in specs.values() if s.num_rows is not None)
+        share = split.parts["page_cache"].bytes
+        if rows <= share:
+            return False, f"the tables' rows ({format_bytes(rows)}) fit the budget's page-cache share ({format_bytes(share)})"
+        return True, f"the tables' rows ({format_bytes(rows)}) exceed the budget's page-cache share ({format_bytes(share)})"
 
     # -- opening -------------------------------------------------------------------
     def _reconcile_specs(self, given: list[TableSpec]) -> dict[str, TableSpec]:
