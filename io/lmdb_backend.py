@@ -529,18 +529,24 @@ class LmdbBackend:
             if len(offsets):
                 every = len(offsets) == len(ids)
                 picked = slots if every else np.empty((len(offsets), width), dtype=np.uint8)
-                direct = self._shared.direct if self._direct[0] and len(offsets) >= _ADVISED_READ else None
-                if direct is not None and direct.fits(width):  # inside txn: LMDB reuses none of its pages meanwhile
-                    direct.read(offsets, width, picked)
-                else:
-                    _, base, size = self._map_base(txn)
-                    if len(offsets) >= _ADVISED_READ:
-                        rowlog.will_need(base, offsets, width)
-                    rowlog.gather(base, size, offsets, width, picked)
+                self._read_at(txn, offsets, width, picked)
                 if not every:
                     slots[found] = picked
             return slots, found
         return self._log_read(table, places, read)
+
+    def _read_at(self, txn, offsets: np.ndarray, width: int, out: np.ndarray) -> None:
+        """``width`` bytes at each file offset of ``offsets`` into ``out``, in ``txn``'s snapshot
+        (LMDB reuses none of its pages while it is open): directly (io.direct) when asked and
+        worth it, else from the map, all pages asked for at once first."""
+        direct = self._shared.direct if self._direct[0] and len(offsets) >= _ADVISED_READ else None
+        if direct is not None and direct.fits(width):
+            direct.read(offsets, width, out)
+            return
+        _, base, size = self._map_base(txn)
+        if len(offsets) >= _ADVISED_READ:
+            rowlog.will_need(base, offsets, width)
+        rowlog.gather(base, size, offsets, width, out)
 
     def _sync_log(self, table: str, txn) -> bool:
         """Bring ``table``'s index to ``txn``'s snapshot (under the index lock); False when
@@ -863,15 +869,18 @@ class LmdbBackend:
         merged = sorted(set(log.tombstones) - set(dropped)) if len(log.tombstones) > rowlog.MAX_TOMBSTONE_SEGMENTS else []
         if not victims and not dropped and not merged:
             return
-        with self._reading(db=self._log_dbs[table]) as txn:
-            kept_ids, kept_slots, still_deleted = [], [], []
-            for seq in victims:
+        with self._reading(db=self._log_dbs[table], buffers=True) as txn:
+            kept_ids, kept_at, still_deleted = [], [], []
+            _, base, _ = self._map_base(txn)
+            for seq in victims:  # their live slots only, read all at once below (not a fault a page)
                 value = txn.get(rowlog.seq_key(seq))
                 kind, ids, start = rowlog.parse_header(value)
-                live = log.live_of(seq, ids)
-                slots = np.frombuffer(value, dtype=np.uint8, count=len(ids) * log.slot_bytes, offset=start)
+                live = np.flatnonzero(log.live_of(seq, ids))
                 kept_ids.append(ids[live])
-                kept_slots.append(slots.reshape(len(ids), log.slot_bytes)[live])
+                kept_at.append(rowlog.address_of(value) - base + start + live * log.slot_bytes)
+            kept_slots = np.empty((sum(map(len, kept_at)), log.slot_bytes), dtype=np.uint8)
+            if kept_at:
+                self._read_at(txn, np.concatenate(kept_at), log.slot_bytes, kept_slots)
             for seq in merged:
                 ids = rowlog.parse_header(txn.get(rowlog.seq_key(seq)))[1]
                 still_deleted.append(ids[log.loc[ids] == rowlog.NONE])
@@ -879,7 +888,7 @@ class LmdbBackend:
         if kept_ids:
             ids = np.concatenate(kept_ids)
             order = np.argsort(ids, kind="stable")
-            slots = np.concatenate(kept_slots)[order]
+            slots = kept_slots[order]
             ids = ids[order]
             parts += [(ids[lo: lo + log.per_segment], slots[lo: lo + log.per_segment]) for lo in range(0, len(ids), log.per_segment)]
         if still_deleted:

@@ -25,13 +25,19 @@ def small_segments(monkeypatch):
     monkeypatch.setattr(rowlog, "SEGMENT_BYTES", 4 * (4 * DIM + 8))
     monkeypatch.setattr(rowlog, "_MIN_DEAD", 2)
     monkeypatch.setattr(rowlog, "MAX_TOMBSTONE_SEGMENTS", 3)
+    monkeypatch.setattr(lmdb_backend, "_ADVISED_READ", 1)  # every read as a large one: direct where asked
 
 
-def open_backend(path, layout, readonly=False):
+def open_backend(path, layout, readonly=False, direct=False):
     old = lmdb_backend.NEW_TABLE_LAYOUT
     lmdb_backend.NEW_TABLE_LAYOUT = layout
     try:
         b = LmdbBackend(path, readonly=readonly)
+        if direct:
+            b.read_directly(True, "the test asks")
+            if not b.read_path.startswith("io_uring"):
+                b.close()
+                pytest.skip(f"this system refuses direct reads: {b.read_path}")
         if not readonly:
             b.write_meta({}, new_tables={"t": (True, N)})
         b.open_table("t", DIM, last_use=True, create=False, num_rows=N)
@@ -46,12 +52,15 @@ ids_st = st.lists(st.integers(0, N - 1), min_size=1, max_size=12, unique=True).m
 class LogAgainstModel(RuleBasedStateMachine):
     """Every operation on a log table and on a keyed one; both must read as the model."""
 
+    DIRECT = False  # the log table's reads, collection's included, through io.direct
+
     def __init__(self):
         super().__init__()
         import tempfile
         self.dir = tempfile.mkdtemp()
         self.model: dict[int, tuple[np.ndarray, int]] = {}
-        self.writers = {layout: open_backend(f"{self.dir}/{layout}", layout) for layout in ("log", "keyed")}
+        self.writers = {layout: open_backend(f"{self.dir}/{layout}", layout, direct=self.DIRECT and layout == "log")
+                        for layout in ("log", "keyed")}
         self.reader = None  # a readonly log backend of its own index, read only now and then
         self.version = 0
         self.old_index = None  # the bytes of an index saved earlier
@@ -90,7 +99,7 @@ class LogAgainstModel(RuleBasedStateMachine):
         """Closed (its index saved) or crashed after its last commit (not saved): the reopened
         writer starts from the last index saved, if LMDB still names it, and replays the rest."""
         self.writers["log"].close(save_index=saved)
-        self.writers["log"] = open_backend(f"{self.dir}/log", "log")
+        self.writers["log"] = open_backend(f"{self.dir}/log", "log", direct=self.DIRECT)
 
     @rule()
     def keep_a_copy_of_the_saved_index(self):
@@ -104,13 +113,13 @@ class LogAgainstModel(RuleBasedStateMachine):
         """A saved index LMDB no longer names (a later close saved another) is never applied."""
         self.writers["log"].close(save_index=False)
         Path(self.dir, "log", f"index-{b't'.hex()}.bin").write_bytes(self.old_index)
-        self.writers["log"] = open_backend(f"{self.dir}/log", "log")
+        self.writers["log"] = open_backend(f"{self.dir}/log", "log", direct=self.DIRECT)
 
     @rule()
     def open_reader(self):
         if self.reader is not None:
             self.reader.close()
-        self.reader = open_backend(f"{self.dir}/log", "log", readonly=True)
+        self.reader = open_backend(f"{self.dir}/log", "log", readonly=True, direct=self.DIRECT)
 
     @precondition(lambda self: self.reader is not None)
     @rule()
@@ -135,6 +144,14 @@ class LogAgainstModel(RuleBasedStateMachine):
 
 LogAgainstModel.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestLogAgainstModel = LogAgainstModel.TestCase
+
+
+class DirectLogAgainstModel(LogAgainstModel):
+    DIRECT = True
+
+
+DirectLogAgainstModel.TestCase.settings = settings(max_examples=30, stateful_step_count=40, deadline=None)
+TestDirectLogAgainstModel = DirectLogAgainstModel.TestCase
 
 
 def test_overwrites_keep_the_log_within_its_spare_room(tmp_path):
