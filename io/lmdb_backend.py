@@ -535,11 +535,12 @@ class LmdbBackend:
             return slots, found
         return self._log_read(table, places, read)
 
-    def _read_at(self, txn, offsets: np.ndarray, width: int, out: np.ndarray) -> None:
+    def _read_at(self, txn, offsets: np.ndarray, width: int, out: np.ndarray, direct: bool = True) -> None:
         """``width`` bytes at each file offset of ``offsets`` into ``out``, in ``txn``'s snapshot
         (LMDB reuses none of its pages while it is open): directly (io.direct) when asked and
-        worth it, else from the map, all pages asked for at once first."""
-        direct = self._shared.direct if self._direct[0] and len(offsets) >= _ADVISED_READ else None
+        worth it, else from the map, all pages asked for at once first. ``direct=False`` for
+        rows packed many to a page: a direct read reads a page for each row."""
+        direct = self._shared.direct if direct and self._direct[0] and len(offsets) >= _ADVISED_READ else None
         if direct is not None and direct.fits(width):
             direct.read(offsets, width, out)
             return
@@ -872,7 +873,7 @@ class LmdbBackend:
         with self._reading(db=self._log_dbs[table], buffers=True) as txn:
             kept_ids, kept_at, still_deleted = [], [], []
             _, base, _ = self._map_base(txn)
-            for seq in victims:  # their live slots only, read all at once below (not a fault a page)
+            for seq in victims:  # their live slots only, their pages asked for all at once below (not a fault a page)
                 value = txn.get(rowlog.seq_key(seq))
                 kind, ids, start = rowlog.parse_header(value)
                 live = np.flatnonzero(log.live_of(seq, ids))
@@ -880,7 +881,7 @@ class LmdbBackend:
                 kept_at.append(rowlog.address_of(value) - base + start + live * log.slot_bytes)
             kept_slots = np.empty((sum(map(len, kept_at)), log.slot_bytes), dtype=np.uint8)
             if kept_at:
-                self._read_at(txn, np.concatenate(kept_at), log.slot_bytes, kept_slots)
+                self._read_at(txn, np.concatenate(kept_at), log.slot_bytes, kept_slots, direct=False)
             for seq in merged:
                 ids = rowlog.parse_header(txn.get(rowlog.seq_key(seq)))[1]
                 still_deleted.append(ids[log.loc[ids] == rowlog.NONE])
