@@ -52,7 +52,7 @@ ids_st = st.lists(st.integers(0, N - 1), min_size=1, max_size=12, unique=True).m
 class LogAgainstModel(RuleBasedStateMachine):
     """Every operation on a log table and on a keyed one; both must read as the model."""
 
-    DIRECT = False  # the log table's reads, collection's included, through io.direct
+    DIRECT = False  # the log table's row reads through io.direct
 
     def __init__(self):
         super().__init__()
