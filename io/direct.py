@@ -138,10 +138,6 @@ class DirectReader:
         self._rings: list[tuple[threading.Thread, _Ring]] = []  # each thread's; a thread that ended leaves its ring
         self._lock = threading.Lock()
 
-    def buffer_bytes(self) -> int:
-        """What one reading thread's ring holds for its reads in flight."""
-        return self.nbytes
-
     def _ring(self) -> _Ring:
         ring = getattr(self._local, "ring", None)
         if ring is None or getattr(self._local, "pid", None) != os.getpid():  # a forked child makes its own

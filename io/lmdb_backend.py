@@ -174,7 +174,7 @@ class _Env:
         self.writer = False
         self.maps = 0  # counts the map's moves (set_mapsize): io.rowlog caches addresses in it
         self.main = env.open_db(None)  # LMDB's main database: the records of the named ones
-        self.direct: DirectReader | None = None  # opened at the first direct read (_direct_reader)
+        self.direct: DirectReader | None = None  # opened when a backend first asks for direct reads
         self.direct_why = "not tried yet"
         self._direct_lock = threading.Lock()
 
@@ -258,7 +258,7 @@ class LmdbBackend:
         on, why = self._direct
         if on:
             return f"{self._shared.direct_why} ({why})"
-        if self._shared.direct_why not in ("not tried yet", "io_uring O_DIRECT reads"):
+        if self._shared.direct is None and self._shared.direct_why != "not tried yet":  # asked, and refused
             why = f"{why}; {self._shared.direct_why}"
         return f"LMDB's map ({why})"
 
