@@ -236,8 +236,13 @@ def _summary(times: list[float], lookups: int) -> dict:
             "p99_s": float(np.percentile(t, 99)), "mean_s": float(t.mean()), "lookups_per_s": lookups / float(t.sum())}
 
 
+def _ids(batch) -> torch.Tensor:
+    """A batch's ids: the embedding step's tensor, or the DLRM batch's one table's."""
+    return batch if isinstance(batch, torch.Tensor) else batch[1][next(iter(batch[1]))][0]
+
+
 def _lookups(batch) -> int:
-    return batch.numel() if isinstance(batch, torch.Tensor) else batch[1][next(iter(batch[1]))][0].numel()
+    return _ids(batch).numel()
 
 
 def _in_memory(job: dict) -> dict:
@@ -382,7 +387,7 @@ def _relabeled(batches, job: dict):
 def _first_use_rows(batches, rows: int, warmup: int) -> float:
     """Rows a timed step uses that no step before it used, on average: the store opens with
     empty tiers, so any cache of any size reads each of them from disk at least once."""
-    ids = [b[1][next(iter(b[1]))][0] for b in batches[0]] if isinstance(batches, tuple) else batches
+    ids = map(_ids, batches[0] if isinstance(batches, tuple) else batches)
     seen = torch.zeros(rows, dtype=torch.bool)
     new = []
     for b in ids:  # a loop per step
