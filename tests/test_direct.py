@@ -129,3 +129,10 @@ def test_where_the_system_refuses_direct_reads_the_store_reads_through_the_map_a
         assert store.stats()["read_path"] == (f"LMDB's map (direct_reads=True; io_uring reads of {tmp_path / 's' / 'data.mdb'} "
                                               "are refused (Operation not permitted))")
         assert np.array_equal(store.read("t", np.arange(1000)).numpy(), rows)
+
+
+def test_a_bad_direct_reads_value_is_refused_naming_the_choices(tmp_path):
+    with pytest.raises(ValueError, match=r"direct_reads must be True, False or None \(None: when a memory_budget cannot "
+                                         r"cache the tables' rows\), got 'yes'"):
+        tierstore.TieredStore(tmp_path / "s", [tierstore.TableSpec("t", 10, 4)], device="cpu", direct_reads="yes")
+    assert not (tmp_path / "s").exists()  # refused before anything was created
