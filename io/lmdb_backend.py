@@ -872,13 +872,20 @@ class LmdbBackend:
             return
         with self._reading(db=self._log_dbs[table], buffers=True) as txn:
             kept_ids, kept_at, still_deleted = [], [], []
-            _, base, _ = self._map_base(txn)
-            for seq in victims:  # their live slots only, their pages asked for all at once below (not a fault a page)
-                value = txn.get(rowlog.seq_key(seq))
-                kind, ids, start = rowlog.parse_header(value)
+            _, base, size = self._map_base(txn)
+            mem = rowlog.map_view(base, size)
+            # each victim's header and ids, then its live slots, their pages asked for all at once
+            # (not a fault a page); never txn.get, which faults in a whole 1 MiB value
+            spans = np.array([log.id_span(seq) for seq in victims], dtype=np.int64).reshape(-1, 3)
+            rowlog.will_need(base, spans[:, 0], spans[:, 1])
+            for seq, (at, length, first) in zip(victims, spans.tolist()):
+                try:
+                    ids = log.ids_at(seq, mem[at: at + length])
+                except rowlog.SegmentFormatError as e:
+                    raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
                 live = np.flatnonzero(log.live_of(seq, ids))
                 kept_ids.append(ids[live])
-                kept_at.append(rowlog.address_of(value) - base + start + live * log.slot_bytes)
+                kept_at.append(first + live * log.slot_bytes)
             kept_slots = np.empty((sum(map(len, kept_at)), log.slot_bytes), dtype=np.uint8)
             if kept_at:
                 self._read_at(txn, np.concatenate(kept_at), log.slot_bytes, kept_slots, direct=False)

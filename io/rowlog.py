@@ -285,6 +285,25 @@ class RowLog:
             merged += 1
         return chosen if len(chosen) > 1 or freed > 0 else []
 
+    def id_span(self, seq: int) -> tuple[int, int, int]:
+        """(file offset, bytes) of row segment ``seq``'s header and ids, and the file offset of
+        its first slot, for a writer's index (which knows every segment's place). A collection
+        reads these, never the whole value."""
+        s = self._index[seq]
+        if self.offset[s] < 0:
+            raise RuntimeError(f"the index does not know where segment {seq} is; a writer's index knows every place")
+        n, first = int(self.slots[s]), int(self.offset[s])
+        return first - _rows_offset(n, self.slot_bytes), HEADER.size + 8 * n, first
+
+    def ids_at(self, seq: int, head) -> np.ndarray:
+        """The ids of row segment ``seq`` from ``head``, the bytes id_span named; checked
+        against its header, so that a place gone stale is damage named, never rows copied
+        from elsewhere."""
+        n = int(self.slots[self._index[seq]])
+        if len(head) != HEADER.size + 8 * n or HEADER.unpack_from(head) != (_MAGIC, ROWS, n, self.slot_bytes):
+            raise SegmentFormatError(f"segment {seq} is not where the index places it (header {bytes(head[:HEADER.size])!r})")
+        return np.frombuffer(head, dtype="<i8", count=n, offset=HEADER.size)
+
     def live_of(self, seq: int, ids: np.ndarray) -> np.ndarray:
         """Mask of the slots of segment ``seq`` (of ``ids``) that hold their id's latest row."""
         s = self._index[seq]
@@ -458,8 +477,9 @@ _IOV_MAX = 1024
 _advice = {"pid": None, "fd": None}
 
 
-def will_need(base: int, offsets: np.ndarray, width: int) -> bool:
-    """Ask the kernel to start reading every page that the ``width`` bytes at each of
+def will_need(base: int, offsets: np.ndarray, width: int | np.ndarray) -> bool:
+    """Ask the kernel to start reading every page that the ``width`` bytes (one for all, or
+    one each) at each of
     ``offsets`` (file offsets, in the map at ``base``) span, all at once: process_madvise
     with MADV_WILLNEED, 1,024 ranges a call. A copy that then faults the pages one at a
     time waits on reads already under way in parallel, instead of issuing them one by

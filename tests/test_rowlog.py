@@ -5,6 +5,7 @@ segments, collection of the emptiest, tombstones merged and dropped, a reader th
 behind and finds segments gone, reopening from the segments alone."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -179,6 +180,24 @@ def test_a_damaged_segment_is_named_damage(tmp_path):
     env.close()
     with pytest.raises(lmdb_backend.StoreCorruptError, match="damaged segment"):
         open_backend(tmp_path / "s", "log")
+
+
+def test_a_collection_reads_only_a_segment_whose_header_is_where_the_index_places_it(tmp_path):
+    """A collection reads a victim's ids from the place the index keeps for it (never the
+    whole value): bytes there that are not that segment's header are damage named, not
+    slots copied from elsewhere."""
+    b = open_backend(tmp_path / "s", "log")
+    b.put_rows([("t", np.arange(16), np.ones((16, DIM), dtype=np.float32))], last_use={"t": np.zeros(16, dtype=np.int64)})
+    at, length, _ = b._logs["t"].id_span(1)
+    fd = os.open(tmp_path / "s" / "data.mdb", os.O_RDWR)
+    try:
+        os.pwrite(fd, b"XXXX", at)
+    finally:
+        os.close(fd)
+    ids = np.flatnonzero(np.arange(16) % 4 != 3)  # three rows of each 4-slot segment: past SPARE, a collection
+    with pytest.raises(lmdb_backend.StoreCorruptError, match="not where the index places it"):
+        b.put_rows([("t", ids, np.full((12, DIM), 2, dtype=np.float32))], last_use={"t": np.full(12, 2)})
+    b.close()
 
 
 def test_an_open_replays_only_the_segments_after_the_saved_index(tmp_path, monkeypatch):
