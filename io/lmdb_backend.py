@@ -253,6 +253,13 @@ class LmdbBackend:
         self._direct = (on and self._shared.direct is not None, why)
 
     @property
+    def reads_directly(self) -> bool:
+        """Whether a log table's large reads bypass the page cache: they then wait on the
+        disk in a system call, without Python's GIL (a read through the map waits in a
+        page fault of a numpy copy, holding it)."""
+        return self._direct[0]
+
+    @property
     def read_path(self) -> str:
         """How a log table's large reads reach the disk, and why."""
         on, why = self._direct

@@ -78,8 +78,9 @@ def _rows_offset(n: int, slot_bytes: int) -> int:
     return -(-(end + _VALUE_OFFSET) // PAGE) * PAGE - _VALUE_OFFSET
 
 
-def encode_segment(ids: np.ndarray, slots: np.ndarray | None, slot_bytes: int) -> bytes:
-    """A segment of ``ids`` and their ``slots`` (uint8 [n, slot_bytes]); tombstones when ``slots`` is None."""
+def encode_segment(ids: np.ndarray, slots: np.ndarray | None, slot_bytes: int) -> np.ndarray:
+    """A segment of ``ids`` and their ``slots`` (uint8 [n, slot_bytes]); tombstones when ``slots``
+    is None. As uint8, which LMDB takes as it is: a bytes copy was another 1 MiB a segment."""
     n = len(ids)
     if slots is None:
         out = np.empty(HEADER.size + 8 * n, dtype=np.uint8)
@@ -92,7 +93,7 @@ def encode_segment(ids: np.ndarray, slots: np.ndarray | None, slot_bytes: int) -
         kind = ROWS
     out[: HEADER.size] = np.frombuffer(HEADER.pack(_MAGIC, kind, n, slot_bytes), dtype=np.uint8)
     out[HEADER.size: HEADER.size + 8 * n] = np.ascontiguousarray(ids, dtype="<i8").view(np.uint8)
-    return out.tobytes()
+    return out
 
 
 class SegmentFormatError(ValueError, TierstoreError):
