@@ -480,12 +480,12 @@ _advice = {"pid": None, "fd": None}
 
 def will_need(base: int, offsets: np.ndarray, width: int | np.ndarray) -> bool:
     """Ask the kernel to start reading every page that the ``width`` bytes (one for all, or
-    one each) at each of
-    ``offsets`` (file offsets, in the map at ``base``) span, all at once: process_madvise
-    with MADV_WILLNEED, 1,024 ranges a call. A copy that then faults the pages one at a
-    time waits on reads already under way in parallel, instead of issuing them one by
-    one (53 us each at queue depth 1 on our disks, against 76k reads a second at depth
-    32). False where the kernel or its policy refuses (before Linux 5.10, a seccomp filter)."""
+    one each) at each of ``offsets`` (file offsets, in the map at ``base``) span, all at
+    once: process_madvise with MADV_WILLNEED, 1,024 ranges a call. A copy that then faults
+    the pages one at a time waits on reads already under way in parallel, instead of
+    issuing them one by one (53 us each at queue depth 1 on our disks, against 76k reads a
+    second at depth 32). False where the kernel or its policy refuses (before Linux 5.10, a
+    seccomp filter)."""
     if not len(offsets):
         return True
     pid = os.getpid()
