@@ -108,6 +108,27 @@ def test_a_store_reads_the_same_rows_either_way(tmp_path, direct_reads, data_fil
         assert np.array_equal(store.read("t", ids).numpy(), rows)
 
 
+@pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "map"])
+def test_prefetch_threads_pause_for_the_trainer_only_when_they_read_through_the_map(tmp_path, monkeypatch, direct_reads, data_file):
+    """Reading through the map, a thread's copy faults pages in holding the GIL, so the
+    threads wait while the trainer is in the store; reading directly they wait on the disk
+    without it, and do not. The prefetched rows are the same either way."""
+    import tierstore.prefetch as prefetch
+    pauses = []
+    real = prefetch.read_rows_async
+    monkeypatch.setattr(prefetch, "read_rows_async", lambda *a, **k: (pauses.append(a[7]), real(*a, **k))[1])
+    spec = tierstore.TableSpec("t", 5000, 16)
+    rows = np.random.default_rng(3).standard_normal((5000, 16)).astype(np.float32)
+    with tierstore.TieredStore(tmp_path / "s", [spec], ddr_rows=100, device="cpu", direct_reads=direct_reads,
+                               prefetch=tierstore.PrefetchConfig(sync_read_us=0)) as store:
+        store.write("t", np.arange(5000), rows)
+        store.flush()
+        wanted = np.arange(0, 5000, 7)
+        store.prefetch("t", wanted).wait(30)
+        assert np.array_equal(store.read("t", wanted).numpy(), rows[wanted])
+    assert pauses and all((p is None) == direct_reads for p in pauses)
+
+
 def test_left_to_itself_a_store_reads_directly_only_where_its_budget_cannot_cache_the_rows(tmp_path, data_file):
     spec = tierstore.TableSpec("t", 200_000, 64)  # 51 MB of rows
     cases = [({}, "LMDB's map (no memory_budget: the page cache may keep every row)"),

@@ -478,6 +478,28 @@ def test_reading_threads_take_rows_in_chunks_of_about_half_a_millisecond(tmp_pat
     assert len(pauses) == len(calls)
 
 
+def test_reading_threads_that_do_not_pause_read_a_part_in_one_call(tmp_path, monkeypatch):
+    """Without a pause (direct reads wait without the GIL) a thread reads its whole part in
+    one call: one read transaction and one index lookup, not one per chunk."""
+    from tierstore.io import LmdbBackend, workers
+
+    calls = []
+    backend = LmdbBackend(tmp_path)
+    try:
+        backend.open_table("t", 2)
+        real = backend.get_rows
+        monkeypatch.setattr(backend, "get_rows", lambda table, ids, out: (calls.append(len(ids)), real(table, ids, out))[1])
+        got = []
+        done = threading.Event()
+        with ThreadPoolExecutor(3) as pool:
+            workers.read_rows_async(backend, "t", np.arange(0, 9_000, 3), 2, pool, 3, lambda *a: (got.append(a), done.set()), None, chunk=256)
+            assert done.wait(30)
+    finally:
+        backend.close()
+    assert sorted(calls) == [1000, 1000, 1000]
+    assert got[0][2] is None and got[0][1].shape == (3000,)
+
+
 def test_releasing_a_batch_unstages_what_it_did_not_read_unless_a_later_batch_needs_it(tmp_path):
     with TieredStore(tmp_path, [TableSpec("t", 1000, 2)], ddr_rows=100, device="cpu", prefetch=PrefetchConfig(sync_read_us=0)) as s:
         staged = lambda: s.prefetch_stats()["tables"]["t"]["staged_rows"]  # noqa: E731
