@@ -547,9 +547,9 @@ class LmdbBackend:
         (LMDB reuses none of its pages while it is open): directly (io.direct) when asked and
         worth it, else from the map, all pages asked for at once first. ``direct=False`` for
         rows packed many to a page: a direct read reads a page for each row."""
-        direct = self._shared.direct if direct and self._direct[0] and len(offsets) >= _ADVISED_READ else None
-        if direct is not None and direct.fits(width):
-            direct.read(offsets, width, out)
+        reader = self._shared.direct if direct and self.reads_directly and len(offsets) >= _ADVISED_READ else None
+        if reader is not None and reader.fits(width):
+            reader.read(offsets, width, out)
             return
         _, base, size = self._map_base(txn)
         if len(offsets) >= _ADVISED_READ:
