@@ -6,6 +6,11 @@ torch's on a GPU: torch wakes its OpenMP team for each of these small ops, and o
 2-core machine with a second busy thread the team spins against it (a 65k-id lookup
 took 93 ms at 2 intra-op threads against 10 at one; numpy, one thread, 7 ms). The
 hash table's memory is ~32 bytes per slot of capacity, independent of the id space.
+
+Out of core the table is far larger than the caches and a lookup's cost is its cache
+misses: each slot's key and value sit side by side (one [slots, 2] array), so an id
+found at its home slot costs one miss, not one for its key and one for its value
+(28k ids in a 2M-slot table, caches cold: 4.2 ms as two arrays).
 """
 from __future__ import annotations
 
@@ -36,6 +41,10 @@ class _HostArrays:
     @staticmethod
     def full(n: int, value: int, dtype=np.int64) -> np.ndarray:
         return np.full(n, value, dtype=dtype)
+
+    @staticmethod
+    def rows(table: np.ndarray, at: np.ndarray) -> np.ndarray:
+        return table.take(at, axis=0)  # take: numpy's fancy indexing is several times slower
 
     @staticmethod
     def arange(n: int) -> np.ndarray:
@@ -77,6 +86,10 @@ class _DeviceArrays:
     def full(self, n: int, value: int, dtype=torch.int64) -> torch.Tensor:
         return torch.full((n,), value, dtype=dtype, device=self.device)
 
+    @staticmethod
+    def rows(table: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        return table.index_select(0, at)
+
     def arange(self, n: int) -> torch.Tensor:
         return torch.arange(n, dtype=torch.int64, device=self.device)
 
@@ -112,8 +125,11 @@ class HashIndex:
         bits = max(4, (2 * max(self.capacity, 1) - 1).bit_length())  # load <= 0.5
         self._bits = bits
         self._mask = (1 << bits) - 1
-        self.keys = self._xp.full(1 << bits, EMPTY)
-        self.vals = self._xp.full(1 << bits, -1)
+        # slot s: key at flat[2s], value at flat[2s + 1]; keys and vals are views of its columns
+        self._flat = self._xp.full(2 << bits, -1)
+        self._table = self._flat.reshape(1 << bits, 2)
+        self.keys, self.vals = self._table[:, 0], self._table[:, 1]
+        self.keys[:] = EMPTY
         self._window = self._xp.arange(PROBE_WINDOW)
         self.live = 0
         self.tombstones = 0
@@ -129,8 +145,11 @@ class HashIndex:
         # int64 products wrap, and >> keeps the sign, alike in numpy and torch: the same slots
         return ((ids * _MULT) >> (64 - self._bits)) & self._mask
 
+    def _key_at(self, pos):
+        return self._flat.take(pos << 1)  # the flat array: a take from a column view copies the table
+
     def _find(self, ids):
-        """Table position of each id, or -1.
+        """Table position and value of each id, -1 (both) where absent.
 
         After the home slot, probes a window of PROBE_WINDOW slots per round as
         one [n, window] gather: at load <= 0.75 nearly every id ends in the first
@@ -139,25 +158,28 @@ class HashIndex:
         """
         xp = self._xp
         h = self._home(ids)
-        # first the home slot alone: at load <= 0.5 it settles most ids (the id, or
-        # EMPTY), so only the rest pay for a window's gather and compares
-        k = self.keys.take(h)  # take: numpy's fancy indexing is 2x slower
-        pos = xp.where(k == ids, h, -1)
-        todo = xp.nonzero((k != ids) & (k != EMPTY))
+        # first the home slot alone, key and value together: at load <= 0.5 it settles
+        # most ids (the id, or EMPTY), so only the rest pay for a window's gather and compares
+        entry = xp.rows(self._table, h)
+        k = entry[:, 0]
+        home = k == ids
+        pos, val = xp.where(home, h, -1), xp.where(home, entry[:, 1], -1)
+        todo = xp.nonzero(~home & (k != EMPTY))
         want, h = ids[todo], (h[todo] + 1) & self._mask
         while len(todo):
-            k = self.keys.take((h[:, None] + self._window) & self._mask)
+            k = self._key_at((h[:, None] + self._window) & self._mask)
             hit = k == want[:, None]
             found = hit.any(1)
-            pos[todo] = xp.where(found, (h + xp.first_true(hit)) & self._mask, -1)
+            at = xp.where(found, (h + xp.first_true(hit)) & self._mask, -1)
+            pos[todo] = at
+            val[todo] = xp.where(found, self._flat.take((at.clip(min=0) << 1) + 1), -1)
             go_on = xp.nonzero(~found & ~(k == EMPTY).any(1))
             todo, want, h = todo[go_on], want[go_on], (h[go_on] + PROBE_WINDOW) & self._mask
-        return pos
+        return pos, val
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Slot of each id (int64), -1 where absent."""
-        pos = self._find(self._xp.array(ids.to(torch.int64)))
-        return self._xp.tensor(self._xp.where(pos >= 0, self.vals.take(pos.clip(min=0)), pos))
+        return self._xp.tensor(self._find(self._xp.array(ids.to(torch.int64)))[1])
 
     def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Add ids (unique, none present) mapping to slots."""
@@ -174,7 +196,7 @@ class HashIndex:
         h = self._home(ids)
         while len(ids):
             # the first free slot (EMPTY or TOMBSTONE) in each id's next window
-            k = self.keys.take((h[:, None] + self._window) & self._mask)
+            k = self._key_at((h[:, None] + self._window) & self._mask)
             free = (k == EMPTY) | (k == TOMBSTONE)
             has = free.any(1)
             first = xp.first_true(free)
@@ -183,7 +205,7 @@ class HashIndex:
             pos, want = at[tried], ids[tried]
             self.keys[pos] = want
             # ids that chose the same slot race; the id read back is the one that won
-            won = self.keys.take(pos) == want
+            won = self._key_at(pos) == want
             self.tombstones -= int((k[tried, first[tried]][won] == TOMBSTONE).sum())
             self.vals[pos[won]] = slots[tried][won]
             # a loser goes on from the slot it lost (every slot before it is taken); an id
@@ -197,7 +219,7 @@ class HashIndex:
         """Drop ids (all present)."""
         if len(ids) == 0:
             return
-        pos = self._find(self._xp.array(ids.to(torch.int64)))
+        pos = self._find(self._xp.array(ids.to(torch.int64)))[0]
         if bool((pos < 0).any()):
             raise KeyError("HashIndex.remove: id not present")
         self.keys[pos] = TOMBSTONE
