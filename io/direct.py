@@ -39,9 +39,10 @@ _OP_READ = 22
 _ENTER_GETEVENTS = 1
 _MAP_POPULATE = 0x8000
 
-_SQE = np.dtype([("opcode", "u1"), ("flags", "u1"), ("ioprio", "<u2"), ("fd", "<i4"), ("off", "<u8"), ("addr", "<u8"),
-                 ("len", "<u4"), ("rw_flags", "<u4"), ("user_data", "<u8"), ("pad", "<u8", 3)])
-_CQE = np.dtype([("user_data", "<u8"), ("res", "<i4"), ("flags", "<u4")])
+# struct io_uring_sqe as 8 little-endian u64 words: opcode, flags, ioprio and fd; off; addr;
+# len and rw_flags; user_data; padding. struct io_uring_cqe as 4 i32: user_data (2), res, flags.
+_SQE_WORDS, _CQE_WORDS = 8, 4
+_W_OP, _W_OFF, _W_ADDR, _W_LEN, _W_DATA = 0, 1, 2, 3, 4
 
 
 class _Params(ctypes.Structure):
@@ -54,7 +55,13 @@ class _Params(ctypes.Structure):
 
 
 class _Ring:
-    """One io_uring instance and its read buffer: used by one thread at a time."""
+    """One io_uring instance and its read buffer: used by one thread at a time.
+
+    The i-th read of a batch always uses SQE i, which reads into the i-th span of the
+    buffer and is tagged i: its address and tag are written once, here, and a batch
+    writes only its offsets and lengths (two column slices) and the SQ ring's indexes.
+    The work between system calls holds the GIL the trainer wants: with the entries
+    copied as structured arrays a read took 3.7 us of user CPU, 1.7 now."""
 
     def __init__(self, depth: int, nbytes: int):
         p = _Params()
@@ -67,34 +74,40 @@ class _Ring:
             so, co = p.sq_off, p.cq_off
             prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_POPULATE
             self._maps = [mmap.mmap(fd, so[6] + 4 * p.sq_entries, flags, prot, offset=_OFF_SQ_RING),
-                          mmap.mmap(fd, co[5] + _CQE.itemsize * p.cq_entries, flags, prot, offset=_OFF_CQ_RING),
-                          mmap.mmap(fd, _SQE.itemsize * p.sq_entries, flags, prot, offset=_OFF_SQES)]
+                          mmap.mmap(fd, co[5] + 4 * _CQE_WORDS * p.cq_entries, flags, prot, offset=_OFF_CQ_RING),
+                          mmap.mmap(fd, 8 * _SQE_WORDS * p.sq_entries, flags, prot, offset=_OFF_SQES)]
         except BaseException:
             os.close(fd)
             raise
         sq, cq, sqes = self._maps
         u32 = lambda m, at, n=1: np.frombuffer(m, dtype="<u4", count=n, offset=at)  # noqa: E731
         self.sq_tail, self.sq_mask = u32(sq, so[1]), int(u32(sq, so[2])[0])
+        self.sq_array = u32(sq, so[6], p.sq_entries)
         self.cq_head, self.cq_tail, self.cq_mask = u32(cq, co[0]), u32(cq, co[1]), int(u32(cq, co[2])[0])
-        self.cqes = np.frombuffer(cq, dtype=_CQE, count=p.cq_entries, offset=co[5])
-        self.sqes = np.frombuffer(sqes, dtype=_SQE, count=p.sq_entries)
+        self.cqes = np.frombuffer(cq, dtype="<i4", count=_CQE_WORDS * p.cq_entries, offset=co[5]).reshape(-1, _CQE_WORDS)
+        self.sqes = np.frombuffer(sqes, dtype="<u8", count=_SQE_WORDS * p.sq_entries).reshape(-1, _SQE_WORDS)
         self.sqes[:] = 0
-        u32(sq, so[6], p.sq_entries)[:] = np.arange(p.sq_entries, dtype=np.uint32)  # SQ slot i names SQE i, always
         self.depth = min(depth, p.sq_entries)
         self.buf = mmap.mmap(-1, nbytes)  # page-aligned, as O_DIRECT needs
         self.bytes = np.frombuffer(self.buf, dtype=np.uint8)
-        self._at = np.arange(self.depth, dtype=np.uint64)
+        self._span = 0
+        self._fd = -1
+        self._order = np.arange(p.sq_entries, dtype=np.uint32)
+        self.sqes[:, _W_DATA] = self._order
 
     def read(self, fd: int, starts: np.ndarray, lengths: np.ndarray, span: int) -> None:
         """Read ``lengths[i]`` bytes at file offset ``starts[i]`` into the buffer at ``i * span``, all at once."""
         n = len(starts)
+        if span != self._span or fd != self._fd:
+            self.sqes[:, _W_ADDR] = self.bytes.ctypes.data + self._order.astype(np.uint64) * np.uint64(span)
+            self.sqes[:, _W_OP] = _OP_READ | (fd << 32)
+            self._span, self._fd = span, fd
+        self.sqes[:n, _W_OFF] = starts
+        self.sqes[:n, _W_LEN] = lengths
         tail = int(self.sq_tail[0])
-        slots = (tail + np.arange(n)) & self.sq_mask
-        sqe = self.sqes[slots]
-        sqe["opcode"], sqe["fd"], sqe["off"], sqe["len"] = _OP_READ, fd, starts, lengths
-        sqe["addr"] = self.bytes.ctypes.data + self._at[:n] * span
-        sqe["user_data"] = self._at[:n]
-        self.sqes[slots] = sqe
+        first = min(n, self.sq_mask + 1 - (tail & self.sq_mask))  # SQ ring slots up to its end, then from its start
+        self.sq_array[tail & self.sq_mask:][:first] = self._order[:first]
+        self.sq_array[: n - first] = self._order[first:n]
         self.sq_tail[0] = (tail + n) & 0xFFFFFFFF  # the io_uring_enter below orders it after the entries
         res = np.empty(n, dtype=np.int64)
         submit, done = n, 0
@@ -110,7 +123,7 @@ class _Ring:
             head, end = int(self.cq_head[0]), int(self.cq_tail[0])
             k = (end - head) & 0xFFFFFFFF
             cqe = self.cqes[(head + np.arange(k)) & self.cq_mask]
-            res[cqe["user_data"].astype(np.int64)] = cqe["res"]
+            res[cqe[:, 0]] = cqe[:, 2]  # the tag's low word: tags are < 2**32
             self.cq_head[0] = end
             done += k
         bad = res != lengths
@@ -122,7 +135,7 @@ class _Ring:
 
     def close(self) -> None:
         # the arrays over the maps first: a map with views left cannot close
-        self.sq_tail = self.cq_head = self.cq_tail = self.cqes = self.sqes = self.bytes = None
+        self.sq_tail = self.sq_array = self.cq_head = self.cq_tail = self.cqes = self.sqes = self.bytes = None
         for m in (*self._maps, self.buf):
             m.close()
         os.close(self.fd)
@@ -161,7 +174,12 @@ class DirectReader:
             raise ValueError(f"rows of {width} bytes do not fit the direct reader's {self.nbytes}-byte buffer")
         ring = self._ring()
         per = min(ring.depth, self.nbytes // span)
-        pages = ring.bytes[: per * span].reshape(per, span)
+        # every run of ``width`` bytes of the buffer; the i-th read's row is the run at i * span
+        # plus its offset in its first page (one index array: a gather from [per, span] rows
+        # by two took twice as long)
+        runs = np.lib.stride_tricks.as_strided(ring.bytes, shape=(per * span - width + 1, width), strides=(1, 1),
+                                               writeable=False)
+        first_byte = np.arange(per, dtype=np.int64) * span
         offsets = np.asarray(offsets, dtype=np.int64)
         for lo in range(0, len(offsets), per):  # a loop per DEPTH rows
             at = offsets[lo: lo + per]
@@ -172,9 +190,7 @@ class DirectReader:
             except OSError:
                 self._local.ring = None  # reads may still be in flight into its buffer: the next call makes another
                 raise
-            windows = np.lib.stride_tricks.as_strided(pages, shape=(len(at), span - width + 1, width),
-                                                      strides=(span, 1, 1), writeable=False)
-            out[lo: lo + len(at)] = windows[np.arange(len(at)), at - starts]
+            out[lo: lo + len(at)] = runs[first_byte[: len(at)] + (at - starts)]
 
     def close(self) -> None:
         with self._lock:

@@ -27,13 +27,16 @@ def data_file(tmp_path_factory):
 @settings(max_examples=60, deadline=None)
 @given(width=st.integers(1, 3 * PAGE), seed=st.integers(0, 2**31), n=st.integers(0, 40), depth=st.sampled_from([1, 3, 256]))
 def test_reads_equal_the_files_bytes(data_file, width, seed, n, depth):
-    """Any width (crossing pages or not), any offsets, in batches smaller than the call."""
+    """Any width (crossing pages or not), any offsets, in batches smaller than the call; a
+    second call starts where the first left the ring (its submission queue wraps)."""
     raw = np.frombuffer(data_file.read_bytes(), dtype=np.uint8)
     offsets = np.random.default_rng(seed).integers(0, len(raw) - width + 1, n)
     reader = direct.DirectReader(data_file, depth=depth, nbytes=max(depth, 2) * 4 * PAGE)
     try:
         out = np.full((n, width), 7, dtype=np.uint8)
-        reader.read(offsets, width, out)
+        half = n // 2 + 1
+        reader.read(offsets[:half], width, out[:half])
+        reader.read(offsets[half:], width, out[half:])
     finally:
         reader.close()
     expected = raw[offsets[:, None] + np.arange(width)] if n else out
