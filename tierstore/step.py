@@ -208,7 +208,9 @@ class StepPlanner:
                     ids[inside] = ddr.meta_at(at[inside], "ids")[0]
                     ids[~inside] = d_ids[at[~inside] - ddr.capacity]
                     return ids
-                victims = self._pick(ddr, last, ranked_freq, k, ddr_window, in_window and (lambda at: in_window(ddr_ids(at))))
+                rows = (ddr.capacity - ddr.free) - len(hits) + len(demote)
+                victims = self._pick(ddr, last, ranked_freq, k, rows, ddr_window,
+                                     in_window and (lambda at: in_window(ddr_ids(at))))
                 evict_d = victims[victims < ddr.capacity]
                 d_kept[victims[victims >= ddr.capacity] - ddr.capacity] = False
 
@@ -256,7 +258,7 @@ class StepPlanner:
         if need <= 0:
             return keep, _EMPTY
         last, ranked_freq = self._ranked(level, tier, hits)
-        return keep, self._pick(tier, last, ranked_freq, need, lambda: window(tier),
+        return keep, self._pick(tier, last, ranked_freq, need, (tier.capacity - tier.free) - len(hits), lambda: window(tier),
                                 in_window and (lambda at: in_window(tier.meta_at(at, "ids")[0])))
 
     @staticmethod
@@ -289,37 +291,41 @@ class StepPlanner:
         return ranked[0], ranked[1]
 
     @staticmethod
-    def _pick(tier: TierMeta, last: np.ndarray, freq: np.ndarray, k: int, next_use: Callable[[], np.ndarray | None],
+    def _pick(tier: TierMeta, last: np.ndarray, freq: np.ndarray, k: int, rows: int,
+              next_use: Callable[[], np.ndarray | None],
               in_window: Callable[[np.ndarray], np.ndarray | None] | None = None) -> np.ndarray:
         """Positions into the candidates' use clocks and step counts (from ``_ranked``, which
         it may overwrite) of the k rows to evict. A candidate whose use clock is UNUSED is
-        not a row: it is never chosen.
+        not a row: it is never chosen; ``rows`` candidates are rows (counted by the caller:
+        a pass over a 1M-slot tier to count them cost the planner ~5 ms).
 
         ``next_use()`` (the prefetch window's next step using each candidate, or
         NOT_IN_WINDOW) pins rows the window uses: they go only when nothing else is
         left, farthest next use first with lookahead eviction, else by policy.
         ``in_window(positions)``, where given, says which candidates the window reads: the
-        policy's k victims are asked first, those the window reads are set aside and the
-        policy asked again. Use clocks are unique, so the k chosen among the rows left are
-        the k the policy ranks lowest among the rows the window does not read, as with
-        ``next_use()``, which is asked only where PIN_ROUNDS did not settle it."""
+        policy's 2k lowest ranked are asked; if k of them are not read, the victims are the
+        k of those the policy ranks lowest, else the ones read are set aside and the policy
+        asked again. Use clocks are unique, so the victims are the k the policy ranks lowest
+        among the rows the window does not read, as with ``next_use()``, which is asked only
+        where PIN_ROUNDS did not settle it. (Asking for k at a time took three rounds a step
+        at 1 GiB, each a pass over the whole tier.)"""
         uses_frequency = tier.policy.uses_frequency
         if in_window is not None:
-            aside, asked = [], np.zeros(len(last), dtype=bool)
+            aside, left = [], rows
             for _ in range(PIN_ROUNDS):
-                if np.count_nonzero(last != UNUSED) < k:
+                if left < k:
                     break
-                chosen = tier.policy.select(last, freq, k)
-                new = chosen[~asked[chosen]]  # those asked before were not named: the named are set aside
-                asked[new] = True
-                named = in_window(new)
-                if named is None or not named.any():
-                    return chosen
-                pinned = new[named]
+                chosen = tier.policy.select(last, freq, min(left, 2 * k))
+                named = in_window(chosen)
+                free = chosen if named is None else chosen[~named]
+                if len(free) >= k:
+                    return free[tier.policy.select(last[free], freq[free], k)]
+                pinned = chosen[named]
                 aside.append((pinned, last[pinned].copy(), freq[pinned].copy() if uses_frequency else None))
                 last[pinned] = UNUSED
                 if uses_frequency:
                     freq[pinned] = UNUSED
+                left -= len(pinned)
             for pinned, was_last, was_freq in reversed(aside):  # as they were, for the ranking of every slot
                 last[pinned] = was_last
                 if was_freq is not None:
@@ -328,7 +334,7 @@ class StepPlanner:
         pinned = None if next_use is None else np.flatnonzero(next_use != NOT_IN_WINDOW)
         if pinned is not None and len(pinned):
             pinned = pinned[last[pinned] != UNUSED]
-            if np.count_nonzero(last != UNUSED) - len(pinned) >= k:  # the usual step: enough rows the window does not use
+            if rows - len(pinned) >= k:  # the usual step: enough rows the window does not use
                 last[pinned] = UNUSED
                 if uses_frequency:
                     freq[pinned] = UNUSED
