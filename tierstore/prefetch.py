@@ -264,7 +264,11 @@ class Prefetcher:
         staging = self._staging(table)
         staged = None
         if staging is not None and need.any():
-            staged = staging.lookup(torch.from_numpy(uid)).cpu()
+            # only rows no tier holds can be staged (_stage stages none that a tier holds, a
+            # step takes a row out of staging as it enters a tier): probe those alone
+            at = np.flatnonzero(need)
+            staged = torch.full((len(uid),), -1, dtype=torch.int64)
+            staged[at] = staging.lookup(torch.from_numpy(uid[at])).cpu()
             need &= (staged < 0).numpy()
         return t, uid, need, staged
 
