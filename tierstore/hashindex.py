@@ -10,7 +10,7 @@ hash table's memory is ~32 bytes per slot of capacity, independent of the id spa
 Out of core the table is far larger than the caches and a lookup's cost is its cache
 misses: each slot's key and value sit side by side (one [slots, 2] array), so an id
 found at its home slot costs one miss, not one for its key and one for its value
-(28k ids in a 2M-slot table, caches cold: 4.2 ms as two arrays).
+(28k ids in the 4M-slot table of 1.06M ids, caches cold: 4.4 ms as two arrays, 3.5 side by side).
 """
 from __future__ import annotations
 
