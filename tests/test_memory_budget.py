@@ -163,10 +163,19 @@ def test_tier_bytes_are_what_a_tier_allocates(num_rows, dim, dtype, state_dim, r
 
 
 def allocated(tier: CacheTier) -> int:
-    """The tier's tensors and its index's arrays (numpy's on the host), and the working
-    buffers eviction and prefetch keep per slot."""
-    arrays = [v for obj in (tier, tier.index) for v in vars(obj).values() if isinstance(v, (torch.Tensor, np.ndarray))]
-    return sum(a.nbytes for a in arrays) + WORK_BYTES_PER_SLOT * tier.capacity
+    """The memory under the tier's tensors and its index's arrays (numpy's on the host), each
+    buffer once (an array's views share it), and the working buffers eviction and prefetch keep
+    per slot."""
+    buffers = {}
+    for obj in (tier, tier.index):
+        for v in vars(obj).values():
+            if isinstance(v, torch.Tensor):
+                buffers[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+            elif isinstance(v, np.ndarray):
+                while isinstance(v.base, np.ndarray):
+                    v = v.base
+                buffers[v.__array_interface__["data"][0]] = v.nbytes
+    return sum(buffers.values()) + WORK_BYTES_PER_SLOT * tier.capacity
 
 
 def tier_of(spec: TableSpec, name: str, rows: int) -> CacheTier:
