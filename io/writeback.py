@@ -207,11 +207,8 @@ class WriteBack:
     store's) held by the caller; waits release it, as Condition waits do."""
 
     def __init__(self, backend: LmdbBackend, lock: threading.RLock, limit_rows: int, group_rows: int = 0, linger: float = 1.0,
-                 sweep_rows: int = 4096, on_swept: Callable[[str, int], None] | None = None,
-                 after_commit: Callable[[], object] | None = None):
+                 sweep_rows: int = 4096, on_swept: Callable[[str, int], None] | None = None):
         self._backend = backend
-        # called on the writer's thread after each commit, without the lock (the store's memory trim)
-        self._after_commit = after_commit
         # the sweep: after each commit, sweep_rows rows plus twice those committed of each
         # table in sweeps, {table: (last-use cutoff step or None, L2 norm or None)}, are looked
         # at and deleted if last used at or before the cutoff, or with weights below the norm
@@ -353,8 +350,6 @@ class WriteBack:
                 else:
                     self._error = error
                 self._cond.notify_all()
-            if error is None and self._after_commit is not None:
-                self._after_commit()
 
 
     def _newest(self, batches: list[WriteBatch]) -> tuple[Items, dict, dict[str, np.ndarray]]:

@@ -22,7 +22,7 @@ from tierstore import TableSpec, TieredEmbeddingBag, TieredStore, optim
 from tierstore.eviction import make_policy
 from tierstore.memory import (
     DEFAULT_WRITEBACK_ROWS, PAGE, QUEUE_BYTES_PER_ROW, WORK_BYTES_PER_SLOT, MemoryLimit, check_fits,
-    cgroup_memory_limit, detect_limit, fit_rows, machine_memory, parse_bytes, split_memory, tier_bytes, trim_freed_memory,
+    cgroup_memory_limit, detect_limit, fit_rows, machine_memory, parse_bytes, split_memory, tier_bytes,
 )
 from tierstore.precision import DTYPES
 from tierstore.prefetch import PrefetchConfig
@@ -544,40 +544,3 @@ def test_a_budgeted_store_keeps_malloc_from_holding_freed_blocks(tmp_path):
     if held["control"] < 24 << 20:
         pytest.skip(f"this C library's malloc does not hold freed 1 MiB blocks (held {held['control']:,} bytes)")
     assert held["budget"] < 4 << 20, held
-
-
-_TRIMMED = textwrap.dedent("""
-    import sys, tempfile, time
-    import numpy as np
-    from tierstore import TableSpec, TieredStore
-
-    def anon():
-        for line in open("/proc/self/status"):
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) << 10
-    budget = None if sys.argv[1] == "control" else "64MiB"
-    with TieredStore(tempfile.mkdtemp(), [TableSpec("t", num_rows=1000, dim=8)], memory_budget=budget) as store:
-        blocks = [np.ones(16 << 10, np.float32) for _ in range(2000)]  # 64 KiB each: under the mmap threshold
-        del blocks[::2]  # every other one freed, inside the arenas: only a trim gives their pages back
-        before = anon()
-        store.write("t", np.arange(10), np.ones((10, 8), np.float32))
-        store.flush()  # a commit on the writer's thread, which trims after it
-        deadline = time.monotonic() + 10
-        while anon() > before - (32 << 20) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        print(before - anon())
-""")
-
-
-def test_a_budgeted_stores_writer_gives_freed_arena_pages_back(tmp_path):
-    """62 MiB of freed 64 KiB blocks stay in malloc's arenas, resident, outside every part of the
-    budget (the control: a store without a budget); a budgeted store's writer gives their pages
-    back after its next commit (tierstore.memory.trim_freed_memory)."""
-    if not trim_freed_memory():
-        pytest.skip("the C library is not glibc: no malloc_trim")
-    returned = {}
-    for mode in ("control", "budget"):
-        out = subprocess.run([sys.executable, "-c", _TRIMMED, mode], capture_output=True, text=True, cwd=tmp_path)
-        assert out.returncode == 0, out.stderr
-        returned[mode] = int(out.stdout)
-    assert returned["control"] < 16 << 20 and returned["budget"] > 32 << 20, returned

@@ -382,40 +382,20 @@ MMAP_THRESHOLD = 128 << 10
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
-def _glibc() -> ctypes.CDLL | None:
-    """The C library where it is glibc (whose mallopt numbers and malloc_trim these use), else None."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        libc.gnu_get_libc_version
-    except (OSError, AttributeError, TypeError):
-        return None
-    return libc
-
-
 def return_freed_blocks(threshold: int = MMAP_THRESHOLD) -> bool:
     """Have glibc's malloc give blocks of ``threshold`` bytes or more back to the kernel when
     freed (mallopt M_MMAP_THRESHOLD, process-wide; see MMAP_THRESHOLD). A store opened with a
     memory budget calls this: what malloc keeps freed is memory the budget cannot see. False
     where the C library is not glibc (nothing changed)."""
-    libc = _glibc()
-    if libc is None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+        libc.gnu_get_libc_version  # glibc only: other libcs' mallopt numbers differ
+    except (OSError, AttributeError, TypeError):
         return False
-    libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return libc.mallopt(_M_MMAP_THRESHOLD, threshold) == 1
-
-
-def trim_freed_memory() -> bool:
-    """Give the kernel back the whole free pages inside glibc's malloc arenas (malloc_trim(0)).
-    Blocks under MMAP_THRESHOLD still stay in the arenas when freed: during a 1 GiB-budget run
-    82-90 MiB of them were free at once, outside every part of the budget. A store with a memory
-    budget calls this after each write-back commit, on the writer's thread (BENCHMARKS.md: the
-    anonymous RSS peak 10-80 MiB lower, the step no slower). False where the C library is not glibc."""
-    libc = _glibc()
-    if libc is None:
-        return False
-    libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-    libc.malloc_trim(0)
-    return True
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(_M_MMAP_THRESHOLD, threshold) == 1
 
 
 def detect_limit(proc_cgroup: str | Path = "/proc/self/cgroup", root: str | Path = "/sys/fs/cgroup",

@@ -45,7 +45,7 @@ from .checkpointing import incremental_checkpoint
 from .counters import (LifeCounters, StoreCounters, StoreSnapshot, TableCounters, TableSnapshot, TierFill, add_dicts,
                        restored_on_error)
 from .memory import (DEFAULT_WRITEBACK_ROWS, MemoryPart, MemorySplit, check_fits, detect_limit, format_bytes, parse_bytes,
-                     process_rss, return_freed_blocks, split_memory, trim_freed_memory)
+                     process_rss, return_freed_blocks, split_memory)
 from .precision import DTYPES, round_nearest
 from .spec import MAX_ID, TableSpec
 from .trace import TraceRecorder
@@ -330,8 +330,7 @@ class TieredStore:
             prefetch = dataclasses.replace(prefetch, staged_rows=self._memory.staged_rows)
             # every LMDB row write goes through this queue and its one writer thread
             self._writeback = WriteBack(self._backend, self._lock, self.config.writeback_rows, self.config.writeback_group_rows,
-                                        on_swept=self._count_swept,
-                                        after_commit=trim_freed_memory if self.config.memory_budget is not None else None)
+                                        on_swept=self._count_swept)
             # what the tables share, handed to each (tierstore/table.py): none reaches back into the store
             self._shared = Shared(self._backend, self._writeback, self.readonly, self._await_gathers)
             if record_trace is not None:
