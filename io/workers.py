@@ -28,11 +28,10 @@ def read_rows_async(
     on_done: Callable[[np.ndarray, np.ndarray, BaseException | None, float], None],
     pause: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter, chunk: int = MIN_CHUNK,
 ) -> None:
-    """Read rows of sorted ``ids`` in ``parts`` tasks of at least ``chunk`` rows,
-    ``chunk`` rows a call of the backend; then ``on_done(rows, found, error,
-    seconds)``, seconds being the time the tasks spent reading, summed.
-    ``pause()`` is called before every chunk; with none, a task reads its rows in one
-    call (a call costs a read transaction and an index lookup: 0.6 ms of CPU each in
+    """Read rows of sorted ``ids`` in ``parts`` tasks of at least ``chunk`` rows; then
+    ``on_done(rows, found, error, seconds)``, seconds being the time the tasks spent
+    reading, summed. With ``pause``, a task reads ``chunk`` rows a call of the backend and
+    calls ``pause()`` before each; with none, it reads its rows in one call (a call costs a read transaction and an index lookup: 0.6 ms of CPU each in
     chunks of 256 rows from disk, a quarter of the threads' CPU beside the reads)."""
     rows = np.empty((len(ids), width), dtype=np.float32)
     found = np.zeros(len(ids), dtype=bool)
