@@ -25,13 +25,20 @@ def data_file(tmp_path_factory):
 
 
 @settings(max_examples=60, deadline=None)
-@given(width=st.integers(1, 3 * PAGE), seed=st.integers(0, 2**31), n=st.integers(0, 40), depth=st.sampled_from([1, 3, 256]))
-def test_reads_equal_the_files_bytes(data_file, width, seed, n, depth):
+@given(width=st.integers(1, 3 * PAGE), seed=st.integers(0, 2**31), n=st.integers(0, 40), depth=st.sampled_from([1, 3, 256]),
+       registered=st.booleans())
+def test_reads_equal_the_files_bytes(data_file, width, seed, n, depth, registered):
     """Any width (crossing pages or not), any offsets, in batches smaller than the call; a
-    second call starts where the first left the ring (its submission queue wraps)."""
+    second call starts where the first left the ring (its submission queue wraps). Rings
+    whose buffer and file the kernel refused to register read the same."""
     raw = np.frombuffer(data_file.read_bytes(), dtype=np.uint8)
     offsets = np.random.default_rng(seed).integers(0, len(raw) - width + 1, n)
-    reader = direct.DirectReader(data_file, depth=depth, nbytes=max(depth, 2) * 4 * PAGE)
+    with pytest.MonkeyPatch.context() as patch:
+        if not registered:
+            patch.setattr(direct, "_REGISTER_BUFFERS", -1)  # an opcode every kernel refuses (EINVAL)
+        reader = direct.DirectReader(data_file, depth=depth, nbytes=max(depth, 2) * 4 * PAGE)
+        reader.read(offsets[:0], width, np.empty((0, width), dtype=np.uint8))  # its ring, made here
+    assert reader._ring().fixed == registered
     try:
         out = np.full((n, width), 7, dtype=np.uint8)
         half = n // 2 + 1
@@ -63,6 +70,18 @@ def test_threads_read_at_once_each_on_its_own_ring(data_file):
         t.join()
     reader.close()
     assert bad and not any(bad)
+
+
+def test_a_kernel_refusing_the_setup_flags_gets_a_plain_ring(data_file, monkeypatch):
+    monkeypatch.setattr(direct, "_SETUP_DEFER_TASKRUN", 1 << 31)  # a flag no kernel knows: EINVAL
+    reader = direct.DirectReader(data_file)
+    try:
+        out = np.empty((3, 100), dtype=np.uint8)
+        reader.read(np.array([0, 5000, 70000]), 100, out)
+        raw = data_file.read_bytes()
+        assert [bytes(r) for r in out] == [raw[0:100], raw[5000:5100], raw[70000:70100]]
+    finally:
+        reader.close()
 
 
 def test_a_read_past_the_end_fails_naming_it(data_file):
