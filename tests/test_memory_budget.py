@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from tierstore import TableSpec, TieredEmbeddingBag, TieredStore, optim
 from tierstore.eviction import make_policy
+from tierstore.io import index_bytes_bound
 from tierstore.memory import (
     DEFAULT_WRITEBACK_ROWS, PAGE, QUEUE_BYTES_PER_ROW, WORK_BYTES_PER_SLOT, MemoryLimit, check_fits,
     cgroup_memory_limit, detect_limit, fit_rows, machine_memory, parse_bytes, split_memory, tier_bytes,
@@ -82,7 +83,7 @@ specs_st = st.lists(
 
 @given(specs_st, st.integers(400 * MiB, 1 << 40), st.booleans(), st.booleans())
 def test_the_split_stays_within_the_budget(specs, budget, on_host, writes):
-    index = 4 * sum(s.num_rows for s in specs if s.num_rows is not None)  # the log layout's row index
+    index = sum(index_bytes_bound(s.num_rows) for s in specs if s.num_rows is not None)  # the log layout's row index
     assume(index < budget // 2)
     split = split_memory(budget, specs, hbm_on_host=on_host, writes=writes)
     assert split.parts["row_index"].bytes == index
@@ -246,8 +247,11 @@ def test_neither_budget_nor_tiers_keeps_todays_store_and_says_what_it_uses(tmp_p
     with TieredStore(tmp_path, [TableSpec("t", 1000, 4)], device="cpu") as s:
         m = s.memory()
         assert s.snapshot().tables["t"].tiers == {}  # no tier
-        assert m.budget is None and m.host_bytes == m.parts["staging"].bytes + m.parts["writeback"].bytes + WRITE_TXN + 4 * 1000
-        assert m.parts["row_index"].used_bytes >= 4 * 1000  # the log layout's index, 4 bytes a row
+        assert m.budget is None and m.host_bytes == m.parts["staging"].bytes + m.parts["writeback"].bytes + WRITE_TXN + index_bytes_bound(1000)
+        s.write("t", np.arange(1000), np.ones((1000, 4), dtype=np.float32))
+        s.flush()
+        index = s.memory().parts["row_index"]
+        assert 4 * 1000 <= index.used_bytes <= index.bytes  # the log layout's index: 4 bytes a row and its segments
         assert m.limit is not None and m.limit.machine == machine_memory()
 
 
@@ -507,7 +511,7 @@ def test_only_tables_in_the_log_layout_charge_a_row_index(tmp_path, monkeypatch)
     with TieredStore(tmp_path / "keyed", memory_budget="64MiB", device="cpu") as s:
         assert s.memory().parts["row_index"].bytes == 0
     with TieredStore(tmp_path / "log", [TableSpec("t", 100_000, 4)], memory_budget="64MiB", device="cpu") as s:
-        assert s.memory().parts["row_index"].bytes == 4 * 100_000
+        assert s.memory().parts["row_index"].bytes == index_bytes_bound(100_000)
 
 
 _FREED_HELD = textwrap.dedent("""

@@ -24,6 +24,7 @@ N, DIM = 40, 3
 def small_segments(monkeypatch):
     # 4 slots a segment (the slot is 3 float32 and a step): every path within a few writes
     monkeypatch.setattr(rowlog, "SEGMENT_BYTES", 4 * (4 * DIM + 8))
+    monkeypatch.setattr(rowlog, "MIN_SEGMENT_ROWS", 1)
     monkeypatch.setattr(rowlog, "_MIN_DEAD", 2)
     monkeypatch.setattr(rowlog, "MAX_TOMBSTONE_SEGMENTS", 3)
     monkeypatch.setattr(lmdb_backend, "_ADVISED_READ", 1)  # every read as a large one: direct where asked
@@ -165,6 +166,8 @@ def test_overwrites_keep_the_log_within_its_spare_room(tmp_path):
         b.put_rows([("t", ids, np.full((8, DIM), step, dtype=np.float32))], last_use={"t": np.full(8, step)})
     log = b._logs["t"]
     assert log.dead_slots <= rowlog.SPARE * log.live_rows + 2 * rowlog.MAX_SLOTS
+    assert log.per_segment == 4
+    assert log.index_bytes() <= rowlog.index_bytes_bound(N)  # what the memory budget charges
     assert len(log._index) <= 2 * (-(-log.live_rows // log.per_segment)) + 16
     b.close()
 
@@ -254,3 +257,16 @@ def test_a_write_that_changes_nothing_leaves_log_reads_working(tmp_path, monkeyp
     rows, found = b.get_rows("t", np.arange(4))
     assert found.all() and (rows == 1).all() and not any(stale)
     b.close()
+
+
+def test_segment_sizes():
+    """SEGMENT_BYTES of slots, at least MIN_SEGMENT_ROWS, at most MAX_SLOTS; a table too large
+    for the index's segment numbers at that size gets larger segments."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rowlog, "SEGMENT_BYTES", 64 << 10)
+        patch.setattr(rowlog, "MIN_SEGMENT_ROWS", 256)
+        assert rowlog.rows_per_segment(264, 34_000_000) == 256
+        assert rowlog.rows_per_segment(64, 34_000_000) == 1024
+        big = rowlog.rows_per_segment(264, 1_000_000_000)
+        assert 2 * 1_000_000_000 <= big * rowlog._MAX_SEGMENTS < 2 * 1_000_000_000 + rowlog._MAX_SEGMENTS
+        assert rowlog.rows_per_segment(8, 10**6) == rowlog.MAX_SLOTS

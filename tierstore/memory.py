@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tierstore.io import WRITE_TXN_ROWS  # rows per LMDB write transaction at most, by default
+from tierstore.io import WRITE_TXN_ROWS, index_bytes_bound  # rows per LMDB write transaction at most, by default
 
 from .hashindex import PROBE_WINDOW
 from .precision import DTYPES
@@ -28,7 +28,6 @@ from .spec import TableSpec
 PAGE = 4096  # LMDB's page: a transaction copies (mallocs) a dirty page for every random row it writes
 PAGE_CACHE_SHARE = 4  # 1/4 of the budget is left to the page cache of data.mdb
 DIRTY_SHARE = 16  # 1/16 of it (at most WRITE_TXN_ROWS pages, at least MIN_TXN_ROWS): one write transaction's dirty pages
-INDEX_BYTES_PER_ROW = 4  # io.rowlog's place of a row: segment and slot in a uint32
 MIN_TXN_ROWS = 1024  # fewer rows a transaction and its commit costs more than its rows
 QUEUE_SHARE = 8  # 1/8 of what is left after the page cache and LMDB's dirty pages: the write-back queue
 STAGING_SHARE = 8  # 1/8 of it: prefetch staging; the rest: the DDR tier
@@ -208,7 +207,8 @@ def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Si
       every get a disk read), and to the buffers of direct reads (io.direct: 2 MiB for each
       thread that reads, in place of the pages those reads would have cached);
     - row_index: 4 bytes a row of every table with num_rows (of the tables ``indexed_tables`` names,
-      where given), where the log layout keeps where each row is (io.rowlog; a table of an
+      where given) and its segments' entries (io.rowlog.index_bytes_bound: about 4.5 bytes a
+      row in all), where the log layout keeps where each row is (io.rowlog; a table of an
       unbounded id space, or of a store written before the log layout, keeps its rows by key);
     - lmdb_dirty: B/16 for one write transaction's dirty pages, a 4 KiB page for each row it
       writes (the worst case: every row on its own page), so a transaction writes at most
@@ -234,15 +234,15 @@ def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Si
     txn_rows = WRITE_TXN_ROWS if budget is None else min(WRITE_TXN_ROWS, max(MIN_TXN_ROWS, budget // DIRTY_SHARE // PAGE))
     dirty = txn_rows * PAGE if writes else 0
     page_cache = 0 if budget is None else budget // PAGE_CACHE_SHARE
-    indexed = sum(s.num_rows for s in specs if s.num_rows is not None and (indexed_tables is None or s.name in indexed_tables))
-    index = INDEX_BYTES_PER_ROW * indexed
+    logged = [s.num_rows for s in specs if s.num_rows is not None and (indexed_tables is None or s.name in indexed_tables)]
+    indexed, index = sum(logged), sum(map(index_bytes_bound, logged))
     rest = 0 if budget is None else budget - page_cache - dirty - index
     if budget is not None and rest <= 0:
         need = ((dirty + index) * PAGE_CACHE_SHARE) // (PAGE_CACHE_SHARE - 1) + (1 << 20)
         raise ValueError(f"memory_budget={format_bytes(budget)} is too small: the share left to the page cache "
                          f"({format_bytes(page_cache)}), LMDB's dirty pages of one write transaction ({txn_rows:,} rows "
-                         f"x 4 KiB = {format_bytes(dirty)}) and the row index ({indexed:,} rows x {INDEX_BYTES_PER_ROW} "
-                         f"bytes = {format_bytes(index)}) alone take it; give at least {format_bytes(need)}")
+                         f"x 4 KiB = {format_bytes(dirty)}) and the row index ({indexed:,} rows: "
+                         f"{format_bytes(index)}) alone take it; give at least {format_bytes(need)}")
 
     if writeback_rows is None:
         writeback_rows = DEFAULT_WRITEBACK_ROWS if budget is None else (rest // QUEUE_SHARE) // qrow if qrow else 0
