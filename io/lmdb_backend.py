@@ -13,6 +13,7 @@ import fcntl
 import functools
 import itertools
 import json
+import mmap
 import os
 import shutil
 import struct
@@ -135,16 +136,42 @@ def check_data_file(data: Path) -> None:
         # the size after the meta pages were read: a running writer writes a transaction's pages, then
         # the meta page naming them, so the file holds what a meta page names by the time it is read
         size = os.fstat(f.fileno()).st_size
-    meta = metas[metas[0][-1] < metas[1][-1]]  # LMDB uses the meta page of the newer transaction
-    map_size, last_pg = meta[3], meta[-2]
-    need = (last_pg + 1) * psize
-    if size < need:
-        raise corrupt(data, f"it is truncated ({size} bytes; its last transaction wrote {need})")
+        meta = metas[metas[0][-1] < metas[1][-1]]  # LMDB uses the meta page of the newer transaction
+        map_size, last_pg = meta[3], meta[-2]
+        need = (last_pg + 1) * psize
+        if size < need and not _free_past_end(f, psize, _DB_RECORD.pack(*meta[4:12]), size // psize, last_pg):
+            raise corrupt(data, f"it is truncated ({size} bytes; its last transaction wrote {need})")
     if map_size < need:
         raise corrupt(data, f"its meta page names a map of {map_size} bytes, smaller than its {need} bytes of pages")
     for root in (meta[11], meta[19]):  # the free and main databases' root pages
         if root != _P_INVALID and not 2 <= root <= last_pg:
             raise corrupt(data, f"its meta page names root page {root}, outside its pages 2..{last_pg}")
+
+
+_DB_RECORD = struct.Struct("=IHHQQQQQ")  # MDB_db: pad, flags, depth, branch, leaf, overflow pages, entries, root
+
+
+def _free_past_end(f, psize: int, free_db: bytes, first: int, last: int) -> bool:
+    """Whether pages ``first``..``last``, past the end of the file ``f``, are all on LMDB's
+    free list. LMDB does not write pages it took and gave back within one commit (as
+    its free list's own record, rewritten until it stops changing), so a whole file may
+    end before the last page its meta page names; LMDB's own copy stops at the file's
+    end. A file cut short loses pages still in use, which this tells apart."""
+    try:
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mem:
+            free = []
+            # the free database's keys are transaction ids, never 0: every record is "above -1"
+            for _, at, nbytes in rowlog.walk_values(mem, free_db, -1, psize):
+                ids = np.frombuffer(mem[at: at + nbytes], dtype="=u8")  # a copy: the map closes after
+                if len(ids) == 0 or ids[0] != len(ids) - 1:
+                    return False
+                free.append(ids[1:])
+    except (ValueError, IndexError, struct.error, rowlog.SegmentFormatError):  # its own pages cut off, or not a free list
+        return False
+    free = np.concatenate(free) if free else np.zeros(0, dtype=np.uint64)
+    if last - first + 1 > len(free):  # more pages missing than the list holds (a scribbled meta page too)
+        return False
+    return bool(np.isin(np.arange(first, last + 1, dtype=np.uint64), free).all())
 
 
 # LMDB errors that mean the file's pages are not what LMDB wrote

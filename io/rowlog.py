@@ -450,7 +450,7 @@ _P_BRANCH, _P_LEAF, _F_BIGDATA = 0x01, 0x02, 0x01
 _NO_PAGE = (1 << 64) - 1
 
 
-def walk_values(mem, db_record, after: int) -> list[tuple[int, int, int]]:
+def walk_values(mem, db_record, after: int, page_size: int = PAGE) -> list[tuple[int, int, int]]:
     """(seq, file offset, bytes) of every value of a segments database whose 8-byte key is
     above ``after``, in key order, read from ``mem`` (the map, from the file's first byte)
     and ``db_record`` (the database's MDB_db, its value in LMDB's main database)."""
@@ -458,7 +458,7 @@ def walk_values(mem, db_record, after: int) -> list[tuple[int, int, int]]:
     out: list[tuple[int, int, int]] = []
     stack = [] if root == _NO_PAGE else [root]
     while stack:
-        page = stack.pop() * PAGE
+        page = stack.pop() * page_size
         _, _, flags, lower, _ = _PAGE_HEAD.unpack_from(mem, page)
         ptrs = np.frombuffer(mem, dtype="<u2", count=(lower - _PAGE_HEAD.size) // 2, offset=page + _PAGE_HEAD.size).tolist()
         nodes = [(page + p, *_NODE.unpack_from(mem, page + p)) for p in ptrs]
@@ -472,7 +472,7 @@ def walk_values(mem, db_record, after: int) -> list[tuple[int, int, int]]:
                 seq = int.from_bytes(mem[at + 8: at + 8 + ks], "big")
                 if seq > after:
                     data = at + 8 + ks
-                    start = int(np.frombuffer(mem, dtype="<u8", count=1, offset=data)[0]) * PAGE + _VALUE_OFFSET \
+                    start = int(np.frombuffer(mem, dtype="<u8", count=1, offset=data)[0]) * page_size + _VALUE_OFFSET \
                         if fl & _F_BIGDATA else data
                     out.append((seq, start, lo | hi << 16))
         else:

@@ -357,3 +357,47 @@ def test_a_real_full_disk_fails_the_flush_and_loses_nothing(tmp_path):
     assert f"[Errno {errno.ENOSPC}] disk full: LMDB could not write" in r.stdout, r.stdout
     assert "free disk space" in r.stdout and int(r.stdout.split("FLUSHED ")[1].split()[0]) > 0, r.stdout
     assert "BEFORE True" in r.stdout and "ALL True" in r.stdout, r.stdout
+
+
+def _free_a_tail(path: Path) -> int:
+    """Leave the last pages of ``path``'s data.mdb on LMDB's free list, as LMDB itself may:
+    a value written last and deleted, then a commit that takes older free pages (LMDB takes
+    the lowest first). Returns the last page LMDB names; the value's last 16 pages are free."""
+    import lmdb
+    env = lmdb.open(str(path), max_dbs=1024, map_size=(path / "data.mdb").stat().st_size + (64 << 20))
+    scratch = env.open_db(b"scratch")
+    for r in range(10):  # free pages at the front for the commit after the delete
+        with env.begin(write=True) as txn:
+            for i in range(500):
+                txn.put(b"k%05d" % i, b"v%d" % r * 50, db=scratch)
+    with env.begin(write=True) as txn:
+        txn.put(b"big", b"x" * (40 * 4096), db=scratch)
+    last = env.info()["last_pgno"]
+    with env.begin(write=True) as txn:
+        txn.delete(b"big", db=scratch)
+    with env.begin(write=True) as txn:
+        for i in range(500):
+            txn.put(b"k%05d" % i, b"w" * 50, db=scratch)
+    assert env.info()["last_pgno"] == last, "LMDB placed the commits after the delete past the freed value"
+    env.close()
+    return last
+
+
+def test_a_file_ending_in_pages_lmdb_freed_opens_and_one_cut_into_pages_in_use_does_not(tmp_path):
+    """LMDB leaves pages it gave back within a commit unwritten, so data.mdb may end before
+    the last page its meta page names (seen on the bench table after a run); such a file is
+    whole. The store opens it and reads every row; a file cut into pages in use is damage."""
+    whole = make_store(tmp_path / "whole")
+    last = _free_a_tail(whole)
+    cut_free = copy_store(whole, tmp_path / "cut_free")
+    os.truncate(cut_free / "data.mdb", (last + 1 - 16) * 4096)
+    cut_used = copy_store(whole, tmp_path / "cut_used")
+    os.truncate(cut_used / "data.mdb", (last + 1 - 64) * 4096)  # into the pages before the value
+    lmdb_backend.check_data_file(cut_free / "data.mdb")
+    with pytest.raises(StoreCorruptError, match="truncated"):
+        lmdb_backend.check_data_file(cut_used / "data.mdb")
+    r = run_child(OPEN_EACH, whole, cut_free)
+    assert r.returncode == 0, f"child died with {r.returncode} (a signal if negative): {r.stderr[-2000:]}"
+    assert r.stdout.count("opened") == 4, r.stdout
+    with open_store(cut_free, readonly=True) as s, open_store(whole, readonly=True) as w:
+        assert torch.equal(s.read("t", np.arange(20000)), w.read("t", np.arange(20000)))
