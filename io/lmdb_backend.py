@@ -105,13 +105,24 @@ _PAGE_HEADER = struct.Struct("=QHHI")  # pgno, pad, flags, lower and upper bound
 _META = struct.Struct("=IIQQ" + "IHHQQQQQ" * 2 + "QQ")
 
 
-def check_data_file(data: Path) -> None:
+def check_data_file(data: Path, tries: int = 3) -> None:
     """Raise StoreCorruptError unless ``data`` (a data.mdb) has LMDB's two meta
     pages and holds every page the newer one names. LMDB maps the file and trusts
     it: touching a page past the end of a truncated file kills the process with
     SIGBUS, which no exception handler can catch, so this runs before lmdb.open.
     Every size is the open file's: compact() may rename another file over ``data``
-    meanwhile, and the old file's pages against the new one's size looked truncated."""
+    meanwhile, and the old file's pages against the new one's size looked truncated.
+    A file that looks cut short is read ``tries`` times: a running writer may reuse the
+    free-list pages _free_past_end reads (this is no LMDB reader) between two reads."""
+    for attempt in range(tries):
+        try:
+            return _check_data_file(data)
+        except StoreCorruptError as e:
+            if attempt == tries - 1 or "truncated" not in str(e):
+                raise
+
+
+def _check_data_file(data: Path) -> None:
     metas = []
     with open(data, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:

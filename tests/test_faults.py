@@ -396,6 +396,17 @@ def test_a_file_ending_in_pages_lmdb_freed_opens_and_one_cut_into_pages_in_use_d
     lmdb_backend.check_data_file(cut_free / "data.mdb")
     with pytest.raises(StoreCorruptError, match="truncated"):
         lmdb_backend.check_data_file(cut_used / "data.mdb")
+    # a writer reusing the free list's pages mid-read: the next read decides
+    real, calls = lmdb_backend._free_past_end, []
+
+    def garbled_once(*args):
+        calls.append(args)
+        return len(calls) > 1 and real(*args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lmdb_backend, "_free_past_end", garbled_once)
+        lmdb_backend.check_data_file(cut_free / "data.mdb")
+    assert len(calls) == 2
     r = run_child(OPEN_EACH, whole, cut_free)
     assert r.returncode == 0, f"child died with {r.returncode} (a signal if negative): {r.stderr[-2000:]}"
     assert r.stdout.count("opened") == 4, r.stdout
