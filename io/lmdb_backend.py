@@ -102,7 +102,9 @@ _DATA_VERSION = 1
 _P_META = 0x08
 _P_INVALID = (1 << 64) - 1
 _PAGE_HEADER = struct.Struct("=QHHI")  # pgno, pad, flags, lower and upper bounds
-_META = struct.Struct("=IIQQ" + "IHHQQQQQ" * 2 + "QQ")
+_DB = "IHHQQQQQ"  # MDB_db: pad, flags, depth, branch, leaf, overflow pages, entries, root
+_META = struct.Struct("=IIQQ" + _DB * 2 + "QQ")
+_FREE_DB = slice(_PAGE_HEADER.size + struct.calcsize("=IIQQ"), _PAGE_HEADER.size + struct.calcsize("=IIQQ" + _DB))  # in a meta page
 
 
 def check_data_file(data: Path, tries: int = 3) -> None:
@@ -114,15 +116,16 @@ def check_data_file(data: Path, tries: int = 3) -> None:
     meanwhile, and the old file's pages against the new one's size looked truncated.
     A file that looks cut short is read ``tries`` times: a running writer may reuse the
     free-list pages _free_past_end reads (this is no LMDB reader) between two reads."""
-    for attempt in range(tries):
-        try:
-            return _check_data_file(data)
-        except StoreCorruptError as e:
-            if attempt == tries - 1 or "truncated" not in str(e):
-                raise
+    for _ in range(tries):
+        cut_short = _check_data_file(data)
+        if cut_short is None:
+            return
+    raise corrupt(data, cut_short)
 
 
-def _check_data_file(data: Path) -> None:
+def _check_data_file(data: Path) -> str | None:
+    """check_data_file's one read: raises for damage, or returns what is missing where
+    pages the meta page names are past the file's end and not all free."""
     metas = []
     with open(data, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
@@ -143,23 +146,20 @@ def _check_data_file(data: Path) -> None:
                 psize = m[4]
                 if psize & (psize - 1) or not 512 <= psize <= 65536:
                     raise corrupt(data, f"meta page 0 names page size {psize}")
-            metas.append(m)
+            metas.append((m, page[_FREE_DB]))
         # the size after the meta pages were read: a running writer writes a transaction's pages, then
         # the meta page naming them, so the file holds what a meta page names by the time it is read
         size = os.fstat(f.fileno()).st_size
-        meta = metas[metas[0][-1] < metas[1][-1]]  # LMDB uses the meta page of the newer transaction
+        meta, free_db = metas[metas[0][0][-1] < metas[1][0][-1]]  # LMDB uses the meta page of the newer transaction
         map_size, last_pg = meta[3], meta[-2]
         need = (last_pg + 1) * psize
-        if size < need and not _free_past_end(f, psize, _DB_RECORD.pack(*meta[4:12]), size // psize, last_pg):
-            raise corrupt(data, f"it is truncated ({size} bytes; its last transaction wrote {need})")
+        if size < need and not _free_past_end(f, psize, free_db, size // psize, last_pg):
+            return f"it is truncated ({size} bytes; its last transaction wrote {need})"
     if map_size < need:
         raise corrupt(data, f"its meta page names a map of {map_size} bytes, smaller than its {need} bytes of pages")
     for root in (meta[11], meta[19]):  # the free and main databases' root pages
         if root != _P_INVALID and not 2 <= root <= last_pg:
             raise corrupt(data, f"its meta page names root page {root}, outside its pages 2..{last_pg}")
-
-
-_DB_RECORD = struct.Struct("=IHHQQQQQ")  # MDB_db: pad, flags, depth, branch, leaf, overflow pages, entries, root
 
 
 def _free_past_end(f, psize: int, free_db: bytes, first: int, last: int) -> bool:

@@ -84,8 +84,9 @@ def rows_per_segment(slot_bytes: int, num_rows: int) -> int:
 
 def index_bytes_bound(num_rows: int) -> int:
     """The most a RowLog of ``num_rows`` rows holds in memory: 4 bytes a row, and the
-    segments' entries (victims() keeps segments under twice the full ones needed, plus
-    16; arrays grow by doubling), with segments of MIN_SEGMENT_ROWS or more."""
+    segments' entries, with segments of MIN_SEGMENT_ROWS or more: victims() keeps them
+    under twice the full ones needed plus 16, _allocate grows the arrays by doubling from
+    64, and the 64 more leave room for what a collection has yet to merge."""
     segments = 2 * (2 * -(-num_rows // MIN_SEGMENT_ROWS) + 16 + 64)
     return 4 * num_rows + SEGMENT_ENTRY_BYTES * segments
 

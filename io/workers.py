@@ -31,8 +31,9 @@ def read_rows_async(
     """Read rows of sorted ``ids`` in ``parts`` tasks of at least ``chunk`` rows; then
     ``on_done(rows, found, error, seconds)``, seconds being the time the tasks spent
     reading, summed. With ``pause``, a task reads ``chunk`` rows a call of the backend and
-    calls ``pause()`` before each; with none, it reads its rows in one call (a call costs a read transaction and an index lookup: 0.6 ms of CPU each in
-    chunks of 256 rows from disk, a quarter of the threads' CPU beside the reads)."""
+    calls ``pause()`` before each; with none, it reads its rows in one call (a call costs a
+    read transaction and an index lookup: 0.6 ms of CPU each in chunks of 256 rows from
+    disk, a quarter of the threads' CPU beside the reads)."""
     rows = np.empty((len(ids), width), dtype=np.float32)
     found = np.zeros(len(ids), dtype=bool)
     parts = max(1, min(parts, len(ids) // chunk))
