@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 import tierstore
 from tierstore.eviction import make_policy
 from tierstore.eviction.lookahead import NOT_IN_WINDOW, lookahead_victims
+from tierstore import curves, trace_streams
 from tierstore.tools import capacity as cap
+from tierstore.tools import capacity_progress
 from tierstore.tools.cli import main as cli_main
 from tierstore.tools.synth import SynthConfig, synth
 from tierstore.trace import Trace, TraceTable
@@ -83,8 +85,8 @@ def test_stack_distances_equal_a_per_id_python_stack(trace):
     # both ways of deduplicating calls, with and without groups that repeat tables
     for small_calls, cells in [(0, 0), (0, 1 << 16), (10**9, 0), (10**9, 1 << 16), (10**9, 50)]:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(cap, "SMALL_CALLS", small_calls)
-            mp.setattr(cap, "_GROUP_CELLS", cells)
+            mp.setattr(trace_streams, "SMALL_CALLS", small_calls)
+            mp.setattr(curves, "_GROUP_CELLS", cells)
             streams = cap.build_streams(trace)
             for s, d, u, w in zip(streams, cap.stack_distances(streams), uses, distinct):
                 assert d.tolist() == ref[s.name]
@@ -483,14 +485,14 @@ def test_a_long_run_shows_progress_on_stderr_when_it_is_not_a_terminal(tmp_path,
     """Progress was only on a terminal: a capacity run in a log printed nothing for minutes."""
     trace = synth(SynthConfig(tables=(("a", 3000),), batch_size=32, pooling=4, steps=30))
     trace.save(tmp_path / "t.npz")
-    monkeypatch.setattr(cap, "PROGRESS_ACCESSES", trace.n_accesses - 1)  # a "long" trace
-    monkeypatch.setattr(cap, "PROGRESS_SECONDS", 0.0)  # a line at every update
+    monkeypatch.setattr(capacity_progress, "PROGRESS_ACCESSES", trace.n_accesses - 1)  # a "long" trace
+    monkeypatch.setattr(capacity_progress, "PROGRESS_SECONDS", 0.0)  # a line at every update
     assert cli_main(["capacity", str(tmp_path / "t.npz"), "--policies", "lfu"]) == 0
     captured = capsys.readouterr()
     lines = captured.err.splitlines()
     assert any(line.startswith("stack distances: ") and "uses/s" in line for line in lines)
     assert any(line.startswith("lfu a ") and "done in" in line for line in lines)
     assert "\r" not in captured.err and "stack distances" not in captured.out
-    monkeypatch.setattr(cap, "PROGRESS_ACCESSES", trace.n_accesses)
+    monkeypatch.setattr(capacity_progress, "PROGRESS_ACCESSES", trace.n_accesses)
     assert cli_main(["capacity", str(tmp_path / "t.npz"), "--policies", "lfu"]) == 0
     assert capsys.readouterr().err == ""  # a short run stays quiet

@@ -13,15 +13,11 @@ import ...`` goes on working. Each part lives in the module named for it:
   capacity_plots.py (PNG), capacity_progress.py (progress bars), capacity_cli.py
   (``tierstore capacity``), bench_capacity.py (``tierstore bench capacity``).
 
-Tuning constants that used to live here (``SMALL_CALLS``, ``_GROUP_CELLS``,
-``PROGRESS_SECONDS``, ``PROGRESS_ACCESSES``) are read and set through this module
-in the modules that use them, so setting ``tierstore.tools.capacity.X`` still
-changes what the code does.
+Tuning constants live in the modules that read them (``trace_streams.SMALL_CALLS``,
+``curves._GROUP_CELLS``, ``capacity_progress.PROGRESS_SECONDS`` and
+``PROGRESS_ACCESSES``): set them there.
 """
 from __future__ import annotations
-
-import sys
-import types
 
 from tierstore import curves, trace_streams
 from tierstore.admission_replay import predict_admission
@@ -45,24 +41,3 @@ __all__ = [
     "shards_sample", "simulate", "split_budget", "stack_distances", "to_json", "total_curve", "trace_counts",
 ]
 
-
-_TUNING = {"SMALL_CALLS": trace_streams, "_GROUP_CELLS": curves,
-           "PROGRESS_SECONDS": capacity_progress, "PROGRESS_ACCESSES": capacity_progress}
-
-
-class _CapacityModule(types.ModuleType):
-    """This module, with its tuning constants forwarded to the modules that read them."""
-
-    def __getattr__(self, name: str):
-        if name in _TUNING:
-            return getattr(_TUNING[name], name)
-        raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in _TUNING:
-            setattr(_TUNING[name], name, value)
-        else:
-            super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _CapacityModule  # PEP 549's way: a module's own __setattr__
