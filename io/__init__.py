@@ -1,7 +1,38 @@
-"""Storage on SSD: the LMDB backend, row codecs and the write-back queue."""
-from .codecs import RowCodec, encode_keys, find_sorted, unique_ids
-from .lmdb_backend import FORMAT_VERSION, WRITE_TXN_ROWS, LmdbBackend, StoreCorruptError, StoreLockedError
-from .rowlog import index_bytes_bound
-from .writeback import WriteBack, WriteBatch
+"""Storage on SSD: the LMDB backend, row codecs and the write-back queue.
 
-__all__ = ["FORMAT_VERSION", "WRITE_TXN_ROWS", "RowCodec", "LmdbBackend", "StoreCorruptError", "StoreLockedError", "WriteBack", "WriteBatch", "encode_keys", "find_sorted", "index_bytes_bound", "unique_ids"]
+The names load on first use (PEP 562): the errors module alone is light, and the
+command line imports it without numpy or LMDB."""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from .errors import StoreCorruptError, StoreLockedError
+
+# public name -> the module of this package that defines it
+_LAZY = {
+    "RowCodec": "codecs", "encode_keys": "codecs", "find_sorted": "codecs", "unique_ids": "codecs",
+    "FORMAT_VERSION": "lmdb_backend", "WRITE_TXN_ROWS": "lmdb_backend", "LmdbBackend": "lmdb_backend",
+    "index_bytes_bound": "rowlog",
+    "WriteBack": "writeback", "WriteBatch": "writeback",
+}
+
+if TYPE_CHECKING:
+    from .codecs import RowCodec, encode_keys, find_sorted, unique_ids
+    from .lmdb_backend import FORMAT_VERSION, WRITE_TXN_ROWS, LmdbBackend
+    from .rowlog import index_bytes_bound
+    from .writeback import WriteBack, WriteBatch
+
+__all__ = ["StoreCorruptError", "StoreLockedError", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

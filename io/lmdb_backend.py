@@ -31,7 +31,7 @@ from . import rowlog
 from .direct import DirectReader, open_reader
 from .codecs import RowCodec, encode_keys, row_norms_sq
 from .files import fsync_path
-from .errors import TierstoreError
+from .errors import StoreCorruptError, StoreLockedError
 
 FORMAT_VERSION = 1
 _META_DB = b"__meta__"
@@ -75,14 +75,6 @@ class _ResizeGuard:
         with self._cond:  # held throughout: no new reader starts meanwhile
             self._cond.wait_for(lambda: self._readers == 0)
             yield
-
-
-class StoreLockedError(RuntimeError, TierstoreError):
-    """Another writer (another process, or another store object in this one) has the store open."""
-
-
-class StoreCorruptError(RuntimeError, TierstoreError):
-    """data.mdb is damaged (truncated, overwritten, emptied) or its metadata is unreadable."""
 
 
 def corrupt(path: Path, what: str) -> StoreCorruptError:

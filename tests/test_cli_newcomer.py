@@ -282,6 +282,43 @@ def test_help_is_plain_text_and_the_version_comes_from_the_package(capsys):
     assert e.value.code == 0 and capsys.readouterr().out == f"tierstore {importlib.metadata.version('tierstore')}\n"
 
 
+def test_version_help_and_a_bad_verb_answer_without_importing_torch():
+    """They took 1.3-5 s: every verb's module, and so torch, was imported first."""
+    for argv in (["--version"], ["--help"], ["nope"], []):
+        code = f"""import sys
+from tierstore.tools.cli import main
+try:
+    main({argv!r})
+except SystemExit:
+    pass
+print('torch' in sys.modules, 'tierstore.tools.bench' in sys.modules)"""
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert done.stdout.splitlines()[-1] == "False False", (argv, done.stdout, done.stderr)
+    assert "prefetchd" in subprocess.run([*CLI, "--help"], capture_output=True, text=True, timeout=60).stdout
+
+
+def test_every_verb_keeps_its_help_line_when_its_module_is_not_loaded():
+    full, light = build_parser(), build_parser("")
+    helps = [{a.dest: a.help for a in p._subparsers._group_actions[0]._choices_actions} for p in (full, light)]
+    assert helps[0] == helps[1] and len(helps[0]) == 9
+
+
+def test_ctrl_c_while_a_verb_imports_torch_is_one_line(tmp_path):
+    """A Ctrl-C in a command's first seconds printed a 32-58-line KeyboardInterrupt traceback."""
+    proc = subprocess.Popen([*CLI, "stats", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        maps = Path(f"/proc/{proc.pid}/maps")
+        while proc.poll() is None and "libtorch" not in maps.read_text(errors="replace"):
+            pass  # until torch's library is mapped: its import has begun, seconds before it ends
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (proc.returncode, err.decode(), out) == (130, "tierstore: interrupted\n", b"")
+
+
 def unreachable(*_args, **_kwargs):
     raise AssertionError("planned before the world size was checked")
 

@@ -1,22 +1,55 @@
-"""tierstore: embedding tables in a memory hierarchy (HBM, DDR, LMDB on SSD)."""
-from tierstore.io import StoreCorruptError, StoreLockedError
+"""tierstore: embedding tables in a memory hierarchy (HBM, DDR, LMDB on SSD).
+
+The names below load on first use (PEP 562), so that ``import tierstore`` and the
+``tierstore`` command's ``--help`` and ``--version`` do not wait for torch."""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from tierstore.io.errors import StoreCorruptError, StoreLockedError
 
 from .errors import TierstoreError
-from .spec import RowInit, TableSpec
-from .store import StoreConfig, TieredStore
-from . import optim
-from .nn import TieredEmbeddingBag, TieredEmbeddingBagCollection
-from .prefetch import LookaheadLoader, PrefetchConfig, PrefetchTicket
-from .daemon.client import open_store
-from .interface import EmbeddingStore
-from .daemon.wire import DaemonBusyError
-from .serving_export import export
-from .serving import ServingEmbeddingBag, ServingEmbeddingBagCollection, ServingStore
 
-__all__ = ["RowInit", "StoreConfig", "StoreCorruptError", "StoreLockedError", "TableSpec", "TieredStore"]
-__all__ += ["TierstoreError"]
-__all__ += ["TieredEmbeddingBag", "TieredEmbeddingBagCollection", "optim"]
-__all__ += ["LookaheadLoader", "PrefetchConfig", "PrefetchTicket"]
-__all__ += ["DaemonBusyError", "EmbeddingStore", "open_store"]
-__all__ += ["ServingEmbeddingBag", "ServingEmbeddingBagCollection", "ServingStore", "export"]
+# public name -> the module that defines it
+_LAZY = {
+    "RowInit": "spec", "TableSpec": "spec",
+    "StoreConfig": "store", "TieredStore": "store",
+    "optim": None,
+    "TieredEmbeddingBag": "nn", "TieredEmbeddingBagCollection": "nn",
+    "LookaheadLoader": "prefetch", "PrefetchConfig": "prefetch", "PrefetchTicket": "prefetch",
+    "open_store": "daemon.client",
+    "EmbeddingStore": "interface",
+    "DaemonBusyError": "daemon.wire",
+    "export": "serving_export",
+    "ServingEmbeddingBag": "serving", "ServingEmbeddingBagCollection": "serving", "ServingStore": "serving",
+}
+
+if TYPE_CHECKING:  # what type checkers and the API reference see
+    from . import optim
+    from .daemon.client import open_store
+    from .daemon.wire import DaemonBusyError
+    from .interface import EmbeddingStore
+    from .nn import TieredEmbeddingBag, TieredEmbeddingBagCollection
+    from .prefetch import LookaheadLoader, PrefetchConfig, PrefetchTicket
+    from .serving import ServingEmbeddingBag, ServingEmbeddingBagCollection, ServingStore
+    from .serving_export import export
+    from .spec import RowInit, TableSpec
+    from .store import StoreConfig, TieredStore
+
+__all__ = ["StoreCorruptError", "StoreLockedError", "TierstoreError", *_LAZY]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tierstore' has no attribute {name!r}")
+    module = _LAZY[name]
+    value = (importlib.import_module(f"{__name__}.{name}") if module is None
+             else getattr(importlib.import_module(f"{__name__}.{module}"), name))
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

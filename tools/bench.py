@@ -13,6 +13,8 @@ import time
 import numpy as np
 import torch
 
+from tierstore.tools.cli import add_verb
+
 # name -> "module:function"; each function takes the parsed args and prints its table
 BENCHES = {
     "read": "tierstore.tools.bench:bench_read",
@@ -39,7 +41,7 @@ COMMON_DEFAULTS = {"rows": 1_000_000, "dim": 128, "repeat": 15}
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="measure speed and memory against in-run baselines")
+    p = add_verb(sub, "bench")
     p.add_argument("which", nargs="*", default=list(DEFAULT), help=f"benchmarks to run: {', '.join(BENCHES)} (default: {' '.join(DEFAULT)})")
     p.add_argument("--rows", type=int, default=None, help="table rows (default 1,000,000; scale: 34,000,000)")
     p.add_argument("--dim", type=int, default=None, help="embedding dim (default 128; scale: 64)")

@@ -10,14 +10,11 @@ import argparse
 import dataclasses
 import sys
 
-from tierstore.tools.cli import parse_size, positive_float, positive_int, ratio, size
+from tierstore.tools.cli import add_verb, parse_size, positive_float, positive_int, ratio, size
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
-        "capacity",
-        help="miss-ratio curves, tier sizing and SSD bandwidth of a trace",
-        description="Exact LRU miss-ratio curves (stack distances under the store's batch semantics), SHARDS for long "
+    p = add_verb(sub, "capacity", description="Exact LRU miss-ratio curves (stack distances under the store's batch semantics), SHARDS for long "
                     "traces, LFU/lookahead simulated and Belady's bound at chosen sizes, and the HBM/DDR rows per table "
                     "that reach target hit rates or best split a byte budget, with the SSD read rate they leave.",
     )

@@ -19,12 +19,23 @@ import sys
 import lmdb
 
 from tierstore.errors import TierstoreError
-from tierstore.eviction import POLICIES
-from tierstore.io import StoreLockedError
-from tierstore.memory import size_bytes
+from tierstore.io.errors import StoreLockedError
 
-# module (in tierstore.tools) -> verbs it registers
-COMMAND_MODULES = ("bench", "stats", "trace_cli", "daemon", "demo", "plan_cli", "export_cli")
+# verb -> (the module in tierstore.tools that registers it, its help line). `tierstore --help`
+# and `--version` list verbs from here alone, and a verb imports only its own module: the
+# verbs' modules import torch, which takes seconds.
+VERBS: dict[str, tuple[str, str]] = {
+    "bench": ("bench", "measure speed and memory against in-run baselines"),
+    "stats": ("stats", "print a store's tables, rows on disk, bytes and last flush (read-only; safe while a writer runs)"),
+    "compact": ("stats", "rewrite a closed store's data.mdb without LMDB's free pages; prints its size before and after"),
+    "trace": ("trace_cli", "make, convert and inspect access traces (see tierstore.trace for the format)"),
+    "capacity": ("trace_cli", "miss-ratio curves, tier sizing and SSD bandwidth of a trace"),
+    "prefetchd": ("daemon", "serve a store's DDR tier and LMDB files to trainer processes over a Unix socket"),
+    "demo": ("demo", "train a small DLRM whose embedding tables are larger than memory tiers"),
+    "plan": ("plan_cli", "shard a trace's tables across ranks, balancing lookups, SSD reads and bytes"),
+    "export": ("export_cli", "write a serving store (weights only, quantized row-wise where asked) from a training store; "
+                             "safe while its writer trains"),
+}
 
 # The types tierstore raises for bad input, bad files and the environment (a full
 # disk, a taken port), and its own errors, whatever their builtin base.
@@ -96,6 +107,8 @@ def parse_size(text: str | None, flag: str) -> int | None:
     as memory_budget= is read), so a bad value is reported against the flag that carried it."""
     if text is None:
         return None
+    from tierstore.memory import size_bytes  # here: tierstore.memory imports torch
+
     n = size_bytes(str(text))
     if n is None:
         raise ValueError(f"{flag} {text!r} is not a size; write {SIZE_FORMS}")
@@ -137,12 +150,26 @@ def plain(text: str | None) -> str | None:
     return None if text is None else re.sub(r"``(.+?)``", r"`\1`", text)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def add_verb(sub, name: str, **kwargs) -> argparse.ArgumentParser:
+    """A verb's parser, with its help line from :data:`VERBS`."""
+    return sub.add_parser(name, help=VERBS[name][1], **kwargs)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser, every verb's module imported; with ``command``, only the
+    module of that verb (none for an unknown one), the other verbs named with their help."""
     parser = argparse.ArgumentParser(prog="tierstore", description="Tiered embedding store: HBM, DDR and LMDB on SSD.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(f"tierstore.tools.{name}").register(sub)
+    for module in dict.fromkeys(m for m, _ in VERBS.values()):
+        verbs = [v for v, (m, _) in VERBS.items() if m == module]
+        if command is None or command in verbs:
+            importlib.import_module(f"tierstore.tools.{module}").register(sub)
+        else:
+            for verb in verbs:
+                add_verb(sub, verb)
+    from tierstore.eviction import POLICIES
+
     for p in _parsers(parser):  # the same conventions for every verb, whichever module registered it
         p.formatter_class = HelpFormatter
         p.description = plain(p.description)
@@ -179,8 +206,14 @@ def interrupted_message(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        # the first word not an option is the verb: the top level's options take no value
+        parser = build_parser(next((a for a in argv if not a.startswith("-")), ""))
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:  # while the verb's module (torch) loads: nothing was done yet
+        print("tierstore: interrupted", file=sys.stderr)
+        return INTERRUPTED
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

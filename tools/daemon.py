@@ -14,7 +14,7 @@ from tierstore.daemon.config import DaemonConfig
 from tierstore.daemon.memory import return_freed_memory
 from tierstore.daemon.server import Daemon
 from tierstore.memory import parse_bytes
-from tierstore.tools.cli import nonneg_float, nonneg_int, positive_float, positive_int
+from tierstore.tools.cli import add_verb, nonneg_float, nonneg_int, positive_float, positive_int
 from tierstore.tools.stats import require_store
 
 __all__ = ["main", "register"]
@@ -22,7 +22,7 @@ __all__ = ["main", "register"]
 
 # -- the CLI verb --------------------------------------------------------------------------
 def register(sub) -> None:
-    p = sub.add_parser("prefetchd", help="serve a store's DDR tier and LMDB files to trainer processes over a Unix socket")
+    p = add_verb(sub, "prefetchd")
     p.add_argument("path", help="store directory (created beforehand by a TieredStore with tables=)")
     p.add_argument("--socket", required=True, help="Unix socket path (created with mode 0600)")
     p.add_argument("--ddr-rows", type=int, default=None, help="rows of the DDR tier per table (required without --memory-budget)")

@@ -36,6 +36,7 @@ from torch import nn
 from tierstore.memory import format_bytes
 from tierstore.precision import DTYPES
 from tierstore.tools.capacity_progress import LineBar
+from tierstore.tools.cli import add_verb
 
 DENSE_FEATURES = 13
 MARKER = "tierstore-demo.json"  # marks a directory this demo made, so a rerun may replace it
@@ -554,8 +555,7 @@ def run_demo(cfg: DemoConfig, seed_generator: Callable[[int], torch.Generator] =
 
 def register(sub) -> None:
     d = DemoConfig()
-    p = sub.add_parser("demo", help="train a small DLRM whose embedding tables are larger than memory tiers",
-                       description=__doc__.split("\n\n")[0])
+    p = add_verb(sub, "demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", type=Path, default=d.dir, help="directory for the store (DIR/store) and checkpoint (DIR/checkpoint); "
                    "replaced on a rerun")
     p.add_argument("--steps", type=int, default=d.steps, help="training steps")

@@ -5,11 +5,11 @@ import argparse
 
 from tierstore.io.serving_layout import SERVING_DTYPES
 from tierstore.serving_export import export
+from tierstore.tools.cli import add_verb
 
 
 def register(sub) -> None:
-    p = sub.add_parser("export", help="write a serving store (weights only, quantized row-wise where asked) from a training "
-                                      "store; safe while its writer trains")
+    p = add_verb(sub, "export")
     p.add_argument("src", help="training store directory (the one holding data.mdb)")
     p.add_argument("dst", help="new directory for the serving store (must not exist, or be empty)")
     p.add_argument("--tables", nargs="+", default=None, help="tables to export (default: all)")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from tierstore.tools.cli import parse_size, positive_int, size
+from tierstore.tools.cli import add_verb, parse_size, positive_int, size
 
 OPTIMIZERS = ("none", "sgd", "adagrad", "rowwise_adagrad", "adam")
 # The planner matches a split table's trace ids to each rank in turn: about world size x
@@ -12,9 +12,7 @@ SLOW_CHECKS = 3e8
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
-        "plan", help="shard a trace's tables across ranks, balancing lookups, SSD reads and bytes",
-        description="Split the trace's tables across --world-size ranks (whole tables, row ranges or hash, column ranges) so "
+    p = add_verb(sub, "plan", description="Split the trace's tables across --world-size ranks (whole tables, row ranges or hash, column ranges) so "
                     "that every rank gets a like share of lookups per step, SSD reads per step (LRU, at the tier sizes each "
                     "rank's --hbm-bytes/--ddr-bytes give its shards) and bytes of rows; print the plan and the prediction per "
                     "rank. ShardedEmbeddingBagCollection(plan=ShardingPlan.from_json(...)) reads the --json output.")

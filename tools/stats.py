@@ -23,6 +23,7 @@ import torch
 from tierstore.io import LmdbBackend
 from tierstore.memory import MemorySplit, detect_limit, format_bytes, parse_bytes, split_memory
 from tierstore.spec import TableSpec
+from tierstore.tools.cli import add_verb
 
 # A writer creating a table or growing the map can be caught mid-way; a fresh
 # read-only environment a moment later sees the finished state.
@@ -178,7 +179,7 @@ def _aligned(header: tuple[str, ...], body: list[tuple[str, ...]]) -> list[str]:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("stats", help="print a store's tables, rows on disk, bytes and last flush (read-only; safe while a writer runs)")
+    p = add_verb(sub, "stats")
     p.add_argument("path", help="store directory (the one holding data.mdb)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--memory-budget", type=_budget, default=None,
@@ -187,7 +188,7 @@ def register(sub) -> None:
     p.add_argument("--hbm-rows", type=int, default=None, help="HBM tier rows per table for the memory shown (default: 0, or derived)")
     p.add_argument("--ddr-rows", type=int, default=None, help="DDR tier rows per table for the memory shown (default: 0, or derived)")
     p.set_defaults(func=run)
-    c = sub.add_parser("compact", help="rewrite a closed store's data.mdb without LMDB's free pages; prints its size before and after")
+    c = add_verb(sub, "compact")
     c.add_argument("path", help="store directory (the one holding data.mdb); no process may have it open")
     c.set_defaults(func=run_compact)
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from tierstore.tools import capacity_cli
 from tierstore.memory import format_bytes
-from tierstore.tools.cli import nonneg_float, nonneg_int, parse_size, positive_float, positive_int, size
+from tierstore.tools.cli import add_verb, nonneg_float, nonneg_int, parse_size, positive_float, positive_int, size
 
 DEFAULT_STATS_DIR = Path("../shared/data/dlrm_datasets")
 SYNTH_MAX_BYTES = "1GiB"  # a mistyped --steps or --batch-size must not fill a disk or the memory unasked
@@ -24,7 +24,7 @@ def register(sub) -> None:
 
 # -- tierstore trace ---------------------------------------------------------------------------------
 def _register_trace(sub) -> None:
-    p = sub.add_parser("trace", help="make, convert and inspect access traces (see tierstore.trace for the format)")
+    p = add_verb(sub, "trace")
     verbs = p.add_subparsers(dest="trace_command", metavar="VERB")
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
