@@ -377,6 +377,22 @@ def test_analyze_report_is_consistent_and_json(tmp_path):
     assert "recommendation" in text and "belady" in text
 
 
+@pytest.mark.parametrize("iec, unit, div", [(False, "MB", 1e6), (True, "MiB", 2**20)])
+def test_the_report_names_its_bandwidth_unit_with_and_without_a_memory_budget(iec, unit, div):
+    """Without --memory-budget the recommendation's headers and total read `SSD None/s`."""
+    trace = synth(SynthConfig(tables=(("a", 5000), ("b", 800, 1.2)), batch_size=64, pooling=4, steps=40, dim=32))
+    for budget in (None, 2**24):
+        asked = {"memory_budget": budget} if budget else {"hbm_target": 0.2, "hit_target": 0.5}
+        report = cap.analyze(trace, cap.CapacityConfig(steps_per_s=10, iec=iec, **asked))
+        text = cap.format_report(report)
+        assert "None" not in text, text
+        heads = [line for line in text.splitlines() if line.startswith("table ") and "SSD" in line]
+        assert len(heads) >= 2 and all(f"SSD {unit}/s" in h for h in heads), heads
+        demand = report["total"]["ssd_no_cache"]["mb_per_s"] * 1e6 / div
+        assert text.splitlines()[-2].endswith(f"SSD demand with no cache {demand:,.1f} {unit}/s"), text
+        assert ("memory_budget=" in text) == (budget is not None)
+
+
 def test_plot_without_matplotlib_says_how_to_install(tmp_path, no_matplotlib):
     with pytest.raises(ImportError, match=r"tierstore\[plot\]"):
         cap.plot_report({"tables": []}, tmp_path)

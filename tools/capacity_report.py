@@ -13,7 +13,7 @@ def format_report(report: dict) -> str:
     """A terminal table per section."""
     lines = []
     iec = report.get("iec", False)
-    div, mb = bandwidth_unit(report)
+    div, unit = bandwidth_unit(report)
     tr = report["trace"]
     lines.append(f"trace: {tr['accesses']:,} accesses, {tr['calls']:,} calls, {tr['steps']:,} steps, {tr['tables']} tables; "
                  f"curves: {report['method']}; rates at {report['steps_per_s']:g} steps/s")
@@ -36,7 +36,7 @@ def format_report(report: dict) -> str:
         lines.append(line)
     lines += [f"note: {n}" for n in report.get("notes", [])]
     lines.append("")
-    head = ["table", "accesses", "uses/step", "working set", "max hit", "hit@1%", "hit@10%", f"SSD {mb}/s no cache"]
+    head = ["table", "accesses", "uses/step", "working set", "max hit", "hit@1%", "hit@10%", f"SSD {unit}/s no cache"]
     rows = []
     for t in report["tables"]:
         rows_grid, ratio = np.array(t["curve"]["rows"]), np.array(t["curve"]["hit_ratio"])
@@ -53,12 +53,12 @@ def format_report(report: dict) -> str:
         lines.append("")
         kind = ", byte budget split" if "budget" in report else ", the memory budget's split" if "memory_budget" in report else ", targets"
         lines.append("recommendation (LRU" + kind + "):")
-        mb = report.get("memory_budget")
-        if mb:
-            lines.append(f"  memory_budget={fmt_bytes(mb['budget'], iec)} splits as: "
-                         + ", ".join(f"{k} {fmt_bytes(v, iec)}" for k, v in mb["parts"].items() if v)
-                         + f"; LMDB write transactions of {mb['txn_rows']:,} rows")
-        head = ["table", "HBM rows", "DDR rows", "HBM hit", "hit", "SSD rows/s", f"SSD {mb}/s", "note"]
+        budget = report.get("memory_budget")
+        if budget:
+            lines.append(f"  memory_budget={fmt_bytes(budget['budget'], iec)} splits as: "
+                         + ", ".join(f"{k} {fmt_bytes(v, iec)}" for k, v in budget["parts"].items() if v)
+                         + f"; LMDB write transactions of {budget['txn_rows']:,} rows")
+        head = ["table", "HBM rows", "DDR rows", "HBM hit", "hit", "SSD rows/s", f"SSD {unit}/s", "note"]
         rows = []
         for t in report["tables"]:
             r = t.get("recommendation")
@@ -75,7 +75,7 @@ def format_report(report: dict) -> str:
     if any("simulations" in t for t in report["tables"]):
         lines.append("")
         lines.append("at chosen sizes (LRU read off the curve, other policies replayed; hits as the store counts them):")
-        head = ["table", "policy", "HBM rows", "DDR rows", "HBM hit", "hit", "SSD rows/s", f"SSD {mb}/s"]
+        head = ["table", "policy", "HBM rows", "DDR rows", "HBM hit", "hit", "SSD rows/s", f"SSD {unit}/s"]
         rows = []
         for t in report["tables"]:
             for s in t.get("simulations", []):
@@ -96,7 +96,7 @@ def format_report(report: dict) -> str:
     tot = report["total"]
     lines.append("")
     lines.append(f"total: working set {fmt_count(tot['working_set_rows'])} rows ({fmt_bytes(tot['working_set_bytes'], iec)}); "
-                 f"SSD demand with no cache {tot['ssd_no_cache']['mb_per_s'] * 1e6 / div:,.1f} {mb}/s")
+                 f"SSD demand with no cache {tot['ssd_no_cache']['mb_per_s'] * 1e6 / div:,.1f} {unit}/s")
     tc = tot.get("curve")
     if tc and tc["hit_ratio"]:
         ratio, spent = np.array(tc["hit_ratio"]), np.array(tc["bytes"])
