@@ -64,6 +64,7 @@ def test_without_a_cgroup_or_fio_it_says_so_and_runs(tmp_path, capsys, monkeypat
                   "peak RSS", "the disk floor", "LMDB floor", "no limit", "rows read through: ", "by stage (ms): dedupe", "CPU a step by thread (ms): MainThread"):
         assert field in out
     assert ("x FBGEMM in memory" in out) == _have_fbgemm()
+    assert "= -x" not in out  # no ratio without its baseline
     # the capacity library, replaying the run's recorded trace, predicts the store's DDR counts to the row
     predicted = re.search(r"DDR misses replayed ([\d,]+), LRU curve ([\d,]+); the store measured ([\d,]+) \(equal\); "
                           r"hits ([\d,]+) / ([\d,]+), evictions ([\d,]+) / ([\d,]+)", out)

@@ -624,13 +624,15 @@ def _print_run(r: dict) -> None:
               f"replayed {p['replay']['misses']:,}, LRU curve {p['curve']['misses']:,}; the store measured {got['misses']:,} "
               f"({'equal' if p['replay']['misses'] == got['misses'] else 'DIFFERENT'}); hits {p['replay']['hits']:,} / "
               f"{got['hits']:,}, evictions {p['replay']['evictions']:,} / {got['evictions']:,}")
+    # no ratio to print without the in-memory step (FBGEMM not installed)
     vs = "x its in-memory step" if r["kind"] == "dlrm" else "x FBGEMM in memory"
-    print(f"   mean step {r['mean_s'] * 1e3:.0f} ms = {_f(r['x_in_memory'], '.1f')}{vs}; {_f(r['x_disk_floor'], '.1f')}x the disk "
+    ratio = lambda x: "" if x is None else f" = {x:.1f}{vs}"  # noqa: E731
+    print(f"   mean step {r['mean_s'] * 1e3:.0f} ms{ratio(r['x_in_memory'])}; {_f(r['x_disk_floor'], '.1f')}x the disk "
           f"floor ({_f(r['disk_floor_s'] and r['disk_floor_s'] * 1e3, '.1f')} ms: rows read / reads/s at depth 32); LMDB floor "
           f"{_f(r['lmdb_floor_s'] and r['lmdb_floor_s'] * 1e3, '.0f')} ms")
     if r.get("first_use_floor_s"):
         print(f"   rows no earlier step used: {r['first_use_rows_per_step']:,.0f} a step, which any cache that opens empty reads "
-              f"from disk: {r['first_use_floor_s'] * 1e3:.0f} ms at depth 32 = {_f(r['first_use_floor_x_in_memory'], '.1f')}{vs} "
+              f"from disk: {r['first_use_floor_s'] * 1e3:.0f} ms at depth 32{ratio(r['first_use_floor_x_in_memory'])} "
               "by themselves")
 
 
