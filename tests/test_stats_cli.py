@@ -19,10 +19,11 @@ from tierstore.tools.cli import main
 from tierstore.tools.stats import read_facts
 
 # A writer process driven over stdin: "write LO HI" writes rows LO..HI-1 (no
-# cache, so straight to LMDB), "burst N" writes N batches of 500 new rows
-# without waiting, "flush", "exit". It answers each command with a line.
+# cache, so straight to LMDB), "burst STOP" writes batches of 500 new rows
+# without waiting until the file STOP exists and answers "ok N" with the batches
+# written, "flush", "exit". It answers each command with a line.
 WRITER = textwrap.dedent("""
-    import sys, numpy as np, tierstore
+    import os, sys, numpy as np, tierstore
     from prometheus_client import CollectorRegistry
     clock = iter(range(1_000, 10**9, 1_000))
     store = tierstore.TieredStore(sys.argv[1], [tierstore.TableSpec("t", 10**7, 4), tierstore.TableSpec("u", None, 2, state_dim=1)],
@@ -35,9 +36,13 @@ WRITER = textwrap.dedent("""
             store.write("t", ids, np.ones((len(ids), 4), dtype=np.float32))
         elif cmd == "burst":
             print("started", flush=True)
-            for i in range(int(a[0])):
+            i = 0
+            while not os.path.exists(a[0]):
                 ids = np.arange(i * 500, (i + 1) * 500) + 1_000_000
                 store.write("t", ids, np.ones((500, 4), dtype=np.float32))
+                i += 1
+            print("ok", i, flush=True)
+            continue
         elif cmd == "flush":
             store.flush()
         elif cmd == "exit":
@@ -119,18 +124,19 @@ def test_stats_while_a_writer_process_holds_the_store(tmp_path, writer, capsys):
 
 
 def test_rows_on_disk_only_grow_while_the_writer_writes(tmp_path, writer):
-    path = tmp_path / "s"
-    writer.proc.stdin.write("burst 200\n")
+    path, stop = tmp_path / "s", tmp_path / "stop"
+    writer.proc.stdin.write(f"burst {stop}\n")
     writer.proc.stdin.flush()
     assert writer.proc.stdout.readline().strip() == "started"
-    seen = []
-    while True:
+    seen, deadline = [0], time.monotonic() + 120
+    while len(set(seen)) < 4 and time.monotonic() < deadline:  # the writer writes until stats saw it grow 3 times
         seen.append(read_facts(path).tables[0].rows_on_disk)
-        if seen[-1] == 200 * 500 or len(seen) > 10_000:
-            break
-    assert writer.proc.stdout.readline().strip() == "ok"
-    assert seen == sorted(seen) and seen[-1] == 200 * 500
-    assert len(set(seen)) > 1, "stats never ran while the writer was writing; make the burst longer"
+    stop.touch()
+    batches = int(writer.proc.stdout.readline().split()[1])
+    while seen[-1] != batches * 500 and time.monotonic() < deadline:  # its thread commits the last batches
+        seen.append(read_facts(path).tables[0].rows_on_disk)
+    assert seen == sorted(seen) and seen[-1] == batches * 500
+    assert len(set(seen)) >= 4, "stats saw no writes in 120 s"
     writer.close()
 
 
