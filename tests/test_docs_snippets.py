@@ -164,6 +164,15 @@ def test_block_runs(block: Block, fork_server: ForkServer, tmp_path: Path):
     work.mkdir()
     code = fork_server.run(script, work, log)
     assert code == 0, f"{block.name} exited {code}:\n{log.read_text()[-4000:]}"
+    if block.path.name == "README.md":  # the README's examples run again as written, and afresh
+        first = log.read_text()
+        code = fork_server.run(script, work, log)
+        assert code == 0, f"{block.name} exited {code} when run again in its folder:\n{log.read_text()[-4000:]}"
+        assert _losses(log.read_text()) == _losses(first), f"{block.name} went on training the first run's rows"
+
+
+def _losses(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "loss" in line]
 
 
 def test_ci_runs_the_readme_test_command():
