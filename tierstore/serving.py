@@ -246,13 +246,27 @@ class ServingStore:
     def apply(self, version: int, rows: Mapping[str, tuple[np.ndarray, ...]]) -> None:
         """Serve version ``version``: ``rows[table]`` = (sorted unique ids, rows packed as LMDB
         stores them[, sorted ids deleted: served as their initial rows from now on]). Lookups
-        take turns with it, so each sees the versions before or after."""
+        take turns with it, so each sees the versions before or after. The change is checked
+        whole first: an unknown table (KeyError), rows of another size, or ids not sorted, not
+        unique, outside the table's range or both written and deleted (ValueError) change nothing."""
+        self._apply_checked(version, self._checked(rows))
+
+    def _checked(self, rows: Mapping[str, tuple[np.ndarray, ...]]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """``rows`` as apply takes them, checked (apply's docstring): {table: (ids, packed, deleted)}."""
         changes = {}
         for name, (ids, packed, *deleted) in rows.items():
             t = self._table(name)
+            ids = _sorted_ids(t, ids, "ids")
+            gone = _sorted_ids(t, deleted[0], "deleted ids") if deleted else np.zeros(0, dtype=np.int64)
             if packed.shape != (len(ids), t.format.row_bytes):
                 raise ValueError(f"rows for table {name!r} must be {len(ids)} x {t.format.row_bytes} bytes, got {packed.shape}")
-            changes[name] = (ids, packed, deleted[0] if deleted else np.zeros(0, dtype=np.int64))
+            _, both = find_sorted(ids, gone)
+            if both.any():
+                raise ValueError(f"table {name!r}: id {int(gone[both][0])} is both written and deleted")
+            changes[name] = (ids, packed, gone)
+        return changes
+
+    def _apply_checked(self, version: int, changes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
         with self._lock:
             for name, change in changes.items():
                 self._tables[name].apply(*change)
@@ -329,6 +343,22 @@ class ServingStore:
                 bad = lo if lo < 0 else hi
                 raise IndexError(f"id {bad} out of range for table {t.name!r} (ids are in [0, {t.spec.num_rows or '2**63'}))")
         return ids
+
+
+def _sorted_ids(t: _ServingTable, ids, what: str) -> np.ndarray:
+    """``ids`` of a change to table ``t`` as int64, checked to be ascending, unique and in its range."""
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise ValueError(f"{what} for table {t.name!r} must be a 1-D integer array, got {ids.dtype} of shape {ids.shape}")
+    ids = ids.astype(np.int64, copy=False)
+    down = np.flatnonzero(ids[1:] <= ids[:-1])
+    if len(down):
+        k = int(down[0])
+        raise ValueError(f"{what} for table {t.name!r} must be ascending and unique: {int(ids[k + 1])} follows {int(ids[k])}")
+    if len(ids) and (ids[0] < 0 or (t.spec.num_rows is not None and ids[-1] >= t.spec.num_rows)):
+        bad = int(ids[0]) if ids[0] < 0 else int(ids[-1])
+        raise ValueError(f"{what} for table {t.name!r}: id {bad} is out of range (ids are in [0, {t.spec.num_rows or '2**63'}))")
+    return ids
 
 
 def _size(sizes: int | Mapping[str, int], table: str) -> int:

@@ -50,6 +50,16 @@ class DeltaCorruptError(StoreCorruptError):
     """A published delta file is damaged or truncated; the replica keeps the version it serves."""
 
 
+class DeltaGapError(DeltaCorruptError):
+    """The next delta is missing while later ones are published, and no export after the version
+    served lets the replica catch up: it keeps the version it serves."""
+
+
+def _damaged(path: Path, what: str) -> DeltaCorruptError:
+    return DeltaCorruptError(f"delta {path} is damaged: {what}; the replica keeps serving its version. "
+                             "Publish again from the training store, or compact() to write a new export")
+
+
 def _versions(directory: Path, pattern: re.Pattern) -> list[int]:
     return sorted(int(m.group(1)) for p in directory.iterdir() if (m := pattern.fullmatch(p.name)))
 
@@ -91,22 +101,22 @@ def encode_delta(version: int, published: float, tables: Mapping[str, tuple[str,
 def decode_delta(path: Path) -> tuple[dict, dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]]:
     """(header, {table: (ids, packed rows, deleted ids)}) of a delta file; DeltaCorruptError if it is not whole."""
     data = path.read_bytes()
-
-    def damaged(what: str) -> DeltaCorruptError:
-        return DeltaCorruptError(f"delta {path} is damaged: {what}; the replica keeps serving its version. "
-                                 "Publish again from the training store, or compact() to write a new export")
     if len(data) < len(MAGIC) + 2 * _LEN.size or not data.startswith(MAGIC):
-        raise damaged("it does not start with a delta's header (truncated or not a delta)")
+        raise _damaged(path, "it does not start with a delta's header (truncated or not a delta)")
     if zlib.crc32(data[:-_LEN.size]) != _LEN.unpack_from(data, len(data) - _LEN.size)[0]:
-        raise damaged(f"its checksum does not match its {len(data)} bytes (truncated or overwritten)")
+        raise _damaged(path, f"its checksum does not match its {len(data)} bytes (truncated or overwritten)")
     at = len(MAGIC) + _LEN.size
     n = _LEN.unpack_from(data, len(MAGIC))[0]
     try:
         header = json.loads(data[at: at + n])
         at += n
+        if type(header["version"]) is not int:
+            raise TypeError(f"its version is {header['version']!r}, not an integer")
         rows = {}
         for t in header["tables"]:
             count, width, deleted = int(t["rows"]), int(t["row_bytes"]), int(t.get("deleted", 0))
+            if min(count, width, deleted) < 0 or t["name"] in rows:
+                raise ValueError(f"table {t['name']!r} is listed twice or has a negative count")
             ids = np.frombuffer(data, dtype="<i8", count=count, offset=at).astype(np.int64)
             at += 8 * count
             packed = np.frombuffer(data, dtype=np.uint8, count=count * width, offset=at).reshape(count, width)
@@ -115,9 +125,9 @@ def decode_delta(path: Path) -> tuple[dict, dict[str, tuple[np.ndarray, np.ndarr
             at += 8 * deleted
             rows[t["name"]] = (ids, packed.copy(), gone)  # writable: tiers take the rows as tensors
     except (ValueError, KeyError, TypeError) as e:
-        raise damaged(f"its contents do not parse ({type(e).__name__}: {e})") from None
+        raise _damaged(path, f"its contents do not parse ({type(e).__name__}: {e})") from None
     if at != len(data) - _LEN.size:
-        raise damaged(f"its tables take {at} bytes of {len(data) - _LEN.size}")
+        raise _damaged(path, f"its tables take {at} bytes of {len(data) - _LEN.size}")
     return header, rows
 
 
@@ -194,7 +204,13 @@ class Replica:
         self.store = self._open_newest()
         if self.store is None:
             raise FileNotFoundError(f"no export in {self.directory}; a tierstore.serving_stream.Publisher writes one")
-        self.poll()
+        try:
+            self.poll()
+        except DeltaCorruptError:  # the replica serves what it could apply; poll() raises this again
+            pass
+        except BaseException:
+            self.store.close()
+            raise
 
     def _open_newest(self) -> ServingStore | None:
         for v in reversed(_versions(self.directory, _EXPORT)):
@@ -210,7 +226,8 @@ class Replica:
 
     def poll(self) -> int:
         """Apply every delta published after the version served, in order; returns the
-        version served. Raises DeltaCorruptError (the version stays) on a damaged delta."""
+        version served. Raises DeltaCorruptError (the version stays, nothing of the delta is
+        applied) on a damaged delta, DeltaGapError on a missing one that later deltas follow."""
         with self._polling:
             return self._poll()
 
@@ -224,11 +241,26 @@ class Replica:
                 if max(_versions(self.directory, _EXPORT), default=-1) > self.store.version:
                     self._catch_up()
                     continue
+                later = [d for d in _versions(self.directory, _DELTA) if d >= v]
+                if later and later[0] == v:  # published meanwhile
+                    continue
+                if later:
+                    raise DeltaGapError(f"delta {path} is missing, but deltas {later[0]} to {later[-1]} after it are published "
+                                        f"and no export after version {v - 1}: the replica keeps serving version {v - 1}. "
+                                        "Copy the missing delta in, or compact() the publisher to write an export "
+                                        "replicas catch up from") from None
                 return self.store.version
             if header["version"] != v:
                 raise DeltaCorruptError(f"delta {path} holds version {header['version']}, not {v}; the replica keeps serving "
                                         f"version {v - 1}")
-            self.store.apply(v, rows)
+            try:
+                changes = self.store._checked(rows)
+                for t in header["tables"]:
+                    if t.get("dtype") != self.store.dtype(t["name"]):
+                        raise ValueError(f"table {t['name']!r} has {t.get('dtype')} rows, the replica's {self.store.dtype(t['name'])}")
+            except (ValueError, KeyError) as e:
+                raise _damaged(path, str(e.args[0] if isinstance(e, KeyError) else e)) from None
+            self.store._apply_checked(v, changes)
             self.rows_applied += sum(len(ids) + len(gone) for ids, _, gone in rows.values())
 
     def _catch_up(self) -> None:
@@ -242,16 +274,22 @@ class Replica:
         old.close()
 
     def metrics(self) -> dict:
-        """version served, the newest published, lag in versions and seconds, rows applied."""
-        published = max(_versions(self.directory, _EXPORT) + _versions(self.directory, _DELTA), default=self.version)
-        lag_s = 0.0
-        if published > self.version:
-            nxt = self.directory / f"delta-{self.version + 1:08d}.bin"
+        """version served, the newest published, lag in versions and seconds, rows applied.
+        ``lag_seconds``: the age of the oldest file published after the version served (the
+        next delta, or when it is missing the oldest later delta or export), 0 when none is."""
+        served = self.version
+        deltas, exports = _versions(self.directory, _DELTA), _versions(self.directory, _EXPORT)
+        published = max(deltas + exports, default=served)
+        newer = [self.directory / f"delta-{v:08d}.bin" for v in deltas if v > served]
+        newer += [self.directory / f"export-{v:08d}" / "data.mdb" for v in exports if v > served]
+        written = []
+        for p in newer:
             try:
-                lag_s = max(0.0, time.time() - nxt.stat().st_mtime)
-            except FileNotFoundError:
-                lag_s = float("nan")
-        return {"version": self.version, "published_version": published, "lag_versions": published - self.version,
+                written.append(p.stat().st_mtime)
+            except FileNotFoundError:  # compacted away meanwhile
+                pass
+        lag_s = max(0.0, time.time() - min(written)) if written else 0.0
+        return {"version": served, "published_version": published, "lag_versions": published - served,
                 "lag_seconds": lag_s, "rows_applied": self.rows_applied}
 
     def lookup(self, table: str, ids, offsets, per_sample_weights: torch.Tensor | None = None, mode: str = "sum") -> torch.Tensor:
