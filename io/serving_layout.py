@@ -16,18 +16,21 @@ uint64 ids); ``__serving__`` holds the store's description as JSON under ``meta`
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
 import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import lmdb
 import numpy as np
 
 from .codecs import encode_keys
-from .lmdb_backend import StoreCorruptError, check_data_file, corrupt
+from .lmdb_backend import _LOW_SPACE, StoreCorruptError, _free_bytes, check_data_file, corrupt
 
 SERVING_FORMAT = 1
 SERVING_DTYPES = ("float32", "float16", "int8", "int4")
@@ -95,36 +98,49 @@ _FLOATS = {"float32": "<f4", "float16": "<f2"}
 
 class ServingWriter:
     """Writes a new serving store: into a directory beside ``path``, renamed to
-    ``path`` by ``commit``; a writer never committed leaves nothing behind."""
+    ``path`` by ``commit``; a writer never committed leaves nothing behind, not even
+    the directories above ``path`` it made."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         if self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir())):
             raise FileExistsError(f"{self.path} exists and is not an empty directory; choose a new directory for the serving store")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        made = self.path.parent
+        while not made.parent.exists() and made.parent != made:
+            made = made.parent
+        self._made = None if made.exists() else made  # the topmost directory this writer makes
         stem = self.path.parent / f".{self.path.name}.{uuid.uuid4().hex[:8]}"
         self._partial = stem.with_name(stem.name + ".partial")
         # the exporter's scratch space beside the store (its snapshot of the training store)
         self.scratch = stem.with_name(stem.name + ".scratch")
-        self._partial.mkdir()
-        self._env = lmdb.open(str(self._partial), map_size=1 << 40, max_dbs=1024, sync=False, readahead=False)
+        self._env = None
         self._dbs: dict[str, object] = {}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._partial.mkdir()
+            with self._disk_full():
+                self._env = lmdb.open(str(self._partial), map_size=1 << 40, max_dbs=1024, sync=False, readahead=False)
+        except BaseException:
+            self.abort()
+            raise
 
     def put(self, table: str, ids: np.ndarray, packed: np.ndarray) -> None:
         """Rows of ``ids`` (ascending), packed uint8 [n, row_bytes]."""
-        if table not in self._dbs:
-            self._dbs[table] = self._env.open_db(b"q:" + table.encode())
         values = np.ascontiguousarray(packed).view(f"V{packed.shape[1]}").ravel().tolist()
-        with self._env.begin(write=True, db=self._dbs[table]) as txn, txn.cursor() as cur:
-            cur.putmulti(zip(encode_keys(ids), values), append=True)
+        with self._disk_full():
+            if table not in self._dbs:
+                self._dbs[table] = self._env.open_db(b"q:" + table.encode())
+            with self._env.begin(write=True, db=self._dbs[table]) as txn, txn.cursor() as cur:
+                cur.putmulti(zip(encode_keys(ids), values), append=True)
 
     def commit(self, meta: dict) -> Path:
-        for t in meta["tables"]:  # a table with no rows stored still has its database
-            self._dbs.setdefault(t["name"], self._env.open_db(b"q:" + t["name"].encode()))
-        db = self._env.open_db(_META_DB)
-        with self._env.begin(write=True, db=db) as txn:
-            txn.put(b"meta", json.dumps({**meta, "format": SERVING_FORMAT}).encode())
-        self._env.sync(True)
+        with self._disk_full():
+            for t in meta["tables"]:  # a table with no rows stored still has its database
+                self._dbs.setdefault(t["name"], self._env.open_db(b"q:" + t["name"].encode()))
+            db = self._env.open_db(_META_DB)
+            with self._env.begin(write=True, db=db) as txn:
+                txn.put(b"meta", json.dumps({**meta, "format": SERVING_FORMAT}).encode())
+            self._env.sync(True)
         self._env.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
         os.rename(self._partial, self.path)  # replaces an empty directory
@@ -136,9 +152,31 @@ class ServingWriter:
         return self.path
 
     def abort(self) -> None:
-        self._env.close()
+        if self._env is not None:
+            self._env.close()
         shutil.rmtree(self._partial, ignore_errors=True)
         shutil.rmtree(self.scratch, ignore_errors=True)
+        if self._made is not None:
+            for d in [self.path.parent, *self.path.parent.parents]:
+                try:
+                    d.rmdir()  # only while empty: another process may have put something there meanwhile
+                except OSError:
+                    break
+                if d == self._made:
+                    break
+
+    @contextlib.contextmanager
+    def _disk_full(self) -> Iterator[None]:
+        """LMDB's errors on a full disk as OSError ENOSPC naming the store: DiskError, or any
+        error with little space left (LMDB reports a commit cut short by a full disk as EIO)."""
+        try:
+            yield
+        except lmdb.Error as e:
+            free = _free_bytes(self._partial)
+            if not isinstance(e, lmdb.DiskError) and free >= _LOW_SPACE:
+                raise
+            raise OSError(errno.ENOSPC, f"disk full: could not write the serving store {self.path} ({e}; {free} bytes free); "
+                          "free disk space, or write it to another disk", str(self.path)) from e
 
 
 class ServingReader:

@@ -4,6 +4,7 @@ subprocesses."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import subprocess
@@ -202,6 +203,8 @@ def test_bad_exports_leave_nothing(tmp_path):
         export(tmp_path / "train", dst, tables="t")
     with pytest.raises(FileNotFoundError, match="no tierstore"):
         export(tmp_path / "missing", dst)
+    with pytest.raises(FileNotFoundError, match="no tierstore"):  # the directories above DST it made go too
+        export(tmp_path / "missing", tmp_path / "new" / "deeper" / "serve")
     with TieredStore(tmp_path / "bad", tables=[TableSpec("t", 10, 4), TableSpec("odd", 10, 3)], device="cpu") as s:
         s.write("t", [1, 2], np.array([[1, 2, np.inf, 0], [0, 0, 0, 1e6]], np.float32))
     with pytest.raises(ValueError, match="row 1 has a non-finite weight"):
@@ -216,6 +219,59 @@ def test_bad_exports_leave_nothing(tmp_path):
     export(tmp_path / "bad", dst, dtype="float32")
     with pytest.raises(FileExistsError, match="not an empty directory"):
         export(tmp_path / "train", dst)
+
+
+FULL_DISK_EXPORT = """
+import errno, os, subprocess, sys
+from tierstore import export
+from tierstore.tools.cli import main
+train, disk, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+try:
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tierstore-test", disk], check=True, capture_output=True)
+except (OSError, subprocess.CalledProcessError) as e:
+    print("NO-MOUNT", getattr(e, "stderr", e))
+    sys.exit(0)
+dst = os.path.join(disk, "a", "b", "serve")  # a and b do not exist yet
+try:
+    export(train, dst, dtype="float32")
+    print("EXPORTED")
+except OSError as e:
+    print("ERROR", type(e).__name__, e.errno, e.filename, "|", e)
+except Exception as e:
+    print("WRONG", type(e).__module__, type(e).__name__, e)
+print("LEFT", sorted(os.listdir(disk)))
+print("RC", main(["export", train, dst, "--dtype", "float32"]), flush=True)
+print("LEFT", sorted(os.listdir(disk)))
+subprocess.run(["mount", "-o", f"remount,size={4 * size}", disk], check=True)  # room for both
+export(train, dst, dtype="float32")
+print("THEN", sorted(os.listdir(disk)), sorted(os.listdir(dst)))
+"""
+
+
+def test_an_export_to_a_nearly_full_disk_is_enospc_naming_dst_and_leaves_nothing(tmp_path):
+    """A real small disk (a tmpfs mounted in a user namespace of the child) with room for the
+    snapshot of the training store but not for the serving store beside it: export() raises
+    OSError ENOSPC naming DST, not LMDB's EIO; the command prints one line; neither leaves a
+    file or a directory (not even DST's missing parents). With room the same export succeeds."""
+    trained_store(tmp_path / "train", n=20000, dim=64)
+    snap = TieredStore(tmp_path / "train", readonly=True, device="cpu")
+    snap.checkpoint(tmp_path / "snap")
+    snap.close()
+    export(tmp_path / "train", tmp_path / "serve", dtype="float32")
+    sizes = [(tmp_path / d / "data.mdb").stat().st_size for d in ("snap", "serve")]
+    (tmp_path / "disk").mkdir()
+    r = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable, "-c", FULL_DISK_EXPORT,
+                        str(tmp_path / "train"), str(tmp_path / "disk"), str(sizes[0] + sizes[1] // 2)],
+                       capture_output=True, text=True, timeout=120)
+    if (r.returncode and "unshare" in r.stderr) or "NO-MOUNT" in r.stdout:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {r.stderr.strip() or r.stdout.strip()}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    dst = str(tmp_path / "disk" / "a" / "b" / "serve")
+    assert f"ERROR OSError {errno.ENOSPC} {dst} | [Errno {errno.ENOSPC}] disk full: could not write the serving store {dst}" \
+        in r.stdout, r.stdout
+    assert r.stdout.count("LEFT []") == 2, r.stdout
+    assert "RC 2" in r.stdout and f"tierstore: error: {dst}: disk full: could not write the serving store" in r.stderr, r.stderr
+    assert "THEN ['a'] ['data.mdb', 'lock.mdb']" in r.stdout, r.stdout
 
 
 def test_a_damaged_serving_store_is_named(tmp_path):
