@@ -297,6 +297,36 @@ def test_cli_export(tmp_path):
     assert bad.returncode == 2 and "tierstore: error:" in bad.stderr and "'u'" in bad.stderr
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_exporting_a_dcp_checkpoint_says_to_load_it_into_a_store_first(tmp_path):
+    """A torch.distributed.checkpoint directory is not a store: the export says so and how to
+    get one (load it into a model's store and export that), instead of "missing data.mdb";
+    the way it names works."""
+    import torch.distributed.checkpoint as dcp
+
+    m = tierstore.TieredEmbeddingBag(100, 8, path=tmp_path / "store", device="cpu")
+    m.store.write("t0", np.arange(10), np.full((10, 8), 3.0, np.float32))
+    dcp.save(m.state_dict(), checkpoint_id=tmp_path / "dcp")
+    m.close()
+    done = subprocess.run([*CLI, "export", str(tmp_path / "dcp"), str(tmp_path / "serve")], capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"tierstore: error: {tmp_path / 'dcp'} is a torch.distributed.checkpoint (DCP) checkpoint"), \
+        done.stderr
+    assert "torch.distributed.checkpoint.load(sd, checkpoint_id=DIR); model.load_state_dict(sd)" in done.stderr
+    assert "tierstore.export(model.store, DST)" in done.stderr and "store.checkpoint(path)" in done.stderr
+    with pytest.raises(FileNotFoundError, match="DCP"):
+        export(tmp_path / "dcp", tmp_path / "serve")
+    assert sorted(os.listdir(tmp_path)) == ["dcp", "store"]
+    m = tierstore.TieredEmbeddingBag(100, 8, path=tmp_path / "fresh", device="cpu")
+    sd = m.state_dict()
+    dcp.load(sd, checkpoint_id=tmp_path / "dcp")
+    m.load_state_dict(sd)
+    export(m.store, tmp_path / "serve", dtype="float32")
+    m.close()
+    with ServingStore(tmp_path / "serve") as s:
+        assert (s.rows("t0", np.arange(10)).numpy() == 3).all()
+
+
 # -- lookups -----------------------------------------------------------------------------------
 
 TIERS = [(0, 0), (40, 90), (1000, 0), (0, 1000)]

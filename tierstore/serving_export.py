@@ -42,6 +42,8 @@ def export(src, dst: str | os.PathLike, tables: Sequence[str] | None = None, dty
     (tierstore.serving_stream). Returns ``dst``."""
     if dtype not in SERVING_DTYPES:
         raise ValueError(f"dtype must be one of {list(SERVING_DTYPES)} (the serving rows' type), got {dtype!r}")
+    if isinstance(src, (str, os.PathLike)):
+        _check_not_dcp(Path(src))
     writer = ServingWriter(dst)
     try:
         with _source(src, writer.scratch) as source:
@@ -56,6 +58,20 @@ def export(src, dst: str | os.PathLike, tables: Sequence[str] | None = None, dty
         raise
     finally:
         shutil.rmtree(writer.scratch, ignore_errors=True)
+
+
+def _check_not_dcp(path: Path) -> None:
+    """Refuse a torch.distributed.checkpoint directory (``.metadata`` and ``*.distcp`` files):
+    its rows are in DCP's files, which only a model's load_state_dict puts back into a store."""
+    if (path / "data.mdb").exists() or (path / "plan.json").exists():
+        return
+    if (path / ".metadata").is_file() or any(path.glob("*.distcp")):
+        raise FileNotFoundError(
+            f"{path} is a torch.distributed.checkpoint (DCP) checkpoint, not a tierstore (no data.mdb): export reads a "
+            "store. Load it into a model whose tables live in a store (sd = model.state_dict(); "
+            "torch.distributed.checkpoint.load(sd, checkpoint_id=DIR); model.load_state_dict(sd)), then export that "
+            "store: tierstore.export(model.store, DST), or its directory after a flush; or export a directory "
+            "written by store.checkpoint(path)")
 
 
 @contextlib.contextmanager
