@@ -179,6 +179,10 @@ class ServingWriter:
                           "free disk space, or write it to another disk", str(self.path)) from e
 
 
+class NotServingStoreError(StoreCorruptError):
+    """An LMDB environment without a serving store's description: not written by tierstore.export."""
+
+
 class ServingReader:
     """A serving store, readonly: its description and packed rows by id. Readers of
     one store in a process share its environment (LMDB opens one per process)."""
@@ -207,7 +211,7 @@ class ServingReader:
         try:
             with self._env.begin(buffers=False) as txn:
                 if txn.get(_META_DB) is None:
-                    raise StoreCorruptError(f"{self.path} is not a serving store (no {_META_DB.decode()} database); "
+                    raise NotServingStoreError(f"{self.path} is not a serving store (no {_META_DB.decode()} database); "
                                             "a training store is exported with tierstore.export(src, dst)")
                 raw = txn.get(b"meta", db=self._env.open_db(_META_DB, txn=txn, create=False))
                 meta = json.loads(raw)
@@ -236,6 +240,11 @@ class ServingReader:
                 raise corrupt(self.path / "data.mdb", f"rows of table {table!r} are not {row_bytes} bytes each")
             out[found] = np.frombuffer(buf, dtype=np.uint8).reshape(-1, row_bytes)
         return out, found
+
+    def rows_stored(self) -> dict[str, int]:
+        """Rows each table holds in LMDB (those an export left out read as initial values)."""
+        with self._env.begin() as txn:
+            return {name: txn.stat(db)["entries"] for name, db in self._dbs.items()}
 
     def close(self) -> None:
         with _OPEN_LOCK:

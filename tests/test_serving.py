@@ -297,6 +297,39 @@ def test_cli_export(tmp_path):
     assert bad.returncode == 2 and "tierstore: error:" in bad.stderr and "'u'" in bad.stderr
 
 
+def test_stats_describes_a_serving_store(tmp_path, capsys):
+    """`tierstore stats` on an export: a serving store, its version, source, tables with their
+    dtype, row bytes and rows stored (from LMDB), in text and JSON; the training store's memory
+    flags are refused for it. An LMDB environment tierstore did not write is still named so."""
+    import json
+
+    import lmdb
+
+    from tierstore.tools.cli import main
+
+    trained_store(tmp_path / "train")
+    with TieredStore(tmp_path / "train") as s:
+        s.write("t", [1], np.zeros((1, 16), np.float32))  # 301 rows written, 600 in the table
+    export(tmp_path / "train", tmp_path / "serve", dtype="int4", version=7)
+    done = subprocess.run([*CLI, "stats", str(tmp_path / "serve")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"serving store at {tmp_path / 'serve'} (serving format 1), version 7"), done.stdout
+    assert f"from {tmp_path / 'train'}" in lines[1] and "in data.mdb" in lines[2], done.stdout
+    assert lines[4].split() == ["t", "600", "16", "int4", "12", "301", "50.17%", "5.9", "KiB"], done.stdout
+    assert main(["stats", str(tmp_path / "serve"), "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert (facts["kind"], facts["version"], facts["source"]) == ("serving store", 7, str(tmp_path / "train"))
+    assert facts["tables"] == [{"name": "t", "num_rows": 600, "dim": 16, "dtype": "int4", "row_bytes": 12,
+                                "rows_stored": 301, "payload_bytes": 301 * 20}]
+    assert main(["stats", str(tmp_path / "serve"), "--memory-budget", "1GiB"]) == 2
+    assert "is a serving store: --memory-budget" in capsys.readouterr().err
+    with lmdb.open(str(tmp_path / "foreign")) as env, env.begin(write=True) as txn:
+        txn.put(b"someone", b"else's data")
+    assert main(["stats", str(tmp_path / "foreign")]) == 2
+    assert "LMDB environment that tierstore did not write" in capsys.readouterr().err
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_exporting_a_dcp_checkpoint_says_to_load_it_into_a_store_first(tmp_path):
     """A torch.distributed.checkpoint directory is not a store: the export says so and how to

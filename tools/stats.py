@@ -1,6 +1,8 @@
 """``tierstore stats PATH``: a store's facts from disk (tables, rows on disk,
 bytes, time of the last flush), read through a read-only LMDB environment so
-that it works while a trainer has the store open for writing.
+that it works while a trainer has the store open for writing. A serving store
+(tierstore.export's output) is described as one: its tables' dtypes, rows and
+bytes, and the version and source of the export.
 
 It shows what is durable in LMDB: rows still only in a writer's cache appear
 after that writer's next write-back or flush. It also shows the memory a store of
@@ -21,6 +23,7 @@ import lmdb  # only for its exception types; the reading goes through tierstore.
 import torch
 
 from tierstore.io import LmdbBackend
+from tierstore.io.serving_layout import NotServingStoreError, ServingReader
 from tierstore.memory import MemorySplit, detect_limit, format_bytes, parse_bytes, split_memory
 from tierstore.spec import TableSpec
 from tierstore.tools.cli import add_verb
@@ -55,9 +58,7 @@ class StoreFacts:
 
     @property
     def last_flush_utc(self) -> str | None:
-        if self.last_flush is None:
-            return None
-        return datetime.fromtimestamp(self.last_flush, tz=timezone.utc).isoformat(timespec="milliseconds")
+        return _utc(self.last_flush)
 
     def to_json(self) -> dict:
         return {**asdict(self), "last_flush_utc": self.last_flush_utc}
@@ -112,6 +113,70 @@ def _read_once(path: Path) -> StoreFacts:
                    s.admit_after, s.ttl_steps, s.evict_l2_below, meta.get("evicted", {}).get(s.name, 0)) for s in specs
     ]
     return StoreFacts(str(path), meta.get("format"), disk, meta.get("last_flush"), tables)
+
+
+@dataclass
+class ServingTableFacts:
+    name: str
+    num_rows: int | None  # None: unbounded id space
+    dim: int
+    dtype: str  # the serving rows' type: float32, float16, int8, int4
+    row_bytes: int
+    rows_stored: int  # rows the export wrote; the others read as the table's initial values
+    payload_bytes: int  # rows_stored x (8-byte key + row_bytes)
+
+
+@dataclass
+class ServingFacts:
+    path: str
+    format: int
+    version: int  # the published version the export stands for (tierstore.serving_stream)
+    source: str | None  # the training store (or sharded checkpoint) exported
+    exported: float | None  # time.time() of the export
+    disk_bytes: int  # size of data.mdb
+    tables: list[ServingTableFacts]
+
+    def to_json(self) -> dict:
+        return {"kind": "serving store", **asdict(self), "exported_utc": _utc(self.exported)}
+
+
+def read_serving_facts(path: str | Path) -> ServingFacts | None:
+    """Facts of the serving store at ``path``; None if ``path`` holds no serving store."""
+    try:
+        reader = ServingReader(path)
+    except NotServingStoreError:
+        return None
+    try:
+        meta, stored = reader.meta, reader.rows_stored()
+    finally:
+        reader.close()
+    tables = []
+    for t in meta["tables"]:
+        spec = TableSpec.from_json(t["spec"])
+        tables.append(ServingTableFacts(t["name"], spec.num_rows, spec.dim, t["dtype"], t["row_bytes"], stored[t["name"]],
+                                        stored[t["name"]] * (8 + t["row_bytes"])))
+    return ServingFacts(str(path), meta["format"], int(meta.get("version", 0)), meta.get("source"), meta.get("time"),
+                        (Path(path) / "data.mdb").stat().st_size, tables)
+
+
+def format_serving_facts(f: ServingFacts) -> str:
+    lines = [f"serving store at {f.path} (serving format {f.format}), version {f.version}; "
+             "open it with tierstore.ServingStore(path) (docs/serving.md)",
+             f"  exported    {_utc(f.exported) or '-'} from {f.source or '-'}",
+             f"  disk        {_size(f.disk_bytes)} in data.mdb ({f.disk_bytes:,} bytes)"]
+    header = ("table", "num_rows", "dim", "dtype", "row bytes", "rows stored", "of num_rows", "payload")
+    body = [(t.name, "unbounded" if t.num_rows is None else f"{t.num_rows:,}", str(t.dim), t.dtype, str(t.row_bytes),
+             f"{t.rows_stored:,}", "-" if t.num_rows is None else f"{100 * t.rows_stored / t.num_rows:.2f}%", _size(t.payload_bytes))
+            for t in f.tables]
+    body.append(("total", "", "", "", "", f"{sum(t.rows_stored for t in f.tables):,}", "",
+                 _size(sum(t.payload_bytes for t in f.tables))))
+    lines += _aligned(header, body)
+    lines.append("  rows not stored read as their table's initial values (its RowInit)")
+    return "\n".join(lines)
+
+
+def _utc(t: float | None) -> str | None:
+    return None if t is None else datetime.fromtimestamp(t, tz=timezone.utc).isoformat(timespec="milliseconds")
 
 
 def read_specs(path: str | Path) -> list[TableSpec]:
@@ -201,12 +266,27 @@ def _budget(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    facts = read_facts(require_store(args.path))  # errors: tierstore.tools.cli prints them
+    path = require_store(args.path)
+    try:
+        facts = read_facts(path)  # errors: tierstore.tools.cli prints them
+    except ValueError:  # not a training store's LMDB environment; it may be a serving store
+        serving = read_serving_facts(path)
+        if serving is None:
+            raise
+        return _run_serving(args, serving)
     memory = memory_facts(args.path, args.memory_budget, args.hbm_rows, args.ddr_rows)
     if args.json:
         print(json.dumps({**facts.to_json(), "memory": memory.as_dict()}, indent=2))
     else:
         print(format_facts(facts) + "\n" + format_memory(memory))
+    return 0
+
+
+def _run_serving(args: argparse.Namespace, facts: ServingFacts) -> int:
+    if args.memory_budget is not None or args.hbm_rows is not None or args.ddr_rows is not None:
+        raise ValueError(f"{args.path} is a serving store: --memory-budget, --hbm-rows and --ddr-rows size a training store's "
+                         "memory; a serving store's tiers are ServingStore(path, hbm_rows=, ddr_rows=)'s (docs/serving.md)")
+    print(json.dumps(facts.to_json(), indent=2) if args.json else format_serving_facts(facts))
     return 0
 
 
