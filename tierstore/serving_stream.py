@@ -9,9 +9,11 @@ new export at the current version and removes the files it makes unnecessary.
 
 A Replica, in any process that sees the directory (shared or copied), serves the
 newest export and applies each delta after it in order (``poll()``). A delta is
-applied whole while lookups wait, so a lookup sees one version. A delta that is
-damaged or cut short raises DeltaCorruptError and changes nothing; a replica that
-finds the next delta gone (compacted away) catches up from the newest export.
+applied whole while lookups wait, so a lookup sees one version. A delta is checked
+whole before any of it is applied: one that is damaged, cut short, or does not fit the
+replica's tables raises DeltaCorruptError and changes nothing. A replica that finds the
+next delta gone (compacted away) catches up from the newest export; with no newer export
+but later deltas published, the gap is DeltaGapError.
 
 Files appear whole: each is written aside, synced and renamed. A delta carries the
 rows deleted in the training store too (evict, TTL and L2 expiry: every row that reads

@@ -26,7 +26,8 @@ from tierstore.io.errors import StoreLockedError
 # verbs' modules import torch, which takes seconds.
 VERBS: dict[str, tuple[str, str]] = {
     "bench": ("bench", "measure speed and memory against in-run baselines"),
-    "stats": ("stats", "print a store's tables, rows on disk, bytes and last flush (read-only; safe while a writer runs)"),
+    "stats": ("stats", "print a store's tables, rows on disk, bytes and last flush (read-only; safe while a writer runs), "
+                       "or a serving store's version, dtypes, rows and bytes"),
     "compact": ("stats", "rewrite a closed store's data.mdb without LMDB's free pages; prints its size before and after"),
     "trace": ("trace_cli", "make, convert and inspect access traces (see tierstore.trace for the format)"),
     "capacity": ("trace_cli", "miss-ratio curves, tier sizing and SSD bandwidth of a trace"),
