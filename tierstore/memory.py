@@ -375,7 +375,7 @@ def _read_limit(file: Path) -> int | None:
 # glibc's malloc raises its mmap threshold (up to 32 MiB) each time a large block is freed, so
 # a step's temporaries (index_select, cat, fetched rows: 0.1-30 MiB each) come to live in its
 # arenas, one per thread, and stay there freed: at a 0.5 GiB budget with prefetch, 115-137 MiB
-# held free by malloc (BENCHMARKS.md, "malloc's freed blocks"), a quarter of the budget outside
+# held free by malloc (BENCHMARKS.md, "Memory held free by malloc"), a quarter of the budget outside
 # every part of the split, and the kernel's OOM killer at close. A fixed threshold
 # sends every block of this size or more to its own mapping, returned to the kernel when freed.
 MMAP_THRESHOLD = 128 << 10

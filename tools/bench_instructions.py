@@ -9,7 +9,7 @@ is the same whatever else the machine does. Each setting runs twice, for 2 steps
 and for ``STEPS``; the difference, per step, is the steps' own work (start-up,
 imports and the store's opening cancel out; both runs make the same batches). It
 counts work, not time: stalls, page faults, system calls and waits for the GIL
-are not in it (README "Cost per row moved").
+are not in it (BENCHMARKS.md, "Cost per row moved").
 """
 from __future__ import annotations
 
