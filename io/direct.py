@@ -4,8 +4,8 @@ Why: a row read through LMDB's map costs the kernel a read-ahead into the page c
 fault to map the page, and, under a memory limit, the reclaim of another page (unmapped
 from the process first): 7-10 us of system CPU a row on our machines. Read with O_DIRECT,
 a page goes from the disk into a buffer of ours and nothing is cached, mapped or
-reclaimed: 4-6 us, at the same disk rate (/tmp/s23/readcost*.py, 13.8k random rows of the
-34M-row bench table). io_uring takes a whole batch of reads in one system call, set up
+reclaimed: 4-6 us, at the same disk rate (13.8k random rows of the 34M-row
+`tierstore bench scale` table). io_uring takes a whole batch of reads in one system call, set up
 from numpy arrays, so there is no Python call per row.
 
 Coherence: an O_DIRECT read writes out the dirty page-cache pages of its range first, so
@@ -110,7 +110,7 @@ class _Ring:
     def _register(self, file_fd: int) -> bool:
         """Register the buffer and the file with the ring, so that a read neither pins its
         buffer's page nor takes a reference to the file: 6.5 -> 5.2 us of system CPU a
-        read of the bench table, with the setup flags above (/tmp/s26/dread.py). False
+        read of 30k random rows of the `tierstore bench scale` table, with the setup flags above. False
         where the kernel refuses (pinned pages count against RLIMIT_MEMLOCK): the SQEs
         then name the file and the address."""
         iov = (ctypes.c_uint64 * 2)(self.bytes.ctypes.data, len(self.bytes))

@@ -48,9 +48,9 @@ _libc.syscall.restype = ctypes.c_long
 # finds room for it. LMDB keeps a segment in contiguous pages; each write transaction reloads its
 # free list from the oldest record, merging until it finds a run long enough, and a run a
 # single page was taken from no longer holds a segment of the size that freed it. At 1 MiB
-# (257 pages) the bench table, aged by 123 runs, kept 268k free pages in runs of 2-256
-# (/tmp/s26/freelist.py), reloaded by every transaction: 36% of the write-back's CPU in
-# mdb_page_alloc and mdb_midl_xmerge (perf, 1 GiB, depth 4).
+# (257 pages) the `tierstore bench scale` table, aged by 123 runs, kept 268k free pages in runs
+# of 2-256 (read from its free database), reloaded by every transaction: 36% of the write-back's
+# CPU in mdb_page_alloc and mdb_midl_xmerge (perf, 1 GiB, depth 4).
 SEGMENT_BYTES = 64 << 10
 MIN_SEGMENT_ROWS = 256  # fewer and the segments' own bookkeeping (SEGMENT_ENTRY_BYTES) outgrows a byte a row
 SPARE = 0.5  # dead slots kept at most, as a fraction of live rows, before a collection (RowLog.victims)
