@@ -29,6 +29,7 @@ BUILTIN_BASES = {
     "PlanMismatchError": (ValueError,),
     "SettingsMismatchError": (ValueError,),
     "TableTooLargeError": (RuntimeError,),
+    "OptimizerMismatchError": (ValueError,),
     "DaemonBusyError": (ConnectionError,),
     "ProtocolError": (ValueError,),
     "RankFailedError": (RuntimeError,),

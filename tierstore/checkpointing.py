@@ -48,8 +48,8 @@ from .optim import Adam, RowOptimizer
 from .precision import DTYPES
 from .spec import initial_rows
 
-__all__ = ["CHUNK_BYTES", "MAX_MATERIALIZE_BYTES", "CheckpointChainError", "FusedOptimizer", "TableTooLargeError", "TableView",
-           "restore"]
+__all__ = ["CHUNK_BYTES", "MAX_MATERIALIZE_BYTES", "CheckpointChainError", "FusedOptimizer", "OptimizerMismatchError",
+           "TableTooLargeError", "TableView", "restore"]
 
 CHUNK_BYTES = 64 << 20  # a DCP chunk of a table (one item in its files)
 IO_BYTES = 8 << 20  # stored rows read or written by one store call: the store's transients (e.g. initial
@@ -62,6 +62,10 @@ _DCP_HINT = ("torch.distributed.checkpoint.save(model.state_dict(), checkpoint_i
 
 class TableTooLargeError(RuntimeError, TierstoreError):
     """A table asked for as one in-memory tensor that is larger than MAX_MATERIALIZE_BYTES."""
+
+
+class OptimizerMismatchError(ValueError, TierstoreError):
+    """Optimizer state saved by one kind of optimizer, loaded into a module trained by another."""
 
 
 @dataclass(frozen=True)
@@ -300,9 +304,10 @@ class FusedOptimizer:
         self.state = {k: dict(v) for k, v in state.items()}
 
     def state_dict(self) -> dict:
-        return {"state": {k: dict(v) for k, v in self.state.items()}}
+        return {"state": {k: dict(v) for k, v in self.state.items()}, **optimizer_record(self.optimizer)}
 
     def load_state_dict(self, state_dict: Mapping) -> None:
+        check_optimizer_record(self.optimizer, state_dict)
         new = state_dict.get("state") if isinstance(state_dict, Mapping) else None
         if new is None or set(new) != set(self.state):
             got = sorted(new) if isinstance(new, Mapping) else new
@@ -325,6 +330,32 @@ class FusedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing: the rows have no .grad."""
+
+
+def optimizer_record(optimizer: RowOptimizer | None) -> dict:
+    """What an optimizer's state_dict() says of the optimizer that made the state:
+    ``{"optimizer": {"<kind>": "<its repr>"}}`` (nothing without an optimizer).
+
+    Adam's first moment has the key and shape of Adagrad's sum of squares (TorchRec's
+    names: both ``<table>.momentum1``), so keys and shapes alone let one load as the
+    other. The kind is a key, not a value, so that DCP's load planner, which matches a
+    state dict's keys against the checkpoint's before it reads any row, refuses the
+    state of another kind ("Missing key ... optimizer.<kind>") with nothing written; the
+    hyperparameters are a value, informative only (another lr is the same state)."""
+    return {} if optimizer is None else {"optimizer": {type(optimizer).__name__: repr(optimizer)}}
+
+
+def check_optimizer_record(optimizer: RowOptimizer | None, state_dict: object) -> None:
+    """Raise OptimizerMismatchError if ``state_dict`` says another kind of optimizer made it.
+    A state dict without the record (TorchRec's own, or older) is taken on its keys and shapes."""
+    saved = state_dict.get("optimizer") if isinstance(state_dict, Mapping) else None
+    if optimizer is None or not isinstance(saved, Mapping) or type(optimizer).__name__ in saved:
+        return
+    made_by = ", ".join(str(v) for v in saved.values()) or "an unnamed optimizer"
+    raise OptimizerMismatchError(
+        f"the optimizer state was saved by {made_by}; this module trains with {optimizer!r}, which would read that "
+        "state as its own (another optimizer's moments as its sums of squares). Load it into a module with the "
+        "optimizer it was saved by, or load the model's state_dict() alone to start this optimizer afresh")
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ except ImportError as e:  # pragma: no cover - depends on what is installed
 
 torch.fx.wrap("reorder_inverse_indices")  # a leaf when traced here too, as where TorchRec calls it
 
+from .checkpointing import check_optimizer_record, optimizer_record
 from .nn import ScriptRefusal, TieredEmbeddingBag, outside_graphs, refuse_export
 from .optim import RowOptimizer
 from .spec import RowInit, TableSpec
@@ -105,7 +106,19 @@ def _pooled(collection, features: KeyedJaggedTensor) -> KeyedTensor:
 
 
 class _FusedKeyedOptimizer(KeyedOptimizer):
-    """A KeyedOptimizer over TableViews: the update itself runs in the backward."""
+    """A KeyedOptimizer over TableViews: the update itself runs in the backward. Its
+    state_dict() also says which optimizer made the state (checkpointing.optimizer_record)."""
+
+    def __init__(self, optimizer: RowOptimizer | None, params, state, param_groups):
+        super().__init__(params, state, param_groups)
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), **optimizer_record(self.optimizer)}
+
+    def load_state_dict(self, state_dict) -> None:
+        check_optimizer_record(self.optimizer, state_dict)
+        super().load_state_dict(state_dict)
 
     def step(self, closure=None) -> None:
         pass
@@ -171,6 +184,7 @@ class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterfac
             inits[t.name] = init if init is not None else row_init(t)
         self._configs = tables
         self._is_weighted = is_weighted
+        self._optimizer = optimizer
         self._embedding_names, self._lengths_per_embedding = _output_layout(tables)
         if device is not None and torch.device(device).type == "meta":
             # shapes only, as TorchRec's EBC on meta: no store, no files
@@ -225,7 +239,7 @@ class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterfac
         views = {f"embedding_bags.{name}.weight": bag.views() for name, bag in self.embedding_bags.items()}
         params = {key: v.weight for key, v in views.items()}
         state = {v.weight: v.state for v in views.values() if v.state}
-        return _FusedKeyedOptimizer(params, state, [{"params": list(params.values())}])
+        return _FusedKeyedOptimizer(self._optimizer, params, state, [{"params": list(params.values())}])
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
