@@ -1,4 +1,4 @@
 """Eviction policies (numpy only; no torch, LMDB or metrics)."""
-from .policies import POLICIES, EvictionPolicy, LFUPolicy, LRUPolicy, make_policy
+from .policies import POLICIES, UNUSED, EvictionPolicy, LFUPolicy, LRUPolicy, make_policy, register
 
-__all__ = ["POLICIES", "EvictionPolicy", "LFUPolicy", "LRUPolicy", "make_policy"]
+__all__ = ["POLICIES", "UNUSED", "EvictionPolicy", "LFUPolicy", "LRUPolicy", "make_policy", "register"]

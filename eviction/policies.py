@@ -49,13 +49,26 @@ def kth_smallest(values: np.ndarray, k: int) -> int:
 
 
 class EvictionPolicy:
-    """Subclasses override :meth:`victims`; the base class checks the contract."""
+    """What a policy brings: :meth:`victims`, the rows it evicts from a tier's metadata
+    arrays, and :meth:`order`, the same ranking for one row, as a sortable key (the
+    capacity simulator keeps rows in heaps by it). A new policy is a subclass with a
+    unique ``name``, registered with :func:`register`: the store, ``tierstore capacity``
+    and the conformance tests (tests/test_policies.py) then take it by name.
+
+    The contract, checked by those tests: ``victims(last, freq, k)`` are the k rows of
+    smallest ``order``; ``last`` is unique per row, so that order is total; and a slot
+    whose ``last`` and ``freq`` are both :data:`UNUSED` (a free slot, or a row the store
+    must keep) ranks after every row."""
 
     name = "base"
     uses_frequency = True  # False lets the store skip counting steps on its hot path
 
     def victims(self, last: np.ndarray, freq: np.ndarray, k: int) -> np.ndarray:
         """Positions (into ``last``/``freq``) of the ``k`` rows to evict."""
+        raise NotImplementedError
+
+    def order(self, last: int, freq: int):
+        """One row's rank as a sortable key: rows of smaller keys are evicted first."""
         raise NotImplementedError
 
     def select(self, last: np.ndarray, freq: np.ndarray, k: int) -> np.ndarray:
@@ -70,6 +83,24 @@ class EvictionPolicy:
         return f"{type(self).__name__}()"
 
 
+# the use clock and step count of a slot that holds no row: every policy ranks it after every row
+UNUSED = np.iinfo(np.int64).max
+
+POLICIES: dict[str, type[EvictionPolicy]] = {}
+
+
+def register(policy: type[EvictionPolicy]) -> type[EvictionPolicy]:
+    """Makes ``policy`` choosable by its ``name`` everywhere a policy is named (a class
+    decorator)."""
+    if not (isinstance(policy, type) and issubclass(policy, EvictionPolicy)):
+        raise TypeError(f"register takes an EvictionPolicy subclass, got {policy!r}")
+    if policy.name in POLICIES or policy.name in ("base", "lookahead", "belady"):
+        raise ValueError(f"an eviction policy named {policy.name!r} exists already; give {policy.__name__} another name")
+    POLICIES[policy.name] = policy
+    return policy
+
+
+@register
 class LRUPolicy(EvictionPolicy):
     """Evict the least recently used rows."""
 
@@ -80,7 +111,11 @@ class LRUPolicy(EvictionPolicy):
         # use clocks are unique, so the k smallest are a well-defined set
         return smallest(last, k)
 
+    def order(self, last, freq):
+        return last
 
+
+@register
 class LFUPolicy(EvictionPolicy):
     """Evict the least frequently used rows, ties broken by least recent use.
 
@@ -100,8 +135,8 @@ class LFUPolicy(EvictionPolicy):
             tied = tied[smallest(last[tied], need)]
         return np.concatenate([below, tied])
 
-
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
+    def order(self, last, freq):
+        return (freq, last)
 
 
 def make_policy(name: str) -> EvictionPolicy:

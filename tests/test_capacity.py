@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tierstore
@@ -21,6 +21,8 @@ from tierstore.tools import capacity_progress
 from tierstore.tools.cli import main as cli_main
 from tierstore.tools.synth import SynthConfig, synth
 from tierstore.trace import Trace, TraceTable
+
+from policy_examples import CONTRACT_POLICIES, policy_named  # noqa: F401 (a fixture)
 
 
 # -- oracles ----------------------------------------------------------------------------------------
@@ -123,8 +125,11 @@ def test_removed_set_counts_like_a_cumsum(n, batches, seed):
 SIZES = [(0, 6), (6, 0), (3, 7), (10, 20), (1, 1), (40, 40), (2, 50), (25, 3)]
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_predicted_hits_equal_what_real_stores_measure(tmp_path, policy):
+@pytest.mark.parametrize("policy_named", CONTRACT_POLICIES, indirect=True)
+def test_predicted_hits_equal_what_real_stores_measure(tmp_path, policy_named):
+    """Every registered policy, and one registered by the test as a user would, counts the
+    same hits, misses and evictions in the simulator as in a real store."""
+    policy = policy_named
     trace = random_trace(np.random.default_rng(11), steps=60)
     streams = cap.build_streams(trace)
     curves = [cap.LruCurve.from_distances(s, d) for s, d in zip(streams, cap.stack_distances(streams))]
@@ -140,19 +145,24 @@ def test_predicted_hits_equal_what_real_stores_measure(tmp_path, policy):
                 assert t["misses"] == (got["ddr_misses"] if ddr else got["hbm_misses"])
 
 
-@given(traces, st.integers(0, 12), st.integers(0, 12), st.sampled_from(["lru", "lfu"]))
-@settings(max_examples=15)
-def test_simulation_equals_store_on_random_traces(tmp_path_factory, trace, hbm, ddr, policy):
+@pytest.mark.parametrize("policy_named", CONTRACT_POLICIES, indirect=True)
+@given(traces, st.integers(0, 12), st.integers(0, 12))
+@settings(max_examples=8, suppress_health_check=[HealthCheck.function_scoped_fixture])  # it only registers a policy
+def test_simulation_equals_store_on_random_traces(tmp_path_factory, policy_named, trace, hbm, ddr):
+    policy = policy_named
     measured = replay(tmp_path_factory.mktemp("s"), trace, hbm, ddr, policy)
     for s in cap.build_streams(trace):
         assert cap.simulate(s, hbm, ddr, policy).as_dict() == store_counts(measured[s.name])
 
 
-@given(traces, st.integers(0, 12), st.integers(0, 12), st.sampled_from(["lru", "lfu", "lookahead", "belady"]),
-       st.sampled_from(["lru", "lfu"]), st.integers(1, 5))
-@settings(max_examples=60)
-def test_heap_replay_counts_like_the_vectorized_one(trace, hbm, ddr, policy, base, window):
-    """HeapSim (O(log tier) per id) against CacheSim, the store's step (tierstore.step) without rows."""
+@pytest.mark.parametrize("policy_named", CONTRACT_POLICIES, indirect=True)
+@given(traces, st.integers(0, 12), st.integers(0, 12), st.sampled_from(["base", "lookahead", "belady"]), st.integers(1, 5))
+@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])  # it only registers a policy
+def test_heap_replay_counts_like_the_vectorized_one(policy_named, trace, hbm, ddr, policy, window):
+    """HeapSim (O(log tier) per id, by the policy's order) against CacheSim, the store's step
+    (tierstore.step) without rows, by the policy's victims."""
+    base = policy_named
+    policy = base if policy == "base" else policy
     for s in cap.build_streams(trace):
         kw = {"window": window, "base": base} if policy in ("lookahead", "belady") else {}
         assert cap.simulate(s, hbm, ddr, policy, method="heap", **kw) == cap.simulate(s, hbm, ddr, policy, method="scan", **kw)

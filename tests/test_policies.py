@@ -2,7 +2,10 @@
 import numpy as np
 import pytest
 
+from tierstore.eviction import UNUSED, EvictionPolicy, make_policy, register
 from tierstore.eviction.policies import LFUPolicy, LRUPolicy, kth_smallest, smallest
+
+from policy_examples import CONTRACT_POLICIES, policy_named  # noqa: F401 (a fixture)
 
 N = 50_000
 
@@ -46,3 +49,28 @@ def test_kth_smallest_is_the_kth_of_a_sort(name, k):
     values = {"step counts": rng.zipf(1.3, N), "distinct": rng.permutation(N), "one value": np.full(N, 7),
               "sample-holds-the-smallest": values_named("sample-holds-the-smallest")}[name]
     assert kth_smallest(values, k) == np.sort(values)[k - 1]
+
+
+# -- the policy contract, for every registered policy and one registered here ---------------------------------
+@pytest.mark.parametrize("policy_named", CONTRACT_POLICIES, indirect=True)
+@pytest.mark.parametrize("seed", range(3))
+def test_victims_are_the_rows_of_smallest_order_and_free_slots_go_last(policy_named, seed):
+    policy = make_policy(policy_named)
+    rng = np.random.default_rng(seed)
+    n = 3000 if seed else 40_000  # a large tier takes the sampled-bound paths
+    last = rng.permutation(n).astype(np.int64)
+    freq = rng.integers(1, 5, n)  # step counts: mostly ties
+    free = rng.random(n) < 0.1
+    last[free], freq[free] = UNUSED, UNUSED
+    by_order = sorted(range(n), key=lambda i: policy.order(int(last[i]), int(freq[i])))
+    for k in (1, 17, n // 3, int((~free).sum())):
+        assert sorted(policy.select(last, freq, k).tolist()) == sorted(by_order[:k]), (policy_named, k)
+
+
+def test_register_refuses_a_taken_name_and_a_class_that_is_no_policy():
+    with pytest.raises(ValueError, match="named 'lru' exists already"):
+        register(type("Other", (LRUPolicy,), {}))
+    with pytest.raises(ValueError, match="'lookahead' exists already"):
+        register(type("Look", (EvictionPolicy,), {"name": "lookahead"}))
+    with pytest.raises(TypeError, match="EvictionPolicy subclass"):
+        register(object)

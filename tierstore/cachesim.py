@@ -1,5 +1,5 @@
 """Replay of one table's uses through the store's two tiers at one size, without
-data: LRU, LFU, lookahead and Belady's MIN.
+data: every registered policy (LRU, LFU, ...), lookahead and Belady's MIN.
 
 LFU and lookahead are not stack algorithms (one pass cannot give every size, as
 tierstore/curves.py does for LRU): :class:`CacheSim` replays a table at one
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tierstore.eviction import EvictionPolicy, make_policy
+from tierstore.eviction import POLICIES, EvictionPolicy, make_policy
 from tierstore.eviction.lookahead import NOT_IN_WINDOW, LookaheadPolicy
 from tierstore.progress import ProgressFactory, open_progress
 from tierstore.step import UNUSED, LevelPlan, StepPlan, StepPlanner
@@ -163,23 +163,20 @@ class CacheSim:
         self.where[u] = np.where(keep_h, 1, np.where(keep_d, 2, 0))
 
 
-_BIG = 1 << 64  # above any use clock: freq * _BIG + last orders by (freq, last), as LFU does
-
-
 class HeapSim:
     """:class:`CacheSim`'s tiers with each tier's rows in heaps ordered by the policy, so a
     call costs O((call + victims) log tier) instead of O(call + tier): the replay of many
     small calls (one id per call at worst) that CacheSim pays a whole tier scan for.
 
-    Every policy here is a total order on resident rows (LRU: last; LFU: (freq, last);
-    lookahead: rows outside the window by the base order, then in-window rows by
+    Every policy is a total order on resident rows (its ``order``: LRU last, LFU (freq,
+    last); lookahead: rows outside the window by the base order, then in-window rows by
     (farthest next use, base order)), and the store's victims are the k smallest, so
     popping k times picks the same rows. Entries go stale when their row is used or
     leaves (checked against the row's ``last`` on pop); a lookahead row whose next use
     enters the window is found on pop and moved to the in-window heap.
     """
 
-    def __init__(self, hbm_rows: int, ddr_rows: int, lfu: bool, window: int | None, look: bool,
+    def __init__(self, hbm_rows: int, ddr_rows: int, policy: EvictionPolicy, window: int | None, look: bool,
                  rank_call: CallChoice):
         self.cap = (0, int(hbm_rows), int(ddr_rows))  # tiers 1 (HBM) and 2 (DDR); 0 rows: no tier
         self.members: tuple[set, set, set] = (set(), set(), set())
@@ -187,7 +184,7 @@ class HeapSim:
         self.last: dict[int, int] = {}
         self.freq: dict[int, int] = {}
         self.next: dict[int, int] = {}  # lookahead: the call that next uses the row
-        self.lfu, self.window, self.look = lfu, window, look
+        self.policy, self.window, self.look = policy, window, look
         self.heaps: tuple[list, list, list] = ([], [], [])  # by base order (lookahead: rows outside the window)
         self.inside: tuple[list, list, list] = ([], [], [])  # lookahead: in-window rows by (-next use, base order)
         self.rank_call = rank_call
@@ -200,7 +197,7 @@ class HeapSim:
 
     def _push(self, t: int, row: int) -> None:
         last = self.last[row]
-        base = self.freq[row] * _BIG + last if self.lfu else last
+        base = self.policy.order(last, self.freq[row])
         if self.look and self._in_window(row):
             heapq.heappush(self.inside[t], ((-self.next[row], base), last, row))
         else:
@@ -353,7 +350,8 @@ def simulate(stream: TableStream, hbm_rows: int, ddr_rows: int, policy: str = "l
              method: str = "auto") -> TierCounts:
     """Replay one table through the store's tiers at one size.
 
-    ``policy``: "lru", "lfu" (the store's policies), "lookahead" (the store's
+    ``policy``: a registered policy's name ("lru", "lfu": the store's policies,
+    ``tierstore.eviction.POLICIES``), "lookahead" (the store's
     ``eviction="lookahead"`` with the next ``window`` calls of the table
     announced by prefetch: resident rows they use are pinned and ranked by next
     use, the rest by ``base``; a call larger than a tier keeps its rows by
@@ -366,7 +364,7 @@ def simulate(stream: TableStream, hbm_rows: int, ddr_rows: int, policy: str = "l
     if stream.num_rows is not None:  # as the store does
         hbm_rows, ddr_rows = min(hbm_rows, stream.num_rows), min(ddr_rows, stream.num_rows)
     hbm_rows, ddr_rows = clamp_sizes(hbm_rows, ddr_rows, stream.working_set)
-    if policy in ("lru", "lfu"):
+    if policy in POLICIES:
         pol = make_policy(policy)
         next_call = rows_next_use = rank_call = None
     elif policy in ("lookahead", "belady"):
@@ -387,7 +385,7 @@ def simulate(stream: TableStream, hbm_rows: int, ddr_rows: int, policy: str = "l
 
         rank_call = by_next_use if policy == "belady" else None
     else:
-        raise ValueError(f"unknown policy {policy!r}; choose lru, lfu, lookahead or belady")
+        raise ValueError(f"unknown policy {policy!r}; choose {', '.join(sorted(POLICIES))}, lookahead or belady")
     if method == "auto":
         method = "heap" if _heap_is_cheaper(stream, hbm_rows + ddr_rows) else "scan"
     if method not in ("heap", "scan"):
@@ -395,8 +393,7 @@ def simulate(stream: TableStream, hbm_rows: int, ddr_rows: int, policy: str = "l
     b = stream.bounds
     bar = open_progress(progress, stream.n_uses, f"{policy} {stream.name} {hbm_rows}:{ddr_rows}")
     if method == "heap":
-        sim = HeapSim(hbm_rows, ddr_rows, "lfu" in (policy, base if next_call is not None else None),
-                      window if policy == "lookahead" else None, next_call is not None,
+        sim = HeapSim(hbm_rows, ddr_rows, pol, window if policy == "lookahead" else None, next_call is not None,
                       rank_call or (lambda rows, last, freq, k, now: pol.select(last, freq, k)))
         rows, keys = stream.row.tolist(), stream.key.tolist()
         nxt = next_call.tolist() if next_call is not None else None

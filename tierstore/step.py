@@ -35,12 +35,11 @@ from typing import Protocol
 
 import numpy as np
 
-from tierstore.eviction import EvictionPolicy
+from tierstore.eviction import UNUSED, EvictionPolicy
 from tierstore.eviction.lookahead import NOT_IN_WINDOW, lookahead_victims
 
-# use clock and step count of a free slot: ranked after every row by each policy, so
-# that victims are chosen over the per-slot arrays as they are (see StepPlanner._make_room)
-UNUSED = np.iinfo(np.int64).max
+# UNUSED: the use clock and step count of a free slot. Every policy ranks it after every
+# row, so victims are chosen over the per-slot arrays as they are (StepPlanner._make_room).
 
 _EMPTY = np.empty(0, dtype=np.int64)
 

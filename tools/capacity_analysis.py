@@ -20,6 +20,7 @@ from tierstore.admission_replay import predict_admission
 from tierstore.budget import rows_for_targets, split_budget, total_curve
 from tierstore.cachesim import clamp_sizes, simulate
 from tierstore.curves import LruCurve, mean_abs_error, stack_distances
+from tierstore.eviction import POLICIES
 from tierstore.memory import MemorySplit, split_memory
 from tierstore.progress import ProgressFactory
 from tierstore.shards import MIN_SAMPLE_ROWS, shards_curves
@@ -75,9 +76,9 @@ class CapacityConfig:
             raise ValueError(f"hit_target ({self.hit_target}) counts HBM and DDR hits, so it cannot be below hbm_target ({self.hbm_target})")
         for name in ("hbm_bytes", "ddr_bytes"):
             check_number(getattr(self, name), name, none=True)
-        bad = [p for p in self.policies if p not in ("lru", "lfu", "lookahead")]
+        bad = [p for p in self.policies if p not in (*POLICIES, "lookahead")]
         if bad:
-            raise ValueError(f"unknown policies {bad}; simulate lru, lfu or lookahead")
+            raise ValueError(f"unknown policies {bad}; simulate {', '.join(sorted(POLICIES))} or lookahead")
         check_int(self.window, "window", at_least=1, meaning="batches")
         check_number(self.steps_per_s, "steps_per_s", above=True)
         check_number(self.row_bytes, "row_bytes", above=True, none=True)

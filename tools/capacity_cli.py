@@ -31,7 +31,7 @@ def register(sub) -> None:
                         "page cache) and the hits its tiers then get, as TieredStore(memory_budget=) sizes them")
     p.add_argument("--sizes", action="append", default=[], metavar="HBM:DDR",
                    help="simulate at these tier sizes per table, rows or %% of the working set, e.g. 10000:100000 or 1%%:10%% (repeatable; default: the recommendation, else 1%%:10%%)")
-    p.add_argument("--policies", default="lfu", help="policies to replay at those sizes: lfu, lookahead, lru (LRU is always read off the curve; "
+    p.add_argument("--policies", default="lfu", help="policies to replay at those sizes: the eviction policies (lfu, lru, ...) or lookahead (LRU is always read off the curve; "
                    "replaying it cross-checks); default lfu, '' for none")
     p.add_argument("--window", type=positive_int, default=16, help="lookahead window in batches")
     p.add_argument("--no-belady", action="store_true", help="skip Belady's bound")

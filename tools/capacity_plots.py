@@ -64,8 +64,14 @@ _POLICY_STYLE = {
 POINTS_NOTE = "Points: at a table's HBM rows, the HBM tier's miss ratio; at its HBM + DDR rows, both tiers' (misses that go to LMDB)."
 
 
-def _policy_key(name: str) -> str:
-    return next(k for k in _POLICY_STYLE if name.startswith(k))
+_OTHER_MARKERS = "DvP*<>"  # for policies registered beyond these
+
+
+def _policy_style(name: str) -> tuple[str, str]:
+    key = next((k for k in _POLICY_STYLE if name.startswith(k)), None)
+    if key is not None:
+        return _POLICY_STYLE[key]
+    return _OTHER_MARKERS[sum(map(ord, name)) % len(_OTHER_MARKERS)], name
 
 
 def plot_report(report: dict, out_dir: str | Path) -> list[Path]:
@@ -82,7 +88,7 @@ def plot_report(report: dict, out_dir: str | Path) -> list[Path]:
     plain = FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}")
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    seen = set()
+    seen: dict[str, str] = {}  # label -> marker
     for t in tables[:20]:
         rows = np.maximum(np.array(t["curve"]["rows"]), 1)
         miss = 1 - np.array(t["curve"]["hit_ratio"])
@@ -100,17 +106,14 @@ def plot_report(report: dict, out_dir: str | Path) -> list[Path]:
         for s in t.get("simulations", []):
             if s["predicted"] != "simulated":
                 continue
-            k = _policy_key(s["policy"])
-            marker, _ = _POLICY_STYLE[k]
+            marker, label = _policy_style(s["policy"])
             for size, ratio in ((s["hbm_rows"], s["hbm_hit_ratio"]), (s["hbm_rows"] + s["ddr_rows"], s["hit_ratio"])):
                 if size:  # HBM hits at the HBM size, all cache hits at HBM + DDR
                     ax.plot(size, 1 - ratio, marker, ms=8, mew=1.5, zorder=6, color=line.get_color(),
                             mfc="none" if marker != "x" else None)
-            seen.add(k)
-    for k in _POLICY_STYLE:  # legend entries for the point styles used, in a neutral colour: the shape is the policy
-        if k in seen:
-            marker, label = _POLICY_STYLE[k]
-            ax.plot([], [], marker, color="gray", mfc="none" if marker != "x" else None, ms=8, mew=1.5, ls="none", label=label)
+            seen[label] = marker
+    for label, marker in seen.items():  # legend entries for the point styles used, in a neutral colour: the shape is the policy
+        ax.plot([], [], marker, color="gray", mfc="none" if marker != "x" else None, ms=8, mew=1.5, ls="none", label=label)
     if any(t.get("recommendation") for t in tables):
         ax.plot([], [], "v", color="gray", mec="black", ms=10, ls="none", label="recommended HBM rows")
         ax.plot([], [], "*", color="gray", mec="black", ms=12, ls="none", label="recommended HBM + DDR rows")
