@@ -187,3 +187,63 @@ def test_entry_points_report_bad_settings_by_name(make, message):
 def test_infinity_stays_a_threshold_never_reached():
     assert PrefetchConfig(sync_read_us=float("inf")).sync_read_us == float("inf")  # never read ahead
     assert _daemon_config(idle_timeout=float("inf")).idle_timeout == float("inf")
+
+
+# -- modules take a StoreConfig as store= -------------------------------------------------------------------
+MODULE_CFG = StoreConfig(hbm_rows=8, ddr_rows=32, policy="lfu", device="cpu", eviction="lookahead", writeback_group_rows=16)
+
+
+def _is_module_cfg(store: TieredStore, path) -> bool:
+    c = store.config
+    return (c.path, c.hbm_rows, c.ddr_rows, c.policy, c.eviction, c.writeback_group_rows) == (
+        path, {"t": 8}, {"t": 32}, "lfu", "lookahead", 16)
+
+
+def test_every_module_opens_its_store_with_a_config_given_as_store(tmp_path):
+    """No module took a StoreConfig: eviction, writeback_*, map_size, direct_reads and clock could not be set from a model."""
+    import tierstore
+
+    bag = tierstore.TieredEmbeddingBag(1000, 4, path=tmp_path / "a", store=MODULE_CFG, table="t",
+                                       optimizer=tierstore.optim.SGD(lr=0.1))
+    assert _is_module_cfg(bag.store, tmp_path / "a") and bag.store.tables["t"].num_rows == 1000
+    bag.close()
+    ebc = tierstore.TieredEmbeddingBagCollection([SPEC], store=dataclasses.replace(MODULE_CFG, path=tmp_path / "b"))
+    assert _is_module_cfg(ebc.store, tmp_path / "b")
+    ebc.close()
+    torchrec = pytest.importorskip("torchrec", reason="the TorchRec collection needs the optional peer TorchRec")
+    from tierstore.torchrec import TieredEmbeddingBagCollection
+
+    table = torchrec.EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=1000, feature_names=["t"])
+    trc = TieredEmbeddingBagCollection([table], path=tmp_path / "c", store=MODULE_CFG)
+    assert _is_module_cfg(trc.store, tmp_path / "c")
+    trc.close()
+
+
+def test_a_module_refuses_a_keyword_that_contradicts_its_config_and_options_beside_an_open_store(tmp_path):
+    import tierstore
+
+    with pytest.raises(ValueError, match=r"hbm_rows=4 contradicts config\.hbm_rows=8"):
+        tierstore.TieredEmbeddingBag(1000, 4, path=tmp_path / "a", store=MODULE_CFG, hbm_rows=4)
+    assert not (tmp_path / "a").exists()
+    with opened(tmp_path / "s", [SPEC], device="cpu") as s:
+        with pytest.raises(ValueError, match=r"its own settings apply: drop path=, hbm_rows="):
+            tierstore.TieredEmbeddingBag(1000, 4, path=tmp_path / "x", store=s, table="t", hbm_rows=4)
+    with pytest.raises(ValueError, match=r"pass path=.*store=StoreConfig\(path="):
+        tierstore.TieredEmbeddingBag(1000, 4, store=MODULE_CFG)
+
+
+def test_the_sharded_module_opens_each_rank_store_with_the_config(tmp_path):
+    import torch.distributed as dist
+
+    from tierstore.distributed import ShardedEmbeddingBagCollection, plan
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="leave the config's path unset"):
+            ShardedEmbeddingBagCollection([SPEC], plan([SPEC], 1), tmp_path / "m", store=StoreConfig(tmp_path / "x"))
+        module = ShardedEmbeddingBagCollection([SPEC], plan([SPEC], 1), tmp_path / "m", store=MODULE_CFG,
+                                               registry=CollectorRegistry())
+        assert _is_module_cfg(module.local_store, tmp_path / "m" / "rank-0")
+        module.close()
+    finally:
+        dist.destroy_process_group()

@@ -54,7 +54,7 @@ def test_a_module_takes_any_embedding_store_and_names_the_interface_otherwise(op
     with open_() as s:
         bag = tierstore.TieredEmbeddingBag(10_000, 8, store=s, table="user", mode="sum").eval()
         assert torch.equal(bag(torch.tensor([3, 4]), torch.tensor([0])), s.read("user", [3, 4]).sum(0, keepdim=True))
-    with pytest.raises(TypeError, match=r"store must be a tierstore.EmbeddingStore .*got dict"):
+    with pytest.raises(TypeError, match=r"store must be a tierstore.StoreConfig .*an open store.*got dict"):
         tierstore.TieredEmbeddingBag(10_000, 8, store={"user": USER}, table="user")
 
 

@@ -74,7 +74,7 @@ from .precision import round_stochastic
 from .prefetch import PrefetchGroup
 from .sharding import PlanMismatchError, Shard, ShardingPlan, TablePlan
 from .spec import TableSpec
-from .store import Sizes, TieredStore, as_ids, as_values, resolve_device
+from .store import Sizes, StoreConfig, TieredStore, as_ids, as_values, resolve_device
 
 __all__ = ["PlanMismatchError", "RankFailedError", "SettingsMismatchError", "Shard", "ShardedEmbeddingBagCollection",
            "ShardingPlan", "TablePlan", "plan"]
@@ -320,6 +320,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
     same order: they are collectives (ranks that call different ones raise
     RankFailedError). A rank whose training forward got no features (``{}``)
     takes part in the others' backward from its next call.
+    ``store=StoreConfig(...)`` gives the settings of each rank's store (any of the
+    config's fields but its path, beside the keywords; ``memory_budget`` is per rank).
     ``comm_dtype="float16"``/``"bfloat16"`` casts the exchanged rows and
     gradients (not the stored rows). ``module.store`` is what LookaheadLoader
     prefetches through; ``module.local_store`` is this rank's TieredStore (None
@@ -343,8 +345,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         include_last_offset: bool = False,
         registry: CollectorRegistry | None = None,
         memory_budget: int | str | None = None,
+        store: StoreConfig | None = None,
     ):
         super().__init__()
+        if store is not None and not isinstance(store, StoreConfig):
+            raise TypeError(f"store must be a tierstore.StoreConfig (the settings of each rank's store), got {type(store).__name__}")
+        if store is not None and store.path is not None:
+            raise ValueError(f"store=StoreConfig(path={str(store.path)!r}): each rank's store is PATH/rank-K under the "
+                             "module's path; leave the config's path unset")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call torch.distributed.init_process_group(...) "
                                "on every rank first (gloo over 127.0.0.1 for CPU stores)")
@@ -371,7 +379,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if mine:
             self.local_store = TieredStore(self.path / f"rank-{self.rank}", tables=[t.shard_spec(t.mine, optimizer) for t in mine],
                                            hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device,
-                                           registry=registry, name=f"{self.path}/rank-{self.rank}", memory_budget=memory_budget)
+                                           registry=registry, name=f"{self.path}/rank-{self.rank}", memory_budget=memory_budget,
+                                           config=store)
             self.local_store.metrics.add_labels(rank=str(self.rank))
         self.device = resolve_device(device) if device is not None else (
             self.local_store.device if self.local_store is not None else torch.device("cpu"))

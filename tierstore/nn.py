@@ -47,7 +47,7 @@ from .interface import EmbeddingStore
 from .optim import RowOptimizer
 from .precision import round_stochastic
 from .spec import RowInit, TableSpec
-from .store import Sizes, TieredStore
+from .store import Sizes, StoreConfig, TieredStore
 
 __all__ = [
     "BagIndexError",
@@ -145,13 +145,33 @@ def refuse_export(module: nn.Module) -> None:
             "tierstore.ServingEmbeddingBagCollection")
 
 
-def _check_store_options(path, device, hbm_rows, ddr_rows, policy, memory_budget, record_trace) -> None:
-    """A module given store= takes that store as it was opened: options for opening one are refused, not ignored."""
-    if path is not None or device is not None or hbm_rows or ddr_rows or policy != "lru" or memory_budget is not None \
-            or record_trace is not None:
-        raise ValueError("with store= the store's own path, device, tiers, memory budget, policy and trace apply; "
-                         "drop path=, device=, hbm_rows=, ddr_rows=, memory_budget=, policy= and record_trace= "
-                         "(open the store with TieredStore(..., record_trace=PATH) to record its reads)")
+def module_store(store, path, specs: Sequence[TableSpec], **options) -> tuple[EmbeddingStore, bool]:
+    """The store a module reads, and whether the module opened it (and so closes it).
+
+    ``store`` is an open store, taken as it was opened: options for opening one
+    (``path=``, ``hbm_rows=``, ...) are refused, not ignored. Or it is a
+    :class:`~tierstore.StoreConfig`: the settings of the TieredStore the module opens at
+    ``path`` (else the config's path), the drop-in keywords in ``options`` beside it (a
+    keyword also set in the config must agree). Or None: the keywords alone."""
+    if store is None or isinstance(store, StoreConfig):
+        where = path if path is not None else getattr(store, "path", None)
+        if where is None:
+            raise ValueError("pass path= (a directory for a new or existing store), store=StoreConfig(path=..., ...) "
+                             "(the settings of the store to open) or store= (an open TieredStore)")
+        return TieredStore(where, tables=specs, config=store, **options), True
+    if not isinstance(store, EmbeddingStore):
+        raise TypeError(f"store must be a tierstore.StoreConfig (settings for the store to open), or an open store: a "
+                        f"TieredStore, or tierstore.open_store(path, daemon=SOCK)'s client; got {type(store).__name__}")
+    given = [name for name, value in [("path", path), *options.items()] if value != _OPEN_DEFAULTS.get(name)]
+    if given:  # the store's own path, device, tiers, memory budget, policy and trace apply
+        raise ValueError(f"with store= an open store, its own settings apply: drop {'=, '.join(given)}= "
+                         "(or pass store=StoreConfig(...) for a store the module opens; record a store's reads by "
+                         "opening it with TieredStore(..., record_trace=PATH))")
+    return store, False
+
+
+# the values of the opening keywords that mean "not given"
+_OPEN_DEFAULTS = {"policy": "lru", "hbm_rows": None, "ddr_rows": None}
 
 
 class ScriptRefusal:
@@ -169,8 +189,9 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
 
     ``TieredEmbeddingBag(num_embeddings, embedding_dim, mode=..., path=...,
     hbm_rows=..., ddr_rows=..., policy=..., device=..., optimizer=...)`` creates
-    (or reopens) a store at ``path`` holding one table; ``store=``/``table=``
-    use a table of an open store instead. ``num_embeddings=None`` is an
+    (or reopens) a store at ``path`` holding one table; ``store=StoreConfig(...)``
+    gives the settings of that store (any of the config's fields, beside these
+    keywords); ``store=``/``table=`` use a table of an open store instead. ``num_embeddings=None`` is an
     unbounded id space. ``record_trace=PATH`` records the store's reads as a
     trace for ``tierstore capacity`` (TieredStore's option).
 
@@ -193,7 +214,7 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         *,
         mode: str = "mean",
         path: str | Path | None = None,
-        store: EmbeddingStore | None = None,
+        store: EmbeddingStore | StoreConfig | None = None,
         table: str = "t0",
         hbm_rows: Sizes | None = None,
         ddr_rows: Sizes | None = None,
@@ -228,21 +249,16 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         self.optimizer = optimizer
         self._frozen = False  # requires_grad_(False)
         self._warned_untrained = False
-        self._owns_store = store is None
-        if store is None:
-            if path is None:
-                raise ValueError("pass path= (a directory for a new or existing store) or store= (an open TieredStore)")
+        opening = store is None or isinstance(store, StoreConfig)
+        if opening:
             cfg = EmbeddingBagConfig(num_embeddings, embedding_dim, mode, include_last_offset, padding_idx, table,
                                      init if init is not None else RowInit.normal(0.0, 1.0))
             state_dim = optimizer.state_dim(embedding_dim) if optimizer else 0
             spec = TableSpec(table, num_embeddings, embedding_dim, dtype=dtype or "float32", init=cfg.init, state_dim=state_dim)
-            store = TieredStore(path, tables=[spec], hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device,
-                                memory_budget=memory_budget, record_trace=record_trace)
-        else:
-            _check_store_options(path, device, hbm_rows, ddr_rows, policy, memory_budget, record_trace)
-            if not isinstance(store, EmbeddingStore):
-                raise TypeError(f"store must be a tierstore.EmbeddingStore (a TieredStore, or tierstore.open_store(path, daemon=SOCK)'s "
-                                f"client), got {type(store).__name__}")
+        store, self._owns_store = module_store(store, path, [spec] if opening else None, hbm_rows=hbm_rows, ddr_rows=ddr_rows,
+                                               policy=policy, device=device, memory_budget=memory_budget,
+                                               record_trace=record_trace)
+        if not opening:
             spec = store.tables.get(table)
             if spec is None:
                 raise KeyError(
@@ -593,7 +609,8 @@ class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
     ``ebc({"user": (values, offsets), "item": (values, offsets)})`` returns
     ``{"user": pooled [B, dim], "item": ...}``. A feature may also be
     ``(values, offsets, per_sample_weights)`` or a 2-D tensor of fixed-length bags.
-    Each table's ``state_dim`` is set to what the optimizer needs. ``record_trace=PATH``
+    Each table's ``state_dim`` is set to what the optimizer needs. ``store=StoreConfig(...)``
+    gives the settings of the store it opens; ``store=`` an open store uses its tables. ``record_trace=PATH``
     records the store's reads as a trace for ``tierstore capacity`` (TieredStore's option).
     """
 
@@ -602,7 +619,7 @@ class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
         tables: Sequence[TableSpec],
         *,
         path: str | Path | None = None,
-        store: EmbeddingStore | None = None,
+        store: EmbeddingStore | StoreConfig | None = None,
         hbm_rows: Sizes | None = None,
         ddr_rows: Sizes | None = None,
         policy: str = "lru",
@@ -626,14 +643,8 @@ class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
                     raise ValueError(f"table {spec.name!r}: state_dim={spec.state_dim} but {optimizer!r} needs {need}; leave state_dim=0")
                 spec = dataclasses.replace(spec, state_dim=need)
             specs.append(spec)
-        self._owns_store = store is None
-        if store is None:
-            if path is None:
-                raise ValueError("pass path= (a directory for a new or existing store) or store= (an open TieredStore)")
-            store = TieredStore(path, tables=specs, hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device,
-                                memory_budget=memory_budget, record_trace=record_trace)
-        else:
-            _check_store_options(path, device, hbm_rows, ddr_rows, policy, memory_budget, record_trace)
+        store, self._owns_store = module_store(store, path, specs, hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy,
+                                               device=device, memory_budget=memory_budget, record_trace=record_trace)
         self.store = store
         self.optimizer = optimizer
         self._bags = {

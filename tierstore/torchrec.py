@@ -34,10 +34,11 @@ except ImportError as e:  # pragma: no cover - depends on what is installed
 torch.fx.wrap("reorder_inverse_indices")  # a leaf when traced here too, as where TorchRec calls it
 
 from .checkpointing import check_optimizer_record, optimizer_record
-from .nn import ScriptRefusal, TieredEmbeddingBag, outside_graphs, refuse_export
+from .interface import EmbeddingStore
+from .nn import ScriptRefusal, TieredEmbeddingBag, module_store, outside_graphs, refuse_export
 from .optim import RowOptimizer
 from .spec import RowInit, TableSpec
-from .store import Sizes, TieredStore
+from .store import Sizes, StoreConfig
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 _DTYPES = {DataType.FP32: ("float32", torch.float32), DataType.FP16: ("float16", torch.float16),
@@ -143,6 +144,8 @@ class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterfac
     ``device="meta"`` builds the module as TorchRec does on meta (nn.EmbeddingBags of meta
     tensors, for shapes and planning) and creates no store. ``record_trace=PATH`` records the
     store's reads as a trace for ``tierstore capacity`` (TieredStore's option).
+    ``store=StoreConfig(...)`` gives the settings of the store it opens (any of the config's
+    fields, beside the keywords here); ``store=`` an open store holding the tables uses it.
     """
 
     def __init__(
@@ -152,6 +155,7 @@ class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterfac
         device: str | torch.device | None = None,
         *,
         path: str | Path | None = None,
+        store: EmbeddingStore | StoreConfig | None = None,
         hbm_rows: Sizes | None = None,
         ddr_rows: Sizes | None = None,
         policy: str = "lru",
@@ -197,13 +201,11 @@ class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterfac
                                         device="meta", dtype=_DTYPES[t.data_type][1])
                 for t in tables})
             return
-        if path is None:
-            raise ValueError("pass path= (a directory for a new or existing store)")
         specs = [TableSpec(t.name, t.num_embeddings, t.embedding_dim, dtype=_DTYPES[t.data_type][0],
                            state_dim=optimizer.state_dim(t.embedding_dim) if optimizer else 0, init=inits[t.name])
                  for t in tables]
-        self.store = TieredStore(path, tables=specs, hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device,
-                                 memory_budget=memory_budget, record_trace=record_trace)
+        self.store, self._owns_store = module_store(store, path, specs, hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy,
+                                                    device=device, memory_budget=memory_budget, record_trace=record_trace)
         self.embedding_bags = nn.ModuleDict({
             t.name: TieredEmbeddingBag(t.num_embeddings, t.embedding_dim, mode=_MODES[t.pooling], store=self.store, table=t.name,
                                        optimizer=optimizer, include_last_offset=True, kernels=kernels)
@@ -257,8 +259,8 @@ class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterfac
             bag.reset_parameters()
 
     def close(self) -> None:
-        """Flush every row and close the store."""
-        if self.store is not None:
+        """Flush every row and close the store, if the collection opened it (not one given as ``store=``)."""
+        if self.store is not None and self._owns_store:
             self.store.close()
 
 
