@@ -89,9 +89,9 @@ def test_instruction_bench_says_so_without_valgrind(monkeypatch, capsys):
 def test_evict_bench_reads_evict_and_prints_each_setting(tmp_path, capsys):
     import argparse
 
-    from tierstore.tools import bench
+    from tierstore.tools import bench_store
 
-    results = bench.bench_evict(argparse.Namespace(rows=4096, batch=1024, repeat=2, seed=0, dir=str(tmp_path)))
+    results = bench_store.bench_evict(argparse.Namespace(rows=4096, batch=1024, repeat=2, seed=0, dir=str(tmp_path)))
     assert all(evicted >= 1024 // 16 for *_, evicted in results.values())  # every evicting read's misses made room
     out = capsys.readouterr().out
     for setting in ("lru, eviction=policy", "lfu, eviction=policy", "lru, eviction=lookahead"):

@@ -1,80 +1,156 @@
 """``tierstore bench``: speed and memory figures, each a ratio against a
-baseline measured in the same run. Figures are medians of repeated runs."""
+baseline measured in the same run. Figures are medians of repeated runs.
+
+This module is the verb and the timing helpers every benchmark shares; it imports
+no torch, so that ``tierstore bench --help`` answers at once. A benchmark lives in
+its module with the function that runs it and the one that adds its options."""
 from __future__ import annotations
 
 import argparse
 import importlib
-import itertools
-import os
 import statistics
-import tempfile
+import sys
 import time
+from typing import NamedTuple
 
-import numpy as np
-import torch
+from tierstore.tools.cli import add_verb, conventions, positive_int
 
-from tierstore.tools.cli import add_verb
 
-# name -> "module:function"; each function takes the parsed args and prints its table
-BENCHES = {
-    "read": "tierstore.tools.bench:bench_read",
-    "cold": "tierstore.tools.bench:bench_cold",
-    "evict": "tierstore.tools.bench:bench_evict",
-    "memory": "tierstore.tools.bench:bench_memory",
-    "train": "tierstore.tools.bench_train:run",
-    "metrics": "tierstore.tools.bench_metrics:run",
-    "capacity": "tierstore.tools.bench_capacity:run",
-    "daemon": "tierstore.tools.bench_daemon:run",
-    "prefetch": "tierstore.tools.bench_prefetch:run",
-    "peers": "tierstore.tools.bench_peers:run",
-    "load": "tierstore.tools.bench:bench_load",
-    "sharded": "tierstore.tools.bench_sharded:run",
-    "churn": "tierstore.tools.bench_churn:run",
-    "instructions": "tierstore.tools.bench_instructions:run",
-    "serve": "tierstore.tools.bench_serve:run",
-    "scale": "tierstore.tools.bench_scale:run",
+class Bench(NamedTuple):
+    module: str  # in tierstore.tools
+    help: str  # its line in `tierstore bench --help`, and its description
+    run: str = "run"  # the module's function that runs it on the parsed options and prints its figures
+    arguments: str = "add_arguments"  # the module's function that adds its options to a parser
+
+
+BENCHES: dict[str, Bench] = {
+    "read": Bench("bench_store", "reads of resident rows against torch.index_select over a plain tensor",
+                  "bench_read", "read_arguments"),
+    "cold": Bench("bench_store", "reads of rows only in LMDB against a raw py-lmdb get loop over the same rows",
+                  "bench_cold", "cold_arguments"),
+    "evict": Bench("bench_store", "reads that evict from a large DDR tier, by policy, against reads of resident rows",
+                   "bench_evict", "evict_arguments"),
+    "memory": Bench("bench_store", "a 10^9-row table with a 1M-row DDR tier: open time and resident memory",
+                    "bench_memory", "memory_arguments"),
+    "train": Bench("bench_train", "a training step with the working rows resident against nn.EmbeddingBag and "
+                                  "torch.optim in memory"),
+    "metrics": Bench("bench_metrics", "read throughput while Prometheus scrapes the store against nothing scraping"),
+    "capacity": Bench("bench_capacity", "miss-ratio curves (exact LRU, SHARDS) of a Zipf trace against a "
+                                        "plain-Python LRU of one size"),
+    "daemon": Bench("bench_daemon", "reads through `tierstore prefetchd` against an in-process DDR tier, and two "
+                                    "client processes against one"),
+    "prefetch": Bench("bench_prefetch", "the training step with cold rows, by prefetch depth, against every row "
+                                        "resident; lookahead eviction's hit rate against Belady's"),
+    "peers": Bench("bench_peers", "the resident training step and lookup against FBGEMM's fused table-batched "
+                                  "embedding"),
+    "load": Bench("bench_store", "bulk load, durable, against LMDB putmulti in one transaction",
+                  "bench_load", "load_arguments"),
+    "sharded": Bench("bench_sharded", "ShardedEmbeddingBagCollection on 1, 2 and 4 local ranks against one "
+                                      "process and the plan's bytes"),
+    "churn": Bench("bench_churn", "what admission and TTL eviction do to an unbounded table's disk and to a "
+                                  "model's loss"),
+    "instructions": Bench("bench_instructions", "machine instructions per training step (valgrind's callgrind), "
+                                                "at prefetch depth 0 and 2"),
+    "serve": Bench("bench_serve", "serving lookups (float32, int8, int4) against FBGEMM IntNBit; client "
+                                  "latency while deltas apply"),
+    "scale": Bench("bench_scale", "a table many times the memory budget, trained under a real memory limit"),
 }
-DEFAULT = ("read", "cold", "memory")
-DEFAULT_BATCH = 65_536  # ids per read; bench peers takes it to mean FBGEMM's own 2048 bags x 32 ids
-# the shared flags' defaults; a bench module's own DEFAULTS dict overrides them for it
-COMMON_DEFAULTS = {"rows": 1_000_000, "dim": 128, "repeat": 15}
+DEFAULT = ("read", "cold", "memory")  # what `tierstore bench` alone runs
+DEFAULT_BATCH = 65_536
+
+# The options several benchmarks take, declared once; a benchmark adds those it reads,
+# with its own default or help where they differ (shared()).
+SHARED: dict[str, dict] = {
+    "rows": dict(type=positive_int, default=1_000_000, help="table rows"),
+    "dim": dict(type=positive_int, default=128, help="embedding dim"),
+    "batch": dict(type=positive_int, default=DEFAULT_BATCH, help="ids per read"),
+    "repeat": dict(type=positive_int, default=15, help="timed repetitions (the median is reported)"),
+    "device": dict(default="cpu", help="the HBM tier's device (cuda puts every row in HBM)"),
+    "dir": dict(default=None, help="directory for the benchmark's stores (default: a temporary one)"),
+    "seed": dict(type=int, default=0, help="random seed"),
+}
+
+
+def shared(p: argparse.ArgumentParser, *names: str, helps: dict[str, str] | None = None, **defaults) -> None:
+    """Adds the shared options ``names`` and those in ``defaults`` (with the default given) to
+    a benchmark's parser; ``helps`` gives its own help line for any of them. A benchmark adds
+    these first, then its own."""
+    for name in [n for n in SHARED if n in names or n in defaults]:  # in one order for every benchmark
+        kwargs = {**SHARED[name], **({"default": defaults[name]} if name in defaults else {})}
+        if helps and name in helps:
+            kwargs["help"] = helps[name]
+        p.add_argument(f"--{name}", **kwargs)
+
+
+def _module(bench: Bench):
+    return importlib.import_module(f"tierstore.tools.{bench.module}")
+
+
+class BenchmarkParser(argparse.ArgumentParser):
+    """One benchmark's parser. Its options are added when it first parses (a run, or its
+    ``--help``): only then is its module imported, and torch with it."""
+
+    def __init__(self, *args, benchmark: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.benchmark, self.loaded = benchmark, False
+
+    def load(self) -> BenchmarkParser:
+        if not self.loaded:
+            self.loaded = True
+            self.add_argument("more", nargs="*", metavar="BENCHMARK",
+                              help="more benchmarks to run after this one, each with the options given "
+                                   "(each must take them all)")
+            bench = BENCHES[self.benchmark]
+            getattr(_module(bench), bench.arguments)(self)
+            conventions(self)
+        return self
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.load()
+        args = sys.argv[1:] if args is None else list(args)
+        ns, rest = super().parse_known_args(args, namespace)
+        unknown = [name for name in ns.more if name not in BENCHES]
+        if rest:  # here, not at the top level: the error shows this benchmark's usage, with its options
+            several = (f"; benchmarks named together must each take every option given: run {self.benchmark} in "
+                       "its own command")
+            # an unknown option's value was taken for a benchmark's name: it is unrecognized too
+            self.error(f"unrecognized arguments: {' '.join(rest + unknown)}"
+                       + (several if len(unknown) < len(ns.more) else ""))
+        if unknown:
+            self.error(f"no benchmark {', '.join(map(repr, unknown))}; choose from {', '.join(BENCHES)}")
+        ns.bench_argv = args
+        return ns, rest
+
+
+def benchmark_parser(name: str) -> BenchmarkParser:
+    """``tierstore bench NAME``'s parser, its options added."""
+    return BenchmarkParser(prog=f"tierstore bench {name}", description=BENCHES[name].help, benchmark=name).load()
 
 
 def register(sub) -> None:
-    p = add_verb(sub, "bench")
-    p.add_argument("which", nargs="*", default=list(DEFAULT), help=f"benchmarks to run: {', '.join(BENCHES)} (default: {' '.join(DEFAULT)})")
-    p.add_argument("--rows", type=int, default=None, help="table rows (default 1,000,000; scale: 34,000,000)")
-    p.add_argument("--dim", type=int, default=None, help="embedding dim (default 128; scale: 64)")
-    p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="ids per read")
-    p.add_argument("--repeat", type=int, default=None, help="timed repetitions (median reported; default 15; scale: timed steps, 100)")
-    p.add_argument("--device", default="cpu", help="HBM device for the read, train and peers benches (cuda puts every row in HBM)")
-    p.add_argument("--dir", default=None, help="directory for bench stores (default: a temporary one)")
-    p.add_argument("--seed", type=int, default=0, help="random seed")
-    p.add_argument("--tier", choices=("hbm", "ddr"), default=None,
-                   help="peers: ddr also times every row resident in the DDR tier (hbm_rows=0), beside the HBM tier")
-    p.add_argument("--rounds", type=int, default=None, help="cold runs per setting (prefetch; default 7)")
-    p.add_argument("--path", default=None, help="scale: the table's store, built there once and reused (default: a temporary one)")
-    p.add_argument("--budgets", nargs="+", default=None, help="scale: memory budgets (default 512MiB 1GiB 2GiB)")
-    p.add_argument("--depths", nargs="+", type=int, default=None, help="scale: LookaheadLoader depths (default 0 4)")
-    p.add_argument("--warmup", type=int, default=None, help="scale: untimed steps before the timed ones (default 60)")
-    p.add_argument("--json", action="store_true", help="scale: print the results as JSON")
-    p.add_argument("--clients", type=int, default=None, help="serve: concurrent client processes (default 2)")
-    p.add_argument("--seconds", type=float, default=None, help="serve: seconds of each client phase, idle and with deltas (default 8)")
-    p.add_argument("--delta-rows", type=int, default=None,
-                   help="serve: rows of the table a 1%% delta is applied to (default 1,000,000; the goal's 10,000,000)")
+    p = add_verb(sub, "bench", usage="tierstore bench [-h] [BENCHMARK ...] [options]",
+                 description="Each benchmark prints its figures against a baseline measured in the same run. "
+                             "`tierstore bench BENCHMARK --help` gives its options. Several named together run in "
+                             "turn, each with the options given (`tierstore bench read cold --rows 100000`); with "
+                             f"none named: {' '.join(DEFAULT)}.")
+    benches = p.add_subparsers(dest="bench", title="benchmarks", metavar="BENCHMARK", prog="tierstore bench",
+                               parser_class=BenchmarkParser)
+    for name, bench in BENCHES.items():
+        benches.add_parser(name, help=bench.help, description=bench.help, benchmark=name)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    unknown = [w for w in args.which if w not in BENCHES]
-    if unknown:
-        raise SystemExit(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHES)}")
-    torch.manual_seed(args.seed)
-    for name in args.which:
-        module, fn = BENCHES[name].split(":")
-        mod = importlib.import_module(module)
-        given = {k: v for k, v in vars(args).items() if v is not None}
-        getattr(mod, fn)(argparse.Namespace(**{**vars(args), **COMMON_DEFAULTS, **getattr(mod, "DEFAULTS", {}), **given}))
+    names = [args.bench, *args.more] if args.bench else list(DEFAULT)
+    # each benchmark reads the options given with its own parser (its defaults): all are
+    # parsed before the first runs, so an option one of them does not take costs no run
+    runs = [(name, benchmark_parser(name).parse_args(getattr(args, "bench_argv", []))) for name in names]
+    import torch  # here, not above: `tierstore bench --help` answers without loading it
+
+    for name, options in runs:
+        torch.manual_seed(getattr(options, "seed", 0))
+        bench = BENCHES[name]
+        getattr(_module(bench), bench.run)(options)
     return 0
 
 
@@ -95,12 +171,6 @@ def median_seconds(fn, repeat: int, warmup: int = 2) -> float:
     return interleaved_medians((fn,), repeat, warmup)[0]
 
 
-def read_all(store, n: int, table: str = "t") -> None:
-    """Read every row once, in parts: brings them all into a cache that holds them."""
-    for lo in range(0, n, 262_144):
-        store.read(table, torch.arange(lo, min(n, lo + 262_144)))
-
-
 def report(title: str, params: dict, rows: list[tuple[str, str]], ratio_name: str, ratio: float, goal: str) -> None:
     print(f"\n== {title}")
     print("   " + ", ".join(f"{k}={v}" for k, v in params.items()))
@@ -108,251 +178,3 @@ def report(title: str, params: dict, rows: list[tuple[str, str]], ratio_name: st
     for label, value in rows:
         print(f"   {label:<{width}}  {value}")
     print(f"   {ratio_name}: {ratio:.2f}x  (goal {goal})")
-
-
-def _workdir(args):
-    return tempfile.TemporaryDirectory(prefix="tierstore-bench-", dir=args.dir)
-
-
-def bench_read(args) -> None:
-    """All-resident read vs torch.index_select over a plain tensor."""
-    import tierstore
-
-    device = torch.device(args.device)
-    n, dim, batch = args.rows, args.dim, args.batch
-    on_hbm = device.type != "cpu"
-    with _workdir(args) as d:
-        spec = tierstore.TableSpec("t", n, dim, init=tierstore.RowInit.uniform(-1, 1, seed=args.seed))
-        store = tierstore.TieredStore(d, [spec], hbm_rows=n if on_hbm else 0, ddr_rows=0 if on_hbm else n, device=device)
-        read_all(store, n)
-        plain = store.read("t", torch.arange(n)).to(device)
-        gen = torch.Generator().manual_seed(args.seed)
-        batches = [torch.randint(0, n, (batch,), generator=gen) for _ in range(8)]
-        dev_batches = [b.to(device) for b in batches]
-        out = torch.empty((batch, dim), device=device)
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        it = iter(range(10**9))
-
-        def baseline():
-            torch.index_select(plain, 0, dev_batches[next(it) % 8], out=out)
-            sync()
-
-        def tiered():
-            store.read("t", dev_batches[next(it) % 8], out=out)
-            sync()
-
-        def baseline_alloc():
-            plain.index_select(0, dev_batches[next(it) % 8])
-            sync()
-
-        def tiered_alloc():
-            store.read("t", dev_batches[next(it) % 8])
-            sync()
-
-        t_base, t_store, t_base_alloc, t_store_alloc = interleaved_medians((baseline, tiered, baseline_alloc, tiered_alloc), args.repeat)
-        assert torch.equal(store.read("t", batches[0]), plain[batches[0].to(device)])
-        store.close()
-    report(
-        "read: every row resident" + (" in HBM" if on_hbm else " in the DDR tier (hbm_rows=0)"),
-        {"rows": n, "dim": dim, "batch": batch, "device": device},
-        [("torch.index_select(out=)", f"{t_base * 1e3:8.2f} ms  {batch / t_base / 1e6:6.1f} M rows/s"),
-         ("TieredStore.read(out=)", f"{t_store * 1e3:8.2f} ms  {batch / t_store / 1e6:6.1f} M rows/s"),
-         ("torch.index_select, new output", f"{t_base_alloc * 1e3:8.2f} ms  (store/plain {t_base_alloc / t_store_alloc:.2f}x)"),
-         ("TieredStore.read, new output", f"{t_store_alloc * 1e3:8.2f} ms")],
-        "store / index_select throughput", t_base / t_store, ">= 0.50",
-    )
-
-
-def bench_cold(args) -> None:
-    """Rows only in LMDB (page cache warm) vs LMDB's own floor: a raw sorted txn.get loop
-    over the same rows stored a key each in a plain LMDB environment beside the store."""
-    import lmdb
-
-    import tierstore
-    from tierstore.io.codecs import encode_keys
-
-    n, dim, batch = args.rows, args.dim, args.batch
-    with _workdir(args) as d:
-        spec = tierstore.TableSpec("t", n, dim)
-        ddr = 4 * batch
-        env = lmdb.open(f"{d}/raw", map_size=4 * n * (4 * dim + 64) + (64 << 20), max_dbs=1, sync=False, readahead=False)
-        db = env.open_db(b"t")
-        with tierstore.TieredStore(d, [spec], ddr_rows=0) as loader:
-            rng = np.random.default_rng(args.seed)
-            for lo in range(0, n, 262_144):
-                ids = np.arange(lo, min(n, lo + 262_144))
-                rows = rng.standard_normal((len(ids), dim), dtype=np.float32)
-                loader.write("t", ids, rows)
-                with env.begin(write=True, db=db) as txn:
-                    txn.cursor().putmulti(zip(encode_keys(ids), rows.view(f"V{4 * dim}").ravel().tolist()), append=True)
-        store = tierstore.TieredStore(d, hbm_rows=0, ddr_rows=ddr)
-        perm = torch.from_numpy(np.random.default_rng(args.seed + 1).permutation(n))
-        # consecutive slices of a permutation: each batch misses the DDR tier, which holds the last four
-        batches = [perm[i * batch : (i + 1) * batch] for i in range(n // batch)]
-        keys = [encode_keys(np.sort(b.numpy())) for b in batches]
-        i_base, i_store = iter(range(10**9)), iter(range(10**9))
-
-        def baseline():
-            with env.begin(db=db, buffers=False) as txn:
-                get = txn.get
-                [get(k) for k in keys[next(i_base) % len(keys)]]
-
-        out = torch.empty((batch, dim))
-
-        def tiered():  # both store variants share one pass over the batches, so every read misses
-            store.read("t", batches[next(i_store) % len(batches)], out=out)
-
-        def tiered_alloc():
-            store.read("t", batches[next(i_store) % len(batches)])
-
-        for b in batches:  # warm the page cache
-            baseline()
-        before = store.stats()["ddr"]["hits"]
-        t_base, t_store, t_store_alloc = interleaved_medians((baseline, tiered, tiered_alloc), args.repeat)
-        hits = store.stats()["ddr"]["hits"] - before
-        store.close()
-        env.close()
-    report(
-        "cold read: rows only in LMDB, page cache warm",
-        {"rows": n, "dim": dim, "batch": batch, "ddr_rows": ddr, "ddr hits during run": hits},
-        [("raw sorted txn.get loop", f"{t_base * 1e3:8.2f} ms  {batch / t_base / 1e3:7.0f} k rows/s"),
-         ("TieredStore.read(out=) (miss, insert, evict)", f"{t_store * 1e3:8.2f} ms  {batch / t_store / 1e3:7.0f} k rows/s"),
-         ("TieredStore.read, new output", f"{t_store_alloc * 1e3:8.2f} ms  (store/raw loop {t_base / t_store_alloc:.2f}x)")],
-        "store / raw loop throughput", t_base / t_store, ">= 0.70",
-    )
-
-
-def bench_evict(args) -> dict:
-    """Reads that evict from a large DDR tier vs the same reads, less their misses, from a
-    store alike that holds every row they read: what misses and choosing their victims
-    cost, by policy, with and without a prefetch window pinning the next batches' rows."""
-    import tierstore
-    from tierstore.prefetch import LookaheadLoader
-
-    capacity, batch, dim = args.rows, args.batch, 16
-    misses = batch // 16
-    rng = np.random.default_rng(args.seed)
-    spec = tierstore.TableSpec("t", 4 * capacity, dim)  # rows never written: a miss costs no LMDB read
-    # hot ids from the rows the tier holds, and misses from the rest of the table
-    batches = [np.concatenate([rng.integers(0, capacity, batch - misses), rng.integers(capacity, 4 * capacity, misses)])
-               for _ in range(args.repeat + 4)]
-    settings = [("lru", "policy"), ("lfu", "policy"), ("lru", "lookahead")]  # lookahead: with a prefetch window
-    results = {}
-    with _workdir(args) as d:
-        for policy, eviction in settings:
-            # two stores alike: one only ever reads rows it holds, the other's reads evict
-            stores = [tierstore.TieredStore(os.path.join(d, f"{policy}-{eviction}-{i}"), [spec], ddr_rows=capacity, device="cpu",
-                                            policy=policy, eviction=eviction) for i in range(2)]
-            try:
-                for store in stores:
-                    read_all(store, capacity)
-                held, store = stores
-                resident = itertools.cycle([b[b < capacity] for b in batches])
-                # with a window, the next two batches are announced as a trainer's loader announces them
-                depth = 2 if eviction == "lookahead" else 0
-                evicting = iter(LookaheadLoader(itertools.cycle(batches), store, depth=depth, ids=lambda b: {"t": b}))
-
-                def reads_resident():
-                    held.read("t", next(resident))
-
-                def reads_evicting():
-                    store.read("t", next(evicting))
-
-                before = store.stats()["ddr"]["evictions"]
-                t_res, t_ev = interleaved_medians((reads_resident, reads_evicting), args.repeat)
-                assert held.stats()["ddr"]["evictions"] == 0
-                results[(policy, eviction)] = (t_res, t_ev, (store.stats()["ddr"]["evictions"] - before) / (args.repeat + 2))
-            finally:
-                for s in stores:
-                    s.close()
-    rows = []
-    for (policy, eviction), (t_res, t_ev, evicted) in results.items():
-        label = f"{policy}, eviction={eviction}" + (", prefetch depth 2 (its issue and staging included)" if eviction == "lookahead" else "")
-        rows.append((f"{label}: resident read / evicting read",
-                     f"{t_res * 1e3:7.2f} / {t_ev * 1e3:7.2f} ms  ({t_ev / t_res:.2f}x; {evicted:,.0f} rows evicted a read)"))
-    worst = max(t_ev / t_res for t_res, t_ev, _ in results.values())
-    report("evict: reads that evict from a large DDR tier",
-           {"ddr_rows": capacity, "table rows": 4 * capacity, "dim": dim, "batch": batch, "misses a read": misses},
-           rows, "evicting read / resident read, worst setting", worst, "report only: the cost of choosing victims at this tier size")
-    return results
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def bench_memory(args) -> None:
-    """A 10^9-row table with a 1M-row DDR tier: open time and resident memory."""
-    import tierstore
-
-    n, dim, ddr, batch = 10**9, args.dim, 1_000_000, args.batch
-    with _workdir(args) as d:
-        spec = tierstore.TableSpec("huge", n, dim)
-        tierstore.TieredStore(d, [spec]).close()
-        rss0 = _rss_bytes()
-        t0 = time.perf_counter()
-        store = tierstore.TieredStore(d, hbm_rows=0, ddr_rows=ddr)
-        t_open = time.perf_counter() - t0
-        gen = torch.Generator().manual_seed(args.seed)
-        reads = 24
-        t0 = time.perf_counter()
-        for _ in range(reads):
-            store.read("huge", torch.randint(0, n, (batch,), generator=gen))
-        t_reads = time.perf_counter() - t0
-        resident = store.resident_rows("huge")["ddr"]
-        tier_bytes = resident * 4 * dim
-        beyond = _rss_bytes() - rss0 - tier_bytes
-        store.close()
-    dense = 4 * n
-    report(
-        "memory: 10^9-row table, 1M-row DDR tier",
-        {"num_rows": n, "dim": dim, "ddr_rows": ddr, "reads": f"{reads} x {batch} random ids"},
-        [("open", f"{t_open * 1e3:8.1f} ms (goal < 1000 ms)"),
-         ("reads", f"{t_reads / reads * 1e3:8.1f} ms per read"),
-         ("DDR rows resident", f"{resident:,} ({tier_bytes / 2**20:.0f} MiB of row data)"),
-         ("RSS beyond the tier rows", f"{beyond / 2**20:8.1f} MiB (goal < 1024 MiB)"),
-         ("a dense int32 id->slot map would be", f"{dense / 2**20:8.1f} MiB")],
-        "memory beyond tiers / dense id map", beyond / dense, "< 0.25 (and < 1 GiB)",
-    )
-
-
-def bench_load(args: argparse.Namespace) -> None:
-    """Bulk load: from_pretrained and one store.write of every row (each flushed:
-    durable) against LMDB's own putmulti of the same rows in one transaction, synced."""
-    import lmdb
-
-    import tierstore
-    from tierstore.io import RowCodec, encode_keys
-
-    rows, dim = args.rows, args.dim
-    weights = torch.randn(rows, dim, generator=torch.Generator().manual_seed(args.seed))
-    with _workdir(args) as d:
-        turn = iter(range(10**9))
-
-        def fresh() -> str:
-            return os.path.join(d, str(next(turn)))
-
-        def putmulti():
-            env = lmdb.open(fresh(), map_size=4 * rows * (dim * 4 + 64) + (1 << 30), sync=False, max_dbs=2)
-            with env.begin(write=True, db=env.open_db(b"t")) as txn:
-                txn.cursor().putmulti(zip(encode_keys(np.arange(rows)), RowCodec(dim).encode(weights.numpy())), append=True)
-            env.sync(True)
-            env.close()
-
-        def from_pretrained():
-            emb = tierstore.TieredEmbeddingBag.from_pretrained(weights, path=fresh())
-            emb.store.flush()
-            emb.close()
-
-        def store_write():
-            with tierstore.TieredStore(fresh(), [tierstore.TableSpec("t", rows, dim)]) as store:
-                store.write("t", torch.arange(rows), weights)
-                store.flush()
-
-        base, pre, write = interleaved_medians([putmulti, from_pretrained, store_write], repeat=3, warmup=0)
-    report("load: bulk load, durable, against LMDB putmulti in one transaction", {"rows": rows, "dim": dim, "rounds": 3},
-           [("LMDB putmulti, one txn, synced", f"{base:6.2f} s"),
-            ("TieredEmbeddingBag.from_pretrained + flush", f"{pre:6.2f} s  {pre / base:.2f}x"),
-            ("TieredStore.write (one call) + flush", f"{write:6.2f} s  {write / base:.2f}x")],
-           "worst of the two, x putmulti", max(pre, write) / base, "<= 2.0")

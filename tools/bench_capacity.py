@@ -6,9 +6,14 @@ from collections import OrderedDict
 
 from tierstore.curves import lru_curves
 from tierstore.shards import shards_curves
-from tierstore.tools.bench import median_seconds
+from tierstore.tools.bench import median_seconds, shared
 from tierstore.tools.bench import report as bench_report
 from tierstore.tools.synth import SynthConfig, synth
+
+
+def add_arguments(p) -> None:
+    shared(p, "batch", "seed", repeat=3, helps={"batch": "ids per batch of the trace",
+                                                "repeat": "timed runs of each side (at most 3: each takes seconds)"})
 
 
 def run(args) -> None:
@@ -16,11 +21,11 @@ def run(args) -> None:
     a plain-Python LRU simulation of one size on a prefix of the same trace."""
     # the issue's trace: 10M accesses, Zipf 1.05 over 10M rows; --batch sets the ids per call
     accesses, rows = 10_000_000, 10_000_000
-    batch = int(getattr(args, "batch", 65_536))
+    batch = args.batch
     steps = -(-accesses // batch)
-    cfg = SynthConfig(tables=(("t0", rows),), alpha=1.05, batch_size=batch, pooling=1, steps=steps, seed=int(getattr(args, "seed", 0)))
+    cfg = SynthConfig(tables=(("t0", rows),), alpha=1.05, batch_size=batch, pooling=1, steps=steps, seed=args.seed)
     trace = synth(cfg)
-    repeat = max(1, min(int(getattr(args, "repeat", 3)), 3))  # each run is seconds long
+    repeat = min(args.repeat, 3)  # each run is seconds long
     # baseline: an OrderedDict LRU of one size (1% of the rows), per id, on the first 1M accesses
     ids = trace.ids[:1_000_000].tolist()
 

@@ -23,6 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tierstore.tools.bench import shared
+from tierstore.tools.cli import nonneg_int, positive_int
+
 DIM = 16
 DEMO_WIDTH = 1 << 18  # sketch counters per row for the demo's tables of 200k rows (1 MiB a table)
 ID_SPACE = 10**12  # Zipf ranks over this many ids: a long tail of ids seen once
@@ -122,24 +125,27 @@ DEFAULT_IDS = 3_000_000
 DEFAULT_TTL = 50  # steps of 16k ids: the 3M-id stream is 183 steps
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    shared(p, "dir", "seed", batch=16_384, helps={"batch": "ids per step"})
+    p.add_argument("--ids", type=positive_int, default=DEFAULT_IDS, help="ids in the stream")
+    p.add_argument("--admit-after", type=positive_int, default=2,
+                   help="the admission setting's admit_after: a row's updates are kept from its Nth step on")
+    p.add_argument("--ttl-steps", type=positive_int, default=DEFAULT_TTL,
+                   help="the TTL setting's ttl_steps: a row unused this many steps reads as initial again")
+    p.add_argument("--demo-steps", type=nonneg_int, default=300, help="steps of the demo model per setting (0: skip)")
+    p.add_argument("--width", type=positive_int, default=1 << 22, help="sketch counters per row (a power of two)")
+    p.add_argument("--hbm-rows", type=nonneg_int, default=8192, help="the HBM tier's rows in the disk runs")
+
+
 def run(args: argparse.Namespace) -> None:
-    """The bench verb: its --batch is ids per step (capped at 16384), the rest are this module's defaults."""
-    main(DEFAULT_IDS, min(args.batch, 16_384), 2, DEFAULT_TTL, 300, 1 << 22, 8192, args.dir, args.seed)
+    main(args.ids, args.batch, args.admit_after, args.ttl_steps, args.demo_steps, args.width, args.hbm_rows, args.dir,
+         args.seed)
 
 
 def _cli(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m tierstore.tools.bench_churn", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ids", type=int, default=DEFAULT_IDS, help="ids in the stream")
-    p.add_argument("--per-step", type=int, default=16_384, help="ids per step")
-    p.add_argument("--admit-after", type=int, default=2)
-    p.add_argument("--ttl-steps", type=int, default=DEFAULT_TTL)
-    p.add_argument("--demo-steps", type=int, default=300, help="steps of the demo model per setting (0: skip)")
-    p.add_argument("--width", type=int, default=1 << 22, help="sketch counters per row (power of two)")
-    p.add_argument("--hbm-rows", type=int, default=8192)
-    p.add_argument("--dir", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    main(a.ids, a.per_step, a.admit_after, a.ttl_steps, a.demo_steps, a.width, a.hbm_rows, a.dir, a.seed)
+    add_arguments(p)
+    run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,15 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
+from tierstore.tools.bench import median_seconds, report, shared
+
+ROWS_AT_MOST = 1 << 20
+
+
+def add_arguments(p) -> None:
+    shared(p, "rows", "dim", "batch", "repeat", "dir", "seed",
+           helps={"rows": f"table rows (at most {ROWS_AT_MOST:,})"})
+
 
 def run(args) -> None:
     """Reads through the daemon vs an in-process DDR tier; two clients vs one.
@@ -26,9 +35,9 @@ def run(args) -> None:
     import tempfile
 
     import tierstore
-    from tierstore.tools.bench import median_seconds, read_all, report
+    from tierstore.tools.bench_store import read_all
 
-    n, dim, batch = min(args.rows, 1 << 20), args.dim, args.batch
+    n, dim, batch = min(args.rows, ROWS_AT_MOST), args.dim, args.batch
     rounds = max(3, args.repeat // 3)
     default_threads = torch.get_num_threads()
     load_before = os.getloadavg()

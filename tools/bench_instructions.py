@@ -26,6 +26,7 @@ import torch
 
 from tierstore.prefetch import LookaheadLoader
 from tierstore.tools import bench_prefetch as bp
+from tierstore.tools.bench import shared
 
 STEPS = 60
 BAGS = 256
@@ -82,6 +83,10 @@ def _count(base: str, steps: int, depth: int, d: str) -> tuple[list[int], int, P
 def _short(name: str) -> str:
     name = re.sub(r"\s*\[[^\]]*\]$", "", name)  # the object file
     return name if len(name) <= 110 else name[:107] + "..."
+
+
+def add_arguments(p) -> None:
+    shared(p, "dir")
 
 
 def run(args) -> None:

@@ -23,6 +23,9 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
 
+from tierstore.tools.bench import report, shared
+from tierstore.tools.bench_store import read_all
+
 MODES = {"off": None, "1 scrape/s": 1.0, "10 scrapes/s": 0.1}  # mode -> scrape interval (s)
 GOAL_MODE = "1 scrape/s"
 BLOCK_S = 1.0  # a block spans a whole 1 s interval, and the scraper scrapes as a block starts
@@ -104,7 +107,6 @@ def _observations(hist) -> tuple[int, int]:
 
 def _scenario(args, title: str, hbm_rows: int, ddr_rows: int, warm_all: bool) -> float:
     import tierstore
-    from tierstore.tools.bench import read_all, report
 
     n, dim, batch = args.rows, args.dim, args.batch
     rng = np.random.default_rng(args.seed)
@@ -168,6 +170,11 @@ def _scenario(args, title: str, hbm_rows: int, ddr_rows: int, warm_all: bool) ->
         rows, f"read throughput scraped {GOAL_MODE} / not scraped", med["off"] / med[GOAL_MODE], ">= 0.97",
     )
     return med["off"] / med[GOAL_MODE]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    shared(p, "rows", "dim", "batch", "repeat", "device", "dir", "seed",
+           helps={"repeat": "blocks of reads of each mode, about a second each (the median block is reported)"})
 
 
 def run(args: argparse.Namespace) -> None:

@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from tierstore.tools.bench import DEFAULT_BATCH, interleaved_medians, report
+from tierstore.tools.bench import DEFAULT_BATCH, interleaved_medians, report, shared
 
 POOLING = 32
 N_BATCHES = 8
@@ -61,6 +61,14 @@ def fbgemm_module(rows: int, dim: int, optim_name: str, hyper: dict, device: tor
     return m
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    shared(p, "rows", "dim", "batch", "repeat", "device", "dir", "seed",
+           helps={"batch": f"ids per step, in bags of {POOLING} (default: {DEFAULT_BATCH}, FBGEMM's benchmark's "
+                           f"{DEFAULT_BATCH // POOLING} bags)"})
+    p.add_argument("--tier", choices=tuple(TIERS), default="hbm",
+                   help="ddr also times every row resident in the DDR tier (hbm_rows=0), beside the HBM tier")
+
+
 def run(args: argparse.Namespace) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning)  # FBGEMM warns about CPU-only builds on import
@@ -71,9 +79,9 @@ def _run(args: argparse.Namespace) -> None:
     import tierstore
     from tierstore.tools.demo import ZipfIds
 
-    device = torch.device(getattr(args, "device", "cpu") or "cpu")
+    device = torch.device(args.device)
     rows, dim = args.rows, args.dim
-    bags = max(1, args.batch // POOLING) if args.batch != DEFAULT_BATCH else 2048  # default: FBGEMM's 2048 bags x 32 ids
+    bags = max(1, args.batch // POOLING)
     gen = torch.Generator().manual_seed(args.seed)
     zipf = ZipfIds(rows, ALPHA, gen)
     batches = [zipf.sample(bags * POOLING, gen) for _ in range(N_BATCHES)]
@@ -90,7 +98,7 @@ def _run(args: argparse.Namespace) -> None:
     if not have_fbgemm:
         lines.append(("FBGEMM", f"not installed: timing tierstore alone. Install it with {INSTALL}"))
 
-    tiers = TIERS[getattr(args, "tier", None) or "hbm"]
+    tiers = TIERS[args.tier]
     for name, (fb_name, hyper) in OPTIMIZERS.items():
         with tempfile.TemporaryDirectory(prefix="tierstore-bench-peers-", dir=args.dir) as d:
             fb = fbgemm_module(rows, dim, fb_name, hyper, device) if fb_name and have_fbgemm else None

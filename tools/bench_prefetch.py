@@ -15,11 +15,14 @@ import torch
 
 import tierstore
 from tierstore.prefetch import LookaheadLoader, PrefetchConfig
+from tierstore.tools.bench import shared
+from tierstore.tools.cli import positive_int
 
 ROWS, DIM, POOLING = 200_000, 64, 16
 WORKERS = 8  # at most; a fetch takes as many as it needs to land in time
 ROUNDS = 7  # cold runs per setting, median reported: bursts of load from the VM's neighbours moved single runs by up to 1.47x
 DENSE = 13  # DLRM's dense features
+LATENCY_US = 50.0  # the injected-latency setting's disk: a row every LATENCY_US per thread
 
 
 class _Step:
@@ -211,12 +214,11 @@ def write_rows(path: str) -> None:
 
 
 def bench_steps(args) -> None:
-    latency = getattr(args, "latency_us", 50.0)
     with tempfile.TemporaryDirectory(prefix="tierstore-bench-", dir=args.dir) as d:
         base = os.path.join(d, "rows")
         write_rows(base)
         floor = lmdb_floor(shutil.copytree(base, os.path.join(d, "floor")), seed=args.seed)
-        rounds = getattr(args, "rounds", None) or ROUNDS
+        rounds = args.rounds
         for i, (model, (bags, steps, mlp)) in enumerate(MODELS.items()):
             data = _batches(bags, steps, args.seed)
             all_in = _model(os.path.join(d, f"resident-{i}"), ROWS, 0, WORKERS, copy_of=base)
@@ -243,7 +245,7 @@ def bench_steps(args) -> None:
             # map's pages are faulted into the process once
             # the last mode reads ahead however fast LMDB is (sync_read_us=0): what staging the rows costs
             adaptive = PrefetchConfig.sync_read_us
-            modes = (("injected %.0f us/row per thread" % latency, latency, True, False, adaptive, (0, 2, 4, 8)),
+            modes = (("injected %.0f us/row per thread" % LATENCY_US, LATENCY_US, True, False, adaptive, (0, 2, 4, 8)),
                      ("page cache dropped (this disk)", 0.0, True, False, adaptive, (0, 2, 4, 8)),
                      ("page cache warm", 0.0, False, False, adaptive, (0, 2, 4, 8)),
                      ("page cache warm, store warmed up", 0.0, False, True, adaptive, (0, 2, 4, 8)),
@@ -318,6 +320,12 @@ def bench_hit_rates(args) -> None:
         print(f"   {frac:.0%} cached ({size} rows): " + ", ".join(f"{p} {h:.3f}" for p, h in hits.items()))
         for base in ("lru", "lfu"):
             print(f"      lookahead (base {base}) / belady: " + ", ".join(f"K={k} {hits[f'lookahead K={k} {base}'] / hits['belady']:.3f}x" for k in windows) + "  (goal >= 0.90)")
+
+
+def add_arguments(p) -> None:
+    shared(p, "dir", "seed")
+    p.add_argument("--rounds", type=positive_int, default=ROUNDS,
+                   help="cold runs of each setting (the median is reported)")
 
 
 def run(args) -> None:

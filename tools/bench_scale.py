@@ -35,10 +35,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tierstore.tools.bench import shared
 from tierstore.tools.bench_floors import disk_floor, drop_page_cache, lmdb_floor
+from tierstore.tools.cli import nonneg_int
 
-# the defaults of the shared bench flags for this bench (tools/bench.py fills them in)
-DEFAULTS = {"rows": 34_000_000, "dim": 64, "repeat": 100}  # 34M x 64 float32: 8.1 GiB of rows
+ROWS, DIM = 34_000_000, 64  # 34M x 64 float32: 8.1 GiB of rows
 BUDGETS = ("512MiB", "1GiB", "2GiB")
 DEPTHS = (0, 4)
 DLRM_DEPTH = 2
@@ -452,23 +453,34 @@ def _budgets(texts) -> list[int]:
         raise SystemExit(str(e)) from None
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    shared(p, "dir", "seed", rows=ROWS, dim=DIM, repeat=100,
+           helps={"repeat": "timed steps of each run", "dir": "directory for the table's store without --path "
+                                                             "(default: a temporary one)"})
+    p.add_argument("--path", default=None,
+                   help="the table's store, built there once and reused (default: a temporary one)")
+    p.add_argument("--budgets", nargs="+", default=list(BUDGETS),
+                   help="memory budgets (memory_budget=): the embedding step runs at each, at each depth")
+    p.add_argument("--depths", nargs="+", type=nonneg_int, default=list(DEPTHS),
+                   help="LookaheadLoader depths of the embedding step")
+    p.add_argument("--warmup", type=nonneg_int, default=WARMUP, help="untimed steps before the timed ones")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
 def run(args: argparse.Namespace) -> dict:
-    rows, dim, seed = args.rows, args.dim, args.seed or 0
-    budgets = _budgets(getattr(args, "budgets", None) or BUDGETS)
-    depths = getattr(args, "depths", None) or list(DEPTHS)
+    budgets = _budgets(args.budgets)
     temp = None
-    if getattr(args, "path", None):
+    if args.path:
         path = Path(args.path)
     else:
         temp = tempfile.TemporaryDirectory(prefix="tierstore-bench-scale-", dir=args.dir)
         path = Path(temp.name) / "store"
     try:
-        warmup = WARMUP if getattr(args, "warmup", None) is None else args.warmup
-        result = _run(path, rows, dim, seed, budgets, depths, args.repeat, warmup)
+        result = _run(path, args.rows, args.dim, args.seed, budgets, args.depths, args.repeat, args.warmup)
     finally:
         if temp is not None:
             temp.cleanup()
-    if getattr(args, "json", False):
+    if args.json:
         print(json.dumps(result, indent=1))
     else:
         print_report(result)

@@ -35,9 +35,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tierstore.tools.bench import DEFAULT_BATCH
+from tierstore.tools.bench import DEFAULT_BATCH, shared
+from tierstore.tools.cli import positive_float, positive_int
 
-DEFAULTS = {"rows": 200_000, "dim": 64, "repeat": 200, "clients": 2, "seconds": 8.0, "delta_rows": 1_000_000}
 POOLING = 32
 N_BATCHES = 8
 DTYPES = ("float32", "int8", "int4")
@@ -46,13 +46,25 @@ DELTA_EVERY = 0.1  # seconds between deltas while the clients look up
 SLICE = 1.0  # seconds of each slice of a client phase; the phases alternate
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    shared(p, "batch", "dir", "seed", rows=200_000, dim=64, repeat=200,
+           helps={"batch": f"ids per lookup, in bags of {POOLING} (default: {DEFAULT_BATCH}, FBGEMM's benchmark's "
+                           f"{DEFAULT_BATCH // POOLING} bags)",
+                  "repeat": "timed rounds of lookups (latency percentiles over them)"})
+    p.add_argument("--clients", type=positive_int, default=2, help="concurrent client processes")
+    p.add_argument("--seconds", type=positive_float, default=8.0,
+                   help="seconds of each client phase, idle and with deltas")
+    p.add_argument("--delta-rows", type=positive_int, default=1_000_000,
+                   help="rows of the table a 1%% delta is applied to (the goal's: 10,000,000)")
+
+
 def run(args: argparse.Namespace) -> None:
     import tierstore
     from tierstore.serving import ServingStore
     from tierstore.serving_export import export
 
     n, dim = args.rows, args.dim
-    bags = max(1, args.batch // POOLING) if args.batch != DEFAULT_BATCH else 2048
+    bags = max(1, args.batch // POOLING)
     gen = torch.Generator().manual_seed(args.seed)
     batches = [torch.randint(0, n, (bags * POOLING,), generator=gen) for _ in range(N_BATCHES)]
     offsets = torch.arange(bags + 1, dtype=torch.int64) * POOLING

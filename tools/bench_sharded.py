@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from tierstore.planner import READS_PER_STEP
+from tierstore.tools.bench import shared
 from tierstore.validate import check_int
 
 WORLD_SIZES = (1, 2, 4)
@@ -316,7 +317,11 @@ def format_report(cfg: ShardedBenchConfig, m: dict) -> str:
     return "\n".join(lines)
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    shared(p, "dir", "seed")
+
+
 def run(args: argparse.Namespace) -> None:
-    cfg = ShardedBenchConfig(seed=getattr(args, "seed", 0) or 0)
-    with tempfile.TemporaryDirectory(prefix="tierstore-bench-sharded-", dir=getattr(args, "dir", None)) as d:
+    cfg = ShardedBenchConfig(seed=args.seed)
+    with tempfile.TemporaryDirectory(prefix="tierstore-bench-sharded-", dir=args.dir) as d:
         print(format_report(cfg, measure(cfg, d)))

@@ -18,16 +18,18 @@ import warnings
 
 import torch
 
+from tierstore.tools.bench import report, shared
+from tierstore.tools.cli import positive_int
+
 POOLING = 32  # ids per bag, as in DLRM-style benchmarks
 N_BATCHES = 8  # distinct batches cycled through; their union is the working set
 ALPHA = 1.05
 
 
-def _args(args: argparse.Namespace) -> dict:
-    g = lambda name, default: getattr(args, name, None) or default  # noqa: E731
-    return {"rows": g("rows", 1_000_000), "dim": g("dim", 128), "batch": g("batch", 65_536), "repeat": g("repeat", 15),
-            "seed": getattr(args, "seed", 0) or 0, "dir": getattr(args, "dir", None), "pooling": g("pooling", POOLING),
-            "device": torch.device(g("device", "cpu"))}
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    shared(p, "rows", "dim", "batch", "repeat", "device", "dir", "seed",
+           helps={"batch": "ids per step", "device": "where both sides train (cuda: tierstore's HBM tier)"})
+    p.add_argument("--pooling", type=positive_int, default=POOLING, help="ids per bag")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -39,13 +41,11 @@ def run(args: argparse.Namespace) -> None:
 
 def _run(args: argparse.Namespace) -> None:
     import tierstore
-    from tierstore.tools.bench import report
     from tierstore.tools.demo import ZipfIds
 
-    p = _args(args)
-    rows, dim, pooling, device = p["rows"], p["dim"], p["pooling"], p["device"]
-    bags = max(1, p["batch"] // pooling)
-    gen = torch.Generator().manual_seed(p["seed"])
+    rows, dim, pooling, device = args.rows, args.dim, args.pooling, torch.device(args.device)
+    bags = max(1, args.batch // pooling)
+    gen = torch.Generator().manual_seed(args.seed)
     zipf = ZipfIds(rows, ALPHA, gen)
     batches = [zipf.sample(bags * pooling, gen) for _ in range(N_BATCHES)]
     working = torch.unique(torch.cat(batches))
@@ -64,7 +64,7 @@ def _run(args: argparse.Namespace) -> None:
         ("SGD", tierstore.optim.SGD, torch.optim.SGD, 0.01),
         ("Adagrad", tierstore.optim.Adagrad, torch.optim.Adagrad, 0.01),
     ):
-        with tempfile.TemporaryDirectory(prefix="tierstore-bench-train-", dir=p["dir"]) as d:
+        with tempfile.TemporaryDirectory(prefix="tierstore-bench-train-", dir=args.dir) as d:
             spec_init = tierstore.RowInit()  # zeros, so the in-memory table starts equal without copying it
             emb = tierstore.TieredEmbeddingBag(rows, dim, mode="sum", path=d, hbm_rows=len(working) + 1024,
                                                optimizer=ours(lr=lr), init=spec_init, device=device)
@@ -88,7 +88,7 @@ def _run(args: argparse.Namespace) -> None:
                     torch.set_num_threads(n_threads)
                     t_base, t_tier = [], []
                     warmup = 2
-                    for r in range(warmup + p["repeat"]):  # interleaved: both sides see the same machine load
+                    for r in range(warmup + args.repeat):  # interleaved: both sides see the same machine load
                         i = r % N_BATCHES
                         for fn, times in ((step_base, t_base), (step_tiered, t_tier)):
                             t0 = time.perf_counter()
@@ -128,14 +128,7 @@ def _run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tierstore.tools.bench_train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=1_000_000)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=65_536, help="ids per step")
-    parser.add_argument("--pooling", type=int, default=POOLING, help="ids per bag")
-    parser.add_argument("--repeat", type=int, default=15)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dir", default=None)
-    parser.add_argument("--device", default="cpu", help="where both sides train (cuda: tierstore's HBM tier)")
+    add_arguments(parser)
     run(parser.parse_args(argv))
     return 0
 

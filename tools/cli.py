@@ -169,16 +169,22 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         else:
             for verb in verbs:
                 add_verb(sub, verb)
+    for p in _parsers(parser):
+        conventions(p)
+    return parser
+
+
+def conventions(p: argparse.ArgumentParser) -> None:
+    """The same conventions for every verb's parser, whichever module made it: defaults in the
+    help, plain-text help, and the eviction policies as ``--policy``'s choices."""
     from tierstore.eviction import POLICIES
 
-    for p in _parsers(parser):  # the same conventions for every verb, whichever module registered it
-        p.formatter_class = HelpFormatter
-        p.description = plain(p.description)
-        for action in p._actions:
-            action.help = plain(action.help)
-            if action.dest == "policy" and action.choices is None:
-                action.choices = sorted(POLICIES)
-    return parser
+    p.formatter_class = HelpFormatter
+    p.description = plain(p.description)
+    for action in p._actions:
+        action.help = plain(action.help)
+        if action.dest == "policy" and action.choices is None:
+            action.choices = sorted(POLICIES)
 
 
 def is_user_error(e: BaseException, command: str | None = None) -> bool:
