@@ -19,7 +19,7 @@ from .lmdb_backend import LmdbBackend
 
 # rows a part reads at the least, and between two pauses: with 64, the threads' per-chunk work
 # (a transaction, the pause's lock, GIL hand-offs) doubled their CPU with rows from disk as well
-# as from the page cache, and slowed the embedding-only step (README "Cost per row moved")
+# as from the page cache, and slowed the embedding-only step (BENCHMARKS.md, "Cost per row moved")
 MIN_CHUNK = 256
 
 

@@ -84,7 +84,7 @@ METRICS = (
     ("gauge", "tierstore_last_flush_timestamp_seconds", "Store-clock time of the last flush, from disk at open; absent if never flushed.", _S),
     ("histogram", "tierstore_flush_seconds", "Wall time of flush() calls.", _S),
     ("gauge", "tierstore_writeback_queue_rows", "Rows queued for LMDB that the writer thread has not committed yet.", _S),
-    ("gauge", "tierstore_memory_budget_bytes", "The store's memory_budget (README \"Memory budget\"); NaN without one.", _S),
+    ("gauge", "tierstore_memory_budget_bytes", "The store's memory_budget (docs/memory-budget.md); NaN without one.", _S),
     ("gauge", "tierstore_memory_bytes", "Host memory of each part of the store (hbm, ddr, staging, writeback, lmdb_dirty, row_index, "
      "page_cache): what it may hold (kind=allowed) and what its rows fill now (kind=used; absent where not seen).",
      _S + ["part", "kind"]),

@@ -1,7 +1,7 @@
 """Admission of new rows: a count-min sketch of the steps each id was used in.
 
 A table with ``admit_after=N`` keeps a trainer's update of a row only from the
-N-th step that uses the row on (README "Unbounded id spaces"). Counting every
+N-th step that uses the row on (docs/admission.md). Counting every
 id exactly would grow with the id space, which is what admission is there to
 bound, so the counts live in a count-min sketch of fixed size: ``depth`` rows
 of ``width`` 8-bit counters, each row indexed by its own hash of the id. An
@@ -83,7 +83,7 @@ class CountMinSketch:
 class RowLife:
     """One table's admission and TTL bookkeeping, advanced by its counted steps.
 
-    A step is one read call of the table (README "Cache semantics"); prefetch,
+    A step is one read call of the table (docs/store.md, "Cache semantics"); prefetch,
     writes and a backward's re-read are not steps. ``steps`` counts them over
     the table's life (durable at flush). A row's last use is the step number
     of the last step that used it; ``step_clocks`` maps the store's use clocks,

@@ -35,7 +35,7 @@ class SSDCounters:
 
 @dataclass
 class LifeCounters:
-    """Admission and eviction of a table's rows (README "Unbounded id spaces")."""
+    """Admission and eviction of a table's rows (docs/admission.md)."""
 
     admitted: int = 0  # row uses at or after admission: the update is kept (tables with admit_after > 1)
     rejected: int = 0  # row uses before admission: the initial value, the update dropped

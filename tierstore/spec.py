@@ -63,7 +63,7 @@ class TableSpec:
     ``dtype`` "float16" or "bfloat16" stores the weights at half the bytes
     (tierstore.precision); rows are still read and written as float32.
 
-    Unbounded id spaces (README "Unbounded id spaces: admission and eviction"):
+    Unbounded id spaces (docs/admission.md):
     ``admit_after=N`` keeps a trainer's updates of a row only from the N-th step
     that uses it on, counted in a count-min sketch of ``admit_depth`` rows of
     ``admit_width`` saturating 8-bit counters; ``ttl_steps=T`` makes a row unused
@@ -119,7 +119,7 @@ class TableSpec:
 
     @property
     def lived(self) -> bool:
-        """Admission, TTL or the L2 score (README "Unbounded id spaces"): rows come and go."""
+        """Admission, TTL or the L2 score (docs/admission.md): rows come and go."""
         return self.admit_after > 1 or self.ttl_steps is not None or self.evict_l2_below is not None
 
     @property

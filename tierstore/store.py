@@ -736,8 +736,8 @@ class TieredStore:
         return self.snapshot()
 
     def memory(self) -> MemorySplit:
-        """The store's memory as split at open (tierstore.memory.split_memory, README "Memory
-        budget"), with what each part holds now: ``used_rows``, the rows resident in the tiers,
+        """The store's memory as split at open (tierstore.memory.split_memory,
+        docs/memory-budget.md), with what each part holds now: ``used_rows``, the rows resident in the tiers,
         staged, queued for LMDB; ``used_bytes``, their share of the part's bytes. LMDB's dirty
         pages and the page cache are not seen from here (None). Reads plain counts without
         the lock (the metrics collector calls it at scrape time)."""

@@ -462,7 +462,7 @@ class TableStore:
         top.mark_dirty(slots)
         return True
 
-    # -- unbounded id spaces: admission and TTL (README "Unbounded id spaces") --------------
+    # -- unbounded id spaces: admission and TTL (docs/admission.md) --------------
     def _lived_access(self, uid: torch.Tensor, use_clock: torch.Tensor):
         """_access for a table with admission or TTL: the step is counted (the sketch,
         the step number), rows idle too long read as initial, and with TTL the rows

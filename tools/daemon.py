@@ -28,7 +28,7 @@ def register(sub) -> None:
     p.add_argument("--ddr-rows", type=int, default=None, help="rows of the DDR tier per table (required without --memory-budget)")
     p.add_argument("--memory-budget", type=_budget, default=None,
                    help="the store's host memory, e.g. 1GiB: sizes the DDR tier (unless --ddr-rows), staging, the write-back "
-                        "queue, LMDB's dirty pages and a share for the page cache (README \"Memory budget\")")
+                        "queue, LMDB's dirty pages and a share for the page cache (docs/memory-budget.md)")
     p.add_argument("--policy", default="lru", help="eviction policy: lru or lfu")
     p.add_argument("--lookahead-source", default=None, help="trace (tierstore.trace format) to prefetch from, ahead of the slowest client's step")
     p.add_argument("--depth", type=int, default=2, help="steps to prefetch ahead of the slowest client (with --lookahead-source)")

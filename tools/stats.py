@@ -189,7 +189,7 @@ def read_specs(path: str | Path) -> list[TableSpec]:
 
 def memory_facts(path: str | Path, budget: int | None = None, hbm_rows: int | None = None, ddr_rows: int | None = None) -> MemorySplit:
     """What a store of ``path``'s tables opened here with these sizes would hold, part by part
-    (README "Memory budget"), with the memory limit detected here. The HBM tier is host
+    (docs/memory-budget.md), with the memory limit detected here. The HBM tier is host
     memory unless this machine has CUDA (the store's default device)."""
     split = split_memory(budget, read_specs(path), hbm_rows=hbm_rows, ddr_rows=ddr_rows, hbm_on_host=not torch.cuda.is_available())
     split.limit = detect_limit()
@@ -227,7 +227,7 @@ def format_facts(f: StoreFacts) -> str:
     body.append(("total", "", "", "", f"{sum(t.rows_on_disk for t in f.tables):,}", "", _size(sum(t.payload_bytes for t in f.tables))))
     lines += _aligned(header, body)
     lived = [t for t in f.tables if t.admit_after > 1 or t.ttl_steps is not None or t.evict_l2_below is not None or t.evicted_rows]
-    if lived:  # README "Unbounded id spaces: admission and eviction"
+    if lived:  # docs/admission.md
         lines.append("  admission and eviction (evicted: deleted from disk, as of the last flush)")
         lines += _aligned(("table", "admit_after", "ttl_steps", "l2_below", "rows on disk", "evicted"),
                           [(t.name, str(t.admit_after), "-" if t.ttl_steps is None else f"{t.ttl_steps:,}",
@@ -249,7 +249,7 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--memory-budget", type=_budget, default=None,
                    help="show the memory of a store of these tables opened with memory_budget= this (e.g. 1GiB): its split into "
-                        "tiers, staging, write-back queue, LMDB's dirty pages and page cache (README \"Memory budget\")")
+                        "tiers, staging, write-back queue, LMDB's dirty pages and page cache (docs/memory-budget.md)")
     p.add_argument("--hbm-rows", type=int, default=None, help="HBM tier rows per table for the memory shown (default: 0, or derived)")
     p.add_argument("--ddr-rows", type=int, default=None, help="DDR tier rows per table for the memory shown (default: 0, or derived)")
     p.set_defaults(func=run)

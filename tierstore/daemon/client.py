@@ -39,7 +39,7 @@ itself. Hence:
   (the daemon counts every client's reads). Frequencies (LFU) start at 1 when
   a row enters the HBM tier.
 
-Tables with admission, TTL or the L2 score (README "Unbounded id spaces"): the
+Tables with admission, TTL or the L2 score (docs/admission.md): the
 daemon's store counts their steps, so every read of one reaches the daemon (no
 HBM tier here for it, and no read of it split across frames: that would be
 several steps); a module's backward asks the daemon which rows' updates it keeps
@@ -493,7 +493,7 @@ class DaemonStore:
         them into its DDR tier and this returns at once. A bad id is refused here,
         not later, so the ticket returned is already done. A hint larger than the
         daemon takes in one frame goes as several; the daemon keeps a bounded amount
-        of hints and drops the oldest past it (README "Host daemon", Memory)."""
+        of hints and drops the oldest past it (docs/daemon.md)."""
         ids = self._ids_np(table, ids)
         with self._lock:
             for lo in range(0, max(len(ids), 1), self._max_hint_ids):

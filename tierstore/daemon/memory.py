@@ -1,6 +1,6 @@
 """What bounds the daemon's memory: the bytes of frames in flight (MemoryBudget), the
 prefetch hints its store holds for clients (HintPool), and glibc's handling of big
-buffers (return_freed_memory). README "Host daemon", Memory, states the bound."""
+buffers (return_freed_memory). docs/daemon.md states the bound."""
 from __future__ import annotations
 
 import threading
