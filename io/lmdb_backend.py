@@ -4,6 +4,10 @@ Commits do not fsync (sync=False): a killed process loses nothing that reached
 a commit, because the pages are in the OS page cache. ``sync()`` forces them to
 disk; the store's flush() calls it, which is what makes flush() durable against
 power loss as well. Integrity never depends on syncing: LMDB stays consistent.
+
+A store's writer publishes (``publish``, at each flush): readers read its log tables as the
+last publish left them, and the next writer deletes what no publish named, so a flush that
+spans many commits is seen whole or not at all (docs/durability.md).
 """
 from __future__ import annotations
 
@@ -30,12 +34,16 @@ import numpy as np
 from . import rowlog
 from .direct import DirectReader, open_reader
 from .codecs import RowCodec, encode_keys, row_norms_sq
-from .files import fsync_path
+from .files import fsync_path, mapped_file_bytes, unmap_pages
 from .errors import StoreCorruptError, StoreLockedError
 
 FORMAT_VERSION = 1
 _META_DB = b"__meta__"
 _INDEX_KEY = b"index:"  # + a log table's name: the token of its saved index (_save_indexes)
+# + a log table's name: what readers see of it (publish): {"seq": the newest segment, "dropped": the
+# newest tombstone deleted while older copies of its ids went}; a table without one is read as committed
+_PUBLISHED_KEY = b"published:"
+_ROLLBACK_KEYS = 4096  # segments a roll-back deletes a transaction
 _SKETCH_DB = b"__sketch__"  # admission sketches, by table name, as raw counters
 _INITIAL_MAP = 1 << 30
 _MAX_GROWTH_RETRIES = 16
@@ -207,6 +215,43 @@ class _Env:
         self.direct: DirectReader | None = None  # opened when a backend first asks for direct reads
         self.direct_why = "not tried yet"
         self._direct_lock = threading.Lock()
+        self.base = (-1, 0, 0)  # (map moves, address of the file's first byte in the map, map size): map_base
+        self.mapped_limit: int | None = None  # bytes the map may grow this process's mapped pages by (trim_map)
+        self._mapped_at_trim = 0
+        self._trim_lock = threading.Lock()
+
+    def map_base(self, txn) -> tuple[int, int, int]:
+        """(map moves, address of the file's first byte in this process's map, map size), found
+        again after the map moves; ``txn`` reads with buffers."""
+        if self.base[0] != self.maps:
+            # a value of the main database, in the map: the metadata database's record
+            self.base = (self.maps, rowlog.map_base(txn.get(_META_DB, db=self.main)), self.env.info()["map_size"])
+        return self.base
+
+    def trim_map(self) -> None:
+        """Unmap this process's pages of data.mdb once the file pages it maps have grown by more
+        than mapped_limit since the last trim. A page read through LMDB's map stays mapped, in the
+        process's RSS, until the kernel reclaims it, and a read maps the cached pages around it
+        too (the kernel's fault-around, 64 KiB by default): a store that trains for long would
+        map the whole file. MADV_DONTNEED drops the page-table entries only; the pages stay in
+        the page cache. The growth is the process's (/proc/self/statm), measured again after each
+        trim: other files mapped meanwhile cost at most an early trim."""
+        if self.mapped_limit is None or mapped_file_bytes() - self._mapped_at_trim <= self.mapped_limit:
+            return
+        if not self._trim_lock.acquire(blocking=False):  # another thread trims
+            return
+        try:
+            with self.resize.shared():  # the map does not move meanwhile: its range is LMDB's alone
+                if self.base[0] != self.maps:
+                    with self.env.begin(buffers=True) as txn:
+                        self.map_base(txn)
+                _, base, size = self.base
+                unmap_pages(base, size)
+            self._mapped_at_trim = mapped_file_bytes()
+        except lmdb.MapResizedError:  # another process grew the map: the next read follows it, and trims
+            pass
+        finally:
+            self._trim_lock.release()
 
     def direct_reader(self, file: Path) -> DirectReader | None:
         """The O_DIRECT reader of data.mdb, opened once; None where the system refuses one."""
@@ -241,10 +286,18 @@ def _shared_env(path: Path) -> _Env | None:
 
 class LmdbBackend:
     def __init__(self, path: str | os.PathLike, readonly: bool = False, map_size: int | None = None,
-                 create: bool = True, txn_rows: int = WRITE_TXN_ROWS):
-        """``create=False``: a store must already be at ``path``; nothing is created otherwise."""
+                 create: bool = True, txn_rows: int = WRITE_TXN_ROWS, publish_at_flush: bool = False):
+        """``create=False``: a store must already be at ``path``; nothing is created otherwise.
+        ``publish_at_flush``: a writer whose log tables readers see only as publish() leaves
+        them (the store's flush); otherwise they see every commit."""
         self.path = Path(path)
         self.readonly = readonly
+        self.publish_at_flush = publish_at_flush and not readonly
+        # a publishing writer's log tables: the newest segment published, the newest tombstone dropped
+        # (published or not), and the segments retired since the last publish, deleted by the next
+        self._published: dict[str, int] = {}
+        self._dropped: dict[str, int] = {}
+        self._retired: dict[str, set[int]] = {}
         self._direct = (False, "not asked for")  # read_directly()
         self.txn_rows = txn_rows  # rows per write transaction at most (put_rows)
         self._lock_fd = None
@@ -257,7 +310,6 @@ class LmdbBackend:
         self._logs: dict[str, rowlog.RowLog] = {}  # tables in the log layout, and their segments' databases:
         self._log_dbs: dict[str, object] = {}
         self._log_synced: dict[str, int] = {}  # the transaction id each log's index reflects
-        self._base = (-1, 0)  # (map moves, address of the file's first byte in the map)
         self._index_lock = threading.Lock()  # a log's index against the transaction reading it
         # one write transaction, its commit and index update at a time; held around a read that
         # decides a write (collection, sweep), so no commit comes between
@@ -281,6 +333,14 @@ class LmdbBackend:
         if on:
             self._shared.direct_reader(self.path / "data.mdb")
         self._direct = (on and self._shared.direct is not None, why)
+
+    def limit_mapped(self, nbytes: int | None) -> None:
+        """Keep the pages of data.mdb this process maps (reads through LMDB's map) to about
+        ``nbytes`` (_Env.trim_map); None: no limit. The process's stores of this path share the
+        map: the smallest limit holds."""
+        if nbytes is not None:
+            limit = self._shared.mapped_limit
+            self._shared.mapped_limit = nbytes if limit is None else min(limit, nbytes)
 
     @property
     def reads_directly(self) -> bool:
@@ -439,6 +499,7 @@ class LmdbBackend:
                 if txn is not None:
                     with self._named_errors(), txn:
                         yield txn
+                    self._shared.trim_map()
                     return
             with self._resize.exclusive():  # no transaction of this process is open
                 self._shared.set_mapsize(0)  # 0: the size the writer has set
@@ -499,10 +560,14 @@ class LmdbBackend:
         self._codecs[name] = RowCodec(dim, state_dim, dtype)
         if log:
             self._log_dbs[name] = open_db(b"s:" + name.encode())
+            if self._lock_fd is not None:
+                self._roll_back(name)
             self._logs[name] = rowlog.RowLog(self._codecs[name], num_rows, last_use)
             self._log_synced[name] = -1
             self._load_index(name)
             self._log_slots(name, np.zeros(0, dtype=np.int64))  # replays the segments into the index
+            if self._lock_fd is not None:
+                self._start_publishing(name)
             return
         self._dbs[name] = open_db(b"t:" + name.encode())
         if last_use:
@@ -514,16 +579,22 @@ class LmdbBackend:
 
     def _load_index(self, table: str) -> None:
         """Start ``table``'s index from the one its writer saved at close (io.rowlog.save_index),
-        where LMDB names that file: then only the segments written since are replayed."""
+        where LMDB names that file: then only the segments written since are replayed (up to
+        the published one: _sync_log)."""
         with self._reading(buffers=True) as txn:
             saved = txn.get(_INDEX_KEY + table.encode(), db=self._meta)
             log = self._logs[table]
             if saved is None or not rowlog.load_index(self._index_file(table), log, json.loads(bytes(saved))["token"]):
                 return
+            published = self._published_in(txn, table)
+            if published is not None and log.applied > published[0]:  # saved past what was published: not this history
+                self._logs[table] = rowlog.RowLog(log.codec, len(log.loc), log.last_use)
+                return
             _, base, size = self._map_base(txn)
             mem = rowlog.map_view(base, size)
             try:
-                log.replay(mem, log.adopt(rowlog.walk_values(mem, txn.get(b"s:" + table.encode(), db=self._shared.main), 0)))
+                newer = log.adopt(rowlog.walk_values(mem, txn.get(b"s:" + table.encode(), db=self._shared.main), 0))
+                log.replay(mem, newer if published is None else [v for v in newer if v[0] <= published[0]])
             except rowlog.SegmentFormatError as e:
                 raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
             if self._lock_fd is None:
@@ -532,7 +603,11 @@ class LmdbBackend:
 
     def _save_indexes(self) -> None:
         """Save each log table's index beside data.mdb, then name it in LMDB (a new token each
-        time): an index written but not named, or named by another copy of the file, is ignored."""
+        time): an index written but not named, or named by another copy of the file, is ignored.
+        Not while a publishing writer holds segments it has not published: the next writer rolls
+        those back, and the index would place rows in them."""
+        if self.publish_at_flush and self._unpublished():
+            return
         for table, log in self._logs.items():
             token = os.urandom(16).hex()
             rowlog.save_index(log, self._index_file(table), token)
@@ -540,6 +615,91 @@ class LmdbBackend:
             def op(txn, table=table, token=token):
                 txn.put(_INDEX_KEY + table.encode(), json.dumps({"token": token}).encode(), db=self._meta)
             self._write(op)
+
+    # -- what readers see of the log tables: the last publish ---------------------------------
+    def _published_in(self, txn, table: str) -> tuple[int, int] | None:
+        """(newest segment, newest tombstone dropped) of what readers see of log ``table`` in
+        ``txn``'s snapshot; None where they see every commit (no publishing writer wrote it)."""
+        value = txn.get(_PUBLISHED_KEY + table.encode(), db=self._meta)
+        if value is None:
+            return None
+        try:
+            record = json.loads(bytes(value))
+            return int(record["seq"]), int(record["dropped"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise corrupt(self.path / "data.mdb", f"table {table!r}'s published record is unreadable ({e})") from None
+
+    @staticmethod
+    def _published_record(seq: int, dropped: int) -> bytes:
+        return json.dumps({"seq": seq, "dropped": dropped}).encode()
+
+    def _roll_back(self, table: str) -> None:
+        """A writer's open: delete the segments of ``table`` that no publish named (a writer died
+        before its flush published them), so the table is as its last flush left it."""
+        with self._reading(buffers=True) as txn:
+            published = self._published_in(txn, table)
+            if published is None:
+                return
+            _, base, size = self._map_base(txn)
+            record = txn.get(b"s:" + table.encode(), db=self._shared.main)
+            try:
+                seqs = [seq for seq, _, _ in rowlog.walk_values(rowlog.map_view(base, size), record, published[0])]
+            except rowlog.SegmentFormatError as e:
+                raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
+        for lo in range(0, len(seqs), _ROLLBACK_KEYS):
+            def op(txn, part=seqs[lo: lo + _ROLLBACK_KEYS]):
+                for seq in part:
+                    txn.delete(rowlog.seq_key(seq), db=self._log_dbs[table])
+            self._write(op)
+
+    def _start_publishing(self, table: str) -> None:
+        """A writer's open, its index replayed: a publishing writer names what readers see of
+        ``table`` (all of it) where nothing does yet; any other writer removes that record, for
+        readers to see each of its commits."""
+        with self._reading() as txn:
+            published = self._published_in(txn, table)
+        key = _PUBLISHED_KEY + table.encode()
+        if not self.publish_at_flush:
+            if published is not None:
+                self._write(lambda txn: txn.delete(key, db=self._meta))
+            return
+        if published is None:
+            # a reader behind this store's last commit may have missed a dropped tombstone: it rebuilds
+            applied = self._logs[table].applied
+            published = (applied, applied)
+            self._write(lambda txn: txn.put(key, self._published_record(*published), db=self._meta))
+        self._published[table], self._dropped[table] = published
+        self._retired[table] = set()
+
+    def _unpublished(self) -> bool:
+        """Whether a publishing writer has committed segments, or retired some, since its last publish."""
+        return any(self._retired.get(t) or log.applied != self._published.get(t) for t, log in self._logs.items())
+
+    def publish(self, meta: dict | None = None, sketches: dict[str, bytes] | None = None) -> None:
+        """One transaction that makes what this writer committed visible to readers whole: the
+        metadata records ``meta``, the admission ``sketches``, and, of each log table, the
+        segments written since the last publish; it deletes the segments retired since (their
+        rows live on in newer ones), which readers of the last publish still read. A writer that
+        is not publish_at_flush has published each commit already: this writes meta and sketches."""
+        opened = [None]
+
+        def op(txn, _):
+            self._put_sketches(txn, sketches or {}, opened)
+            for k, v in (meta or {}).items():
+                txn.put(k.encode(), json.dumps(v).encode(), db=self._meta)
+            if not self.publish_at_flush:
+                return
+            for t, log in self._logs.items():
+                for seq in self._retired[t]:
+                    txn.delete(rowlog.seq_key(seq), db=self._log_dbs[t])
+                txn.put(_PUBLISHED_KEY + t.encode(), self._published_record(log.applied, self._dropped[t]), db=self._meta)
+
+        def applied(_):
+            self._sketch_db = opened[0] or self._sketch_db
+            for t, log in self._logs.items() if self.publish_at_flush else ():
+                self._published[t] = log.applied
+                self._retired[t].clear()
+        self._write(op, applied, plan=lambda: None)
 
     def _log_read(self, table: str, under_lock, after=None):
         """``under_lock(log)`` with ``table``'s index brought to a read snapshot, then
@@ -595,15 +755,28 @@ class LmdbBackend:
         if tid <= synced:
             return tid == synced
         log = self._logs[table]
+        # a reader sees a published table as its last publish left it: segments up to the one
+        # named; none it still needs is deleted before a later publish names the newer copies
+        published = self._published_in(txn, table) if self._lock_fd is None else None
+        if published is not None and published[0] == log.applied >= published[1]:  # nothing published since
+            self._log_synced[table] = tid
+            return True
         _, base, size = self._map_base(txn)
         mem = rowlog.map_view(base, size)
         record = txn.get(b"s:" + table.encode(), db=self._shared.main)
+        upto = published[0] if published is not None else None
         try:
-            newer = rowlog.walk_values(mem, record, log.applied)
-            seqs = [seq for seq, _, _ in newer]
-            if seqs and seqs[-1] - seqs[0] + 1 != len(seqs) or seqs[:1] not in ([], [log.applied + 1]):
+            newer = rowlog.walk_values(mem, record, log.applied, upto=upto)
+            if published is not None:
+                # segments that came and went unseen held only rows that newer segments hold, or are
+                # tombstones: a merged one's ids are in the merge, a dropped one's are not (rebuild)
+                stale = published[1] > log.applied
+            else:  # a sequence number missing is a segment that came and went unseen, a dropped tombstone maybe
+                seqs = [seq for seq, _, _ in newer]
+                stale = seqs and seqs[-1] - seqs[0] + 1 != len(seqs) or seqs[:1] not in ([], [log.applied + 1])
+            if stale:
                 log = self._logs[table] = rowlog.RowLog(log.codec, len(log.loc), log.last_use)
-                newer = rowlog.walk_values(mem, record, 0)
+                newer = rowlog.walk_values(mem, record, 0, upto=upto)
             log.replay(mem, newer)
         except rowlog.SegmentFormatError as e:
             raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
@@ -613,12 +786,7 @@ class LmdbBackend:
         return True
 
     def _map_base(self, txn) -> tuple[int, int, int]:
-        """(map moves, address of the file's first byte in this process's map, map size), found
-        again after the map moves; ``txn`` reads with buffers."""
-        if self._base[0] != self._shared.maps:
-            # a value of the main database, in the map: the metadata database's record
-            self._base = (self._shared.maps, rowlog.map_base(txn.get(_META_DB, db=self._shared.main)), self.env.info()["map_size"])
-        return self._base
+        return self._shared.map_base(txn)
 
     # -- rows ----------------------------------------------------------------------
     def get_rows(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -648,16 +816,18 @@ class LmdbBackend:
     def put_sketches(self, sketches: dict[str, bytes]) -> None:
         """Store tables' admission sketches (one transaction)."""
         opened = [None]
-
-        def op(txn):
-            # opened in this transaction: env.open_db alone begins a write transaction
-            # holding the GIL, which waits forever for the writer thread's transaction;
-            # kept only once committed (a replayed op's first handle died with its abort)
-            opened[0] = self._sketch_db or self.env.open_db(_SKETCH_DB, txn=txn)
-            for table, blob in sketches.items():
-                txn.put(table.encode(), blob, db=opened[0])
-        self._write(op)
+        self._write(lambda txn: self._put_sketches(txn, sketches, opened))
         self._sketch_db = opened[0]
+
+    def _put_sketches(self, txn, sketches: dict[str, bytes], opened: list) -> None:
+        if not sketches:
+            return
+        # opened in this transaction: env.open_db alone begins a write transaction
+        # holding the GIL, which waits forever for the writer thread's transaction;
+        # kept (opened[0]) only once committed (a replayed op's first handle died with its abort)
+        opened[0] = self._sketch_db or self.env.open_db(_SKETCH_DB, txn=txn)
+        for table, blob in sketches.items():
+            txn.put(table.encode(), blob, db=opened[0])
 
     def stored_ids(self, table: str) -> np.ndarray:
         """Ids of the rows stored for ``table``, ascending (int64): its keys, read in one transaction."""
@@ -842,10 +1012,13 @@ class LmdbBackend:
         return sum(len(ids) * (8 + self._codecs[t].row_bytes) for t, ids, _ in logged + batches)
 
     def _write_log(self, segments: dict[str, list[tuple[np.ndarray, np.ndarray | None]]], meta: dict | None = None,
-                   deleting: dict[str, list[int]] | None = None) -> None:
-        """Append segments (ids, slots or a function making them; tombstones where slots is None) to log tables, delete
-        the segments ``deleting`` names and those left without a live row, then meta: one
-        transaction; the index follows once it has committed."""
+                   deleting: dict[str, list[int]] | None = None, dropping: dict[str, list[int]] | None = None) -> None:
+        """Append segments (ids, slots or a function making them; tombstones where slots is None) to log tables, retire
+        the segments ``deleting`` names (``dropping``: the tombstones among them no older copy
+        of their ids outlives) and those left without a live row, then meta: one transaction;
+        the index follows once it has committed. Retired segments go in the same transaction,
+        or, for a publish_at_flush writer, with the next publish: readers of the last one may
+        still read them."""
         def plan():
             out, gone = [], {}
             for t in set(segments) | set(deleting or ()):
@@ -863,7 +1036,7 @@ class LmdbBackend:
             for t, seq, ids, slots in new:
                 blob = rowlog.encode_segment(ids, slots() if callable(slots) else slots, self._logs[t].slot_bytes)
                 txn.put(rowlog.seq_key(seq), blob, db=self._log_dbs[t], append=True)
-            for t, seqs in gone.items():
+            for t, seqs in gone.items() if not self.publish_at_flush else ():
                 for seq in seqs:
                     txn.delete(rowlog.seq_key(seq), db=self._log_dbs[t])
             for k, v in (meta or {}).items():
@@ -878,6 +1051,9 @@ class LmdbBackend:
                 for seq in seqs:
                     log.forget(seq)
                 log.emptied = [q for q in log.emptied if q not in seqs]
+                if self.publish_at_flush:
+                    self._retired[t] |= seqs
+                    self._dropped[t] = max([self._dropped[t], *(dropping or {}).get(t, ())])
             if any(slots is not None for *_, slots in new):
                 # where the new segments' slots are in the file: their B-tree walked in a snapshot,
                 # as a replay finds them (this process's own map never moves under it: only its
@@ -888,8 +1064,8 @@ class LmdbBackend:
                     for t in {t for t, *_ in new}:
                         first = min(seq for table, seq, *_ in new if table == t)
                         record = txn.get(b"s:" + t.encode(), db=self._shared.main)
-                        for seq, at, length in rowlog.walk_values(mem, record, first - 1):
-                            self._logs[t].note_offset(seq, mem[at: at + length], at)
+                        for seq, at, _ in rowlog.walk_values(mem, record, first - 1):
+                            self._logs[t].note_offset(seq, at)
         self._write(op, applied, plan, dirties=sum(len(ids) * self._logs[t].slot_bytes for t, parts in segments.items()
                                                    for ids, slots in parts if slots is not None))
 
@@ -938,7 +1114,7 @@ class LmdbBackend:
             parts += [(ids[lo: lo + log.per_segment], slots[lo: lo + log.per_segment]) for lo in range(0, len(ids), log.per_segment)]
         if still_deleted:
             parts.append((np.unique(np.concatenate(still_deleted)), None))
-        self._write_log({table: parts}, deleting={table: victims + dropped + merged})
+        self._write_log({table: parts}, deleting={table: victims + dropped + merged}, dropping={table: dropped})
 
     def _log_sweep(self, table: str, cutoff: int | None, budget: int, l2_below: float | None) -> int:
         """sweep() of a log table: the live rows of its next segments, ``budget`` slots or so."""
@@ -1006,6 +1182,7 @@ class LmdbBackend:
                     self._unsynced += dirties
                     if self._unsynced >= self.txn_rows * rowlog.PAGE:
                         self.sync()
+                    self._shared.trim_map()
                     return
                 except lmdb.MapFullError:
                     # the transaction aborted; grow the map and replay it

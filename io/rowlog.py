@@ -214,11 +214,13 @@ class RowLog:
                 self.emptied.append(seq)
         self.applied = seq
 
-    def note_offset(self, seq: int, value, at: int) -> None:
-        """Segment ``seq`` (committed; ``value``, found at file offset ``at``) starts its slots there;
-        a tombstone has none."""
+    def note_offset(self, seq: int, at: int) -> None:
+        """Segment ``seq`` (committed, its value at file offset ``at``) starts its slots where its
+        slot count puts them; a tombstone has none. Its header is not read: a read through the
+        map maps the pages around it too (the kernel's fault-around), a whole new segment."""
         if seq in self._index:
-            self.offset[self._index[seq]] = at + parse_header(value)[2]
+            s = self._index[seq]
+            self.offset[s] = at + _rows_offset(int(self.slots[s]), self.slot_bytes)
 
     def forget(self, seq: int) -> None:
         """Segment ``seq`` was deleted (it held no live row, or it was a tombstone)."""
@@ -451,10 +453,10 @@ _P_BRANCH, _P_LEAF, _F_BIGDATA = 0x01, 0x02, 0x01
 _NO_PAGE = (1 << 64) - 1
 
 
-def walk_values(mem, db_record, after: int, page_size: int = PAGE) -> list[tuple[int, int, int]]:
+def walk_values(mem, db_record, after: int, page_size: int = PAGE, upto: int | None = None) -> list[tuple[int, int, int]]:
     """(seq, file offset, bytes) of every value of a segments database whose 8-byte key is
-    above ``after``, in key order, read from ``mem`` (the map, from the file's first byte)
-    and ``db_record`` (the database's MDB_db, its value in LMDB's main database)."""
+    above ``after`` (and at most ``upto``), in key order, read from ``mem`` (the map, from the
+    file's first byte) and ``db_record`` (the database's MDB_db, its value in LMDB's main database)."""
     root = _DB_RECORD.unpack_from(db_record)[-1]
     out: list[tuple[int, int, int]] = []
     stack = [] if root == _NO_PAGE else [root]
@@ -467,11 +469,12 @@ def walk_values(mem, db_record, after: int, page_size: int = PAGE) -> list[tuple
             # child i holds keys from its own key (the first: none) to the next child's
             keys = [int.from_bytes(mem[at + 8: at + 8 + ks], "big") if ks else -1 for at, _, _, _, ks in nodes]
             children = [lo | hi << 16 | fl << 32 for _, lo, hi, fl, _ in nodes]
-            stack.extend(c for c, nxt in reversed(list(zip(children, keys[1:] + [None]))) if nxt is None or nxt > after + 1)
+            stack.extend(c for c, key, nxt in reversed(list(zip(children, keys, keys[1:] + [None])))
+                         if (nxt is None or nxt > after + 1) and (upto is None or key <= upto))
         elif flags & _P_LEAF:
             for at, lo, hi, fl, ks in nodes:
                 seq = int.from_bytes(mem[at + 8: at + 8 + ks], "big")
-                if seq > after:
+                if seq > after and (upto is None or seq <= upto):
                     data = at + 8 + ks
                     start = int(np.frombuffer(mem, dtype="<u8", count=1, offset=data)[0]) * page_size + _VALUE_OFFSET \
                         if fl & _F_BIGDATA else data

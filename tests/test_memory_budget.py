@@ -548,3 +548,45 @@ def test_a_budgeted_store_keeps_malloc_from_holding_freed_blocks(tmp_path):
     if held["control"] < 24 << 20:
         pytest.skip(f"this C library's malloc does not hold freed 1 MiB blocks (held {held['control']:,} bytes)")
     assert held["budget"] < 4 << 20, held
+
+
+_MAPPED = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from tierstore import TableSpec, TieredStore
+
+    def mapped():  # bytes of data.mdb mapped into this process: its mappings' Rss in /proc/self/smaps
+        total, ours = 0, False
+        for line in open("/proc/self/smaps"):
+            fields = line.split()
+            if not fields[0].endswith(":"):  # a mapping's first line: address range ... path
+                ours = line.rstrip().endswith("/data.mdb")
+            elif ours and fields[0] == "Rss:":
+                total += int(fields[1]) << 10
+        return total
+
+    n = 300_000
+    store = TieredStore(sys.argv[1], [TableSpec("t", n, 64)], memory_budget="64MiB", device="cpu")
+    rng = np.random.default_rng(0)
+    for lo in range(0, n, 50_000):  # every row written: 77 MB of rows, more than the page cache's share
+        store.write("t", np.arange(lo, lo + 50_000), np.ones((50_000, 64), dtype=np.float32))
+    store.flush()
+    for step in range(30):  # overwrites: the log collects its emptiest segments, reading them
+        ids = rng.integers(0, n, 8192)
+        store.write("t", ids, store.read("t", ids) + 1)
+        store.read("t", ids[:10])  # a small read: through LMDB's map
+        if step % 10 == 9:
+            store.flush()
+    print(mapped(), store.memory().parts["page_cache"].bytes)
+""")
+
+
+def test_a_budgeted_store_keeps_its_mapped_file_pages_within_the_page_cache_share(tmp_path):
+    """A page of data.mdb read through LMDB's map stays mapped, in the process's RSS, and a read
+    maps the cached pages around it too (the kernel's fault-around): a trainer's RSS grew past
+    its budget by most of the file (2M x 64 rows, 256 MiB budget: 278 MiB of it mapped against
+    a 64 MiB share). A budgeted store unmaps them once they pass half the page cache's share."""
+    out = subprocess.run([sys.executable, "-c", _MAPPED, str(tmp_path / "s")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    mapped, share = map(int, out.stdout.split())
+    assert mapped <= share, f"{mapped >> 20} MiB of data.mdb mapped, over the page cache's share of {share >> 20} MiB"

@@ -20,8 +20,8 @@ from tierstore.tools.stats import read_facts
 
 # A writer process driven over stdin: "write LO HI" writes rows LO..HI-1 (no
 # cache, so straight to LMDB), "burst STOP" writes batches of 500 new rows
-# without waiting until the file STOP exists and answers "ok N" with the batches
-# written, "flush", "exit". It answers each command with a line.
+# without waiting, flushing every tenth, until the file STOP exists, then flushes and
+# answers "ok N" with the batches written, "flush", "exit". It answers each command with a line.
 WRITER = textwrap.dedent("""
     import os, sys, numpy as np, tierstore
     from prometheus_client import CollectorRegistry
@@ -41,6 +41,9 @@ WRITER = textwrap.dedent("""
                 ids = np.arange(i * 500, (i + 1) * 500) + 1_000_000
                 store.write("t", ids, np.ones((500, 4), dtype=np.float32))
                 i += 1
+                if i % 10 == 0:
+                    store.flush()
+            store.flush()
             print("ok", i, flush=True)
             continue
         elif cmd == "flush":
@@ -83,14 +86,6 @@ def stats_json(path, capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def stats_once_committed(path, capsys, rows: int) -> dict:
-    """The writer's thread commits queued writes shortly after write() returns."""
-    deadline = time.monotonic() + 30
-    while (facts := stats_json(path, capsys))["tables"][0]["rows_on_disk"] != rows and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return facts
-
-
 def test_stats_while_a_writer_process_holds_the_store(tmp_path, writer, capsys):
     path = tmp_path / "s"
     with pytest.raises(tierstore.StoreLockedError):  # the writer really holds it
@@ -101,26 +96,33 @@ def test_stats_while_a_writer_process_holds_the_store(tmp_path, writer, capsys):
     assert facts["last_flush"] is None and facts["last_flush_utc"] is None
 
     writer.send("write 0 100")
-    facts = stats_once_committed(path, capsys, 100)
-    assert facts["tables"][0]["rows_on_disk"] == 100
-    assert facts["tables"][0]["payload_bytes"] == 100 * (8 + 4 * 4)
-    assert facts["last_flush"] is None  # committed, not yet flushed
+    time.sleep(0.2)  # the writer's thread commits queued writes shortly after write() returns
+    facts = stats_json(path, capsys)
+    assert facts["tables"][0]["rows_on_disk"] == 0  # written, not flushed: stats shows the last flush
+    assert facts["last_flush"] is None
 
     writer.send("flush")
-    writer.send("write 50 300")  # overlaps: 250 new rows
-    facts = stats_once_committed(path, capsys, 300)
-    assert facts["tables"][0]["rows_on_disk"] == 300
+    facts = stats_json(path, capsys)
+    assert facts["tables"][0]["rows_on_disk"] == 100
+    assert facts["tables"][0]["payload_bytes"] == 100 * (8 + 4 * 4)
     assert facts["last_flush"] == 1_000.0  # the writer's injected clock
-    assert facts["last_flush_utc"] == "1970-01-01T00:16:40.000+00:00"
+    writer.send("write 50 300")  # overlaps: 250 new rows
+    time.sleep(0.2)
+    assert stats_json(path, capsys)["tables"][0]["rows_on_disk"] == 100
+    writer.send("flush")
+    facts = stats_json(path, capsys)
+    assert facts["tables"][0]["rows_on_disk"] == 300
+    assert facts["last_flush"] == 2_000.0
+    assert facts["last_flush_utc"] == "1970-01-01T00:33:20.000+00:00"
     assert facts["disk_bytes"] == os.stat(path / "data.mdb").st_size
 
     assert main(["stats", str(path)]) == 0
     text = capsys.readouterr().out
-    assert "last flush  1970-01-01T00:16:40.000+00:00" in text
+    assert "last flush  1970-01-01T00:33:20.000+00:00" in text
     assert any(line.split()[:2] == ["t", "10,000,000"] and line.split()[4] == "300" for line in text.splitlines())
     assert any(line.split()[:2] == ["u", "unbounded"] for line in text.splitlines())
     writer.close()
-    assert stats_json(path, capsys)["last_flush"] == 2_000.0  # close() flushed once more
+    assert stats_json(path, capsys)["last_flush"] == 3_000.0  # close() flushed once more
 
 
 def test_rows_on_disk_only_grow_while_the_writer_writes(tmp_path, writer):
@@ -133,7 +135,7 @@ def test_rows_on_disk_only_grow_while_the_writer_writes(tmp_path, writer):
         seen.append(read_facts(path).tables[0].rows_on_disk)
     stop.touch()
     batches = int(writer.proc.stdout.readline().split()[1])
-    while seen[-1] != batches * 500 and time.monotonic() < deadline:  # its thread commits the last batches
+    while seen[-1] != batches * 500 and time.monotonic() < deadline:  # it flushed before it answered
         seen.append(read_facts(path).tables[0].rows_on_disk)
     assert seen == sorted(seen) and seen[-1] == batches * 500
     assert len(set(seen)) >= 4, "stats saw no writes in 120 s"

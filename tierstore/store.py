@@ -318,7 +318,9 @@ class TieredStore:
         self._change_records: dict[str, dict[str, list[np.ndarray]]] = {}  # take_changes's, by reader
         self._shared: Shared | None = None
         # without tables= nothing is created: a mistyped path fails, leaving nothing behind
-        self._backend = LmdbBackend(self.path, readonly=self.readonly, map_size=self.config.map_size, create=bool(tables))
+        # readers see its log tables as flush() publishes them (LmdbBackend.publish)
+        self._backend = LmdbBackend(self.path, readonly=self.readonly, map_size=self.config.map_size, create=bool(tables),
+                                    publish_at_flush=True)
         try:
             specs = self._reconcile_specs(list(tables or []))
             for name in ("hbm_rows", "ddr_rows"):
@@ -372,6 +374,8 @@ class TieredStore:
             check_fits(split, split.limit, process_rss(), what)
         cfg.hbm_rows, cfg.ddr_rows, cfg.writeback_rows = split.hbm_rows, split.ddr_rows, split.writeback_rows
         self._backend.txn_rows = split.txn_rows
+        # pages read through LMDB's map would stay in the process's RSS: kept to half the page cache's share
+        self._backend.limit_mapped(None if split.budget is None else split.parts["page_cache"].bytes // 2)
         self._backend.read_directly(*self._direct_reads(split, specs))
         return split
 
@@ -582,7 +586,8 @@ class TieredStore:
             return state
 
     def flush(self) -> None:
-        """Return once every dirty row is durable in LMDB (survives kill -9 and power loss)."""
+        """Return once every dirty row is durable in LMDB (survives kill -9 and power loss) and
+        published: readers, and a writer opened after a crash, see this flush whole."""
         with self._lock:
             self._check_open()
             if self.readonly:
@@ -597,11 +602,12 @@ class TieredStore:
             while batches := [(t, *dirty) for t in self._tables.values() if (dirty := t.take_dirty(chunk)) is not None]:
                 self._shared.queue_write(batches)
                 self._reap()  # waits while the queue holds more than its limit
+            self._reap(drain=True)
             now = self.config.clock()
             life = self._life_meta()
-            self._shared.queue_write([], meta={"last_flush": now, "updates": dict(self._updates), **life})
-            self._reap(drain=True)
-            self._store_sketches()
+            # one transaction: readers and a writer opened after a crash see the rows, counts and
+            # sketches of this flush together, or those of the last one
+            self._backend.publish({"last_flush": now, "updates": dict(self._updates), **life}, self._changed_sketches())
             for name, steps in life["steps"].items():  # committed: the sweep may judge rows by them
                 self._tables[name].life.durable_steps = steps
             self._backend.sync()
@@ -917,12 +923,11 @@ class TieredStore:
                 except ValueError as e:
                     raise corrupt(self.path / "data.mdb", f"table {name!r}: {e}") from None
 
-    def _store_sketches(self) -> None:
-        """Admission counts are durable at flush, with the step counts (written just before):
-        those of tables that counted steps since the last flush."""
-        changed = {name: t.life for name, t in self._tables.items() if t.life.sketch is not None and t.life.steps != t.life.durable_steps}
-        if changed:
-            self._backend.put_sketches({name: life.sketch.counters.tobytes() for name, life in changed.items()})
+    def _changed_sketches(self) -> dict[str, bytes]:
+        """Admission counts are durable at flush, with the step counts: those of tables that
+        counted steps since the last flush."""
+        return {name: t.life.sketch.counters.tobytes() for name, t in self._tables.items()
+                if t.life.sketch is not None and t.life.steps != t.life.durable_steps}
 
     def _life_meta(self) -> dict:
         """What flush() makes durable of admission and eviction, beside the sketches."""

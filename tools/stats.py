@@ -4,8 +4,9 @@ that it works while a trainer has the store open for writing. A serving store
 (tierstore.export's output) is described as one: its tables' dtypes, rows and
 bytes, and the version and source of the export.
 
-It shows what is durable in LMDB: rows still only in a writer's cache appear
-after that writer's next write-back or flush. It also shows the memory a store of
+It shows what the writer's last flush left (docs/durability.md, "What readers see"): rows
+written since appear after that writer's next flush (in a table of an unbounded id space,
+once written back). It also shows the memory a store of
 these tables takes, split by tierstore.memory.split_memory for the sizes given
 (--memory-budget, or --hbm-rows/--ddr-rows), and the memory limit detected here.
 """
