@@ -6,9 +6,9 @@ bytes, and the version and source of the export.
 
 It shows what the writer's last flush left (docs/durability.md, "What readers see"): rows
 written since appear after that writer's next flush (in a table of an unbounded id space,
-once written back). It also shows the memory a store of
-these tables takes, split by tierstore.memory.split_memory for the sizes given
-(--memory-budget, or --hbm-rows/--ddr-rows), and the memory limit detected here.
+once written back). It also shows the memory a store of these tables takes, split by
+tierstore.memory.split_memory for the sizes given (--memory-budget, or
+--hbm-rows/--ddr-rows), and the memory limit detected here.
 """
 from __future__ import annotations
 
