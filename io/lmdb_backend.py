@@ -49,7 +49,7 @@ _INITIAL_MAP = 1 << 30
 _MAX_GROWTH_RETRIES = 16
 _READ_CHUNK = 2048  # rows per get-and-copy round of get_rows
 # rows per write transaction at most, by default: a transaction mallocs a dirty page for each
-# random row it writes, so the store sizes it from its memory budget (tierstore.memory)
+# random row it writes, so the store sizes it from its memory budget (tierstore.engine.memory)
 WRITE_TXN_ROWS = 65536
 _STEP = np.dtype("<i8")  # a row's last-use step, in a table's u: database
 # How a new table with num_rows stores its rows: "log" (io.rowlog: segments, written at about

@@ -1,4 +1,4 @@
-"""Serving stores on disk (tierstore.export writes them, tierstore.serving reads them).
+"""Serving stores on disk (tierstore.export writes them, tierstore.serving.store reads them).
 
 A serving store is an LMDB environment holding weights only, each row packed at
 its serving dtype's size (docs/serving.md):

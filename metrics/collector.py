@@ -1,6 +1,6 @@
 """Prometheus export of the stores' plain counters, read at scrape time.
 
-The hot path only bumps integers (tierstore/counters.py); this module turns
+The hot path only bumps integers (tierstore/engine/counters.py); this module turns
 them into metric families when Prometheus scrapes. One collector serves every
 store attached to a registry, because a registry refuses two collectors that
 describe the same metric names: stores are told apart by the ``store`` label.

@@ -18,8 +18,8 @@ import torch
 
 import tierstore
 from tierstore import RowInit, TableSpec, TieredEmbeddingBag, TieredStore, optim
-from tierstore.admission import CountMinSketch
-from tierstore.prefetch import LookaheadLoader
+from tierstore.engine.admission import CountMinSketch
+from tierstore.engine.prefetch import LookaheadLoader
 from tierstore.spec import initial_rows
 
 D = 4

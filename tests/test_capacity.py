@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import tierstore
 from tierstore.eviction import make_policy
 from tierstore.eviction.lookahead import NOT_IN_WINDOW, lookahead_victims
-from tierstore import curves, trace_streams
+from tierstore.capacity import curves, trace_streams
 from tierstore.tools import capacity as cap
 from tierstore.tools import capacity_progress
 from tierstore.tools.cli import main as cli_main
@@ -160,7 +160,7 @@ def test_simulation_equals_store_on_random_traces(tmp_path_factory, policy_named
 @settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])  # it only registers a policy
 def test_heap_replay_counts_like_the_vectorized_one(policy_named, trace, hbm, ddr, policy, window):
     """HeapSim (O(log tier) per id, by the policy's order) against CacheSim, the store's step
-    (tierstore.step) without rows, by the policy's victims."""
+    (tierstore.engine.step) without rows, by the policy's victims."""
     base = policy_named
     policy = base if policy == "base" else policy
     for s in cap.build_streams(trace):
@@ -178,7 +178,7 @@ def test_bounded_tables_clamp_tiers_like_the_store(tmp_path):
 
 def test_lookahead_simulation_equals_a_store_prefetching_the_window(tmp_path):
     """eviction='lookahead' with the next K batches announced by prefetch."""
-    from tierstore.prefetch import PrefetchConfig
+    from tierstore.engine.prefetch import PrefetchConfig
 
     K = 3
     trace = random_trace(np.random.default_rng(7), steps=40, tables=(("a", 60),))

@@ -114,7 +114,7 @@ def test_a_memory_budget_is_split_and_predicted_as_the_store_does(tmp_path, caps
     uses = measured["hits"] + measured["misses"]
     for predicted in (lru_curve, lru_replay):
         assert round(predicted["hit_ratio"] * uses) == measured["hits"], (predicted, measured)
-    assert report["memory_budget"]["parts"]["ddr"] == tierstore.memory.split_memory(
+    assert report["memory_budget"]["parts"]["ddr"] == tierstore.engine.memory.split_memory(
         12 << 20, [tierstore.TableSpec("t", 200_000, 16)], indexed_tables=["t"]).parts["ddr"].bytes
 
     assert cli_main(["capacity", str(tmp_path / "trace"), "--memory-budget", budget, "--policies", "", "--no-belady"]) == 0

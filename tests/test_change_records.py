@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from tierstore import RowInit, TableSpec, TieredStore
-from tierstore.checkpointing import restore
-from tierstore.serving_stream import Publisher, Replica
+from tierstore.training.checkpointing import restore
+from tierstore.serving.stream import Publisher, Replica
 
 SPEC = TableSpec("a", 400, 8, state_dim=8, init=RowInit.normal(0, 0.1, seed=1))
 

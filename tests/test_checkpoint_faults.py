@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 import test_distributed
 from test_distributed import CHECK_IDS, TABLES, TIERS, launch, make_plan, raised, read_all
 from tierstore import StoreCorruptError, TieredEmbeddingBag, optim
-from tierstore.checkpointing import OptimizerMismatchError
-from tierstore.sharding import Shard, ShardingPlan, TablePlan
+from tierstore.training.checkpointing import OptimizerMismatchError
+from tierstore.training.sharding import Shard, ShardingPlan, TablePlan
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

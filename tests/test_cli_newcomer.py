@@ -18,7 +18,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import tierstore
-import tierstore.planner
+import tierstore.capacity.planner
 import tierstore.tools.plan_cli
 import tierstore.tools.demo
 import tierstore.tools.synth
@@ -151,7 +151,7 @@ def interrupt(*_args, **_kwargs):
 
 def test_ctrl_c_in_plan_and_trace_synth_says_what_was_kept(tmp_path, monkeypatch, capsys):
     trace = small_trace(tmp_path / "t.npz")
-    monkeypatch.setattr(tierstore.planner, "plan", interrupt)
+    monkeypatch.setattr(tierstore.capacity.planner, "plan", interrupt)
     assert main(["plan", str(trace), "--world-size", "2"]) == 130
     assert one_line(capsys) == "tierstore: interrupted; no plan was printed; nothing was written"
     monkeypatch.setattr(tierstore.tools.synth, "synth", interrupt)
@@ -325,7 +325,7 @@ def unreachable(*_args, **_kwargs):
 
 def test_plan_checks_the_world_size_before_planning(tmp_path, monkeypatch, capsys):
     trace = small_trace(tmp_path / "t.npz", rows=100)
-    monkeypatch.setattr(tierstore.planner, "plan", unreachable)  # the check comes first
+    monkeypatch.setattr(tierstore.capacity.planner, "plan", unreachable)  # the check comes first
     assert main(["plan", str(trace), "--world-size", "201"]) == 2
     assert one_line(capsys) == ("tierstore: error: --world-size 201 is more ranks than the trace's tables split into (200 "
                                 "shards at most: a table splits by rows, or by columns if it has more); pass --world-size 200 or less")

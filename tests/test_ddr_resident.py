@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tierstore
-from tierstore import fbgemm
+from tierstore.training import fbgemm
 
 ROWS, DIM, BAGS = 400, 8, 24
 OPTIMIZERS = {

@@ -90,7 +90,7 @@ def test_bad_config_names_the_flag(field, value):
 def test_demo_sharded_over_two_processes_equals_one_process(tmp_path):
     """The ranks' checkpoint stores, read directly (not through the module), hold the
     one process's trained rows bit for bit."""
-    from tierstore.sharding import ShardingPlan
+    from tierstore.training.sharding import ShardingPlan
 
     d = tmp_path / "demo"
     r = demo("--dir", str(d), *TINY, "--world-size", "2", "--no-progress")

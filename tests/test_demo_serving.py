@@ -8,7 +8,7 @@ import torch
 
 import tierstore
 from tierstore.trace import Trace
-from tierstore.trace_streams import trace_counts
+from tierstore.capacity.trace_streams import trace_counts
 
 from test_demo import TINY, demo
 

@@ -135,7 +135,7 @@ def test_prefetch_threads_pause_for_the_trainer_only_when_they_read_through_the_
     """Reading through the map, a thread's copy faults pages in holding the GIL, so the
     threads wait while the trainer is in the store; reading directly they wait on the disk
     without it, and do not. The prefetched rows are the same either way."""
-    import tierstore.prefetch as prefetch
+    import tierstore.engine.prefetch as prefetch
     pauses = []
     real = prefetch.read_rows_async
     monkeypatch.setattr(prefetch, "read_rows_async", lambda *a, **k: (pauses.append(a[7]), real(*a, **k))[1])

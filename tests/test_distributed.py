@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tierstore import RowInit, TableSpec, TieredEmbeddingBagCollection, optim
-from tierstore.sharding import PlanMismatchError, Shard, ShardingPlan, TablePlan
+from tierstore.training.sharding import PlanMismatchError, Shard, ShardingPlan, TablePlan
 
 TIERS = {"hbm_rows": 3, "ddr_rows": 4, "device": "cpu"}  # tiny: rows go through LMDB every step; on the CPU
 # even where CUDA is (the default device), so the ranks and one process compare bit for bit

@@ -189,7 +189,7 @@ def sharded_checkpoint(tmp_path_factory):
         from prometheus_client import CollectorRegistry
         from tierstore import TableSpec, optim
         from tierstore.distributed import ShardedEmbeddingBagCollection
-        from tierstore.sharding import Shard, ShardingPlan, TablePlan
+        from tierstore.training.sharding import Shard, ShardingPlan, TablePlan
         d = Path(sys.argv[1])
         dist.init_process_group("gloo", init_method=f"file://{d / 'pg'}", rank=0, world_size=1)
         plan = ShardingPlan(1, {"t": TablePlan("t", "table", (Shard(0, None, None, 0, 8),))})
@@ -225,7 +225,7 @@ def _damaged(text: str) -> str:
 ], ids=["truncated", "key dropped", "bad JSON", "not a list", "bad field"])
 def test_damaged_tables_json_of_a_sharded_checkpoint_is_named(sharded_checkpoint, tmp_path, damage, what):
     from tierstore.distributed import ShardedEmbeddingBagCollection
-    from tierstore.sharding import ShardingPlan
+    from tierstore.training.sharding import ShardingPlan
 
     ckpt = shutil.copytree(sharded_checkpoint, tmp_path / "ckpt")
     tables = ckpt / "tables.json"

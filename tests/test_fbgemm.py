@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tierstore
-from tierstore.prefetch import LookaheadLoader
+from tierstore.engine.prefetch import LookaheadLoader
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # FBGEMM warns about its CPU-only build on import
@@ -105,7 +105,7 @@ def test_float16_sums_pooled_by_fbgemm_equal_the_upcast_rows_pooled(tmp_path, mo
     the tier's half rows in place (whatever the kernels): the outputs and the trained
     rows equal, bit for bit, those of upcasting the batch's rows and pooling them
     (FBGEMM not used) and those of the read path (rows through LMDB)."""
-    from tierstore import fbgemm
+    from tierstore.training import fbgemm
 
     pooled_by_fbgemm = []
     real = fbgemm.pool_half_sum

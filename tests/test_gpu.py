@@ -169,7 +169,7 @@ def test_a_trace_records_ids_given_on_the_gpu(tmp_path):
 @gpu
 def test_a_hot_row_trains_on_cuda_as_torch_sparse_sgd(tmp_path):
     """Half of a batch's entries on one row (its gradient is summed in pieces on a GPU,
-    tierstore.bags.RUN): the same bits run to run, and torch's sparse SGD's rows to rounding."""
+    tierstore.training.bags.RUN): the same bits run to run, and torch's sparse SGD's rows to rounding."""
     g = torch.Generator().manual_seed(0)
     ids = torch.where(torch.rand(4096, generator=g) < 0.5, 0, torch.randint(0, 1000, (4096,), generator=g)).cuda()
     offsets = torch.arange(0, 4096, 16, device="cuda")

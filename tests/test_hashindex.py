@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import tierstore.hashindex as hashindex
-from tierstore.hashindex import PROBE_WINDOW, DenseIndex, HashIndex, make_index
+import tierstore.engine.hashindex as hashindex
+from tierstore.engine.hashindex import PROBE_WINDOW, DenseIndex, HashIndex, make_index
 
 ARRAYS = ["numpy", "torch"]
 

@@ -1,5 +1,5 @@
 """Incremental checkpoints (issue #34): TieredStore.checkpoint(path, incremental=True) writes the
-rows changed since the last one; tierstore.checkpointing.restore replays the chain bit for bit.
+rows changed since the last one; tierstore.training.checkpointing.restore replays the chain bit for bit.
 Real LMDB."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from tierstore import RowInit, TableSpec, TieredStore
-from tierstore.checkpointing import CheckpointChainError, restore
-from tierstore.serving_stream import decode_delta
+from tierstore.training.checkpointing import CheckpointChainError, restore
+from tierstore.serving.stream import decode_delta
 
 SPECS = [TableSpec("a", 500, 8, state_dim=8, init=RowInit.normal(0, 0.1, seed=1)),
          TableSpec("b", 300, 4, state_dim=1, dtype="float16", init=RowInit.uniform(-1, 1, seed=2))]
@@ -63,7 +63,7 @@ def test_a_damaged_or_missing_link_is_refused_by_name(tmp_path):
 
 def test_a_publisher_and_a_chain_each_get_every_change(tmp_path):
     """take_changes keeps a record per reader: publishing does not take rows from the next link."""
-    from tierstore.serving_stream import Publisher, Replica
+    from tierstore.serving.stream import Publisher, Replica
 
     with TieredStore(tmp_path / "train", tables=SPECS[:1], device="cpu") as store:
         store.checkpoint(tmp_path / "base", incremental=True)

@@ -1,4 +1,4 @@
-"""The memory budget (tierstore.memory): the size parser, the split, what the store says
+"""The memory budget (tierstore.engine.memory): the size parser, the split, what the store says
 it holds against what it allocates, the memory-limit detection against fixture cgroup
 files, and a store opened under a real memory cgroup where the machine lets a test make one."""
 import json
@@ -21,13 +21,13 @@ from hypothesis import strategies as st
 from tierstore import TableSpec, TieredEmbeddingBag, TieredStore, optim
 from tierstore.eviction import make_policy
 from tierstore.io import index_bytes_bound
-from tierstore.memory import (
+from tierstore.engine.memory import (
     DEFAULT_WRITEBACK_ROWS, PAGE, QUEUE_BYTES_PER_ROW, WORK_BYTES_PER_SLOT, MemoryLimit, check_fits,
     cgroup_memory_limit, detect_limit, fit_rows, machine_memory, parse_bytes, split_memory, tier_bytes,
 )
 from tierstore.precision import DTYPES
-from tierstore.prefetch import PrefetchConfig
-from tierstore.tiers import CacheTier
+from tierstore.engine.prefetch import PrefetchConfig
+from tierstore.engine.tiers import CacheTier
 
 MiB, GiB = 1 << 20, 1 << 30
 WRITE_TXN = 65536 * PAGE  # LMDB's dirty pages of one write transaction of the default size, the worst case
@@ -149,7 +149,7 @@ def test_without_a_budget_the_split_is_todays_defaults():
     specs = [TableSpec("a", 1000, 8), TableSpec("b", None, 4)]
     split = split_memory(None, specs, ddr_rows={"a": 5000})
     assert split.ddr_rows == {"a": 1000, "b": 0}  # a tier holds at most num_rows
-    assert split.staged_rows == {"a": 5000, "b": 65536}  # staging: ddr_rows as given, else 65536 (tierstore.prefetch)
+    assert split.staged_rows == {"a": 5000, "b": 65536}  # staging: ddr_rows as given, else 65536 (tierstore.engine.prefetch)
     assert split.writeback_rows == DEFAULT_WRITEBACK_ROWS and split.parts["page_cache"].bytes == 0
 
 
@@ -359,7 +359,7 @@ CHILD = textwrap.dedent("""
     import json, sys
     sys.stdin.readline()  # moved into the group by the parent by now
     from tierstore import TableSpec, TieredStore
-    from tierstore.memory import detect_limit
+    from tierstore.engine.memory import detect_limit
     out = {"limit": detect_limit().cgroup}
     try:
         TieredStore(sys.argv[1] + "/big", [TableSpec("t", None, 16)], memory_budget=sys.argv[2], device="cpu")
@@ -537,7 +537,7 @@ _FREED_HELD = textwrap.dedent("""
 def test_a_budgeted_store_keeps_malloc_from_holding_freed_blocks(tmp_path):
     """Freed temporaries of 1 MiB stay in glibc's arenas once its mmap threshold has risen (the
     control process), memory outside every part of the budget; a process with a budgeted store
-    open gives them back (tierstore.memory.return_freed_blocks)."""
+    open gives them back (tierstore.engine.memory.return_freed_blocks)."""
     held = {}
     for mode in ("control", "budget"):
         out = subprocess.run([sys.executable, "-c", _FREED_HELD, mode], capture_output=True, text=True, cwd=tmp_path)

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import tierstore
-from tierstore.counters import LATENCY_BUCKETS, StageHistogram
+from tierstore.engine.counters import LATENCY_BUCKETS, StageHistogram
 from tierstore.metrics import METRICS, MetricsServer
 from tierstore.metrics.collector import PREFETCH
 

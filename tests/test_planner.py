@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import tierstore
-from tierstore.planner import plan, predict
-from tierstore.sharding import PlanMismatchError, Shard, ShardingPlan, TablePlan, row_hash
+from tierstore.capacity.planner import plan, predict
+from tierstore.training.sharding import PlanMismatchError, Shard, ShardingPlan, TablePlan, row_hash
 from tierstore.tools import capacity as cap
 from tierstore.tools.cli import main
 from tierstore.tools.synth import SynthConfig, SynthTable, synth
@@ -34,7 +34,7 @@ def specs_of(trace: Trace) -> list[tierstore.TableSpec]:
 
 
 def owned_ids(tp: TablePlan, shard: Shard, ids: np.ndarray) -> np.ndarray:
-    """The ids a shard holds, by the definitions in tierstore.sharding (not TablePlan.owner)."""
+    """The ids a shard holds, by the definitions in tierstore.training.sharding (not TablePlan.owner)."""
     if tp.sharding == "row" and shard.row_start is None:
         return ids[row_hash(torch.from_numpy(ids)).numpy() % len(tp.shards) == tp.shards.index(shard)]
     if shard.row_start is not None:

@@ -13,8 +13,8 @@ import torch
 
 import tierstore
 from tierstore import TableSpec, TieredStore
-from tierstore.hashindex import DenseIndex, make_index
-from tierstore.prefetch import LookaheadLoader, PrefetchConfig
+from tierstore.engine.hashindex import DenseIndex, make_index
+from tierstore.engine.prefetch import LookaheadLoader, PrefetchConfig
 
 
 def slow_reads(monkeypatch, store, delay=lambda: random.uniform(0, 0.004), fail=None):
@@ -297,7 +297,7 @@ def test_prefetch_threads_wait_while_the_trainer_is_in_the_store(tmp_path, monke
 
 @pytest.mark.parametrize("trainer_step, threads_at_the_end", [(1000.0, 1), (1e-6, 4)])
 def test_a_fetch_takes_the_threads_it_needs_to_land_before_its_batch(tmp_path, monkeypatch, trainer_step, threads_at_the_end):
-    from tierstore import prefetch as prefetch_module
+    from tierstore.engine import prefetch as prefetch_module
 
     parts = []
     real = prefetch_module.read_rows_async
@@ -382,7 +382,7 @@ def test_asking_the_window_about_victims_evicts_as_ranking_every_slot(tmp_path, 
     slot by its next use only where that does not settle it; over 80 steps, with the window holding
     more rows than the tier and announced rows evicted (evict()) and cached again elsewhere, the
     tier holds what ranking every slot each step gives (in_window switched off: the oracle)."""
-    from tierstore import step as step_module
+    from tierstore.engine import step as step_module
 
     rng = np.random.default_rng(num_rows)
     batches = [(rng.random(10) ** 2 * num_rows).astype(np.int64) for _ in range(80)]  # skewed: rows come back
@@ -458,7 +458,7 @@ def test_reading_threads_take_rows_in_chunks_of_about_half_a_millisecond(tmp_pat
     """Chunks of ~0.5 ms of reads, 256 to 2048 rows: smaller ones cost the threads
     more CPU (a transaction, the pause, GIL hand-offs) than the gets."""
     from tierstore.io import LmdbBackend, workers
-    from tierstore.prefetch import chunk_rows
+    from tierstore.engine.prefetch import chunk_rows
 
     assert chunk_rows(row_seconds) == chunk
     calls, pauses = [], []

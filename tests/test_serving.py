@@ -370,7 +370,7 @@ TIERS = [(0, 0), (40, 90), (1000, 0), (0, 1000)]
 @pytest.mark.parametrize("hbm,ddr", TIERS)
 def test_pooled_lookups_within_the_bound_of_float64(tmp_path, monkeypatch, dtype, hbm, ddr, kernel):
     if kernel == "torch":  # pooled as where FBGEMM is not installed
-        monkeypatch.setattr(tierstore.serving.fbgemm, "installed", lambda: False)
+        monkeypatch.setattr(tierstore.serving.store.fbgemm, "installed", lambda: False)
     elif fbgemm_gpu is None:
         pytest.skip("needs FBGEMM (fbgemm-gpu-cpu) for its kernel")
     full = trained_store(tmp_path / "train")
@@ -464,7 +464,7 @@ def test_modules(tmp_path):
 
 # -- streaming updates ---------------------------------------------------------------------------
 
-from tierstore.serving_stream import DeltaCorruptError, Publisher, Replica  # noqa: E402
+from tierstore.serving.stream import DeltaCorruptError, Publisher, Replica  # noqa: E402
 
 
 def test_replica_follows_published_deltas(tmp_path):
@@ -537,7 +537,7 @@ def test_a_replica_behind_a_compaction_catches_up_from_the_export(tmp_path):
 
 PUBLISHER = """
 import sys, numpy as np, tierstore
-from tierstore.serving_stream import Publisher
+from tierstore.serving.stream import Publisher
 with tierstore.TieredStore(sys.argv[1], tables=[tierstore.TableSpec("t", 3000, 8)], hbm_rows=500, device="cpu") as store:
     pub = Publisher(store, sys.argv[2], dtype="int8")
     k = 0
@@ -549,7 +549,7 @@ with tierstore.TieredStore(sys.argv[1], tables=[tierstore.TableSpec("t", 3000, 8
 
 READER = """
 import os, sys, threading, numpy as np, torch
-from tierstore.serving_stream import Replica
+from tierstore.serving.stream import Replica
 replica = Replica(sys.argv[1], hbm_rows=1000, ddr_rows=1000, device="cpu")
 done = threading.Event()
 
@@ -625,7 +625,7 @@ def test_cuda_tiers_serve_the_same_rows(tmp_path, monkeypatch):
     pooled bags as torch pools them there (FBGEMM's CPU build has no CUDA kernel)."""
     trained_store(tmp_path / "train")
     export(tmp_path / "train", tmp_path / "serve", dtype="int8")
-    monkeypatch.setattr(tierstore.serving.fbgemm, "installed", lambda: False)
+    monkeypatch.setattr(tierstore.serving.store.fbgemm, "installed", lambda: False)
     with ServingStore(tmp_path / "serve", hbm_rows=40, ddr_rows=90, device="cuda") as gpu, \
             ServingStore(tmp_path / "serve", device="cpu") as cpu:
         for seed in range(4):
@@ -640,7 +640,7 @@ def test_concurrent_polls_apply_each_delta_once_in_order(tmp_path, monkeypatch):
     second would apply the later ones: the stalled delta must not land after them."""
     import threading
 
-    import tierstore.serving_stream as stream
+    import tierstore.serving.stream as stream
 
     with published(tmp_path, "float32", hbm_rows=100) as (store, pub, replica):
         for k in range(1, 4):

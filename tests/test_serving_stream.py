@@ -12,11 +12,11 @@ import torch
 import tierstore.io.lmdb_backend as lmdb_backend
 from tierstore import RowInit, TableSpec, TieredStore
 from tierstore.io.serving_layout import RowFormat
-from tierstore.serving_stream import Publisher
+from tierstore.serving.stream import Publisher
 
 REPLICA = """
 import sys, numpy as np
-from tierstore.serving_stream import Replica
+from tierstore.serving.stream import Replica
 replica = Replica(sys.argv[1], hbm_rows=64, ddr_rows=64, device="cpu")
 for line in sys.stdin:  # a file to write every row to, after applying what is published
     version = replica.poll()
@@ -91,7 +91,7 @@ def test_a_tier_holding_the_whole_table_pools_on_the_ids(tmp_path, monkeypatch):
     """A tier with room for every row keeps row id in slot id: once all are resident a lookup
     neither maps ids to slots nor marks their use (the int8 lookup's bookkeeping beside the
     kernel), and gives the rows a store without tiers gives, deltas applied included."""
-    import tierstore.serving as serving
+    import tierstore.serving.store as serving
     from tierstore import ServingStore, export
 
     with TieredStore(tmp_path / "train", tables=[TableSpec("t", 300, 8)], device="cpu") as store:
@@ -124,7 +124,7 @@ import time  # noqa: E402
 import zlib  # noqa: E402
 
 import tierstore.io.serving_layout as serving_layout  # noqa: E402
-from tierstore.serving_stream import DeltaCorruptError, DeltaGapError, Replica, encode_delta  # noqa: E402
+from tierstore.serving.stream import DeltaCorruptError, DeltaGapError, Replica, encode_delta  # noqa: E402
 
 
 def two_tables(tmp_path):

@@ -13,8 +13,9 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierstore import RowInit, TableSpec, TieredEmbeddingBag, TieredEmbeddingBagCollection, checkpointing, optim
-from tierstore.checkpointing import TableTooLargeError, TableView
+from tierstore import RowInit, TableSpec, TieredEmbeddingBag, TieredEmbeddingBagCollection, optim
+from tierstore.training import checkpointing
+from tierstore.training.checkpointing import TableTooLargeError, TableView
 
 import test_distributed
 from test_distributed import launch
@@ -183,7 +184,7 @@ TABLES = [TableSpec("user", 40, 8, init=RowInit.normal(0.0, 0.5, seed=1)),
 def _plan(world: int, holders: int | None = None):
     """test_distributed's plan of ``holders`` ranks (default all) over a group of ``world``."""
     from test_distributed import make_plan
-    from tierstore.sharding import ShardingPlan
+    from tierstore.training.sharding import ShardingPlan
 
     plan = make_plan(holders or world)
     return ShardingPlan(world, {t.name: plan.tables[t.name] for t in TABLES})

@@ -1,4 +1,4 @@
-"""The cache step's planner (tierstore.step), once, against independent oracles: cachetools'
+"""The cache step's planner (tierstore.engine.step), once, against independent oracles: cachetools'
 LRUCache/LFUCache for one tier, the plain-Python model of the two tiers (cache_model.py),
 and a full sort of the candidates' keys for the victims a tier picks. The planner runs
 here without rows, through the capacity simulator's slot arrays (CacheSim) or over a
@@ -12,11 +12,11 @@ from cachetools import LFUCache, LRUCache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierstore.cachesim import CacheSim
+from tierstore.capacity.cachesim import CacheSim
 from tierstore.eviction import make_policy
 from tierstore.eviction.lookahead import NOT_IN_WINDOW
-from tierstore.step import StepPlanner
-from tierstore.tiers import CacheTier
+from tierstore.engine.step import StepPlanner
+from tierstore.engine.tiers import CacheTier
 
 SPACE = 64
 

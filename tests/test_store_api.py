@@ -314,7 +314,7 @@ def _state(s):
 @pytest.mark.parametrize("hbm, ddr", [(150, 400), (0, 400), (400, 0)])
 def test_planning_aside_a_long_fetch_changes_nothing(tmp_path, monkeypatch, policy, hbm, ddr):
     """Reads whose misses reach _PLAN_ASIDE_ROWS plan on a helper thread: same rows, counts and residents."""
-    import tierstore.table as table_module
+    import tierstore.engine.table as table_module
 
     rng = np.random.default_rng(3)
     calls = [("read", rng.integers(0, 3000, 700)) if i % 3 else ("write", rng.integers(0, 3000, 300)) for i in range(24)]
@@ -335,7 +335,7 @@ def test_planning_aside_a_long_fetch_changes_nothing(tmp_path, monkeypatch, poli
 
 
 def test_a_failed_fetch_with_its_plan_aside_leaves_the_store_as_it_was(tmp_path, monkeypatch):
-    import tierstore.table as table_module
+    import tierstore.engine.table as table_module
 
     monkeypatch.setattr(table_module, "_PLAN_ASIDE_ROWS", 1)
     with TieredStore(tmp_path, [TableSpec("t", 1000, 2)], hbm_rows=20, ddr_rows=50, device="cpu") as s:

@@ -114,7 +114,7 @@ def test_a_prefetched_read_equals_a_plain_one(opened):
 def test_a_training_module_gets_one_trainer_per_table(opened):
     """store.trainer(table), the seam tierstore.nn and tierstore.distributed use beside read and write."""
     from tierstore.precision import update_key
-    from tierstore.trainer import TableTrainer
+    from tierstore.engine.trainer import TableTrainer
 
     path, open_, _ = opened
     with open_() as s:

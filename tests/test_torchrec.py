@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tierstore
-from tierstore.prefetch import LookaheadLoader
+from tierstore.engine.prefetch import LookaheadLoader
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # FBGEMM and TorchRec warn about CPU-only builds on import

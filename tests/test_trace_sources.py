@@ -149,7 +149,7 @@ def test_capacity_says_how_many_passes_it_will_make_before_the_first(two_table_t
 
 
 def test_deduplicating_a_trace_reports_every_id_to_its_progress_bar(tmp_path):
-    from tierstore.trace_streams import build_streams
+    from tierstore.capacity.trace_streams import build_streams
 
     counted = []
 

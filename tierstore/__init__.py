@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from tierstore.io.errors import StoreCorruptError, StoreLockedError
 
-from .errors import TierstoreError
+from tierstore.errors import TierstoreError
 
 # public name -> the module that defines it
 _LAZY = {
@@ -17,25 +17,25 @@ _LAZY = {
     "StoreConfig": "store", "TieredStore": "store",
     "optim": None,
     "TieredEmbeddingBag": "nn", "TieredEmbeddingBagCollection": "nn",
-    "LookaheadLoader": "prefetch", "PrefetchConfig": "prefetch", "PrefetchTicket": "prefetch",
+    "LookaheadLoader": "engine.prefetch", "PrefetchConfig": "engine.prefetch", "PrefetchTicket": "engine.prefetch",
     "open_store": "daemon.client",
     "EmbeddingStore": "interface",
     "DaemonBusyError": "daemon.wire",
-    "export": "serving_export",
-    "ServingEmbeddingBag": "serving", "ServingEmbeddingBagCollection": "serving", "ServingStore": "serving",
+    "export": "serving.export",
+    "ServingEmbeddingBag": "serving.store", "ServingEmbeddingBagCollection": "serving.store", "ServingStore": "serving.store",
 }
 
 if TYPE_CHECKING:  # what type checkers and the API reference see
-    from . import optim
-    from .daemon.client import open_store
-    from .daemon.wire import DaemonBusyError
-    from .interface import EmbeddingStore
-    from .nn import TieredEmbeddingBag, TieredEmbeddingBagCollection
-    from .prefetch import LookaheadLoader, PrefetchConfig, PrefetchTicket
-    from .serving import ServingEmbeddingBag, ServingEmbeddingBagCollection, ServingStore
-    from .serving_export import export
-    from .spec import RowInit, TableSpec
-    from .store import StoreConfig, TieredStore
+    from tierstore import optim
+    from tierstore.daemon.client import open_store
+    from tierstore.daemon.wire import DaemonBusyError
+    from tierstore.interface import EmbeddingStore
+    from tierstore.nn import TieredEmbeddingBag, TieredEmbeddingBagCollection
+    from tierstore.engine.prefetch import LookaheadLoader, PrefetchConfig, PrefetchTicket
+    from tierstore.serving.store import ServingEmbeddingBag, ServingEmbeddingBagCollection, ServingStore
+    from tierstore.serving.export import export
+    from tierstore.spec import RowInit, TableSpec
+    from tierstore.store import StoreConfig, TieredStore
 
 __all__ = ["StoreCorruptError", "StoreLockedError", "TierstoreError", *_LAZY]
 __version__ = "0.1.0"

@@ -63,18 +63,19 @@ from torch import nn
 
 from tierstore.io import StoreCorruptError
 
-from .checkpointing import (FusedOptimizer, OptimizerMismatchError, TableViews, check_loadable, load_views, state_layout,
+from tierstore.training.checkpointing import (FusedOptimizer, OptimizerMismatchError, TableViews, check_loadable, load_views, state_layout,
                             table_views)
-from .errors import TierstoreError
-from .bags import MODES, Bags, EmbeddingBagConfig, Rows, mean_grads, plan_bags, sum_rows
-from .nn import feature_parts
-from .optim import RowOptimizer
-from .planner import plan
-from .precision import round_stochastic
-from .prefetch import PrefetchGroup
-from .sharding import PlanMismatchError, Shard, ShardingPlan, TablePlan
-from .spec import TableSpec
-from .store import Sizes, StoreConfig, TieredStore, as_ids, as_values, resolve_device
+from tierstore.errors import TierstoreError
+from tierstore.training.bags import MODES, Bags, EmbeddingBagConfig, Rows, mean_grads, plan_bags, sum_rows
+from tierstore.nn import feature_parts
+from tierstore.optim import RowOptimizer
+from tierstore.capacity.planner import plan
+from tierstore.precision import round_stochastic
+from tierstore.engine.prefetch import PrefetchGroup
+from tierstore.training.sharding import PlanMismatchError, Shard, ShardingPlan, TablePlan
+from tierstore.spec import TableSpec
+from tierstore.engine.tensors import as_ids, as_values, resolve_device
+from tierstore.store import Sizes, StoreConfig, TieredStore
 
 __all__ = ["PlanMismatchError", "RankFailedError", "SettingsMismatchError", "Shard", "ShardedEmbeddingBagCollection",
            "ShardingPlan", "TablePlan", "plan"]
@@ -863,7 +864,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             error = e
         self._begin(_Op.RESTORED, error=error)
 
-    # -- checkpoints through torch.distributed.checkpoint (tierstore.checkpointing) -------------
+    # -- checkpoints through torch.distributed.checkpoint (tierstore.training.checkpointing) -------------
     def views(self, table: str) -> TableViews:
         """This rank's shard of ``table`` and its optimizer state as TableViews of the whole
         table's shape: what state_dict() and fused_optimizer hold, and DCP saves and loads

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from .prefetch import PrefetchGroup, PrefetchTicket
-from .spec import TableSpec
+from tierstore.engine.prefetch import PrefetchGroup, PrefetchTicket
+from tierstore.spec import TableSpec
 
 if TYPE_CHECKING:
-    from .trainer import TableTrainer
+    from tierstore.engine.trainer import TableTrainer
 
 
 @runtime_checkable
@@ -35,7 +35,7 @@ class EmbeddingStore(Protocol):
 
     def trainer(self, table: str) -> "TableTrainer":
         """What a training module uses of the store for ``table`` beside read() and write()
-        (tierstore.trainer): one per table for the store's life."""
+        (tierstore.engine.trainer): one per table for the store's life."""
 
     def read(self, table: str, ids, with_state: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of ``ids`` (any order, repeats allowed): [len(ids), dim] (+ state_dim with ``with_state``);
@@ -51,7 +51,7 @@ class EmbeddingStore(Protocol):
         """Start reading rows ahead of their read; the ticket's wait() raises what the read would."""
 
     def prefetch_batch(self, reads: Mapping[str, torch.Tensor]) -> PrefetchGroup | None:
-        """A LookaheadLoader's batch, prefetched whole or not yet (tierstore.prefetch.PrefetchTarget)."""
+        """A LookaheadLoader's batch, prefetched whole or not yet (tierstore.engine.prefetch.PrefetchTarget)."""
 
     def report_step_seconds(self, seconds: float) -> None: ...
 

@@ -24,9 +24,9 @@ in place (index_add_): no row is copied out or back, and the result is the same
 bit for bit as the general path's read, update and write.
 
 The modules use the store through its public calls and ``store.trainer(table)``
-(tierstore.trainer.TableTrainer: the resident forward, the in-place update, the
+(tierstore.engine.trainer.TableTrainer: the resident forward, the in-place update, the
 rounding key, admission, re-reads and the count of backwards written); the bag
-math they share with tierstore.distributed is tierstore.bags.
+math they share with tierstore.distributed is tierstore.training.bags.
 """
 from __future__ import annotations
 
@@ -40,14 +40,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import fbgemm
-from .bags import MODES, BagIndexError, BagOffsetsError, BagTypeError, Bags, EmbeddingBagConfig, plan_bags, row_grads
-from .checkpointing import FusedOptimizer, TableViews, check_loadable, load_views, table_views
-from .interface import EmbeddingStore
-from .optim import RowOptimizer
-from .precision import round_stochastic
-from .spec import RowInit, TableSpec
-from .store import Sizes, StoreConfig, TieredStore
+from tierstore.training import fbgemm
+from tierstore.training.bags import MODES, BagIndexError, BagOffsetsError, BagTypeError, Bags, EmbeddingBagConfig, plan_bags, row_grads
+from tierstore.training.checkpointing import FusedOptimizer, TableViews, check_loadable, load_views, table_views
+from tierstore.interface import EmbeddingStore
+from tierstore.optim import RowOptimizer
+from tierstore.precision import round_stochastic
+from tierstore.spec import RowInit, TableSpec
+from tierstore.store import Sizes, StoreConfig, TieredStore
 
 __all__ = [
     "BagIndexError",
@@ -402,7 +402,7 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         if self.config.padding_idx is not None:
             self.store.write(self.table, [self.config.padding_idx], torch.zeros(1, self.embedding_dim))
 
-    # -- checkpoints (tierstore.checkpointing) ------------------------------------------------
+    # -- checkpoints (tierstore.training.checkpointing) ------------------------------------------------
     def views(self) -> TableViews:
         """The table's rows and optimizer state as TableViews (what state_dict() and
         fused_optimizer.state_dict() hold)."""
@@ -693,8 +693,8 @@ class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
 
     def prefetch(self, features: Mapping[str, object]):
         """Start bringing up the rows of a later ``forward(features)``; returns at once
-        with a tierstore.prefetch.PrefetchGroup of one ticket per table."""
-        from .prefetch import PrefetchGroup
+        with a tierstore.engine.prefetch.PrefetchGroup of one ticket per table."""
+        from tierstore.engine.prefetch import PrefetchGroup
 
         return PrefetchGroup(
             self._bags[self._known(name)].prefetch(f[0] if isinstance(f, (tuple, list)) else f)

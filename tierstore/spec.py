@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .precision import DTYPES, round_nearest
-from .validate import check_choice, check_int, check_number, is_int
+from tierstore.precision import DTYPES, round_nearest
+from tierstore.validate import check_choice, check_int, check_number, is_int
 
 MAX_ID = (1 << 63) - 1
 MAX_NAME = 128

@@ -17,7 +17,7 @@ Semantics (what the capacity tools predict, to the row):
   or, for rows not cached, go straight to LMDB.
 
 The data path: read() checks the call under the lock, then one table's step
-(tierstore/table.py, TableStore): probe -> plan while fetching -> write back ->
+(tierstore/engine/table.py, TableStore): probe -> plan while fetching -> write back ->
 commit; read() gathers the rows (outside the lock when all were in the top
 tier). The store keeps the API and its checks, the lock, the specs, flush,
 checkpoint and close, metrics and stats.
@@ -41,19 +41,20 @@ from tierstore.io import FORMAT_VERSION, LmdbBackend, WriteBack, unique_ids
 from tierstore.io.lmdb_backend import corrupt
 from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
-from .checkpointing import incremental_checkpoint
-from .counters import (LifeCounters, StoreCounters, StoreSnapshot, TableCounters, TableSnapshot, TierFill, add_dicts,
+from tierstore.training.checkpointing import incremental_checkpoint
+from tierstore.engine.counters import (LifeCounters, StoreCounters, StoreSnapshot, TableCounters, TableSnapshot, TierFill, add_dicts,
                        restored_on_error)
-from .memory import (DEFAULT_WRITEBACK_ROWS, MemoryPart, MemorySplit, check_fits, detect_limit, format_bytes, parse_bytes,
+from tierstore.engine.memory import (DEFAULT_WRITEBACK_ROWS, MemoryPart, MemorySplit, check_fits, detect_limit, format_bytes, parse_bytes,
                      process_rss, return_freed_blocks, split_memory)
-from .precision import DTYPES, round_nearest
-from .spec import MAX_ID, TableSpec
-from .trace import TraceRecorder
-from .trainer import TableTrainer
-from .validate import check_choice, check_int, check_rows, set_fields, with_keywords
-from .prefetch import PrefetchConfig, Prefetcher, PrefetchGroup, PrefetchTicket, StoreParts
-from .table import Resident, Shared, TableStore
-from .tiers import CacheTier, first_uses, last_values
+from tierstore.precision import DTYPES, round_nearest
+from tierstore.spec import MAX_ID, TableSpec
+from tierstore.trace import TraceRecorder
+from tierstore.engine.trainer import TableTrainer
+from tierstore.validate import check_choice, check_int, check_rows, set_fields, with_keywords
+from tierstore.engine.prefetch import PrefetchConfig, Prefetcher, PrefetchGroup, PrefetchTicket, StoreParts
+from tierstore.engine.table import Resident, Shared, TableStore
+from tierstore.engine.tiers import CacheTier, first_uses, last_values
+from tierstore.engine.tensors import as_ids, as_values, check_out, gather_rows, gather_tier, resolve_device, unpicklable
 
 Sizes = int | Mapping[str, int]
 
@@ -74,7 +75,7 @@ class StoreConfig:
     eviction: str = "policy"
     writeback_rows: int | None = None  # None: 65536, or derived from memory_budget
     writeback_group_rows: int = 32768
-    memory_budget: int | str | None = None  # bytes (tierstore.memory.parse_bytes); an int once checked
+    memory_budget: int | str | None = None  # bytes (tierstore.engine.memory.parse_bytes); an int once checked
     # large reads of rows skip the page cache (tierstore.io.direct) where the system allows: True, False, or None:
     # when a memory_budget's page-cache share is smaller than the tables' rows, whose pages it then could not keep
     direct_reads: bool | None = None
@@ -102,124 +103,6 @@ class StoreConfig:
 
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The HBM tier's device. None is torch's default device (the CPU unless
-    torch.set_default_device), as for the torch modules tierstore's stand in for: a
-    model built beside them on a GPU machine computes on one device. "cuda" is the
-    device current now, index included: threads start on device 0, so tensors the
-    store's threads make for "cuda" would land on cuda:0 beside tiers on cuda:k; and
-    cuda:0 != cuda, so a caller's ``out=`` would never match."""
-    device = torch.device(device) if device is not None else torch.get_default_device()
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' but CUDA is not available; pass device='cpu'")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def check_has_values(t: torch.Tensor, what: str, table: str) -> None:
-    """Refuse a tensor that holds no values (one on the meta device) before anything
-    reads it: the store, tierstore.nn's modules and the daemon client all check here."""
-    if t.device.type == "meta":
-        raise ValueError(f"{what} for table {table!r} are a tensor on the meta device, which holds no values; "
-                         "pass a tensor on the CPU or a GPU")
-
-
-def as_ids(spec: TableSpec, ids) -> torch.Tensor:
-    """``ids`` as a 1-D int64 tensor on their device, or the store's named error: the
-    one id check of the store's calls, its prefetcher, the daemon and its client and
-    the sharded module."""
-    if isinstance(ids, torch.Tensor):
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise TypeError(f"ids for table {spec.name!r} must be integers, got a tensor of {ids.dtype}")
-        check_has_values(ids, "ids", spec.name)
-        t = ids.detach()
-        if t.dtype == torch.uint64 and t.numel():  # torch casts ids >= 2**63 to negative int64s
-            wrapped = t.view(torch.int64)
-            if bool((wrapped < 0).any()):
-                big = int(wrapped[wrapped < 0].max()) + (1 << 64)
-                raise IndexError(f"id {big} out of range for table {spec.name!r} (ids are < 2**63)")
-    else:
-        arr = np.asarray(ids)
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-        if arr.dtype.kind not in "iu":
-            raise TypeError(f"ids for table {spec.name!r} must be integers, got {arr.dtype}")
-        if arr.dtype == np.uint64 and arr.size and arr.max() > MAX_ID:
-            raise IndexError(f"id {int(arr.max())} out of range for table {spec.name!r} (ids are < 2**63)")
-        # a read-only array (a memory-mapped trace, np.frombuffer) is copied: torch tensors
-        # are always writable, and torch warns when it must share an array that is not
-        t = torch.from_numpy(arr.astype(np.int64, copy=not arr.flags.writeable))
-    if t.dim() != 1:
-        raise ValueError(f"ids for table {spec.name!r} must be 1-D, got shape {tuple(t.shape)}")
-    t = t.to(dtype=torch.int64)  # stays on its device: on CUDA the HBM probe runs there
-    if len(t):
-        lo, hi = int(t.min()), int(t.max())
-        if lo < 0:
-            raise IndexError(f"id {lo} is negative for table {spec.name!r}; ids must be >= 0")
-        if spec.num_rows is not None and hi >= spec.num_rows:
-            raise IndexError(f"id {hi} out of range for table {spec.name!r} with num_rows={spec.num_rows}")
-    return t
-
-
-def as_values(spec: TableSpec, values, n: int, cols: int) -> torch.Tensor:
-    """``values`` for ``n`` rows of ``cols`` columns as a float32 CPU tensor (the weights rounded
-    to the table's dtype), or the store's named error: the store's, the daemon client's and the
-    sharded module's one values check."""
-    if isinstance(values, torch.Tensor):
-        check_has_values(values, "values", spec.name)
-        v = values.detach()
-    else:
-        arr = np.asarray(values)
-        if arr.dtype.kind not in "fiu":
-            raise TypeError(f"values for table {spec.name!r} must be floating point, got {arr.dtype}")
-        v = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # as ids above
-    if v.dtype.is_complex or not (v.dtype.is_floating_point or v.dtype in (torch.int32, torch.int64)):
-        raise TypeError(f"values for table {spec.name!r} must be floating point, got {v.dtype}")
-    if tuple(v.shape) != (n, cols):
-        raise ValueError(f"values for table {spec.name!r} must have shape ({n}, {cols}), got {tuple(v.shape)}")
-    v = v.to(device="cpu", dtype=torch.float32)
-    if spec.dtype != "float32":  # a new tensor: the caller's is not changed
-        v = torch.cat([round_nearest(v[:, : spec.dim], spec.dtype), v[:, spec.dim:]], dim=1)
-    return v
-
-
-def check_out(out: torch.Tensor | None, n: int, cols: int, device: torch.device) -> None:
-    """Refuse a read's ``out=`` that cannot take its rows (the store's and the daemon client's check)."""
-    if out is not None and (tuple(out.shape) != (n, cols) or out.dtype != torch.float32 or out.device != device):
-        raise ValueError(f"out must be a float32 tensor of shape ({n}, {cols}) on {device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
-
-
-def gather_tier(tier: CacheTier, slots: torch.Tensor, cols: int, out: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """The first ``cols`` columns of ``tier``'s rows at ``slots``, on ``device`` or into ``out``."""
-    if out is None:
-        return tier.gather(slots, cols).to(device, non_blocking=True)
-    if out.device != tier.device:
-        return out.copy_(tier.gather(slots, cols), non_blocking=True)
-    return tier.gather(slots, cols, out)
-
-
-def gather_rows(rows: torch.Tensor, index: torch.Tensor, cols: int, out: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """The first ``cols`` columns of ``rows[index]``, on ``device`` or into ``out``."""
-    src = rows if cols == rows.shape[1] else rows[:, :cols]
-    if out is None:
-        return src.index_select(0, index).to(device, non_blocking=True)
-    if src.device == out.device:
-        return torch.index_select(src, 0, index, out=out)
-    return out.copy_(src.index_select(0, index), non_blocking=True)
-
-
-def unpicklable(store: object, holds: str) -> TypeError:
-    """What pickling or deep-copying a store (or a model holding one) raises: pickle and
-    deepcopy would otherwise fail on its lock with "cannot pickle '_thread.RLock'"."""
-    return TypeError(
-        f"{store!r} cannot be pickled or deep-copied: it holds {holds}. "
-        "Save a model holding it with torch.save(model.state_dict()) (small tables) or "
-        "torch.distributed.checkpoint.save(model.state_dict(), checkpoint_id=DIR) (any size), or snapshot "
-        "the store with store.checkpoint(path); to copy such a model, build it again and load_state_dict() into it")
-
-
 @dataclass(frozen=True)
 class StoredRows:
     """What LMDB holds for some rows (``store.stored_rows``), in the order of the ids asked for."""
@@ -245,7 +128,7 @@ class TieredStore:
     specs it has stored. ``hbm_rows``/``ddr_rows`` are per table (an int for
     every table or a {table: rows} dict); 0 means no such tier.
     ``memory_budget`` (bytes, or a string such as "1GiB") sizes the store's host
-    memory (tierstore.memory.split_memory): the tiers left out, prefetch staging,
+    memory (tierstore.engine.memory.split_memory): the tiers left out, prefetch staging,
     the write-back queue, LMDB's dirty pages and a share for the page cache.
     ``direct_reads``: large reads skip the page cache (tierstore.io.direct); None (the
     default) does so where a memory_budget's page-cache share is smaller than the rows.
@@ -333,7 +216,7 @@ class TieredStore:
             # every LMDB row write goes through this queue and its one writer thread
             self._writeback = WriteBack(self._backend, self._lock, self.config.writeback_rows, self.config.writeback_group_rows,
                                         on_swept=self._count_swept)
-            # what the tables share, handed to each (tierstore/table.py): none reaches back into the store
+            # what the tables share, handed to each (tierstore/engine/table.py): none reaches back into the store
             self._shared = Shared(self._backend, self._writeback, self.readonly, self._await_gathers)
             if record_trace is not None:
                 self._shared.recorder = TraceRecorder(record_trace, specs.values())
@@ -358,7 +241,7 @@ class TieredStore:
             raise
 
     def _size_memory(self, specs: Mapping[str, TableSpec], prefetch: PrefetchConfig) -> MemorySplit:
-        """The store's memory (tierstore.memory.split_memory), checked against the memory
+        """The store's memory (tierstore.engine.memory.split_memory), checked against the memory
         limit when a budget or tier sizes were given; sets the sizes the budget derived."""
         cfg = self.config
         split = split_memory(cfg.memory_budget, list(specs.values()), hbm_rows=cfg.hbm_rows, ddr_rows=cfg.ddr_rows,
@@ -500,7 +383,7 @@ class TieredStore:
     def peek(self, table: str, ids, with_state: bool = False) -> torch.Tensor:
         """Rows of ``ids`` as read() would give them, float32 on the CPU, without a use:
         not a step, nothing moves between tiers, no admission or TTL use is counted
-        (checkpoints read whole tables so, tierstore.checkpointing)."""
+        (checkpoints read whole tables so, tierstore.training.checkpointing)."""
         with self._lock:
             t = self._table_to_read(table)
             uid, inverse = torch.unique(as_ids(t.spec, ids).cpu(), return_inverse=True)
@@ -545,7 +428,7 @@ class TieredStore:
 
         The ticket's ``wait()`` raises a failure (a bad id, an LMDB error) as the
         read itself would, naming the batch; ``release()`` unpins rows the batch did not read (a read
-        that covers the ticket's ids releases it too). See tierstore/prefetch.py.
+        that covers the ticket's ids releases it too). See tierstore/engine/prefetch.py.
         """
         with self._lock:
             self._check_open()
@@ -621,7 +504,7 @@ class TieredStore:
         written back, flushed or deleted (evict, the TTL and L2 sweeps). Rows a TTL has expired by
         the durable step count are deleted first, by a sweep over each such table's last-use steps.
         A reader's first call starts its record and returns {}. A row may be among them unchanged;
-        read it (peek) for its value. Readers: a serving publisher (tierstore.serving_stream) and
+        read it (peek) for its value. Readers: a serving publisher (tierstore.serving.stream) and
         incremental checkpoints, each with its own record."""
         with self._lock:
             self._reap(drain=True)  # no sweep in flight: none records into a taken record
@@ -654,7 +537,7 @@ class TieredStore:
 
         ``incremental=True``: after this store's last incremental checkpoint, ``path`` holds only
         the rows changed since (weights and optimizer state, and the ids deleted), a link of a
-        chain that ``tierstore.checkpointing.restore(path, dst)`` replays; the first is a whole
+        chain that ``tierstore.training.checkpointing.restore(path, dst)`` replays; the first is a whole
         copy, the chain's base (docs/serving.md)."""
         with self._lock:
             self.flush()
@@ -742,7 +625,7 @@ class TieredStore:
         return self.snapshot()
 
     def memory(self) -> MemorySplit:
-        """The store's memory as split at open (tierstore.memory.split_memory,
+        """The store's memory as split at open (tierstore.engine.memory.split_memory,
         docs/memory-budget.md), with what each part holds now: ``used_rows``, the rows resident in the tiers,
         staged, queued for LMDB; ``used_bytes``, their share of the part's bytes. LMDB's dirty
         pages and the page cache are not seen from here (None). Reads plain counts without
@@ -819,7 +702,7 @@ class TieredStore:
 
     # -- what the training modules and the tools use beside the data calls ---------------------
     def trainer(self, table: str) -> TableTrainer:
-        """The store's side of training ``table`` (tierstore.trainer.TableTrainer): what
+        """The store's side of training ``table`` (tierstore.engine.trainer.TableTrainer): what
         TieredEmbeddingBag and the sharded module's shard owners use beside read() and
         write(). One per table for the store's life."""
         trainer = self._trainers.get(table)

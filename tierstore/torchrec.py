@@ -33,12 +33,12 @@ except ImportError as e:  # pragma: no cover - depends on what is installed
 
 torch.fx.wrap("reorder_inverse_indices")  # a leaf when traced here too, as where TorchRec calls it
 
-from .checkpointing import check_optimizer_record, optimizer_record
-from .interface import EmbeddingStore
-from .nn import ScriptRefusal, TieredEmbeddingBag, module_store, outside_graphs, refuse_export
-from .optim import RowOptimizer
-from .spec import RowInit, TableSpec
-from .store import Sizes, StoreConfig
+from tierstore.training.checkpointing import check_optimizer_record, optimizer_record
+from tierstore.interface import EmbeddingStore
+from tierstore.nn import ScriptRefusal, TieredEmbeddingBag, module_store, outside_graphs, refuse_export
+from tierstore.optim import RowOptimizer
+from tierstore.spec import RowInit, TableSpec
+from tierstore.store import Sizes, StoreConfig
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 _DTYPES = {DataType.FP32: ("float32", torch.float32), DataType.FP16: ("float16", torch.float16),
@@ -268,13 +268,13 @@ class ServingEmbeddingBagCollection(nn.Module):
     """Inference over a serving store (``tierstore export``: float32, float16, int8 or int4
     rows) with TorchRec's interface: the training collection's EmbeddingBagConfigs,
     ``forward(KeyedJaggedTensor) -> KeyedTensor`` in the same keys, order and layout, pooled
-    from the serving tiers (tierstore.serving), without gradients. ``hbm_rows``/``ddr_rows``
+    from the serving tiers (tierstore.serving.store), without gradients. ``hbm_rows``/``ddr_rows``
     size the serving store's tiers."""
 
     def __init__(self, tables: Sequence[EmbeddingBagConfig], path: str | Path, is_weighted: bool = False,
                  hbm_rows: int = 0, ddr_rows: int = 0, device: str | torch.device | None = None):
         super().__init__()
-        from .serving import ServingEmbeddingBag, ServingStore
+        from tierstore.serving.store import ServingEmbeddingBag, ServingStore
 
         tables = list(tables)
         if not tables or not all(isinstance(t, EmbeddingBagConfig) for t in tables):

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .validate import check_int
+from tierstore.validate import check_int
 
 FORMAT = "tierstore-trace"
 VERSION = 1

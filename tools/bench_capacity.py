@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from tierstore.curves import lru_curves
-from tierstore.shards import shards_curves
+from tierstore.capacity.curves import lru_curves
+from tierstore.capacity.shards import shards_curves
 from tierstore.tools.bench import median_seconds, shared
 from tierstore.tools.bench import report as bench_report
 from tierstore.tools.synth import SynthConfig, synth

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from tierstore.prefetch import LookaheadLoader
+from tierstore.engine.prefetch import LookaheadLoader
 from tierstore.tools import bench_prefetch as bp
 from tierstore.tools.bench import shared
 

@@ -90,7 +90,7 @@ def _zipf_batches(rng: np.random.Generator, rows: int, batch: int, count: int, a
 
 def _timing_mark_cost(repeat: int = 200_000) -> float:
     """Seconds per stage observation as the store makes it: two clock reads and observe()."""
-    from tierstore.counters import StageHistogram
+    from tierstore.engine.counters import StageHistogram
 
     hist, perf = StageHistogram(), time.perf_counter
     t0 = perf()

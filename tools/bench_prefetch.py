@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import tierstore
-from tierstore.prefetch import LookaheadLoader, PrefetchConfig
+from tierstore.engine.prefetch import LookaheadLoader, PrefetchConfig
 from tierstore.tools.bench import shared
 from tierstore.tools.cli import positive_int
 
@@ -300,8 +300,8 @@ def bench_steps(args) -> None:
 
 
 def bench_hit_rates(args) -> None:
-    from tierstore.cachesim import simulate
-    from tierstore.trace_streams import build_streams
+    from tierstore.capacity.cachesim import simulate
+    from tierstore.capacity.trace_streams import build_streams
     from tierstore.tools.synth import SynthConfig, SynthTable, synth
 
     rows = 100_000

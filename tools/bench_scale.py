@@ -273,7 +273,7 @@ def _in_memory(job: dict) -> dict:
 def _tiered(job: dict, batches, go, first_use: float | None = None) -> dict:
     """The embedding-only step or the DLRM model over TieredEmbeddingBag(memory_budget=)."""
     import tierstore
-    from tierstore.prefetch import LookaheadLoader
+    from tierstore.engine.prefetch import LookaheadLoader
 
     dlrm = job["kind"] == "dlrm"
     go()  # the limit is set and the page cache dropped: open the store now
@@ -445,7 +445,7 @@ def _run_child(job: dict, path: Path, group: MemoryGroup | None) -> dict:
 
 
 def _budgets(texts) -> list[int]:
-    from tierstore.memory import parse_bytes
+    from tierstore.engine.memory import parse_bytes
 
     try:
         return [parse_bytes(t, "--budgets") for t in texts]
@@ -537,10 +537,10 @@ def _predicted(trace: Path, ddr_rows: int) -> dict:
     """What the capacity library predicts for the run's trace at its DDR tier's rows (the
     store's LRU policy, no HBM tier): the replay (cachesim.simulate) and the one-pass LRU
     curve `tierstore capacity` draws, to compare with the store's own counts."""
-    from tierstore.cachesim import simulate
-    from tierstore.curves import LruCurve, stack_distances
+    from tierstore.capacity.cachesim import simulate
+    from tierstore.capacity.curves import LruCurve, stack_distances
     from tierstore.trace import Trace
-    from tierstore.trace_streams import build_streams
+    from tierstore.capacity.trace_streams import build_streams
 
     start = time.perf_counter()
     (stream,) = build_streams(Trace.load(trace))
@@ -574,7 +574,7 @@ def _f(x, fmt: str, none: str = "-") -> str:
 
 
 def print_report(res: dict) -> None:
-    from tierstore.memory import format_bytes
+    from tierstore.engine.memory import format_bytes
 
     t, fl = res["table"], res["floors"]
     disk, lm = fl["disk"], fl["lmdb"]
@@ -601,7 +601,7 @@ def print_report(res: dict) -> None:
 
 
 def _print_run(r: dict) -> None:
-    from tierstore.memory import format_bytes
+    from tierstore.engine.memory import format_bytes
 
     print(f"\n-- {'DLRM demo model' if r['kind'] == 'dlrm' else 'embedding step'}, budget {format_bytes(r['budget'])}, "
           f"depth {r['depth']}")

@@ -1,5 +1,5 @@
 """``tierstore bench serve``: pooled lookup latency and throughput of a serving store
-(tierstore.serving), float32 against int8 and int4, and against FBGEMM's IntNBit
+(tierstore.serving.store), float32 against int8 and int4, and against FBGEMM's IntNBit
 inference module (IntNBitTableBatchedEmbeddingBagsCodegen) holding the same rows.
 
 One table of ``--rows`` x ``--dim`` is trained-written, exported in each dtype and
@@ -9,7 +9,7 @@ bags x 32 ids (``--batch`` ids in all), uniform over the rows. Each round times 
 lookup of every side in turn, so a change in machine load hits all of them; the
 latencies' p50/p99/p999 and the ids per second at the median are reported.
 
-Then ``--clients`` processes, each a Replica (tierstore.serving_stream) of the int8
+Then ``--clients`` processes, each a Replica (tierstore.serving.stream) of the int8
 export with every row in its HBM tier and a thread polling for deltas, send batches
 like the demo model's (256 bags of 1-15 ids, 8 on average, uniform over the rows)
 back to back: ``--seconds`` with no deltas published (idle) and as long with a delta
@@ -60,8 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     import tierstore
-    from tierstore.serving import ServingStore
-    from tierstore.serving_export import export
+    from tierstore.serving.store import ServingStore
+    from tierstore.serving.export import export
 
     n, dim = args.rows, args.dim
     bags = max(1, args.batch // POOLING)
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> None:
 def _stage_deltas(directory: Path, n: int, dim: int, count: int, seed: int) -> list[Path]:
     """``count`` int8 deltas of 1% of ``n`` rows each, versions 1.., written into ``directory``."""
     from tierstore.io.serving_layout import RowFormat
-    from tierstore.serving_stream import encode_delta
+    from tierstore.serving.stream import encode_delta
 
     rng, fmt, out = np.random.default_rng(seed), RowFormat(dim, "int8"), []
     directory.mkdir(parents=True, exist_ok=True)
@@ -164,7 +164,7 @@ def _clients(published: Path, n: int, dim: int, args: argparse.Namespace) -> Non
 
 
 def _client(directory: str, n: int, seed: int, barrier, results, phase) -> None:
-    from tierstore.serving_stream import Replica
+    from tierstore.serving.stream import Replica
 
     torch.set_num_threads(1)
     replica = Replica(directory, hbm_rows=n, device="cpu")
@@ -204,7 +204,7 @@ def _client(directory: str, n: int, seed: int, barrier, results, phase) -> None:
 def _delta_apply(d: Path, n: int, dim: int, seed: int) -> None:
     """Seconds of Replica.poll() for a delta of 1% of an int8 table of ``n`` rows, 10% of them in the HBM tier."""
     from tierstore.io.serving_layout import RowFormat, ServingWriter
-    from tierstore.serving_stream import Replica
+    from tierstore.serving.stream import Replica
     from tierstore.spec import RowInit, TableSpec
 
     fmt, rng = RowFormat(dim, "int8"), np.random.default_rng(seed)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tierstore.planner import READS_PER_STEP
+from tierstore.capacity.planner import READS_PER_STEP
 from tierstore.tools.bench import shared
 from tierstore.validate import check_int
 
@@ -232,7 +232,7 @@ def _sharded_rank(rank: int, world_size: int, cfg: ShardedBenchConfig, trace, pl
 
     import tierstore
     from tierstore.distributed import ShardedEmbeddingBagCollection
-    from tierstore.sharding import ShardingPlan
+    from tierstore.training.sharding import ShardingPlan
 
     p = ShardingPlan.from_json(plan_json)
     tiers = p.predicted[rank]["tiers"]
@@ -251,7 +251,7 @@ def _sharded_rank(rank: int, world_size: int, cfg: ShardedBenchConfig, trace, pl
 def _baseline(cfg: ShardedBenchConfig, trace, workdir: str) -> dict:
     """TieredEmbeddingBagCollection in this process on the global batches, the tiers a one-rank plan gives."""
     import tierstore
-    from tierstore.planner import plan
+    from tierstore.capacity.planner import plan
 
     p = plan(specs_of(cfg), 1, trace=trace, hbm_bytes=cfg.hbm_bytes, ddr_bytes=cfg.ddr_bytes, optimizer=tierstore.optim.Adagrad(1.0))
     tiers = p.predicted[0]["tiers"]
@@ -268,7 +268,7 @@ def _baseline(cfg: ShardedBenchConfig, trace, workdir: str) -> dict:
 def measure(cfg: ShardedBenchConfig, workdir: str, world_sizes=WORLD_SIZES) -> dict:
     """Per world size: the plan, and each rank's measured step time, bytes sent, lookups and SSD reads per step."""
     import tierstore
-    from tierstore.planner import plan
+    from tierstore.capacity.planner import plan
 
     torch.set_num_threads(1)
     trace = make_trace(cfg)

@@ -150,7 +150,7 @@ def bench_evict(args) -> dict:
     store alike that holds every row they read: what misses and choosing their victims
     cost, by policy, with and without a prefetch window pinning the next batches' rows."""
     import tierstore
-    from tierstore.prefetch import LookaheadLoader
+    from tierstore.engine.prefetch import LookaheadLoader
 
     capacity, batch, dim = args.rows, args.batch, 16
     misses = batch // 16

@@ -2,9 +2,9 @@
 replays of the capacity library put together as one JSON-ready report (a dict),
 which tools/capacity_report.py prints and tools/capacity_plots.py draws.
 
-The numbers come from the library: exact LRU curves (tierstore/curves.py),
-SHARDS (tierstore/shards.py), replays at chosen sizes (tierstore/cachesim.py),
-budget splits (tierstore/budget.py), admission (tierstore/admission_replay.py).
+The numbers come from the library: exact LRU curves (tierstore/capacity/curves.py),
+SHARDS (tierstore/capacity/shards.py), replays at chosen sizes (tierstore/capacity/cachesim.py),
+budget splits (tierstore/capacity/budget.py), admission (tierstore/capacity/admission_replay.py).
 Everything predicts what a :class:`tierstore.TieredStore` of a given size
 measures when the trace is replayed through it.
 """
@@ -16,18 +16,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tierstore.admission_replay import predict_admission
-from tierstore.budget import rows_for_targets, split_budget, total_curve
-from tierstore.cachesim import clamp_sizes, simulate
-from tierstore.curves import LruCurve, mean_abs_error, stack_distances
+from tierstore.capacity.admission_replay import predict_admission
+from tierstore.capacity.budget import rows_for_targets, split_budget, total_curve
+from tierstore.capacity.cachesim import clamp_sizes, simulate
+from tierstore.capacity.curves import LruCurve, mean_abs_error, stack_distances
 from tierstore.eviction import POLICIES
-from tierstore.memory import MemorySplit, split_memory
-from tierstore.progress import ProgressFactory
-from tierstore.shards import MIN_SAMPLE_ROWS, shards_curves
+from tierstore.engine.memory import MemorySplit, split_memory
+from tierstore.capacity.progress import ProgressFactory
+from tierstore.capacity.shards import MIN_SAMPLE_ROWS, shards_curves
 from tierstore.spec import TableSpec
 from tierstore.tools.capacity_progress import bars
 from tierstore.trace import Trace
-from tierstore.trace_streams import build_streams
+from tierstore.capacity.trace_streams import build_streams
 from tierstore.validate import check_int, check_number
 
 DEFAULT_ROW_BYTES = 512  # a dim-128 float32 row, when the trace does not say
@@ -53,7 +53,7 @@ class CapacityConfig:
     seed: int = 0
     progress: bool | ProgressFactory = False  # True: tools/capacity_progress.py's bars
     iec: bool = False  # report bytes in KiB/MiB/GiB (the budget was given so), else kB/MB/GB
-    memory_budget: int | None = None  # a store's memory_budget= (bytes): its split (tierstore.memory) and what it hits
+    memory_budget: int | None = None  # a store's memory_budget= (bytes): its split (tierstore.engine.memory) and what it hits
     admit_after: int | None = None  # predict admission (TableSpec.admit_after) with this sketch
     admit_width: int = 1 << 20
     admit_depth: int = 4
@@ -243,7 +243,7 @@ def analyze(trace: Trace, config: CapacityConfig | None = None) -> dict:
 
 
 def store_split(trace: Trace, names: list[str], budget: int, row_bytes: int | None = None) -> MemorySplit:
-    """The memory split (tierstore.memory.split_memory) of a new store of the trace's tables
+    """The memory split (tierstore.engine.memory.split_memory) of a new store of the trace's tables
     ``names`` opened with ``memory_budget=budget``: its tiers, staging, queue, row index."""
     specs = []
     for n in names:

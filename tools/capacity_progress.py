@@ -1,7 +1,7 @@
 """How ``tierstore capacity`` shows the progress of its long loops: tqdm on a
 terminal, a line every few seconds in a log or a pipe (both to stderr).
 
-:func:`bars` is a ``tierstore.progress.ProgressFactory``: the library's loops
+:func:`bars` is a ``tierstore.capacity.progress.ProgressFactory``: the library's loops
 report counts to it and know nothing of terminals.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 
-from tierstore.progress import Progress
+from tierstore.capacity.progress import Progress
 
 PROGRESS_SECONDS = 5.0  # between progress lines when stderr is not a terminal
 PROGRESS_ACCESSES = 2_000_000  # traces longer than this show progress by default (a run of seconds or more)

@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 
-from tierstore.shards import ERROR_SIGMAS, SUB_SAMPLES
+from tierstore.capacity.shards import ERROR_SIGMAS, SUB_SAMPLES
 from tierstore.tools.capacity_analysis import DECADES, fmt_bytes, fmt_count
 
 

@@ -104,11 +104,11 @@ SIZE_FORMS = "a number of bytes with an optional unit, e.g. 16G, 1.5GiB, 512M or
 
 def parse_size(text: str | None, flag: str) -> int | None:
     """Bytes from a size flag's text (``16G``, ``1.5GiB``, ``512MB``, ``17179869184``); None
-    stays None. Every size flag of the CLI reads its value here (tierstore.memory.size_bytes,
+    stays None. Every size flag of the CLI reads its value here (tierstore.engine.memory.size_bytes,
     as memory_budget= is read), so a bad value is reported against the flag that carried it."""
     if text is None:
         return None
-    from tierstore.memory import size_bytes  # here: tierstore.memory imports torch
+    from tierstore.engine.memory import size_bytes  # here: tierstore.engine.memory imports torch
 
     n = size_bytes(str(text))
     if n is None:

@@ -13,7 +13,7 @@ import torch
 from tierstore.daemon.config import DaemonConfig
 from tierstore.daemon.memory import return_freed_memory
 from tierstore.daemon.server import Daemon
-from tierstore.memory import parse_bytes
+from tierstore.engine.memory import parse_bytes
 from tierstore.tools.cli import add_verb, nonneg_float, nonneg_int, positive_float, positive_int
 from tierstore.tools.stats import require_store
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tierstore.memory import format_bytes
+from tierstore.engine.memory import format_bytes
 from tierstore.precision import DTYPES
 from tierstore.tools.capacity_progress import LineBar
 from tierstore.tools.cli import add_verb
@@ -436,9 +436,9 @@ SERVE_DTYPES = ("float32", "int8")
 
 def serve(cfg: DemoConfig, store_dir: Path, model: "DLRM", held_out: list, clock: Callable[[], float]) -> Served:
     """Export the trained store per dtype of SERVE_DTYPES and serve the held-out batches through
-    tierstore.serving, the dense layers as trained."""
-    from tierstore.serving import ServingEmbeddingBagCollection
-    from tierstore.serving_export import export
+    tierstore.serving.store, the dense layers as trained."""
+    from tierstore.serving.store import ServingEmbeddingBagCollection
+    from tierstore.serving.export import export
 
     start = clock()
     results, row_bytes, paths, rows = {}, {}, {}, 0
@@ -584,7 +584,7 @@ def register(sub) -> None:
                    help="skip the serving step (export the trained tables to int8 and float32 serving stores and "
                         "serve the held-out batches from both: 7-11 s after the default run on a busy 2-core machine)")
     p.add_argument("--world-size", type=int, default=d.world_size,
-                   help="shard the tables over this many local processes (gloo on 127.0.0.1, plan from tierstore.planner) "
+                   help="shard the tables over this many local processes (gloo on 127.0.0.1, plan from tierstore.capacity.planner) "
                         "and check every loss and trained row against one process")
     p.set_defaults(func=main, kept=_kept)
 

@@ -2,7 +2,7 @@
 local processes (ShardedEmbeddingBagCollection on gloo over 127.0.0.1), checked
 against the same model trained in one process.
 
-The plan comes from ``tierstore.planner.plan`` on a trace of the run's first
+The plan comes from ``tierstore.capacity.planner.plan`` on a trace of the run's first
 batches, with each rank's tier budget the single process's split N ways. Each rank
 trains on its 1/N of every batch's samples: the module pools its bags and routes
 their gradients to the rows' owners. The dense MLPs run on the whole batch on every
@@ -79,7 +79,7 @@ def _trace(cfg: DemoConfig, steps: int, row_bytes: int):
 
 def _rank(rank: int, world_size: int, cfg: DemoConfig, plan_json: str) -> dict:
     from tierstore.distributed import ShardedEmbeddingBagCollection
-    from tierstore.sharding import ShardingPlan
+    from tierstore.training.sharding import ShardingPlan
 
     torch.set_num_threads(cfg.threads)
     p = ShardingPlan.from_json(plan_json)
@@ -114,7 +114,7 @@ def run_sharded_demo(cfg: DemoConfig, seed_generator: Callable[[int], torch.Gene
                      clock: Callable[[], float] = time.perf_counter, out=sys.stdout) -> int:
     """Train sharded over cfg.world_size local processes and in one process; print per-rank
     load against the plan and whether the runs are bit-identical. 0 = identical."""
-    from tierstore.planner import plan
+    from tierstore.capacity.planner import plan
 
     if seed_generator is not seeded:
         raise ValueError("the sharded demo's ranks seed their own generators; pass no seed_generator")
@@ -145,7 +145,7 @@ def run_sharded_demo(cfg: DemoConfig, seed_generator: Callable[[int], torch.Gene
     lines = [
         f"tierstore demo --world-size {n}: {cfg.steps} steps of {cfg.batch} examples ({cfg.batch // n} per rank) on {n} local "
         f"processes (gloo, 127.0.0.1) in {seconds:.1f} s with start-up; one process: {one.seconds:.1f} s of training",
-        f"  plan       tierstore.planner.plan on the first {min(cfg.steps, PLAN_STEPS)} batches; per rank HBM "
+        f"  plan       tierstore.capacity.planner.plan on the first {min(cfg.steps, PLAN_STEPS)} batches; per rank HBM "
         f"{cfg.hbm_rows * per_rank:,} B, DDR {cfg.ddr_rows * per_rank:,} B ({row_bytes} B a row with {cfg.optimizer} state): "
         + "; ".join(f"{name} {tp.sharding} on ranks {list(tp.ranks)}" for name, tp in p.tables.items()),
         f"  {'rank':>4} {'lookups/step':>12} {'planned':>8} {'SSD reads/step':>14} {'planned':>8} {'served from':>30}",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from tierstore.io.serving_layout import SERVING_DTYPES
-from tierstore.serving_export import export
+from tierstore.serving.export import export
 from tierstore.tools.cli import add_verb
 
 

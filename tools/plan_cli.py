@@ -1,4 +1,4 @@
-"""``tierstore plan TRACE --world-size N``: a sharding plan from a trace (tierstore.planner)."""
+"""``tierstore plan TRACE --world-size N``: a sharding plan from a trace (tierstore.capacity.planner)."""
 from __future__ import annotations
 
 import sys
@@ -72,7 +72,7 @@ def check_world_size(tables, world_size: int) -> None:
 
 
 def _plan(args) -> int:
-    from tierstore.planner import plan
+    from tierstore.capacity.planner import plan
     from tierstore.trace import Trace
 
     trace = Trace.load(args.trace)

@@ -7,7 +7,7 @@ bytes, and the version and source of the export.
 It shows what the writer's last flush left (docs/durability.md, "What readers see"): rows
 written since appear after that writer's next flush (in a table of an unbounded id space,
 once written back). It also shows the memory a store of these tables takes, split by
-tierstore.memory.split_memory for the sizes given (--memory-budget, or
+tierstore.engine.memory.split_memory for the sizes given (--memory-budget, or
 --hbm-rows/--ddr-rows), and the memory limit detected here.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 from tierstore.io import LmdbBackend
 from tierstore.io.serving_layout import NotServingStoreError, ServingReader
-from tierstore.memory import MemorySplit, detect_limit, format_bytes, parse_bytes, split_memory
+from tierstore.engine.memory import MemorySplit, detect_limit, format_bytes, parse_bytes, split_memory
 from tierstore.spec import TableSpec
 from tierstore.tools.cli import add_verb
 
@@ -131,7 +131,7 @@ class ServingTableFacts:
 class ServingFacts:
     path: str
     format: int
-    version: int  # the published version the export stands for (tierstore.serving_stream)
+    version: int  # the published version the export stands for (tierstore.serving.stream)
     source: str | None  # the training store (or sharded checkpoint) exported
     exported: float | None  # time.time() of the export
     disk_bytes: int  # size of data.mdb

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from tierstore.tools import capacity_cli
-from tierstore.memory import format_bytes
+from tierstore.engine.memory import format_bytes
 from tierstore.tools.cli import add_verb, nonneg_float, nonneg_int, parse_size, positive_float, positive_int, size
 
 DEFAULT_STATS_DIR = Path("../shared/data/dlrm_datasets")

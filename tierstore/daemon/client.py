@@ -12,7 +12,7 @@ it) or a ``(table, lo, hi)`` half-open row range, e.g.
 overlaps another client's (PermissionError naming the holder and the rows),
 and refuses writes outside the client's claims.
 
-Client-side HBM tier (``hbm_rows=N``, a :class:`tierstore.tiers.CacheTier`
+Client-side HBM tier (``hbm_rows=N``, a :class:`tierstore.engine.tiers.CacheTier`
 on ``device``; one per process). Consistency rests on the claims: a row has
 at most one writer, so that writer may keep the newest copy of the row to
 itself. Hence:
@@ -69,18 +69,19 @@ import torch
 
 from tierstore.io import unique_ids
 
-from . import wire
-from ..counters import TierCounters, add_dicts
-from ..eviction import make_policy
-from ..interface import EmbeddingStore
-from ..prefetch import PrefetchGroup, PrefetchTicket
-from ..precision import DTYPES
-from ..spec import TableSpec
-from ..store import TieredStore, as_ids, as_values, check_out, gather_rows, gather_tier, resolve_device, unpicklable
-from ..step import StepPlanner
-from ..tiers import CacheTier, first_uses, last_values, nonzero
-from ..trainer import TableTrainer
-from ..validate import check_int, check_number
+from tierstore.daemon import wire
+from tierstore.engine.counters import TierCounters, add_dicts
+from tierstore.eviction import make_policy
+from tierstore.interface import EmbeddingStore
+from tierstore.engine.prefetch import PrefetchGroup, PrefetchTicket
+from tierstore.precision import DTYPES
+from tierstore.spec import TableSpec
+from tierstore.engine.tensors import as_ids, as_values, check_out, gather_rows, gather_tier, resolve_device, unpicklable
+from tierstore.store import TieredStore
+from tierstore.engine.step import StepPlanner
+from tierstore.engine.tiers import CacheTier, first_uses, last_values, nonzero
+from tierstore.engine.trainer import TableTrainer
+from tierstore.validate import check_int, check_number
 
 Claim = str | tuple[str, int, int]
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -501,7 +502,7 @@ class DaemonStore:
         return PrefetchTicket(None, table, 0, None)
 
     def trainer(self, table: str) -> "ClientTableTrainer":
-        """This client's side of training ``table`` (tierstore.trainer.TableTrainer): a
+        """This client's side of training ``table`` (tierstore.engine.trainer.TableTrainer): a
         module's forward reads its rows through read(), and admission and re-reads ask
         the daemon's store."""
         trainer = self._trainers.get(table)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierstore.daemon import wire
-from tierstore.memory import parse_bytes
+from tierstore.engine.memory import parse_bytes
 from tierstore.validate import check_int, check_number
 
 

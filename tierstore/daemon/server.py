@@ -62,7 +62,7 @@ from tierstore.daemon import wire
 from tierstore.daemon.config import DaemonConfig
 from tierstore.daemon.memory import HELLO_WORK_PER_BYTE, HINT_BYTES_PER_ID, PREFETCH_WORK_PER_ID, HintPool, MemoryBudget
 from tierstore.daemon.sessions import ClaimIndex, Session, bind_socket, client_cap
-from tierstore.store import as_ids
+from tierstore.engine.tensors import as_ids
 from tierstore.validate import check_int
 
 log = logging.getLogger("tierstore.prefetchd")

@@ -55,8 +55,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import TierstoreError
-from ..validate import check_int
+from tierstore.errors import TierstoreError
+from tierstore.validate import check_int
 
 MAGIC = b"TSD\x00"
 VERSION = 3

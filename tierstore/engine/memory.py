@@ -21,9 +21,9 @@ import numpy as np
 
 from tierstore.io import WRITE_TXN_ROWS, index_bytes_bound  # rows per LMDB write transaction at most, by default
 
-from .hashindex import PROBE_WINDOW
-from .precision import DTYPES
-from .spec import TableSpec
+from tierstore.engine.hashindex import PROBE_WINDOW
+from tierstore.precision import DTYPES
+from tierstore.spec import TableSpec
 
 PAGE = 4096  # LMDB's page: a transaction copies (mallocs) a dirty page for every random row it writes
 PAGE_CACHE_SHARE = 4  # 1/4 of the budget is left to the page cache of data.mdb
@@ -34,7 +34,7 @@ STAGING_SHARE = 8  # 1/8 of it: prefetch staging; the rest: the DDR tier
 DEFAULT_WRITEBACK_ROWS = 65536
 DEFAULT_STAGED_ROWS = 65536
 # a tier's per-slot working buffers beside its tensors: the two rank arrays eviction
-# fills (tierstore.step.StepPlanner, kept per tier between steps) and prefetch's next-use array (Prefetcher.next_use)
+# fills (tierstore.engine.step.StepPlanner, kept per tier between steps) and prefetch's next-use array (Prefetcher.next_use)
 WORK_BYTES_PER_SLOT = 24
 # a queued row beside its values: id, pool slot, sequence number, last-use step (tierstore.io.writeback)
 QUEUE_BYTES_PER_ROW = 32
@@ -86,7 +86,7 @@ def format_bytes(n: int | None) -> str:
 
 # -- what one part takes ---------------------------------------------------------------------
 def _index_bytes(spec: TableSpec, rows: int) -> int:
-    """A tier's id -> slot index (tierstore.hashindex.make_index): dense over the id space
+    """A tier's id -> slot index (tierstore.engine.hashindex.make_index): dense over the id space
     where that is at most 32 ids a slot, else a hash table at load <= 0.5 of int64 keys
     and values."""
     if spec.num_rows is not None and spec.num_rows <= 32 * rows:
@@ -96,7 +96,7 @@ def _index_bytes(spec: TableSpec, rows: int) -> int:
 
 
 def slot_bytes(spec: TableSpec) -> int:
-    """A tier slot's tensors (tierstore.tiers.CacheTier: weights in the table's dtype,
+    """A tier slot's tensors (tierstore.engine.tiers.CacheTier: weights in the table's dtype,
     float32 state, int64 id, use clock, step count and free-list entry, a dirty byte)
     and its working buffers; its index entry is apart (_index_bytes)."""
     return spec.dim * DTYPES[spec.dtype].itemsize + 4 * spec.state_dim + 4 * 8 + 1 + WORK_BYTES_PER_SLOT
@@ -253,7 +253,7 @@ def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Si
         given = given_staged.get(s.name)
         if given is not None:
             staged[s.name] = int(given)
-        elif budget is None:  # tierstore.prefetch.Prefetcher's own default (not capped at num_rows)
+        elif budget is None:  # tierstore.engine.prefetch.Prefetcher's own default (not capped at num_rows)
             staged[s.name] = (ddr or {}).get(s.name) or hbm[s.name] or DEFAULT_STAGED_ROWS
     left = [s for s in specs if s.name not in staged]
     if left:

@@ -2,8 +2,8 @@
 data: every registered policy (LRU, LFU, ...), lookahead and Belady's MIN.
 
 LFU and lookahead are not stack algorithms (one pass cannot give every size, as
-tierstore/curves.py does for LRU): :class:`CacheSim` replays a table at one
-size through the store's own step (tierstore.step plans it; CacheSim carries
+tierstore/capacity/curves.py does for LRU): :class:`CacheSim` replays a table at one
+size through the store's own step (tierstore.engine.step plans it; CacheSim carries
 it out on slot arrays without data), with the same policies
 (``tierstore.eviction``), so its counts equal the store's; :class:`HeapSim`
 picks the same victims from heaps, for many small calls, and is checked
@@ -23,9 +23,9 @@ import numpy as np
 
 from tierstore.eviction import POLICIES, EvictionPolicy, make_policy
 from tierstore.eviction.lookahead import NOT_IN_WINDOW, LookaheadPolicy
-from tierstore.progress import ProgressFactory, open_progress
-from tierstore.step import UNUSED, LevelPlan, StepPlan, StepPlanner
-from tierstore.trace_streams import TableStream
+from tierstore.capacity.progress import ProgressFactory, open_progress
+from tierstore.engine.step import UNUSED, LevelPlan, StepPlan, StepPlanner
+from tierstore.capacity.trace_streams import TableStream
 
 
 @dataclass
@@ -43,7 +43,7 @@ class TierCounts:
 
 class _SimTier:
     """One tier's slots without data: row id, use clock and step count per slot (UNUSED
-    where free), as tierstore.step reads a CacheTier."""
+    where free), as tierstore.engine.step reads a CacheTier."""
 
     def __init__(self, capacity: int, policy: EvictionPolicy, lookahead: bool):
         self.capacity = capacity
@@ -93,7 +93,7 @@ CallChoice = Callable[[np.ndarray, np.ndarray, np.ndarray, int, int], np.ndarray
 
 class CacheSim:
     """The store's two exclusive tiers for one table, without data: the step that
-    tierstore.step plans, carried out on slot arrays, one call at a time.
+    tierstore.engine.step plans, carried out on slot arrays, one call at a time.
 
     ``policy`` ranks rows as the store's tiers do; with ``next_use`` (lookahead
     eviction) the rows the window uses are pinned and ranked by next use.

@@ -19,7 +19,7 @@ import numpy as np
 
 from tierstore.io.codecs import row_norms_sq
 
-from .spec import _splitmix64
+from tierstore.spec import _splitmix64
 
 _SATURATED = 255
 # one odd 64-bit constant per sketch row: row i hashes id ^ _SEEDS[i]

@@ -43,10 +43,10 @@ from torch.utils._pytree import tree_map
 
 from tierstore.io import StoreCorruptError
 
-from .errors import TierstoreError
-from .optim import Adam, RowOptimizer
-from .precision import DTYPES
-from .spec import initial_rows
+from tierstore.errors import TierstoreError
+from tierstore.optim import Adam, RowOptimizer
+from tierstore.precision import DTYPES
+from tierstore.spec import initial_rows
 
 __all__ = ["CHUNK_BYTES", "MAX_MATERIALIZE_BYTES", "CheckpointChainError", "FusedOptimizer", "OptimizerMismatchError",
            "TableTooLargeError", "TableView", "restore"]
@@ -153,7 +153,7 @@ class TableView(torch.Tensor):
         if size > limit:
             raise TableTooLargeError(
                 f"{self._what} of table {self._table!r} is {size / 2**20:.1f} MiB, more than "
-                f"tierstore.checkpointing.MAX_MATERIALIZE_BYTES ({limit / 2**20:.1f} MiB) allows as one tensor "
+                f"tierstore.training.checkpointing.MAX_MATERIALIZE_BYTES ({limit / 2**20:.1f} MiB) allows as one tensor "
                 f"(torch.save, deepcopy, clone, ...). Save it in chunks with {_DCP_HINT}")
         out = torch.empty(self.shape, dtype=self.dtype)
         flat = out if out.dim() == 2 else out.unsqueeze(1)
@@ -457,7 +457,7 @@ def incremental_checkpoint(store, backend, path: str | os.PathLike) -> Path:
 
 
 def _write_link(store, backend, path: Path, changes: Mapping[str, torch.Tensor], parent: tuple[Path, str], link: int) -> Path:
-    from .serving_stream import encode_delta, write_whole  # serving_stream imports the store
+    from tierstore.serving.stream import encode_delta, write_whole  # serving_stream imports the store
 
     tables, last_use = {}, {}
     # every LMDB write and delete of a row is recorded, a step's new last use among them
@@ -537,7 +537,7 @@ def _chained(store, path: Path, parent: tuple[Path, str] | None, link: int) -> P
     chain = {"id": uuid.uuid4().hex, "link": link, "parent": None, "parent_id": None, "format": LINK_FORMAT}
     if parent is not None:
         chain.update(parent=os.path.relpath(parent[0], path), parent_id=parent[1])
-    from .serving_stream import write_whole
+    from tierstore.serving.stream import write_whole
 
     write_whole(path / CHAIN_FILE, json.dumps(chain).encode())
     _chains[store] = (path.resolve(), chain["id"], link)
@@ -587,7 +587,7 @@ def _replay(store_dir: Path, links: Sequence[Path]) -> None:
     held them, last-use steps included; then the last link's life records and sketches."""
     from tierstore.io import LmdbBackend
 
-    from .spec import TableSpec
+    from tierstore.spec import TableSpec
 
     backend = LmdbBackend(store_dir, create=False)
     try:
@@ -617,7 +617,7 @@ def _replay(store_dir: Path, links: Sequence[Path]) -> None:
 def _replay_rows(store_dir: Path, links: Sequence[Path]) -> None:
     """Links of format 1 (rows only) through a store: life state stays the base's, and a row
     the replay writes is last used as any written row is."""
-    from .store import TieredStore
+    from tierstore.store import TieredStore
 
     with TieredStore(store_dir, device="cpu") as store:
         for link in links:
@@ -632,7 +632,7 @@ def _replay_rows(store_dir: Path, links: Sequence[Path]) -> None:
 def _link_rows(link: Path, specs: Mapping) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """{table: (ids, packed float32 rows, deleted ids)} of a link; CheckpointChainError if it is not
     whole or names a table the store lacks."""
-    from .serving_stream import DeltaCorruptError, decode_delta
+    from tierstore.serving.stream import DeltaCorruptError, decode_delta
 
     try:
         _, tables = decode_delta(link / LINK_FILE)

@@ -23,11 +23,11 @@ from torch import nn
 from tierstore.io import find_sorted
 from tierstore.io.serving_layout import RowFormat, ServingReader
 
-from . import fbgemm
-from .hashindex import make_index
-from .spec import TableSpec, initial_rows
-from .store import resolve_device
-from .validate import check_int
+from tierstore.training import fbgemm
+from tierstore.engine.hashindex import make_index
+from tierstore.spec import TableSpec, initial_rows
+from tierstore.engine.tensors import resolve_device
+from tierstore.validate import check_int
 
 MODES = {"sum": 0, "mean": 1}
 _KERNEL_TYPES = {"float32": 0, "float16": 1, "int8": 2, "int4": 3}  # FBGEMM's SparseType
@@ -112,7 +112,7 @@ class _ServingTable:
         self.ddr = _Tier("ddr", min(ddr_rows, n or ddr_rows), bytes_, torch.device("cpu"), n) if ddr_rows else None
         self.tiers = [t for t in (self.hbm, self.ddr) if t is not None] or [None]
         self.clock = 0
-        # rows newer than LMDB's (applied deltas, tierstore.serving_stream): sorted ids, rows as LMDB stores them
+        # rows newer than LMDB's (applied deltas, tierstore.serving.stream): sorted ids, rows as LMDB stores them
         self.newer_ids = np.zeros(0, dtype=np.int64)
         self.newer_rows = np.zeros((0, bytes_), dtype=np.uint8)
         self.counts = {"hbm_hits": 0, "ddr_hits": 0, "lmdb_reads": 0, "initial_rows": 0}
@@ -240,7 +240,7 @@ class ServingStore:
 
     @property
     def version(self) -> int:
-        """The published version served (tierstore.serving_stream): the export's, then each delta's applied."""
+        """The published version served (tierstore.serving.stream): the export's, then each delta's applied."""
         return self._version
 
     def apply(self, version: int, rows: Mapping[str, tuple[np.ndarray, ...]]) -> None:

@@ -45,15 +45,15 @@ from tierstore.eviction.lookahead import NOT_IN_WINDOW
 from tierstore.io import find_sorted, unique_ids
 from tierstore.io.workers import MIN_CHUNK, read_rows_async
 
-from .precision import DTYPES
-from .spec import TableSpec
-from .tiers import CacheTier, is_sorted_unique, masked
-from .validate import check_int, check_number
+from tierstore.precision import DTYPES
+from tierstore.spec import TableSpec
+from tierstore.engine.tiers import CacheTier, is_sorted_unique, masked
+from tierstore.validate import check_int, check_number
 
 if TYPE_CHECKING:
     from tierstore.io import LmdbBackend, WriteBack
 
-    from .table import TableStore
+    from tierstore.engine.table import TableStore
 
 
 CHUNK_SECONDS = 5e-4  # of reading a thread does between two checks for the trainer

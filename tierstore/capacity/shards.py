@@ -1,7 +1,7 @@
 """SHARDS (Waldspurger et al., FAST'15): approximate LRU curves of long traces.
 
 Keep the rows whose hash falls below rate * 2**64, compute exact distances on
-that sub-trace (tierstore/curves.py), scale them by 1/rate; the trace's exact
+that sub-trace (tierstore/capacity/curves.py), scale them by 1/rate; the trace's exact
 uses and distinct rows (cheap to count) pin the first touches and the total
 (an extension of SHARDS_adj). Its error is estimated from the spread between
 disjoint sub-samples.
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tierstore.curves import LruCurve, even_sizes, stack_distances
-from tierstore.progress import ProgressFactory, open_progress
+from tierstore.capacity.curves import LruCurve, even_sizes, stack_distances
+from tierstore.capacity.progress import ProgressFactory, open_progress
 from tierstore.trace import Trace
-from tierstore.trace_streams import build_streams, trace_counts
+from tierstore.capacity.trace_streams import build_streams, trace_counts
 
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 

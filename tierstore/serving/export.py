@@ -24,9 +24,9 @@ import torch
 from tierstore.io import StoreCorruptError, unique_ids
 from tierstore.io.serving_layout import FLOAT16_MAX, SERVING_DTYPES, RowFormat, ServingWriter
 
-from .sharding import ShardingPlan
-from .spec import TableSpec, initial_rows
-from .store import TieredStore
+from tierstore.training.sharding import ShardingPlan
+from tierstore.spec import TableSpec, initial_rows
+from tierstore.store import TieredStore
 
 _CHUNK = 65536  # rows read and written at a time
 
@@ -39,7 +39,7 @@ def export(src, dst: str | os.PathLike, tables: Sequence[str] | None = None, dty
     made durable, at the step boundary of the call). ``tables``: the tables to export
     (default: all); ``dtype``: float32, float16, int8 or int4 (row-wise, FBGEMM's
     formats); ``version``: the published version the export stands for
-    (tierstore.serving_stream). Returns ``dst``."""
+    (tierstore.serving.stream). Returns ``dst``."""
     if dtype not in SERVING_DTYPES:
         raise ValueError(f"dtype must be one of {list(SERVING_DTYPES)} (the serving rows' type), got {dtype!r}")
     if isinstance(src, (str, os.PathLike)):

@@ -8,7 +8,7 @@ whether it differs from LMDB (``dirty``). A stored row, as LMDB and the read
 API see it, is its weights followed by its state. Tiers are exclusive: a cached row lives in
 exactly one tier, so its one cached copy is always the newest.
 
-Which rows a step moves is planned by tierstore.step, which reads a tier through
+Which rows a step moves is planned by tierstore.engine.step, which reads a tier through
 slot_meta and meta_at; the tier carries its part of the plan out (commit).
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 
 from tierstore.eviction import EvictionPolicy
 
-from .hashindex import DenseIndex, make_index
-from .step import UNUSED, LevelPlan, StepPlan
+from tierstore.engine.hashindex import DenseIndex, make_index
+from tierstore.engine.step import UNUSED, LevelPlan, StepPlan
 
 
 class CacheTier:
@@ -65,7 +65,7 @@ class CacheTier:
 
     def slot_meta(self) -> tuple[np.ndarray, np.ndarray]:
         """Use clock and step count of every slot, on the host (views on the CPU); see
-        tierstore.step.TierMeta."""
+        tierstore.engine.step.TierMeta."""
         return self.last.cpu().numpy(), self.freq.cpu().numpy()
 
     def meta_at(self, slots: np.ndarray, *names: str) -> list[np.ndarray]:

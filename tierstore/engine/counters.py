@@ -104,7 +104,7 @@ class StageHistogram:
 
 @dataclass
 class PrefetchCounters:
-    """Bumped by the prefetcher (tierstore/prefetch.py); the metrics collector
+    """Bumped by the prefetcher (tierstore/engine/prefetch.py); the metrics collector
     exports each field as tierstore_prefetch_* (see metrics/collector.py)."""
 
     queued: int = 0  # gauge: prefetch fetches issued and not yet landed (the queue depth)

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from .errors import TierstoreError
+from tierstore.errors import TierstoreError
 
 SHARDING_TYPES = ("table", "row", "column")
 

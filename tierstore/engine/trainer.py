@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .precision import update_key
+from tierstore.precision import update_key
 
 if TYPE_CHECKING:
-    from .interface import EmbeddingStore
-    from .table import Resident
-    from .tiers import CacheTier
+    from tierstore.interface import EmbeddingStore
+    from tierstore.engine.table import Resident
+    from tierstore.engine.tiers import CacheTier
 
 
 class TableTrainer(ABC):

@@ -19,9 +19,9 @@ and dirty bits, capacities, policy, the prefetch window's next uses),
 Each call row is used at its use clock; its step count is one more than it had
 in the cache (1 when it comes in), and it keeps its dirty bit as it moves.
 
-Three callers carry the plan out: the store over its rows (tierstore/table.py),
+Three callers carry the plan out: the store over its rows (tierstore/engine/table.py),
 the daemon client over the wire (tierstore/daemon/client.py), and the capacity
-simulator over slot arrays without rows (tierstore/cachesim.py); so the
+simulator over slot arrays without rows (tierstore/capacity/cachesim.py); so the
 simulator's counts are the store's. Because planning changes nothing, a failed
 fetch or write-back leaves a store as it was.
 
@@ -45,7 +45,7 @@ _EMPTY = np.empty(0, dtype=np.int64)
 
 
 class TierMeta(Protocol):
-    """What the planner reads of one tier (tierstore.tiers.CacheTier, or the simulator's)."""
+    """What the planner reads of one tier (tierstore.engine.tiers.CacheTier, or the simulator's)."""
 
     capacity: int
     policy: EvictionPolicy

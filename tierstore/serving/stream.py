@@ -39,8 +39,8 @@ import torch
 from tierstore.io import StoreCorruptError
 from tierstore.io.serving_layout import RowFormat
 
-from .serving import ServingStore
-from .serving_export import export, written
+from tierstore.serving.store import ServingStore
+from tierstore.serving.export import export, written
 
 MAGIC = b"TSDELTA1"
 _LEN = struct.Struct("<I")
@@ -205,7 +205,7 @@ class Replica:
         self.rows_applied = 0
         self.store = self._open_newest()
         if self.store is None:
-            raise FileNotFoundError(f"no export in {self.directory}; a tierstore.serving_stream.Publisher writes one")
+            raise FileNotFoundError(f"no export in {self.directory}; a tierstore.serving.stream.Publisher writes one")
         try:
             self.poll()
         except DeltaCorruptError:  # the replica serves what it could apply; poll() raises this again

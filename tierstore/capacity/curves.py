@@ -1,5 +1,5 @@
 """LRU stack distances and miss-ratio curves of a trace, exact, under the store's
-batch semantics (tierstore/trace_streams.py).
+batch semantics (tierstore/capacity/trace_streams.py).
 
 LRU over (HBM h, DDR d) is one LRU list of h + d rows, HBM its top h. The
 *stack distance* of a use is the number of distinct rows of its table whose
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tierstore.progress import ProgressFactory, open_progress
+from tierstore.capacity.progress import ProgressFactory, open_progress
 from tierstore.trace import Trace, gather_ranges
-from tierstore.trace_streams import TableStream, build_streams
+from tierstore.capacity.trace_streams import TableStream, build_streams
 
 _ONE = np.uint64(1)
 

@@ -49,14 +49,14 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from tierstore.budget import split_budget
-from tierstore.curves import LruCurve, lru_curves
+from tierstore.capacity.budget import split_budget
+from tierstore.capacity.curves import LruCurve, lru_curves
 from tierstore.trace import Trace, TraceTable, gather_ranges
 
-from .precision import DTYPES
-from .sharding import SHARDING_TYPES, Shard, ShardingPlan, TablePlan
-from .spec import TableSpec
-from .validate import check_int
+from tierstore.precision import DTYPES
+from tierstore.training.sharding import SHARDING_TYPES, Shard, ShardingPlan, TablePlan
+from tierstore.spec import TableSpec
+from tierstore.validate import check_int
 
 SPLIT_ABOVE = 1.25  # a rank's load over the mean per rank above which its largest whole table is split
 COLUMN_SKEW = 1.5  # max / mean lookups of an even row split above which a wide, hot table is split by columns

@@ -8,8 +8,8 @@ table, so each table is analysed on its own clock (its own positions); that
 preserves the order of the store's one clock.
 
 :class:`TableStream` is that view of one table, with every use linked to its
-row's previous use: what the LRU curves (tierstore/curves.py), SHARDS
-(tierstore/shards.py) and the cache simulators (tierstore/cachesim.py) read.
+row's previous use: what the LRU curves (tierstore/capacity/curves.py), SHARDS
+(tierstore/capacity/shards.py) and the cache simulators (tierstore/capacity/cachesim.py) read.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tierstore.progress import Progress, ProgressFactory, open_progress
+from tierstore.capacity.progress import Progress, ProgressFactory, open_progress
 from tierstore.trace import Trace
 
 
@@ -155,7 +155,7 @@ def _dedupe_by_sort(dense: np.ndarray, offsets: np.ndarray):
 
 def build_streams(trace: Trace, tables: Sequence[str] | None = None, progress: ProgressFactory | None = None) -> list[TableStream]:
     """The streams of ``tables`` (default: every table of the trace), in that order;
-    ``progress`` (tierstore.progress) is shown one bar over their ids."""
+    ``progress`` (tierstore.capacity.progress) is shown one bar over their ids."""
     names = list(tables) if tables else trace.table_names
     per_table = trace.accesses_per_table()
     bar = open_progress(progress, int(sum(per_table[trace.table_index(n)] for n in names)), "deduplicating ids")

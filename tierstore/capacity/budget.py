@@ -1,4 +1,4 @@
-"""Cache sizes from LRU curves (tierstore/curves.py): the rows per table that reach
+"""Cache sizes from LRU curves (tierstore/capacity/curves.py): the rows per table that reach
 hit-ratio targets, and the split of a byte budget across tables for the most hits."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tierstore.curves import LruCurve
+from tierstore.capacity.curves import LruCurve
 
 
 def rows_for_targets(curve: LruCurve, hbm_target: float | None, hit_target: float | None) -> dict:

@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from .optim import SGD, Adagrad, RowOptimizer, RowWiseAdagrad
+from tierstore.optim import SGD, Adagrad, RowOptimizer, RowWiseAdagrad
 
 INSTALL = 'pip install "tierstore[fbgemm]" (fbgemm-gpu-cpu 1.8.0 goes with torch 2.13)'
 _KERNELS = {SGD: "sgd", Adagrad: "adagrad", RowWiseAdagrad: "rowwise_adagrad"}

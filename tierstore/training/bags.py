@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import fbgemm
-from .errors import TierstoreError
-from .spec import MAX_ID, RowInit
-from .store import check_has_values
+from tierstore.training import fbgemm
+from tierstore.errors import TierstoreError
+from tierstore.spec import MAX_ID, RowInit
+from tierstore.engine.tensors import check_has_values
 
 __all__ = ["MODES", "RUN", "BagIndexError", "BagOffsetsError", "BagTypeError", "Bags", "EmbeddingBagConfig", "Rows",
            "mean_grads", "plan_bags", "row_grads", "sum_rows"]

@@ -5,7 +5,7 @@ TieredStore.read checks the call, then hands it to the table (TableStore):
   gathers the rows (no dedupe, and outside the lock);
 - else dedupe, and step (_access) through the tiers:
   probe HBM, then DDR for the rest;
-  plan while fetching: tierstore.step plans the step (the rows each tier keeps,
+  plan while fetching: tierstore.engine.step plans the step (the rows each tier keeps,
   the victims, the write-back), changing nothing, while _fetch reads the misses
   from prefetch staging, the write-back queue, else LMDB (the two on two
   threads for long fetches);
@@ -13,7 +13,7 @@ TieredStore.read checks the call, then hands it to the table (TableStore):
   commit: each tier carries out its part (in memory only: it cannot fail half-way);
   (_access_one_tier commits where one tier, with none below, takes every row);
 - the store gathers the call's rows from the one tier holding them all, or from the step's rows.
-Admission and TTL (tierstore/admission.py) wrap the step: _lived_access.
+Admission and TTL (tierstore/engine/admission.py) wrap the step: _lived_access.
 
 A table never reaches back into the store: what a store's tables share (LMDB, the
 write-back queue, the prefetcher, the use clock, the trace recorder, the wait for
@@ -32,12 +32,12 @@ import torch
 
 from tierstore.io import LmdbBackend, WriteBack, find_sorted
 
-from .admission import RowLife
-from .counters import TableCounters, restored_on_error
-from .spec import TableSpec, initial_rows
-from .step import StepPlan, StepPlanner
-from .tiers import CacheTier, by_id, first_uses, nonzero, select
-from .trace import TraceRecorder
+from tierstore.engine.admission import RowLife
+from tierstore.engine.counters import TableCounters, restored_on_error
+from tierstore.spec import TableSpec, initial_rows
+from tierstore.engine.step import StepPlan, StepPlanner
+from tierstore.engine.tiers import CacheTier, by_id, first_uses, nonzero, select
+from tierstore.trace import TraceRecorder
 
 _SCRATCH_BYTES = 64 << 20
 PROBE_SAMPLE = 256  # ids of a call probed before all of them (use_top_tier)
@@ -47,7 +47,7 @@ _PLAN_ASIDE_ROWS = 4096
 
 
 class Prefetch(Protocol):
-    """What a table asks of the store's prefetcher (tierstore.prefetch.Prefetcher)."""
+    """What a table asks of the store's prefetcher (tierstore.engine.prefetch.Prefetcher)."""
 
     def take(self, table: str, ids: torch.Tensor, out: torch.Tensor) -> np.ndarray: ...
     def written(self, table: str, ids: np.ndarray) -> None: ...
@@ -298,7 +298,7 @@ class TableStore:
 
     def _plan(self, use_clock: torch.Tensor, slot_h: torch.Tensor, slot_d: torch.Tensor,
               refresh: torch.Tensor | None = None) -> StepPlan:
-        """This table's step (tierstore.step), with the prefetch window pinning rows."""
+        """This table's step (tierstore.engine.step), with the prefetch window pinning rows."""
         return self._planner.plan(self.hbm, self.ddr, use_clock.numpy(), slot_h.numpy(), slot_d.numpy(),
                                   refresh=None if refresh is None else refresh.numpy(), next_use=self._next_use,
                                   in_window=self._in_window)

@@ -1,10 +1,10 @@
 """What ``TableSpec(admit_after=N)`` does on a recorded trace, by the store's own
-count-min sketch (tierstore/admission.py), so the prediction equals its counters."""
+count-min sketch (tierstore/engine/admission.py), so the prediction equals its counters."""
 from __future__ import annotations
 
 import numpy as np
 
-from tierstore.admission import CountMinSketch
+from tierstore.engine.admission import CountMinSketch
 from tierstore.trace import Trace
 
 

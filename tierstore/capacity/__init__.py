@@ -1,0 +1,1 @@
+"""Capacity planning from traces: exact LRU curves, SHARDS, the replay of the store's step at one size (every registered policy, lookahead, Belady), budgets and the sharding planner. Reads traces (tierstore.trace); no store, no LMDB."""

@@ -1,0 +1,1 @@
+"""The engine: one table's data path through its tiers (table, tiers, step, hashindex), prefetch of the batches ahead, admission and TTL, counters, the memory budget's split, and the trainer interface the torch modules use. The store's API (tierstore.store) composes it."""
