@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tierstore import RowInit, TableSpec, TieredStore
-from tierstore.training.checkpointing import restore
+from tierstore import restore
 from tierstore.serving.stream import Publisher, Replica
 
 SPEC = TableSpec("a", 400, 8, state_dim=8, init=RowInit.normal(0, 0.1, seed=1))

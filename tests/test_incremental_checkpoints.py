@@ -1,5 +1,5 @@
 """Incremental checkpoints (issue #34): TieredStore.checkpoint(path, incremental=True) writes the
-rows changed since the last one; tierstore.training.checkpointing.restore replays the chain bit for bit.
+rows changed since the last one; tierstore.restore replays the chain bit for bit.
 Real LMDB."""
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from tierstore import RowInit, TableSpec, TieredStore
-from tierstore.training.checkpointing import CheckpointChainError, restore
+from tierstore import restore
+from tierstore.engine.chain import CheckpointChainError
 from tierstore.serving.stream import decode_delta
 
 SPECS = [TableSpec("a", 500, 8, state_dim=8, init=RowInit.normal(0, 0.1, seed=1)),

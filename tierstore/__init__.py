@@ -14,12 +14,12 @@ from tierstore.errors import TierstoreError
 # public name -> the module that defines it
 _LAZY = {
     "RowInit": "spec", "TableSpec": "spec",
-    "StoreConfig": "store", "TieredStore": "store",
+    "StoreConfig": "store", "TieredStore": "store", "restore": "store",
     "optim": None,
     "TieredEmbeddingBag": "nn", "TieredEmbeddingBagCollection": "nn",
     "LookaheadLoader": "engine.prefetch", "PrefetchConfig": "engine.prefetch", "PrefetchTicket": "engine.prefetch",
     "open_store": "daemon.client",
-    "EmbeddingStore": "interface",
+    "EmbeddingStore": "engine.interface",
     "DaemonBusyError": "daemon.wire",
     "export": "serving.export",
     "ServingEmbeddingBag": "serving.store", "ServingEmbeddingBagCollection": "serving.store", "ServingStore": "serving.store",
@@ -29,13 +29,13 @@ if TYPE_CHECKING:  # what type checkers and the API reference see
     from tierstore import optim
     from tierstore.daemon.client import open_store
     from tierstore.daemon.wire import DaemonBusyError
-    from tierstore.interface import EmbeddingStore
+    from tierstore.engine.interface import EmbeddingStore
     from tierstore.nn import TieredEmbeddingBag, TieredEmbeddingBagCollection
     from tierstore.engine.prefetch import LookaheadLoader, PrefetchConfig, PrefetchTicket
     from tierstore.serving.store import ServingEmbeddingBag, ServingEmbeddingBagCollection, ServingStore
     from tierstore.serving.export import export
     from tierstore.spec import RowInit, TableSpec
-    from tierstore.store import StoreConfig, TieredStore
+    from tierstore.store import StoreConfig, TieredStore, restore
 
 __all__ = ["StoreCorruptError", "StoreLockedError", "TierstoreError", *_LAZY]
 __version__ = "0.1.0"

@@ -43,7 +43,7 @@ from torch import nn
 from tierstore.training import fbgemm
 from tierstore.training.bags import MODES, BagIndexError, BagOffsetsError, BagTypeError, Bags, EmbeddingBagConfig, plan_bags, row_grads
 from tierstore.training.checkpointing import FusedOptimizer, TableViews, check_loadable, load_views, table_views
-from tierstore.interface import EmbeddingStore
+from tierstore.engine.interface import EmbeddingStore
 from tierstore.optim import RowOptimizer
 from tierstore.precision import round_stochastic
 from tierstore.spec import RowInit, TableSpec

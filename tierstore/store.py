@@ -41,13 +41,13 @@ from tierstore.io import FORMAT_VERSION, LmdbBackend, WriteBack, unique_ids
 from tierstore.io.lmdb_backend import corrupt
 from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
-from tierstore.training.checkpointing import incremental_checkpoint
+from tierstore.engine import chain
 from tierstore.engine.counters import (LifeCounters, StoreCounters, StoreSnapshot, TableCounters, TableSnapshot, TierFill, add_dicts,
                        restored_on_error)
 from tierstore.engine.memory import (DEFAULT_WRITEBACK_ROWS, MemoryPart, MemorySplit, check_fits, detect_limit, format_bytes, parse_bytes,
                      process_rss, return_freed_blocks, split_memory)
-from tierstore.precision import DTYPES, round_nearest
-from tierstore.spec import MAX_ID, TableSpec
+from tierstore.precision import DTYPES
+from tierstore.spec import TableSpec
 from tierstore.trace import TraceRecorder
 from tierstore.engine.trainer import TableTrainer
 from tierstore.validate import check_choice, check_int, check_rows, set_fields, with_keywords
@@ -537,12 +537,12 @@ class TieredStore:
 
         ``incremental=True``: after this store's last incremental checkpoint, ``path`` holds only
         the rows changed since (weights and optimizer state, and the ids deleted), a link of a
-        chain that ``tierstore.training.checkpointing.restore(path, dst)`` replays; the first is a whole
+        chain that ``tierstore.restore(path, dst)`` replays; the first is a whole
         copy, the chain's base (docs/serving.md)."""
         with self._lock:
             self.flush()
             if incremental:
-                return incremental_checkpoint(self, self._backend, path)
+                return chain.incremental_checkpoint(self, self._backend, path)
             return self._backend.copy_to(path, compact=compact)
 
     @staticmethod
@@ -816,6 +816,14 @@ class TieredStore:
         """What flush() makes durable of admission and eviction, beside the sketches."""
         return {"steps": {name: t.life.steps for name, t in self._tables.items()},
                 "evicted": {name: self._evicted_before.get(name, 0) + t.counters.life.evicted for name, t in self._tables.items()}}
+
+
+def restore(path: str | Path, dst: str | Path) -> Path:
+    """Restore the incremental checkpoint ``path`` (``store.checkpoint(path, incremental=True)``)
+    into the new directory ``dst``, which then opens as the store was at ``path``: the chain's
+    base copied and every link up to ``path`` replayed (tierstore.engine.chain.restore).
+    ``CheckpointChainError`` names a link that is damaged, missing or not its parent's."""
+    return chain.restore(path, dst, lambda d: TieredStore(d, device="cpu"))
 
 
 class EmbeddedTableTrainer(TableTrainer):

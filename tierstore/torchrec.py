@@ -34,7 +34,7 @@ except ImportError as e:  # pragma: no cover - depends on what is installed
 torch.fx.wrap("reorder_inverse_indices")  # a leaf when traced here too, as where TorchRec calls it
 
 from tierstore.training.checkpointing import check_optimizer_record, optimizer_record
-from tierstore.interface import EmbeddingStore
+from tierstore.engine.interface import EmbeddingStore
 from tierstore.nn import ScriptRefusal, TieredEmbeddingBag, module_store, outside_graphs, refuse_export
 from tierstore.optim import RowOptimizer
 from tierstore.spec import RowInit, TableSpec

@@ -72,7 +72,7 @@ from tierstore.io import unique_ids
 from tierstore.daemon import wire
 from tierstore.engine.counters import TierCounters, add_dicts
 from tierstore.eviction import make_policy
-from tierstore.interface import EmbeddingStore
+from tierstore.engine.interface import EmbeddingStore
 from tierstore.engine.prefetch import PrefetchGroup, PrefetchTicket
 from tierstore.precision import DTYPES
 from tierstore.spec import TableSpec

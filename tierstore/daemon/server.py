@@ -63,6 +63,7 @@ from tierstore.daemon.config import DaemonConfig
 from tierstore.daemon.memory import HELLO_WORK_PER_BYTE, HINT_BYTES_PER_ID, PREFETCH_WORK_PER_ID, HintPool, MemoryBudget
 from tierstore.daemon.sessions import ClaimIndex, Session, bind_socket, client_cap
 from tierstore.engine.tensors import as_ids
+from tierstore.store import TieredStore
 from tierstore.validate import check_int
 
 log = logging.getLogger("tierstore.prefetchd")
@@ -127,8 +128,6 @@ class Daemon:
     """Owns one TieredStore and serves it; ``serve()`` runs until ``stop()``."""
 
     def __init__(self, config: DaemonConfig, registry: CollectorRegistry | None = None):
-        import tierstore
-
         self.config = config
         self._lock = threading.Lock()  # sessions, claims, totals (the store has its own lock)
         self._sessions: dict[int, Session] = {}
@@ -153,7 +152,7 @@ class Daemon:
         self.listener = bind_socket(config.socket)  # before opening the store: a live daemon means refuse
         self.store = None
         try:
-            self.store = tierstore.TieredStore(config.path, hbm_rows=0, ddr_rows=config.ddr_rows, policy=config.policy,
+            self.store = TieredStore(config.path, hbm_rows=0, ddr_rows=config.ddr_rows, policy=config.policy,
                                                device="cpu", registry=self.registry, name="prefetchd",
                                                metrics_port=config.metrics_port, memory_budget=config.memory_budget)
             self._hints = HintPool(self.store, hint_pool, config.max_hints)

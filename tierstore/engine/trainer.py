@@ -2,7 +2,7 @@
 
 The training modules (tierstore.nn's TieredEmbeddingBag, the shard owners of
 tierstore.distributed) read and write rows through a store's public calls
-(tierstore.interface.EmbeddingStore). What else a training step needs of the
+(tierstore.engine.interface.EmbeddingStore). What else a training step needs of the
 store is declared here, so that no module reaches into a store's internals:
 
 - a forward that pools straight from the top tier's rows, held steady meanwhile
@@ -32,7 +32,7 @@ import torch
 from tierstore.precision import update_key
 
 if TYPE_CHECKING:
-    from tierstore.interface import EmbeddingStore
+    from tierstore.engine.interface import EmbeddingStore
     from tierstore.engine.table import Resident
     from tierstore.engine.tiers import CacheTier
 

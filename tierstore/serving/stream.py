@@ -22,34 +22,23 @@ for a row an export leaves out.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
-import struct
 import threading
 import time
 import uuid
-import zlib
-from collections.abc import Mapping
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from tierstore.io import StoreCorruptError
+from tierstore.io.deltas import DeltaCorruptError, damaged, decode_delta, encode_delta, write_whole
 from tierstore.io.serving_layout import RowFormat
 
 from tierstore.serving.store import ServingStore
 from tierstore.serving.export import export, written
 
-MAGIC = b"TSDELTA1"
-_LEN = struct.Struct("<I")
 _EXPORT = re.compile(r"export-(\d{8})")
 _DELTA = re.compile(r"delta-(\d{8})\.bin")
-
-
-class DeltaCorruptError(StoreCorruptError):
-    """A published delta file is damaged or truncated; the replica keeps the version it serves."""
 
 
 class DeltaGapError(DeltaCorruptError):
@@ -57,80 +46,8 @@ class DeltaGapError(DeltaCorruptError):
     served lets the replica catch up: it keeps the version it serves."""
 
 
-def _damaged(path: Path, what: str) -> DeltaCorruptError:
-    return DeltaCorruptError(f"delta {path} is damaged: {what}; the replica keeps serving its version. "
-                             "Publish again from the training store, or compact() to write a new export")
-
-
 def _versions(directory: Path, pattern: re.Pattern) -> list[int]:
     return sorted(int(m.group(1)) for p in directory.iterdir() if (m := pattern.fullmatch(p.name)))
-
-
-def write_whole(path: Path, data: bytes) -> None:
-    aside = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
-    try:
-        with open(aside, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(aside, path)
-    except BaseException:
-        aside.unlink(missing_ok=True)  # a disk that filled up keeps no half-written file
-        raise
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def encode_delta(version: int, published: float, tables: Mapping[str, tuple[str, np.ndarray, np.ndarray, np.ndarray]]) -> bytes:
-    """A delta file: MAGIC, a JSON header's length and the header, each table's ids
-    (int64), packed rows and deleted ids (int64), then the CRC-32 of all before it.
-    ``tables[name]`` is (dtype, sorted ids, packed rows, sorted deleted ids)."""
-    header = {"version": version, "time": published,
-              "tables": [{"name": n, "dtype": dt, "rows": len(ids), "row_bytes": rows.shape[1], "deleted": len(gone)}
-                         for n, (dt, ids, rows, gone) in tables.items()]}
-    head = json.dumps(header).encode()
-    body = [MAGIC, _LEN.pack(len(head)), head]
-    for _, ids, rows, gone in tables.values():
-        body += [np.ascontiguousarray(ids, dtype="<i8").tobytes(), np.ascontiguousarray(rows, dtype=np.uint8).tobytes(),
-                 np.ascontiguousarray(gone, dtype="<i8").tobytes()]
-    data = b"".join(body)
-    return data + _LEN.pack(zlib.crc32(data))
-
-
-def decode_delta(path: Path) -> tuple[dict, dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]]:
-    """(header, {table: (ids, packed rows, deleted ids)}) of a delta file; DeltaCorruptError if it is not whole."""
-    data = path.read_bytes()
-    if len(data) < len(MAGIC) + 2 * _LEN.size or not data.startswith(MAGIC):
-        raise _damaged(path, "it does not start with a delta's header (truncated or not a delta)")
-    if zlib.crc32(data[:-_LEN.size]) != _LEN.unpack_from(data, len(data) - _LEN.size)[0]:
-        raise _damaged(path, f"its checksum does not match its {len(data)} bytes (truncated or overwritten)")
-    at = len(MAGIC) + _LEN.size
-    n = _LEN.unpack_from(data, len(MAGIC))[0]
-    try:
-        header = json.loads(data[at: at + n])
-        at += n
-        if type(header["version"]) is not int:
-            raise TypeError(f"its version is {header['version']!r}, not an integer")
-        rows = {}
-        for t in header["tables"]:
-            count, width, deleted = int(t["rows"]), int(t["row_bytes"]), int(t.get("deleted", 0))
-            if min(count, width, deleted) < 0 or t["name"] in rows:
-                raise ValueError(f"table {t['name']!r} is listed twice or has a negative count")
-            ids = np.frombuffer(data, dtype="<i8", count=count, offset=at).astype(np.int64)
-            at += 8 * count
-            packed = np.frombuffer(data, dtype=np.uint8, count=count * width, offset=at).reshape(count, width)
-            at += count * width
-            gone = np.frombuffer(data, dtype="<i8", count=deleted, offset=at).astype(np.int64)
-            at += 8 * deleted
-            rows[t["name"]] = (ids, packed.copy(), gone)  # writable: tiers take the rows as tensors
-    except (ValueError, KeyError, TypeError) as e:
-        raise _damaged(path, f"its contents do not parse ({type(e).__name__}: {e})") from None
-    if at != len(data) - _LEN.size:
-        raise _damaged(path, f"its tables take {at} bytes of {len(data) - _LEN.size}")
-    return header, rows
 
 
 class Publisher:
@@ -261,7 +178,7 @@ class Replica:
                     if t.get("dtype") != self.store.dtype(t["name"]):
                         raise ValueError(f"table {t['name']!r} has {t.get('dtype')} rows, the replica's {self.store.dtype(t['name'])}")
             except (ValueError, KeyError) as e:
-                raise _damaged(path, str(e.args[0] if isinstance(e, KeyError) else e)) from None
+                raise damaged(path, str(e.args[0] if isinstance(e, KeyError) else e)) from None
             self.store._apply_checked(v, changes)
             self.rows_applied += sum(len(ids) + len(gone) for ids, _, gone in rows.values())
 

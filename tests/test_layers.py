@@ -1,0 +1,74 @@
+"""The packages import one way (docs/design.md): no module imports a layer above its own, at
+import time or inside a function, so there is no import circle between subsystems."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = {"tierstore": "tierstore", "eviction": "tierstore.eviction", "io": "tierstore.io",
+           "metrics": "tierstore.metrics", "tools": "tierstore.tools"}
+# a subsystem's layer: each may import its own and the layers below it
+LAYERS = {
+    "io": 0, "eviction": 0, "metrics": 0, "precision": 0, "validate": 0,
+    "errors": 1, "spec": 1, "trace": 1, "optim": 1,
+    "engine": 2,
+    "training": 3,
+    "capacity": 4,
+    "store": 5,
+    "serving": 6, "daemon": 6,
+    "nn": 7, "torchrec": 8, "distributed": 8, "wire": 8, "__init__": 9,
+    "tools": 10,
+}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for folder, package in FOLDERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def subsystem(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The tierstore modules a file imports, anywhere but under `if TYPE_CHECKING:`."""
+    tree = ast.parse(path.read_text())
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)}
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name not in known and "." in name:
+                name = name.rsplit(".", 1)[0]
+            if name in known:
+                out.add(name)
+    return out
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    known = modules()
+    assert {subsystem(m) for m in known} <= set(LAYERS), sorted({subsystem(m) for m in known} - set(LAYERS))
+    upward = [f"{m} imports {t}" for m, path in sorted(known.items()) for t in sorted(imports(path, known))
+              if subsystem(t) != subsystem(m) and LAYERS[subsystem(t)] >= LAYERS[subsystem(m)]]
+    assert upward == []
+
+
+def test_the_library_has_no_relative_imports_across_packages():
+    """Absolute imports inside tierstore/: a module that moves keeps its imports."""
+    relative = [f"{p.relative_to(ROOT)}:{n.lineno}" for p in (ROOT / "tierstore").rglob("*.py")
+                for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.ImportFrom) and n.level > 1]
+    assert relative == []
