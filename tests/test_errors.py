@@ -18,7 +18,8 @@ import tierstore.tools.stats
 from tierstore import TierstoreError
 from tierstore.tools.cli import main
 
-PACKAGES = ("tierstore", "tierstore.daemon", "tierstore.io", "tierstore.eviction", "tierstore.metrics", "tierstore.tools")
+PACKAGES = ("tierstore", "tierstore.capacity", "tierstore.daemon", "tierstore.engine", "tierstore.serving", "tierstore.training",
+            "tierstore.io", "tierstore.eviction", "tierstore.metrics", "tierstore.tools")
 
 # the builtin bases each error had before TierstoreError: `except` clauses written for them still catch it
 BUILTIN_BASES = {
@@ -58,6 +59,12 @@ def error_classes() -> dict[str, type[BaseException]]:
 
 
 def test_every_error_class_of_the_package_is_a_tierstore_error():
+    import re
+    from pathlib import Path
+
+    pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()  # (tomllib is Python >= 3.11)
+    declared = re.findall(r'"([\w.]+)"', pyproject.split("packages = [", 1)[1].split("]", 1)[0])
+    assert set(PACKAGES) == set(declared)  # every package is walked
     classes = error_classes()
     assert len(classes) >= len(BUILTIN_BASES)  # the walk finds them
     assert [name for name, cls in classes.items() if not issubclass(cls, TierstoreError)] == []
