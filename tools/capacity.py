@@ -19,14 +19,12 @@ Tuning constants live in the modules that read them (``trace_streams.SMALL_CALLS
 """
 from __future__ import annotations
 
-from tierstore.capacity import curves, trace_streams
 from tierstore.capacity.admission_replay import predict_admission
 from tierstore.capacity.budget import rows_for_targets, split_budget, total_curve
 from tierstore.capacity.cachesim import (HEAP_ID_NS, SCAN_CALL_NS, SCAN_ROW_NS, CacheSim, HeapSim, TierCounts, belady_hits,
                                 clamp_sizes, simulate)
 from tierstore.capacity.curves import LruCurve, RemovedSet, lru_curves, mean_abs_error, stack_distances
 from tierstore.capacity.shards import ERROR_SIGMAS, MIN_SAMPLE_ROWS, SUB_SAMPLES, ShardsResult, shards_curves, shards_sample
-from tierstore.tools import capacity_progress
 from tierstore.tools.bench_capacity import run as bench
 from tierstore.tools.capacity_analysis import DECADES, DEFAULT_ROW_BYTES, CapacityConfig, analyze
 from tierstore.tools.capacity_plots import plot_report
