@@ -1,14 +1,6 @@
-"""The base class of tierstore's own errors, and the store's file errors.
-
-It lives in io/, the lowest layer, because io/ defines errors too and imports
-nothing above itself; tierstore.errors re-exports it as the public name."""
-
-
-class TierstoreError(Exception):
-    """An error tierstore raises on purpose: bad input, a damaged or busy store, a peer
-    that failed. Each subclass also keeps a builtin base (ValueError, RuntimeError,
-    OSError, ...), so ``except ValueError`` and the like catch it as before; ``except
-    tierstore.TierstoreError`` catches all of them."""
+"""The store's file errors. Their base, TierstoreError, lives in tierstore.errors, a
+module that imports nothing, so io/ can derive from it."""
+from tierstore.errors import TierstoreError
 
 
 class StoreLockedError(RuntimeError, TierstoreError):
