@@ -20,6 +20,8 @@ import numpy as np
 
 from .policies import EvictionPolicy
 
+from tierstore.errors import BadValuesError, SettingError
+
 NOT_IN_WINDOW = np.iinfo(np.int64).max  # next_use of a row the window does not use
 
 
@@ -33,7 +35,7 @@ def lookahead_victims(
     """
     n = len(next_use)
     if not (len(last) == len(freq) == n):
-        raise ValueError(f"next_use, last and freq must have one entry per candidate, got {n}, {len(last)}, {len(freq)}")
+        raise BadValuesError(f"next_use, last and freq must have one entry per candidate, got {n}, {len(last)}, {len(freq)}")
     if k <= 0:
         return np.empty(0, dtype=np.int64)
     if k >= n:
@@ -62,7 +64,7 @@ class LookaheadPolicy:
 
     def __init__(self, base_policy: EvictionPolicy, window: int | None):
         if window is not None and (not isinstance(window, (int, np.integer)) or window < 1):
-            raise ValueError(f"lookahead window must be an int >= 1 batches (None = infinite, Belady), got {window!r}")
+            raise SettingError(f"lookahead window must be an int >= 1 batches (None = infinite, Belady), got {window!r}")
         self.base = base_policy
         self.window = window
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tierstore.errors import ArgumentTypeError, SettingError
+
 
 _SAMPLE = 4096  # values read to bound the k smallest
 
@@ -93,9 +95,9 @@ def register(policy: type[EvictionPolicy]) -> type[EvictionPolicy]:
     """Makes ``policy`` choosable by its ``name`` everywhere a policy is named (a class
     decorator)."""
     if not (isinstance(policy, type) and issubclass(policy, EvictionPolicy)):
-        raise TypeError(f"register takes an EvictionPolicy subclass, got {policy!r}")
+        raise ArgumentTypeError(f"register takes an EvictionPolicy subclass, got {policy!r}")
     if policy.name in POLICIES or policy.name in ("base", "lookahead", "belady"):
-        raise ValueError(f"an eviction policy named {policy.name!r} exists already; give {policy.__name__} another name")
+        raise SettingError(f"an eviction policy named {policy.name!r} exists already; give {policy.__name__} another name")
     POLICIES[policy.name] = policy
     return policy
 
@@ -143,6 +145,6 @@ def make_policy(name: str) -> EvictionPolicy:
     try:
         return POLICIES[name]()
     except KeyError:
-        raise ValueError(
+        raise SettingError(
             f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}"
         ) from None

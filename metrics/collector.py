@@ -32,6 +32,8 @@ from prometheus_client.utils import floatToGoString
 
 from .server import DEFAULT_ADDR, MetricsServer, check_endpoint
 
+from tierstore.errors import ArgumentTypeError, SettingError, StoreClosedError
+
 if TYPE_CHECKING:
     from tierstore.store import TieredStore
 
@@ -183,7 +185,7 @@ class TierstoreCollector(Collector):
                     n += 1
                     label = f"{base}#{n}"
             if label in self._stores:
-                raise ValueError(
+                raise SettingError(
                     f"store name {label!r} is already exported to this registry by another open store; "
                     "pass a different name= (or close the other store first)"
                 )
@@ -238,13 +240,13 @@ class MetricsConfig:
         if self.registry is None:
             self.registry = REGISTRY
         if not (callable(getattr(self.registry, "register", None)) and callable(getattr(self.registry, "unregister", None))):
-            raise TypeError(f"registry must be a prometheus_client.CollectorRegistry (or None for the global one), got {self.registry!r}")
+            raise ArgumentTypeError(f"registry must be a prometheus_client.CollectorRegistry (or None for the global one), got {self.registry!r}")
         if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
-            raise ValueError(f"name (the store's metrics label) must be a non-empty string or None, got {self.name!r}")
+            raise SettingError(f"name (the store's metrics label) must be a non-empty string or None, got {self.name!r}")
         if self.port is not None:
             check_endpoint(self.port, self.addr)
         elif not isinstance(self.addr, str) or not self.addr:
-            raise TypeError(f"metrics addr must be a host address string such as '127.0.0.1', got {self.addr!r}")
+            raise ArgumentTypeError(f"metrics addr must be a host address string such as '127.0.0.1', got {self.addr!r}")
 
 
 class StoreMetrics:
@@ -275,13 +277,13 @@ class StoreMetrics:
         """Constant labels on every sample of this store, after its own labels, e.g.
         rank="0" for a shard's store (tierstore.distributed)."""
         if set(labels) & {"store", "table", "tier", "result", "stage", "le"}:
-            raise ValueError(f"labels {sorted(labels)} would replace the store's own labels")
+            raise SettingError(f"labels {sorted(labels)} would replace the store's own labels")
         self.labels.update({k: str(v) for k, v in labels.items()})
 
     def serve(self, port: int, addr: str = DEFAULT_ADDR) -> MetricsServer:
         """Start an endpoint serving this store's registry (every store in it)."""
         if self._closed:
-            raise RuntimeError(f"metrics for store {self.label!r} are closed (the store was closed)")
+            raise StoreClosedError(f"metrics for store {self.label!r} are closed (the store was closed)")
         server = MetricsServer(self.registry, port, addr)
         self.servers.append(server)
         return server

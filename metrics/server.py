@@ -10,17 +10,19 @@ from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import CollectorRegistry
 
+from tierstore.errors import ArgumentTypeError, SettingError
+
 DEFAULT_ADDR = "127.0.0.1"  # loopback: exposing metrics on other interfaces is an explicit choice
 
 
 def check_endpoint(port, addr) -> None:
     """Raise TypeError/ValueError for a port or address that cannot be bound."""
     if not isinstance(port, int) or isinstance(port, bool):
-        raise TypeError(f"metrics port must be an int (0 picks a free port), got {port!r}")
+        raise ArgumentTypeError(f"metrics port must be an int (0 picks a free port), got {port!r}")
     if not 0 <= port <= 65535:
-        raise ValueError(f"metrics port must be in 0..65535 (0 picks a free port), got {port}")
+        raise SettingError(f"metrics port must be in 0..65535 (0 picks a free port), got {port}")
     if not isinstance(addr, str) or not addr:
-        raise TypeError(f"metrics addr must be a host address string such as '127.0.0.1', got {addr!r}")
+        raise ArgumentTypeError(f"metrics addr must be a host address string such as '127.0.0.1', got {addr!r}")
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -115,8 +115,9 @@ def test_bad_ids_through_the_module_get_the_stores_errors(tmp_path):
                 emb(*bags)
             if name == "meta":  # float ids: BagTypeError, a TypeError (and a RuntimeError, as torch's)
                 assert message in str(e.value)
-        with pytest.raises(error, match=message):
+        with pytest.raises(error, match=message) as e:
             emb.prefetch(ids()).wait()  # padding_idx: the ids are masked first
+        assert isinstance(e.value, tierstore.TierstoreError), type(e.value)
     assert (emb.store.stats(), emb.store.resident_rows("t0")) == before
     emb.close()
 
@@ -161,8 +162,9 @@ def test_bad_ids_through_the_daemon_client_get_the_stores_errors(daemon_store):
             for _, ids, error, message in BAD_IDS:
                 for call in (lambda: client.read("t", ids()), lambda: client.write("t", ids(), torch.zeros(2, 8)),
                              lambda: client.evict("t", ids()), lambda: client.prefetch("t", ids()).wait()):
-                    with pytest.raises(error, match=message):
+                    with pytest.raises(error, match=message) as e:
                         call()
+                    assert isinstance(e.value, tierstore.TierstoreError), type(e.value)  # the daemon's class, not a bare builtin
             emb = TieredEmbeddingBag(1000, 8, mode="sum", store=client, table="t")
             for name, ids, error, message in BAD_IDS:
                 with pytest.raises(error) as e:

@@ -4,6 +4,7 @@ a user's error from a bug by that type. The classes are found by importing every
 module of the package, so a new error that forgets the base fails here."""
 from __future__ import annotations
 
+import builtins
 import importlib
 import importlib.util
 import pkgutil
@@ -37,6 +38,23 @@ BUILTIN_BASES = {
     "BagIndexError": (IndexError, RuntimeError),
     "BagOffsetsError": (ValueError, RuntimeError),
     "BagTypeError": (TypeError, RuntimeError),
+    # the builtins the library raised before each kind of mistake had a class
+    "SettingError": (ValueError,),
+    "BadIdsError": (ValueError,),
+    "BadValuesError": (ValueError,),
+    "IdRangeError": (IndexError,),
+    "ArgumentTypeError": (TypeError,),
+    "UnknownTableError": (KeyError,),
+    "WriteRefusedError": (PermissionError,),
+    "StateError": (RuntimeError,),
+    "StoreClosedError": (RuntimeError,),
+    "UnsupportedError": (RuntimeError,),
+    "FormatError": (ValueError,),
+    "PathExistsError": (FileExistsError,),
+    "PathNotFoundError": (FileNotFoundError,),
+    "MissingDependencyError": (ImportError,),
+    "WaitTimeoutError": (TimeoutError,),
+    "DaemonConnectionError": (ConnectionError,),
 }
 
 
@@ -125,3 +143,80 @@ def test_a_runtime_error_that_is_not_tierstores_keeps_its_traceback(tmp_path, mo
     monkeypatch.setattr(tierstore.tools.stats, "read_facts", fail)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["stats", str(path)])
+
+
+# -- every error raised on purpose is a TierstoreError ---------------------------------------------
+
+LIBRARY = ("tierstore", "eviction", "metrics")  # io/ converts its own raises separately
+BUILTIN_ERRORS = {name for name, value in vars(builtins).items() if isinstance(value, type) and issubclass(value, BaseException)}
+# (file, enclosing function, builtin) the library may still raise or build
+ALLOWED = {
+    # the module's lazy attributes: Python's protocol for a missing module attribute
+    ("tierstore/__init__.py", "__getattr__", "AttributeError"),
+    # internal invariants: each means a bug in tierstore, not a caller's mistake
+    ("tierstore/engine/hashindex.py", "HashIndex.remove", "KeyError"),
+    ("tierstore/engine/hashindex.py", "HashIndex._rebuild", "RuntimeError"),
+    ("tierstore/engine/tiers.py", "CacheTier.add", "RuntimeError"),
+    ("tierstore/daemon/client.py", "DaemonStore._daemon_read_frame", "RuntimeError"),  # a reply of the wrong size
+    ("tierstore/daemon/client.py", "ClientTableTrainer.admitted", "RuntimeError"),
+    # the environment's errors, re-raised with their errno and a hint
+    ("tierstore/store.py", "TieredStore._reap", "OSError"),
+    ("metrics/server.py", "MetricsServer.__init__", "OSError"),
+    # no memfd_create on this OS: the daemon catches it and sends frames through the socket
+    ("tierstore/daemon/wire.py", "Segment.create", "OSError"),
+}
+
+
+def builtin_errors_made(path) -> list[tuple[str, str, int]]:
+    """(enclosing function, builtin, line) of each `raise Builtin` or `Builtin(...)` in a file."""
+    import ast
+
+    found = []
+
+    def visit(node, where):
+        for child in ast.iter_child_nodes(node):
+            name = where
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{where}.{child.name}" if where else child.name
+            exc = child.exc if isinstance(child, ast.Raise) else child if isinstance(child, ast.Call) else None
+            target = exc.func if isinstance(exc, ast.Call) else exc
+            if isinstance(target, ast.Name) and target.id in BUILTIN_ERRORS and target.id != "NotImplementedError":
+                found.append((name, target.id, child.lineno))  # NotImplementedError: abstract methods, unsupported modes
+            visit(child, name)
+
+    visit(ast.parse(path.read_text()), "")
+    return sorted(set(found))
+
+
+def test_the_library_raises_no_bare_builtin_errors():
+    """A source scan: `except TierstoreError` catches every error the library raises on
+    purpose, so none is a bare ValueError, KeyError, RuntimeError, PermissionError, ..."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    made = {(str(p.relative_to(root)), where, name): line for folder in LIBRARY for p in sorted((root / folder).rglob("*.py"))
+            for where, name, line in builtin_errors_made(p)}
+    assert sorted(f"{f}:{line} {where}: {name}" for (f, where, name), line in made.items() if (f, where, name) not in ALLOWED) == []
+    assert sorted(ALLOWED - set(made)) == []  # an allowance that no longer applies goes
+
+
+def test_the_public_classes_are_exported_and_documented():
+    from pathlib import Path
+
+    import tierstore.errors
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "errors.md").read_text()
+    public = [name for name in tierstore.errors.__all__ if isinstance(getattr(tierstore.errors, name), type)]
+    assert len(public) >= 15
+    assert [name for name in public if f"`{name}`" not in doc] == []
+
+
+def test_a_message_quoting_an_error_names_the_builtin_it_was():
+    """Messages that quote another error (a damaged file's, a failed rank's) read as before
+    the classes: a SettingError is quoted as the ValueError it was."""
+    from tierstore.errors import SettingError, kind
+    from tierstore.io.errors import StoreCorruptError
+
+    assert kind(SettingError("x")) == "ValueError"
+    assert kind(StoreCorruptError("x")) == "StoreCorruptError"
+    assert kind(KeyError("x")) == "KeyError"

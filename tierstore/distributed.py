@@ -65,7 +65,7 @@ from tierstore.io import StoreCorruptError
 
 from tierstore.training.checkpointing import (FusedOptimizer, OptimizerMismatchError, TableViews, check_loadable, load_views, state_layout,
                             table_views)
-from tierstore.errors import TierstoreError
+from tierstore.errors import ArgumentTypeError, PathExistsError, PathNotFoundError, SettingError, StateError, TierstoreError, UnknownTableError, kind
 from tierstore.training.bags import MODES, Bags, EmbeddingBagConfig, Rows, mean_grads, plan_bags, sum_rows
 from tierstore.nn import feature_parts
 from tierstore.optim import RowOptimizer
@@ -136,7 +136,7 @@ class _Comm:
             return op()
         except RuntimeError as e:
             raise RankFailedError(
-                f"rank {self.rank}: {what} with the other ranks failed ({type(e).__name__}: {e}); a rank died, did not "
+                f"rank {self.rank}: {what} with the other ranks failed ({kind(e)}: {e}); a rank died, did not "
                 "answer within the process group's timeout (init_process_group(timeout=...)), or called another collective"
             ) from e
 
@@ -188,7 +188,7 @@ def _digest(text: str) -> int:
 
 
 def _message(error: BaseException | None) -> bytes:
-    return b"" if error is None else f"{type(error).__name__}: {error}".encode()[:_MAX_MESSAGE]
+    return b"" if error is None else f"{kind(error)}: {error}".encode()[:_MAX_MESSAGE]
 
 
 class _Reader:
@@ -350,12 +350,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
     ):
         super().__init__()
         if store is not None and not isinstance(store, StoreConfig):
-            raise TypeError(f"store must be a tierstore.StoreConfig (the settings of each rank's store), got {type(store).__name__}")
+            raise ArgumentTypeError(f"store must be a tierstore.StoreConfig (the settings of each rank's store), got {type(store).__name__}")
         if store is not None and store.path is not None:
-            raise ValueError(f"store=StoreConfig(path={str(store.path)!r}): each rank's store is PATH/rank-K under the "
+            raise SettingError(f"store=StoreConfig(path={str(store.path)!r}): each rank's store is PATH/rank-K under the "
                              "module's path; leave the config's path unset")
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialized; call torch.distributed.init_process_group(...) "
+            raise StateError("torch.distributed is not initialized; call torch.distributed.init_process_group(...) "
                                "on every rank first (gloo over 127.0.0.1 for CPU stores)")
         self._comm = _Comm(process_group)
         self.rank, self.world_size = self._comm.rank, self._comm.world
@@ -392,15 +392,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _configure(self, tables, plan, optimizer, mode, comm_dtype, include_last_offset) -> None:
         tables = list(tables)
         if not tables or not all(isinstance(t, TableSpec) for t in tables):
-            raise TypeError("tables must be a non-empty list of tierstore.TableSpec")
+            raise ArgumentTypeError("tables must be a non-empty list of tierstore.TableSpec")
         if not isinstance(plan, ShardingPlan):
-            raise TypeError(f"plan must be a tierstore.distributed.ShardingPlan (from plan(...) or ShardingPlan.from_json), got {type(plan).__name__}")
+            raise ArgumentTypeError(f"plan must be a tierstore.distributed.ShardingPlan (from plan(...) or ShardingPlan.from_json), got {type(plan).__name__}")
         if optimizer is not None and not isinstance(optimizer, RowOptimizer):
-            raise TypeError(f"optimizer must be a tierstore.optim optimizer (SGD, Adagrad, RowWiseAdagrad, Adam), got {type(optimizer).__name__}")
+            raise ArgumentTypeError(f"optimizer must be a tierstore.optim optimizer (SGD, Adagrad, RowWiseAdagrad, Adam), got {type(optimizer).__name__}")
         if mode not in ("sum", "mean"):
-            raise ValueError(f'mode must be "sum" or "mean" for sharded tables, got {mode!r}')
+            raise SettingError(f'mode must be "sum" or "mean" for sharded tables, got {mode!r}')
         if comm_dtype not in COMM_DTYPES:
-            raise ValueError(f"comm_dtype must be None, 'float32', 'float16' or 'bfloat16', got {comm_dtype!r}")
+            raise SettingError(f"comm_dtype must be None, 'float32', 'float16' or 'bfloat16', got {comm_dtype!r}")
         if plan.world_size != self.world_size:
             raise PlanMismatchError(f"the plan is for world size {plan.world_size} but the process group has {self.world_size} ranks")
         specs = [dataclasses.replace(s, state_dim=optimizer.state_dim(s.dim) if optimizer else 0) for s in tables]
@@ -457,7 +457,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     # -- what a step moves -------------------------------------------------------------------
     def _known(self, name) -> str:
         if name not in self._tables:
-            raise KeyError(f"unknown table {name!r}; the collection has tables {sorted(self._tables)}")
+            raise UnknownTableError(f"unknown table {name!r}; the collection has tables {sorted(self._tables)}")
         return name
 
     # -- the header every collective call begins with ------------------------------------------
@@ -579,7 +579,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     # -- forward and backward ------------------------------------------------------------------
     def _plan_batch(self, features) -> tuple[dict[str, Bags], dict[str, torch.Tensor | None]]:
         if not isinstance(features, Mapping):
-            raise TypeError("features must be a mapping {table: (values, offsets)}")
+            raise ArgumentTypeError("features must be a mapping {table: (values, offsets)}")
         bags, psws = {}, {}
         for name, feature in features.items():  # validate every table before anything moves
             values, offsets, psw = feature_parts(name, feature)
@@ -726,7 +726,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         error, t, uid, inverse = None, None, torch.zeros(0, dtype=torch.int64), None
         try:
             if not isinstance(with_state, bool):
-                raise TypeError(f"with_state must be True or False, got {with_state!r}")
+                raise ArgumentTypeError(f"with_state must be True or False, got {with_state!r}")
             t, ids = self._table_ids(table, ids)
             uid, inverse = torch.unique(ids, return_inverse=True)
         except Exception as e:
@@ -741,7 +741,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         error, ids_t, vals = None, torch.zeros(0, dtype=torch.int64), None
         try:
             if not isinstance(with_state, bool):
-                raise TypeError(f"with_state must be True or False, got {with_state!r}")
+                raise ArgumentTypeError(f"with_state must be True or False, got {with_state!r}")
             t, ids_t = self._table_ids(table, ids)
             vals = as_values(t.spec, values, len(ids_t), t.spec.width if with_state else t.spec.dim)
         except Exception as e:
@@ -826,7 +826,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                         "restore with the optimizer it was trained with")
             rank = dist.get_rank(kwargs.get("process_group"))
             if (Path(path) / f"rank-{rank}").exists():
-                raise FileExistsError(f"{Path(path) / f'rank-{rank}'} exists; restore a checkpoint into a new path")
+                raise PathExistsError(f"{Path(path) / f'rank-{rank}'} exists; restore a checkpoint into a new path")
             module = cls([dataclasses.replace(s, state_dim=0) for s in specs], plan, path, **kwargs)
             try:
                 module._restore(stores, olds)
@@ -926,7 +926,7 @@ def _read_checkpoint(checkpoint: Path) -> tuple[ShardingPlan, list[TableSpec]]:
         try:
             texts[name] = (checkpoint / name).read_text()
         except FileNotFoundError as e:
-            raise FileNotFoundError(f"{checkpoint} is not a sharded checkpoint ({e.filename} is missing); "
+            raise PathNotFoundError(f"{checkpoint} is not a sharded checkpoint ({e.filename} is missing); "
                                     "write one with ShardedEmbeddingBagCollection.checkpoint(path)") from None
         except UnicodeDecodeError as e:
             raise damaged(name, f"it is not text ({e})") from None
@@ -945,7 +945,7 @@ def _read_checkpoint(checkpoint: Path) -> tuple[ShardingPlan, list[TableSpec]]:
         try:
             specs.append(TableSpec.from_json(d))
         except (TypeError, KeyError, ValueError) as e:
-            what = f"lacks the key {e}" if isinstance(e, KeyError) else f"is unreadable ({type(e).__name__}: {e})"
+            what = f"lacks the key {e}" if isinstance(e, KeyError) else f"is unreadable ({kind(e)}: {e})"
             raise damaged("tables.json", f"table spec {i} {what}") from None
     return plan, specs
 
@@ -955,10 +955,10 @@ def _check_new_checkpoint(path: Path) -> None:
     held = sorted(p.name for p in path.glob("*") if p.name in ("plan.json", "tables.json") or p.name.startswith("rank-")) \
         if path.is_dir() else []
     if held:
-        raise FileExistsError(f"{path} holds a checkpoint already ({', '.join(held)}); a checkpoint is never overwritten: "
+        raise PathExistsError(f"{path} holds a checkpoint already ({', '.join(held)}); a checkpoint is never overwritten: "
                               "checkpoint into a new directory (and delete the old one once the new is written)")
     if path.exists() and not path.is_dir():
-        raise FileExistsError(f"{path} exists and is not a directory; checkpoint into a new directory")
+        raise PathExistsError(f"{path} exists and is not a directory; checkpoint into a new directory")
 
 
 def _check_same_tables(checkpoint: Path, plan: ShardingPlan, specs: list[TableSpec]) -> None:

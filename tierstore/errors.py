@@ -87,6 +87,16 @@ class WaitTimeoutError(TierstoreError, TimeoutError):
     """A wait that ran out of time: a prefetch not done after ``timeout`` seconds."""
 
 
+def kind(error: BaseException) -> str:
+    """The name a message quoting ``error`` gives its type: for the classes of this
+    module, the builtin each was before it had a class (ValueError for a SettingError),
+    so such messages read as they always did; else the error's own class name."""
+    cls = type(error)
+    if cls.__module__ == __name__:
+        cls = next(c for c in cls.__mro__ if c.__module__ == "builtins")
+    return cls.__name__
+
+
 __all__ = ["ArgumentTypeError", "BadIdsError", "BadValuesError", "FormatError", "IdRangeError", "MissingDependencyError", "PathExistsError",
            "PathNotFoundError", "SettingError", "StateError", "StoreClosedError", "TierstoreError",
            "UnknownTableError", "UnsupportedError", "WaitTimeoutError", "WriteRefusedError"]

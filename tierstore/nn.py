@@ -48,6 +48,7 @@ from tierstore.optim import RowOptimizer
 from tierstore.precision import round_stochastic
 from tierstore.spec import RowInit, TableSpec
 from tierstore.store import Sizes, StoreConfig, TieredStore
+from tierstore.errors import ArgumentTypeError, BadValuesError, SettingError, UnknownTableError, UnsupportedError
 
 __all__ = [
     "BagIndexError",
@@ -130,7 +131,7 @@ def as_leaf(module: nn.Module, args: Sequence) -> "torch.fx.Proxy | None":
         return None
     path = proxy.tracer.path_of_module(module)
     if not path:
-        raise TypeError(f"torch.fx cannot trace a {type(module).__name__} by itself: its rows live in a TieredStore, "
+        raise ArgumentTypeError(f"torch.fx cannot trace a {type(module).__name__} by itself: its rows live in a TieredStore, "
                         "not in tensors. Trace the model that holds it, where it is a leaf (a call_module node)")
     return proxy.tracer.create_proxy("call_module", path, tuple(args), {})
 
@@ -138,7 +139,7 @@ def as_leaf(module: nn.Module, args: Sequence) -> "torch.fx.Proxy | None":
 def refuse_export(module: nn.Module) -> None:
     """torch.export captures tensors and ops; a store lookup is neither."""
     if torch.compiler.is_exporting():
-        raise RuntimeError(
+        raise UnsupportedError(
             f"torch.export cannot capture {type(module).__name__}: its rows live in a TieredStore, outside any graph. "
             "Use torch.compile(model) instead (the dense layers compile; the lookup runs between the graphs), or "
             "export the dense part alone and feed it the pooled embeddings from this module or from "
@@ -156,15 +157,15 @@ def module_store(store, path, specs: Sequence[TableSpec], **options) -> tuple[Em
     if store is None or isinstance(store, StoreConfig):
         where = path if path is not None else getattr(store, "path", None)
         if where is None:
-            raise ValueError("pass path= (a directory for a new or existing store), store=StoreConfig(path=..., ...) "
+            raise SettingError("pass path= (a directory for a new or existing store), store=StoreConfig(path=..., ...) "
                              "(the settings of the store to open) or store= (an open TieredStore)")
         return TieredStore(where, tables=specs, config=store, **options), True
     if not isinstance(store, EmbeddingStore):
-        raise TypeError(f"store must be a tierstore.StoreConfig (settings for the store to open), or an open store: a "
+        raise ArgumentTypeError(f"store must be a tierstore.StoreConfig (settings for the store to open), or an open store: a "
                         f"TieredStore, or tierstore.open_store(path, daemon=SOCK)'s client; got {type(store).__name__}")
     given = [name for name, value in [("path", path), *options.items()] if value != _OPEN_DEFAULTS.get(name)]
     if given:  # the store's own path, device, tiers, memory budget, policy and trace apply
-        raise ValueError(f"with store= an open store, its own settings apply: drop {'=, '.join(given)}= "
+        raise SettingError(f"with store= an open store, its own settings apply: drop {'=, '.join(given)}= "
                          "(or pass store=StoreConfig(...) for a store the module opens; record a store's reads by "
                          "opening it with TieredStore(..., record_trace=PATH))")
     return store, False
@@ -178,7 +179,7 @@ class ScriptRefusal:
     """torch.jit.script would compile forward, which calls into the store (Python, threads, LMDB)."""
 
     def __prepare_scriptable__(self):
-        raise RuntimeError(
+        raise UnsupportedError(
             f"torch.jit.script cannot compile {type(self).__name__}: its forward reads rows from a TieredStore in "
             "Python. Use torch.compile(model) (the dense layers compile, the lookup runs eagerly between the graphs); "
             "to script the dense part, script those submodules alone")
@@ -234,15 +235,15 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
     ):
         super().__init__()
         if kernels not in ("torch", "fbgemm"):
-            raise ValueError(f'kernels must be "torch" or "fbgemm" (FBGEMM\'s fused backward), got {kernels!r}')
+            raise SettingError(f'kernels must be "torch" or "fbgemm" (FBGEMM\'s fused backward), got {kernels!r}')
         if max_norm is not None or scale_grad_by_freq:
-            raise ValueError(
+            raise SettingError(
                 "max_norm and scale_grad_by_freq are not supported by TieredEmbeddingBag; "
                 "leave them at their defaults (None, False)"
             )
         del sparse  # the rows are always updated sparsely, by the fused optimizer
         if optimizer is not None and not isinstance(optimizer, RowOptimizer):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"optimizer must be a tierstore.optim optimizer (SGD, Adagrad, RowWiseAdagrad, Adam), got {type(optimizer).__name__}; "
                 "torch.optim optimizers cannot update rows that live in the store"
             )
@@ -261,7 +262,7 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         if not opening:
             spec = store.tables.get(table)
             if spec is None:
-                raise KeyError(
+                raise UnknownTableError(
                     f"store {store.path} has no table {table!r} (it has {sorted(store.tables)}); open the store with "
                     f"tables=[TableSpec({table!r}, num_rows, dim, state_dim=optimizer.state_dim(dim))], "
                     "or use TieredEmbeddingBagCollection"
@@ -269,9 +270,9 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
             cfg = EmbeddingBagConfig(num_embeddings, embedding_dim, mode, include_last_offset, padding_idx, table, spec.init)
             _check_spec(spec, num_embeddings, embedding_dim, optimizer)
             if init is not None and init != spec.init:
-                raise ValueError(f"init={init!r} contradicts table {table!r}'s stored init {spec.init!r}")
+                raise SettingError(f"init={init!r} contradicts table {table!r}'s stored init {spec.init!r}")
             if dtype is not None and dtype != spec.dtype:
-                raise ValueError(f"dtype={dtype!r} contradicts table {table!r}'s dtype {spec.dtype!r}; drop dtype= to use the table's")
+                raise SettingError(f"dtype={dtype!r} contradicts table {table!r}'s dtype {spec.dtype!r}; drop dtype= to use the table's")
         if kernels == "fbgemm":
             try:
                 fbgemm.check(optimizer, cfg.mode, spec.dtype, store.device)
@@ -327,14 +328,14 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         written to the store (optimizer state zero). ``freeze`` defaults to
         "no optimizer given"; freeze=True trains nothing."""
         if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2:
-            raise ValueError("Embeddings parameter is expected to be 2-dimensional")
+            raise BadValuesError("Embeddings parameter is expected to be 2-dimensional")
         optimizer = kwargs.get("optimizer")
         if freeze is None:
             freeze = optimizer is None
         if freeze and optimizer is not None:
-            raise ValueError("freeze=True with an optimizer: drop optimizer= to freeze the rows, or pass freeze=False to train them")
+            raise SettingError("freeze=True with an optimizer: drop optimizer= to freeze the rows, or pass freeze=False to train them")
         if not freeze and optimizer is None:
-            raise ValueError("freeze=False needs optimizer= (a tierstore.optim optimizer) to update the rows")
+            raise SettingError("freeze=False needs optimizer= (a tierstore.optim optimizer) to update the rows")
         n, dim = embeddings.shape
         module = cls(n, dim, mode=mode, max_norm=max_norm, scale_grad_by_freq=scale_grad_by_freq,
                      include_last_offset=include_last_offset, padding_idx=padding_idx, **kwargs)
@@ -352,7 +353,7 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         """Like torch's: ``False`` freezes the rows (the output has no grad, backward updates
         none of them); ``True`` trains them again, which needs ``optimizer=``."""
         if requires_grad and self.optimizer is None:
-            raise ValueError("requires_grad_(True) needs an optimizer: create the module with optimizer= "
+            raise SettingError("requires_grad_(True) needs an optimizer: create the module with optimizer= "
                              "(a tierstore.optim optimizer) to train its rows")
         self._frozen = not requires_grad
         return self
@@ -582,12 +583,12 @@ def _warn_untrained(bags: Sequence[TieredEmbeddingBag], training: bool) -> None:
 
 def _check_spec(spec: TableSpec, num_embeddings, embedding_dim, optimizer) -> None:
     if spec.num_rows != num_embeddings or spec.dim != embedding_dim:
-        raise ValueError(
+        raise SettingError(
             f"table {spec.name!r} has num_rows={spec.num_rows}, dim={spec.dim}; the module asks for "
             f"num_embeddings={num_embeddings}, embedding_dim={embedding_dim}"
         )
     if optimizer is not None and spec.state_dim != optimizer.state_dim(spec.dim):
-        raise ValueError(
+        raise SettingError(
             f"table {spec.name!r} stores state_dim={spec.state_dim} per row but {optimizer!r} needs "
             f"{optimizer.state_dim(spec.dim)}; create the table with state_dim=optimizer.state_dim(dim)"
         )
@@ -599,7 +600,7 @@ def feature_parts(name: str, feature) -> tuple:
         return feature, None, None
     if isinstance(feature, (tuple, list)) and len(feature) in (2, 3):
         return (*feature, None)[:3]
-    raise TypeError(f"feature {name!r} must be (values, offsets), (values, offsets, per_sample_weights) or a 2-D tensor")
+    raise ArgumentTypeError(f"feature {name!r} must be (values, offsets), (values, offsets, per_sample_weights) or a 2-D tensor")
 
 
 class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
@@ -634,13 +635,13 @@ class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
         super().__init__()
         tables = list(tables)
         if not tables or not all(isinstance(t, TableSpec) for t in tables):
-            raise TypeError("tables must be a non-empty list of tierstore.TableSpec")
+            raise ArgumentTypeError("tables must be a non-empty list of tierstore.TableSpec")
         specs = []
         for spec in tables:
             if optimizer is not None:
                 need = optimizer.state_dim(spec.dim)
                 if spec.state_dim not in (0, need):
-                    raise ValueError(f"table {spec.name!r}: state_dim={spec.state_dim} but {optimizer!r} needs {need}; leave state_dim=0")
+                    raise SettingError(f"table {spec.name!r}: state_dim={spec.state_dim} but {optimizer!r} needs {need}; leave state_dim=0")
                 spec = dataclasses.replace(spec, state_dim=need)
             specs.append(spec)
         store, self._owns_store = module_store(store, path, specs, hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy,
@@ -668,7 +669,7 @@ class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
 
     def _known(self, name) -> str:
         if name not in self._bags:
-            raise KeyError(f"unknown table {name!r}; the collection has tables {sorted(self._bags)}")
+            raise UnknownTableError(f"unknown table {name!r}; the collection has tables {sorted(self._bags)}")
         return name
 
     @outside_graphs  # torch.compile: a graph break; the dense layers around it compile
@@ -678,7 +679,7 @@ class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
             return leaf
         refuse_export(self)
         if not isinstance(features, Mapping):
-            raise TypeError("features must be a mapping {table: (values, offsets)}")
+            raise ArgumentTypeError("features must be a mapping {table: (values, offsets)}")
         plans = {}
         for name, feature in features.items():  # validate every table before touching the store
             bag = self._bags[self._known(name)]

@@ -20,12 +20,14 @@ import math
 
 import torch
 
+from tierstore.errors import BadValuesError, SettingError
+
 __all__ = ["Adagrad", "Adam", "RowOptimizer", "RowWiseAdagrad", "SGD"]
 
 
 def _positive(name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        raise SettingError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)
 
 
@@ -47,7 +49,7 @@ class RowOptimizer:
     def lr(self, value: float) -> None:
         # 0 is what a warm-up schedule's first step gives, and torch.optim accepts it
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"lr must be a finite number >= 0, got {value!r}")
+            raise SettingError(f"lr must be a finite number >= 0, got {value!r}")
         self._lr = float(value)
 
     def state_dim(self, dim: int) -> int:
@@ -57,10 +59,10 @@ class RowOptimizer:
     def update(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
         """Apply one step in place to ``rows`` [n, dim + state_dim] given ``grad`` [n, dim]."""
         if rows.dim() != 2 or grad.dim() != 2 or rows.shape[0] != grad.shape[0]:
-            raise ValueError(f"rows must be [n, dim + state_dim] and grad [n, dim]; got {tuple(rows.shape)} and {tuple(grad.shape)}")
+            raise BadValuesError(f"rows must be [n, dim + state_dim] and grad [n, dim]; got {tuple(rows.shape)} and {tuple(grad.shape)}")
         dim = grad.shape[1]
         if rows.shape[1] != dim + self.state_dim(dim):
-            raise ValueError(
+            raise BadValuesError(
                 f"{type(self).__name__} needs rows of width dim + state_dim = {dim} + {self.state_dim(dim)}, "
                 f"got width {rows.shape[1]}; create the table with state_dim=optimizer.state_dim(dim)"
             )
@@ -164,7 +166,7 @@ class Adam(RowOptimizer):
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
         super().__init__(lr)
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+            raise SettingError(f"betas must be two numbers in [0, 1), got {betas!r}")
         self.betas = (float(betas[0]), float(betas[1]))
         self.eps = _positive("eps", eps)
 

@@ -11,6 +11,7 @@ import torch
 
 from tierstore.precision import DTYPES, round_nearest
 from tierstore.validate import check_choice, check_int, check_number, is_int
+from tierstore.errors import ArgumentTypeError, SettingError
 
 MAX_ID = (1 << 63) - 1
 MAX_NAME = 128
@@ -37,11 +38,11 @@ class RowInit:
 
     def __post_init__(self):
         if self.kind not in INIT_KINDS:
-            raise ValueError(f"RowInit.kind must be one of {INIT_KINDS}, got {self.kind!r}")
+            raise SettingError(f"RowInit.kind must be one of {INIT_KINDS}, got {self.kind!r}")
         if self.kind == "uniform" and not self.a < self.b:
-            raise ValueError(f"RowInit uniform needs a < b, got a={self.a}, b={self.b}")
+            raise SettingError(f"RowInit uniform needs a < b, got a={self.a}, b={self.b}")
         if self.kind == "normal" and not self.b > 0:
-            raise ValueError(f"RowInit normal needs std b > 0, got b={self.b}")
+            raise SettingError(f"RowInit normal needs std b > 0, got b={self.b}")
         check_int(self.col_start, "RowInit.col_start", meaning="first column of a column shard")
 
     @classmethod
@@ -87,14 +88,14 @@ class TableSpec:
     def __post_init__(self):
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             # LMDB names are C strings: "a\0x" and "a\0y" would be one database
-            raise ValueError(f"TableSpec.name must be 1 to {MAX_NAME} ASCII letters, digits, '_', '.' or '-', "
+            raise SettingError(f"TableSpec.name must be 1 to {MAX_NAME} ASCII letters, digits, '_', '.' or '-', "
                              f"starting with a letter, digit or '_', got {self.name!r}")
         check_int(self.num_rows, "TableSpec.num_rows", at_least=1, at_most=MAX_ID + 1, none=True,
                   meaning="None = an unbounded id space")
         check_int(self.dim, "TableSpec.dim", at_least=1)
         check_choice(self.dtype, "TableSpec.dtype", sorted(DTYPES), "the weights' storage type")
         if not isinstance(self.init, RowInit):
-            raise TypeError("TableSpec.init must be a tierstore.RowInit (e.g. RowInit.normal(0, 0.01))")
+            raise ArgumentTypeError("TableSpec.init must be a tierstore.RowInit (e.g. RowInit.normal(0, 0.01))")
         check_int(self.state_dim, "TableSpec.state_dim", meaning="optimizer state values per row")
         self._check_unbounded_knobs()
 
@@ -103,7 +104,7 @@ class TableSpec:
         check_int(self.admit_after, "TableSpec.admit_after", at_least=1, at_most=255,
                   meaning="steps a row is used in before its updates are kept; 1 = always")
         if not is_int(self.admit_width) or not 1 <= self.admit_width <= 1 << 30 or self.admit_width & (self.admit_width - 1):
-            raise ValueError(f"TableSpec.admit_width must be a power of two in [1, 2**30] (counters per sketch row; "
+            raise SettingError(f"TableSpec.admit_width must be a power of two in [1, 2**30] (counters per sketch row; "
                              f"about the distinct ids expected, e.g. 1 << 22), got {self.admit_width!r}")
         check_int(self.admit_depth, "TableSpec.admit_depth", at_least=1, at_most=8,
                   meaning="sketch rows, each with its own hash")

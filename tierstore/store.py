@@ -55,6 +55,7 @@ from tierstore.engine.prefetch import PrefetchConfig, Prefetcher, PrefetchGroup,
 from tierstore.engine.table import Resident, Shared, TableStore
 from tierstore.engine.tiers import CacheTier, first_uses, last_values
 from tierstore.engine.tensors import as_ids, as_values, check_out, gather_rows, gather_tier, resolve_device, unpicklable
+from tierstore.errors import ArgumentTypeError, FormatError, SettingError, StoreClosedError, UnknownTableError, WriteRefusedError, kind
 
 Sizes = int | Mapping[str, int]
 
@@ -85,7 +86,7 @@ class StoreConfig:
         if self.memory_budget is not None:
             self.memory_budget = parse_bytes(self.memory_budget, "memory_budget")
         if self.direct_reads not in (None, True, False):
-            raise ValueError(f"direct_reads must be True, False or None (None: when a memory_budget cannot cache the "
+            raise SettingError(f"direct_reads must be True, False or None (None: when a memory_budget cannot cache the "
                              f"tables' rows), got {self.direct_reads!r}")
         check_int(self.writeback_rows, "writeback_rows", none=True,
                   meaning="rows queued for LMDB before a call waits; 0 = wait for every write")
@@ -167,10 +168,10 @@ class TieredStore:
         # accepted only to refuse: open_store(path, claim=...) without daemon= lands here, and
         # TieredStore(path, daemon=SOCK) reads like an attach; each gets its fix, not "unexpected keyword"
         if daemon is not None:
-            raise TypeError(f"TieredStore is the embedded store; attach to the `tierstore prefetchd` at {daemon} with "
+            raise ArgumentTypeError(f"TieredStore is the embedded store; attach to the `tierstore prefetchd` at {daemon} with "
                             "tierstore.open_store(path, daemon=SOCK, ...)")
         if claim:
-            raise ValueError(f"claim={list(claim)} only applies to a client of `tierstore prefetchd` "
+            raise SettingError(f"claim={list(claim)} only applies to a client of `tierstore prefetchd` "
                              "(tierstore.open_store(path, daemon=SOCK, claim=...)); an embedded store is its tables' only writer")
         settings = dict(hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device, readonly=readonly, map_size=map_size,
                         clock=clock, eviction=eviction, writeback_rows=writeback_rows,
@@ -178,7 +179,7 @@ class TieredStore:
         self.config = StoreConfig(path, **settings)
         if config is not None:  # taken whole (a copy: opening sets its sizes); a keyword also given must agree
             if not isinstance(config, StoreConfig):
-                raise TypeError(f"config must be a tierstore.StoreConfig, got {type(config).__name__}")
+                raise ArgumentTypeError(f"config must be a tierstore.StoreConfig, got {type(config).__name__}")
             passed = set_fields(StoreConfig, settings) + (["path"] if config.path is not None else [])
             self.config = dataclasses.replace(with_keywords(config, self.config, passed, "TieredStore"), path=self.config.path)
         # metrics: exported to registry (default: prometheus_client's global one) under
@@ -209,7 +210,7 @@ class TieredStore:
             for name in ("hbm_rows", "ddr_rows"):
                 value = getattr(self.config, name)
                 if isinstance(value, Mapping) and set(value) - set(specs):
-                    raise KeyError(f"{name} names unknown tables {sorted(set(value) - set(specs))}; tables are {sorted(specs)}")
+                    raise UnknownTableError(f"{name} names unknown tables {sorted(set(value) - set(specs))}; tables are {sorted(specs)}")
             prefetch = prefetch or PrefetchConfig()
             self._memory = self._size_memory(specs, prefetch)
             prefetch = dataclasses.replace(prefetch, staged_rows=self._memory.staged_rows)
@@ -280,30 +281,30 @@ class TieredStore:
     def _reconcile_specs(self, given: list[TableSpec]) -> dict[str, TableSpec]:
         meta = self._backend.read_meta()
         if meta and meta.get("format") != FORMAT_VERSION:
-            raise ValueError(f"{self.path} has store format {meta.get('format')}, this tierstore reads {FORMAT_VERSION}")
+            raise FormatError(f"{self.path} has store format {meta.get('format')}, this tierstore reads {FORMAT_VERSION}")
         try:
             stored = {d["name"]: TableSpec.from_json(d) for d in meta.get("tables", [])}
         except (TypeError, KeyError, ValueError) as e:
-            raise corrupt(self.path / "data.mdb", f"its table specs are unreadable ({type(e).__name__}: {e})") from None
+            raise corrupt(self.path / "data.mdb", f"its table specs are unreadable ({kind(e)}: {e})") from None
         names = [s.name for s in given]
         if len(set(names)) != len(names):
-            raise ValueError(f"duplicate table names in tables=: {names}")
+            raise SettingError(f"duplicate table names in tables=: {names}")
         for spec in given:
             old = stored.get(spec.name)
             if old is None:
                 continue
             for f in dataclasses.fields(TableSpec):
                 if getattr(old, f.name) != getattr(spec, f.name):
-                    raise ValueError(
+                    raise SettingError(
                         f"table {spec.name!r}: {f.name}={getattr(spec, f.name)!r} contradicts the stored "
                         f"{f.name}={getattr(old, f.name)!r}; open without tables= to use the stored specs"
                     )
         new = [s for s in given if s.name not in stored]
         if new and self.readonly:
-            raise ValueError(f"tables {[s.name for s in new]} are not in the store and it is open readonly")
+            raise SettingError(f"tables {[s.name for s in new]} are not in the store and it is open readonly")
         specs = {**stored, **{s.name: s for s in new}}
         if not specs:
-            raise ValueError(f"{self.path} holds no tables; pass tables=[tierstore.TableSpec(...)] to create them")
+            raise SettingError(f"{self.path} holds no tables; pass tables=[tierstore.TableSpec(...)] to create them")
         if not meta or new:
             self._backend.write_meta({"format": FORMAT_VERSION, "tables": [s.to_json() for s in specs.values()]},
                                      new_tables={s.name: (s.ttl_steps is not None, s.num_rows) for s in new})
@@ -336,7 +337,7 @@ class TieredStore:
         ``state_dim=0`` has an empty state, so that is ``[len(ids), dim]``), written
         into ``out`` when given (reusing a buffer saves an allocation per call)."""
         if not isinstance(with_state, (bool, np.bool_)):
-            raise TypeError(f"with_state must be True or False, got {with_state!r}")
+            raise ArgumentTypeError(f"with_state must be True or False, got {with_state!r}")
         with self._lock:
             resident = self._read_locked(table, ids, with_state, out)
             if isinstance(resident, torch.Tensor):
@@ -747,7 +748,7 @@ class TieredStore:
     # -- validation --------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"store {self.path} is closed")
+            raise StoreClosedError(f"store {self.path} is closed")
 
     def _table_to_read(self, name: str) -> TableStore:
         """The table a read goes to, under the lock, the write-backs done reaped."""
@@ -760,7 +761,7 @@ class TieredStore:
         """The table a write goes to, under the lock; raises first if none may."""
         self._check_open()
         if self.readonly:
-            raise PermissionError(f"store {self.path} is open readonly; reopen without readonly=True to write")
+            raise WriteRefusedError(f"store {self.path} is open readonly; reopen without readonly=True to write")
         t = self._table(name)
         self._reap()
         return t
@@ -769,7 +770,7 @@ class TieredStore:
         try:
             return self._tables[name]
         except KeyError:
-            raise KeyError(f"unknown table {name!r}; the store has tables {sorted(self._tables)}") from None
+            raise UnknownTableError(f"unknown table {name!r}; the store has tables {sorted(self._tables)}") from None
 
     # -- the write-back queue, and what flush() keeps of admission ---------------------------
     def _reap(self, drain: bool = False) -> None:

@@ -26,7 +26,7 @@ try:
     from torchrec.sparse.tensor_dict import maybe_td_to_kjt
     from torchrec.optim.keyed import KeyedOptimizer
 except ImportError as e:  # pragma: no cover - depends on what is installed
-    raise ImportError(
+    raise MissingDependencyError(
         "tierstore.torchrec needs TorchRec: pip install --no-deps torchrec==1.8.0 && pip install 'tierstore[torchrec]' "
         "(TorchRec's package names the CUDA build of FBGEMM; the extra installs the CPU build and TorchRec's other dependencies)"
     ) from e
@@ -39,6 +39,7 @@ from tierstore.nn import ScriptRefusal, TieredEmbeddingBag, module_store, outsid
 from tierstore.optim import RowOptimizer
 from tierstore.spec import RowInit, TableSpec
 from tierstore.store import Sizes, StoreConfig
+from tierstore.errors import ArgumentTypeError, MissingDependencyError, SettingError, UnknownTableError, UnsupportedError
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 _DTYPES = {DataType.FP32: ("float32", torch.float32), DataType.FP16: ("float16", torch.float16),
@@ -55,14 +56,14 @@ def row_init(config: EmbeddingBagConfig) -> RowInit:
         return RowInit.uniform(config.get_weight_init_min(), config.get_weight_init_max())
     base = fn.func if isinstance(fn, functools.partial) else fn
     if base not in _INITS:
-        raise ValueError(
+        raise SettingError(
             f"table {config.name!r}: init_fn={fn!r} cannot give each row its value from its id alone (the store creates "
             "rows when first read, in any order); use functools.partial(torch.nn.init.uniform_, a=..., b=...), "
             "normal_(mean=..., std=...) or zeros_, weight_init_min/weight_init_max, or init=tierstore.RowInit(...)")
     kind, defaults = _INITS[base]
     given = fn.keywords if isinstance(fn, functools.partial) else {}
     if (isinstance(fn, functools.partial) and fn.args) or set(given) - set(defaults):
-        raise ValueError(f"table {config.name!r}: init_fn {fn!r} must give only the keywords {sorted(defaults)} "
+        raise SettingError(f"table {config.name!r}: init_fn {fn!r} must give only the keywords {sorted(defaults)} "
                          "(the rows' values are made per row from them)")
     args = [float(given.get(n, d)) for n, d in defaults.items()]
     return RowInit("zeros") if kind == "zeros" else getattr(RowInit, kind)(*args)
@@ -96,7 +97,7 @@ def _pooled(collection, features: KeyedJaggedTensor) -> KeyedTensor:
     if not isinstance(jagged, torch.fx.Proxy):
         missing = list(dict.fromkeys(f for f in flat if f not in jagged))
         if missing:
-            raise KeyError(f"features {missing} are not in the KeyedJaggedTensor (it has {list(jagged)})")
+            raise UnknownTableError(f"features {missing} are not in the KeyedJaggedTensor (it has {list(jagged)})")
     pooled = []
     for t in configs:
         for f in t.feature_names:
@@ -168,21 +169,21 @@ class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterfac
         super().__init__()
         tables = list(tables)
         if not tables or not all(isinstance(t, EmbeddingBagConfig) for t in tables):
-            raise TypeError("tables must be a non-empty list of torchrec.EmbeddingBagConfig")
+            raise ArgumentTypeError("tables must be a non-empty list of torchrec.EmbeddingBagConfig")
         if not isinstance(is_weighted, bool):
-            raise TypeError(f"is_weighted must be a bool (TorchRec's signature is (tables, is_weighted, device)), got {is_weighted!r}")
+            raise ArgumentTypeError(f"is_weighted must be a bool (TorchRec's signature is (tables, is_weighted, device)), got {is_weighted!r}")
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
-            raise ValueError(f"Duplicate table name in {names}")
+            raise SettingError(f"Duplicate table name in {names}")
         inits = {}
         for t in tables:
             if t.pooling not in _MODES:
-                raise ValueError(f"table {t.name!r}: pooling {t.pooling} is not supported; use PoolingType.SUM or PoolingType.MEAN")
+                raise SettingError(f"table {t.name!r}: pooling {t.pooling} is not supported; use PoolingType.SUM or PoolingType.MEAN")
             if t.data_type not in _DTYPES:
-                raise ValueError(f"table {t.name!r}: data_type {t.data_type} is not supported; use DataType.FP32, FP16 or BF16 "
+                raise SettingError(f"table {t.name!r}: data_type {t.data_type} is not supported; use DataType.FP32, FP16 or BF16 "
                                  "(for int8/int4 serving rows see tierstore.export)")
             if is_weighted and t.pooling != PoolingType.SUM:
-                raise ValueError(f"table {t.name!r}: weighted features need PoolingType.SUM (as torch.nn.EmbeddingBag)")
+                raise SettingError(f"table {t.name!r}: weighted features need PoolingType.SUM (as torch.nn.EmbeddingBag)")
             if not t.feature_names:
                 t.feature_names = [t.name]
             inits[t.name] = init if init is not None else row_init(t)
@@ -193,7 +194,7 @@ class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterfac
         if device is not None and torch.device(device).type == "meta":
             # shapes only, as TorchRec's EBC on meta: no store, no files
             if record_trace is not None:
-                raise ValueError("device='meta' builds shapes only and reads no rows: there is nothing to record; "
+                raise SettingError("device='meta' builds shapes only and reads no rows: there is nothing to record; "
                                  "drop record_trace= or build the collection with path= on a real device")
             self.store = None
             self.embedding_bags = nn.ModuleDict({
@@ -236,7 +237,7 @@ class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterfac
         TableViews that DCP saves and loads in chunks. ``step()`` does nothing (the rows
         are updated in the backward)."""
         if self.store is None:
-            raise RuntimeError("a collection built on the meta device has no rows and no optimizer state; "
+            raise UnsupportedError("a collection built on the meta device has no rows and no optimizer state; "
                                "build it with path= and a real device to checkpoint it")
         views = {f"embedding_bags.{name}.weight": bag.views() for name, bag in self.embedding_bags.items()}
         params = {key: v.weight for key, v in views.items()}
@@ -278,16 +279,16 @@ class ServingEmbeddingBagCollection(nn.Module):
 
         tables = list(tables)
         if not tables or not all(isinstance(t, EmbeddingBagConfig) for t in tables):
-            raise TypeError("tables must be a non-empty list of torchrec.EmbeddingBagConfig")
+            raise ArgumentTypeError("tables must be a non-empty list of torchrec.EmbeddingBagConfig")
         store = ServingStore(path, hbm_rows=hbm_rows, ddr_rows=ddr_rows, device=device)
         for t in tables:
             if t.name not in store.tables:
                 store.close()
-                raise KeyError(f"table {t.name!r} is not in the serving store at {path} (it has {sorted(store.tables)})")
+                raise UnknownTableError(f"table {t.name!r} is not in the serving store at {path} (it has {sorted(store.tables)})")
             dim = store.tables[t.name].dim
             if t.pooling not in _MODES or dim != t.embedding_dim:
                 store.close()
-                raise ValueError(f"table {t.name!r}: the serving store holds dim {dim} rows and pools "
+                raise SettingError(f"table {t.name!r}: the serving store holds dim {dim} rows and pools "
                                  f"sum or mean; the config says embedding_dim={t.embedding_dim}, pooling {t.pooling}")
             if not t.feature_names:
                 t.feature_names = [t.name]

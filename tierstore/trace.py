@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from tierstore.validate import check_int
+from tierstore.errors import ArgumentTypeError, FormatError, IdRangeError, PathNotFoundError, SettingError, StoreClosedError, UnknownTableError
 
 FORMAT = "tierstore-trace"
 VERSION = 1
@@ -52,7 +53,7 @@ class TraceTable:
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"trace table name must be a non-empty string, got {self.name!r}")
+            raise SettingError(f"trace table name must be a non-empty string, got {self.name!r}")
         for f in ("num_rows", "dim", "row_bytes"):
             check_int(getattr(self, f), f"trace table {self.name!r}: {f}", at_least=1, none=True)
 
@@ -79,13 +80,13 @@ class Trace:
         self.tables = tuple(t if isinstance(t, TraceTable) else TraceTable(t) for t in self.tables)
         names = [t.name for t in self.tables]
         if len(set(names)) != len(names):
-            raise ValueError(f"trace has duplicate table names: {names}")
+            raise SettingError(f"trace has duplicate table names: {names}")
         for name in ARRAYS:
             arr = np.asarray(getattr(self, name))
             if arr.ndim != 1:
-                raise ValueError(f"trace array {name!r} must be 1-D, got shape {arr.shape}")
+                raise FormatError(f"trace array {name!r} must be 1-D, got shape {arr.shape}")
             if arr.size and arr.dtype.kind not in "iu":
-                raise TypeError(f"trace array {name!r} must hold integers, got {arr.dtype}")
+                raise ArgumentTypeError(f"trace array {name!r} must hold integers, got {arr.dtype}")
             if arr.dtype != _DTYPES[name]:
                 arr = arr.astype(_DTYPES[name])
             setattr(self, name, arr)
@@ -96,19 +97,19 @@ class Trace:
         """Raise ValueError/IndexError naming the first inconsistency."""
         n_calls = len(self.call_table)
         if len(self.offsets) != n_calls + 1:
-            raise ValueError(f"offsets must have n_calls + 1 = {n_calls + 1} entries, got {len(self.offsets)}")
+            raise FormatError(f"offsets must have n_calls + 1 = {n_calls + 1} entries, got {len(self.offsets)}")
         if len(self.call_step) != n_calls:
-            raise ValueError(f"call_step must have one entry per call ({n_calls}), got {len(self.call_step)}")
+            raise FormatError(f"call_step must have one entry per call ({n_calls}), got {len(self.call_step)}")
         if self.offsets[0] != 0 or self.offsets[-1] != len(self.ids):
-            raise ValueError(f"offsets must run from 0 to len(ids)={len(self.ids)}, got {self.offsets[0]}..{self.offsets[-1]}")
+            raise FormatError(f"offsets must run from 0 to len(ids)={len(self.ids)}, got {self.offsets[0]}..{self.offsets[-1]}")
         if n_calls and np.any(np.diff(self.offsets) < 0):
-            raise ValueError("offsets must be non-decreasing (each call's ids follow the previous call's)")
+            raise FormatError("offsets must be non-decreasing (each call's ids follow the previous call's)")
         if n_calls and np.any(np.diff(self.call_step) < 0):
-            raise ValueError("call_step must be non-decreasing: calls are stored in the order they were made")
+            raise FormatError("call_step must be non-decreasing: calls are stored in the order they were made")
         if n_calls and (self.call_table.min() < 0 or self.call_table.max() >= len(self.tables)):
-            raise IndexError(f"call_table holds {int(self.call_table.max())}, but the trace has {len(self.tables)} tables")
+            raise IdRangeError(f"call_table holds {int(self.call_table.max())}, but the trace has {len(self.tables)} tables")
         if len(self.ids) and self.ids.min() < 0:
-            raise IndexError(f"trace holds the negative id {int(self.ids.min())}; ids must be >= 0")
+            raise IdRangeError(f"trace holds the negative id {int(self.ids.min())}; ids must be >= 0")
         bounded = [i for i, t in enumerate(self.tables) if t.num_rows is not None]
         if bounded and len(self.ids):
             per_call_max = np.zeros(n_calls, dtype=np.int64)
@@ -118,7 +119,7 @@ class Trace:
             bad = np.flatnonzero(per_call_max >= limit[self.call_table])
             if len(bad):
                 t = self.tables[self.call_table[bad[0]]]
-                raise IndexError(f"call {bad[0]} reads id {per_call_max[bad[0]]} of table {t.name!r} with num_rows={t.num_rows}")
+                raise IdRangeError(f"call {bad[0]} reads id {per_call_max[bad[0]]} of table {t.name!r} with num_rows={t.num_rows}")
 
     # -- views -----------------------------------------------------------------------
     @property
@@ -145,7 +146,7 @@ class Trace:
         for i, t in enumerate(self.tables):
             if t.name == name:
                 return i
-        raise KeyError(f"trace has no table {name!r}; it has {self.table_names}")
+        raise UnknownTableError(f"trace has no table {name!r}; it has {self.table_names}")
 
     def calls(self) -> Iterator[tuple[int, str, np.ndarray]]:
         """(step, table name, ids) of each call in trace order."""
@@ -210,31 +211,31 @@ class Trace:
         """
         path = Path(path)
         if not path.exists():
-            raise FileNotFoundError(f"no trace at {path}; write one with `tierstore trace synth`, `tierstore trace convert` or TieredStore(record_trace=...)")
+            raise PathNotFoundError(f"no trace at {path}; write one with `tierstore trace synth`, `tierstore trace convert` or TieredStore(record_trace=...)")
         if path.is_dir():
             meta_file = path / "trace.json"
             if not meta_file.exists():
-                raise ValueError(f"{path} is not a trace directory (no trace.json); see tierstore.trace for the format")
+                raise FormatError(f"{path} is not a trace directory (no trace.json); see tierstore.trace for the format")
             meta = json.loads(meta_file.read_text())
             arrays = {}
             for name in ARRAYS:
                 f = path / f"{name}.npy"
                 if not f.exists():
-                    raise ValueError(f"trace directory {path} lacks {name}.npy")
+                    raise FormatError(f"trace directory {path} lacks {name}.npy")
                 arrays[name] = np.load(f, mmap_mode="r" if mmap and name == "ids" else None)
         else:
             if not zipfile.is_zipfile(path):  # np.load would return a lone .npy array, or fail on the format
                 part = (path.parent / "trace.json").exists()
-                raise ValueError(f"{path} is neither a trace directory nor a trace .npz"
+                raise FormatError(f"{path} is neither a trace directory nor a trace .npz"
                                  + (f"; it is one array of the trace directory {path.parent}: pass that" if part else ""))
             with np.load(path, allow_pickle=False) as z:
                 missing = [n for n in ("meta", *ARRAYS) if n not in z.files]
                 if missing:
-                    raise ValueError(f"{path} is not a trace .npz: it lacks {missing}")
+                    raise FormatError(f"{path} is not a trace .npz: it lacks {missing}")
                 meta = json.loads(str(z["meta"]))
                 arrays = {name: z[name] for name in ARRAYS}
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-            raise ValueError(f"{path} holds format {meta.get('format')!r} v{meta.get('version')}; this tierstore reads {FORMAT!r} v{VERSION}")
+            raise FormatError(f"{path} holds format {meta.get('format')!r} v{meta.get('version')}; this tierstore reads {FORMAT!r} v{VERSION}")
         complete = bool(meta.get("complete", True))
         if not complete:  # keep the calls whose every array entry was written
             n = min(len(arrays["offsets"]) - 1, len(arrays["call_table"]), len(arrays["call_step"]))
@@ -314,7 +315,7 @@ class TraceRecorder:
     def __init__(self, path: str | Path, tables: Iterable = (), sync_every: int = 256):
         self.path = Path(path)
         if self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir())):
-            raise ValueError(f"record_trace={str(self.path)!r} exists and is not an empty directory; pass a new directory for the trace")
+            raise SettingError(f"record_trace={str(self.path)!r} exists and is not an empty directory; pass a new directory for the trace")
         self.path.mkdir(parents=True, exist_ok=True)
         self._tables: list[TraceTable] = []
         self._index: dict[str, int] = {}
@@ -348,7 +349,7 @@ class TraceRecorder:
     def record(self, table: str, ids) -> None:
         """Append one read call (ids: a 1-D integer tensor or array, already validated)."""
         if self.closed:
-            raise RuntimeError(f"trace recorder for {self.path} is closed")
+            raise StoreClosedError(f"trace recorder for {self.path} is closed")
         arr = ids.cpu().numpy() if hasattr(ids, "numpy") else np.asarray(ids)
         if len(arr) == 0:
             return
@@ -405,27 +406,27 @@ def from_dlrm(files: Sequence[str | Path], batch_size: int | None = None, table_
         with opener(f, "rb") as fh:
             loaded = torch.load(fh, map_location="cpu", weights_only=True)
         if not isinstance(loaded, (tuple, list)) or len(loaded) not in (2, 3):
-            raise ValueError(f"{f}: expected (indices, offsets, lengths) from torch.load, got {type(loaded).__name__}")
+            raise FormatError(f"{f}: expected (indices, offsets, lengths) from torch.load, got {type(loaded).__name__}")
         indices = np.asarray(loaded[0].numpy(), dtype=np.int64)
         offsets = np.asarray(loaded[1].numpy(), dtype=np.int64).reshape(-1)
         if len(loaded) == 3:
             lengths = np.asarray(loaded[2].numpy())
             if lengths.ndim != 2:
-                raise ValueError(f"{f}: lengths must be [tables, batch], got shape {lengths.shape}")
+                raise FormatError(f"{f}: lengths must be [tables, batch], got shape {lengths.shape}")
             T, B = lengths.shape
         else:
             if n_tables is None:
-                raise ValueError(f"{f} holds (indices, offsets) without lengths; the number of tables is unknown")
+                raise FormatError(f"{f} holds (indices, offsets) without lengths; the number of tables is unknown")
             T = n_tables
             B = (len(offsets) - 1) // T
         if len(offsets) != T * B + 1 or offsets[-1] != len(indices):
-            raise ValueError(f"{f}: offsets must have tables*batch+1 = {T * B + 1} entries ending at len(indices)={len(indices)}")
+            raise FormatError(f"{f}: offsets must have tables*batch+1 = {T * B + 1} entries ending at len(indices)={len(indices)}")
         if n_tables is not None and T != n_tables:
-            raise ValueError(f"{f} has {T} tables, earlier files {n_tables}")
+            raise FormatError(f"{f} has {T} tables, earlier files {n_tables}")
         n_tables = T
         bs = B if batch_size is None else int(batch_size)
         if bs <= 0:
-            raise ValueError(f"batch_size must be > 0, got {batch_size}")
+            raise SettingError(f"batch_size must be > 0, got {batch_size}")
         bag = offsets.reshape(-1)
         for s0 in range(0, B, bs):  # one step per slice of samples; a loop per step, not per id
             s1 = min(B, s0 + bs)
@@ -437,10 +438,10 @@ def from_dlrm(files: Sequence[str | Path], batch_size: int | None = None, table_
             all_step.append(np.full(T, step, dtype=np.int64))
             step += 1
     if n_tables is None:
-        raise ValueError("no dlrm files given")
+        raise SettingError("no dlrm files given")
     names = list(table_names) if table_names is not None else [f"t{i}" for i in range(n_tables)]
     if len(names) != n_tables:
-        raise ValueError(f"table_names has {len(names)} names for {n_tables} tables")
+        raise SettingError(f"table_names has {len(names)} names for {n_tables} tables")
     lengths = np.concatenate(all_len)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -459,13 +460,13 @@ def from_csv(path: str | Path, dim: int | None = None) -> Trace:
         header = [h.strip() for h in fh.readline().strip().split(",")]
     missing = [c for c in ("step", "table", "id") if c not in header]
     if missing:
-        raise ValueError(f"{path}: the header must name columns step, table and id; missing {missing} in {header}")
+        raise FormatError(f"{path}: the header must name columns step, table and id; missing {missing} in {header}")
     col = {c: header.index(c) for c in ("step", "table", "id")}
     try:
         nums = np.loadtxt(path, delimiter=",", skiprows=1, usecols=(col["step"], col["id"]), dtype=np.int64, ndmin=2)
         names = np.loadtxt(path, delimiter=",", skiprows=1, usecols=col["table"], dtype=str, ndmin=1)
     except ValueError as e:
-        raise ValueError(f"{path}: step and id must be integers ({e})") from None
+        raise FormatError(f"{path}: step and id must be integers ({e})") from None
     steps, ids = nums[:, 0], nums[:, 1]
     names = np.char.strip(names)
     table_names, table_of = np.unique(names, return_inverse=True)

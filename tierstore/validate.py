@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from tierstore.errors import SettingError
+
 C = TypeVar("C")
 
 
@@ -33,7 +35,7 @@ def check_int(value: Any, name: str, at_least: int = 0, at_most: int | None = No
         return None
     if not is_int(value) or value < at_least or (at_most is not None and value > at_most):
         bounds = f">= {at_least}" if at_most is None else f"in [{at_least}, {at_most}]"
-        raise ValueError(f"{name} must be an int {bounds}{' or None' if none else ''}{_said(meaning)}, got {value!r}")
+        raise SettingError(f"{name} must be an int {bounds}{' or None' if none else ''}{_said(meaning)}, got {value!r}")
     return int(value)
 
 
@@ -45,14 +47,14 @@ def check_number(value: Any, name: str, at_least: float = 0.0, above: bool = Fal
         return None
     ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
     if not ok or math.isnan(value) or (finite and math.isinf(value)) or value < at_least or (above and value == at_least):
-        raise ValueError(f"{name} must be a {'finite ' if finite else ''}number {'>' if above else '>='} {at_least:g}"
+        raise SettingError(f"{name} must be a {'finite ' if finite else ''}number {'>' if above else '>='} {at_least:g}"
                          f"{' or None' if none else ''}{_said(meaning)}, got {value!r}")
     return float(value)
 
 
 def check_choice(value: Any, name: str, choices: Collection[Any], meaning: str = "") -> Any:
     if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}{_said(meaning)}, got {value!r}")
+        raise SettingError(f"{name} must be one of {', '.join(map(repr, choices))}{_said(meaning)}, got {value!r}")
     return value
 
 
@@ -73,7 +75,7 @@ def with_keywords(config: C, keywords: C, passed: Iterable[str], owner: str) -> 
     for name in passed:
         mine, theirs = getattr(keywords, name), getattr(config, name)
         if mine != theirs:
-            raise ValueError(f"{owner}: {name}={mine!r} contradicts config.{name}={theirs!r}; give each setting once: "
+            raise SettingError(f"{owner}: {name}={mine!r} contradicts config.{name}={theirs!r}; give each setting once: "
                              f"in the config (dataclasses.replace(config, {name}=...)) or as a keyword without config=")
     return config
 

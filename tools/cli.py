@@ -18,7 +18,7 @@ import sys
 
 import lmdb
 
-from tierstore.errors import TierstoreError
+from tierstore.errors import SettingError, TierstoreError
 from tierstore.io.errors import StoreLockedError
 
 # verb -> (the module in tierstore.tools that registers it, its help line). `tierstore --help`
@@ -38,12 +38,12 @@ VERBS: dict[str, tuple[str, str]] = {
                              "safe while its writer trains"),
 }
 
-# The types tierstore raises for bad input, bad files and the environment (a full
-# disk, a taken port), and its own errors, whatever their builtin base.
-USER_ERRORS: tuple[type[BaseException], ...] = (TierstoreError, ValueError, TypeError, KeyError, IndexError, OSError,
-                                                ImportError, lmdb.Error)
-# prefetchd refuses to start with a RuntimeError when a daemon already serves its socket
-COMMAND_USER_ERRORS: dict[str, tuple[type[BaseException], ...]] = {"prefetchd": (RuntimeError,)}
+# A user's error: every error tierstore raises on purpose is a TierstoreError; OSError and
+# lmdb.Error are the environment's (a full disk, a taken port, a path that is not there).
+USER_ERRORS: tuple[type[BaseException], ...] = (TierstoreError, OSError, lmdb.Error)
+# The verbs' own modules in tierstore.tools and the LMDB layer (tierstore.io) still report a bad
+# flag or file with these builtins; a verb's traceback is kept for any other builtin.
+BUILTIN_USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, KeyError, IndexError, ImportError)
 # The command line's advice in place of a Python caller's: these errors' messages state the
 # fact, then after the first "; " what to do in Python (e.g. readonly=True), which a CLI user cannot.
 CLI_HINTS: dict[type[BaseException], str] = {
@@ -112,7 +112,7 @@ def parse_size(text: str | None, flag: str) -> int | None:
 
     n = size_bytes(str(text))
     if n is None:
-        raise ValueError(f"{flag} {text!r} is not a size; write {SIZE_FORMS}")
+        raise SettingError(f"{flag} {text!r} is not a size; write {SIZE_FORMS}")
     return n
 
 
@@ -187,8 +187,8 @@ def conventions(p: argparse.ArgumentParser) -> None:
             action.choices = sorted(POLICIES)
 
 
-def is_user_error(e: BaseException, command: str | None = None) -> bool:
-    return isinstance(e, USER_ERRORS + COMMAND_USER_ERRORS.get(command, ()))
+def is_user_error(e: BaseException) -> bool:
+    return isinstance(e, USER_ERRORS + BUILTIN_USER_ERRORS)
 
 
 def error_message(e: BaseException) -> str:
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tierstore: error: {e.code}", file=sys.stderr)
         return 2
     except BaseException as e:
-        if not is_user_error(e, args.command) or os.environ.get(TRACEBACK_ENV):
+        if not is_user_error(e) or os.environ.get(TRACEBACK_ENV):
             raise
         print(error_message(e), file=sys.stderr)
         return 2

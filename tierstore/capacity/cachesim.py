@@ -26,6 +26,7 @@ from tierstore.eviction.lookahead import NOT_IN_WINDOW, LookaheadPolicy
 from tierstore.capacity.progress import ProgressFactory, open_progress
 from tierstore.engine.step import UNUSED, LevelPlan, StepPlan, StepPlanner
 from tierstore.capacity.trace_streams import TableStream
+from tierstore.errors import SettingError
 
 
 @dataclass
@@ -370,7 +371,7 @@ def simulate(stream: TableStream, hbm_rows: int, ddr_rows: int, policy: str = "l
     elif policy in ("lookahead", "belady"):
         look = LookaheadPolicy(make_policy(base), None if policy == "belady" else window)
         if policy == "lookahead" and window is None:
-            raise ValueError("policy='lookahead' needs window=K (batches); policy='belady' is the infinite window")
+            raise SettingError("policy='lookahead' needs window=K (batches); policy='belady' is the infinite window")
         pol = look.base
         nxt = stream.next_use()
         calls = stream.use_call()
@@ -385,11 +386,11 @@ def simulate(stream: TableStream, hbm_rows: int, ddr_rows: int, policy: str = "l
 
         rank_call = by_next_use if policy == "belady" else None
     else:
-        raise ValueError(f"unknown policy {policy!r}; choose {', '.join(sorted(POLICIES))}, lookahead or belady")
+        raise SettingError(f"unknown policy {policy!r}; choose {', '.join(sorted(POLICIES))}, lookahead or belady")
     if method == "auto":
         method = "heap" if _heap_is_cheaper(stream, hbm_rows + ddr_rows) else "scan"
     if method not in ("heap", "scan"):
-        raise ValueError(f"unknown method {method!r}; choose auto, heap or scan")
+        raise SettingError(f"unknown method {method!r}; choose auto, heap or scan")
     b = stream.bounds
     bar = open_progress(progress, stream.n_uses, f"{policy} {stream.name} {hbm_rows}:{ddr_rows}")
     if method == "heap":

@@ -57,6 +57,7 @@ from tierstore.precision import DTYPES
 from tierstore.training.sharding import SHARDING_TYPES, Shard, ShardingPlan, TablePlan
 from tierstore.spec import TableSpec
 from tierstore.validate import check_int
+from tierstore.errors import ArgumentTypeError, SettingError, UnknownTableError
 
 SPLIT_ABOVE = 1.25  # a rank's load over the mean per rank above which its largest whole table is split
 COLUMN_SKEW = 1.5  # max / mean lookups of an even row split above which a wide, hot table is split by columns
@@ -84,28 +85,28 @@ class PlanConfig:
         tables = tuple(self.tables)
         object.__setattr__(self, "tables", tables)
         if not tables or not all(isinstance(t, TableSpec) for t in tables):
-            raise TypeError("plan() needs a non-empty list of tierstore.TableSpec")
+            raise ArgumentTypeError("plan() needs a non-empty list of tierstore.TableSpec")
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
-            raise ValueError(f"plan() got duplicate table names: {names}")
+            raise SettingError(f"plan() got duplicate table names: {names}")
         check_int(self.world_size, "world_size", at_least=1, meaning="the number of ranks")
         if self.trace is not None and not isinstance(self.trace, Trace):
-            raise TypeError(f"trace must be a tierstore.trace.Trace (Trace.load(path)), got {type(self.trace).__name__}")
+            raise ArgumentTypeError(f"trace must be a tierstore.trace.Trace (Trace.load(path)), got {type(self.trace).__name__}")
         for name in ("hbm_bytes", "ddr_bytes"):
             check_int(getattr(self, name), name, none=True)
         check_int(self.batch_size, "batch_size", at_least=1, none=True, meaning="samples per step on each rank")
         unknown = sorted(set(self.sharding) - set(names))
         if unknown:
-            raise KeyError(f"sharding names tables {unknown} that are not planned; the tables are {names}")
+            raise UnknownTableError(f"sharding names tables {unknown} that are not planned; the tables are {names}")
         bad = {k: v for k, v in self.sharding.items() if v not in SHARDING_TYPES}
         if bad:
-            raise ValueError(f"sharding types must be one of {SHARDING_TYPES}, got {bad}")
+            raise SettingError(f"sharding types must be one of {SHARDING_TYPES}, got {bad}")
         if self.hbm_bytes is not None or self.ddr_bytes is not None:
             smallest = min(tables, key=self.row_bytes)
             need = self.row_bytes(smallest)
             have = (self.hbm_bytes or 0) + (self.ddr_bytes or 0)
             if have < need:
-                raise ValueError(f"hbm_bytes + ddr_bytes = {have} per rank cannot hold one row (the smallest, of table "
+                raise SettingError(f"hbm_bytes + ddr_bytes = {have} per rank cannot hold one row (the smallest, of table "
                                  f"{smallest.name!r}, needs {need} bytes); give at least {need}, or leave both out to plan by sizes alone")
 
     def row_bytes(self, spec: TableSpec) -> int:

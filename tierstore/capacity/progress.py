@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from tierstore.errors import ArgumentTypeError
+
 
 class Progress(Protocol):
     def update(self, n: int) -> None: ...
@@ -37,6 +39,6 @@ def open_progress(progress: ProgressFactory | bool | None, total: int, desc: str
     if progress is None or progress is False:
         return _Silent()
     if progress is True:
-        raise TypeError("progress takes a factory (total, desc) -> object with update(n) and close(), "
+        raise ArgumentTypeError("progress takes a factory (total, desc) -> object with update(n) and close(), "
                         "e.g. tierstore.tools.capacity_progress.bars; True has no display in the library")
     return progress(total, desc)

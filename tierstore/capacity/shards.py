@@ -20,6 +20,7 @@ from tierstore.capacity.curves import LruCurve, even_sizes, stack_distances
 from tierstore.capacity.progress import ProgressFactory, open_progress
 from tierstore.trace import Trace
 from tierstore.capacity.trace_streams import build_streams, trace_counts
+from tierstore.errors import SettingError
 
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
@@ -41,7 +42,7 @@ def shards_sample(trace: Trace, rate, seed: int = 0, chunk: int = 1 << 20,
     ``rate``: one rate, or one per table of the trace."""
     rates = np.broadcast_to(np.asarray(rate, dtype=np.float64), (len(trace.tables),))
     if not np.all((rates > 0) & (rates <= 1)):
-        raise ValueError(f"SHARDS rate must be in (0, 1], got {rate}")
+        raise SettingError(f"SHARDS rate must be in (0, 1], got {rate}")
     thresholds = np.array([min(int(r * 2.0**64), 2**64 - 1) for r in rates], dtype=np.uint64)
     salts = np.array([_table_salt(t.name, seed) for t in trace.tables], dtype=np.uint64)
     lengths = np.diff(trace.offsets)

@@ -82,6 +82,7 @@ from tierstore.engine.step import StepPlanner
 from tierstore.engine.tiers import CacheTier, first_uses, last_values, nonzero
 from tierstore.engine.trainer import TableTrainer
 from tierstore.validate import check_int, check_number
+from tierstore.errors import ArgumentTypeError, BadValuesError, SettingError, StoreClosedError, UnknownTableError, WriteRefusedError
 
 Claim = str | tuple[str, int, int]
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -130,12 +131,12 @@ class DaemonStore:
         **unsupported,
     ):
         if unsupported:
-            raise TypeError(f"{sorted(unsupported)} apply to the daemon's store, not to a client; set them on `tierstore prefetchd`")
+            raise ArgumentTypeError(f"{sorted(unsupported)} apply to the daemon's store, not to a client; set them on `tierstore prefetchd`")
         if ddr_rows:
-            raise ValueError("ddr_rows belongs to the daemon (`tierstore prefetchd --ddr-rows N`); drop ddr_rows= with daemon=")
+            raise SettingError("ddr_rows belongs to the daemon (`tierstore prefetchd --ddr-rows N`); drop ddr_rows= with daemon=")
         claims = wire.parse_claims([claim] if _is_range(claim) else claim)  # one bare (table, lo, hi) is one claim
         if readonly and claims:
-            raise ValueError(f"readonly=True and claim={list(claim)} contradict each other; a readonly client writes nothing")
+            raise SettingError(f"readonly=True and claim={list(claim)} contradict each other; a readonly client writes nothing")
         check_number(timeout, "timeout", above=True, meaning="seconds", finite=False)
         check_int(shm_bytes, "shm_bytes", meaning="0 = no shared memory")
         self.path = Path(path)
@@ -184,10 +185,10 @@ class DaemonStore:
             for spec in tables or ():
                 have = self._tables.get(spec.name)
                 if have is None:
-                    raise KeyError(f"the daemon's store has no table {spec.name!r} (it has {sorted(self._tables)}); "
+                    raise UnknownTableError(f"the daemon's store has no table {spec.name!r} (it has {sorted(self._tables)}); "
                                    "a client cannot create tables: create them with an embedded TieredStore before starting the daemon")
                 if have != spec:
-                    raise ValueError(f"table {spec.name!r}: {spec!r} contradicts the daemon's {have!r}; attach without tables=")
+                    raise SettingError(f"table {spec.name!r}: {spec!r} contradicts the daemon's {have!r}; attach without tables=")
             self._make_hbm(hbm_rows, policy)
         except BaseException:
             self.close()
@@ -200,11 +201,11 @@ class DaemonStore:
             check_int(rows, f"hbm_rows for {table}", meaning="0 = no HBM tier")
             spec = self.spec(table)
             if rows and spec.lived:
-                raise ValueError(f"hbm_rows for table {table!r}, which has admit_after, ttl_steps or evict_l2_below: the daemon counts "
+                raise SettingError(f"hbm_rows for table {table!r}, which has admit_after, ttl_steps or evict_l2_below: the daemon counts "
                                  "each read of it as a step, and a client HBM tier would keep reads from it; give hbm_rows as "
                                  "{table: rows} for the other tables only")
             if rows and table not in self._ranges:
-                raise ValueError(f"hbm_rows for table {table!r}, which this client has not claimed: a client caches only rows "
+                raise SettingError(f"hbm_rows for table {table!r}, which this client has not claimed: a client caches only rows "
                                  f"it writes (its claims keep other writers away); claim it, e.g. claim=[{table!r}]")
             if table in self._ranges:  # never more slots than rows it may cache
                 r = self._ranges[table]
@@ -215,13 +216,13 @@ class DaemonStore:
                 self._hbm_counts[table] = TierCounters()
                 self._planners[table] = StepPlanner()
         if not isinstance(hbm_rows, Mapping) and hbm_rows and not self._hbm:
-            raise ValueError("hbm_rows > 0 with no claim=: a client caches only rows it has claimed for writing "
+            raise SettingError("hbm_rows > 0 with no claim=: a client caches only rows it has claimed for writing "
                              "(readonly and unclaimed reads always go to the daemon); add claim=[...] or drop hbm_rows")
 
     # -- transport ----------------------------------------------------------------------
     def _connect(self) -> socket.socket:
         if not self.socket_path.parent.is_dir():
-            raise ConnectionError(f"the directory of daemon socket {self.socket_path} does not exist: no daemon listens there; "
+            raise wire.DaemonConnectionError(f"the directory of daemon socket {self.socket_path} does not exist: no daemon listens there; "
                                   "check the path, or start `tierstore prefetchd ... --socket PATH` in an existing directory")
         # A full listen queue (many clients connecting at once) answers EAGAIN: retry with
         # a growing pause, for at most `timeout`, before saying the daemon is busy.
@@ -242,7 +243,7 @@ class DaemonStore:
                 pause = min(2 * pause, 0.1)
             except (FileNotFoundError, ConnectionRefusedError, socket.timeout) as e:
                 sock.close()
-                raise ConnectionError(
+                raise wire.DaemonConnectionError(
                     f"no tierstore daemon answers at {self.socket_path} ({e.__class__.__name__}); start one with "
                     f"`tierstore prefetchd {self.path} --socket {self.socket_path} --ddr-rows N`"
                 ) from None
@@ -262,11 +263,11 @@ class DaemonStore:
                 # the stream is out of step or dead: nothing more can be said on it
                 self._drop_connection()
                 what = f"did not answer within {self.timeout} s" if isinstance(e, socket.timeout) else f"went away ({e})"
-                raise ConnectionError(f"the tierstore daemon at {self.socket_path} {what}; this client is closed, "
+                raise wire.DaemonConnectionError(f"the tierstore daemon at {self.socket_path} {what}; this client is closed, "
                                       "attach again once the daemon runs (unflushed writes may be lost)") from None
             if reply is None:
                 self._drop_connection()
-                raise ConnectionError(f"the tierstore daemon at {self.socket_path} closed the connection; "
+                raise wire.DaemonConnectionError(f"the tierstore daemon at {self.socket_path} closed the connection; "
                                       "this client is closed, attach again once the daemon runs")
             if issubclass(wire.ERRORS.get(reply.status, RuntimeError), ConnectionError):
                 self._drop_connection()  # the daemon closed the connection after this reply
@@ -275,7 +276,7 @@ class DaemonStore:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"daemon store {self.path} (via {self.socket_path}) is closed")
+            raise StoreClosedError(f"daemon store {self.path} (via {self.socket_path}) is closed")
 
     def _drop_connection(self) -> None:
         self._closed = True
@@ -298,7 +299,7 @@ class DaemonStore:
         if n <= chunk:
             return self._daemon_read_frame(table, ids, cols, with_state, out, ftype)
         if ftype == wire.READ and self.spec(table).lived:  # every read of it is a step the daemon counts
-            raise ValueError(f"a read of {n} ids of table {table!r} exceeds the {chunk} ids of {cols} columns that fit one frame "
+            raise BadValuesError(f"a read of {n} ids of table {table!r} exceeds the {chunk} ids of {cols} columns that fit one frame "
                              "(the daemon's frame limit and this client's shm_bytes); with admit_after, ttl_steps or "
                              "evict_l2_below each read is one step and cannot be split: read fewer ids per call")
         direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
@@ -352,7 +353,7 @@ class DaemonStore:
         try:
             return self._tables[table]
         except KeyError:
-            raise KeyError(f"unknown table {table!r}; the store has tables {sorted(self._tables)}") from None
+            raise UnknownTableError(f"unknown table {table!r}; the store has tables {sorted(self._tables)}") from None
 
     def _ids_np(self, table: str, ids) -> np.ndarray:
         spec = self.spec(table)
@@ -444,7 +445,7 @@ class DaemonStore:
 
     def write(self, table: str, ids, values, with_state: bool = False) -> None:
         if self.readonly:
-            raise PermissionError(f"this client of {self.socket_path} attached readonly; attach with claim=[{table!r}] to write")
+            raise WriteRefusedError(f"this client of {self.socket_path} attached readonly; attach with claim=[{table!r}] to write")
         spec = self.spec(table)
         ids_np = self._ids_np(table, ids)
         cols = spec.width if with_state else spec.dim
@@ -473,7 +474,7 @@ class DaemonStore:
         HBM tier, unwritten): a later read gives their initial values. Needs a claim on
         every row. Returns how many of them LMDB held; durable at the next flush()."""
         if self.readonly:
-            raise PermissionError(f"this client of {self.socket_path} attached readonly; attach with claim=[{table!r}] to evict")
+            raise WriteRefusedError(f"this client of {self.socket_path} attached readonly; attach with claim=[{table!r}] to evict")
         ids_np = unique_ids(self._ids_np(table, ids))
         if not len(ids_np):
             return 0

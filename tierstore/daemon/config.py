@@ -8,6 +8,7 @@ from pathlib import Path
 from tierstore.daemon import wire
 from tierstore.engine.memory import parse_bytes
 from tierstore.validate import check_int, check_number
+from tierstore.errors import SettingError
 
 
 @dataclass
@@ -36,7 +37,7 @@ class DaemonConfig:
         if self.memory_budget is not None:
             self.memory_budget = parse_bytes(self.memory_budget, "--memory-budget")
         elif self.ddr_rows is None:
-            raise ValueError("give --ddr-rows N (rows of the DDR tier per table) or --memory-budget SIZE (which sizes it)")
+            raise SettingError("give --ddr-rows N (rows of the DDR tier per table) or --memory-budget SIZE (which sizes it)")
         check_int(self.ddr_rows, "--ddr-rows", none=True)
         check_int(self.depth, "--depth", at_least=1)
         check_int(self.max_hints, "max_hints", at_least=1)
@@ -50,9 +51,9 @@ class DaemonConfig:
         if self.limits is None:
             self.limits = wire.Limits(max_bytes=min(64 << 20, self.max_inflight_bytes))
         if self.limits.max_bytes > self.max_inflight_bytes:
-            raise ValueError(f"limits.max_bytes {self.limits.max_bytes} exceeds max_inflight_bytes {self.max_inflight_bytes}: "
+            raise SettingError(f"limits.max_bytes {self.limits.max_bytes} exceeds max_inflight_bytes {self.max_inflight_bytes}: "
                              "one frame could never be admitted; lower the one or raise the other")
         if self.lookahead_source is not None:
             self.lookahead_source = Path(self.lookahead_source)
         if len(os.fsencode(self.socket)) >= 104:  # sun_path is 108 bytes on Linux, 104 on BSDs
-            raise ValueError(f"socket path {self.socket} is too long for a Unix socket (< 104 bytes); use a shorter path")
+            raise SettingError(f"socket path {self.socket} is too long for a Unix socket (< 104 bytes); use a shorter path")

@@ -65,6 +65,7 @@ from tierstore.daemon.sessions import ClaimIndex, Session, bind_socket, client_c
 from tierstore.engine.tensors import as_ids
 from tierstore.store import TieredStore
 from tierstore.validate import check_int
+from tierstore.errors import BadIdsError, BadValuesError, SettingError, UnknownTableError, WriteRefusedError
 
 log = logging.getLogger("tierstore.prefetchd")
 
@@ -166,7 +167,7 @@ class Daemon:
                                         wire.PREFETCH: PREFETCH_WORK_PER_ID}
             unknown = set(self._trace.table_names if self._trace is not None else ()) - set(self.store.tables)
             if unknown:
-                raise ValueError(f"lookahead trace {config.lookahead_source} names tables {sorted(unknown)} that the store lacks; it has {sorted(self.store.tables)}")
+                raise SettingError(f"lookahead trace {config.lookahead_source} names tables {sorted(unknown)} that the store lacks; it has {sorted(self.store.tables)}")
             self.max_clients = client_cap(config.max_clients)
             # held for the moment accept() finds no free descriptor: closed, it lets the daemon
             # accept and refuse that one connection instead of failing
@@ -312,7 +313,7 @@ class Daemon:
                 what = f"after {cfg.idle_timeout:g} s without a request (prefetchd --idle-timeout)" if s.hello else \
                     f"as it sent no HELLO within {cfg.frame_timeout:g} s (prefetchd --frame-timeout)"
                 log.info("closing the connection of %s %s", s.describe(), what)
-                self._reply_error(s, wire.ERROR, ConnectionError(f"the tierstore daemon closed this connection {what}; attach again"))
+                self._reply_error(s, wire.ERROR, wire.DaemonConnectionError(f"the tierstore daemon closed this connection {what}; attach again"))
                 return False
             except wire.ProtocolError as e:
                 log.warning("%s sent a malformed frame (%s); closing its connection", s.describe(), e)
@@ -386,7 +387,7 @@ class Daemon:
             ids = self._ids(f)
             self._check_claimed(s, f.text, ids)
             if f.rows is None and len(ids):
-                raise ValueError(f"WRITE of {len(ids)} ids carries no rows")
+                raise wire.ProtocolError(f"WRITE of {len(ids)} ids carries no rows")
             rows = f.rows
             if rows is not None and f.flags & wire.IN_SHM:
                 rows = rows.copy()  # the store may keep what it is given; the segment is reused by the next frame
@@ -414,7 +415,7 @@ class Daemon:
         if f.type == wire.PREFETCH:
             ids = self._ids(f)
             if len(ids) > self.max_hint_ids:
-                raise ValueError(f"a prefetch hint of {len(ids)} ids exceeds the daemon's {self.max_hint_ids} ids per PREFETCH "
+                raise SettingError(f"a prefetch hint of {len(ids)} ids exceeds the daemon's {self.max_hint_ids} ids per PREFETCH "
                                  f"frame (what --max-inflight-mib {self.config.max_inflight_bytes >> 20} leaves for one hint); "
                                  "split it (tierstore's client does), or raise --max-inflight-mib")
             self._check_ids(f.text, ids)  # a bad hint is refused now, so no later read fails for it
@@ -428,7 +429,7 @@ class Daemon:
         if f.type == wire.STEP:
             ids = self._ids(f)
             if len(ids) != 1 or ids[0] < 0:
-                raise ValueError("STEP carries exactly one id: the step number, >= 0")
+                raise wire.ProtocolError("STEP carries exactly one id: the step number, >= 0")
             with self._lock:
                 s.step = int(ids[0])
                 self._steps_changed.notify_all()
@@ -440,11 +441,11 @@ class Daemon:
             body = {"store": store.stats(per_table=per_table), "clients": [asdict(c) for c in self.snapshot().clients],
                     "prefetch": store.prefetch_stats()["tables"], "metrics_port": self.metrics_port}
             return wire.Frame(f.type, text=json.dumps(body))
-        raise ValueError(f"frame type {f.type} is not a request")
+        raise wire.ProtocolError(f"frame type {f.type} is not a request")
 
     def _hello(self, s: Session, f: wire.Frame) -> wire.Frame:
         if s.hello:
-            raise ValueError("HELLO was already sent on this connection")
+            raise wire.ProtocolError("HELLO was already sent on this connection")
         try:
             body = json.loads(f.text)
         except json.JSONDecodeError as e:
@@ -453,22 +454,22 @@ class Daemon:
             raise wire.ProtocolError("HELLO text must be a JSON object")
         name, claims, readonly, path = body.get("client"), body.get("claims", []), body.get("readonly", False), body.get("path")
         if not isinstance(name, str) or not name or len(name) > 200:
-            raise ValueError(f"client name must be a non-empty string of <= 200 characters, got {name!r}")
+            raise SettingError(f"client name must be a non-empty string of <= 200 characters, got {name!r}")
         cap = self.config.max_claims
         if isinstance(claims, (list, tuple)) and len(claims) > cap:  # before parsing them: the cap bounds that too
-            raise ValueError(f"this client claims {len(claims)} row ranges; the daemon takes at most {cap} per client "
+            raise SettingError(f"this client claims {len(claims)} row ranges; the daemon takes at most {cap} per client "
                              "(prefetchd --max-claims): claim fewer, wider ranges (a table name, or one (table, lo, hi) "
                              "covering several), or restart the daemon with a higher --max-claims")
         claims = wire.parse_claims(claims)  # TypeError/ValueError name the bad item
         shm_bytes = body.get("shm_bytes", 0)
         check_int(shm_bytes, "shm_bytes")
         if readonly and claims:
-            raise ValueError(f"a readonly client cannot claim tables for writing (claims {claims}); drop readonly=True or claim=")
+            raise SettingError(f"a readonly client cannot claim tables for writing (claims {claims}); drop readonly=True or claim=")
         if path is not None and Path(path).resolve() != self.config.path.resolve():
-            raise ValueError(f"this daemon serves {self.config.path.resolve()}, not {Path(path).resolve()}; attach to the daemon of that store")
+            raise SettingError(f"this daemon serves {self.config.path.resolve()}, not {Path(path).resolve()}; attach to the daemon of that store")
         unknown = sorted({c[0] for c in claims} - set(self.store.tables))
         if unknown:
-            raise KeyError(f"claims name unknown tables {unknown}; the store has tables {sorted(self.store.tables)}")
+            raise UnknownTableError(f"claims name unknown tables {unknown}; the store has tables {sorted(self.store.tables)}")
         ranges: dict[str, list[tuple[int, int]]] = {}
         for t, lo, hi in claims:  # sorted by table, then lo
             ranges.setdefault(t, []).append((lo, hi))
@@ -504,7 +505,7 @@ class Daemon:
                         clashes.append(f"{wire.describe_claim((t, int(max(lo, hlo)), int(min(hi, hhi))))} by {holder.describe()}")
                 if clashes:
                     more = f" and {n_clashes - len(clashes)} more overlaps" if n_clashes > len(clashes) else ""
-                    raise PermissionError(f"write claim refused: {'; '.join(clashes)}{more} already claimed; a row has one writer "
+                    raise WriteRefusedError(f"write claim refused: {'; '.join(clashes)}{more} already claimed; a row has one writer "
                                           "at a time (claim other rows, or attach with readonly=True to read them)")
                 s.name, s.pid, s.readonly, s.hello = name, pid, bool(readonly), True
                 s.ranges = ranges
@@ -529,7 +530,7 @@ class Daemon:
     def _check_claimed(self, s: Session, table: str, ids: np.ndarray) -> None:
         """Refuse a write unless this client claimed every row it touches."""
         if s.readonly:
-            raise PermissionError(f"{s.describe()} attached readonly; attach with claim=[{table!r}] to write table {table!r}")
+            raise WriteRefusedError(f"{s.describe()} attached readonly; attach with claim=[{table!r}] to write table {table!r}")
         inside = wire.claimed(s.ranges.get(table, []), ids)
         if inside.all():
             return
@@ -556,7 +557,7 @@ class Daemon:
         ids = self._ids(f)
         self._check_ids(f.text, ids)
         if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
-            raise ValueError(f"{wire.TYPE_NAMES[f.type]} ids must be sorted and unique (a backward's rows, e.g. torch.unique(ids)); "
+            raise BadIdsError(f"{wire.TYPE_NAMES[f.type]} ids must be sorted and unique (a backward's rows, e.g. torch.unique(ids)); "
                              f"got {len(ids)} ids that are not")
         return ids
 
@@ -564,7 +565,7 @@ class Daemon:
         """Bytes of a reply of ``n`` rows of ``cols`` floats; refused past the frame limit."""
         nbytes = 4 * n * cols
         if 8 * n + nbytes > self.config.limits.max_bytes:
-            raise ValueError(f"a read of {n} ids x {cols} columns ({8 * n + nbytes} bytes with its reply) "
+            raise BadValuesError(f"a read of {n} ids x {cols} columns ({8 * n + nbytes} bytes with its reply) "
                              f"exceeds the daemon's frame limit of {self.config.limits.max_bytes} bytes; split the call "
                              "(tierstore's client does)")
         return nbytes

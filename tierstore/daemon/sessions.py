@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from tierstore.daemon import wire
+from tierstore.errors import PathExistsError, PathNotFoundError, StateError
 
 log = logging.getLogger("tierstore.prefetchd")
 
@@ -22,11 +23,11 @@ def bind_socket(path: Path) -> socket.socket:
     """The daemon's listening socket at ``path``, mode 0600; a stale socket file is replaced,
     a live daemon's refused."""
     if not path.parent.is_dir():
-        raise FileNotFoundError(f"the directory of --socket {path} does not exist; create it first "
+        raise PathNotFoundError(f"the directory of --socket {path} does not exist; create it first "
                                 f"(mkdir -p {path.parent}) or choose a socket path in an existing directory")
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
-            raise FileExistsError(f"{path} exists and is not a socket; choose another --socket path")
+            raise PathExistsError(f"{path} exists and is not a socket; choose another --socket path")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(2.0)
         try:
@@ -35,7 +36,7 @@ def bind_socket(path: Path) -> socket.socket:
             log.info("removing stale socket %s (nothing listens on it)", path)
             path.unlink(missing_ok=True)
         else:
-            raise RuntimeError(f"a daemon is already serving {path}; stop it first or choose another --socket path")
+            raise StateError(f"a daemon is already serving {path}; stop it first or choose another --socket path")
         finally:
             probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -61,7 +62,7 @@ def client_cap(wanted: int | None) -> int:
         in_use = 64
     room = (soft - in_use - 16) // 2 if soft != resource.RLIM_INFINITY else 1 << 20
     if room < 1:
-        raise RuntimeError(f"the open-file limit ({soft}, {in_use} in use) leaves no room for clients; raise it (ulimit -n)")
+        raise StateError(f"the open-file limit ({soft}, {in_use} in use) leaves no room for clients; raise it (ulimit -n)")
     if wanted is None:
         return min(1024, room)
     if wanted > room:

@@ -55,7 +55,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tierstore.errors import TierstoreError
+from tierstore.errors import (ArgumentTypeError, BadIdsError, BadValuesError, FormatError, IdRangeError, PathExistsError,
+                              PathNotFoundError, SettingError, StateError, StoreClosedError, TierstoreError, UnknownTableError,
+                              UnsupportedError, WriteRefusedError)
 from tierstore.validate import check_int
 
 MAGIC = b"TSD\x00"
@@ -77,23 +79,32 @@ SHM_ALIGN = 64  # array offsets in the segment are cache-line aligned
 SHM_FD_BYTE = b"S"  # the byte the segment's descriptor rides on after the HELLO reply
 
 
-class DaemonBusyError(ConnectionError, TierstoreError):
+class DaemonConnectionError(ConnectionError, TierstoreError):
+    """No daemon answers at the socket, or the daemon or the peer closed the connection."""
+
+
+class DaemonBusyError(DaemonConnectionError):
     """The daemon cannot take this client now: it serves its maximum of clients
     (``--max-clients``), or its listen queue stayed full while the client retried."""
 
 
-# reply statuses: 0 is OK; the others name the exception the client raises.
+class ProtocolError(ValueError, TierstoreError):
+    """A frame that breaks the format: bad magic, version, type, lengths or offsets."""
+
+
+# reply statuses: 0 is OK; the others name the exception the client raises: the daemon's
+# own error class where it has a status (a client sees the UnknownTableError an embedded
+# store raises), else the nearest builtin base (an error of LMDB's or torch's).
 # A ConnectionError status means the daemon closed the connection after the reply.
 OK = 0
 ERRORS: dict[int, type[Exception]] = {
     1: KeyError, 2: IndexError, 3: ValueError, 4: PermissionError, 5: RuntimeError, 6: TypeError, 7: OSError,
     8: ConnectionError, 9: DaemonBusyError,
+    10: UnknownTableError, 11: IdRangeError, 12: BadIdsError, 13: BadValuesError, 14: SettingError, 15: ArgumentTypeError,
+    16: WriteRefusedError, 17: StateError, 18: StoreClosedError, 19: UnsupportedError, 20: FormatError, 21: ProtocolError,
+    22: DaemonConnectionError, 23: PathExistsError, 24: PathNotFoundError,
 }
 STATUS_OF = {cls: code for code, cls in ERRORS.items()}
-
-
-class ProtocolError(ValueError, TierstoreError):
-    """A frame that breaks the format: bad magic, version, type, lengths or offsets."""
 
 
 @dataclass(frozen=True)
@@ -184,7 +195,7 @@ def parse_claims(claims) -> list[tuple[str, int, int]]:
     if isinstance(claims, str):
         claims = [claims]
     if not isinstance(claims, (list, tuple)):
-        raise TypeError(f"claim must be a list of table names or (table, lo, hi) ranges, got {claims!r}")
+        raise ArgumentTypeError(f"claim must be a list of table names or (table, lo, hi) ranges, got {claims!r}")
     out = []
     for c in claims:
         if isinstance(c, str):
@@ -196,12 +207,12 @@ def parse_claims(claims) -> list[tuple[str, int, int]]:
             if 0 <= lo < hi <= WHOLE:
                 out.append((table, lo, hi))
                 continue
-            raise ValueError(f"claim {tuple(c)!r}: a row range (table, lo, hi) is half-open with 0 <= lo < hi")
-        raise TypeError(f"claim items are table names or (table, lo, hi) row ranges, got {c!r}")
+            raise SettingError(f"claim {tuple(c)!r}: a row range (table, lo, hi) is half-open with 0 <= lo < hi")
+        raise ArgumentTypeError(f"claim items are table names or (table, lo, hi) row ranges, got {c!r}")
     out.sort()
     for a, b in zip(out, out[1:]):
         if a[0] == b[0] and b[1] < a[2]:
-            raise ValueError(f"claims {describe_claim(a)} and {describe_claim(b)} overlap; claim each row once")
+            raise SettingError(f"claims {describe_claim(a)} and {describe_claim(b)} overlap; claim each row once")
     return out
 
 
@@ -239,7 +250,7 @@ def unclaimed(who: str, table: str, ranges, row: int, holder: str = "") -> Permi
     """The error for a write of ``row`` outside ``who``'s claims on ``table``
     (``holder``: who claims it, if anyone), with the fix."""
     held = f"; it is claimed by {holder}" if holder else ""
-    return PermissionError(f"{who} has no write claim on row {row} of table {table!r}{held} (its claims on "
+    return WriteRefusedError(f"{who} has no write claim on row {row} of table {table!r}{held} (its claims on "
                            f"{table!r}: {describe_ranges(table, ranges)}); attach with claim=[{table!r}] or a (table, lo, hi) range covering it")
 
 
@@ -312,7 +323,7 @@ def recv_exact(sock: socket.socket, buf, deadline: float | None = None) -> None:
                 raise
             continue  # the deadline check above says what happened
         if k == 0:
-            raise ConnectionError("the peer closed the connection in the middle of a frame")
+            raise DaemonConnectionError("the peer closed the connection in the middle of a frame")
         got += k
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from tierstore.io.codecs import row_norms_sq
 
 from tierstore.spec import _splitmix64
+from tierstore.errors import FormatError, SettingError
 
 _SATURATED = 255
 # one odd 64-bit constant per sketch row: row i hashes id ^ _SEEDS[i]
@@ -31,7 +32,7 @@ class CountMinSketch:
 
     def __init__(self, width: int, depth: int):
         if width < 1 or width & (width - 1) or not 1 <= depth <= len(_SEEDS):
-            raise ValueError(f"a sketch needs a power-of-two width and 1..{len(_SEEDS)} rows, got width={width}, depth={depth}")
+            raise SettingError(f"a sketch needs a power-of-two width and 1..{len(_SEEDS)} rows, got width={width}, depth={depth}")
         self.width = width
         self.depth = depth
         self.counters = np.zeros((depth, width), dtype=np.uint8)
@@ -72,7 +73,7 @@ class CountMinSketch:
     def load(self, blob: bytes) -> None:
         """Counters as ``counters.tobytes()`` gave them (a stored sketch of this shape)."""
         if len(blob) != self.counters.nbytes:
-            raise ValueError(f"a stored sketch of {len(blob)} bytes does not fit {self.depth} x {self.width} counters")
+            raise FormatError(f"a stored sketch of {len(blob)} bytes does not fit {self.depth} x {self.width} counters")
         self.counters = np.frombuffer(blob, dtype=np.uint8).reshape(self.depth, self.width).copy()
 
     def fill(self) -> float:

@@ -22,6 +22,7 @@ import torch
 from tierstore.io import LmdbBackend, StoreCorruptError
 from tierstore.io.deltas import DeltaCorruptError, decode_delta, encode_delta, write_whole
 from tierstore.spec import TableSpec
+from tierstore.errors import FormatError, PathExistsError, kind
 
 
 CHAIN_FILE, LINK_FILE, LIFE_FILE = "chain.json", "link.bin", "life.bin"
@@ -129,10 +130,10 @@ def decode_life(path: Path) -> tuple[dict, dict[str, np.ndarray], dict[str, byte
                 sketches[t["name"]] = body[at: at + t["sketch"]]
                 at += t["sketch"]
         if at != len(body):
-            raise ValueError(f"its tables take {at} of {len(body)} bytes")
+            raise FormatError(f"its tables take {at} of {len(body)} bytes")
         return header["meta"], last_use, sketches
     except (zlib.error, struct.error, ValueError, KeyError, TypeError) as e:
-        raise damaged(f"its contents do not parse: {type(e).__name__}: {e}") from None
+        raise damaged(f"its contents do not parse: {kind(e)}: {e}") from None
 
 
 def _chained(store, path: Path, parent: tuple[Path, str] | None, link: int) -> Path:
@@ -171,7 +172,7 @@ def restore(path: str | os.PathLike, dst: str | os.PathLike, open_store: Callabl
     base = at
     dst = Path(dst)
     if dst.exists():
-        raise FileExistsError(f"{dst} exists; restore into a new directory")
+        raise PathExistsError(f"{dst} exists; restore into a new directory")
     partial = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:8]}.partial")
     try:
         partial.mkdir(parents=True)
@@ -245,7 +246,7 @@ def _read_chain(path: Path) -> dict:
     try:
         chain = json.loads((path / CHAIN_FILE).read_text())
         if not {"id", "link", "parent", "parent_id"} <= chain.keys():
-            raise ValueError(f"it lacks {sorted({'id', 'link', 'parent', 'parent_id'} - chain.keys())}")
+            raise FormatError(f"it lacks {sorted({'id', 'link', 'parent', 'parent_id'} - chain.keys())}")
     except FileNotFoundError:
         raise CheckpointChainError(f"{path} is not an incremental checkpoint (no {CHAIN_FILE}); one is written by "
                                    "store.checkpoint(path, incremental=True)") from None

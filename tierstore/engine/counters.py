@@ -6,6 +6,8 @@ from bisect import bisect_left
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
+from tierstore.errors import SettingError
+
 
 @dataclass
 class TierCounters:
@@ -84,7 +86,7 @@ class StageHistogram:
     def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS):
         bounds = tuple(float(b) for b in bounds)
         if not bounds or any(b <= 0 for b in bounds) or any(a >= b for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"histogram bounds must be positive and strictly increasing, got {bounds}")
+            raise SettingError(f"histogram bounds must be positive and strictly increasing, got {bounds}")
         self.bounds = bounds
         self.counts: dict[str, list[int]] = {}
         self.sums: dict[str, float] = {}

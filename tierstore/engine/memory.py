@@ -24,6 +24,7 @@ from tierstore.io import WRITE_TXN_ROWS, index_bytes_bound  # rows per LMDB writ
 from tierstore.engine.hashindex import PROBE_WINDOW
 from tierstore.precision import DTYPES
 from tierstore.spec import TableSpec
+from tierstore.errors import SettingError
 
 PAGE = 4096  # LMDB's page: a transaction copies (mallocs) a dirty page for every random row it writes
 PAGE_CACHE_SHARE = 4  # 1/4 of the budget is left to the page cache of data.mdb
@@ -63,15 +64,15 @@ def parse_bytes(value: int | str, what: str = "memory budget") -> int:
     """``value`` as a number of bytes > 0: an int, or a string of a number and a unit
     (see ACCEPTED). Raises ValueError naming the accepted forms."""
     if isinstance(value, bool) or not isinstance(value, (int, str, np.integer)):
-        raise ValueError(f"{what} must be {ACCEPTED}; got {value!r}")
+        raise SettingError(f"{what} must be {ACCEPTED}; got {value!r}")
     if isinstance(value, str):
         n = size_bytes(value)
         if n is None:
-            raise ValueError(f"{what} {value!r} is not a size: give {ACCEPTED}")
+            raise SettingError(f"{what} {value!r} is not a size: give {ACCEPTED}")
     else:
         n = int(value)
     if n <= 0:
-        raise ValueError(f"{what} must be more than 0 bytes, got {value!r}: give {ACCEPTED}")
+        raise SettingError(f"{what} must be more than 0 bytes, got {value!r}: give {ACCEPTED}")
     return n
 
 
@@ -239,7 +240,7 @@ def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Si
     rest = 0 if budget is None else budget - page_cache - dirty - index
     if budget is not None and rest <= 0:
         need = ((dirty + index) * PAGE_CACHE_SHARE) // (PAGE_CACHE_SHARE - 1) + (1 << 20)
-        raise ValueError(f"memory_budget={format_bytes(budget)} is too small: the share left to the page cache "
+        raise SettingError(f"memory_budget={format_bytes(budget)} is too small: the share left to the page cache "
                          f"({format_bytes(page_cache)}), LMDB's dirty pages of one write transaction ({txn_rows:,} rows "
                          f"x 4 KiB = {format_bytes(dirty)}) and the row index ({indexed:,} rows: "
                          f"{format_bytes(index)}) alone take it; give at least {format_bytes(need)}")
@@ -281,7 +282,7 @@ def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Si
     split = MemorySplit(budget, parts, hbm, ddr, staged, writeback_rows, txn_rows)
     if budget is not None and split.host_bytes > budget:
         given = ", ".join(f"{name} {format_bytes(p.bytes)}" for name, p in parts.items() if p.host and p.bytes)
-        raise ValueError(f"memory_budget={format_bytes(budget)} cannot hold the sizes given: {given} take "
+        raise SettingError(f"memory_budget={format_bytes(budget)} cannot hold the sizes given: {given} take "
                          f"{format_bytes(split.host_bytes)}; give a larger memory_budget=, or leave ddr_rows=, "
                          "staged_rows= and writeback_rows= out so that the budget sizes them")
     return split
@@ -414,6 +415,6 @@ def check_fits(split: MemorySplit, limit: MemoryLimit, rss: int, what: str) -> N
     fix = (f"pass memory_budget= of at most {format_bytes(max(room, 0))}" if split.budget is not None else
            f"give smaller ddr_rows=/hbm_rows= (or memory_budget= of at most {format_bytes(max(room, 0))}, which sizes them)")
     parts = ", ".join(f"{name} {format_bytes(p.bytes)}" for name, p in split.parts.items() if p.host and p.bytes)
-    raise ValueError(f"{what} needs {format_bytes(need)} ({parts}), but {limit.describe()} less the "
+    raise SettingError(f"{what} needs {format_bytes(need)} ({parts}), but {limit.describe()} less the "
                      f"{format_bytes(rss)} this process already holds (RSS) leaves {format_bytes(max(room, 0))}; "
                      f"{fix}, or raise the memory limit")

@@ -49,6 +49,7 @@ from tierstore.precision import DTYPES
 from tierstore.spec import TableSpec
 from tierstore.engine.tiers import CacheTier, is_sorted_unique, masked
 from tierstore.validate import check_int, check_number
+from tierstore.errors import ArgumentTypeError, WaitTimeoutError
 
 if TYPE_CHECKING:
     from tierstore.io import LmdbBackend, WriteBack
@@ -117,7 +118,7 @@ class PrefetchTicket:
 
     def wait(self, timeout: float | None = None) -> None:
         if not self._done.wait(timeout):
-            raise TimeoutError(f"prefetch of table {self.table!r} (batch {self.step}) not done after {timeout} s")
+            raise WaitTimeoutError(f"prefetch of table {self.table!r} (batch {self.step}) not done after {timeout} s")
         if self._error is not None:
             error, self._error = self._error, None  # delivered once
             if self._prefetcher is not None:
@@ -611,7 +612,7 @@ class LookaheadLoader:
         self.module = module
         self.store: PrefetchTarget = module.store if hasattr(module, "store") else module
         if ids is None and not hasattr(module, "batch_reads"):
-            raise TypeError(f"pass ids= (a function batch -> {{table: ids}}): a {type(module).__name__} cannot say what a batch reads")
+            raise ArgumentTypeError(f"pass ids= (a function batch -> {{table: ids}}): a {type(module).__name__} cannot say what a batch reads")
         self.depth = depth
         self.ids = ids
         self.clock = clock

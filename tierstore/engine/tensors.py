@@ -10,6 +10,7 @@ import torch
 from tierstore.engine.tiers import CacheTier
 from tierstore.precision import round_nearest
 from tierstore.spec import MAX_ID, TableSpec
+from tierstore.errors import ArgumentTypeError, BadIdsError, BadValuesError, IdRangeError, SettingError
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -22,7 +23,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     device = torch.device(device) if device is not None else torch.get_default_device()
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("device='cuda' but CUDA is not available; pass device='cpu'")
+            raise SettingError("device='cuda' but CUDA is not available; pass device='cpu'")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
     return device
@@ -32,7 +33,7 @@ def check_has_values(t: torch.Tensor, what: str, table: str) -> None:
     """Refuse a tensor that holds no values (one on the meta device) before anything
     reads it: the store, tierstore.nn's modules and the daemon client all check here."""
     if t.device.type == "meta":
-        raise ValueError(f"{what} for table {table!r} are a tensor on the meta device, which holds no values; "
+        raise BadValuesError(f"{what} for table {table!r} are a tensor on the meta device, which holds no values; "
                          "pass a tensor on the CPU or a GPU")
 
 
@@ -42,34 +43,34 @@ def as_ids(spec: TableSpec, ids) -> torch.Tensor:
     the sharded module."""
     if isinstance(ids, torch.Tensor):
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise TypeError(f"ids for table {spec.name!r} must be integers, got a tensor of {ids.dtype}")
+            raise ArgumentTypeError(f"ids for table {spec.name!r} must be integers, got a tensor of {ids.dtype}")
         check_has_values(ids, "ids", spec.name)
         t = ids.detach()
         if t.dtype == torch.uint64 and t.numel():  # torch casts ids >= 2**63 to negative int64s
             wrapped = t.view(torch.int64)
             if bool((wrapped < 0).any()):
                 big = int(wrapped[wrapped < 0].max()) + (1 << 64)
-                raise IndexError(f"id {big} out of range for table {spec.name!r} (ids are < 2**63)")
+                raise IdRangeError(f"id {big} out of range for table {spec.name!r} (ids are < 2**63)")
     else:
         arr = np.asarray(ids)
         if arr.size == 0:
             arr = arr.astype(np.int64)
         if arr.dtype.kind not in "iu":
-            raise TypeError(f"ids for table {spec.name!r} must be integers, got {arr.dtype}")
+            raise ArgumentTypeError(f"ids for table {spec.name!r} must be integers, got {arr.dtype}")
         if arr.dtype == np.uint64 and arr.size and arr.max() > MAX_ID:
-            raise IndexError(f"id {int(arr.max())} out of range for table {spec.name!r} (ids are < 2**63)")
+            raise IdRangeError(f"id {int(arr.max())} out of range for table {spec.name!r} (ids are < 2**63)")
         # a read-only array (a memory-mapped trace, np.frombuffer) is copied: torch tensors
         # are always writable, and torch warns when it must share an array that is not
         t = torch.from_numpy(arr.astype(np.int64, copy=not arr.flags.writeable))
     if t.dim() != 1:
-        raise ValueError(f"ids for table {spec.name!r} must be 1-D, got shape {tuple(t.shape)}")
+        raise BadIdsError(f"ids for table {spec.name!r} must be 1-D, got shape {tuple(t.shape)}")
     t = t.to(dtype=torch.int64)  # stays on its device: on CUDA the HBM probe runs there
     if len(t):
         lo, hi = int(t.min()), int(t.max())
         if lo < 0:
-            raise IndexError(f"id {lo} is negative for table {spec.name!r}; ids must be >= 0")
+            raise IdRangeError(f"id {lo} is negative for table {spec.name!r}; ids must be >= 0")
         if spec.num_rows is not None and hi >= spec.num_rows:
-            raise IndexError(f"id {hi} out of range for table {spec.name!r} with num_rows={spec.num_rows}")
+            raise IdRangeError(f"id {hi} out of range for table {spec.name!r} with num_rows={spec.num_rows}")
     return t
 
 
@@ -83,12 +84,12 @@ def as_values(spec: TableSpec, values, n: int, cols: int) -> torch.Tensor:
     else:
         arr = np.asarray(values)
         if arr.dtype.kind not in "fiu":
-            raise TypeError(f"values for table {spec.name!r} must be floating point, got {arr.dtype}")
+            raise ArgumentTypeError(f"values for table {spec.name!r} must be floating point, got {arr.dtype}")
         v = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # as ids above
     if v.dtype.is_complex or not (v.dtype.is_floating_point or v.dtype in (torch.int32, torch.int64)):
-        raise TypeError(f"values for table {spec.name!r} must be floating point, got {v.dtype}")
+        raise ArgumentTypeError(f"values for table {spec.name!r} must be floating point, got {v.dtype}")
     if tuple(v.shape) != (n, cols):
-        raise ValueError(f"values for table {spec.name!r} must have shape ({n}, {cols}), got {tuple(v.shape)}")
+        raise BadValuesError(f"values for table {spec.name!r} must have shape ({n}, {cols}), got {tuple(v.shape)}")
     v = v.to(device="cpu", dtype=torch.float32)
     if spec.dtype != "float32":  # a new tensor: the caller's is not changed
         v = torch.cat([round_nearest(v[:, : spec.dim], spec.dtype), v[:, spec.dim:]], dim=1)
@@ -98,7 +99,7 @@ def as_values(spec: TableSpec, values, n: int, cols: int) -> torch.Tensor:
 def check_out(out: torch.Tensor | None, n: int, cols: int, device: torch.device) -> None:
     """Refuse a read's ``out=`` that cannot take its rows (the store's and the daemon client's check)."""
     if out is not None and (tuple(out.shape) != (n, cols) or out.dtype != torch.float32 or out.device != device):
-        raise ValueError(f"out must be a float32 tensor of shape ({n}, {cols}) on {device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+        raise BadValuesError(f"out must be a float32 tensor of shape ({n}, {cols}) on {device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
 
 
 def gather_tier(tier: CacheTier, slots: torch.Tensor, cols: int, out: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -123,7 +124,7 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor, cols: int, out: torch.T
 def unpicklable(store: object, holds: str) -> TypeError:
     """What pickling or deep-copying a store (or a model holding one) raises: pickle and
     deepcopy would otherwise fail on its lock with "cannot pickle '_thread.RLock'"."""
-    return TypeError(
+    return ArgumentTypeError(
         f"{store!r} cannot be pickled or deep-copied: it holds {holds}. "
         "Save a model holding it with torch.save(model.state_dict()) (small tables) or "
         "torch.distributed.checkpoint.save(model.state_dict(), checkpoint_id=DIR) (any size), or snapshot "

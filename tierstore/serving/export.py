@@ -27,6 +27,7 @@ from tierstore.io.serving_layout import FLOAT16_MAX, SERVING_DTYPES, RowFormat, 
 from tierstore.training.sharding import ShardingPlan
 from tierstore.spec import TableSpec, initial_rows
 from tierstore.store import TieredStore
+from tierstore.errors import ArgumentTypeError, BadValuesError, PathNotFoundError, SettingError, UnknownTableError, kind
 
 _CHUNK = 65536  # rows read and written at a time
 
@@ -41,7 +42,7 @@ def export(src, dst: str | os.PathLike, tables: Sequence[str] | None = None, dty
     formats); ``version``: the published version the export stands for
     (tierstore.serving.stream). Returns ``dst``."""
     if dtype not in SERVING_DTYPES:
-        raise ValueError(f"dtype must be one of {list(SERVING_DTYPES)} (the serving rows' type), got {dtype!r}")
+        raise SettingError(f"dtype must be one of {list(SERVING_DTYPES)} (the serving rows' type), got {dtype!r}")
     if isinstance(src, (str, os.PathLike)):
         _check_not_dcp(Path(src))
     writer = ServingWriter(dst)
@@ -66,7 +67,7 @@ def _check_not_dcp(path: Path) -> None:
     if (path / "data.mdb").exists() or (path / "plan.json").exists():
         return
     if (path / ".metadata").is_file() or any(path.glob("*.distcp")):
-        raise FileNotFoundError(
+        raise PathNotFoundError(
             f"{path} is a torch.distributed.checkpoint (DCP) checkpoint, not a tierstore (no data.mdb): export reads a "
             "store. Load it into a model whose tables live in a store (sd = model.state_dict(); "
             "torch.distributed.checkpoint.load(sd, checkpoint_id=DIR); model.load_state_dict(sd)), then export that "
@@ -110,7 +111,7 @@ class _Sharded:
             self.plan = ShardingPlan.from_json((path / "plan.json").read_text())
             self.tables = {d["name"]: TableSpec.from_json(d) for d in json.loads((path / "tables.json").read_text())}
         except (ValueError, KeyError, TypeError) as e:  # PlanMismatchError and JSON errors among them
-            raise StoreCorruptError(f"{path}'s plan.json or tables.json is damaged ({type(e).__name__}: {e}); "
+            raise StoreCorruptError(f"{path}'s plan.json or tables.json is damaged ({kind(e)}: {e}); "
                                     "export another copy of this checkpoint") from None
         self.stores: dict[int, TieredStore] = {}
         try:
@@ -148,10 +149,10 @@ def _chosen(specs: dict[str, TableSpec], tables: Sequence[str] | None, src) -> l
     if tables is None:
         return list(specs.values())
     if isinstance(tables, str):
-        raise TypeError(f"tables must be a list of table names, got the string {tables!r}; pass [{tables!r}]")
+        raise ArgumentTypeError(f"tables must be a list of table names, got the string {tables!r}; pass [{tables!r}]")
     unknown = sorted(set(tables) - set(specs))
     if unknown:
-        raise KeyError(f"tables {unknown} are not in the store at {src}; it has {sorted(specs)}")
+        raise UnknownTableError(f"tables {unknown} are not in the store at {src}; it has {sorted(specs)}")
     return [specs[name] for name in dict.fromkeys(tables)]
 
 
@@ -181,10 +182,10 @@ def written(spec: TableSpec, ids: np.ndarray, weights: np.ndarray) -> np.ndarray
 def _check_values(table: str, ids: np.ndarray, weights: np.ndarray, dtype: str) -> None:
     finite = np.isfinite(weights).all(axis=1)
     if not finite.all():
-        raise ValueError(f"table {table!r}: row {int(ids[~finite][0])} has a non-finite weight (nan or inf); "
+        raise BadValuesError(f"table {table!r}: row {int(ids[~finite][0])} has a non-finite weight (nan or inf); "
                          "fix or evict the row in the training store, then export again")
     if dtype != "float32":
         big = np.abs(weights).max(axis=1) > FLOAT16_MAX
         if big.any():
-            raise ValueError(f"table {table!r}: row {int(ids[big][0])} has a weight beyond float16's range (+-{FLOAT16_MAX:g}), "
+            raise BadValuesError(f"table {table!r}: row {int(ids[big][0])} has a weight beyond float16's range (+-{FLOAT16_MAX:g}), "
                              f"which {dtype} rows cannot hold (their scale and bias are float16); export it as float32")

@@ -28,6 +28,7 @@ from tierstore.engine.hashindex import make_index
 from tierstore.spec import TableSpec, initial_rows
 from tierstore.engine.tensors import resolve_device
 from tierstore.validate import check_int
+from tierstore.errors import ArgumentTypeError, BadIdsError, BadValuesError, IdRangeError, SettingError, UnknownTableError
 
 MODES = {"sum": 0, "mean": 1}
 _KERNEL_TYPES = {"float32": 0, "float16": 1, "int8": 2, "int4": 3}  # FBGEMM's SparseType
@@ -259,10 +260,10 @@ class ServingStore:
             ids = _sorted_ids(t, ids, "ids")
             gone = _sorted_ids(t, deleted[0], "deleted ids") if deleted else np.zeros(0, dtype=np.int64)
             if packed.shape != (len(ids), t.format.row_bytes):
-                raise ValueError(f"rows for table {name!r} must be {len(ids)} x {t.format.row_bytes} bytes, got {packed.shape}")
+                raise BadValuesError(f"rows for table {name!r} must be {len(ids)} x {t.format.row_bytes} bytes, got {packed.shape}")
             _, both = find_sorted(ids, gone)
             if both.any():
-                raise ValueError(f"table {name!r}: id {int(gone[both][0])} is both written and deleted")
+                raise BadIdsError(f"table {name!r}: id {int(gone[both][0])} is both written and deleted")
             changes[name] = (ids, packed, gone)
         return changes
 
@@ -292,16 +293,16 @@ class ServingStore:
         """Pooled bags, float32 [B, dim] on ``device``: bag b pools rows ``ids[offsets[b]:offsets[b + 1]]``
         (``offsets``: B + 1 of them, the last ``len(ids)``), each times its per-sample weight if given."""
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+            raise SettingError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
         if per_sample_weights is not None and mode != "sum":
-            raise ValueError(f"per_sample_weights are only supported with mode='sum', got mode={mode!r}")
+            raise SettingError(f"per_sample_weights are only supported with mode='sum', got mode={mode!r}")
         t = self._table(table)
         ids = self._ids(t, ids)
         offsets = _offsets(offsets, len(ids))
         if per_sample_weights is not None:
             per_sample_weights = torch.as_tensor(per_sample_weights, dtype=torch.float32).reshape(-1)
             if len(per_sample_weights) != len(ids):
-                raise ValueError(f"per_sample_weights must have one weight per id ({len(ids)}), got {len(per_sample_weights)}")
+                raise BadValuesError(f"per_sample_weights must have one weight per id ({len(ids)}), got {len(per_sample_weights)}")
         with self._lock:
             rows, index = t.fetch(ids)
             return _pool(t, rows, index, offsets.to(rows.device), per_sample_weights, mode).to(self.device)
@@ -327,7 +328,7 @@ class ServingStore:
         try:
             return self._tables[name]
         except KeyError:
-            raise KeyError(f"unknown table {name!r}; the serving store has tables {sorted(self._tables)}") from None
+            raise UnknownTableError(f"unknown table {name!r}; the serving store has tables {sorted(self._tables)}") from None
 
     @staticmethod
     def _ids(t: _ServingTable, ids) -> torch.Tensor:
@@ -335,13 +336,13 @@ class ServingStore:
         if not ids.numel():  # [] is a float tensor to torch
             ids = ids.long()
         if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dtype.is_complex:
-            raise TypeError(f"ids for table {t.name!r} must be integers, got {ids.dtype}")
+            raise ArgumentTypeError(f"ids for table {t.name!r} must be integers, got {ids.dtype}")
         ids = ids.reshape(-1).to("cpu", torch.int64)
         if len(ids):
             lo, hi = (int(v) for v in torch.aminmax(ids))
             if lo < 0 or (t.spec.num_rows is not None and hi >= t.spec.num_rows):
                 bad = lo if lo < 0 else hi
-                raise IndexError(f"id {bad} out of range for table {t.name!r} (ids are in [0, {t.spec.num_rows or '2**63'}))")
+                raise IdRangeError(f"id {bad} out of range for table {t.name!r} (ids are in [0, {t.spec.num_rows or '2**63'}))")
         return ids
 
 
@@ -349,15 +350,15 @@ def _sorted_ids(t: _ServingTable, ids, what: str) -> np.ndarray:
     """``ids`` of a change to table ``t`` as int64, checked to be ascending, unique and in its range."""
     ids = np.asarray(ids)
     if ids.ndim != 1 or ids.dtype.kind not in "iu":
-        raise ValueError(f"{what} for table {t.name!r} must be a 1-D integer array, got {ids.dtype} of shape {ids.shape}")
+        raise BadIdsError(f"{what} for table {t.name!r} must be a 1-D integer array, got {ids.dtype} of shape {ids.shape}")
     ids = ids.astype(np.int64, copy=False)
     down = np.flatnonzero(ids[1:] <= ids[:-1])
     if len(down):
         k = int(down[0])
-        raise ValueError(f"{what} for table {t.name!r} must be ascending and unique: {int(ids[k + 1])} follows {int(ids[k])}")
+        raise BadIdsError(f"{what} for table {t.name!r} must be ascending and unique: {int(ids[k + 1])} follows {int(ids[k])}")
     if len(ids) and (ids[0] < 0 or (t.spec.num_rows is not None and ids[-1] >= t.spec.num_rows)):
         bad = int(ids[0]) if ids[0] < 0 else int(ids[-1])
-        raise ValueError(f"{what} for table {t.name!r}: id {bad} is out of range (ids are in [0, {t.spec.num_rows or '2**63'}))")
+        raise BadIdsError(f"{what} for table {t.name!r}: id {bad} is out of range (ids are in [0, {t.spec.num_rows or '2**63'}))")
     return ids
 
 
@@ -369,14 +370,14 @@ def _check_sizes(what: str, sizes, names: Sequence[str]) -> None:
     items = sizes.items() if isinstance(sizes, Mapping) else [("every table", sizes)]
     for table, rows in items:
         if isinstance(sizes, Mapping) and table not in names:
-            raise KeyError(f"{what} names unknown table {table!r}; the serving store has tables {sorted(names)}")
+            raise UnknownTableError(f"{what} names unknown table {table!r}; the serving store has tables {sorted(names)}")
         check_int(rows, f"{what} for {table}", meaning="0 = no such tier")
 
 
 def _offsets(offsets, n: int) -> torch.Tensor:
     off = torch.as_tensor(offsets).reshape(-1).to("cpu", torch.int64)
     if len(off) == 0 or int(off[0]) != 0 or int(off[-1]) != n or bool((off[1:] < off[:-1]).any()):
-        raise ValueError(f"offsets must be B + 1 non-decreasing bag starts from 0 to the number of ids ({n}), "
+        raise BadValuesError(f"offsets must be B + 1 non-decreasing bag starts from 0 to the number of ids ({n}), "
                          f"got {off.tolist()[:8]}{'...' if len(off) > 8 else ''}")
     return off
 
@@ -427,7 +428,7 @@ class ServingEmbeddingBag(nn.Module):
     def __init__(self, store: ServingStore, table: str, mode: str = "sum", include_last_offset: bool = False):
         super().__init__()
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {sorted(MODES)} for serving, got {mode!r}")
+            raise SettingError(f"mode must be one of {sorted(MODES)} for serving, got {mode!r}")
         store.spec(table)  # the KeyError naming the store's tables
         self.store, self.table, self.mode, self.include_last_offset = store, table, mode, include_last_offset
 
@@ -439,7 +440,7 @@ class ServingEmbeddingBag(nn.Module):
         if table is None:
             if len(store.tables) != 1:
                 store.close()
-                raise ValueError(f"{path} has tables {sorted(store.tables)}; pass table= to pick one")
+                raise SettingError(f"{path} has tables {sorted(store.tables)}; pass table= to pick one")
             table = next(iter(store.tables))
         return cls(store, table, mode, include_last_offset)
 
@@ -448,10 +449,10 @@ class ServingEmbeddingBag(nn.Module):
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         if input.dim() == 2:
             if offsets is not None:
-                raise ValueError("with a 2-D input (fixed-length bags) offsets must be None")
+                raise BadValuesError("with a 2-D input (fixed-length bags) offsets must be None")
             offsets = torch.arange(input.shape[0] + 1, dtype=torch.int64) * input.shape[1]
         elif offsets is None:
-            raise ValueError("a 1-D input needs offsets (the start of each bag)")
+            raise BadValuesError("a 1-D input needs offsets (the start of each bag)")
         else:
             offsets = offsets.to("cpu", torch.int64)
             if not self.include_last_offset:
@@ -479,7 +480,7 @@ class ServingEmbeddingBagCollection(nn.Module):
 
     def forward(self, features: Mapping[str, object]) -> dict[str, torch.Tensor]:
         if not isinstance(features, Mapping):
-            raise TypeError("features must be a mapping {table: (values, offsets)}")
+            raise ArgumentTypeError("features must be a mapping {table: (values, offsets)}")
         out = {}
         for name, feature in features.items():
             if isinstance(feature, torch.Tensor):
@@ -487,7 +488,7 @@ class ServingEmbeddingBagCollection(nn.Module):
             elif isinstance(feature, (tuple, list)) and len(feature) in (2, 3):
                 out[name] = self[name](*feature)
             else:
-                raise TypeError(f"feature {name!r} must be (values, offsets), (values, offsets, per_sample_weights) or a 2-D tensor")
+                raise ArgumentTypeError(f"feature {name!r} must be (values, offsets), (values, offsets, per_sample_weights) or a 2-D tensor")
         return out
 
     def close(self) -> None:

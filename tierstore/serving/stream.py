@@ -36,6 +36,7 @@ from tierstore.io.serving_layout import RowFormat
 
 from tierstore.serving.store import ServingStore
 from tierstore.serving.export import export, written
+from tierstore.errors import BadValuesError, PathNotFoundError
 
 _EXPORT = re.compile(r"export-(\d{8})")
 _DELTA = re.compile(r"delta-(\d{8})\.bin")
@@ -122,7 +123,7 @@ class Replica:
         self.rows_applied = 0
         self.store = self._open_newest()
         if self.store is None:
-            raise FileNotFoundError(f"no export in {self.directory}; a tierstore.serving.stream.Publisher writes one")
+            raise PathNotFoundError(f"no export in {self.directory}; a tierstore.serving.stream.Publisher writes one")
         try:
             self.poll()
         except DeltaCorruptError:  # the replica serves what it could apply; poll() raises this again
@@ -176,7 +177,7 @@ class Replica:
                 changes = self.store._checked(rows)
                 for t in header["tables"]:
                     if t.get("dtype") != self.store.dtype(t["name"]):
-                        raise ValueError(f"table {t['name']!r} has {t.get('dtype')} rows, the replica's {self.store.dtype(t['name'])}")
+                        raise BadValuesError(f"table {t['name']!r} has {t.get('dtype')} rows, the replica's {self.store.dtype(t['name'])}")
             except (ValueError, KeyError) as e:
                 raise damaged(path, str(e.args[0] if isinstance(e, KeyError) else e)) from None
             self.store._apply_checked(v, changes)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierstore.training import fbgemm
-from tierstore.errors import TierstoreError
+from tierstore.errors import ArgumentTypeError, BadValuesError, SettingError, TierstoreError
 from tierstore.spec import MAX_ID, RowInit
 from tierstore.engine.tensors import check_has_values
 
@@ -57,26 +57,26 @@ class EmbeddingBagConfig:
     def __post_init__(self):
         n = self.num_embeddings
         if n is not None and (not _is_int(n) or not 0 < n <= MAX_ID + 1):
-            raise ValueError(f"num_embeddings must be a positive int (or None for an unbounded id space), got {n!r}")
+            raise SettingError(f"num_embeddings must be a positive int (or None for an unbounded id space), got {n!r}")
         if not _is_int(self.embedding_dim) or self.embedding_dim <= 0:
-            raise ValueError(f"embedding_dim must be a positive int, got {self.embedding_dim!r}")
+            raise SettingError(f"embedding_dim must be a positive int, got {self.embedding_dim!r}")
         if self.mode not in MODES:
-            raise ValueError(f"mode has to be one of sum, mean or max, got {self.mode!r}")
+            raise SettingError(f"mode has to be one of sum, mean or max, got {self.mode!r}")
         if not isinstance(self.include_last_offset, bool):
-            raise TypeError(f"include_last_offset must be a bool, got {self.include_last_offset!r}")
+            raise ArgumentTypeError(f"include_last_offset must be a bool, got {self.include_last_offset!r}")
         if self.padding_idx is not None:
             p = self.padding_idx
             if not _is_int(p):
-                raise TypeError(f"padding_idx must be an int or None, got {p!r}")
+                raise ArgumentTypeError(f"padding_idx must be an int or None, got {p!r}")
             if n is None:
                 if p < 0:
-                    raise ValueError(f"padding_idx must be >= 0 for an unbounded table (num_embeddings=None), got {p}")
+                    raise SettingError(f"padding_idx must be >= 0 for an unbounded table (num_embeddings=None), got {p}")
             elif not -n <= p < n:
-                raise ValueError(f"padding_idx must be within num_embeddings: got {p} for num_embeddings={n}")
+                raise SettingError(f"padding_idx must be within num_embeddings: got {p} for num_embeddings={n}")
             elif p < 0:
                 self.padding_idx = p + n  # as torch does
         if not isinstance(self.init, RowInit):
-            raise TypeError("init must be a tierstore.RowInit, e.g. RowInit.normal(0, 1)")
+            raise ArgumentTypeError("init must be a tierstore.RowInit, e.g. RowInit.normal(0, 1)")
 
 
 def _index_dtype_error(what: str, t: torch.Tensor) -> BagTypeError:
@@ -255,19 +255,19 @@ def _bag_sums(src: torch.Tensor, index: torch.Tensor, counts: torch.Tensor, weig
 def plan_bags(c: EmbeddingBagConfig, input, offsets, per_sample_weights) -> Bags:
     """Validate like torch.nn.functional.embedding_bag and map the bags onto unique rows."""
     if not isinstance(input, torch.Tensor):
-        raise TypeError(f"input must be a torch.Tensor of ids, got {type(input).__name__}")
+        raise ArgumentTypeError(f"input must be a torch.Tensor of ids, got {type(input).__name__}")
     if per_sample_weights is not None:
         if not isinstance(per_sample_weights, torch.Tensor):
-            raise TypeError(f"per_sample_weights must be a torch.Tensor or None, got {type(per_sample_weights).__name__}")
+            raise ArgumentTypeError(f"per_sample_weights must be a torch.Tensor or None, got {type(per_sample_weights).__name__}")
         if input.size() != per_sample_weights.size():
-            raise ValueError(
+            raise BadValuesError(
                 f"embedding_bag: If per_sample_weights ({per_sample_weights.shape}) is not None, "
                 f"then it must have the same shape as the input ({input.shape})"
             )
     include_last = c.include_last_offset
     if input.dim() == 2:
         if offsets is not None:
-            raise ValueError(
+            raise BadValuesError(
                 "if input is 2D, then offsets has to be None, as input is treated is a mini-batch of fixed length "
                 f"sequences. However, found offsets of type {type(offsets)}"
             )
@@ -276,14 +276,14 @@ def plan_bags(c: EmbeddingBagConfig, input, offsets, per_sample_weights) -> Bags
         include_last = False
     elif input.dim() == 1:
         if offsets is None:
-            raise ValueError("offsets has to be a 1D Tensor but got None")
+            raise BadValuesError("offsets has to be a 1D Tensor but got None")
         if not isinstance(offsets, torch.Tensor):
-            raise TypeError(f"offsets must be a torch.Tensor, got {type(offsets).__name__}")
+            raise ArgumentTypeError(f"offsets must be a torch.Tensor, got {type(offsets).__name__}")
         if offsets.dim() != 1:
-            raise ValueError("offsets has to be a 1D Tensor")
+            raise BadValuesError("offsets has to be a 1D Tensor")
         starts = None
     else:
-        raise ValueError(f"input has to be 1D or 2D Tensor, but got Tensor of dimension {input.dim()}")
+        raise BadValuesError(f"input has to be 1D or 2D Tensor, but got Tensor of dimension {input.dim()}")
     if per_sample_weights is not None and c.mode != "sum":
         raise NotImplementedError(
             "embedding_bag: per_sample_weights was not None. per_sample_weights is only supported for "

@@ -32,7 +32,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 
-from tierstore.errors import TierstoreError
+from tierstore.errors import BadValuesError, SettingError, TierstoreError, UnsupportedError
 from tierstore.optim import Adam, RowOptimizer
 from tierstore.precision import DTYPES
 from tierstore.spec import initial_rows
@@ -155,7 +155,7 @@ class TableView(torch.Tensor):
                 flat[lo - R0: hi - R0, c - C0: d - C0] = self._read(blk, lo, hi, c, d).reshape(hi - lo, d - c)
             covered += (b - a) * (d - c)
         if covered != out.numel():
-            raise RuntimeError(
+            raise UnsupportedError(
                 f"{self._what} of table {self._table!r} is sharded: this rank holds {covered} of its {out.numel()} values. "
                 f"Save and load a sharded collection with {_DCP_HINT} (every rank calls them)")
         return out
@@ -163,7 +163,7 @@ class TableView(torch.Tensor):
     def write(self, src: torch.Tensor) -> None:
         """Copy ``src`` (the region's shape) into the store's rows, a chunk at a time."""
         if tuple(src.shape) != tuple(self.shape):
-            raise ValueError(f"{self._what} of table {self._table!r} has shape {tuple(self.shape)}; "
+            raise BadValuesError(f"{self._what} of table {self._table!r} has shape {tuple(self.shape)}; "
                              f"the tensor to load has shape {tuple(src.shape)}")
         if isinstance(src, TableView) and src._store is self._store and src._table == self._table \
                 and src._what == self._what and src._region == self._region:
@@ -245,7 +245,7 @@ class TableView(torch.Tensor):
             if tuple(index.offset) == off:
                 view = self._with(tuple((o, o + s) for o, s in zip(off, size)))
                 return view.materialize(limit=2 * CHUNK_BYTES) if self._saving else view
-        raise ValueError(f"{self._what} of table {self._table!r} has no chunk at {tuple(index.offset)} on this process")
+        raise BadValuesError(f"{self._what} of table {self._table!r} has no chunk at {tuple(index.offset)} on this process")
 
     # -- everything else sees a plain tensor ------------------------------------------------------
     def __reduce_ex__(self, protocol):
@@ -276,7 +276,7 @@ class TableView(torch.Tensor):
         written = [args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(func._schema.arguments)
                    if a.alias_info is not None and a.alias_info.is_write]
         if any(isinstance(a, TableView) for a in written):
-            raise RuntimeError(f"{func} would change a copy of the rows, not the table: load rows with "
+            raise UnsupportedError(f"{func} would change a copy of the rows, not the table: load rows with "
                                "module.load_state_dict(...) or write them with store.write(table, ids, rows)")
         plain = lambda x: x.materialize() if isinstance(x, TableView) else x  # noqa: E731
         return func(*tree_map(plain, args), **tree_map(plain, kwargs))
@@ -300,14 +300,14 @@ class FusedOptimizer:
         new = state_dict.get("state") if isinstance(state_dict, Mapping) else None
         if new is None or set(new) != set(self.state):
             got = sorted(new) if isinstance(new, Mapping) else new
-            raise ValueError(f"optimizer state for {sorted(self.state)} expected, got {got}")
+            raise OptimizerMismatchError(f"optimizer state for {sorted(self.state)} expected, got {got}")
         for key, views in self.state.items():
             if set(new[key]) != set(views):
-                raise ValueError(f"optimizer state of {key!r} has {sorted(views)}; the state to load has {sorted(new[key])}")
+                raise OptimizerMismatchError(f"optimizer state of {key!r} has {sorted(views)}; the state to load has {sorted(new[key])}")
         for key, views in self.state.items():  # checked first: nothing is written unless every shape fits
             for name, view in views.items():
                 if tuple(new[key][name].shape) != tuple(view.shape):
-                    raise ValueError(f"optimizer state {key!r}/{name!r} has shape {tuple(view.shape)}; "
+                    raise BadValuesError(f"optimizer state {key!r}/{name!r} has shape {tuple(view.shape)}; "
                                      f"the state to load has {tuple(new[key][name].shape)}")
         with torch.no_grad():
             for key, views in self.state.items():
@@ -360,7 +360,7 @@ def table_views(store, table: str, num_rows: int | None, dim: int, dtype: str, o
     """Views of ``table`` in ``store``, which holds rows ``rows`` and columns ``cols`` of it
     (a shard; default all), for a table of ``num_rows`` x ``dim`` trained by ``optimizer``."""
     if num_rows is None:
-        raise ValueError(
+        raise SettingError(
             f"table {table!r} has an unbounded id space (num_rows=None), which no tensor in state_dict() can hold; "
             "checkpoint it with store.checkpoint(path) (ShardedEmbeddingBagCollection.checkpoint) and restore by "
             "opening that directory, or create the table with num_rows")

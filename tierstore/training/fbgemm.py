@@ -26,6 +26,7 @@ import functools
 import torch
 
 from tierstore.optim import SGD, Adagrad, RowOptimizer, RowWiseAdagrad
+from tierstore.errors import MissingDependencyError, SettingError
 
 INSTALL = 'pip install "tierstore[fbgemm]" (fbgemm-gpu-cpu 1.8.0 goes with torch 2.13)'
 _KERNELS = {SGD: "sgd", Adagrad: "adagrad", RowWiseAdagrad: "rowwise_adagrad"}
@@ -37,7 +38,7 @@ def _ops():
     try:
         import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
     except ImportError as e:
-        raise ImportError(f'kernels="fbgemm" needs FBGEMM: {INSTALL}') from e
+        raise MissingDependencyError(f'kernels="fbgemm" needs FBGEMM: {INSTALL}') from e
     return torch.ops.fbgemm
 
 
@@ -68,13 +69,13 @@ def check(optimizer: RowOptimizer | None, mode: str, dtype: str, device: torch.d
     _ops()
     if optimizer is not None and type(optimizer) not in _KERNELS:
         names = ", ".join(k.__name__ for k in _KERNELS)
-        raise ValueError(f'kernels="fbgemm" supports the optimizers {names}, not {type(optimizer).__name__}; use kernels="torch"')
+        raise SettingError(f'kernels="fbgemm" supports the optimizers {names}, not {type(optimizer).__name__}; use kernels="torch"')
     if mode not in _POOLING:
-        raise ValueError(f'kernels="fbgemm" supports mode "sum" and "mean", not {mode!r}; use kernels="torch"')
+        raise SettingError(f'kernels="fbgemm" supports mode "sum" and "mean", not {mode!r}; use kernels="torch"')
     if dtype != "float32":
-        raise ValueError(f'kernels="fbgemm" trains float32 rows, not {dtype}; use kernels="torch"')
+        raise SettingError(f'kernels="fbgemm" trains float32 rows, not {dtype}; use kernels="torch"')
     if device.type != "cpu":
-        raise ValueError(f'kernels="fbgemm" runs on CPU tiers, not {device}; use kernels="torch"')
+        raise SettingError(f'kernels="fbgemm" runs on CPU tiers, not {device}; use kernels="torch"')
 
 
 @functools.lru_cache(maxsize=16)
