@@ -153,6 +153,8 @@ BUILTIN_ERRORS = {name for name, value in vars(builtins).items() if isinstance(v
 ALLOWED = {
     # the module's lazy attributes: Python's protocol for a missing module attribute
     ("tierstore/__init__.py", "__getattr__", "AttributeError"),
+    # importing the TorchRec adapter without TorchRec: a failed import is Python's ImportError
+    ("tierstore/torchrec.py", "", "ImportError"),
     # internal invariants: each means a bug in tierstore, not a caller's mistake
     ("tierstore/engine/hashindex.py", "HashIndex.remove", "KeyError"),
     ("tierstore/engine/hashindex.py", "HashIndex._rebuild", "RuntimeError"),

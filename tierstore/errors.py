@@ -80,7 +80,7 @@ class PathNotFoundError(TierstoreError, FileNotFoundError):
 
 
 class MissingDependencyError(TierstoreError, ImportError):
-    """An optional dependency (TorchRec, FBGEMM) that is not installed."""
+    """An optional dependency a call needs (FBGEMM for ``kernels="fbgemm"``) that is not installed."""
 
 
 class WaitTimeoutError(TierstoreError, TimeoutError):

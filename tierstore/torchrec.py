@@ -26,7 +26,7 @@ try:
     from torchrec.sparse.tensor_dict import maybe_td_to_kjt
     from torchrec.optim.keyed import KeyedOptimizer
 except ImportError as e:  # pragma: no cover - depends on what is installed
-    raise MissingDependencyError(
+    raise ImportError(
         "tierstore.torchrec needs TorchRec: pip install --no-deps torchrec==1.8.0 && pip install 'tierstore[torchrec]' "
         "(TorchRec's package names the CUDA build of FBGEMM; the extra installs the CPU build and TorchRec's other dependencies)"
     ) from e
@@ -39,7 +39,7 @@ from tierstore.nn import ScriptRefusal, TieredEmbeddingBag, module_store, outsid
 from tierstore.optim import RowOptimizer
 from tierstore.spec import RowInit, TableSpec
 from tierstore.store import Sizes, StoreConfig
-from tierstore.errors import ArgumentTypeError, MissingDependencyError, SettingError, UnknownTableError, UnsupportedError
+from tierstore.errors import ArgumentTypeError, SettingError, UnknownTableError, UnsupportedError
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 _DTYPES = {DataType.FP32: ("float32", torch.float32), DataType.FP16: ("float16", torch.float16),
