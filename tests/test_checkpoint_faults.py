@@ -180,10 +180,10 @@ def test_a_refused_checkpoint_leaves_the_one_it_refused_to_overwrite_as_it_was(r
     for r in range(2):
         assert got[r]["overwrite"] is not None, "a checkpoint of another plan overwrote the existing one"
         kind, message = got[r]["overwrite"]
-        assert kind in ("FileExistsError", "RankFailedError"), got[r]["overwrite"]
+        assert kind in ("PathExistsError", "RankFailedError"), got[r]["overwrite"]
         assert str(out / "ckpt") in message and "new" in message, message
         assert got[r]["files kept"], "plan.json or tables.json of the refused checkpoint changed"
-    assert got[0]["overwrite"][0] == "FileExistsError"  # rank 0 would have written plan.json
+    assert got[0]["overwrite"][0] == "PathExistsError"  # rank 0 would have written plan.json
     assert isinstance(got[0]["restored"], dict), got[0]["restored"]
     for name, rows in got[0]["rows"].items():
         assert torch.equal(got[0]["restored"][name], rows), name

@@ -340,10 +340,10 @@ def test_two_ranks_train_as_one_process(tmp_path):
     bad = [results[r]["bad"] for r in range(2)]
     assert bad[1]["id"][0] == "BagIndexError" and "99" in bad[1]["id"][1]
     assert bad[0]["id"][0] == "RankFailedError" and "rank 1 failed: BagIndexError" in bad[0]["id"][1]
-    assert bad[0]["table"][0] == "KeyError" and "nope" in bad[0]["table"][1]
+    assert bad[0]["table"][0] == "UnknownTableError" and "nope" in bad[0]["table"][1]
     assert bad[1]["table"][0] == "RankFailedError" and "rank 0 failed: KeyError" in bad[1]["table"][1]
-    assert bad[1]["read"][0] == "IndexError" and bad[0]["read"][0] == "RankFailedError"
-    assert bad[0]["write"][0] == "ValueError" and "shape" in bad[0]["write"][1] and bad[1]["write"][0] == "RankFailedError"
+    assert bad[1]["read"][0] == "IdRangeError" and bad[0]["read"][0] == "RankFailedError"
+    assert bad[0]["write"][0] == "BadValuesError" and "shape" in bad[0]["write"][1] and bad[1]["write"][0] == "RankFailedError"
     for key, victim, method in (("serve", 1, "read"), ("store_write", 0, "write"), ("flush", 0, "flush")):
         assert bad[victim][key] == ("OSError", f"injected {method} fault")
         assert bad[1 - victim][key][0] == "RankFailedError" and f"rank {victim} failed: OSError" in bad[1 - victim][key][1]

@@ -164,7 +164,7 @@ def test_bad_ids_through_the_daemon_client_get_the_stores_errors(daemon_store):
                              lambda: client.evict("t", ids()), lambda: client.prefetch("t", ids()).wait()):
                     with pytest.raises(error, match=message) as e:
                         call()
-                    assert isinstance(e.value, tierstore.TierstoreError), type(e.value)  # the daemon's class, not a bare builtin
+                    assert isinstance(e.value, tierstore.TierstoreError), type(e.value)  # whichever side checks the ids
             emb = TieredEmbeddingBag(1000, 8, mode="sum", store=client, table="t")
             for name, ids, error, message in BAD_IDS:
                 with pytest.raises(error) as e:
@@ -278,3 +278,23 @@ def test_a_new_table_gets_its_databases_with_the_metadata_naming_it(tmp_path):
     env.close()
     with open_store(path, readonly=True) as s:
         assert s.read("u", [1])[0, 0] == 2.0 and s.read("t", [1])[0, 0] == 1.0
+
+
+def test_an_error_the_daemon_raises_reaches_the_client_as_its_class(daemon_store):
+    """Refusals made in the daemon process (a claim on rows another client claims, a
+    claim of a table the store lacks) reach the client as the class the daemon raised,
+    so `except TierstoreError` catches them there too; messages and builtin bases are kept."""
+    from tierstore.errors import UnknownTableError, WriteRefusedError
+
+    path, sock = daemon_store
+    first = tierstore.open_store(path, daemon=str(sock), claim=["t"])
+    try:
+        with pytest.raises(WriteRefusedError, match="write claim refused") as e:
+            tierstore.open_store(path, daemon=str(sock), claim=["t"])
+        assert isinstance(e.value, PermissionError)
+        with pytest.raises(UnknownTableError, match="claims name unknown tables") as e:
+            tierstore.open_store(path, daemon=str(sock), claim=["nope"])
+        assert isinstance(e.value, KeyError)
+        assert torch.equal(first.read("t", [1, 2]), torch.ones(2, 8))  # the daemon serves on
+    finally:
+        first.close()
