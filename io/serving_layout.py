@@ -30,7 +30,8 @@ import lmdb
 import numpy as np
 
 from .codecs import encode_keys
-from .lmdb_backend import _LOW_SPACE, StoreCorruptError, _free_bytes, check_data_file, corrupt
+from .errors import StoreCorruptError
+from .lmdb_file import _LOW_SPACE, _free_bytes, check_data_file, corrupt
 
 SERVING_FORMAT = 1
 SERVING_DTYPES = ("float32", "float16", "int8", "int4")

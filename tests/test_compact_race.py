@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from tierstore import TableSpec, TieredStore
-from tierstore.io import lmdb_backend
+from tierstore.io import lmdb_file
 
 ROWS = 64
 
@@ -213,7 +213,7 @@ def test_a_reader_that_checked_the_old_file_opens_the_compacted_one(tmp_path, mo
             assert r.returncode == 0, r.stderr
             swapped.append(os.fstat(f.fileno()).st_size - os.stat(path / "data.mdb").st_size)
         return f
-    monkeypatch.setattr(lmdb_backend, "open", open_then_compact, raising=False)
+    monkeypatch.setattr(lmdb_file, "open", open_then_compact, raising=False)
     with TieredStore(path, readonly=True, device="cpu", registry=CollectorRegistry()) as s:
         assert (s.read("t", np.arange(ROWS)) == 4).all()
     assert swapped[0] > 0 and last_txnid(path) == 1  # the open did race a compaction that shrank the file

@@ -162,8 +162,8 @@ def test_left_to_itself_a_store_reads_directly_only_where_its_budget_cannot_cach
 
 
 def test_where_the_system_refuses_direct_reads_the_store_reads_through_the_map_and_says_why(tmp_path, monkeypatch):
-    from tierstore.io import lmdb_backend
-    monkeypatch.setattr(lmdb_backend, "open_reader", lambda file: (None, f"io_uring reads of {file} are refused (Operation not permitted)"))
+    from tierstore.io import lmdb_env
+    monkeypatch.setattr(lmdb_env, "open_reader", lambda file: (None, f"io_uring reads of {file} are refused (Operation not permitted)"))
     spec = tierstore.TableSpec("t", 1000, 8)
     rows = np.random.default_rng(2).standard_normal((1000, 8)).astype(np.float32)
     with tierstore.TieredStore(tmp_path / "s", [spec], device="cpu", direct_reads=True) as store:

@@ -15,7 +15,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from tierstore import StoreCorruptError, StoreLockedError, TableSpec, TieredStore
-from tierstore.io import lmdb_backend
+from tierstore.io import lmdb_backend, lmdb_file
 
 SPEC = TableSpec("t", None, 16)
 
@@ -296,14 +296,14 @@ def test_full_disk_is_reported_as_a_full_disk_and_loses_nothing(tmp_path):
         import numpy as np, torch
         from prometheus_client import CollectorRegistry
         from tierstore import TableSpec, TieredStore
-        from tierstore.io import lmdb_backend
+        from tierstore.io import lmdb_file
         path = sys.argv[1]
         with TieredStore(path, [TableSpec("t", None, 16)], device="cpu", registry=CollectorRegistry()) as s:
             s.write("t", np.arange(1000), torch.ones(1000, 16))
             s.flush()
-            size = (lmdb_backend.Path(path) / "data.mdb").stat().st_size
+            size = (lmdb_file.Path(path) / "data.mdb").stat().st_size
             resource.setrlimit(resource.RLIMIT_FSIZE, (size + 10000, resource.RLIM_INFINITY))
-            lmdb_backend.shutil.disk_usage = lambda p: collections.namedtuple("u", "total used free")(1 << 30, 1 << 30, 4096)
+            lmdb_file.shutil.disk_usage = lambda p: collections.namedtuple("u", "total used free")(1 << 30, 1 << 30, 4096)
             s.write("t", np.arange(50000), torch.full((50000, 16), 2.0))
             try:
                 s.flush()
@@ -393,19 +393,19 @@ def test_a_file_ending_in_pages_lmdb_freed_opens_and_one_cut_into_pages_in_use_d
     os.truncate(cut_free / "data.mdb", (last + 1 - 16) * 4096)
     cut_used = copy_store(whole, tmp_path / "cut_used")
     os.truncate(cut_used / "data.mdb", (last + 1 - 64) * 4096)  # into the pages before the value
-    lmdb_backend.check_data_file(cut_free / "data.mdb")
+    lmdb_file.check_data_file(cut_free / "data.mdb")
     with pytest.raises(StoreCorruptError, match="truncated"):
-        lmdb_backend.check_data_file(cut_used / "data.mdb")
+        lmdb_file.check_data_file(cut_used / "data.mdb")
     # a writer reusing the free list's pages mid-read: the next read decides
-    real, calls = lmdb_backend._free_past_end, []
+    real, calls = lmdb_file._free_past_end, []
 
     def garbled_once(*args):
         calls.append(args)
         return len(calls) > 1 and real(*args)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(lmdb_backend, "_free_past_end", garbled_once)
-        lmdb_backend.check_data_file(cut_free / "data.mdb")
+        patch.setattr(lmdb_file, "_free_past_end", garbled_once)
+        lmdb_file.check_data_file(cut_free / "data.mdb")
     assert len(calls) == 2
     r = run_child(OPEN_EACH, whole, cut_free)
     assert r.returncode == 0, f"child died with {r.returncode} (a signal if negative): {r.stderr[-2000:]}"

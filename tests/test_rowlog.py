@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tierstore.io import lmdb_backend, rowlog
+from tierstore.io import StoreCorruptError, lmdb_backend, lmdb_log, rowlog
 from tierstore.io.lmdb_backend import LmdbBackend
 
 N, DIM = 40, 3
@@ -29,7 +29,7 @@ def small_segments(monkeypatch):
     monkeypatch.setattr(rowlog, "MIN_SEGMENT_ROWS", 1)
     monkeypatch.setattr(rowlog, "_MIN_DEAD", 2)
     monkeypatch.setattr(rowlog, "MAX_TOMBSTONE_SEGMENTS", 3)
-    monkeypatch.setattr(lmdb_backend, "_ADVISED_READ", 1)  # every read as a large one: direct where asked
+    monkeypatch.setattr(lmdb_log, "_ADVISED_READ", 1)  # every read as a large one: direct where asked
 
 
 def open_backend(path, layout, readonly=False, direct=False, publish_at_flush=False):
@@ -235,7 +235,7 @@ def test_a_damaged_segment_is_named_damage(tmp_path):
     with env.begin(write=True) as txn:
         txn.put(rowlog.seq_key(1), b"not a segment", db=env.open_db(b"s:t", txn=txn))
     env.close()
-    with pytest.raises(lmdb_backend.StoreCorruptError, match="damaged segment"):
+    with pytest.raises(StoreCorruptError, match="damaged segment"):
         open_backend(tmp_path / "s", "log")
 
 
@@ -252,7 +252,7 @@ def test_a_collection_reads_only_a_segment_whose_header_is_where_the_index_place
     finally:
         os.close(fd)
     ids = np.flatnonzero(np.arange(16) % 4 != 3)  # three rows of each 4-slot segment: past SPARE, a collection
-    with pytest.raises(lmdb_backend.StoreCorruptError, match="not where the index places it"):
+    with pytest.raises(StoreCorruptError, match="not where the index places it"):
         b.put_rows([("t", ids, np.full((12, DIM), 2, dtype=np.float32))], last_use={"t": np.full(12, 2)})
     b.close()
 

@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry
 
 from tierstore.eviction import make_policy
 from tierstore.io import FORMAT_VERSION, LmdbBackend, WriteBack, unique_ids
-from tierstore.io.lmdb_backend import corrupt
+from tierstore.io.lmdb_file import corrupt
 from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
 from tierstore.engine import chain

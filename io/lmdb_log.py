@@ -1,0 +1,376 @@
+"""The log layout of LmdbBackend's tables (io.rowlog): their in-memory index kept to a
+read snapshot, appends, collection, sweeps, and what readers see of them (publish)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from tierstore.io import rowlog
+from tierstore.io.codecs import row_norms_sq
+from tierstore.io.lmdb_file import corrupt
+
+_INDEX_KEY = b"index:"  # + a log table's name: the token of its saved index (_save_indexes)
+# + a log table's name: what readers see of it (publish): {"seq": the newest segment, "dropped": the
+# newest tombstone deleted while older copies of its ids went}; a table without one is read as committed
+_PUBLISHED_KEY = b"published:"
+_ROLLBACK_KEYS = 4096  # segments a roll-back deletes a transaction
+_ADVISED_READ = 64  # rows a log read gathers from which it asks for all their pages at once first
+STEP = np.dtype("<i8")  # a row's last-use step, in a log slot and in a keyed table's u: database
+
+
+class LogTables:
+    """LmdbBackend's methods for its tables in the log layout."""
+
+    def _index_file(self, table: str) -> Path:
+        return self.path / f"index-{table.encode().hex()}.bin"
+
+    def _load_index(self, table: str) -> None:
+        """Start ``table``'s index from the one its writer saved at close (io.rowlog.save_index),
+        where LMDB names that file: then only the segments written since are replayed (up to
+        the published one: _sync_log)."""
+        with self._reading(buffers=True) as txn:
+            saved = txn.get(_INDEX_KEY + table.encode(), db=self._meta)
+            log = self._logs[table]
+            if saved is None or not rowlog.load_index(self._index_file(table), log, json.loads(bytes(saved))["token"]):
+                return
+            published = self._published_in(txn, table)
+            if published is not None and log.applied > published[0]:  # saved past what was published: not this history
+                self._logs[table] = rowlog.RowLog(log.codec, len(log.loc), log.last_use)
+                return
+            _, base, size = self._map_base(txn)
+            mem = rowlog.map_view(base, size)
+            try:
+                newer = log.adopt(rowlog.walk_values(mem, txn.get(b"s:" + table.encode(), db=self._shared.main), 0))
+                log.replay(mem, newer if published is None else [v for v in newer if v[0] <= published[0]])
+            except rowlog.SegmentFormatError as e:
+                raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
+            if self._lock_fd is None:
+                log.free_emptied()
+            self._log_synced[table] = txn.id()
+
+    def _save_indexes(self) -> None:
+        """Save each log table's index beside data.mdb, then name it in LMDB (a new token each
+        time): an index written but not named, or named by another copy of the file, is ignored.
+        Not while a publishing writer holds segments it has not published: the next writer rolls
+        those back, and the index would place rows in them."""
+        if self.publish_at_flush and self._unpublished():
+            return
+        for table, log in self._logs.items():
+            token = os.urandom(16).hex()
+            rowlog.save_index(log, self._index_file(table), token)
+
+            def op(txn, table=table, token=token):
+                txn.put(_INDEX_KEY + table.encode(), json.dumps({"token": token}).encode(), db=self._meta)
+            self._write(op)
+
+    # -- what readers see of the log tables: the last publish ---------------------------------
+    def _published_in(self, txn, table: str) -> tuple[int, int] | None:
+        """(newest segment, newest tombstone dropped) of what readers see of log ``table`` in
+        ``txn``'s snapshot; None where they see every commit (no publishing writer wrote it)."""
+        value = txn.get(_PUBLISHED_KEY + table.encode(), db=self._meta)
+        if value is None:
+            return None
+        try:
+            record = json.loads(bytes(value))
+            return int(record["seq"]), int(record["dropped"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise corrupt(self.path / "data.mdb", f"table {table!r}'s published record is unreadable ({e})") from None
+
+    @staticmethod
+    def _published_record(seq: int, dropped: int) -> bytes:
+        return json.dumps({"seq": seq, "dropped": dropped}).encode()
+
+    def _roll_back(self, table: str) -> None:
+        """A writer's open: delete the segments of ``table`` that no publish named (a writer died
+        before its flush published them), so the table is as its last flush left it."""
+        with self._reading(buffers=True) as txn:
+            published = self._published_in(txn, table)
+            if published is None:
+                return
+            _, base, size = self._map_base(txn)
+            record = txn.get(b"s:" + table.encode(), db=self._shared.main)
+            try:
+                seqs = [seq for seq, _, _ in rowlog.walk_values(rowlog.map_view(base, size), record, published[0])]
+            except rowlog.SegmentFormatError as e:
+                raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
+        for lo in range(0, len(seqs), _ROLLBACK_KEYS):
+            def op(txn, part=seqs[lo: lo + _ROLLBACK_KEYS]):
+                for seq in part:
+                    txn.delete(rowlog.seq_key(seq), db=self._log_dbs[table])
+            self._write(op)
+
+    def _start_publishing(self, table: str) -> None:
+        """A writer's open, its index replayed: a publishing writer names what readers see of
+        ``table`` (all of it) where nothing does yet; any other writer removes that record, for
+        readers to see each of its commits."""
+        with self._reading() as txn:
+            published = self._published_in(txn, table)
+        key = _PUBLISHED_KEY + table.encode()
+        if not self.publish_at_flush:
+            if published is not None:
+                self._write(lambda txn: txn.delete(key, db=self._meta))
+            return
+        if published is None:
+            # a reader behind this store's last commit may have missed a dropped tombstone: it rebuilds
+            applied = self._logs[table].applied
+            published = (applied, applied)
+            self._write(lambda txn: txn.put(key, self._published_record(*published), db=self._meta))
+        self._published[table], self._dropped[table] = published
+        self._retired[table] = set()
+
+    def _unpublished(self) -> bool:
+        """Whether a publishing writer has committed segments, or retired some, since its last publish."""
+        return any(self._retired.get(t) or log.applied != self._published.get(t) for t, log in self._logs.items())
+
+    def publish(self, meta: dict | None = None, sketches: dict[str, bytes] | None = None) -> None:
+        """One transaction that makes what this writer committed visible to readers whole: the
+        metadata records ``meta``, the admission ``sketches``, and, of each log table, the
+        segments written since the last publish; it deletes the segments retired since (their
+        rows live on in newer ones), which readers of the last publish still read. A writer that
+        is not publish_at_flush has published each commit already: this writes meta and sketches."""
+        opened = [None]
+
+        def op(txn, _):
+            self._put_sketches(txn, sketches or {}, opened)
+            for k, v in (meta or {}).items():
+                txn.put(k.encode(), json.dumps(v).encode(), db=self._meta)
+            if not self.publish_at_flush:
+                return
+            for t, log in self._logs.items():
+                for seq in self._retired[t]:
+                    txn.delete(rowlog.seq_key(seq), db=self._log_dbs[t])
+                txn.put(_PUBLISHED_KEY + t.encode(), self._published_record(log.applied, self._dropped[t]), db=self._meta)
+
+        def applied(_):
+            self._sketch_db = opened[0] or self._sketch_db
+            for t, log in self._logs.items() if self.publish_at_flush else ():
+                self._published[t] = log.applied
+                self._retired[t].clear()
+        self._write(op, applied, plan=lambda: None)
+
+    def _log_read(self, table: str, under_lock, after=None):
+        """``under_lock(log)`` with ``table``'s index brought to a read snapshot, then
+        ``after(txn, its result)`` in that snapshot with the index free again (a
+        commit may update it meanwhile: what under_lock took still names this snapshot)."""
+        while True:
+            with self._reading(db=self._log_dbs[table], buffers=True) as txn:
+                with self._index_lock:
+                    if not self._sync_log(table, txn):
+                        continue  # the index moved past this snapshot (a commit meanwhile): take a newer one
+                    got = under_lock(self._logs[table])
+                return after(txn, got) if after is not None else got
+
+    def _log_slots(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The stored slots (row bytes, then the last-use step where kept) of ``ids`` and the
+        mask of those found, all of one snapshot; into ``out`` (uint8 [n, slot bytes]) when given."""
+        def places(log):
+            segs, slots, found = log.places(ids)
+            return log.slot_bytes, log.offset[segs] + slots * log.slot_bytes, found
+
+        def read(txn, got):
+            width, offsets, found = got
+            slots = np.empty((len(ids), width), dtype=np.uint8) if out is None else out
+            if len(offsets):
+                every = len(offsets) == len(ids)
+                picked = slots if every else np.empty((len(offsets), width), dtype=np.uint8)
+                self._read_at(txn, offsets, width, picked)
+                if not every:
+                    slots[found] = picked
+            return slots, found
+        return self._log_read(table, places, read)
+
+    def _read_at(self, txn, offsets: np.ndarray, width: int, out: np.ndarray, direct: bool = True) -> None:
+        """``width`` bytes at each file offset of ``offsets`` into ``out``, in ``txn``'s snapshot
+        (LMDB reuses none of its pages while it is open): directly (io.direct) when asked and
+        worth it, else from the map, all pages asked for at once first. ``direct=False`` for
+        rows packed many to a page: a direct read reads a page for each row."""
+        reader = self._shared.direct if direct and self.reads_directly and len(offsets) >= _ADVISED_READ else None
+        if reader is not None and reader.fits(width):
+            reader.read(offsets, width, out)
+            return
+        _, base, size = self._map_base(txn)
+        if len(offsets) >= _ADVISED_READ:
+            rowlog.will_need(base, offsets, width)
+        rowlog.gather(base, size, offsets, width, out)
+
+    def _sync_log(self, table: str, txn) -> bool:
+        """Bring ``table``'s index to ``txn``'s snapshot (under the index lock); False when
+        the index already reflects a later commit than the snapshot. Another process's
+        commits are replayed; a sequence number missing among them is a segment that came
+        and went unseen (a dropped tombstone, maybe), and the index is rebuilt from all."""
+        tid, synced = txn.id(), self._log_synced[table]
+        if tid <= synced:
+            return tid == synced
+        log = self._logs[table]
+        # a reader sees a published table as its last publish left it: segments up to the one
+        # named; none it still needs is deleted before a later publish names the newer copies
+        published = self._published_in(txn, table) if self._lock_fd is None else None
+        if published is not None and published[0] == log.applied >= published[1]:  # nothing published since
+            self._log_synced[table] = tid
+            return True
+        _, base, size = self._map_base(txn)
+        mem = rowlog.map_view(base, size)
+        record = txn.get(b"s:" + table.encode(), db=self._shared.main)
+        upto = published[0] if published is not None else None
+        try:
+            newer = rowlog.walk_values(mem, record, log.applied, upto=upto)
+            if published is not None:
+                # segments that came and went unseen held only rows that newer segments hold, or are
+                # tombstones: a merged one's ids are in the merge, a dropped one's are not (rebuild)
+                stale = published[1] > log.applied
+            else:  # a sequence number missing is a segment that came and went unseen, a dropped tombstone maybe
+                seqs = [seq for seq, _, _ in newer]
+                stale = seqs and seqs[-1] - seqs[0] + 1 != len(seqs) or seqs[:1] not in ([], [log.applied + 1])
+            if stale:
+                log = self._logs[table] = rowlog.RowLog(log.codec, len(log.loc), log.last_use)
+                newer = rowlog.walk_values(mem, record, 0, upto=upto)
+            log.replay(mem, newer)
+        except rowlog.SegmentFormatError as e:
+            raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
+        if self._lock_fd is None:  # a reader: segments left behind are gone from its snapshots
+            log.free_emptied()
+        self._log_synced[table] = tid
+        return True
+
+    def _map_base(self, txn) -> tuple[int, int, int]:
+        return self._shared.map_base(txn)
+
+    def _write_log(self, segments: dict[str, list[tuple[np.ndarray, np.ndarray | None]]], meta: dict | None = None,
+                   deleting: dict[str, list[int]] | None = None, dropping: dict[str, list[int]] | None = None) -> None:
+        """Append segments (ids, slots or a function making them; tombstones where slots is None) to log tables, retire
+        the segments ``deleting`` names (``dropping``: the tombstones among them no older copy
+        of their ids outlives) and those left without a live row, then meta: one transaction;
+        the index follows once it has committed. Retired segments go in the same transaction,
+        or, for a publish_at_flush writer, with the next publish: readers of the last one may
+        still read them."""
+        def plan():
+            out, gone = [], {}
+            for t in set(segments) | set(deleting or ()):
+                log = self._logs[t]
+                gone[t] = set(log.emptied) | set((deleting or {}).get(t, ()))
+                seq = log.applied
+                for ids, slots in segments.get(t, ()):
+                    if len(ids):
+                        seq += 1
+                        out.append((t, seq, ids, slots))
+            return out, gone
+
+        def op(txn, planned):
+            new, gone = planned
+            for t, seq, ids, slots in new:
+                blob = rowlog.encode_segment(ids, slots() if callable(slots) else slots, self._logs[t].slot_bytes)
+                txn.put(rowlog.seq_key(seq), blob, db=self._log_dbs[t], append=True)
+            for t, seqs in gone.items() if not self.publish_at_flush else ():
+                for seq in seqs:
+                    txn.delete(rowlog.seq_key(seq), db=self._log_dbs[t])
+            for k, v in (meta or {}).items():
+                txn.put(k.encode(), json.dumps(v).encode(), db=self._meta)
+
+        def applied(planned):
+            new, gone = planned
+            for t, seq, ids, slots in new:
+                self._logs[t].apply(seq, rowlog.TOMBSTONES if slots is None else rowlog.ROWS, ids)
+            for t, seqs in gone.items():
+                log = self._logs[t]
+                for seq in seqs:
+                    log.forget(seq)
+                log.emptied = [q for q in log.emptied if q not in seqs]
+                if self.publish_at_flush:
+                    self._retired[t] |= seqs
+                    self._dropped[t] = max([self._dropped[t], *(dropping or {}).get(t, ())])
+            if any(slots is not None for *_, slots in new):
+                # where the new segments' slots are in the file: their B-tree walked in a snapshot,
+                # as a replay finds them (this process's own map never moves under it: only its
+                # writer grows the map)
+                with self._reading(buffers=True) as txn:
+                    _, base, size = self._map_base(txn)
+                    mem = rowlog.map_view(base, size)
+                    for t in {t for t, *_ in new}:
+                        first = min(seq for table, seq, *_ in new if table == t)
+                        record = txn.get(b"s:" + t.encode(), db=self._shared.main)
+                        for seq, at, _ in rowlog.walk_values(mem, record, first - 1):
+                            self._logs[t].note_offset(seq, at)
+        self._write(op, applied, plan, dirties=sum(len(ids) * self._logs[t].slot_bytes for t, parts in segments.items()
+                                                   for ids, slots in parts if slots is not None))
+
+    def _collect(self, table: str, written: int) -> None:
+        """Clean ``table``'s log after ``written`` rows were appended (io.rowlog): copy the live
+        slots of its emptiest segments into one new segment, drop tombstones no longer needed,
+        merge the rest when they are many; one transaction."""
+        with self._write_lock:
+            self._collect_locked(table, written)
+
+    def _collect_locked(self, table: str, written: int) -> None:
+        log = self._logs[table]
+        victims = log.victims(written)
+        dropped = log.droppable_tombstones()
+        merged = sorted(set(log.tombstones) - set(dropped)) if len(log.tombstones) > rowlog.MAX_TOMBSTONE_SEGMENTS else []
+        if not victims and not dropped and not merged:
+            return
+        with self._reading(db=self._log_dbs[table], buffers=True) as txn:
+            kept_ids, kept_at, still_deleted = [], [], []
+            _, base, size = self._map_base(txn)
+            mem = rowlog.map_view(base, size)
+            # each victim's header and ids, then its live slots, their pages asked for all at once
+            # (not a fault a page); never txn.get, which faults in a whole 1 MiB value
+            spans = np.array([log.id_span(seq) for seq in victims], dtype=np.int64).reshape(-1, 3)
+            rowlog.will_need(base, spans[:, 0], spans[:, 1])
+            for seq, (at, length, first) in zip(victims, spans.tolist()):
+                try:
+                    ids = log.ids_at(seq, mem[at: at + length])
+                except rowlog.SegmentFormatError as e:
+                    raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
+                live = np.flatnonzero(log.live_of(seq, ids))
+                kept_ids.append(ids[live])
+                kept_at.append(first + live * log.slot_bytes)
+            kept_slots = np.empty((sum(map(len, kept_at)), log.slot_bytes), dtype=np.uint8)
+            if kept_at:
+                self._read_at(txn, np.concatenate(kept_at), log.slot_bytes, kept_slots, direct=False)
+            for seq in merged:
+                ids = rowlog.parse_header(txn.get(rowlog.seq_key(seq)))[1]
+                still_deleted.append(ids[log.loc[ids] == rowlog.NONE])
+        parts = []
+        if kept_ids:
+            ids = np.concatenate(kept_ids)
+            order = np.argsort(ids, kind="stable")
+            slots = kept_slots[order]
+            ids = ids[order]
+            parts += [(ids[lo: lo + log.per_segment], slots[lo: lo + log.per_segment]) for lo in range(0, len(ids), log.per_segment)]
+        if still_deleted:
+            parts.append((np.unique(np.concatenate(still_deleted)), None))
+        self._write_log({table: parts}, deleting={table: victims + dropped + merged}, dropping={table: dropped})
+
+    def _log_sweep(self, table: str, cutoff: int | None, budget: int, l2_below: float | None) -> int:
+        """sweep() of a log table: the live rows of its next segments, ``budget`` slots or so."""
+        with self._write_lock:
+            return self._log_sweep_locked(table, cutoff, budget, l2_below)
+
+    def _log_sweep_locked(self, table: str, cutoff: int | None, budget: int, l2_below: float | None) -> int:
+        log, db, codec = self._logs[table], self._log_dbs[table], self._codecs[table]
+        seqs = np.sort(log.seq[log.seq > 0])
+        start = int(self._sweep_from.get(table, 0) or 0)
+        seqs = seqs[seqs >= start]
+        dead, examined, last = [], 0, None
+        with self._reading(db=db) as txn:
+            for seq in seqs.tolist():
+                value = txn.get(rowlog.seq_key(seq))
+                kind, ids, offset = rowlog.parse_header(value)
+                slots = np.frombuffer(value, dtype=np.uint8, count=len(ids) * log.slot_bytes, offset=offset)
+                slots = slots.reshape(len(ids), log.slot_bytes)
+                live = log.live_of(seq, ids)
+                gone = np.zeros(len(ids), dtype=bool)
+                if log.last_use and cutoff is not None:
+                    gone |= np.ascontiguousarray(slots[:, codec.row_bytes:]).view(STEP).ravel() <= cutoff
+                if l2_below is not None:
+                    gone |= row_norms_sq(codec.unpack(slots[:, : codec.row_bytes])[:, : codec.dim]) < l2_below ** 2
+                dead.append(ids[live & gone])
+                examined += len(ids)
+                last = seq
+                if examined >= budget:
+                    break
+        self._sweep_from[table] = last + 1 if examined >= budget and last is not None else 0
+        doomed = np.concatenate(dead) if dead else np.zeros(0, dtype=np.int64)
+        return self.delete_rows(table, np.sort(doomed)) if len(doomed) else 0
