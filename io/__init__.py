@@ -1,4 +1,4 @@
-"""Storage on SSD: the LMDB backend, row codecs and the write-back queue.
+"""Storage on SSD: the backend protocol (RowBackend), the LMDB backend, row codecs and the write-back queue.
 
 The names load on first use (PEP 562): the errors module alone is light, and the
 command line imports it without numpy or LMDB."""
@@ -13,13 +13,15 @@ from .errors import StoreCorruptError, StoreLockedError
 _LAZY = {
     "RowCodec": "codecs", "encode_keys": "codecs", "find_sorted": "codecs", "unique_ids": "codecs",
     "FORMAT_VERSION": "lmdb_backend", "WRITE_TXN_ROWS": "lmdb_backend", "LmdbBackend": "lmdb_backend",
-    "index_bytes_bound": "rowlog",
+    "MemoryBackend": "memory_backend", "RowBackend": "backend", "index_bytes_bound": "rowlog",
     "WriteBack": "writeback", "WriteBatch": "writeback",
 }
 
 if TYPE_CHECKING:
     from .codecs import RowCodec, encode_keys, find_sorted, unique_ids
+    from .backend import RowBackend
     from .lmdb_backend import FORMAT_VERSION, WRITE_TXN_ROWS, LmdbBackend
+    from .memory_backend import MemoryBackend
     from .rowlog import index_bytes_bound
     from .writeback import WriteBack, WriteBatch
 

@@ -15,7 +15,7 @@ from concurrent.futures import Executor
 
 import numpy as np
 
-from .lmdb_backend import LmdbBackend
+from .backend import RowBackend
 
 # rows a part reads at the least, and between two pauses: with 64, the threads' per-chunk work
 # (a transaction, the pause's lock, GIL hand-offs) doubled their CPU with rows from disk as well
@@ -24,7 +24,7 @@ MIN_CHUNK = 256
 
 
 def read_rows_async(
-    backend: LmdbBackend, table: str, ids: np.ndarray, width: int, executor: Executor, parts: int,
+    backend: RowBackend, table: str, ids: np.ndarray, width: int, executor: Executor, parts: int,
     on_done: Callable[[np.ndarray, np.ndarray, BaseException | None, float], None],
     pause: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter, chunk: int = MIN_CHUNK,
 ) -> None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .codecs import unique_ids
-from .lmdb_backend import LmdbBackend
+from .backend import RowBackend
 
 Items = list[tuple[str, np.ndarray, np.ndarray]]  # (table, sorted unique ids, rows)
 
@@ -206,13 +206,13 @@ class WriteBack:
     """The queue and its writer thread. Every method runs with ``lock`` (the
     store's) held by the caller; waits release it, as Condition waits do."""
 
-    def __init__(self, backend: LmdbBackend, lock: threading.RLock, limit_rows: int, group_rows: int = 0, linger: float = 1.0,
+    def __init__(self, backend: RowBackend, lock: threading.RLock, limit_rows: int, group_rows: int = 0, linger: float = 1.0,
                  sweep_rows: int = 4096, on_swept: Callable[[str, int], None] | None = None):
         self._backend = backend
         # the sweep: after each commit, sweep_rows rows plus twice those committed of each
         # table in sweeps, {table: (last-use cutoff step or None, L2 norm or None)}, are looked
         # at and deleted if last used at or before the cutoff, or with weights below the norm
-        # (LmdbBackend.sweep); on_swept(table, rows deleted) is called with the lock held
+        # (RowBackend.sweep); on_swept(table, rows deleted) is called with the lock held
         self._sweep_rows = sweep_rows
         self.sweeps: dict[str, tuple[int | None, float | None]] = {}
         self._on_swept = on_swept

@@ -37,7 +37,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from tierstore.eviction import make_policy
-from tierstore.io import FORMAT_VERSION, LmdbBackend, WriteBack, unique_ids
+from tierstore.io import FORMAT_VERSION, LmdbBackend, RowBackend, WriteBack, unique_ids
 from tierstore.io.lmdb_file import corrupt
 from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
 
@@ -203,8 +203,8 @@ class TieredStore:
         self._shared: Shared | None = None
         # without tables= nothing is created: a mistyped path fails, leaving nothing behind
         # readers see its log tables as flush() publishes them (LmdbBackend.publish)
-        self._backend = LmdbBackend(self.path, readonly=self.readonly, map_size=self.config.map_size, create=bool(tables),
-                                    publish_at_flush=True)
+        self._backend: RowBackend = LmdbBackend(self.path, readonly=self.readonly, map_size=self.config.map_size,
+                                                create=bool(tables), publish_at_flush=True)
         try:
             specs = self._reconcile_specs(list(tables or []))
             for name in ("hbm_rows", "ddr_rows"):

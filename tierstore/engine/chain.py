@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tierstore.io import LmdbBackend, StoreCorruptError
+from tierstore.io import LmdbBackend, RowBackend, StoreCorruptError
 from tierstore.io.deltas import DeltaCorruptError, decode_delta, encode_delta, write_whole
 from tierstore.spec import TableSpec
 from tierstore.errors import FormatError, PathExistsError, kind
@@ -40,9 +40,9 @@ class CheckpointChainError(StoreCorruptError):
     parent's, or of a link format this tierstore does not read."""
 
 
-def incremental_checkpoint(store, backend, path: str | os.PathLike) -> Path:
+def incremental_checkpoint(store, backend: RowBackend, path: str | os.PathLike) -> Path:
     """TieredStore.checkpoint(path, incremental=True), the store flushed and its lock held
-    (``backend`` its LmdbBackend): a whole copy (the chain's base) if the store has none yet,
+    (``backend`` its RowBackend): a whole copy (the chain's base) if the store has none yet,
     else a link of the rows changed in LMDB since its last, as LMDB holds them (weights, optimizer
     state and, with ttl_steps, last-use steps), the ids deleted, and the life of every table:
     its step count, eviction and update counts, and its admission sketch, whole."""
@@ -61,7 +61,7 @@ def incremental_checkpoint(store, backend, path: str | os.PathLike) -> Path:
         raise
 
 
-def _write_link(store, backend, path: Path, changes: Mapping[str, torch.Tensor], parent: tuple[Path, str], link: int) -> Path:
+def _write_link(store, backend: RowBackend, path: Path, changes: Mapping[str, torch.Tensor], parent: tuple[Path, str], link: int) -> Path:
     tables, last_use = {}, {}
     # every LMDB write and delete of a row is recorded, a step's new last use among them
     # (flush writes each row a step used): these ids are all that changed of the rows

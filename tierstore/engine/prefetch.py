@@ -52,7 +52,7 @@ from tierstore.validate import check_int, check_number
 from tierstore.errors import ArgumentTypeError, WaitTimeoutError
 
 if TYPE_CHECKING:
-    from tierstore.io import LmdbBackend, WriteBack
+    from tierstore.io import RowBackend, WriteBack
 
     from tierstore.engine.table import TableStore
 
@@ -172,7 +172,7 @@ class StoreParts:
     table: Callable[[str], "TableStore"]  # a table by name, or the store's KeyError naming the tables
     as_ids: Callable[[TableSpec, object], torch.Tensor]  # the store's one id check
     lock: threading.RLock  # the store's: held by every caller but the workers, which take it to land
-    backend: "LmdbBackend"  # LMDB, read by the workers
+    backend: "RowBackend"  # the rows on disk, read by the workers
     writeback: "WriteBack"  # rows queued for LMDB: newer than LMDB's
 
 

@@ -30,7 +30,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from tierstore.io import LmdbBackend, WriteBack, find_sorted
+from tierstore.io import RowBackend, WriteBack, find_sorted
 
 from tierstore.engine.admission import RowLife
 from tierstore.engine.counters import TableCounters, restored_on_error
@@ -59,7 +59,7 @@ class Prefetch(Protocol):
 @dataclass(eq=False)
 class Shared:
     """What the tables of one store share; the store makes it and hands it to each."""
-    backend: LmdbBackend
+    backend: RowBackend
     writeback: WriteBack  # every LMDB row write goes through it: queue_write
     readonly: bool
     await_gathers: Callable[[], None]  # called with the lock held before tier rows are overwritten
