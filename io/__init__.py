@@ -7,7 +7,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .errors import StoreCorruptError, StoreLockedError
+from .errors import (
+    BadRowsError, DiskFullError, ForeignStoreError, SegmentLimitError, StoreCorruptError, StoreExistsError, StoreLockedError,
+    StoreNotFoundError, StoreReadonlyError, SystemCallError)
 
 # public name -> the module of this package that defines it
 _LAZY = {
@@ -25,7 +27,8 @@ if TYPE_CHECKING:
     from .rowlog import index_bytes_bound
     from .writeback import WriteBack, WriteBatch
 
-__all__ = ["StoreCorruptError", "StoreLockedError", *_LAZY]
+__all__ = ["BadRowsError", "DiskFullError", "ForeignStoreError", "SegmentLimitError", "StoreCorruptError", "StoreExistsError",
+           "StoreLockedError", "StoreNotFoundError", "StoreReadonlyError", "SystemCallError", *_LAZY]
 
 
 def __getattr__(name: str):

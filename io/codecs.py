@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import BadRowsError
+
 
 def encode_keys(ids: np.ndarray) -> list[bytes]:
     # a void view turns into bytes objects in C, with no per-key Python code
@@ -55,7 +57,7 @@ class RowCodec:
 
     def __init__(self, dim: int, state_dim: int = 0, dtype: str = "float32"):
         if dtype not in _WEIGHTS:
-            raise ValueError(f"unknown weights dtype {dtype!r}; one of {sorted(_WEIGHTS)}")
+            raise BadRowsError(f"unknown weights dtype {dtype!r}; one of {sorted(_WEIGHTS)}")
         self.dim, self.state_dim, self.dtype = dim, state_dim, dtype
         self.width = dim + state_dim
         self._weight_bytes = dim * np.dtype(_WEIGHTS[dtype]).itemsize
@@ -68,7 +70,7 @@ class RowCodec:
     def pack(self, rows: np.ndarray) -> np.ndarray:
         """``rows`` as their stored bytes, uint8 [n, row_bytes]."""
         if rows.ndim != 2 or rows.shape[1] != self.width:
-            raise ValueError(f"expected rows of width {self.width}, got shape {rows.shape}")
+            raise BadRowsError(f"expected rows of width {self.width}, got shape {rows.shape}")
         if self.dtype == "float32":
             return np.ascontiguousarray(rows, dtype="<f4").view(np.uint8).reshape(len(rows), self.row_bytes)
         else:
@@ -95,7 +97,7 @@ class RowCodec:
             buf = b"".join(arr[found].tolist())
         n_present = len(values) if found is None else int(found.sum())
         if len(buf) != n_present * self.row_bytes:
-            raise ValueError(
+            raise BadRowsError(
                 f"stored rows are not {self.row_bytes} bytes each: the table's width or dtype on disk does not match its spec"
             )
         if found is None and self.dtype == "float32":

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import BadRowsError, SystemCallError
+
 PAGE = 4096
 DEPTH = 256  # reads in flight a thread, at most
 BUFFER = DEPTH * 2 * PAGE  # a thread's buffer: DEPTH reads of rows up to a page (2 pages: a row may cross one)
@@ -79,7 +81,7 @@ class _Ring:
             if err != errno.EINVAL:
                 break
         if fd < 0:
-            raise OSError(err, f"io_uring_setup: {os.strerror(err)}")
+            raise SystemCallError(err, f"io_uring_setup: {os.strerror(err)}")
         self.fd = fd
         try:
             so, co = p.sq_off, p.cq_off
@@ -142,7 +144,7 @@ class _Ring:
                 err = ctypes.get_errno()
                 if err == errno.EINTR:
                     continue
-                raise OSError(err, f"io_uring_enter: {os.strerror(err)}")
+                raise SystemCallError(err, f"io_uring_enter: {os.strerror(err)}")
             submit -= min(submit, got)
             head, end = int(self.cq_head[0]), int(self.cq_tail[0])
             k = (end - head) & 0xFFFFFFFF
@@ -154,8 +156,8 @@ class _Ring:
         if bad.any():
             i = int(np.argmax(bad))
             if res[i] < 0:
-                raise OSError(int(-res[i]), f"reading {int(lengths[i])} bytes at offset {int(starts[i])}: {os.strerror(int(-res[i]))}")
-            raise OSError(errno.EIO, f"short read: {int(res[i])} of {int(lengths[i])} bytes at offset {int(starts[i])}")
+                raise SystemCallError(int(-res[i]), f"reading {int(lengths[i])} bytes at offset {int(starts[i])}: {os.strerror(int(-res[i]))}")
+            raise SystemCallError(errno.EIO, f"short read: {int(res[i])} of {int(lengths[i])} bytes at offset {int(starts[i])}")
 
     def close(self) -> None:
         # the arrays over the maps first: a map with views left cannot close
@@ -195,7 +197,7 @@ class DirectReader:
         """Copy ``width`` bytes at each file offset of ``offsets`` into ``out`` [n, width] (uint8)."""
         span = _span(width)
         if span > self.nbytes:
-            raise ValueError(f"rows of {width} bytes do not fit the direct reader's {self.nbytes}-byte buffer")
+            raise BadRowsError(f"rows of {width} bytes do not fit the direct reader's {self.nbytes}-byte buffer")
         ring = self._ring()
         per = min(ring.depth, self.nbytes // span)
         # every run of ``width`` bytes of the buffer; the i-th read's row is the run at i * span

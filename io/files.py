@@ -5,6 +5,8 @@ import ctypes
 import os
 from pathlib import Path
 
+from .errors import SystemCallError
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _MADV_DONTNEED = 4
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -36,4 +38,4 @@ def unmap_pages(address: int, length: int) -> None:
     contents it would discard."""
     if _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_DONTNEED) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"madvise(MADV_DONTNEED) of {length} bytes at {address:#x}: {os.strerror(err)}")
+        raise SystemCallError(err, f"madvise(MADV_DONTNEED) of {length} bytes at {address:#x}: {os.strerror(err)}")

@@ -27,7 +27,8 @@ import numpy as np
 
 from tierstore.io import rowlog
 from tierstore.io.codecs import RowCodec, encode_keys
-from tierstore.io.errors import StoreLockedError
+from tierstore.io.errors import (
+    BadRowsError, DiskFullError, ForeignStoreError, StoreLockedError, StoreNotFoundError, StoreReadonlyError)
 from tierstore.io.lmdb_env import (
     _OPEN, _OPEN_LOCK, META_DB, _Env, _lock_directory, _ResizeGuard, _shared_env, take_writer_lock)
 from tierstore.io.lmdb_file import _CORRUPT, _LOW_SPACE, _free_bytes, check_data_file, corrupt
@@ -142,7 +143,7 @@ class LmdbBackend(LogTables, Upkeep):
             # nothing is created: a mistyped path must not become an empty store
             advice = "open it once for writing with tables=[...] to create it" if self.readonly else \
                 "pass tables=[tierstore.TableSpec(...)] to create a store there"
-            raise FileNotFoundError(f"no tierstore at {self.path} (missing data.mdb); {advice}")
+            raise StoreNotFoundError(f"no tierstore at {self.path} (missing data.mdb); {advice}")
         if data.exists():
             # before anything is created; a running writer only appends pages, then names them
             check_data_file(data)
@@ -169,7 +170,7 @@ class LmdbBackend(LogTables, Upkeep):
                     max_readers=256,
                 )
             except lmdb.ReadonlyError as e:
-                raise PermissionError(
+                raise StoreReadonlyError(
                     f"cannot open the tierstore at {self.path}: LMDB must create or write lock.mdb there, "
                     f"even to read ({e}); make the directory writable for this user, or copy the store"
                 ) from None
@@ -200,7 +201,7 @@ class LmdbBackend(LogTables, Upkeep):
             has_meta = txn.get(META_DB) is not None
         foreign = not has_meta and env.stat()["entries"] > 0
         if foreign:
-            raise ValueError(
+            raise ForeignStoreError(
                 f"{self.path} holds an LMDB environment that tierstore did not write (no {META_DB.decode()} "
                 "database); choose another directory for the store"
             )
@@ -267,7 +268,7 @@ class LmdbBackend(LogTables, Upkeep):
             path = writes or self.path / "data.mdb"
             free = _free_bytes(path)
             if isinstance(e, lmdb.DiskError) or free < _LOW_SPACE:
-                raise OSError(errno.ENOSPC, f"disk full: LMDB could not write {path} ({e}; {free} bytes free); "
+                raise DiskFullError(errno.ENOSPC, f"disk full: LMDB could not write {path} ({e}; {free} bytes free); "
                               "free disk space", str(path)) from e
             raise
 
@@ -294,7 +295,7 @@ class LmdbBackend(LogTables, Upkeep):
             log = txn.get(b"s:" + name.encode()) is not None or (
                 txn.get(b"t:" + name.encode()) is None and _new_layout(num_rows) == "log")
         if log and num_rows is None:
-            raise ValueError(f"table {name!r} at {self.path} stores its rows in the log layout; open it with its num_rows")
+            raise BadRowsError(f"table {name!r} at {self.path} stores its rows in the log layout; open it with its num_rows")
 
         def open_db(key: bytes):
             try:
@@ -428,7 +429,7 @@ class LmdbBackend(LogTables, Upkeep):
         last_use = last_use or {}
         for t, ids, _ in batches:
             if self.keeps_last_use(t) and t not in last_use and len(ids):
-                raise ValueError(f"rows of table {t!r} need their last-use steps (it has ttl_steps)")
+                raise BadRowsError(f"rows of table {t!r} need their last-use steps (it has ttl_steps)")
         logged = [(t, ids, rows) for t, ids, rows in batches if t in self._logs]
         if logged:
             batches = [b for b in batches if b[0] not in self._logs]
@@ -497,7 +498,7 @@ class LmdbBackend(LogTables, Upkeep):
         cannot be reclaimed until written, and cgroup v1 does not throttle a writer for them
         (a bulk write-back was OOM-killed so)."""
         if self.readonly:
-            raise PermissionError(f"tierstore at {self.path} is open readonly; reopen without readonly=True to write")
+            raise StoreReadonlyError(f"tierstore at {self.path} is open readonly; reopen without readonly=True to write")
         with self._write_lock:
             planned = plan() if plan is not None else None
             for _ in range(_MAX_GROWTH_RETRIES):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from tierstore.io.codecs import row_norms_sq
-from tierstore.io.errors import StoreLockedError
+from tierstore.io.errors import BadRowsError, StoreExistsError, StoreLockedError, StoreReadonlyError
 from tierstore.io.files import fsync_path
 from tierstore.io.lmdb_env import _OPEN_LOCK, _lock_directory, _shared_env
 from tierstore.io.lmdb_log import STEP
@@ -83,9 +83,9 @@ class Upkeep:
         the directory ``path``, which must be empty or absent; writers may go on meanwhile."""
         dest = Path(path)
         if dest.resolve() == self.path.resolve():
-            raise ValueError(f"cannot copy the store at {self.path} onto itself; choose another directory")
+            raise BadRowsError(f"cannot copy the store at {self.path} onto itself; choose another directory")
         if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-            raise FileExistsError(f"{dest} exists and is not an empty directory; choose a new directory for the copy")
+            raise StoreExistsError(f"{dest} exists and is not an empty directory; choose a new directory for the copy")
         # Written aside, synced, then renamed: a copy cut short (a kill, a full disk)
         # never appears under dest's name, where it would open as a damaged store.
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +113,7 @@ class Upkeep:
         reader opening meanwhile waits, then reads the new file; a kill at any point
         leaves one whole data.mdb, the old or the new."""
         if self._lock_fd is None:
-            raise PermissionError(f"tierstore at {self.path} is open readonly; compacting needs it open for writing")
+            raise StoreReadonlyError(f"tierstore at {self.path} is open readonly; compacting needs it open for writing")
         if self._shared.users > 1:
             raise StoreLockedError(f"tierstore at {self.path} is also open readonly in this process; close those stores, then compact")
         data, aside = self.path / "data.mdb", self.path / "data.mdb.compacting"

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from tierstore.io.codecs import RowCodec, find_sorted, row_norms_sq
-from tierstore.io.errors import StoreCorruptError, StoreLockedError
+from tierstore.io.errors import (
+    BadRowsError, StoreCorruptError, StoreExistsError, StoreLockedError, StoreNotFoundError, StoreReadonlyError)
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class MemoryBackend:
             store = _STORES.get(self.path)
             if store is None:
                 if readonly or not create:
-                    raise FileNotFoundError(f"no tierstore at {self.path} in this process's memory; "
+                    raise StoreNotFoundError(f"no tierstore at {self.path} in this process's memory; "
                                             "a MemoryBackend holds rows only while its process runs")
                 store = _STORES[self.path] = _Store()
             if not readonly:
@@ -112,7 +113,7 @@ class MemoryBackend:
     def _table(self, name: str) -> _Table:
         """The table as this backend sees it: a reader of a publishing writer sees its last publish."""
         if name not in self._open:
-            raise KeyError(f"table {name!r} is not open in the MemoryBackend at {self.path}; open_table it first")
+            raise BadRowsError(f"table {name!r} is not open in the MemoryBackend at {self.path}; open_table it first")
         published = self._store.published
         seen = published if self.readonly and published is not None else self._store.tables
         codec, last_use = self._open[name]
@@ -131,7 +132,7 @@ class MemoryBackend:
         last_use = last_use or {}
         for name, ids, _ in batches:
             if self.keeps_last_use(name) and name not in last_use and len(ids):
-                raise ValueError(f"rows of table {name!r} need their last-use steps (it has ttl_steps)")
+                raise BadRowsError(f"rows of table {name!r} need their last-use steps (it has ttl_steps)")
         written = 0
         with _LOCK:
             for name, ids, rows in batches:
@@ -209,9 +210,9 @@ class MemoryBackend:
         dest = Path(path).resolve()
         with _LOCK:
             if dest == self.path:
-                raise ValueError(f"cannot copy the store at {self.path} onto itself; choose another directory")
+                raise BadRowsError(f"cannot copy the store at {self.path} onto itself; choose another directory")
             if dest in _STORES:
-                raise FileExistsError(f"{dest} holds a store already; choose a new path for the copy")
+                raise StoreExistsError(f"{dest} holds a store already; choose a new path for the copy")
             _STORES[dest] = _Store(dict(self._store.meta), dict(self._store.sketches), set(self._store.declared),
                                    dict(self._table_snapshot()))
         return dest
@@ -259,9 +260,9 @@ class MemoryBackend:
 
     def _writable(self) -> None:
         if self.readonly:
-            raise PermissionError(f"tierstore at {self.path} is open readonly; reopen without readonly=True to write")
+            raise StoreReadonlyError(f"tierstore at {self.path} is open readonly; reopen without readonly=True to write")
         if self._closed:
-            raise ValueError(f"the MemoryBackend at {self.path} is closed")
+            raise BadRowsError(f"the MemoryBackend at {self.path} is closed")
 
 
 def _copy(value):

@@ -39,7 +39,7 @@ import numpy as np
 
 from .codecs import RowCodec
 from .files import fsync_path
-from .errors import TierstoreError
+from .errors import SegmentLimitError, TierstoreError
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -173,7 +173,7 @@ class RowLog:
         if not self._free:
             old = len(self.seq)
             if old >= _MAX_SEGMENTS:
-                raise RuntimeError(f"a table reached {_MAX_SEGMENTS:,} segments; compact the store (tierstore compact)")
+                raise SegmentLimitError(f"a table reached {_MAX_SEGMENTS:,} segments; compact the store (tierstore compact)")
             new = min(_MAX_SEGMENTS, max(64, 2 * old))
             for name, fill in (("seq", 0), ("live", 0), ("slots", 0), ("offset", -1)):
                 grown = np.full(new, fill, dtype=np.int64)

@@ -30,7 +30,7 @@ import lmdb
 import numpy as np
 
 from .codecs import encode_keys
-from .errors import StoreCorruptError
+from .errors import BadRowsError, DiskFullError, ForeignStoreError, StoreCorruptError, StoreExistsError, StoreNotFoundError
 from .lmdb_file import _LOW_SPACE, _free_bytes, check_data_file, corrupt
 
 SERVING_FORMAT = 1
@@ -44,9 +44,9 @@ class RowFormat:
 
     def __init__(self, dim: int, dtype: str):
         if dtype not in SERVING_DTYPES:
-            raise ValueError(f"unknown serving dtype {dtype!r}; one of {list(SERVING_DTYPES)}")
+            raise BadRowsError(f"unknown serving dtype {dtype!r}; one of {list(SERVING_DTYPES)}")
         if dtype == "int4" and dim % 2:
-            raise ValueError(f"int4 rows pack two codes a byte and need an even dim, got dim={dim}; export this table as int8")
+            raise BadRowsError(f"int4 rows pack two codes a byte and need an even dim, got dim={dim}; export this table as int8")
         self.dim, self.dtype = dim, dtype
         self.bits = {"int8": 8, "int4": 4}.get(dtype)
         if self.bits is None:
@@ -105,7 +105,7 @@ class ServingWriter:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         if self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir())):
-            raise FileExistsError(f"{self.path} exists and is not an empty directory; choose a new directory for the serving store")
+            raise StoreExistsError(f"{self.path} exists and is not an empty directory; choose a new directory for the serving store")
         made = self.path.parent
         while not made.parent.exists() and made.parent != made:
             made = made.parent
@@ -176,7 +176,7 @@ class ServingWriter:
             free = _free_bytes(self._partial)
             if not isinstance(e, lmdb.DiskError) and free >= _LOW_SPACE:
                 raise
-            raise OSError(errno.ENOSPC, f"disk full: could not write the serving store {self.path} ({e}; {free} bytes free); "
+            raise DiskFullError(errno.ENOSPC, f"disk full: could not write the serving store {self.path} ({e}; {free} bytes free); "
                           "free disk space, or write it to another disk", str(self.path)) from e
 
 
@@ -192,7 +192,7 @@ class ServingReader:
         self.path = Path(path)
         data = self.path / "data.mdb"
         if not data.exists():
-            raise FileNotFoundError(f"no serving store at {self.path} (missing data.mdb); write one with tierstore.export(...)")
+            raise StoreNotFoundError(f"no serving store at {self.path} (missing data.mdb); write one with tierstore.export(...)")
         check_data_file(data)
         key = (data.stat().st_dev, data.stat().st_ino)
         with _OPEN_LOCK:
@@ -217,7 +217,7 @@ class ServingReader:
                 raw = txn.get(b"meta", db=self._env.open_db(_META_DB, txn=txn, create=False))
                 meta = json.loads(raw)
                 if meta.get("format") != SERVING_FORMAT:
-                    raise ValueError(f"{self.path} has serving format {meta.get('format')}; this tierstore reads {SERVING_FORMAT}")
+                    raise ForeignStoreError(f"{self.path} has serving format {meta.get('format')}; this tierstore reads {SERVING_FORMAT}")
             # opened outside a read transaction: a handle opened in one dies with it
             dbs = {t["name"]: self._env.open_db(b"q:" + t["name"].encode(), create=False) for t in meta["tables"]}
         except (TypeError, KeyError, json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
+from tierstore.errors import TierstoreError
 from tierstore.io import LmdbBackend, MemoryBackend, RowBackend, RowCodec, StoreCorruptError
 from tierstore.io import memory_backend
 
@@ -126,8 +127,9 @@ def test_last_use_steps_round_trip_and_are_required_where_kept(opened):
     b = opened(tables=[("t", 8, 0, "float32", True), ("plain", 4, 0, "float32", False)])
     assert b.keeps_last_use("t") and not b.keeps_last_use("plain")
     ids = np.arange(10)
-    with pytest.raises(ValueError, match="last-use steps"):
+    with pytest.raises(ValueError, match="last-use steps") as refused:
         b.put_rows([("t", ids, rows_of(10, 8))])
+    assert isinstance(refused.value, TierstoreError)
     assert b.table_stats()["t"] == 0  # the refused write changed nothing
     b.put_rows([("t", ids, rows_of(10, 8))], last_use={"t": np.arange(10, 20)})
     assert (b.get_last_use("t", np.arange(5, 15)) == [15, 16, 17, 18, 19, -1, -1, -1, -1, -1]).all()
@@ -184,8 +186,9 @@ def test_a_reader_sees_what_the_writer_published(opened, kind):
     got, found = r.get_rows("t", np.arange(20))
     assert found.all()
     np.testing.assert_array_equal(got[10:], rows_of(10, 8, 1))
-    with pytest.raises(PermissionError, match="readonly"):
+    with pytest.raises(PermissionError, match="readonly") as refused:
         r.put_rows([("t", np.arange(1), rows_of(1, 8))])
+    assert isinstance(refused.value, TierstoreError)
 
 
 def test_rows_survive_a_close_and_reopen(opened):
@@ -235,8 +238,9 @@ def test_a_copy_opens_as_a_store_with_the_same_rows(opened, kind, tmp_path):
     b.write_meta({"format": 1})
     b.put_rows([("t", np.arange(30), rows_of(30, 8))])
     b.publish()
-    with pytest.raises(ValueError, match="onto itself"):
+    with pytest.raises(ValueError, match="onto itself") as refused:
         b.copy_to(tmp_path / "s")
+    assert isinstance(refused.value, TierstoreError)
     dest = b.copy_to(tmp_path / "copy")
     c = kind.open(dest, readonly=True)
     try:
@@ -259,3 +263,12 @@ def test_compaction_keeps_every_row_and_closes(opened):
     got, found = b.get_rows("t", np.arange(500))
     assert (found == (np.arange(500) >= 250)).all()
     np.testing.assert_array_equal(got[250:], rows_of(500, 8)[250:])
+
+
+def test_a_store_that_is_not_there_is_named_and_not_created(kind, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no tierstore at") as missing:
+        kind.open(tmp_path / "s", readonly=True)
+    assert isinstance(missing.value, TierstoreError)
+    with pytest.raises(FileNotFoundError, match="no tierstore at"):
+        kind.open(tmp_path / "s", create=False)
+    assert not (tmp_path / "s").exists()
