@@ -1,5 +1,5 @@
-"""data.mdb's checks before LMDB maps it, and the store's named errors for a damaged
-file and a full disk."""
+"""data.mdb's checks before LMDB maps it, the error naming a damaged file (corrupt), and
+the free-space test that tells a full disk from another failed write."""
 from __future__ import annotations
 
 import mmap
