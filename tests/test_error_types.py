@@ -88,7 +88,7 @@ def test_checkpoint_and_compact_on_a_full_disk_raise_enospc_naming_the_file_and_
     for what, file in (("CHECKPOINT", ckpt / "data.mdb"), ("CHECKPOINT-UNCOMPACTED", ckpt / "data.mdb"),
                        ("COMPACT", store / "data.mdb.compacting")):
         # in the child's mount namespace the tmpfs is at tmp_path: the paths it names are these
-        assert out[what].startswith(f"OSError {errno.ENOSPC} {file} |"), (what, out[what])
+        assert out[what].startswith(f"DiskFullError {errno.ENOSPC} {file} |"), (what, out[what])
         assert "disk full" in out[what] and str(file) in out[what] and "free disk space" in out[what], out[what]
     assert "LEFT ['ballast', 's'] ['data.mdb', 'lock.mdb', 'writer.lock']" in r.stdout, r.stdout
     assert "WHOLE True" in r.stdout and r.stdout.count("AFTER True") == 2, r.stdout

@@ -267,7 +267,7 @@ def test_an_export_to_a_nearly_full_disk_is_enospc_naming_dst_and_leaves_nothing
         pytest.skip(f"cannot mount a tmpfs in a user namespace here: {r.stderr.strip() or r.stdout.strip()}")
     assert r.returncode == 0, r.stderr[-3000:]
     dst = str(tmp_path / "disk" / "a" / "b" / "serve")
-    assert f"ERROR OSError {errno.ENOSPC} {dst} | [Errno {errno.ENOSPC}] disk full: could not write the serving store {dst}" \
+    assert f"ERROR DiskFullError {errno.ENOSPC} {dst} | [Errno {errno.ENOSPC}] disk full: could not write the serving store {dst}" \
         in r.stdout, r.stdout
     assert r.stdout.count("LEFT []") == 2, r.stdout
     assert "RC 2" in r.stdout and f"tierstore: error: {dst}: disk full: could not write the serving store" in r.stderr, r.stderr
