@@ -73,3 +73,19 @@ def test_the_library_has_no_relative_imports_across_packages():
     relative = [f"{p.relative_to(ROOT)}:{n.lineno}" for p in (ROOT / "tierstore").rglob("*.py")
                 for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.ImportFrom) and n.level > 1]
     assert relative == []
+
+
+def test_import_tierstore_reaches_every_module_as_an_attribute():
+    """The package loads its names on first use; its modules stay reachable from `import tierstore`
+    as they were when it imported them eagerly (tierstore.daemon.client, tierstore.trace, ...)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tierstore\n"
+            "assert 'torch' not in sys.modules\n"
+            "print(tierstore.daemon.client.DaemonStore.__name__, tierstore.trace.Trace.__name__,"
+            " tierstore.engine.table.TableStore.__name__, tierstore.TieredStore.__name__)\n"
+            "try:\n    tierstore.no_such_module\nexcept AttributeError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines() == ["DaemonStore Trace TableStore TieredStore",
+                                        "module 'tierstore' has no attribute 'no_such_module'"], done.stderr

@@ -43,12 +43,23 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name not in _LAZY:
-        raise AttributeError(f"module 'tierstore' has no attribute {name!r}")
+        return submodule(__name__, name)
     module = _LAZY[name]
     value = (importlib.import_module(f"{__name__}.{name}") if module is None
              else getattr(importlib.import_module(f"{__name__}.{module}"), name))
     globals()[name] = value  # later lookups skip this function
     return value
+
+
+def submodule(package: str, name: str):
+    """``package.name`` imported, as an attribute of its package (``tierstore.trace``,
+    ``tierstore.daemon.client``): what ``import tierstore`` gave before it loaded lazily."""
+    try:
+        return importlib.import_module(f"{package}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{package}.{name}":
+            raise
+        raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
 
 
 def __dir__() -> list[str]:

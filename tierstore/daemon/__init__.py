@@ -13,3 +13,9 @@ DDR tier and LMDB files and serves them to trainer processes over a Unix socket.
 The command-line verb is tierstore.tools.daemon (tools/daemon.py); ``tierstore bench
 daemon`` is tierstore.tools.bench_daemon.
 """
+
+
+def __getattr__(name: str):
+    from tierstore import submodule  # tierstore.daemon.client without importing it first
+
+    return submodule(__name__, name)
