@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from tierstore.io.errors import StoreCorruptError, StoreLockedError
 
 from tierstore.errors import TierstoreError
+from tierstore.lazy import submodule
 
 # public name -> the module that defines it
 _LAZY = {
@@ -49,17 +50,6 @@ def __getattr__(name: str):
              else getattr(importlib.import_module(f"{__name__}.{module}"), name))
     globals()[name] = value  # later lookups skip this function
     return value
-
-
-def submodule(package: str, name: str):
-    """``package.name`` imported, as an attribute of its package (``tierstore.trace``,
-    ``tierstore.daemon.client``): what ``import tierstore`` gave before it loaded lazily."""
-    try:
-        return importlib.import_module(f"{package}.{name}")
-    except ModuleNotFoundError as e:
-        if e.name != f"{package}.{name}":
-            raise
-        raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
 
 
 def __dir__() -> list[str]:

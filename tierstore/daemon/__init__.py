@@ -16,6 +16,6 @@ daemon`` is tierstore.tools.bench_daemon.
 
 
 def __getattr__(name: str):
-    from tierstore import submodule  # tierstore.daemon.client without importing it first
+    from tierstore.lazy import submodule  # tierstore.daemon.client without importing it first
 
     return submodule(__name__, name)
