@@ -4,8 +4,9 @@ The names load on first use (PEP 562): the errors module alone is light, and the
 command line imports it without numpy or LMDB."""
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from tierstore.lazy import exports
 
 from .errors import (
     BadRowsError, DiskFullError, ForeignStoreError, SegmentLimitError, StoreCorruptError, StoreExistsError, StoreLockedError,
@@ -30,14 +31,4 @@ if TYPE_CHECKING:
 __all__ = ["BadRowsError", "DiskFullError", "ForeignStoreError", "SegmentLimitError", "StoreCorruptError", "StoreExistsError",
            "StoreLockedError", "StoreNotFoundError", "StoreReadonlyError", "SystemCallError", *_LAZY]
 
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = exports(globals(), _LAZY)

@@ -4,13 +4,12 @@ The names below load on first use (PEP 562), so that ``import tierstore`` and th
 ``tierstore`` command's ``--help`` and ``--version`` do not wait for torch."""
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from tierstore.io.errors import StoreCorruptError, StoreLockedError
 
 from tierstore.errors import TierstoreError
-from tierstore.lazy import submodule
+from tierstore.lazy import exports
 
 # public name -> the module that defines it
 _LAZY = {
@@ -41,16 +40,4 @@ if TYPE_CHECKING:  # what type checkers and the API reference see
 __all__ = ["StoreCorruptError", "StoreLockedError", "TierstoreError", *_LAZY]
 __version__ = "0.1.0"
 
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        return submodule(__name__, name)
-    module = _LAZY[name]
-    value = (importlib.import_module(f"{__name__}.{name}") if module is None
-             else getattr(importlib.import_module(f"{__name__}.{module}"), name))
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = exports(globals(), _LAZY, modules=True)
