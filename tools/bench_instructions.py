@@ -27,6 +27,7 @@ import torch
 from tierstore.engine.prefetch import LookaheadLoader
 from tierstore.tools import bench_prefetch as bp
 from tierstore.tools.bench import shared
+from tierstore.errors import StateError
 
 STEPS = 60
 BAGS = 256
@@ -76,7 +77,7 @@ def _count(base: str, steps: int, depth: int, d: str) -> tuple[list[int], int, P
            sys.executable, "-m", "tierstore.tools.bench_instructions", base, str(steps), str(depth)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"callgrind run failed ({done.returncode}): {done.stderr[-2000:]}")
+        raise StateError(f"callgrind run failed ({done.returncode}): {done.stderr[-2000:]}")
     return _thread_totals(out), int(done.stdout.split()[-1]), out
 
 

@@ -33,6 +33,7 @@ import torch
 from tierstore.capacity.planner import READS_PER_STEP
 from tierstore.tools.bench import shared
 from tierstore.validate import check_int
+from tierstore.errors import SettingError, StateError
 
 WORLD_SIZES = (1, 2, 4)
 WARMUP = 3
@@ -57,7 +58,7 @@ class ShardedBenchConfig:
         for name in ("dim", "batch", "pooling", "steps", "hbm_bytes", "ddr_bytes"):
             check_int(getattr(self, name), name, at_least=1)
         if self.batch % max(WORLD_SIZES):
-            raise ValueError(f"batch must be a multiple of {max(WORLD_SIZES)} (every rank gets an equal part), got {self.batch}")
+            raise SettingError(f"batch must be a multiple of {max(WORLD_SIZES)} (every rank gets an equal part), got {self.batch}")
 
 
 # -- ranks in local processes ---------------------------------------------------------------------------
@@ -70,7 +71,7 @@ def free_port() -> int:
 def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 300.0) -> list:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in a gloo
     process group on 127.0.0.1; their return values, by rank. A rank that fails raises
-    RuntimeError here with its traceback (the others are stopped)."""
+    StateError here with its traceback (the others are stopped)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -88,14 +89,14 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 300.0) ->
             if not results.empty():
                 rank, ok, value = results.get()
                 if not ok:
-                    raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
+                    raise StateError(f"rank {rank} of {world_size} failed:\n{value}")
                 got[rank] = value
                 continue
             dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
             if dead or time.monotonic() > deadline:
                 time.sleep(0.5)  # a failing rank's report may still be on its way
                 if results.empty():
-                    raise RuntimeError(f"ranks {sorted(dead) or 'some'} of {world_size} ended without a result "
+                    raise StateError(f"ranks {sorted(dead) or 'some'} of {world_size} ended without a result "
                                        f"(exit codes {dead}) or did not answer within {timeout_s:.0f} s")
             time.sleep(0.02)
         done = True

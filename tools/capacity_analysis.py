@@ -29,6 +29,7 @@ from tierstore.tools.capacity_progress import bars
 from tierstore.trace import Trace
 from tierstore.capacity.trace_streams import build_streams
 from tierstore.validate import check_int, check_number
+from tierstore.errors import SettingError
 
 DEFAULT_ROW_BYTES = 512  # a dim-128 float32 row, when the trace does not say
 
@@ -60,25 +61,25 @@ class CapacityConfig:
 
     def __post_init__(self):
         if self.shards_rate is not None and not 0 < self.shards_rate <= 1:
-            raise ValueError(f"--shards rate must be in (0, 1], got {self.shards_rate}")
+            raise SettingError(f"--shards rate must be in (0, 1], got {self.shards_rate}")
         for name in ("hbm_target", "hit_target"):
             v = getattr(self, name)
             if v is not None and not 0 < v <= 1:
-                raise ValueError(f"{name} must be a hit ratio in (0, 1], got {v}")
+                raise SettingError(f"{name} must be a hit ratio in (0, 1], got {v}")
         asks = [what for what, given in (("hit-ratio targets", bool(self.hbm_target or self.hit_target)),
                                          ("byte budgets", self.hbm_bytes is not None or self.ddr_bytes is not None),
                                          ("a memory budget", self.memory_budget is not None)) if given]
         if len(asks) > 1:
-            raise ValueError(f"give one of hit-ratio targets (per table), byte budgets (split across tables) or a store's "
+            raise SettingError(f"give one of hit-ratio targets (per table), byte budgets (split across tables) or a store's "
                              f"memory budget, not {' and '.join(asks)}")
         check_int(self.memory_budget, "memory_budget", at_least=1, none=True)
         if self.hbm_target and self.hit_target and self.hit_target < self.hbm_target:
-            raise ValueError(f"hit_target ({self.hit_target}) counts HBM and DDR hits, so it cannot be below hbm_target ({self.hbm_target})")
+            raise SettingError(f"hit_target ({self.hit_target}) counts HBM and DDR hits, so it cannot be below hbm_target ({self.hbm_target})")
         for name in ("hbm_bytes", "ddr_bytes"):
             check_number(getattr(self, name), name, none=True)
         bad = [p for p in self.policies if p not in (*POLICIES, "lookahead")]
         if bad:
-            raise ValueError(f"unknown policies {bad}; simulate {', '.join(sorted(POLICIES))} or lookahead")
+            raise SettingError(f"unknown policies {bad}; simulate {', '.join(sorted(POLICIES))} or lookahead")
         check_int(self.window, "window", at_least=1, meaning="batches")
         check_number(self.steps_per_s, "steps_per_s", above=True)
         check_number(self.row_bytes, "row_bytes", above=True, none=True)
@@ -93,17 +94,12 @@ class CapacityConfig:
 def _size_rows(spec, working_set: float) -> int:
     s = str(spec).strip()
     try:
-        if s.endswith("%"):
-            v = float(s[:-1])
-            if v < 0:
-                raise ValueError
-            return int(math.ceil(v / 100 * working_set))
-        v = int(s)
-        if v < 0:
-            raise ValueError
-        return v
+        v = math.ceil(float(s[:-1]) / 100 * working_set) if s.endswith("%") else int(s)
     except ValueError:
-        raise ValueError(f"a size must be rows (int >= 0) or a percentage of the working set like '5%', got {spec!r}") from None
+        v = -1
+    if v < 0:
+        raise SettingError(f"a size must be rows (int >= 0) or a percentage of the working set like '5%', got {spec!r}")
+    return int(v)
 
 
 def analyze(trace: Trace, config: CapacityConfig | None = None) -> dict:
@@ -115,7 +111,7 @@ def analyze(trace: Trace, config: CapacityConfig | None = None) -> dict:
     per_table = trace.accesses_per_table()
     empty = [n for n in names if per_table[trace.table_index(n)] == 0]
     if len(empty) == len(names):
-        raise ValueError(f"the trace has no accesses{' to ' + ', '.join(map(repr, names)) if cfg.tables else ''} "
+        raise SettingError(f"the trace has no accesses{' to ' + ', '.join(map(repr, names)) if cfg.tables else ''} "
                          f"({trace.n_calls:,} calls): nothing to size. Record reads into it first "
                          "(a killed recorder keeps only what it synced), or pick tables that were read")
     n_steps = max(trace.n_steps, 1)
@@ -250,7 +246,7 @@ def store_split(trace: Trace, names: list[str], budget: int, row_bytes: int | No
         t = trace.tables[trace.table_index(n)]
         width = (row_bytes or t.row_bytes or 0) // 4
         if t.dim is None and not width:
-            raise ValueError(f"a memory budget's split needs table {n!r}'s row size, which this trace does not record "
+            raise SettingError(f"a memory budget's split needs table {n!r}'s row size, which this trace does not record "
                              "(a store's recorded trace does): give --row-bytes (4 x (dim + optimizer state floats))")
         dim = t.dim or width
         specs.append(TableSpec(n, t.num_rows, dim, state_dim=max(width - dim, 0)))

@@ -11,6 +11,7 @@ import dataclasses
 import sys
 
 from tierstore.tools.cli import add_verb, parse_size, positive_float, positive_int, ratio, size
+from tierstore.errors import SettingError
 
 
 def register(sub) -> None:
@@ -56,10 +57,10 @@ def _config(args):
     for s in args.sizes:
         parts = s.split(":")
         if len(parts) != 2:
-            raise ValueError(f"--sizes {s!r}: expected HBM:DDR, e.g. 10000:100000 or 1%:10%")
+            raise SettingError(f"--sizes {s!r}: expected HBM:DDR, e.g. 10000:100000 or 1%:10%")
         sizes.append((parts[0], parts[1]))
     if args.compare and args.shards is None:
-        raise ValueError("--compare compares SHARDS with the exact curve; pass --shards RATE too")
+        raise SettingError("--compare compares SHARDS with the exact curve; pass --shards RATE too")
     return CapacityConfig(
         tables=tuple(t.strip() for t in args.tables.split(",")) if args.tables else None,
         shards_rate=args.shards, compare_exact=args.compare, sizes=tuple(sizes),

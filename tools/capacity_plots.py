@@ -12,6 +12,7 @@ import numpy as np
 
 from tierstore.tools.capacity_analysis import fmt_bytes
 from tierstore.tools.capacity_report import bandwidth_unit
+from tierstore.errors import MissingDependencyError
 
 PLOT_FILES = ("miss_ratio.png", "total_miss_ratio.png", "ssd_bandwidth.png")  # what plot_report writes, in order
 
@@ -24,7 +25,7 @@ def pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ImportError("--plot needs matplotlib: pip install 'tierstore[plot]'") from None
+        raise MissingDependencyError("--plot needs matplotlib: pip install 'tierstore[plot]'") from None
     return plt
 
 

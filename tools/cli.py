@@ -41,9 +41,6 @@ VERBS: dict[str, tuple[str, str]] = {
 # A user's error: every error tierstore raises on purpose is a TierstoreError; OSError and
 # lmdb.Error are the environment's (a full disk, a taken port, a path that is not there).
 USER_ERRORS: tuple[type[BaseException], ...] = (TierstoreError, OSError, lmdb.Error)
-# The verbs' own modules in tierstore.tools and the LMDB layer (tierstore.io) still report a bad
-# flag or file with these builtins; a verb's traceback is kept for any other builtin.
-BUILTIN_USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, KeyError, IndexError, ImportError)
 # The command line's advice in place of a Python caller's: these errors' messages state the
 # fact, then after the first "; " what to do in Python (e.g. readonly=True), which a CLI user cannot.
 CLI_HINTS: dict[type[BaseException], str] = {
@@ -188,7 +185,7 @@ def conventions(p: argparse.ArgumentParser) -> None:
 
 
 def is_user_error(e: BaseException) -> bool:
-    return isinstance(e, USER_ERRORS + BUILTIN_USER_ERRORS)
+    return isinstance(e, USER_ERRORS)  # any other error is a bug: its traceback is kept
 
 
 def error_message(e: BaseException) -> str:

@@ -37,6 +37,7 @@ from tierstore.engine.memory import format_bytes
 from tierstore.precision import DTYPES
 from tierstore.tools.capacity_progress import LineBar
 from tierstore.tools.cli import add_verb
+from tierstore.errors import PathExistsError, SettingError
 
 DENSE_FEATURES = 13
 MARKER = "tierstore-demo.json"  # marks a directory this demo made, so a rerun may replace it
@@ -75,26 +76,26 @@ class DemoConfig:
         for name in ("steps", "batch", "tables", "rows", "dim", "pooling", "threads", "world_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+                raise SettingError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
         for name in ("hbm_rows", "ddr_rows"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v!r}")
+                raise SettingError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v!r}")
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"--optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}")
+            raise SettingError(f"--optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+            raise SettingError(f"--lr must be > 0, got {self.lr}")
         if not self.alpha > 0:
-            raise ValueError(f"--alpha must be > 0, got {self.alpha}")
+            raise SettingError(f"--alpha must be > 0, got {self.alpha}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise SettingError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.batch % self.world_size:
-            raise ValueError(f"--batch ({self.batch}) must be a multiple of --world-size ({self.world_size}): every rank "
+            raise SettingError(f"--batch ({self.batch}) must be a multiple of --world-size ({self.world_size}): every rank "
                              "trains an equal part of each batch")
         if self.world_size > 1 and self.compare:
-            raise ValueError("--compare is for one process; --world-size N already checks the ranks against one process")
+            raise SettingError("--compare is for one process; --world-size N already checks the ranks against one process")
         if self.world_size > 1 and self.record_trace is not None:
-            raise ValueError("--record-trace records one process's store; drop --world-size or --record-trace")
+            raise SettingError("--record-trace records one process's store; drop --world-size or --record-trace")
         if self.record_trace is not None:
             self.record_trace = Path(self.record_trace)
 
@@ -235,11 +236,11 @@ def _prepare_dir(path: Path) -> None:
         elif path.is_dir() and not any(path.iterdir()):
             path.rmdir()
         else:
-            raise FileExistsError(f"{path} exists and was not made by tierstore demo; pass --dir with a new directory")
+            raise PathExistsError(f"{path} exists and was not made by tierstore demo; pass --dir with a new directory")
     try:
         path.mkdir(parents=True)
     except OSError as e:  # before any work: the demo needs a directory it can write
-        raise ValueError(f"--dir {path}: cannot make a directory there ({e.strerror.lower()}); "
+        raise SettingError(f"--dir {path}: cannot make a directory there ({e.strerror.lower()}); "
                          "pass --dir with a path in a directory you can write to") from None
 
 
@@ -476,7 +477,7 @@ def _start(cfg: DemoConfig) -> None:
     t = cfg.record_trace
     replaced = (cfg.dir / MARKER).exists() and cfg.dir.resolve() in t.resolve().parents if t is not None else False
     if t is not None and t.exists() and (not t.is_dir() or any(t.iterdir())) and not replaced:
-        raise ValueError(f"--record-trace {t} exists and is not an empty directory; pass a new directory for the trace")
+        raise SettingError(f"--record-trace {t} exists and is not an empty directory; pass a new directory for the trace")
     _prepare_dir(cfg.dir)
     (cfg.dir / MARKER).write_text(json.dumps({k: str(v) for k, v in dataclasses.asdict(cfg).items()}, indent=1))
 

@@ -23,6 +23,7 @@ import torch
 
 from tierstore.tools.bench_sharded import run_ranks, store_counts
 from tierstore.tools.demo import DLRM, ClickData, DemoConfig, _one_process, _specs, _start, _tierstore_opt, _train, seeded
+from tierstore.errors import SettingError
 
 PLAN_STEPS = 20  # batches of the trace the plan is made from
 
@@ -117,7 +118,7 @@ def run_sharded_demo(cfg: DemoConfig, seed_generator: Callable[[int], torch.Gene
     from tierstore.capacity.planner import plan
 
     if seed_generator is not seeded:
-        raise ValueError("the sharded demo's ranks seed their own generators; pass no seed_generator")
+        raise SettingError("the sharded demo's ranks seed their own generators; pass no seed_generator")
     _start(cfg)
     n = cfg.world_size
     specs = _specs(cfg)

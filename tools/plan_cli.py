@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 
 from tierstore.tools.cli import add_verb, parse_size, positive_int, size
+from tierstore.errors import SettingError
 
 OPTIMIZERS = ("none", "sgd", "adagrad", "rowwise_adagrad", "adam")
 # The planner matches a split table's trace ids to each rank in turn: about world size x
@@ -36,7 +37,7 @@ def _tables(trace, dim: int | None):
     for t in trace.tables:  # a loop per table
         d = t.dim or dim or (t.row_bytes // 4 if t.row_bytes else None)
         if d is None:
-            raise ValueError(f"the trace does not record table {t.name!r}'s dim or row bytes; pass --dim")
+            raise SettingError(f"the trace does not record table {t.name!r}'s dim or row bytes; pass --dim")
         state = max(t.row_bytes // 4 - d, 0) if t.row_bytes else 0
         out.append(TableSpec(t.name, t.num_rows, d, state_dim=state))
     return out
@@ -47,7 +48,7 @@ def _sharding(items: list[str]) -> dict[str, str]:
     for item in items:
         table, eq, kind = item.partition("=")
         if not eq or not table or not kind:
-            raise ValueError(f"--sharding {item!r}: expected TABLE=TYPE, e.g. --sharding user=row")
+            raise SettingError(f"--sharding {item!r}: expected TABLE=TYPE, e.g. --sharding user=row")
         out[table] = kind
     return out
 
@@ -67,7 +68,7 @@ def check_world_size(tables, world_size: int) -> None:
         return
     most = sum(max(t.num_rows, t.dim) for t in tables)
     if world_size > most:
-        raise ValueError(f"--world-size {world_size:,} is more ranks than the trace's tables split into ({most:,} shards at "
+        raise SettingError(f"--world-size {world_size:,} is more ranks than the trace's tables split into ({most:,} shards at "
                          f"most: a table splits by rows, or by columns if it has more); pass --world-size {most:,} or less")
 
 

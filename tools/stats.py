@@ -28,6 +28,7 @@ from tierstore.io.serving_layout import NotServingStoreError, ServingReader
 from tierstore.engine.memory import MemorySplit, detect_limit, format_bytes, parse_bytes, split_memory
 from tierstore.spec import TableSpec
 from tierstore.tools.cli import add_verb
+from tierstore.errors import PathNotFoundError, SettingError
 
 # A writer creating a table or growing the map can be caught mid-way; a fresh
 # read-only environment a moment later sees the finished state.
@@ -67,17 +68,17 @@ class StoreFacts:
 
 def require_store(path: str | Path, needs_tables: bool = False) -> Path:
     """``path`` as a Path if it holds a store (with tables, if ``needs_tables``);
-    else FileNotFoundError or ValueError saying how to get one from the command line."""
+    else PathNotFoundError or SettingError saying how to get one from the command line."""
     path = Path(path)
     if not (path / "data.mdb").is_file():
         inside = sorted(str(p.parent) for p in path.glob("*/data.mdb")) if path.is_dir() else []
         if inside:  # e.g. the demo's directory, which holds its store and checkpoint
-            raise FileNotFoundError(f"no tierstore at {path} (no data.mdb), but it holds the stores {', '.join(inside)}: pass one of them")
-        raise FileNotFoundError(
+            raise PathNotFoundError(f"no tierstore at {path} (no data.mdb), but it holds the stores {', '.join(inside)}: pass one of them")
+        raise PathNotFoundError(
             f"no tierstore at {path} (no data.mdb); `tierstore demo` trains a demo model and leaves its store in "
             "tierstore-demo/store (--dir DIR: DIR/store); a training script creates its own with TieredStore(path, tables=[...])")
     if needs_tables and not read_facts(path).tables:
-        raise ValueError(f"the store at {path} holds no tables; create them first with TieredStore({str(path)!r}, tables=[...]) "
+        raise SettingError(f"the store at {path} holds no tables; create them first with TieredStore({str(path)!r}, tables=[...]) "
                          "(as the training script does), then start this again")
     return path
 
@@ -85,17 +86,16 @@ def require_store(path: str | Path, needs_tables: bool = False) -> Path:
 def read_facts(path: str | Path) -> StoreFacts:
     """Facts of the store at ``path``, opened read-only (safe next to a running writer)."""
     path = Path(path)
-    for attempt in range(_RETRIES):
+    for _ in range(_RETRIES - 1):
         try:
             return _read_once(path)
-        except (lmdb.NotFoundError, lmdb.MapResizedError) as e:
-            if attempt == _RETRIES - 1:
-                raise ValueError(
-                    f"{path} holds an LMDB environment without complete tierstore metadata ({e}); "
-                    "if a writer is creating it, retry once it has opened"
-                ) from e
+        except (lmdb.NotFoundError, lmdb.MapResizedError):
             time.sleep(_RETRY_WAIT_S)
-    raise AssertionError("unreachable")
+    try:
+        return _read_once(path)
+    except (lmdb.NotFoundError, lmdb.MapResizedError) as e:
+        raise SettingError(f"{path} holds an LMDB environment without complete tierstore metadata ({e}); "
+                           "if a writer is creating it, retry once it has opened") from e
 
 
 def _read_once(path: Path) -> StoreFacts:
@@ -285,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_serving(args: argparse.Namespace, facts: ServingFacts) -> int:
     if args.memory_budget is not None or args.hbm_rows is not None or args.ddr_rows is not None:
-        raise ValueError(f"{args.path} is a serving store: --memory-budget, --hbm-rows and --ddr-rows size a training store's "
+        raise SettingError(f"{args.path} is a serving store: --memory-budget, --hbm-rows and --ddr-rows size a training store's "
                          "memory; a serving store's tiers are ServingStore(path, hbm_rows=, ddr_rows=)'s (docs/serving.md)")
     print(json.dumps(facts.to_json(), indent=2) if args.json else format_serving_facts(facts))
     return 0

@@ -19,6 +19,7 @@ import numpy as np
 
 from tierstore.trace import Trace, TraceTable
 from tierstore.validate import check_int, check_number
+from tierstore.errors import FormatError, SettingError
 
 # bucket upper bounds of the dlrm_datasets locality histograms: (0,1], (1,2], (2,4], ... (16384,32768], 32768+
 BUCKET_EDGES = np.array([0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768])
@@ -29,9 +30,9 @@ class ZipfSampler:
 
     def __init__(self, n: int, alpha: float):
         if not (isinstance(n, (int, np.integer)) and n >= 1):
-            raise ValueError(f"Zipf needs n >= 1 rows, got {n!r}")
+            raise SettingError(f"Zipf needs n >= 1 rows, got {n!r}")
         if not alpha > 0:
-            raise ValueError(f"Zipf alpha must be > 0, got {alpha!r}")
+            raise SettingError(f"Zipf alpha must be > 0, got {alpha!r}")
         self.n, self.alpha = int(n), float(alpha)
         self._hx1 = self._H(np.float64(1.5)) - 1.0
         self._hn = self._H(np.float64(self.n + 0.5))
@@ -104,10 +105,10 @@ class SynthConfig:
                 tables.append(SynthTable(*t))
         self.tables = tuple(tables)
         if not self.tables:
-            raise ValueError("a synthetic trace needs at least one table")
+            raise SettingError("a synthetic trace needs at least one table")
         names = [t.name for t in self.tables]
         if len(set(names)) != len(names):
-            raise ValueError(f"duplicate table names {names}")
+            raise SettingError(f"duplicate table names {names}")
         for t in self.tables:
             check_int(t.rows, f"table {t.name!r}: rows", at_least=1)
             check_number(t.alpha, f"table {t.name!r}: alpha", above=True, none=True)
@@ -206,17 +207,17 @@ def parse_locality_stats(path: str | Path) -> list[LocalityStats]:
         uniq = re.search(r"Avg # of unique cols:\s*([\d.]+)", sec)
         parts = re.split(r"Ratio of index distribution", sec)
         if not (m and ind and uniq and len(parts) == 2):
-            raise ValueError(f"{path}: section {name!r} is not a dlrm_datasets locality report")
+            raise FormatError(f"{path}: section {name!r} is not a dlrm_datasets locality report")
         bucket = re.compile(r"^\((\d+), (\d+)\]: ([\d.]+)|^\((\d+)\+: ([\d.]+)", re.M)
         hists = []
         for part in parts:
             vals = [float(g[2] or g[4]) for g in bucket.findall(part)]
             if len(vals) != len(BUCKET_EDGES):
-                raise ValueError(f"{path}: section {name!r} has {len(vals)} histogram buckets, expected {len(BUCKET_EDGES)}")
+                raise FormatError(f"{path}: section {name!r} has {len(vals)} histogram buckets, expected {len(BUCKET_EDGES)}")
             hists.append(np.array(vals))
         out.append(LocalityStats(name, int(m.group(1)), int(m.group(2)), float(ind.group(1)), float(uniq.group(1)), hists[0], hists[1]))
     if not out:
-        raise ValueError(f"{path}: no locality sections found")
+        raise FormatError(f"{path}: no locality sections found")
     return out
 
 
@@ -351,7 +352,7 @@ def calibrate(target: LocalityStats, components: int = 2, ids_per_table: int | N
     the figures returned are measured on a batch drawn with :class:`ZipfSampler`.
     """
     if components not in (1, 2):
-        raise ValueError(f"components must be 1 or 2, got {components}")
+        raise SettingError(f"components must be 1 or 2, got {components}")
     m = int(ids_per_table or round(target.ids_per_table))
     step = 2 if quick else 1
     alphas = np.round(np.arange(0.3, 1.61, 0.05 * step), 3)

@@ -12,6 +12,7 @@ import numpy as np
 from tierstore.tools import capacity_cli
 from tierstore.engine.memory import format_bytes
 from tierstore.tools.cli import add_verb, nonneg_float, nonneg_int, parse_size, positive_float, positive_int, size
+from tierstore.errors import PathNotFoundError, SettingError
 
 DEFAULT_STATS_DIR = Path("../shared/data/dlrm_datasets")
 SYNTH_MAX_BYTES = "1GiB"  # a mistyped --steps or --batch-size must not fill a disk or the memory unasked
@@ -85,12 +86,12 @@ def _parse_tables(args):
     for spec in args.table:
         parts = spec.split(":")
         if not 2 <= len(parts) <= 4:
-            raise ValueError(f"--table {spec!r}: expected NAME:ROWS[:ALPHA[:POOLING]], e.g. user:1000000:1.1:8")
+            raise SettingError(f"--table {spec!r}: expected NAME:ROWS[:ALPHA[:POOLING]], e.g. user:1000000:1.1:8")
         try:
             out.append(SynthTable(parts[0], int(parts[1]), float(parts[2]) if len(parts) > 2 and parts[2] else None,
                                   float(parts[3]) if len(parts) > 3 and parts[3] else None))
         except ValueError:
-            raise ValueError(f"--table {spec!r}: ROWS must be an int, ALPHA and POOLING numbers") from None
+            raise SettingError(f"--table {spec!r}: ROWS must be an int, ALPHA and POOLING numbers") from None
     return tuple(out)
 
 
@@ -102,11 +103,11 @@ def _synth(args) -> int:
     (accesses, need), limit = trace_size(cfg), parse_size(args.max_bytes, "--max-bytes")
     what = f"{accesses:,} accesses in {len(cfg.tables) * cfg.steps:,} calls, {format_bytes(need)}"
     if need > limit:
-        raise ValueError(f"this trace would be {what}, over --max-bytes {args.max_bytes}; pass --max-bytes "
+        raise SettingError(f"this trace would be {what}, over --max-bytes {args.max_bytes}; pass --max-bytes "
                          f"{_round_up_gib(need)} to write it, or lower --steps, --batch-size or the pooling")
     free = shutil.disk_usage(_existing_parent(Path(args.out))).free
     if need > free:
-        raise ValueError(f"this trace would be {what}, but {_existing_parent(Path(args.out))} has {format_bytes(free)} free; "
+        raise SettingError(f"this trace would be {what}, but {_existing_parent(Path(args.out))} has {format_bytes(free)} free; "
                          "write it to another disk, or lower --steps, --batch-size or the pooling")
     print(f"writing {args.out}: {what} (held in memory while it is made)", flush=True)
     trace = synth(cfg)
@@ -133,11 +134,11 @@ def _convert(args) -> int:
     if fmt == "auto":
         exts = {"csv" if str(f).endswith(".csv") else "dlrm" if re.search(r"\.pt(\.gz)?$", str(f)) else "?" for f in args.inputs}
         if len(exts) != 1 or "?" in exts:
-            raise ValueError(f"cannot tell the input format of {args.inputs}; pass --from dlrm or --from csv")
+            raise SettingError(f"cannot tell the input format of {args.inputs}; pass --from dlrm or --from csv")
         fmt = exts.pop()
     if fmt == "csv":
         if len(args.inputs) != 1:
-            raise ValueError("--from csv takes one CSV file")
+            raise SettingError("--from csv takes one CSV file")
         trace = from_csv(args.inputs[0], dim=args.dim)
     else:
         trace = from_dlrm(args.inputs, batch_size=args.batch_size, dim=args.dim)
@@ -169,12 +170,12 @@ def _calibrate(args) -> int:
 
     files = [Path(f) for f in args.stats] or sorted(DEFAULT_STATS_DIR.glob("*_locality_stats.txt"))
     if not files:
-        raise FileNotFoundError(f"no locality stats given and none in {DEFAULT_STATS_DIR}; pass the *_locality_stats.txt files")
+        raise PathNotFoundError(f"no locality stats given and none in {DEFAULT_STATS_DIR}; pass the *_locality_stats.txt files")
     results = []
     for f in files:
         sections = parse_locality_stats(f)
         if not 0 <= args.section < len(sections):
-            raise ValueError(f"{f} has {len(sections)} reports; --section must be in 0..{len(sections) - 1}")
+            raise SettingError(f"{f} has {len(sections)} reports; --section must be in 0..{len(sections) - 1}")
         target = sections[args.section]
         for k in sorted({1, args.components}):
             results.append((f, calibrate(target, k, ids_per_table=args.ids_per_table, seed=args.seed, quick=args.quick)))
