@@ -8,7 +8,8 @@ DDR tier and LMDB files and serves them to trainer processes over a Unix socket.
 - server.py: the ``Daemon`` that owns the store and answers each client (its docstring
   states the contracts: claims, durability, limits, concurrency), helped by config.py
   (``DaemonConfig``, checked), sessions.py (the listening socket, client sessions,
-  claims) and memory.py (the bound on frames in flight, the prefetch hints held).
+  claims), snapshot.py (its figures and their Prometheus collector) and memory.py
+  (the bound on frames in flight, the prefetch hints held).
 
 The command-line verb is tierstore.tools.daemon (tools/daemon.py); ``tierstore bench
 daemon`` is tierstore.tools.bench_daemon.

@@ -49,19 +49,18 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tierstore.daemon import wire
 from tierstore.daemon.config import DaemonConfig
 from tierstore.daemon.memory import HELLO_WORK_PER_BYTE, HINT_BYTES_PER_ID, PREFETCH_WORK_PER_ID, HintPool, MemoryBudget
 from tierstore.daemon.sessions import ClaimIndex, Session, bind_socket, client_cap
+from tierstore.daemon.snapshot import STATS_CLAIMS, ClientCollector, ClientInfo, DaemonSnapshot
 from tierstore.engine.tensors import as_ids
 from tierstore.store import TieredStore
 from tierstore.validate import check_int
@@ -69,60 +68,8 @@ from tierstore.errors import BadIdsError, BadValuesError, SettingError, UnknownT
 
 log = logging.getLogger("tierstore.prefetchd")
 
-STATS_CLAIMS = 16  # claims STATS lists per client (and how many it has)
 MAX_NAMED_CLIENTS = 4096  # client names whose counters are kept apart; later names share one
 OTHER_CLIENTS = "(other clients)"
-
-
-@dataclass(frozen=True)
-class ClientInfo:
-    """One attached client as a snapshot saw it (STATS lists these, in this order)."""
-
-    name: str
-    pid: int | None
-    claims: tuple[tuple[str, int, int], ...]  # its first STATS_CLAIMS claims
-    n_claims: int
-    readonly: bool
-    step: int | None  # the step it last reported
-    shm_bytes: int
-    hints: int  # prefetch hints the store holds for it
-    hint_bytes: int
-
-
-@dataclass(frozen=True)
-class DaemonSnapshot:
-    """The daemon's own figures at one moment, copied under its lock (Daemon.snapshot)."""
-
-    connections: int  # connected now, attached or not
-    clients: tuple[ClientInfo, ...]  # attached (said HELLO)
-    requests: Mapping[str, Mapping[str, int]]  # client name -> op -> requests served, kept after it left
-    rows: Mapping[str, Mapping[str, int]]  # client name -> op -> rows read, written or hinted
-
-
-class _ClientCollector:
-    """Per-client request and row counters, labelled by client name (scrape time)."""
-
-    def __init__(self, daemon: "Daemon"):
-        self._daemon = daemon
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        req = CounterMetricFamily("tierstore_daemon_client_requests", "Requests served per client and operation.", labels=["client", "op"])
-        rows = CounterMetricFamily("tierstore_daemon_client_rows", "Rows read, written or hinted per client and operation.", labels=["client", "op"])
-        steps = GaugeMetricFamily("tierstore_daemon_client_step", "Training step each client last reported.", labels=["client"])
-        clients = GaugeMetricFamily("tierstore_daemon_clients", "Connected clients.")
-        snap = self._daemon.snapshot()
-        for name, ops in snap.requests.items():
-            for op, n in ops.items():
-                req.add_metric([name, op], n)
-                rows.add_metric([name, op], snap.rows[name].get(op, 0))
-        for c in snap.clients:
-            if c.step is not None:
-                steps.add_metric([c.name], c.step)
-        clients.add_metric([], snap.connections)
-        yield from (req, rows, steps, clients)
 
 
 class Daemon:
@@ -161,7 +108,7 @@ class Daemon:
             # what it bound (metrics_port 0: a free port), for the ready line, the log and STATS
             self.metrics_port: int | None = endpoint.port if endpoint is not None else None
             self.metrics_url: str | None = endpoint.url if endpoint is not None else None
-            self.registry.register(_ClientCollector(self))
+            self.registry.register(ClientCollector(self.snapshot))
             row_bytes = 4 * max((spec.width for spec in self.store.tables.values()), default=0)
             self._reply_bytes_per_id = {wire.READ: row_bytes, wire.REREAD: row_bytes, wire.ADMITTED: 8,
                                         wire.PREFETCH: PREFETCH_WORK_PER_ID}
