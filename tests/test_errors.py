@@ -20,7 +20,7 @@ from tierstore import TierstoreError
 from tierstore.tools.cli import main
 
 PACKAGES = ("tierstore", "tierstore.capacity", "tierstore.daemon", "tierstore.engine", "tierstore.serving", "tierstore.training",
-            "tierstore.io", "tierstore.eviction", "tierstore.metrics", "tierstore.tools")
+            "tierstore.torchrec", "tierstore.io", "tierstore.eviction", "tierstore.metrics", "tierstore.tools")
 
 # the builtin bases each error had before TierstoreError: `except` clauses written for them still catch it
 BUILTIN_BASES = {
@@ -64,11 +64,17 @@ PEER_ADAPTERS = {"tierstore.torchrec": "torchrec"}
 def error_classes() -> dict[str, type[BaseException]]:
     """Every exception class defined in a module of the package, by qualified name."""
     found = {}
+    def peer_missing(name: str) -> bool:  # the adapter (and its modules) refuse to import without its optional peer
+        return any((name == a or name.startswith(a + ".")) and importlib.util.find_spec(peer) is None
+                   for a, peer in PEER_ADAPTERS.items())
+
     for package in PACKAGES:
+        if peer_missing(package):
+            continue
         for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
             name = f"{package}.{info.name}"
-            if name in PEER_ADAPTERS and importlib.util.find_spec(PEER_ADAPTERS[name]) is None:
-                continue  # the adapter refuses to import without its optional peer
+            if peer_missing(name):
+                continue
             module = importlib.import_module(name)
             for value in vars(module).values():
                 if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == module.__name__:
@@ -155,7 +161,7 @@ ALLOWED = {
     ("tierstore/lazy.py", "submodule", "AttributeError"),
     ("tierstore/lazy.py", "exports.__getattr__", "AttributeError"),
     # importing the TorchRec adapter without TorchRec: a failed import is Python's ImportError
-    ("tierstore/torchrec.py", "", "ImportError"),
+    ("tierstore/torchrec/__init__.py", "", "ImportError"),
     # internal invariants: each means a bug in tierstore, not a caller's mistake
     ("tierstore/engine/hashindex.py", "HashIndex.remove", "KeyError"),
     ("tierstore/engine/hashindex.py", "HashIndex._rebuild", "RuntimeError"),

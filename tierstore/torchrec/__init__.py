@@ -35,6 +35,7 @@ torch.fx.wrap("reorder_inverse_indices")  # a leaf when traced here too, as wher
 
 from tierstore.training.checkpointing import check_optimizer_record, optimizer_record
 from tierstore.engine.interface import EmbeddingStore
+from tierstore.lazy import submodule
 from tierstore.nn import ScriptRefusal, TieredEmbeddingBag, module_store, outside_graphs, refuse_export
 from tierstore.optim import RowOptimizer
 from tierstore.spec import RowInit, TableSpec
@@ -304,3 +305,10 @@ class ServingEmbeddingBagCollection(nn.Module):
 
     def close(self) -> None:
         self.store.close()
+
+
+def __getattr__(name: str):
+    # the sharder loads TorchRec's distributed package (a second's import): on first use only
+    if name in ("TieredEmbeddingBagCollectionSharder", "TieredShardedEmbeddingBagCollection"):
+        return getattr(submodule(__name__, "sharder"), name)
+    return submodule(__name__, name)

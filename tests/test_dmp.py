@@ -1,0 +1,278 @@
+"""TorchRec's DistributedModelParallel over tierstore shards, against TorchRec's own sharder
+and the unsharded model: real rank processes (spawn), gloo over a file rendezvous, real LMDB
+under tiny tiers. One launch of 2 ranks trains every case (the process group and TorchRec's
+import are paid once); each rank saves what it saw and the tests compare."""
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import traceback
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # FBGEMM and TorchRec warn about CPU-only builds on import
+    torchrec = pytest.importorskip("torchrec", reason="TorchRec (optional peer) is not installed: see the README's TorchRec section")
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+
+from tierstore import optim
+from tierstore.spec import TableSpec, initial_rows
+
+WORLD, B, STEPS = 2, 4, 3
+LR, EPS = 0.1, 1e-8
+KEYS = ["f1", "f2", "f3"]
+
+
+def configs() -> list[EmbeddingBagConfig]:
+    """t1 pools two features (a row read by both takes one step on the summed gradient, as in
+    FBGEMM's table-batched kernel); t2 initializes from its init_fn and pools by mean."""
+    return [EmbeddingBagConfig(name="t1", num_embeddings=40, embedding_dim=16, feature_names=["f1", "f2"]),
+            EmbeddingBagConfig(name="t2", num_embeddings=30, embedding_dim=4, feature_names=["f3"], pooling=PoolingType.MEAN,
+                               init_fn=functools.partial(torch.nn.init.normal_, mean=0.0, std=0.3))]
+
+
+def initial_weights() -> dict[str, torch.Tensor]:
+    """Each table's rows as tierstore initializes them from its config (the oracles start there)."""
+    from tierstore.torchrec import row_init
+
+    return {c.name: torch.from_numpy(initial_rows(TableSpec(c.name, c.num_embeddings, c.embedding_dim, init=row_init(c)),
+                                                  torch.arange(c.num_embeddings).numpy()))
+            for c in configs()}
+
+
+def batch(step: int, rank: int) -> KeyedJaggedTensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    lengths = torch.randint(0, 4, (len(KEYS) * B,), generator=g)
+    values = torch.randint(0, 12, (int(lengths.sum()),), generator=g) * 2  # few ids: rows recur across features and ranks
+    return KeyedJaggedTensor.from_lengths_sync(keys=KEYS, values=values, lengths=lengths)
+
+
+# plans: per table, a TorchRec sharding_plan generator's name and its arguments
+PLANS = {
+    "table": {"t1": ("table_wise", {"rank": 0}), "t2": ("table_wise", {"rank": 1})},
+    "column": {"t1": ("column_wise", {"ranks": [0, 1]}), "t2": ("column_wise", {"ranks": [1, 0]})},
+    # two column shards of t1 on each rank (two stores there), t2 whole on rank 1
+    "mixed": {"t1": ("column_wise", {"ranks": [0, 0, 1, 1]}), "t2": ("table_wise", {"rank": 1})},
+}
+OPTIMIZERS = {"sgd": (lambda: optim.SGD(lr=LR), "EXACT_SGD", {}),
+              "rowwise": (lambda: optim.RowWiseAdagrad(lr=LR, eps=EPS), "EXACT_ROWWISE_ADAGRAD", {"eps": EPS})}
+TIERS = {"tiny": {"hbm_rows": 2, "ddr_rows": 3}, "roomy": {"hbm_rows": 64, "ddr_rows": 0}}
+CASES = [(plan, opt, kind, "tiny") for plan in PLANS for opt in OPTIMIZERS for kind in ("tierstore", "torchrec")] + \
+        [(plan, "rowwise", "tierstore", "roomy") for plan in ("table", "mixed")]
+
+
+# -- rank side ------------------------------------------------------------------------------
+def _model():
+    from torch import nn
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ebc = EmbeddingBagCollection(configs(), device=torch.device("meta"))
+
+        def forward(self, kjt):
+            return self.ebc(kjt).values()
+
+    return Model()
+
+
+def _dmp(path: Path, plan_name: str, opt: str, kind: str, tiers: str):
+    from torchrec.distributed import sharding_plan as sp
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    make, fbgemm_opt, extra = OPTIMIZERS[opt]
+    if kind == "tierstore":
+        from tierstore.torchrec import TieredEmbeddingBagCollectionSharder
+
+        sharder, kernel = TieredEmbeddingBagCollectionSharder(path, optimizer=make(), **TIERS[tiers]), None
+    else:
+        sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": getattr(EmbOptimType, fbgemm_opt), "learning_rate": LR,
+                                                              **extra})
+        kernel = "fused"
+    model = _model()
+    per_param = {t: getattr(sp, fn)(**args, compute_kernel=kernel) for t, (fn, args) in PLANS[plan_name].items()}
+    plan = ShardingPlan({"ebc": sp.construct_module_sharding_plan(model.ebc, per_param, sharder=sharder, local_size=WORLD,
+                                                                 world_size=WORLD, device_type="cpu")})
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
+                                   sharders=[sharder], plan=plan)
+    return dmp
+
+
+def _local_rows(dmp, kind: str) -> dict[str, list]:
+    """This rank's shards: [(row offset, col offset, rows)] by table."""
+    out: dict[str, list] = {}
+    if kind == "tierstore":
+        for lookup in dmp.module.ebc._lookups:
+            for shard in lookup.shards:
+                k = shard.key
+                n = shard.bag.num_embeddings
+                out.setdefault(k.table, []).append((k.row_offset, k.col_offset, shard.bag.store.peek(k.table, torch.arange(n))))
+        return out
+    for key, st in dmp.state_dict().items():
+        table = key.split(".")[-2]
+        for sh in st.local_shards():
+            r, c = sh.metadata.shard_offsets
+            out.setdefault(table, []).append((r, c, sh.tensor.detach().clone()))
+    return out
+
+
+def _set_torchrec_rows(dmp, full: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for key, st in dmp.state_dict().items():
+            for sh in st.local_shards():
+                (r, c), (nr, nc) = sh.metadata.shard_offsets, sh.metadata.shard_sizes
+                sh.tensor.copy_(full[key.split(".")[-2]][r:r + nr, c:c + nc])
+
+
+def train_cases(rank: int, out: Path) -> dict:
+    results = {"path": out}
+    full = initial_weights()
+    for case in CASES:
+        plan_name, opt, kind, tiers = case
+        dmp = _dmp(out / "-".join(case), plan_name, opt, kind, tiers)
+        if kind == "torchrec":
+            _set_torchrec_rows(dmp, full)
+        outs = []
+        for step in range(STEPS):
+            o = dmp(batch(step, rank))
+            o.pow(2).sum().backward()
+            dmp.fused_optimizer.step()
+            outs.append(o.detach())
+        results[case] = {"outs": outs, "rows": _local_rows(dmp, kind)}
+        if kind == "tierstore":
+            dmp.module.ebc.close()
+    return results
+
+
+SCENARIOS = {"train": train_cases}
+
+
+def _rank_main(rank: int, world: int, out: str, scenario: str):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{Path(out).resolve() / 'rendezvous'}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        result = SCENARIOS[scenario](rank, Path(out))
+    except BaseException:
+        (Path(out) / f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+    torch.save(result, Path(out) / f"result-{rank}.pt")
+    dist.destroy_process_group()
+
+
+def launch(path: Path, scenario: str, world: int = WORLD) -> list:
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        mp.spawn(_rank_main, args=(world, str(path), scenario), nprocs=world, join=True)
+    except Exception:
+        errors = "\n".join(p.read_text() for p in sorted(path.glob("error-*.txt")))
+        raise AssertionError(f"a rank failed:\n{errors}") from None
+    return [torch.load(path / f"result-{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("dmp-train"), "train")
+
+
+# -- the oracles ----------------------------------------------------------------------------
+def assembled(results: list, case) -> dict[str, torch.Tensor]:
+    """Each table's rows, assembled from every rank's shards."""
+    full = {c.name: torch.full((c.num_embeddings, c.embedding_dim), float("nan")) for c in configs()}
+    for res in results:
+        for table, shards in res[case]["rows"].items():
+            for r, c, rows in shards:
+                full[table][r:r + rows.shape[0], c:c + rows.shape[1]] = rows
+    return full
+
+
+def column_blocks(results: list, case) -> dict[str, list[tuple[int, int]]]:
+    """Each table's column ranges, one per column shard the plan made."""
+    return {table: sorted({(c, c + rows.shape[1]) for res in results for r, c, rows in res[case]["rows"].get(table, [])})
+            for table in (c.name for c in configs())}
+
+
+def unsharded(blocks: dict, opt: str) -> tuple[list[list[torch.Tensor]], dict[str, torch.Tensor]]:
+    """The model on one process, its loss the mean of the ranks' (TorchRec divides the
+    embeddings' gradients by the world size), updated by the optimizer's formula on the dense
+    gradient (row-wise Adagrad: one accumulator per row of each column shard, ``blocks``, as TorchRec's)."""
+    ebc = EmbeddingBagCollection(configs())
+    weights = initial_weights()
+    with torch.no_grad():
+        for name, w in weights.items():
+            ebc.embedding_bags[name].weight.copy_(w)
+    state = {name: torch.zeros(w.shape[0], len(blocks[name])) for name, w in weights.items()}
+    outs = [[] for _ in range(WORLD)]
+    for step in range(STEPS):
+        ebc.zero_grad()
+        total = 0
+        for r in range(WORLD):
+            o = ebc(batch(step, r)).values()
+            outs[r].append(o.detach())
+            total = total + o.pow(2).sum() / WORLD
+        total.backward()
+        with torch.no_grad():
+            for name in weights:
+                w = ebc.embedding_bags[name].weight
+                g = w.grad
+                if opt == "sgd":
+                    w.sub_(LR * g)
+                    continue
+                for k, (c0, c1) in enumerate(blocks[name]):
+                    gb = g[:, c0:c1]
+                    state[name][:, k] += gb.pow(2).mean(dim=1)
+                    w[:, c0:c1] -= LR * gb / (state[name][:, k:k + 1].sqrt() + EPS)
+    return outs, {name: ebc.embedding_bags[name].weight.detach() for name in weights}
+
+
+@pytest.mark.parametrize("plan_name", list(PLANS))
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_dmp_trains_as_torchrecs_sharder_and_the_unsharded_model(trained, plan_name, opt):
+    ours, theirs = (plan_name, opt, "tierstore", "tiny"), (plan_name, opt, "torchrec", "tiny")
+    assert column_blocks(trained, ours) == column_blocks(trained, theirs)
+    outs, rows = unsharded(column_blocks(trained, theirs), opt)
+    for r, res in enumerate(trained):
+        for step in range(STEPS):
+            torch.testing.assert_close(res[ours]["outs"][step], outs[r][step], rtol=0, atol=1e-5)
+            torch.testing.assert_close(res[ours]["outs"][step], res[theirs]["outs"][step], rtol=0, atol=1e-5)
+    got, want = assembled(trained, ours), assembled(trained, theirs)
+    for name in rows:
+        torch.testing.assert_close(got[name], rows[name], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("plan_name", ["table", "mixed"])
+def test_tier_sizes_change_no_bit(trained, plan_name):
+    tiny, roomy = (plan_name, "rowwise", "tierstore", "tiny"), (plan_name, "rowwise", "tierstore", "roomy")
+    for res in trained:
+        for a, b in zip(res[tiny]["outs"], res[roomy]["outs"]):
+            assert torch.equal(a, b)
+    a, b = assembled(trained, tiny), assembled(trained, roomy)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_two_shards_of_a_table_on_a_rank_live_in_two_stores(trained):
+    case = ("mixed", "sgd", "tierstore", "tiny")
+    assert len(column_blocks(trained, case)["t1"]) == 4
+    assert sorted(p.name for p in (trained[0]["path"] / "-".join(case)).iterdir()) == ["rank-0", "rank-0.1", "rank-1", "rank-1.1"]
+
+
+def test_init_fn_gives_the_rows_their_first_values(trained):
+    """t2's init_fn (normal, std 0.3) and t1's default (uniform +-1/sqrt(40)) are what the
+    first forward pools: the unsharded model from those rows gives the same outputs."""
+    w = initial_weights()
+    assert w["t1"].abs().max() <= 40 ** -0.5 and w["t2"].std() > 0.2
+    outs, _ = unsharded(column_blocks(trained, ("table", "sgd", "torchrec", "tiny")), "sgd")
+    for r, res in enumerate(trained):
+        torch.testing.assert_close(res[("table", "sgd", "tierstore", "tiny")]["outs"][0], outs[r][0], rtol=0, atol=1e-6)

@@ -1,0 +1,159 @@
+"""TorchRec's DistributedModelParallel over tierstore shards.
+
+``TieredEmbeddingBagCollectionSharder(path, hbm_rows=..., ddr_rows=..., memory_budget=...,
+optimizer=...)`` is a TorchRec ``ModuleSharder``: passed to
+``DistributedModelParallel(model, sharders=[sharder], plan=plan)``, it shards each
+``torchrec.EmbeddingBagCollection`` of the model (or tierstore's, ``module_type=``) as
+TorchRec's own EmbeddingBagCollectionSharder does, with each rank's shards in
+tierstore stores under ``path``.
+
+The route: TorchRec's ``CUSTOMIZED_KERNEL`` compute kernel in the plan, and a
+``ShardedEmbeddingBagCollection`` subclass whose lookups are tierstore's
+(tierstore.torchrec.lookup.ShardLookup). Everything else is TorchRec's own code:
+the plan, the input dists (ids to the ranks that own them), the output dists
+(pooled embeddings back, the backward dividing gradients by the world size), the
+grouping of tables per sharding type, the embedding names and the permutes. A
+custom BaseEmbedding kernel would have to be created by TorchRec's lookup, which
+builds kernels from a fixed list (no hook for a new one); a whole custom
+ShardedModule would repeat TorchRec's dists. CUSTOMIZED_KERNEL is the kernel
+TorchRec leaves to subclasses: its sharded module skips the kernel's state_dict
+handling, which the subclass gives (TableViews, read and written in chunks).
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection
+from torchrec.distributed.embedding_types import BaseEmbeddingSharder, EmbeddingComputeKernel, GroupedEmbeddingConfig
+from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+
+from tierstore.errors import ArgumentTypeError
+from tierstore.optim import RowOptimizer
+from tierstore.store import Sizes
+from tierstore.torchrec import _DTYPES, row_init
+from tierstore.torchrec.lookup import RankStores, ShardLookup
+
+KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+# what TorchRec 1.8 runs on the CPU with its own sharder; row-wise types need a GPU there too
+SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value,
+                  ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
+
+
+def local_groups(sharding) -> list[GroupedEmbeddingConfig]:
+    """The grouped tables a TorchRec sharding gives this rank's lookup."""
+    grouped = getattr(sharding, "_grouped_embedding_configs", None)
+    if grouped is None:  # table-row-wise keeps them per rank
+        grouped = sharding._grouped_embedding_configs_per_rank[sharding._rank]
+    return grouped
+
+
+class TieredShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """TorchRec's ShardedEmbeddingBagCollection with the rank's shards in tierstore stores."""
+
+    def __init__(self, module, table_name_to_parameter_sharding: dict[str, ParameterSharding], env: ShardingEnv,
+                 sharder: "TieredEmbeddingBagCollectionSharder", fused_params: dict[str, Any] | None = None,
+                 device: torch.device | None = None, qcomm_codecs_registry=None, module_fqn: str | None = None):
+        # construct_module_sharding_plan's helpers name TorchRec's dense kernel unless told otherwise: every
+        # table this sharder shards is stored by tierstore, whichever of TorchRec's kernels the plan names
+        table_name_to_parameter_sharding = {name: dataclasses.replace(p, compute_kernel=KERNEL)
+                                            for name, p in table_name_to_parameter_sharding.items()}
+        self._sharder = sharder  # read by _create_lookups, which the base class's __init__ calls
+        self._stores: RankStores | None = None
+        self._built = False
+        super().__init__(module, table_name_to_parameter_sharding, env, fused_params=fused_params, device=device,
+                         qcomm_codecs_registry=qcomm_codecs_registry, module_fqn=module_fqn)
+        self._built = True
+
+    def _create_lookups(self) -> None:
+        s = self._sharder
+        configs = {c.name: c for c in self._embedding_bag_configs}
+        shards = [t for sharding in self._embedding_shardings for g in local_groups(sharding) for t in g.embedding_tables]
+        if self._stores is None:
+            inits = {name: s.init if s.init is not None else row_init(c) for name, c in configs.items()}
+            dtypes = {name: _DTYPES[c.data_type][0] for name, c in configs.items()}
+            device = self._device if self._device is not None and self._device.type != "meta" else torch.device("cpu")
+            self._stores = RankStores(s.path, self._env.rank, shards, inits, dtypes, s.optimizer,
+                                      {**s.store_options, "device": device})
+        for sharding in self._embedding_shardings:
+            self._lookups.append(ShardLookup(local_groups(sharding), self._stores, s.optimizer, s.kernels, self._device))
+
+    def reset_parameters(self) -> None:
+        """Every row of this rank's shards back to its initial value, with zero optimizer state.
+        (TorchRec's base class calls this while it is built: a store reopened keeps its rows.)"""
+        if not self._built:
+            return
+        for lookup in self._lookups:
+            for shard in lookup.shards:
+                shard.bag.reset_parameters()
+
+    @property
+    def stores(self) -> RankStores:
+        """This rank's stores (``stores.stores``: TieredStores, one per shard of a table the rank holds)."""
+        return self._stores
+
+    def flush(self) -> None:
+        """Every row of this rank's shards durable in LMDB."""
+        self._stores.flush()
+
+    def close(self) -> None:
+        """Flush and close this rank's stores."""
+        self._stores.close()
+
+
+class TieredEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]):
+    """A TorchRec sharder that stores each rank's shards in tierstore stores under ``path``.
+
+    ``hbm_rows``/``ddr_rows`` size each store's tiers (per table, an int or {table: rows}),
+    ``memory_budget`` a rank's host memory for its stores (bytes or "4GiB"), ``policy`` the
+    DDR tier's eviction ("lru", "lfu"); ``optimizer`` is the fused row optimizer
+    (tierstore.optim: SGD, RowWiseAdagrad, Adagrad, Adam) run in the backward, as TorchRec's
+    fused TBEs run FBGEMM's. ``init`` (a tierstore.RowInit) gives every table's initial rows;
+    by default each table's config says (its init_fn, else uniform(weight_init_min,
+    weight_init_max)), as tierstore.torchrec.TieredEmbeddingBagCollection reads it.
+    ``module_type`` is the collection class it shards: TorchRec's EmbeddingBagCollection, or
+    tierstore.torchrec.TieredEmbeddingBagCollection (built with ``device="meta"``).
+    """
+
+    def __init__(self, path: str | Path, *, hbm_rows: Sizes | None = None, ddr_rows: Sizes | None = None,
+                 memory_budget: int | str | None = None, policy: str = "lru", optimizer: RowOptimizer | None = None,
+                 init=None, kernels: str = "torch", module_type: type[nn.Module] = EmbeddingBagCollection,
+                 fused_params: dict[str, Any] | None = None, qcomm_codecs_registry=None):
+        super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
+        if optimizer is not None and not isinstance(optimizer, RowOptimizer):
+            raise ArgumentTypeError(f"optimizer must be a tierstore.optim optimizer (SGD, RowWiseAdagrad, Adagrad, Adam), "
+                                    f"got {type(optimizer).__name__}")
+        if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+            raise ArgumentTypeError(f"module_type must be the collection class to shard, got {module_type!r}")
+        self.path = Path(path)
+        self.optimizer = optimizer
+        self.init = init
+        self.kernels = kernels
+        self._module_type = module_type
+        self.store_options = {"hbm_rows": hbm_rows, "ddr_rows": ddr_rows, "memory_budget": memory_budget, "policy": policy}
+
+    def shard(self, module, params: dict[str, ParameterSharding], env: ShardingEnv, device: torch.device | None = None,
+              module_fqn: str | None = None) -> TieredShardedEmbeddingBagCollection:
+        return TieredShardedEmbeddingBagCollection(module, params, env, self, fused_params=self.fused_params, device=device,
+                                                   qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn)
+
+    def shardable_parameters(self, module) -> dict[str, nn.Parameter]:
+        return {name.split(".")[0]: param for name, param in module.embedding_bags.named_parameters()}
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        return list(SHARDING_TYPES)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        return [KERNEL]
+
+    @property
+    def module_type(self) -> type[nn.Module]:
+        return self._module_type
+
+    @property
+    def sharded_module_type(self) -> type[TieredShardedEmbeddingBagCollection]:
+        return TieredShardedEmbeddingBagCollection
