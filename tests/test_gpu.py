@@ -197,3 +197,66 @@ def test_a_hot_row_trains_on_cuda_as_torch_sparse_sgd(tmp_path):
         opt.step()
     assert not torch.equal(start, rows)
     torch.testing.assert_close(rows, ref.weight.detach(), rtol=1e-5, atol=1e-5)
+
+
+def _zipf_batches(rows: int, steps: int, bags: int, pooling: int, device, seed: int = 7):
+    rng = np.random.default_rng(seed)
+    offsets = torch.arange(0, bags * pooling, pooling, device=device)
+    return [(torch.from_numpy(rng.zipf(1.1, bags * pooling) % rows).to(device), offsets) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_small_cache_at_every_depth_trains_the_resident_bits(tmp_path, device):
+    """A table whose HBM tier holds 5% of it, fed by LookaheadLoader at depths 0 to 3 (at
+    depth 3 the batches ahead need more rows than the tier holds, so rows of steps in
+    flight compete for its slots), and a table with no HBM tier: every row and its
+    Adagrad state end bit-identical to the same table trained with every row resident."""
+    rows = 4000
+    batches = _zipf_batches(rows, 16, 24, 8, device)
+    touched = torch.unique(torch.cat([ids.cpu() for ids, _ in batches]))
+
+    def train(name, hbm_rows, ddr_rows, depth):
+        emb = TieredEmbeddingBag(rows, 8, mode="sum", path=tmp_path / name, hbm_rows=hbm_rows, ddr_rows=ddr_rows,
+                                 device=device, optimizer=optim.Adagrad(lr=0.1), init=RowInit.normal(0, 0.5, seed=8))
+        for ids, offsets in (LookaheadLoader(batches, emb, depth=depth) if depth else batches):
+            (emb(ids, offsets) * torch.linspace(-1, 1, 8, device=ids.device)).pow(2).sum().backward()
+        got = emb.store.read(emb.table, torch.arange(rows), with_state=True).cpu()
+        emb.close()
+        return got
+
+    resident = train("resident", rows, 0, 0)
+    assert resident[touched, 8:].gt(0).any(1).all()  # every row the batches touched was trained (its Adagrad sum)
+    assert len(touched) > 3 * rows // 20  # the batches' rows outgrow the HBM tier
+    for depth in (0, 1, 2, 3):
+        assert torch.equal(train(f"cache{depth}", rows // 20, rows // 10, depth), resident), depth
+    assert torch.equal(train("ddr", 0, rows // 10, 2), resident)
+
+
+@gpu
+@pytest.mark.parametrize("hbm_rows, depth", [(2000, 0), (600, 2)], ids=["resident", "cached-depth2"])
+def test_a_training_step_never_waits_on_the_gpu(tmp_path, hbm_rows, depth):
+    """Every row in the HBM tier, or the rows of each batch brought there ahead by a
+    LookaheadLoader: the step (lookup, pooling, backward, fused update) runs under
+    ``torch.cuda.set_sync_debug_mode("error")``, so nothing in it makes the host wait for
+    the GPU (no ``.item()``, no ``nonzero``, no copy to the host); and it trains the bits
+    of a store with every row resident, trained without the check."""
+    rows = 2000
+    batches = _zipf_batches(rows, 8, 32, 8, "cuda")
+
+    def train(name, hbm, checked):
+        emb = TieredEmbeddingBag(rows, 16, mode="sum", path=tmp_path / name, hbm_rows=hbm, ddr_rows=rows, device="cuda",
+                                 optimizer=optim.SGD(lr=0.1), init=RowInit.normal(0, 0.5, seed=9))
+        if hbm == rows:
+            emb.store.read(emb.table, torch.arange(rows, device="cuda"))  # every row resident before the first step
+        for i, (ids, offsets) in enumerate(LookaheadLoader(batches, emb, depth=depth) if depth else batches):
+            if checked and i > 0:  # the first step may set up what it keeps (buffers, compiled code)
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                emb(ids, offsets).pow(2).sum().backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        got = emb.store.read(emb.table, torch.arange(rows), with_state=True).cpu()
+        emb.close()
+        return got
+
+    assert torch.equal(train("checked", hbm_rows, checked=True), train("resident", rows, checked=False))

@@ -54,6 +54,9 @@ BENCHES: dict[str, Bench] = {
     "serve": Bench("bench_serve", "serving lookups (float32, int8, int4) against FBGEMM IntNBit; client "
                                   "latency while deltas apply"),
     "scale": Bench("bench_scale", "a table many times the memory budget, trained under a real memory limit"),
+    "gpu": Bench("bench_gpu", "every GPU figure in one run: the resident step against nn.EmbeddingBag + torch's "
+                              "optimizers, read against index_select, the HBM tier as a cache, ops and syncs a "
+                              "step, then `pytest -m gpu`"),
 }
 DEFAULT = ("read", "cold", "memory")  # what `tierstore bench` alone runs
 DEFAULT_BATCH = 65_536
