@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import gc
 import json
 import os
@@ -86,9 +87,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    start = time.monotonic()
+    # a part that hangs prints where every thread is (on stderr) a minute past the budget, before whatever
+    # limit the machine's lease puts on the command ends it with nothing said
+    faulthandler.dump_traceback_later(args.budget + 60, exit=False)
+    try:
+        _run(args, start)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _run(args: argparse.Namespace, start: float) -> None:
     from tierstore.errors import SettingError
 
-    start = time.monotonic()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SettingError("--device cuda: torch sees no GPU here; run with --device cpu (and --quick for a small run)")
