@@ -90,7 +90,10 @@ def run(args: argparse.Namespace) -> None:
     start = time.monotonic()
     # a part that hangs prints where every thread is (on stderr) a minute past the budget, before whatever
     # limit the machine's lease puts on the command ends it with nothing said
-    faulthandler.dump_traceback_later(args.budget + 60, exit=False)
+    try:
+        faulthandler.dump_traceback_later(args.budget + 60, file=sys.__stderr__)
+    except (AttributeError, ValueError):  # no stderr with a file descriptor (an embedding host): no dump
+        pass
     try:
         _run(args, start)
     finally:
