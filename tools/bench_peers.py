@@ -22,7 +22,8 @@ import torch
 from tierstore.tools.bench import DEFAULT_BATCH, interleaved_medians, report, shared
 
 POOLING = 32
-N_BATCHES = 8
+MIN_BATCHES = 64
+WARMUP = 2  # untimed rounds before the timed ones (interleaved_medians')
 ALPHA = 1.05
 INSTALL = "pip install 'tierstore[fbgemm]'  (fbgemm-gpu-cpu==1.8.0, which goes with torch 2.13)"
 # tierstore optimizer -> (FBGEMM OptimType name or None where FBGEMM's CPU build lacks it, kwargs for both)
@@ -84,15 +85,18 @@ def _run(args: argparse.Namespace) -> None:
     bags = max(1, args.batch // POOLING)
     gen = torch.Generator().manual_seed(args.seed)
     zipf = ZipfIds(rows, ALPHA, gen)
-    batches = [zipf.sample(bags * POOLING, gen) for _ in range(N_BATCHES)]
+    threads = torch.get_num_threads()
+    settings = [threads] + ([1] if threads > 1 and device.type == "cpu" else [])
+    # each setting times a step and a lookup: a section of WARMUP + repeat calls each
+    calls = WARMUP + args.repeat
+    n_batches = max(MIN_BATCHES, 2 * len(settings) * calls)
+    batches = [zipf.sample(bags * POOLING, gen) for _ in range(n_batches)]
     offsets = torch.arange(bags + 1) * POOLING
-    grads = [torch.randn(bags, dim, generator=gen).to(device) for _ in range(N_BATCHES)]
+    grads = [torch.randn(bags, dim, generator=gen).to(device) for _ in range(n_batches)]
     working = torch.unique(torch.cat(batches))
     unique_per_batch = statistics.mean(len(torch.unique(b)) for b in batches)
     dev_batches, dev_offsets = [b.to(device) for b in batches], offsets.to(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    threads = torch.get_num_threads()
-    settings = [threads] + ([1] if threads > 1 and device.type == "cpu" else [])
     have_fbgemm = fbgemm_module(8, 8, "EXACT_SGD", {"lr": 0.01}, device) is not None
     lines, ratios = [], {}
     if not have_fbgemm:
@@ -113,11 +117,13 @@ def _run(args: argparse.Namespace) -> None:
                         optimizer=getattr(tierstore.optim, name)(**hyper), init=tierstore.RowInit(), device=device, kernels=kernels)
                     _make_resident(emb, working)
 
-            def step(module, fbgemm=False):
-                return _turns(module, dev_batches, dev_offsets, sync, fbgemm, grads)
+            section = iter(range(10**9))  # the sides of a section start at its batch: none a side took before
 
-            def lookup(module, fbgemm=False):
-                return _turns(module, dev_batches, dev_offsets, sync, fbgemm)
+            def step(module, fbgemm=False, start=0):
+                return _turns(module, dev_batches, dev_offsets, sync, fbgemm, grads, start)
+
+            def lookup(module, fbgemm=False, start=0):
+                return _turns(module, dev_batches, dev_offsets, sync, fbgemm, start=start)
 
             try:
                 for n_threads in settings:
@@ -127,9 +133,10 @@ def _run(args: argparse.Namespace) -> None:
                         if kind == "lookup" and name != "SGD":  # the lookup depends on neither the optimizer nor the kernels
                             continue
                         # every tier's sides and FBGEMM in the same rounds: {(tier, side name): timed side}
-                        sides = {(tier, f"tierstore ({k})" if kind == "step" else "tierstore"): make(e)
+                        start = next(section) * calls
+                        sides = {(tier, f"tierstore ({k})" if kind == "step" else "tierstore"): make(e, start=start)
                                  for tier, by_kernels in embs.items() for k, e in by_kernels.items() if kind == "step" or k == "torch"}
-                        times = interleaved_medians(list(sides.values()) + ([make(fb, True)] if fb else []), args.repeat)
+                        times = interleaved_medians(list(sides.values()) + ([make(fb, True, start)] if fb else []), args.repeat, WARMUP)
                         fb_time = times[-1] if fb else None
                         for tier in embs:
                             ours = {side: t for (t_tier, side), t in zip(sides, times) if t_tier == tier}
@@ -160,7 +167,7 @@ def _run(args: argparse.Namespace) -> None:
             for (_, _, k, side) in ratios if k == "step"}
     lookup = [r for (_, _, k, _), r in ratios.items() if k == "lookup"]
     params = {"rows": rows, "dim": dim, "bags": bags, "pooling": POOLING, "zipf alpha": ALPHA, "device": device,
-              "unique ids/batch": f"{unique_per_batch:.0f}", "working set": len(working),
+              "batches (each timed call a fresh one)": n_batches, "unique ids/batch": f"{unique_per_batch:.0f}", "working set": len(working),
               "resident in": " and ".join(TIER_NAMES[t] for t in tiers)}
     if lookup:
         params["lookup x FBGEMM (goal <= 1.5)"] = ", ".join(f"{r:.2f}" for r in lookup)
@@ -176,10 +183,10 @@ def _make_resident(emb, ids: torch.Tensor) -> None:
         emb.store.read(emb.table, chunk)
 
 
-def _turns(module, batches, offsets, sync, fbgemm: bool = False, grads=None):
-    """A timed side: each call runs the module on the next batch in turn (FBGEMM
-    takes the bags' end offset too), a training step with ``grads``, else a lookup."""
-    turn = iter(range(10**9))
+def _turns(module, batches, offsets, sync, fbgemm: bool = False, grads=None, start: int = 0):
+    """A timed side: each call runs the module on the next batch in turn from ``start``
+    (FBGEMM takes the bags' end offset too), a training step with ``grads``, else a lookup."""
+    turn = iter(range(start, 10**9))
 
     def run():
         i = next(turn) % len(batches)
@@ -207,7 +214,7 @@ def _half_lookups(args, rows, dim, working, batches, offsets, device, sync, have
 
         sides = [_turns(e, batches, offsets, sync) for e in embs.values()]
         sides += [_turns(fb, batches, offsets, sync, fbgemm=True)] if fb is not None else []
-        times = dict(zip(list(embs) + ["FBGEMM fp16"], interleaved_medians(sides, args.repeat)))
+        times = dict(zip(list(embs) + ["FBGEMM fp16"], interleaved_medians(sides, args.repeat, WARMUP)))
         for dtype, emb in embs.items():
             spec = emb.store.tables[emb.table]
             vs = f"   {times[dtype] / times['FBGEMM fp16']:.2f}x FBGEMM fp16" if fb is not None else ""
