@@ -4,7 +4,8 @@ inference module (IntNBitTableBatchedEmbeddingBagsCodegen) holding the same rows
 
 One table of ``--rows`` x ``--dim`` is trained-written, exported in each dtype and
 served with every row in the HBM tier (on the CPU, a tier in host memory), with
-every row in the DDR tier below an HBM tier of 1% of them, and with no tiers (LMDB); batches are FBGEMM's 2048
+every row in the DDR tier below an HBM tier of 1% of them (each lookup pooled from DDR in
+place: the HBM tier holds few of its rows), and with no tiers (LMDB); batches are FBGEMM's 2048
 bags x 32 ids (``--batch`` ids in all), uniform over the rows. Each round times one
 lookup of every side in turn, so a change in machine load hits all of them; the
 latencies' p50/p99/p999 and the ids per second at the median are reported.
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> None:
         sides, stores = {}, []
         for dtype in DTYPES:
             path = export(f"{d}/train", f"{d}/{dtype}", dtype=dtype)
-            # DDR: an HBM tier of 1% of the rows over a DDR tier of all, so nearly every row moves up and back
+            # DDR: an HBM tier of 1% of the rows over a DDR tier of all, which serves the lookups
             for tier, sizes in (("HBM", (n, 0)), ("DDR", (n // 100, n)), ("LMDB", (0, 0))):
                 if tier != "HBM" and dtype != "int8":
                     continue

@@ -3,8 +3,11 @@
 A ServingStore opens what tierstore.export wrote. Each table keeps an HBM tier
 (on ``device``) and a DDR tier (host memory) of rows in their serving dtype, as
 FBGEMM's IntNBit kernel lays them out (int8/int4: float16 scale and bias first,
-then the codes), over the LMDB rows; the tiers are exclusive and LRU, as the
-training store's. A pooled lookup brings its rows into the HBM tier, then pools
+then the codes), over the LMDB rows, each evicting by a policy of tierstore.eviction.
+The DDR tier keeps the rows it sends up (the HBM tier holds copies of some of
+its rows): a lookup whose rows one tier holds, HBM first, pools them there in
+place, the kernel reading the tier's rows as FBGEMM's HOST placement reads its
+table; any other brings its rows up into the top tier, then pools
 the quantized rows in place: with FBGEMM's IntNBit CPU kernel where FBGEMM is
 installed and the tier is on the CPU (the same bits as FBGEMM's
 IntNBitTableBatchedEmbeddingBagsCodegen on those rows), else by dequantizing the
@@ -24,7 +27,10 @@ from tierstore.io import find_sorted
 from tierstore.io.serving_layout import RowFormat, ServingReader
 
 from tierstore.training import fbgemm
+from tierstore.eviction import UNUSED, EvictionPolicy, make_policy
+
 from tierstore.engine.hashindex import make_index
+from tierstore.engine.table import PROBE_SAMPLE
 from tierstore.spec import TableSpec, initial_rows
 from tierstore.engine.tensors import resolve_device
 from tierstore.validate import check_int
@@ -35,16 +41,21 @@ _KERNEL_TYPES = {"float32": 0, "float16": 1, "int8": 2, "int4": 3}  # FBGEMM's S
 
 
 class _Tier:
-    """A fixed number of packed rows on one device, by id, least recently used out first.
-    A tier with room for the whole table is direct: row ``id`` in slot ``id``, nothing ever
-    put over, so no use is marked; once it holds every row, a lookup's slots are its ids."""
+    """A fixed number of packed rows on one device, by id; when full, the rows its eviction
+    policy (tierstore.eviction) ranks first are put over. A tier with room for the whole
+    table is direct: row ``id`` in slot ``id``, nothing ever put over, so no use is marked;
+    once it holds every row, a lookup's slots are its ids."""
 
-    def __init__(self, name: str, capacity: int, row_bytes: int, device: torch.device, num_rows: int | None):
-        self.name, self.capacity = name, capacity
+    def __init__(self, name: str, capacity: int, row_bytes: int, device: torch.device, num_rows: int | None,
+                 policy: EvictionPolicy):
+        self.name, self.capacity, self.policy = name, capacity, policy
         self.direct = num_rows is not None and capacity >= num_rows
         self.rows = torch.zeros((capacity, row_bytes), dtype=torch.uint8, device=device)
         self.ids = torch.full((capacity,), -1, dtype=torch.int64, device=device)
-        self.last = torch.zeros(capacity, dtype=torch.int64, device=device)
+        # the policy's metadata (host numpy, read only when rows are put over): the clock of each
+        # slot's last use (a call's rows share its clock) and the calls that used it; UNUSED when free
+        self.last = np.full(capacity, UNUSED, dtype=np.int64)
+        self.freq = np.full(capacity, UNUSED, dtype=np.int64)
         self.index = make_index(capacity, num_rows, device)
 
     @property
@@ -59,27 +70,31 @@ class _Tier:
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return self.index.lookup(ids.to(self.rows.device))
 
-    def mark(self, slots: torch.Tensor, clock: int) -> None:
-        """Rows at ``slots`` (repeats allowed) used at ``clock``. A 2-thread index_put over 65,536
-        repeated slots took 16 ms, index_fill_ 0.3 ms, numpy's fill on a host tier 0.17 ms."""
-        if self.direct:  # nothing is ever put over: the order of use decides nothing
-            return
-        if self.last.device.type == "cpu":
-            self.last.numpy()[slots.numpy()] = clock
-        else:
-            self.last.index_fill_(0, slots, clock)
+    def holds(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """The slots of ``ids`` when every one is here, else None. A spread sample is probed
+        first: a call that misses somewhere says so for PROBE_SAMPLE ids' probes, not all of them."""
+        if self.whole:
+            return ids.to(self.rows.device)
+        sample = ids[:: max(1, len(ids) // PROBE_SAMPLE)]
+        if len(sample) < len(ids) and not bool((self.lookup(sample) >= 0).all()):
+            return None
+        slots = self.lookup(ids)
+        return slots if bool((slots >= 0).all()) else None
 
-    def take(self, slots: torch.Tensor) -> torch.Tensor:
-        """Rows at ``slots``, which leave the tier (a row is in one tier at a time)."""
-        rows = self.rows.index_select(0, slots)
-        self.index.remove(self.ids[slots])
-        self.ids[slots] = -1
-        self.last[slots] = -1
-        return rows
+    def mark(self, slots: torch.Tensor, clock: int) -> None:
+        """Rows at ``slots`` (repeats allowed) used by call ``clock``: numpy's fill (a 2-thread
+        index_put over 65,536 repeated slots took 16 ms, numpy's 0.17 ms); ``freq[s] += 1`` counts
+        a slot once however often it repeats (numpy's buffered indexing)."""
+        if self.direct:
+            return
+        at = slots.cpu().numpy()
+        self.last[at] = clock
+        if self.policy.uses_frequency:
+            self.freq[at] += 1
 
     def put(self, ids: torch.Tensor, rows: torch.Tensor, clock: int, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add rows of ids not resident, in the free slots, then over the least recently
-        used rows except those at ``keep``; returns the (ids, rows) that do not stay:
+        """Add rows of ids not resident, in the free slots, then over the rows the policy
+        ranks first except those at ``keep``; returns the (ids, rows) that do not stay:
         the rows put over, and the rows given beyond the room there is."""
         dev = self.rows.device
         ids, rows = ids.to(dev), rows.to(dev)
@@ -87,21 +102,24 @@ class _Tier:
             self.index.insert(ids, ids)
             self.ids[ids], self.rows[ids] = ids, rows
             return ids[:0], rows[:0]
-        rank = torch.where(self.ids < 0, torch.full_like(self.last, -1), self.last)
-        rank[keep.to(dev)] = torch.iinfo(torch.int64).max
-        room = self.capacity - len(keep)
-        n = min(len(ids), room)
-        slots = torch.topk(rank, n, largest=False).indices if n else torch.zeros(0, dtype=torch.int64, device=dev)
-        old = slots[self.ids[slots] >= 0]
+        n = min(len(ids), self.capacity - len(keep))
+        taken = self.ids.cpu().numpy() >= 0
+        free = np.flatnonzero(~taken)[:n]
+        last, freq = self.last.copy(), self.freq.copy()
+        last[keep.cpu().numpy()] = freq[keep.cpu().numpy()] = UNUSED  # kept: ranked after every row
+        at = np.concatenate([free, self.policy.select(last, freq, n - len(free))]) if n > len(free) else free
+        slots = torch.from_numpy(at).to(dev)
+        old = slots[taken[at]]
         out_ids, out_rows = torch.cat([self.ids[old], ids[n:]]), torch.cat([self.rows[old], rows[n:]])
         self.index.remove(self.ids[old])
         self.index.insert(ids[:n], slots)
-        self.ids[slots], self.rows[slots], self.last[slots] = ids[:n], rows[:n], clock
+        self.ids[slots], self.rows[slots] = ids[:n], rows[:n]
+        self.last[at], self.freq[at] = clock, 1
         return out_ids, out_rows
 
 
 class _ServingTable:
-    def __init__(self, reader: ServingReader, desc: dict, hbm_rows: int, ddr_rows: int, device: torch.device):
+    def __init__(self, reader: ServingReader, desc: dict, hbm_rows: int, ddr_rows: int, device: torch.device, policy: str):
         self.spec = TableSpec.from_json(desc["spec"])
         self.name, self.dtype = self.spec.name, desc["dtype"]
         self.format = RowFormat(self.spec.dim, self.dtype)
@@ -109,8 +127,8 @@ class _ServingTable:
         self.device = device
         n = self.spec.num_rows
         bytes_ = self.format.row_bytes
-        self.hbm = _Tier("hbm", min(hbm_rows, n or hbm_rows), bytes_, device, n) if hbm_rows else None
-        self.ddr = _Tier("ddr", min(ddr_rows, n or ddr_rows), bytes_, torch.device("cpu"), n) if ddr_rows else None
+        self.hbm = _Tier("hbm", min(hbm_rows, n or hbm_rows), bytes_, device, n, make_policy(policy)) if hbm_rows else None
+        self.ddr = _Tier("ddr", min(ddr_rows, n or ddr_rows), bytes_, torch.device("cpu"), n, make_policy(policy)) if ddr_rows else None
         self.tiers = [t for t in (self.hbm, self.ddr) if t is not None] or [None]
         self.clock = 0
         # rows newer than LMDB's (applied deltas, tierstore.serving.stream): sorted ids, rows as LMDB stores them
@@ -158,19 +176,19 @@ class _ServingTable:
         self.newer_ids, self.newer_rows = ordered[newest], np.concatenate([self.newer_rows, packed])[order[newest]]
 
     def fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, index): kernel rows and the row of each of ``ids`` among them; brings
-        the rows into the top tier (HBM, else DDR), the rows it evicts into DDR."""
+        """(rows, index): kernel rows and the row of each of ``ids`` among them. A call whose
+        rows one tier holds (HBM first) is pooled there in place; else its rows come up into
+        the top tier (HBM, else DDR) as far as it has room, the rows read from LMDB and
+        those it puts over (where DDR lacks them) into DDR."""
         self.clock += 1
         top, lower = self.tiers[0], self.tiers[1] if len(self.tiers) > 1 else None
-        if top is not None and top.whole:  # the ids are the slots: no id -> slot map, no use to mark
-            self.counts[f"{top.name}_hits"] += len(ids)
-            return top.rows, ids.to(top.rows.device)
-        if top is not None and len(ids):
-            slots = top.lookup(ids)
-            if int(slots.min()) >= 0:  # every row in the top tier: pooled in place
-                top.mark(slots, self.clock)
-                self.counts[f"{top.name}_hits"] += len(ids)
-                return top.rows, slots
+        for tier in (top, lower):
+            slots = tier.holds(ids) if tier is not None and len(ids) else None
+            if slots is not None:
+                if not tier.direct:  # nothing is ever put over a direct tier: the order of use decides nothing
+                    tier.mark(slots, self.clock)
+                self.counts[f"{tier.name}_hits"] += len(ids)
+                return tier.rows, slots
         uid, inverse = torch.unique(ids.cpu(), return_inverse=True)
         dev = top.rows.device if top is not None else self.device
         rows = torch.empty((len(uid), self.format.row_bytes), dtype=torch.uint8, device=dev)
@@ -185,27 +203,27 @@ class _ServingTable:
             self.counts[f"{top.name}_hits"] += int(hit.sum())
         mid = uid[~hit]
         got = torch.empty((len(mid), self.format.row_bytes), dtype=torch.uint8)
-        # the misses that go up to the top tier: as many as it has room for beside this call's hits;
-        # the others stay where they are (read from DDR in place), not moved up and straight back
-        up = torch.arange(len(mid)) < (top.capacity - len(keep) if top is not None else 0)
-        below, dslots = torch.zeros(len(mid), dtype=torch.bool), None
+        below, dslots = torch.zeros(len(mid), dtype=torch.bool), torch.zeros(0, dtype=torch.int64)
         if lower is not None and len(mid):
             dslots = lower.lookup(mid)
             below = dslots >= 0
-            got[below & up] = lower.take(dslots[below & up])
-            got[below & ~up] = lower.rows.index_select(0, dslots[below & ~up])
-            lower.mark(dslots[below & ~up], self.clock)
+            dslots = dslots[below]
+            got[below] = lower.rows.index_select(0, dslots)  # copied up: DDR keeps its copy
+            lower.mark(dslots, self.clock)
             self.counts[f"{lower.name}_hits"] += int(below.sum())
         if not bool(below.all()):
             got[~below] = self._cold(mid[~below])
         rows[(~hit).to(dev)] = got.to(dev)
         if top is not None:
+            # the misses that go up: as many as the top tier has room for beside this call's hits
+            up = torch.arange(len(mid)) < top.capacity - len(keep)
             out_ids, out_rows = top.put(mid[up], got[up], self.clock, keep)
             if lower is not None:
-                down = ~below & ~up  # read from LMDB, no room above: into DDR
-                out_ids, out_rows = torch.cat([out_ids.cpu(), mid[down]]), torch.cat([out_rows.cpu(), got[down]])
+                out_ids, out_rows = out_ids.cpu(), out_rows.cpu()
+                lacks = lower.lookup(out_ids) < 0
+                new_ids, new_rows = torch.cat([mid[~below], out_ids[lacks]]), torch.cat([got[~below], out_rows[lacks]])
                 n = lower.capacity
-                lower.put(out_ids[-n:], out_rows[-n:], self.clock, dslots[below & ~up] if dslots is not None else torch.zeros(0, dtype=torch.int64))
+                lower.put(new_ids[:n], new_rows[:n], self.clock, dslots)
         return rows, inverse.to(dev)
 
 
@@ -214,11 +232,12 @@ class ServingStore:
 
     ``hbm_rows`` / ``ddr_rows``: rows each table keeps in the HBM tier (on
     ``device``; None is torch's default device, as for torch's modules) and the DDR tier; an int for
-    every table or {table: rows}. Thread-safe: lookups take turns.
+    every table or {table: rows}. ``policy``: the eviction policy of both tiers, by its name in
+    tierstore.eviction ("lru", "lfu" or one registered). Thread-safe: lookups take turns.
     """
 
     def __init__(self, path: str | Path, hbm_rows: int | Mapping[str, int] = 0, ddr_rows: int | Mapping[str, int] = 0,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, policy: str = "lru"):
         self.path = Path(path)
         self.device = resolve_device(device)
         self._reader = ServingReader(self.path)
@@ -229,8 +248,9 @@ class ServingStore:
             names = [t["name"] for t in self.meta["tables"]]
             for what, sizes in (("hbm_rows", hbm_rows), ("ddr_rows", ddr_rows)):
                 _check_sizes(what, sizes, names)
+            make_policy(policy)  # an unknown name: the error naming the policies, before any tier is made
             self._tables = {t["name"]: _ServingTable(self._reader, t, _size(hbm_rows, t["name"]), _size(ddr_rows, t["name"]),
-                                                     self.device) for t in self.meta["tables"]}
+                                                     self.device, policy) for t in self.meta["tables"]}
         except BaseException:
             self._reader.close()
             raise

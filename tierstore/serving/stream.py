@@ -112,12 +112,12 @@ def _remove_tree(path: Path) -> None:
 
 class Replica:
     """Serves the versions published in ``directory``: the newest export, then each
-    delta after it, applied by ``poll()``. ``hbm_rows``, ``ddr_rows``, ``device`` as
-    ServingStore's; lookups and ``rows`` as ServingStore's."""
+    delta after it, applied by ``poll()``. ``hbm_rows``, ``ddr_rows``, ``device``, ``policy``
+    as ServingStore's; lookups and ``rows`` as ServingStore's."""
 
-    def __init__(self, directory: str | os.PathLike, hbm_rows=0, ddr_rows=0, device=None):
+    def __init__(self, directory: str | os.PathLike, hbm_rows=0, ddr_rows=0, device=None, policy: str = "lru"):
         self.directory = Path(directory)
-        self._open_args = dict(hbm_rows=hbm_rows, ddr_rows=ddr_rows, device=device)
+        self._open_args = dict(hbm_rows=hbm_rows, ddr_rows=ddr_rows, device=device, policy=policy)
         self._lock = threading.Lock()  # a catch-up swaps the store
         self._polling = threading.Lock()  # one poll at a time: each delta is applied once
         self.rows_applied = 0
