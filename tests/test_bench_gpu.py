@@ -40,10 +40,11 @@ def test_bench_gpu_on_the_cpu_reports_every_figure_in_its_json(tmp_path, capsys)
     (tests / "test_marked.py").write_text(textwrap.dedent(MARKED))
     path = tmp_path / "gpu.json"
     assert main(["bench", "gpu", "--device", "cpu", "--quick", "--rows", "4096", "--batch", "1024", "--cache-rows", "40000", "--repeat", "2",
-                 "--steps", "2", "--dir", str(tmp_path), "--tests", str(tests), "--json", str(path)]) == 0
+                 "--steps", "2", "--backend", "aot_eager", "--dir", str(tmp_path), "--tests", str(tests), "--json", str(path)]) == 0
     out = capsys.readouterr().out
     got = json.loads(path.read_text())
-    assert set(got) == {"machine", "settings", "resident", "read", "cache", "ops", "tests", "goals", "errors", "seconds"}
+    assert set(got) == {"machine", "settings", "resident", "read", "cache", "compile", "ops", "tests", "goals", "errors",
+                        "seconds"}
     assert got["errors"] == {}
     m = got["machine"]
     assert (m["device"], m["gpu"], m["torch"]) == ("cpu", None, torch.__version__)
@@ -67,6 +68,10 @@ def test_bench_gpu_on_the_cpu_reports_every_figure_in_its_json(tmp_path, capsys)
         assert ops["sync_debug_warnings"] is None and ops["device_to_host"] == 0
         assert ops["aten_ops"] + ops["other_ops"] > 0
 
+    for name in ("compile", "export"):  # the demo DLRM: captured whole and equal to eager, or refused with a reason
+        done = got["compile"][name]
+        assert done["equal"] if done["ok"] else done["error"].split(":")[0].endswith(("Unsupported", "Error")), done
+
     t = got["tests"]  # pytest -m gpu: the marked tests only, counted
     assert (t["passed"], t["failed"], t["skipped"], t["deselected"], t["error"]) == (1, 1, 1, 1, 0)
     assert t["returncode"] == 1 and not t["timed_out"]
@@ -74,10 +79,10 @@ def test_bench_gpu_on_the_cpu_reports_every_figure_in_its_json(tmp_path, capsys)
 
     goals = got["goals"]
     assert set(goals) == {"resident_sgd", "resident_adagrad", "read", "cache", "bit_identical", "sync_free_resident",
-                          "sync_free_cached", "resident_aten_ops"}
+                          "sync_free_cached", "resident_aten_ops", "compile_equals_eager", "export_equals_eager"}
     assert goals["resident_sgd"]["value"] == got["resident"]["SGD"]["ratio"] and goals["bit_identical"]["met"] is True
     assert all(isinstance(g["met"], bool) for g in goals.values())
-    for line in ("== resident training step", "== read", "== the HBM tier as a cache", "== tests marked gpu",
+    for line in ("== resident training step", "== read", "== the HBM tier as a cache", "== compile and export", "== tests marked gpu",
                  "== gpu summary", "1 passed, 1 failed, 0 errors, 1 skipped"):
         assert line in out, line
 
@@ -87,7 +92,7 @@ def test_bench_gpu_refuses_a_missing_gpu_and_unknown_parts(tmp_path, capsys):
         assert main(["bench", "gpu", "--dir", str(tmp_path)]) == 2
         assert "--device cuda: torch sees no GPU here; run with --device cpu" in capsys.readouterr().err
     assert main(["bench", "gpu", "--device", "cpu", "--only", "read,nope", "--dir", str(tmp_path)]) == 2
-    assert "--only: no part 'nope'; choose from resident, read, cache, tests" in capsys.readouterr().err
+    assert "--only: no part 'nope'; choose from resident, read, cache, compile, tests" in capsys.readouterr().err
 
 
 def test_bench_gpu_runs_the_tests_of_its_checkout():

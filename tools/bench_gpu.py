@@ -47,10 +47,12 @@ CACHE_SHARE, DDR_SHARE, DEPTH = 0.05, 0.10, 2
 CHECK_ROWS = 262_144  # rows compared across the cache runs, at most
 # size settings: the full run (the figures the goals name) and --quick (seconds on a CPU)
 SIZES = {
-    "full": dict(rows=1_000_000, dim=128, batch=65_536, repeat=30, cache_rows=10_000_000, steps=40, warmup=8),
-    "quick": dict(rows=20_000, dim=16, batch=2_048, repeat=10, cache_rows=100_000, steps=6, warmup=2),
+    "full": dict(rows=1_000_000, dim=128, batch=65_536, repeat=30, cache_rows=10_000_000, steps=40, warmup=8,
+                 dlrm_rows=200_000, dlrm_steps=12),
+    "quick": dict(rows=20_000, dim=16, batch=2_048, repeat=10, cache_rows=100_000, steps=6, warmup=2,
+                  dlrm_rows=10_000, dlrm_steps=4),
 }
-PARTS = ("resident", "read", "cache", "tests")
+PARTS = ("resident", "read", "cache", "compile", "tests")
 # the goals of the figures: (JSON key of the ratio, comparison, goal)
 GOALS = {
     "resident_sgd": ("time ratio", "<=", 1.3),
@@ -75,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-rows", type=positive_int, default=None,
                    help=sized(f"rows of the table the HBM tier caches {round(CACHE_SHARE * 100)}%% of", "cache_rows"))
     p.add_argument("--steps", type=positive_int, default=None, help=sized("timed steps of each cache run", "steps"))
+    p.add_argument("--backend", default="inductor",
+                   help="torch.compile's backend in the compile part (on CUDA inductor captures the step in CUDA "
+                        "graphs: mode reduce-overhead); aot_eager checks the capture alone, in seconds")
     p.add_argument("--quick", action="store_true", help="small sizes: the whole run in seconds, on a CPU too")
     p.add_argument("--only", default=",".join(PARTS),
                    help=f"the parts to run, comma-separated, of: {', '.join(PARTS)} (the machine is always reported)")
@@ -118,7 +123,7 @@ def _run(args: argparse.Namespace, start: float) -> None:
     sz = {k: given[k] if given.get(k) is not None else v for k, v in size.items()}
     result = {"machine": _machine(device), "settings": {**sz, "pooling": POOLING, "zipf_alpha": ALPHA,
                                                           "device": str(device), "quick": args.quick, "parts": parts},
-              "resident": None, "read": None, "cache": None, "ops": {}, "tests": None, "goals": {}, "errors": {}}
+              "resident": None, "read": None, "cache": None, "compile": None, "ops": {}, "tests": None, "goals": {}, "errors": {}}
     _print_section("machine", [(k, v) for k, v in result["machine"].items()])
     _save(args.json, result)
     timer = Timer(device)
@@ -126,6 +131,9 @@ def _run(args: argparse.Namespace, start: float) -> None:
         if part in parts:
             _guarded(result, part, lambda: fn(args.dir, args.seed, sz, device, timer, result))
             _save(args.json, result)
+    if "compile" in parts:
+        _guarded(result, "compile", lambda: _compile(args.dir, args.seed, sz, device, timer, args.backend, result))
+        _save(args.json, result)
     if "tests" in parts:
         _guarded(result, "tests", lambda: _tests(args.tests, start + args.budget, result))
     result["goals"] = _goals(result)
@@ -369,6 +377,13 @@ def _cache(directory, seed, sz, device, timer, result) -> None:
                    f"{sz['steps']} timed steps after {sz['warmup']}; time ratio cached / resident", lines)
 
 
+def _compile(directory, seed, sz, device, timer, backend, result) -> None:
+    from tierstore.tools.bench_gpu_compile import compile_part
+
+    result["compile"], lines = compile_part(directory, seed, sz, device, timer, backend)
+    _print_section(f"compile and export: {result['compile']['model']}, {result['compile']['steps']} steps", lines)
+
+
 def _hit_rate(before: dict, after: dict) -> float:
     """The HBM tier's hit rate over the steps between two of its stats()."""
     hits, misses = (after[k] - before[k] for k in ("hits", "misses"))
@@ -488,6 +503,10 @@ def _goals(result: dict) -> dict:
     cache = result["cache"] or {}
     goals["bit_identical"] = {"kind": "check", "value": cache.get("bit_identical"), "goal": "true",
                               "met": cache.get("bit_identical")}
+    for name in ("compile", "export"):  # the demo DLRM captured whole, computing what eager does
+        done = (result["compile"] or {}).get(name)
+        ok = None if done is None else bool(done["ok"] and done["equal"])
+        goals[f"{name}_equals_eager"] = {"kind": "check", "value": ok, "goal": "true", "met": ok}
     for name, ops in result["ops"].items():
         clean = ops["host_syncs"] == 0 and ops["data_dependent"] == 0 and ops["device_to_host"] == 0 \
             and not ops["sync_debug_warnings"]
