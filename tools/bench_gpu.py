@@ -239,14 +239,25 @@ def _resident(directory, seed, sz, device, timer, result) -> None:
             lines.append((f"{name}: check", f"max |tierstore - torch| over trained rows {diff:.1e}; "
                                              f"HBM misses while timed {misses}"))
             if name == "SGD":
-                result["ops"]["resident"] = ops = count_step(lambda: step_ours(0), device)
-                lines.append(("ops of one resident step (SGD)", _ops_text(ops)))
+                lines.append(("ops of one resident step (SGD)", _counted(result, "resident", lambda: step_ours(0), device)))
             emb.close()
             del base, base_opt
     result["resident"] = out
     _print_section(f"resident training step: {rows} x {dim} rows, every one in the HBM tier, {bags} bags x {POOLING} "
                    f"Zipf {ALPHA} ids, {len(working)} working rows, medians of {sz['repeat']}; time ratio "
                    "tierstore / torch", lines)
+
+
+def _counted(result: dict, name: str, step, device: torch.device) -> str:
+    """Counts one call of ``step`` into ``result["ops"][name]``. If counting fails, the failure
+    is recorded and the step runs uncounted: the runs compared afterwards trained alike."""
+    try:
+        result["ops"][name] = count_step(step, device)
+        return _ops_text(result["ops"][name])
+    except Exception as e:  # noqa: BLE001 - the step's figures do not depend on its count
+        result["errors"][f"ops {name}"] = f"{type(e).__name__}: {e}"
+        step()
+        return f"not counted: {type(e).__name__}: {e}"
 
 
 def count_step(step, device: torch.device) -> dict:
@@ -322,7 +333,7 @@ def _cache(directory, seed, sz, device, timer, result) -> None:
             (f"HBM tier {CACHE_SHARE:.0%}, DDR {DDR_SHARE:.0%}, depth 0", hbm, ddr, 0))
     out = {"rows": rows, "hbm_rows": hbm, "ddr_rows": ddr, "depth": DEPTH, "bags": bags, "steps": sz["steps"],
            "rows_touched": len(union), "runs": []}
-    lines, first, identical, worst = [], None, True, 0.0
+    lines, first, identical, worst, ops_line = [], None, True, 0.0, None
     for label, hbm_rows, ddr_rows, depth in runs:
         with tempfile.TemporaryDirectory(prefix="tierstore-bench-gpu-", dir=directory) as d:
             emb = tierstore.TieredEmbeddingBag(rows, dim, mode="sum", path=d, hbm_rows=hbm_rows, ddr_rows=ddr_rows,
@@ -331,14 +342,14 @@ def _cache(directory, seed, sz, device, timer, result) -> None:
             if ddr_rows == 0:
                 _make_resident(emb, union)
             loader = tierstore.LookaheadLoader(data, emb, depth=depth) if depth else data
-            times, ops, before = [], None, emb.store.stats()["hbm"]
+            times, before = [], emb.store.stats()["hbm"]
             timer.sync()
             t = time.perf_counter()
             for i, (ids, offs) in enumerate(loader):
                 def step(i=i, ids=ids, offs=offs):
                     emb(ids, offs).backward(grads[i % N_BATCHES])
                 if i == n - 1 and depth:
-                    ops = count_step(step, device)
+                    ops_line = (f"ops of one cached step at depth {DEPTH}", _counted(result, "cached", step, device))
                 else:
                     step()
                 timer.sync()
@@ -359,8 +370,6 @@ def _cache(directory, seed, sz, device, timer, result) -> None:
             identical &= same
             worst = max(worst, (rows_now - first).abs().max().item())
             run["bit_identical_to_resident"] = same
-        if ops is not None:
-            result["ops"]["cached"] = ops
         out["runs"].append(run)
         lines.append((label, f"p50 {p50 * 1e3:8.2f} ms  mean {run['mean_ms']:8.2f} ms  HBM hits "
                              f"{run['hbm_hit_rate']:.1%}"))
@@ -370,9 +379,7 @@ def _cache(directory, seed, sz, device, timer, result) -> None:
     result["cache"] = out
     lines += [(f"depth {DEPTH} / every row resident", f"{cached / resident:.2f}x  {_goal_text('cache')}"),
               ("bit-identical rows across the runs", f"{identical} ({len(check)} rows with their optimizer state; "
-                                                     f"max difference {worst:.1e})")]
-    if "cached" in result["ops"]:
-        lines.append((f"ops of one cached step at depth {DEPTH}", _ops_text(result["ops"]["cached"])))
+                                                     f"max difference {worst:.1e})")] + ([ops_line] if ops_line else [])
     _print_section(f"the HBM tier as a cache: {rows} x {dim} rows, Adagrad, {bags} bags x {POOLING} Zipf {ALPHA} ids, "
                    f"{sz['steps']} timed steps after {sz['warmup']}; time ratio cached / resident", lines)
 
@@ -431,9 +438,9 @@ def _tests(given: str | None, deadline: float, result) -> None:
     t = result["tests"]
     lines = [("counts", f"{t['passed']} passed, {t['failed']} failed, {t['error']} errors, {t['skipped']} skipped in "
                         f"{t['seconds']} s" + (f" (stopped at its {t['limit_s']} s limit)" if timed_out else ""))]
-    lines += [("", f) for f in failures]
+    lines += [("", f) for f in failures[:30]]  # the output the device's runner returns is limited: the summary last
     if child.returncode not in (0, 5) or timed_out:  # 5: nothing selected
-        lines.append(("output tail", "\n" + output[-3000:]))
+        lines.append(("output tail", "\n" + output[-2000:]))
     _print_section(f"tests marked gpu: {t['command']}", lines)
 
 
@@ -507,13 +514,13 @@ def _goals(result: dict) -> dict:
         done = (result["compile"] or {}).get(name)
         ok = None if done is None else bool(done["ok"] and done["equal"])
         goals[f"{name}_equals_eager"] = {"kind": "check", "value": ok, "goal": "true", "met": ok}
-    for name, ops in result["ops"].items():
-        clean = ops["host_syncs"] == 0 and ops["data_dependent"] == 0 and ops["device_to_host"] == 0 \
-            and not ops["sync_debug_warnings"]
+    for name in ("resident", "cached"):
+        ops = result["ops"].get(name)
+        clean = None if ops is None else (ops["host_syncs"] == 0 and ops["data_dependent"] == 0
+                                          and ops["device_to_host"] == 0 and not ops["sync_debug_warnings"])
         goals[f"sync_free_{name}"] = {"kind": "check", "value": clean, "goal": "true", "met": clean}
-    if "resident" in result["ops"]:
-        n = result["ops"]["resident"]["aten_ops"]
-        goals["resident_aten_ops"] = {"kind": "count", "value": n, "goal": "<= 12", "met": n <= 12}
+    n = result["ops"]["resident"]["aten_ops"] if "resident" in result["ops"] else None
+    goals["resident_aten_ops"] = {"kind": "count", "value": n, "goal": "<= 12", "met": None if n is None else n <= 12}
     return goals
 
 
