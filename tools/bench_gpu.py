@@ -8,7 +8,8 @@ batches; ``TieredStore.read`` against ``index_select``; the ops one resident ste
 dispatches (and, on CUDA, the host syncs ``torch.cuda.set_sync_debug_mode`` sees);
 the HBM tier as a small cache of a large table, with ``LookaheadLoader`` ahead of
 the step, against the same table all resident, and whether the three runs trained
-the same bits; last, the tests marked ``gpu`` (``pytest -m gpu``). A part that
+the same bits; the demo DLRM under ``torch.compile(fullgraph=True)`` and
+``torch.export`` (bench_gpu_compile.py); last, the tests marked ``gpu`` (``pytest -m gpu``). A part that
 fails is reported and the next one runs; ``--json`` is rewritten after each part,
 so a run cut short keeps what it measured. It uses the public API only, so that it
 measures whatever implements the step underneath.
@@ -53,7 +54,7 @@ SIZES = {
                   dlrm_rows=10_000, dlrm_steps=4),
 }
 PARTS = ("resident", "read", "cache", "compile", "tests")
-# the goals of the figures: (JSON key of the ratio, comparison, goal)
+# the goals of the ratios, by their key in the JSON's "goals": (kind of ratio, comparison, goal)
 GOALS = {
     "resident_sgd": ("time ratio", "<=", 1.3),
     "resident_adagrad": ("time ratio", "<=", 1.0),
