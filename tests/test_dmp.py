@@ -59,6 +59,10 @@ PLANS = {
     "column": {"t1": ("column_wise", {"ranks": [0, 1]}), "t2": ("column_wise", {"ranks": [1, 0]})},
     # two column shards of t1 on each rank (two stores there), t2 whole on rank 1
     "mixed": {"t1": ("column_wise", {"ranks": [0, 0, 1, 1]}), "t2": ("table_wise", {"rank": 1})},
+    "row": {"t1": ("row_wise", {}), "t2": ("row_wise", {})},
+    "table_row": {"t1": ("table_row_wise", {"host_index": 0}), "t2": ("table_wise", {"rank": 0})},
+    # made by TorchRec's planner (tierstore's: sharder.planner), constrained to these sharding types
+    "planned": {"t1": ("planner", {"sharding_types": ["table_column_wise"]}), "t2": ("planner", {"sharding_types": ["table_wise"]})},
 }
 OPTIMIZERS = {"sgd": (lambda: optim.SGD(lr=LR), "EXACT_SGD", {}),
               "rowwise": (lambda: optim.RowWiseAdagrad(lr=LR, eps=EPS), "EXACT_ROWWISE_ADAGRAD", {"eps": EPS})}
@@ -76,8 +80,9 @@ def _model():
             super().__init__()
             self.ebc = EmbeddingBagCollection(configs(), device=torch.device("meta"))
 
-        def forward(self, kjt):
-            return self.ebc(kjt).values()
+        def forward(self, kjt):  # the features in one order (a sharded collection's keys follow its sharding types)
+            pooled = self.ebc(kjt).to_dict()
+            return torch.cat([pooled[k] for k in KEYS], dim=1)
 
     return Model()
 
@@ -93,18 +98,37 @@ def _dmp(path: Path, plan_name: str, opt: str, kind: str, tiers: str):
     if kind == "tierstore":
         from tierstore.torchrec import TieredEmbeddingBagCollectionSharder
 
-        sharder, kernel = TieredEmbeddingBagCollectionSharder(path, optimizer=make(), **TIERS[tiers]), None
+        sharder = TieredEmbeddingBagCollectionSharder(path, optimizer=make(), **TIERS[tiers])
     else:
         sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": getattr(EmbOptimType, fbgemm_opt), "learning_rate": LR,
                                                               **extra})
-        kernel = "fused"
     model = _model()
-    per_param = {t: getattr(sp, fn)(**args, compute_kernel=kernel) for t, (fn, args) in PLANS[plan_name].items()}
-    plan = ShardingPlan({"ebc": sp.construct_module_sharding_plan(model.ebc, per_param, sharder=sharder, local_size=WORLD,
-                                                                 world_size=WORLD, device_type="cpu")})
+    if all(fn == "planner" for fn, _ in PLANS[plan_name].values()):
+        module_plan = _planned(model, path, {t: args for t, (_, args) in PLANS[plan_name].items()})
+    else:
+        per_param = {t: getattr(sp, fn)(**args) for t, (fn, args) in PLANS[plan_name].items()}
+        module_plan = sp.construct_module_sharding_plan(model.ebc, per_param, sharder=sharder, local_size=WORLD,
+                                                        world_size=WORLD, device_type="cpu")
+    if kind == "torchrec":  # its fused kernel (FBGEMM's TBE with the optimizer in the backward), not the dense default
+        for p in module_plan.values():
+            p.compute_kernel = "fused"
+    plan = ShardingPlan({"ebc": module_plan})
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
                                    sharders=[sharder], plan=plan)
     return dmp
+
+
+def _planned(model, path: Path, constraints: dict):
+    """tierstore's planner's plan (TorchRec's own planner plans no row-wise shard on the CPU;
+    TorchRec's sharder then runs the same plan with its fused kernel)."""
+    from torchrec.distributed.planner import ParameterConstraints, Topology
+
+    from tierstore.torchrec import TieredEmbeddingBagCollectionSharder
+
+    sharder = TieredEmbeddingBagCollectionSharder(path, **TIERS["tiny"])
+    constraints = {t: ParameterConstraints(**c) for t, c in constraints.items()}
+    planner = sharder.planner(Topology(world_size=WORLD, compute_device="cpu"), constraints=constraints)
+    return planner.collective_plan(model, [sharder], dist.group.WORLD).plan["ebc"]
 
 
 def _local_rows(dmp, kind: str) -> dict[str, list]:
@@ -114,8 +138,8 @@ def _local_rows(dmp, kind: str) -> dict[str, list]:
         for lookup in dmp.module.ebc._lookups:
             for shard in lookup.shards:
                 k = shard.key
-                n = shard.bag.num_embeddings
-                out.setdefault(k.table, []).append((k.row_offset, k.col_offset, shard.bag.store.peek(k.table, torch.arange(n))))
+                ids = torch.arange(k.row_offset, k.row_offset + shard.rows)
+                out.setdefault(k.table, []).append((k.row_offset, k.col_offset, shard.bag.store.peek(k.table, ids)))
         return out
     for key, st in dmp.state_dict().items():
         table = key.split(".")[-2]
@@ -147,7 +171,8 @@ def train_cases(rank: int, out: Path) -> dict:
             o.pow(2).sum().backward()
             dmp.fused_optimizer.step()
             outs.append(o.detach())
-        results[case] = {"outs": outs, "rows": _local_rows(dmp, kind)}
+        results[case] = {"outs": outs, "rows": _local_rows(dmp, kind),
+                         "types": {t: p.sharding_type for t, p in dmp.plan.plan["ebc"].items()}}
         if kind == "tierstore":
             dmp.module.ebc.close()
     return results
@@ -218,7 +243,7 @@ def unsharded(blocks: dict, opt: str) -> tuple[list[list[torch.Tensor]], dict[st
         ebc.zero_grad()
         total = 0
         for r in range(WORLD):
-            o = ebc(batch(step, r)).values()
+            o = ebc(batch(step, r)).values()  # keys in KEYS' order
             outs[r].append(o.detach())
             total = total + o.pow(2).sum() / WORLD
         total.backward()
@@ -250,6 +275,37 @@ def test_dmp_trains_as_torchrecs_sharder_and_the_unsharded_model(trained, plan_n
     for name in rows:
         torch.testing.assert_close(got[name], rows[name], rtol=0, atol=1e-5)
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5)
+
+
+def test_every_sharding_type_on_the_cpu_was_run(trained):
+    types = {t for res in trained for case in CASES for t in res[case]["types"].values()}
+    assert types == {"table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise"}
+
+
+def test_the_planner_counts_a_shards_tiers_not_its_table(tmp_path):
+    """A table 10x a rank's memory is planned onto ranks whose memory holds its tiers; TorchRec's
+    own planner finds no plan for it. A memory_budget per rank plans it too."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import PlannerError
+
+    from tierstore.torchrec import TieredEmbeddingBagCollectionSharder
+
+    tables = [EmbeddingBagConfig(name="big", num_embeddings=10_000_000, embedding_dim=64, feature_names=["f1"]),
+              EmbeddingBagConfig(name="small", num_embeddings=100, embedding_dim=8, feature_names=["f2"])]
+    ebc = EmbeddingBagCollection(tables, device=torch.device("meta"))
+    topology = Topology(world_size=2, compute_device="cpu", ddr_cap=256 << 20)  # the table: 2.56 GB
+    with pytest.raises(PlannerError, match="insufficient storage"):
+        EmbeddingShardingPlanner(topology=topology).plan(ebc, [EmbeddingBagCollectionSharder()])
+    for tiers in ({"ddr_rows": 100_000}, {"memory_budget": "64MiB"}):
+        sharder = TieredEmbeddingBagCollectionSharder(tmp_path, optimizer=optim.RowWiseAdagrad(0.1), **tiers)
+        plan = sharder.planner(topology).plan(ebc, [sharder]).plan[""]
+        assert {p.compute_kernel for p in plan.values()} == {"customized_kernel"}
+        assert set(plan) == {"big", "small"}
+    for tiers in ({"ddr_rows": 10_000_000}, {"memory_budget": "300MiB"}):  # the whole table in DDR; a budget over a rank's
+        sharder = TieredEmbeddingBagCollectionSharder(tmp_path, optimizer=optim.RowWiseAdagrad(0.1), **tiers)
+        with pytest.raises(PlannerError, match="Unable to find a plan"):
+            sharder.planner(topology).plan(ebc, [sharder])
 
 
 @pytest.mark.parametrize("plan_name", ["table", "mixed"])

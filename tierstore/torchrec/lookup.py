@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torchrec import KeyedJaggedTensor
 from torchrec.distributed.embedding_types import BaseEmbeddingLookup, GroupedEmbeddingConfig, ShardedEmbeddingTable
+from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import PoolingType
 
 from tierstore.engine.memory import parse_bytes
@@ -113,7 +114,8 @@ def _split_budget(budget, parts: int) -> int:
 class _Shard(nn.Module):
     """One shard of a table on this rank: its features' bags, pooled from its store table."""
 
-    def __init__(self, table: ShardedEmbeddingTable, stores: RankStores, optimizer: RowOptimizer | None, kernels: str):
+    def __init__(self, table: ShardedEmbeddingTable, stores: RankStores, optimizer: RowOptimizer | None, kernels: str,
+                 partial_sums: bool):
         super().__init__()
         if table.pooling not in _MODES:
             raise SettingError(f"table {table.name!r}: pooling {table.pooling} is not supported by tierstore shards; "
@@ -121,9 +123,13 @@ class _Shard(nn.Module):
         self.key = shard_key(table)
         self.num_features = table.num_features()
         self.dim = table.local_cols
+        self.rows = table.local_rows
         self.row_offset = self.key.row_offset
         store = stores.store_of(self.key)
-        self.bag = TieredEmbeddingBag(table.num_embeddings, table.local_cols, mode=_MODES[table.pooling], store=store,
+        # a row shard pools part of each bag: mean tables are summed here and divided by the
+        # bags' lengths after TorchRec's reduce-scatter, as its kernels do for row-wise shards
+        mode = "sum" if partial_sums else _MODES[table.pooling]
+        self.bag = TieredEmbeddingBag(table.num_embeddings, table.local_cols, mode=mode, store=store,
                                       table=table.name, optimizer=optimizer, include_last_offset=True, kernels=kernels)
 
     def ids(self, features: KeyedJaggedTensor) -> torch.Tensor:
@@ -144,11 +150,13 @@ class _Shard(nn.Module):
 class ShardLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.Tensor]):
     """TorchRec's pooled lookup for one sharding type, over tierstore shards (see the module)."""
 
-    def __init__(self, grouped_configs: list[GroupedEmbeddingConfig], stores: RankStores, optimizer: RowOptimizer | None,
-                 kernels: str, device: torch.device | None):
+    def __init__(self, grouped_configs: list[GroupedEmbeddingConfig], sharding_type: str, stores: RankStores,
+                 optimizer: RowOptimizer | None, kernels: str, device: torch.device | None):
         super().__init__()
         self.grouped_configs = grouped_configs
-        self.shards = nn.ModuleList(_Shard(t, stores, optimizer, kernels) for g in grouped_configs for t in g.embedding_tables)
+        partial_sums = sharding_type in (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
+        self.shards = nn.ModuleList(_Shard(t, stores, optimizer, kernels, partial_sums)
+                                    for g in grouped_configs for t in g.embedding_tables)
         self._splits = [s.num_features for s in self.shards]
         self._device = device
 

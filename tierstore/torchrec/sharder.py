@@ -79,8 +79,9 @@ class TieredShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             device = self._device if self._device is not None and self._device.type != "meta" else torch.device("cpu")
             self._stores = RankStores(s.path, self._env.rank, shards, inits, dtypes, s.optimizer,
                                       {**s.store_options, "device": device})
-        for sharding in self._embedding_shardings:
-            self._lookups.append(ShardLookup(local_groups(sharding), self._stores, s.optimizer, s.kernels, self._device))
+        for sharding_type, sharding in zip(self._sharding_types, self._embedding_shardings):
+            self._lookups.append(ShardLookup(local_groups(sharding), sharding_type, self._stores, s.optimizer, s.kernels,
+                                             self._device))
 
     def reset_parameters(self) -> None:
         """Every row of this rank's shards back to its initial value, with zero optimizer state.
@@ -135,6 +136,15 @@ class TieredEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagColle
         self.kernels = kernels
         self._module_type = module_type
         self.store_options = {"hbm_rows": hbm_rows, "ddr_rows": ddr_rows, "memory_budget": memory_budget, "policy": policy}
+
+    def planner(self, topology, batch_size: int = 512, constraints=None, **kwargs):
+        """TorchRec's EmbeddingShardingPlanner for this sharder: its storage estimates count a
+        shard's tiers (``hbm_rows``, ``ddr_rows``, ``memory_budget`` per rank), not its table
+        (tierstore.torchrec.planning). ``plan = sharder.planner(Topology(...)).collective_plan(model,
+        [sharder], pg)``."""
+        from tierstore.torchrec.planning import planner
+
+        return planner(self, topology, batch_size=batch_size, constraints=constraints, **kwargs)
 
     def shard(self, module, params: dict[str, ParameterSharding], env: ShardingEnv, device: torch.device | None = None,
               module_fqn: str | None = None) -> TieredShardedEmbeddingBagCollection:
