@@ -181,3 +181,56 @@ def test_fx_traces_dlrm_and_the_collection_as_torchrecs(tmp_path, trace):
         assert torch.equal(gm(x, kjt), model(x, kjt))
         traced = symbolic_trace(ebc)  # the collection itself, as TorchRec's traces
         assert torch.equal(traced(kjt).values(), ebc(kjt).values())
+
+
+# -- the device step: held tables compile whole and export ------------------------------------------
+def held_demo(path):
+    """tierstore demo's DLRM over tables held in HBM (hold_resident), and its click data."""
+    from tierstore.tools.demo import DLRM, ClickData, DemoConfig, _specs, seeded
+
+    cfg = DemoConfig(dir=path, rows=120, tables=2, batch=8, dim=DIM, hbm_rows=120, ddr_rows=240)
+    ebc = TieredEmbeddingBagCollection(_specs(cfg), path=path / "store", hbm_rows=cfg.rows, device="cpu",
+                                       optimizer=tierstore.optim.Adagrad(lr=0.1)).hold_resident()
+    return DLRM(ebc, cfg.table_names, cfg.dim, seeded(1)), ClickData(cfg, seeded(0))
+
+
+def train_demo(model, data, backend=None, steps=4):
+    torch._dynamo.reset()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fwd = torch.compile(model, backend=backend, fullgraph=True) if backend else model
+    g, losses = torch.Generator().manual_seed(2), []
+    for _ in range(steps):
+        dense, sparse, labels = data.batch(g)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(fwd(dense, sparse), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    store = model.embeddings.store
+    return losses, [store.read(t, torch.arange(120), with_state=True) for t in model.names]
+
+
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
+def test_held_demo_dlrm_compiles_whole_and_trains_as_eager(tmp_path, backend):
+    """fullgraph=True: no graph break, the lookup and its fused update inside the graphs."""
+    eager = train_demo(*held_demo(tmp_path / "e"))
+    torch._dynamo.utils.counters.clear()
+    compiled = train_demo(*held_demo(tmp_path / "c"), backend=backend)
+    same(eager, compiled, backend)
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert not torch.equal(eager[1][0], held_demo(tmp_path / "fresh")[0].embeddings.store.read("cat0", torch.arange(120),
+                                                                                                 with_state=True))
+
+
+def test_held_demo_dlrm_exports_with_the_lookup_as_a_leaf(tmp_path):
+    model, data = held_demo(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    dense, sparse, _ = data.batch(g)
+    program = torch.export.export(model, (dense, sparse))
+    ops = [n.target for n in program.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.tierstore.bag_lookup.default) == 2
+    assert not any("embedding_bag" in str(op) or "searchsorted" in str(op) for op in ops)  # inside the leaves
+    exported = program.module()
+    assert torch.equal(exported(dense, sparse), model(dense, sparse))
+    train_demo(model, data, steps=2)  # the program reads the store's rows as they are now
+    assert torch.equal(exported(dense, sparse), model(dense, sparse))

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tierstore.training import fbgemm
+from tierstore.training import devstep, fbgemm
 from tierstore.training.bags import MODES, BagIndexError, BagOffsetsError, BagTypeError, Bags, EmbeddingBagConfig, plan_bags, row_grads
 from tierstore.training.checkpointing import FusedOptimizer, TableViews, check_loadable, load_views, table_views
 from tierstore.engine.interface import EmbeddingStore
@@ -248,6 +248,7 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
                 "torch.optim optimizers cannot update rows that live in the store"
             )
         self.optimizer = optimizer
+        self._rows = None  # hold_resident: the table's rows, as the device step uses them
         self._frozen = False  # requires_grad_(False)
         self._warned_untrained = False
         opening = store is None or isinstance(store, StoreConfig)
@@ -363,12 +364,50 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         """Whether a forward with grad enabled trains the rows (an optimizer, not frozen)."""
         return self.optimizer is not None and not self._frozen
 
-    @outside_graphs  # torch.compile: a graph break; the dense layers around it compile
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         leaf = as_leaf(self, (input, offsets, per_sample_weights))
         if leaf is not None:
             return leaf
+        if self._on_device(input, offsets, per_sample_weights):
+            return self._device_forward(input, offsets)
+        return self._host_forward(input, offsets, per_sample_weights)
+
+    def hold_resident(self) -> "TieredEmbeddingBag":
+        """Keep every row of the table in the store's top tier (bringing them there now),
+        so that each step is the device step (tierstore.training.devstep): two custom ops,
+        no host sync, compiled by ``torch.compile(fullgraph=True)`` and captured by
+        ``torch.export`` as leaves. Needs a top tier of at least ``num_embeddings`` rows,
+        float32 rows, sum or mean pooling, no padding_idx, kernels="torch" and an additive
+        optimizer (SGD, Adagrad, RowWiseAdagrad). Steps with per-sample weights or 2-D
+        input, and any step once rows have left the tier (``store.evict``), take the host
+        path; the held table's steps are not counted in the store's hit counts."""
+        why = [what for what, bad in (
+            ("mode='max'", self.config.mode == "max"), ("padding_idx", self.config.padding_idx is not None),
+            (f"dtype={self.dtype!r}", self.dtype != "float32"), ("kernels='fbgemm'", self.kernels != "torch"),
+            (f"optimizer={self.optimizer!r}", self.optimizer is not None and not self.optimizer.additive)) if bad]
+        if why:
+            raise UnsupportedError(f"table {self.table!r} cannot take the device step with {', '.join(why)}; "
+                                   "keep the host step (do not call hold_resident)")
+        self._rows = self.store.trainer(self.table).hold_resident()
+        self._anchor = torch.empty(0, device=self._rows.weights.device, requires_grad=True)
+        return self
+
+    def _on_device(self, input, offsets, per_sample_weights) -> bool:
+        """Whether this forward is the device step: held rows, still in place, 1-D ids and offsets."""
+        rows = self._rows
+        return rows is not None and rows.valid() and per_sample_weights is None and isinstance(input, torch.Tensor) \
+            and input.dim() == 1 and isinstance(offsets, torch.Tensor)
+
+    def _device_forward(self, input: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        device = self._rows.weights.device
+        # an exported program is the forward alone: its update needs the store, not a graph
+        train = self.trains and torch.is_grad_enabled() and not torch.compiler.is_exporting()
+        return devstep.device_step(self._rows, input.to(device), offsets.to(device), self.config.mode,
+                                   self.config.include_last_offset, self.optimizer, self._anchor if train else None)
+
+    @outside_graphs  # torch.compile: a graph break; the dense layers around it compile
+    def _host_forward(self, input, offsets, per_sample_weights) -> torch.Tensor:
         refuse_export(self)
         bags = self._plan(input, offsets, per_sample_weights)  # validates before the store is touched
         _warn_untrained([self], self.training)
@@ -672,11 +711,24 @@ class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
             raise UnknownTableError(f"unknown table {name!r}; the collection has tables {sorted(self._bags)}")
         return name
 
-    @outside_graphs  # torch.compile: a graph break; the dense layers around it compile
     def forward(self, features: Mapping[str, object]) -> dict[str, torch.Tensor]:
         leaf = as_leaf(self, (features,))
         if leaf is not None:
             return leaf
+        if isinstance(features, Mapping) and features and all(
+                name in self._bags and isinstance(f, (tuple, list)) and len(f) == 2
+                and self._bags[name]._on_device(f[0], f[1], None) for name, f in features.items()):
+            return {name: self._bags[name]._device_forward(*f) for name, f in features.items()}
+        return self._host_forward(features)
+
+    def hold_resident(self) -> "TieredEmbeddingBagCollection":
+        """Every table's TieredEmbeddingBag.hold_resident: the device step for each."""
+        for bag in self._bags.values():
+            bag.hold_resident()
+        return self
+
+    @outside_graphs  # torch.compile: a graph break; the dense layers around it compile
+    def _host_forward(self, features: Mapping[str, object]) -> dict[str, torch.Tensor]:
         refuse_export(self)
         if not isinstance(features, Mapping):
             raise ArgumentTypeError("features must be a mapping {table: (values, offsets)}")

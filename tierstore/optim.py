@@ -37,6 +37,11 @@ class RowOptimizer:
     # whether a step couples a row's columns (its state is per row, not per column): a
     # column shard then needs the whole row's gradient to step its columns as the whole row would
     row_coupled: bool = False
+    # whether a step is "state += increment(g); weights += step(state, g)" with a zero
+    # gradient leaving both exactly as they were: then a device step may apply it with
+    # index_add_ at every entry of a batch, zeros at all but one entry of each row
+    # (tierstore.training.devstep), in any order, to the same bits
+    additive: bool = True
 
     def __init__(self, lr: float):
         self.lr = lr
@@ -80,7 +85,28 @@ class RowOptimizer:
         rounding, at a third of the cost of gathering, adding and copying back).
         Element-wise ops on ``state`` only (and reductions over ``grad``, which may
         be overwritten), so the result does not depend on either's layout."""
+        increment = self.increment(grad)
+        if increment is not None:
+            state.add_(increment)
+        return self.step_from(state, grad)
+
+    def increment(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """What a step adds to the state (None: no state), for an ``additive`` optimizer."""
+        return None
+
+    def step_from(self, state: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The step x (weights += x) from the state after its increment; ``grad`` may be overwritten."""
         raise NotImplementedError
+
+    def hyper(self) -> list[float]:
+        """The numbers that define a step, as :meth:`of` takes them back (a custom op's arguments)."""
+        return list(self._hyper().values())
+
+    @staticmethod
+    def of(kind: str, hyper: list[float]) -> "RowOptimizer":
+        """The optimizer of class name ``kind`` with the numbers ``hyper()`` gave."""
+        cls = {c.__name__: c for c in (SGD, Adagrad, RowWiseAdagrad, Adam)}[kind]
+        return cls(hyper[0], (hyper[1], hyper[2]), hyper[3]) if cls is Adam else cls(*hyper)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self._hyper().items())})"
@@ -98,7 +124,7 @@ class SGD(RowOptimizer):
     def state_dim(self, dim: int) -> int:
         return 0
 
-    def direction(self, state, grad):
+    def step_from(self, state, grad):
         return grad.mul_(-self.lr)
 
 
@@ -117,10 +143,12 @@ class Adagrad(RowOptimizer):
     def state_dim(self, dim: int) -> int:
         return dim
 
-    def direction(self, s, grad):
-        # torch.optim.Adagrad's op sequence, except that its weights.add_(g / d, alpha=-lr)
-        # rounds once (fused) where -lr * (g / d) is rounded before the add
-        s.add_(grad.pow(2))
+    # torch.optim.Adagrad's op sequence, except that its weights.add_(g / d, alpha=-lr)
+    # rounds once (fused) where -lr * (g / d) is rounded before the add
+    def increment(self, grad):
+        return grad.pow(2)
+
+    def step_from(self, s, grad):
         return grad.div_(s.sqrt().add_(self.eps)).mul_(-self.lr)
 
     def _hyper(self):
@@ -142,9 +170,11 @@ class RowWiseAdagrad(RowOptimizer):
     def state_dim(self, dim: int) -> int:
         return 1
 
-    def direction(self, s, grad):
+    def increment(self, grad):
         # mean(g*g) as |g|^2 / dim: no [n, dim] temporary, and 10x faster than vecdot here
-        s.add_(torch.linalg.vector_norm(grad, dim=1, keepdim=True).square_().div_(grad.shape[1]))
+        return torch.linalg.vector_norm(grad, dim=1, keepdim=True).square_().div_(grad.shape[1])
+
+    def step_from(self, s, grad):
         return grad.div_(s.sqrt().add_(self.eps)).mul_(-self.lr)
 
     def _hyper(self):
@@ -162,6 +192,8 @@ class Adam(RowOptimizer):
     Bit for bit on CPU what torch.optim.Adam (amsgrad=False, weight_decay=0) computes
     for that row. t is a float32, exact up to 2**24 steps of one row.
     """
+
+    additive = False  # a zero gradient still moves m, v and t
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
         super().__init__(lr)
@@ -190,3 +222,6 @@ class Adam(RowOptimizer):
 
     def _hyper(self):
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps}
+
+    def hyper(self) -> list[float]:
+        return [self.lr, *self.betas, self.eps]

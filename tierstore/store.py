@@ -49,7 +49,7 @@ from tierstore.engine.memory import (DEFAULT_WRITEBACK_ROWS, MemoryPart, MemoryS
 from tierstore.precision import DTYPES
 from tierstore.spec import TableSpec
 from tierstore.trace import TraceRecorder
-from tierstore.engine.trainer import TableTrainer
+from tierstore.engine.trainer import DeviceRows, TableTrainer
 from tierstore.validate import check_choice, check_int, check_rows, set_fields, with_keywords
 from tierstore.engine.prefetch import PrefetchConfig, Prefetcher, PrefetchGroup, PrefetchTicket, StoreParts
 from tierstore.engine.table import Resident, Shared, TableStore
@@ -862,6 +862,11 @@ class EmbeddedTableTrainer(TableTrainer):
                 return False
         self.written += 1
         return True
+
+    def hold_resident(self) -> DeviceRows:
+        s = self.store
+        with s._lock:
+            return s._table_to_read(self.table).hold_resident(s.device)
 
     def admitted(self, uid: torch.Tensor) -> torch.Tensor | None:
         with self.store._lock:

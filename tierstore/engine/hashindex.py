@@ -290,6 +290,10 @@ class DenseIndex:
         ids = self._xp.nonzero(self.slots >= 0)
         return self._xp.tensor(ids), self._xp.tensor(self.slots[ids]).long()
 
+    def as_tensor(self) -> torch.Tensor:
+        """The map itself (int32, -1 where absent) as a tensor on its device: a view, kept current."""
+        return self._xp.tensor(self.slots)
+
 
 def make_index(capacity: int, num_rows: int | None, device: torch.device | str = "cpu") -> HashIndex | DenseIndex:
     """Dense where that stays within 128 bytes per slot, else hashed: either way

@@ -30,6 +30,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
+from tierstore.errors import UnsupportedError
 from tierstore.io import RowBackend, WriteBack, find_sorted
 
 from tierstore.engine.admission import RowLife
@@ -37,6 +38,7 @@ from tierstore.engine.counters import TableCounters, restored_on_error
 from tierstore.spec import TableSpec, initial_rows
 from tierstore.engine.step import StepPlan, StepPlanner
 from tierstore.engine.tiers import CacheTier, by_id, first_uses, nonzero, select
+from tierstore.engine.trainer import DeviceRows
 from tierstore.trace import TraceRecorder
 
 _SCRATCH_BYTES = 64 << 20
@@ -44,6 +46,7 @@ PROBE_SAMPLE = 256  # ids of a call probed before all of them (use_top_tier)
 # misses above which a read plans on a helper thread while it fetches: a handoff
 # costs ~0.1 ms, reading 4096 rows from LMDB ~4 ms
 _PLAN_ASIDE_ROWS = 4096
+_HOLD_CHUNK = 1 << 16  # rows hold_resident brings up per step
 
 
 class Prefetch(Protocol):
@@ -450,6 +453,29 @@ class TableStore:
                 rows.append(tier.gather(slots).cpu())
                 tier.dirty[slots] = False
         return by_id(torch.cat(ids), torch.cat(rows)) if ids else None
+
+    def hold_resident(self, device: torch.device) -> DeviceRows:
+        """store.trainer(table).hold_resident on this table: every row brought into the top
+        tier (read through the tiers as a read of them would), where it fits and the id
+        space is the dense map's."""
+        top = self.hbm or self.ddr
+        n = self.spec.num_rows
+        why = [what for what, bad in (
+            ("the store is readonly", self._shared.readonly), ("it has no tier", top is None),
+            ("its id space is unbounded (num_rows=None)", n is None),
+            ("admission or TTL is on", self.life.active)) if bad]
+        if not why and (n > top.capacity or not top.dense_index or top.device != device):
+            why = [f"its top tier ({top.capacity} rows on {top.device}) cannot hold its {n} rows on {device}"]
+        if why:
+            raise UnsupportedError(f"table {self.spec.name!r} cannot hold every row in its top tier: {'; '.join(why)}. "
+                                   "Open the store with hbm_rows >= num_rows (or ddr_rows without HBM) on the device "
+                                   "the step runs on, or keep the host step")
+        if top.resident < n:
+            ids = torch.arange(n)
+            missing = ids[top.lookup(ids).cpu() < 0]
+            for lo in range(0, len(missing), _HOLD_CHUNK):
+                self.admit(missing[lo: lo + _HOLD_CHUNK])
+        return DeviceRows(top, top.generation, top.weights, top.state, top.dirty, top.index.as_tensor())
 
     def update_resident(self, slots: torch.Tensor, generation: int, update: Callable[[CacheTier], None]) -> bool:
         """store.trainer(table).update_resident on this table: False, having changed nothing,

@@ -14,7 +14,9 @@ store is declared here, so that no module reaches into a store's internals:
 - how many updates the modules' backwards have written (``written``, counted by
   ``write_update`` and ``update_resident``): a backward whose forward read its
   rows before another backward wrote re-reads them rather than overwrite that
-  update with its stale copy.
+  update with its stale copy;
+- every row of a table held in its top tier for the device step (``hold_resident``,
+  ``DeviceRows``: tierstore.training.devstep), which then needs nothing of the host.
 
 A store keeps one TableTrainer per table for its life, so every module training
 a table sees the same count. The embedded TieredStore (tierstore.store) and the
@@ -25,16 +27,31 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from tierstore.errors import UnsupportedError
 from tierstore.precision import update_key
 
 if TYPE_CHECKING:
     from tierstore.engine.interface import EmbeddingStore
     from tierstore.engine.table import Resident
     from tierstore.engine.tiers import CacheTier
+
+
+class DeviceRows(NamedTuple):
+    """A table's rows as the device step uses them: every row of the table in one tier,
+    which keeps them in place while ``valid()`` (no slot changed owner since)."""
+    tier: "CacheTier"
+    generation: int  # the tier's, when every row was there
+    weights: torch.Tensor  # [capacity, dim]: the tier's own tensors, updated in place
+    state: torch.Tensor  # [capacity, state_dim]
+    dirty: torch.Tensor  # [capacity] bool
+    slot_map: torch.Tensor  # [num_rows] the slot of each id, on the tier's device
+
+    def valid(self) -> bool:
+        return self.tier.generation == self.generation
 
 
 class TableTrainer(ABC):
@@ -65,6 +82,13 @@ class TableTrainer(ABC):
         ``write(..., with_state=True)``, and the update is counted in ``written``, if no slot
         of the tier changed owner since ``generation``. Returns False, having changed
         nothing, if one did (the caller then updates rows it reads)."""
+
+    def hold_resident(self) -> DeviceRows:
+        """Bring every row of the table into its top tier and return them as the device
+        step uses them. An UnsupportedError where the store cannot (a daemon's rows, an
+        unbounded id space, admission or TTL, a top tier smaller than the table)."""
+        raise UnsupportedError(f"{type(self.store).__name__} keeps table {self.table!r}'s rows out of this process: "
+                               "the device step needs an embedded TieredStore")
 
     def update_key(self) -> int:
         """The stochastic-rounding key of the table's next update (tierstore.precision):

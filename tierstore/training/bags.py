@@ -227,13 +227,14 @@ def mean_grads(grad_out: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
 RUN = 32
 
 
-def sum_rows(src: torch.Tensor, index: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+def sum_rows(src: torch.Tensor, index: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor | None,
+             pieces: bool | None = None) -> torch.Tensor:
     """[U, dim]: row u sums ``src[index[j]]`` (times ``weights[j]``) over its run of
     ``counts[u]`` entries of ``index``, in that order (embedding_bag: no atomics).
-    On a GPU a run longer than RUN is summed in pieces of RUN, then its pieces in
-    order: a fixed order still (the same bits whatever the tiers), rounded unlike the
-    host's one pass."""
-    if src.device.type == "cuda":
+    On a GPU (or with ``pieces``) a run longer than RUN is summed in pieces of RUN, then
+    its pieces in order: a fixed order still (the same bits whatever the tiers), rounded
+    unlike the host's one pass."""
+    if src.device.type == "cuda" if pieces is None else pieces:
         while len(counts) and int(counts.max()) > RUN:
             pieces = (counts + RUN - 1) // RUN  # counts are >= 1: every row has an entry
             sizes = torch.full((int(pieces.sum()),), RUN, dtype=torch.int64, device=counts.device)

@@ -1,0 +1,186 @@
+"""The device step (tierstore.training.devstep): a table held in its top tier trains with
+static-shape ops and no host sync, to the same bits as the host step and torch's own."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tierstore
+from tierstore import TableSpec, TieredEmbeddingBag, TieredEmbeddingBagCollection, TieredStore
+from tierstore.errors import UnsupportedError
+from tierstore.training import bags, devstep
+
+from dispatch_count import DispatchCount
+
+N, DIM = 300, 8
+OPTIMIZERS = [lambda: tierstore.optim.SGD(lr=0.1), lambda: tierstore.optim.Adagrad(lr=0.1),
+              lambda: tierstore.optim.RowWiseAdagrad(lr=0.1)]
+
+
+def batches(steps: int, seed: int = 0, hot: int = 60):
+    """Bags of Zipf-like ids (many repeats: duplicates combine) with empty bags among them."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        sizes = torch.randint(0, 12, (16,), generator=g)
+        ids = (torch.rand(int(sizes.sum()), generator=g) ** 3 * hot).long()
+        offsets = torch.cumsum(sizes, 0) - sizes
+        yield ids, offsets, torch.randn(16, DIM, generator=g)
+
+
+def module(path, optimizer, mode="sum", **kw):
+    kw.setdefault("hbm_rows", N)
+    return TieredEmbeddingBag(N, DIM, mode=mode, path=path, device="cpu", optimizer=optimizer(), **kw)
+
+
+def rows(m) -> torch.Tensor:
+    return m.store.read(m.table, torch.arange(N), with_state=True)
+
+
+def train(m, steps=5, seed=0):
+    for ids, offsets, grad in batches(steps, seed):
+        m(ids, offsets).backward(grad)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_device_step_trains_the_host_steps_bits(tmp_path, optimizer, mode):
+    """Held rows (every one in HBM) against the host step through small tiers: the same rows."""
+    held = module(tmp_path / "held", optimizer, mode).hold_resident()
+    tiered = module(tmp_path / "tiered", optimizer, mode, hbm_rows=20, ddr_rows=40)
+    for m in (held, tiered):
+        train(m)
+    assert held._on_device(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), None)
+    assert torch.equal(rows(held), rows(tiered))
+
+
+def test_device_step_trains_as_torch_sparse_sgd(tmp_path):
+    """nn.EmbeddingBag(sparse=True) with torch.optim.SGD, given the same output gradients: the
+    same rows but for the rounding of the step (torch's add_(g, alpha=-lr) rounds once, as
+    tierstore.optim.SGD documents), and the same pooled outputs but for torch's two kernels'."""
+    held = module(tmp_path / "held", OPTIMIZERS[0]).hold_resident()
+    ref = torch.nn.EmbeddingBag.from_pretrained(rows(held).clone(), freeze=False, mode="sum", sparse=True)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for ids, offsets, grad in batches(6):
+        torch.testing.assert_close(held(ids, offsets), ref(ids, offsets))
+        held(ids, offsets).backward(grad)
+        opt.zero_grad()
+        ref(ids, offsets).backward(grad)
+        opt.step()
+    torch.testing.assert_close(rows(held), ref.weight.detach(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_resident_step_dispatches_no_wait_and_few_ops(tmp_path, optimizer):
+    """Forward and backward of a held table: no .item(), no op whose output size depends on
+    the data, no copy to the host; SGD in at most 12 aten ops."""
+    held = module(tmp_path / "held", optimizer).hold_resident()
+    train(held, steps=1)
+    (ids, offsets, grad), = batches(1, seed=3)
+    with DispatchCount() as ops:
+        held(ids, offsets).backward(grad)
+    assert ops.waits == [] and ops.to_host == [], (ops.waits, ops.to_host)
+    if optimizer is OPTIMIZERS[0]:
+        assert ops.total <= 12, dict(ops.ops)
+    assert ops.ops["aten.sort"] == 1 and not any("unique" in name or "nonzero" in name for name in ops.ops)
+
+
+def test_host_step_waits_where_the_device_step_does_not(tmp_path):
+    """The counter sees what it is for: the host step of the same table syncs."""
+    m = module(tmp_path / "host", OPTIMIZERS[0])
+    train(m, steps=1)
+    (ids, offsets, grad), = batches(1, seed=3)
+    with DispatchCount() as ops:
+        m(ids, offsets).backward(grad)
+    assert "aten._local_scalar_dense" in ops.waits
+
+
+def test_collection_steps_on_the_device_per_table(tmp_path):
+    ebc = TieredEmbeddingBagCollection([TableSpec("a", N, DIM), TableSpec("b", 50, DIM)], path=tmp_path / "ebc",
+                                       hbm_rows=N, device="cpu", optimizer=tierstore.optim.SGD(lr=0.1)).hold_resident()
+    twin = TieredEmbeddingBagCollection([TableSpec("a", N, DIM), TableSpec("b", 50, DIM)], path=tmp_path / "twin",
+                                        hbm_rows=10, ddr_rows=20, device="cpu", optimizer=tierstore.optim.SGD(lr=0.1))
+    for step, (ids, offsets, grad) in enumerate(batches(4)):
+        features = {"a": (ids, offsets), "b": (ids % 50, offsets)}
+        for m in (ebc, twin):
+            with DispatchCount() as ops:
+                out = m(features)
+                (out["a"] * grad + out["b"] * grad.flip(0)).sum().backward()
+            if m is ebc:
+                assert ops.waits == [] and ops.to_host == []
+    for t, n in (("a", N), ("b", 50)):
+        assert torch.equal(ebc.store.read(t, torch.arange(n)), twin.store.read(t, torch.arange(n)))
+
+
+def test_device_steps_reach_lmdb(tmp_path):
+    """Rows the device step updated are dirty: flush writes them, a reopened store reads them."""
+    held = module(tmp_path / "s", OPTIMIZERS[1]).hold_resident()
+    train(held)
+    want = rows(held)
+    held.close()
+    with TieredStore(tmp_path / "s", device="cpu", hbm_rows=0, ddr_rows=0) as store:
+        assert torch.equal(store.read("t0", torch.arange(N), with_state=True), want)
+
+
+def test_rows_leaving_the_tier_send_steps_to_the_host(tmp_path):
+    """store.evict after hold_resident: the held view is stale, the host step takes over."""
+    held = module(tmp_path / "held", OPTIMIZERS[0]).hold_resident()
+    twin = module(tmp_path / "twin", OPTIMIZERS[0])
+    for m in (held, twin):
+        train(m, steps=2)
+        m.store.evict(m.table, torch.arange(0, N, 3))
+    ids, offsets = torch.tensor([0, 3, 3, 4]), torch.tensor([0, 2])
+    assert not held._on_device(ids, offsets, None)
+    for m in (held, twin):
+        train(m, steps=2, seed=1)
+    assert torch.equal(rows(held), rows(twin))
+
+
+@pytest.mark.parametrize("kw, problem", [
+    (dict(mode="max"), "mode='max'"),
+    (dict(optimizer=lambda: tierstore.optim.Adam()), "Adam"),
+    (dict(hbm_rows=N - 1), f"cannot hold its {N} rows"),
+])
+def test_hold_resident_refuses_what_it_cannot_hold(tmp_path, kw, problem):
+    m = module(tmp_path / "m", kw.pop("optimizer", OPTIMIZERS[0]), **kw)
+    with pytest.raises(UnsupportedError, match=problem):
+        m.hold_resident()
+    assert m._rows is None
+
+
+def test_run_sums_in_pieces_are_the_host_steps(tmp_path):
+    """The static levels of RUN-entry pieces sum each row as bags.sum_rows does on a GPU
+    (here forced on the CPU), hot rows of thousands of entries included."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.cat([torch.zeros(2500, dtype=torch.long), torch.randint(0, 40, (3000,), generator=g)])
+    ids = ids[torch.randperm(len(ids), generator=g)]
+    grad, bag = torch.randn(len(ids) // 10 + 1, DIM, generator=g), torch.arange(len(ids)) // 10
+    grouped = bags.Rows.group(ids)
+    by_id, perm = torch.sort(ids)
+    starts = torch.searchsorted(by_id, by_id)
+    last = torch.cat([starts[1:] != starts[:-1], torch.tensor([True])])
+    for pieces in (True, False):
+        host = bags.sum_rows(grad, bag.index_select(0, grouped.perm), grouped.counts, None, pieces=pieces)
+        assert torch.equal(devstep.run_sums(grad, bag.index_select(0, perm), starts, pieces=pieces)[last], host)
+    assert not torch.equal(bags.sum_rows(grad, bag.index_select(0, grouped.perm), grouped.counts, None, pieces=True),
+                           bags.sum_rows(grad, bag.index_select(0, grouped.perm), grouped.counts, None, pieces=False))
+
+
+@pytest.mark.gpu
+def test_device_step_on_cuda_never_syncs_and_matches_the_host_step(tmp_path):
+    held = TieredEmbeddingBag(N, DIM, mode="sum", path=tmp_path / "held", hbm_rows=N, device="cuda",
+                              optimizer=tierstore.optim.Adagrad(lr=0.1)).hold_resident()
+    tiered = TieredEmbeddingBag(N, DIM, mode="sum", path=tmp_path / "tiered", hbm_rows=20, ddr_rows=40, device="cuda",
+                                optimizer=tierstore.optim.Adagrad(lr=0.1))
+    data = [(ids.cuda(), offsets.cuda(), grad.cuda()) for ids, offsets, grad in batches(6, hot=20)]
+    held(*data[0][:2]).backward(data[0][2])  # warm: the first step may allocate
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for ids, offsets, grad in data[1:]:
+            held(ids, offsets).backward(grad)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for ids, offsets, grad in data:
+        tiered(ids, offsets).backward(grad)
+    assert torch.equal(held.store.read("t0", torch.arange(N), with_state=True),
+                       tiered.store.read("t0", torch.arange(N), with_state=True))
