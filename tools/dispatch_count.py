@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+from torch._library import custom_ops
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -23,17 +24,26 @@ DATA_DEPENDENT = frozenset({"nonzero", "masked_select", "_unique", "_unique2", "
 
 class OpCounter(TorchDispatchMode):
     """While active, counts the ops dispatched by this thread (and by autograd's threads
-    on its behalf), by name (``aten.nonzero``, ``tierstore.lookup``, ...). A custom op
-    counts once, as a leaf: what its kernel runs is not seen."""
+    on its behalf), by name (``aten.nonzero``, ``tierstore.bag_lookup``, ...). A custom op
+    counts once, as a leaf: what its kernel runs is not seen, but for the custom ops
+    of the namespaces in ``inside`` (e.g. ("tierstore",)), whose Python bodies run
+    under the counter, their ops counted too."""
 
-    def __init__(self):
+    def __init__(self, inside: tuple[str, ...] = ()):
         super().__init__()
+        self.inside = inside
         self.ops: Counter[str] = Counter()
+        self.dispatched: set = set()  # the ops themselves (OpOverloads), whose tags say what they do
         self.device_to_host = 0  # ops with an input on an accelerator and an output in host memory
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        if func.namespace in self.inside:
+            with self:
+                out = custom_ops.OPDEFS[func.name()]._init_fn(*args, **(kwargs or {}))
+        else:
+            out = func(*args, **(kwargs or {}))
         self.ops[f"{func.namespace}.{func.overloadpacket.__name__}"] += 1
+        self.dispatched.add(func)
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if any(t.device.type != "cpu" for t in ins) and any(t.device.type == "cpu" for t in outs):
