@@ -394,7 +394,8 @@ def test_pooled_lookups_within_the_bound_of_float64(tmp_path, monkeypatch, dtype
                     ref, tol = ref / np.maximum(sizes, 1)[:, None], tol / np.maximum(sizes, 1)[:, None]
                 assert (np.abs(got - ref) <= tol + 1e-30).all(), (mode, np.abs(got - ref).max())
         st = s.stats()["t"]
-    assert st["hbm_resident"] == min(hbm, len(used)) and st["ddr_resident"] == min(ddr, len(used) - st["hbm_resident"])
+    # DDR keeps the rows it sends up to HBM: it holds the rows read, as many as it has room for
+    assert st["hbm_resident"] == min(hbm, len(used)) and st["ddr_resident"] == min(ddr, len(used))
 
 
 def intnbit(rows: np.ndarray, dtype: str, mode: str) -> "IntNBitTableBatchedEmbeddingBagsCodegen":
