@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections import deque
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
@@ -44,6 +45,7 @@ from tierstore.training import devstep, fbgemm
 from tierstore.training.bags import MODES, BagIndexError, BagOffsetsError, BagTypeError, Bags, EmbeddingBagConfig, plan_bags, row_grads
 from tierstore.training.checkpointing import FusedOptimizer, TableViews, check_loadable, load_views, table_views
 from tierstore.engine.interface import EmbeddingStore
+from tierstore.engine.trainer import DeviceRows
 from tierstore.optim import RowOptimizer
 from tierstore.precision import round_stochastic
 from tierstore.spec import RowInit, TableSpec
@@ -249,6 +251,7 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
             )
         self.optimizer = optimizer
         self._rows = None  # hold_resident: the table's rows, as the device step uses them
+        self._ahead = self._done = None  # resolve_ahead: batches resolved, not yet forwarded; forwarded, still pinned
         self._frozen = False  # requires_grad_(False)
         self._warned_untrained = False
         opening = store is None or isinstance(store, StoreConfig)
@@ -371,6 +374,8 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
             return leaf
         if self._on_device(input, offsets, per_sample_weights):
             return self._device_forward(input, offsets)
+        if self._ahead is not None and self._device_input(input, offsets, per_sample_weights):
+            return self._resolved_forward(input, offsets)
         return self._host_forward(input, offsets, per_sample_weights)
 
     def hold_resident(self) -> "TieredEmbeddingBag":
@@ -382,29 +387,95 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         optimizer (SGD, Adagrad, RowWiseAdagrad). Steps with per-sample weights or 2-D
         input, and any step once rows have left the tier (``store.evict``), take the host
         path; the held table's steps are not counted in the store's hit counts."""
+        self._check_device_step("hold_resident")
+        self._rows = self.store.trainer(self.table).hold_resident()
+        self._anchor = torch.empty(0, device=self._rows.weights.device, requires_grad=True)
+        return self
+
+    def resolve_ahead(self) -> "TieredEmbeddingBag":
+        """The device step over a cache, for a table larger than its top tier: each batch's
+        rows are brought into the top tier by the host ahead of its step (``resolve_batch``:
+        what LookaheadLoader calls ``depth`` batches ahead; with depth 0 or no loader the
+        forward resolves its own batch first), pinned there until the step is done (until
+        the loader hands out the next batch, or the next forward without a loader), and the
+        step itself is the device step on their slots. The conditions of ``hold_resident``,
+        and the forward gets the batch's own ids tensor (the module moves it to the device)."""
+        self._check_device_step("resolve_ahead")
+        self._ahead, self._done = deque(), []
+        self._anchor = torch.empty(0, device=self.store.device, requires_grad=True)
+        return self
+
+    def resolve_batch(self, batch) -> None:
+        """Resolve the rows of a later forward's ``batch`` (``(input, offsets)``, as forward
+        takes them) now: checked, brought into the top tier and pinned (resolve_ahead)."""
+        if self._ahead is None:
+            raise SettingError(f"table {self.table!r} resolves no batch ahead: call resolve_ahead() first")
+        input, offsets = batch[0], batch[1]
+        self._plan(input, offsets, None)  # a bad batch is refused now, naming the problem
+        self._ahead.append(self._resolve(input))
+
+    @property
+    def resolves_ahead(self) -> bool:
+        """Whether the steps run on the device over a cache (resolve_ahead)."""
+        return self._ahead is not None
+
+    def release_steps(self) -> None:
+        """The steps forwarded so far are done: their rows may leave the top tier again."""
+        trainer = self.store.trainer(self.table)
+        for _, _, pins in self._done or ():
+            trainer.release(pins)
+        self._done = [] if self._done is not None else None
+
+    def _resolve(self, input: torch.Tensor):
+        hit, pins = self.store.trainer(self.table).resolve(torch.as_tensor(input).reshape(-1))
+        return input, hit, pins
+
+    def _check_device_step(self, call: str) -> None:
         why = [what for what, bad in (
             ("mode='max'", self.config.mode == "max"), ("padding_idx", self.config.padding_idx is not None),
             (f"dtype={self.dtype!r}", self.dtype != "float32"), ("kernels='fbgemm'", self.kernels != "torch"),
             (f"optimizer={self.optimizer!r}", self.optimizer is not None and not self.optimizer.additive)) if bad]
         if why:
             raise UnsupportedError(f"table {self.table!r} cannot take the device step with {', '.join(why)}; "
-                                   "keep the host step (do not call hold_resident)")
-        self._rows = self.store.trainer(self.table).hold_resident()
-        self._anchor = torch.empty(0, device=self._rows.weights.device, requires_grad=True)
-        return self
+                                   f"keep the host step (do not call {call})")
+
+    @staticmethod
+    def _device_input(input, offsets, per_sample_weights) -> bool:
+        return per_sample_weights is None and isinstance(input, torch.Tensor) and input.dim() == 1 \
+            and isinstance(offsets, torch.Tensor)
 
     def _on_device(self, input, offsets, per_sample_weights) -> bool:
-        """Whether this forward is the device step: held rows, still in place, 1-D ids and offsets."""
+        """Whether this forward is the held device step: held rows, still in place, 1-D ids and offsets."""
         rows = self._rows
-        return rows is not None and rows.valid() and per_sample_weights is None and isinstance(input, torch.Tensor) \
-            and input.dim() == 1 and isinstance(offsets, torch.Tensor)
+        return rows is not None and rows.valid() and self._device_input(input, offsets, per_sample_weights)
 
-    def _device_forward(self, input: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        device = self._rows.weights.device
+    def _steps_on_device(self, input, offsets, per_sample_weights) -> bool:
+        """Whether this forward is a device step, held or resolved."""
+        return self._on_device(input, offsets, per_sample_weights) or \
+            (self._ahead is not None and self._device_input(input, offsets, per_sample_weights))
+
+    def _device_forward(self, input: torch.Tensor, offsets: torch.Tensor, rows=None, slots=None) -> torch.Tensor:
+        rows = self._rows if rows is None else rows
+        device = rows.weights.device
         # an exported program is the forward alone: its update needs the store, not a graph
         train = self.trains and torch.is_grad_enabled() and not torch.compiler.is_exporting()
-        return devstep.device_step(self._rows, input.to(device), offsets.to(device), self.config.mode,
+        return devstep.device_step(rows, input.to(device), slots, offsets.to(device), self.config.mode,
                                    self.config.include_last_offset, self.optimizer, self._anchor if train else None)
+
+    @outside_graphs  # the host's part (which batch, its slots) is Python: a graph break
+    def _resolved_forward(self, input: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        if self._ahead and self._ahead[0][0] is input:
+            entry = self._ahead.popleft()
+        else:  # not resolved ahead (depth 0, no loader, or not the batch announced): resolve it now
+            self._done.extend(self._ahead)  # announced, never to be forwarded: released with the steps done
+            self._ahead.clear()
+            self.release_steps()
+            self._plan(input, offsets, None)
+            entry = self._resolve(input)
+        self._done.append(entry)
+        hit = entry[1]
+        rows = DeviceRows(hit.tier, hit.generation, hit.tier.weights, hit.tier.state, hit.tier.dirty, None)
+        return self._device_forward(input, offsets, rows, hit.slots)
 
     @outside_graphs  # torch.compile: a graph break; the dense layers around it compile
     def _host_forward(self, input, offsets, per_sample_weights) -> torch.Tensor:
@@ -717,8 +788,8 @@ class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
             return leaf
         if isinstance(features, Mapping) and features and all(
                 name in self._bags and isinstance(f, (tuple, list)) and len(f) == 2
-                and self._bags[name]._on_device(f[0], f[1], None) for name, f in features.items()):
-            return {name: self._bags[name]._device_forward(*f) for name, f in features.items()}
+                and self._bags[name]._steps_on_device(f[0], f[1], None) for name, f in features.items()):
+            return {name: self._bags[name].forward(*f) for name, f in features.items()}
         return self._host_forward(features)
 
     def hold_resident(self) -> "TieredEmbeddingBagCollection":
@@ -726,6 +797,25 @@ class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
         for bag in self._bags.values():
             bag.hold_resident()
         return self
+
+    def resolve_ahead(self) -> "TieredEmbeddingBagCollection":
+        """Every table's TieredEmbeddingBag.resolve_ahead: the device step over each one's cache."""
+        for bag in self._bags.values():
+            bag.resolve_ahead()
+        return self
+
+    def resolve_batch(self, features: Mapping[str, object]) -> None:
+        """Each table's TieredEmbeddingBag.resolve_batch of its feature."""
+        for name, feature in features.items():
+            self[name].resolve_batch(feature)
+
+    @property
+    def resolves_ahead(self) -> bool:
+        return any(bag.resolves_ahead for bag in self._bags.values())
+
+    def release_steps(self) -> None:
+        for bag in self._bags.values():
+            bag.release_steps()
 
     @outside_graphs  # torch.compile: a graph break; the dense layers around it compile
     def _host_forward(self, features: Mapping[str, object]) -> dict[str, torch.Tensor]:

@@ -868,6 +868,17 @@ class EmbeddedTableTrainer(TableTrainer):
         with s._lock:
             return s._table_to_read(self.table).hold_resident(s.device)
 
+    def resolve(self, ids: torch.Tensor) -> tuple[Resident, np.ndarray]:
+        s = self.store
+        with s._lock:
+            return s._table_to_write(self.table).resolve(ids.cpu())
+
+    def release(self, pins: np.ndarray) -> None:
+        with self.store._lock:
+            table = self.store._tables.get(self.table)
+            if table is not None and table.in_flight is not None:
+                table.in_flight.release(pins)
+
     def admitted(self, uid: torch.Tensor) -> torch.Tensor | None:
         with self.store._lock:
             life = self.store._table(self.table).life

@@ -602,7 +602,10 @@ class LookaheadLoader:
     ``ids(batch) -> {table: ids}`` says what a batch reads; by default the
     module's ``batch_reads(batch)`` does (a TieredEmbeddingBag's or collection's
     batch is in its forward's input form); a store needs ``ids``. ``depth=0``: no prefetch.
-    A failure of batch i's prefetch is raised when batch i is due.
+    A failure of batch i's prefetch is raised when batch i is due. A module that resolves
+    batches ahead (``resolve_ahead()``: tierstore.training.devstep) resolves each batch
+    ``depth`` batches ahead instead (a failure is raised then), and each batch's rows stay
+    pinned until the loader is asked for the next batch.
     """
 
     def __init__(self, batches: Iterable, module, depth: int = 2, ids: Callable[[object], Mapping[str, object]] | None = None,
@@ -619,6 +622,13 @@ class LookaheadLoader:
         self.effective_depth = 0
         self.shrunk_steps = 0
 
+    @property
+    def _resolves(self) -> bool:
+        """Whether the module's steps run on the device over a cache (resolve_ahead): it then
+        resolves each batch's rows itself, ``depth`` batches ahead, and keeps them until the
+        loader hands out the next batch."""
+        return bool(getattr(self.module, "resolves_ahead", False))
+
     def _reads(self, batch) -> dict[str, torch.Tensor] | None:
         """What a batch reads; None for a batch the module cannot read, whose own
         forward then raises, at its step. A failing ``ids`` function raises here."""
@@ -632,6 +642,9 @@ class LookaheadLoader:
         return {table: torch.as_tensor(ids).reshape(-1) for table, ids in reads.items()}
 
     def _issue(self, entry: list) -> PrefetchGroup | None:
+        if self._resolves:  # the device step over a cache: the module brings the batch's rows up now
+            self.module.resolve_batch(entry[0])
+            return PrefetchGroup(())
         if entry[2] is None:  # deduped once: a batch that waits for room is tried again each step
             reads = self._reads(entry[0])
             if reads is None:
@@ -673,6 +686,8 @@ class LookaheadLoader:
                         group.wait()
                     handed = self.clock()
                     yield batch
+                    if self._resolves:  # the batch's step is done: its rows may go
+                        self.module.release_steps()
                     if self.depth:
                         self.store.report_step_seconds(self.clock() - handed)
                 finally:

@@ -36,6 +36,7 @@ from tierstore.io import RowBackend, WriteBack, find_sorted
 from tierstore.engine.admission import RowLife
 from tierstore.engine.counters import TableCounters, restored_on_error
 from tierstore.spec import TableSpec, initial_rows
+from tierstore.engine.inflight import InFlight
 from tierstore.engine.step import StepPlan, StepPlanner
 from tierstore.engine.tiers import CacheTier, by_id, first_uses, nonzero, select
 from tierstore.engine.trainer import DeviceRows
@@ -115,6 +116,7 @@ class TableStore:
         self.life = RowLife(spec.admit_after, spec.admit_width, spec.admit_depth, spec.ttl_steps, steps, spec.evict_l2_below)
         self._shared = shared
         self._planner = StepPlanner()
+        self.in_flight: InFlight | None = None  # the rows of steps resolved ahead (resolve)
         self._scratch = np.empty((0, spec.width), dtype=np.float32)
 
     def scratch(self, n: int) -> np.ndarray | None:
@@ -301,16 +303,38 @@ class TableStore:
 
     def _plan(self, use_clock: torch.Tensor, slot_h: torch.Tensor, slot_d: torch.Tensor,
               refresh: torch.Tensor | None = None) -> StepPlan:
-        """This table's step (tierstore.engine.step), with the prefetch window pinning rows."""
-        return self._planner.plan(self.hbm, self.ddr, use_clock.numpy(), slot_h.numpy(), slot_d.numpy(),
+        """This table's step (tierstore.engine.step), with the prefetch window and the steps
+        in flight (resolve) pinning rows; one that would evict a row in flight is refused."""
+        plan = self._planner.plan(self.hbm, self.ddr, use_clock.numpy(), slot_h.numpy(), slot_d.numpy(),
                                   refresh=None if refresh is None else refresh.numpy(), next_use=self._next_use,
                                   in_window=self._in_window)
+        if self.in_flight is not None:
+            self.in_flight.check((plan.hbm if self.hbm else plan.ddr).evict)
+        return plan
 
     def _next_use(self, tier: CacheTier) -> np.ndarray | None:
-        return self._shared.prefetcher.next_use(self.spec.name, tier)
+        use = self._shared.prefetcher.next_use(self.spec.name, tier)
+        return use if self.in_flight is None else self.in_flight.next_use(tier, use)
 
     def _in_window(self, ids: np.ndarray) -> np.ndarray | None:
-        return self._shared.prefetcher.in_window(self.spec.name, ids)
+        named = self._shared.prefetcher.in_window(self.spec.name, ids)
+        return named if self.in_flight is None else self.in_flight.in_window(ids, named)
+
+    def resolve(self, ids: torch.Tensor) -> tuple[Resident, np.ndarray]:
+        """store.trainer(table).resolve on this table: every row of ``ids`` (a batch's, in call
+        order) brought into the top tier by a read's step, its use counted, and pinned there
+        (tierstore.engine.inflight) until ``in_flight.release`` of the slots returned."""
+        top = self.hbm or self.ddr
+        if top is None or self.life.active or self._shared.readonly:
+            raise UnsupportedError(f"table {self.spec.name!r} cannot resolve steps ahead: it needs a tier, no admission or "
+                                   "TTL and a writable store")
+        if self.in_flight is None:
+            self.in_flight = InFlight(self.spec.name, top)
+        hit = self.use_top_tier(ids) or self.admit(ids)
+        if hit is None:
+            raise UnsupportedError(f"table {self.spec.name!r}: a batch has more rows than its {top.name} tier holds "
+                                   f"({top.capacity}); give the tier more rows or use smaller batches")
+        return hit, self.in_flight.pin(hit.slots)
 
     def _write_back(self, plan: StepPlan, uid: torch.Tensor, rows: torch.Tensor | None) -> int:
         """Queue the plan's dirty rows leaving the cache for LMDB, before anything changes:

@@ -16,7 +16,9 @@ store is declared here, so that no module reaches into a store's internals:
   rows before another backward wrote re-reads them rather than overwrite that
   update with its stale copy;
 - every row of a table held in its top tier for the device step (``hold_resident``,
-  ``DeviceRows``: tierstore.training.devstep), which then needs nothing of the host.
+  ``DeviceRows``: tierstore.training.devstep), which then needs nothing of the host;
+  or a batch's rows brought there ahead of its device step and pinned until it is done
+  (``resolve``, ``release``).
 
 A store keeps one TableTrainer per table for its life, so every module training
 a table sees the same count. The embedded TieredStore (tierstore.store) and the
@@ -48,7 +50,7 @@ class DeviceRows(NamedTuple):
     weights: torch.Tensor  # [capacity, dim]: the tier's own tensors, updated in place
     state: torch.Tensor  # [capacity, state_dim]
     dirty: torch.Tensor  # [capacity] bool
-    slot_map: torch.Tensor  # [num_rows] the slot of each id, on the tier's device
+    slot_map: torch.Tensor | None  # [num_rows] the slot of each id, on the tier's device (None: slots come resolved)
 
     def valid(self) -> bool:
         return self.tier.generation == self.generation
@@ -89,6 +91,16 @@ class TableTrainer(ABC):
         unbounded id space, admission or TTL, a top tier smaller than the table)."""
         raise UnsupportedError(f"{type(self.store).__name__} keeps table {self.table!r}'s rows out of this process: "
                                "the device step needs an embedded TieredStore")
+
+    def resolve(self, ids: torch.Tensor) -> tuple["Resident", object]:
+        """A step ahead: every row of ``ids`` brought into the top tier (a read's step, its
+        use counted) and pinned there until ``release(pins)``; returns where the rows are
+        (``hit.slots``: each id's slot, on the tier's device) and the pins."""
+        raise UnsupportedError(f"{type(self.store).__name__} keeps table {self.table!r}'s rows out of this process: "
+                               "the device step needs an embedded TieredStore")
+
+    def release(self, pins) -> None:
+        """A resolved step is done: its rows may leave the top tier again."""
 
     def update_key(self) -> int:
         """The stochastic-rounding key of the table's next update (tierstore.precision):

@@ -6,8 +6,9 @@ tier's id -> slot map is a tensor on the device (the dense map: one int32 per id
 and the step is two custom ops, so torch.compile and torch.export see each as one
 node and neither waits for the device:
 
-- ``tierstore::bag_lookup``: each id's slot (a gather from the map), the bags pooled
-  from the tier's weights by slot (embedding_bag);
+- each id's slot: a gather from the map (held rows), or the slots the host resolved
+  ahead (a cache: tierstore.engine.inflight keeps them in place until the step is done);
+- ``tierstore::bag_lookup``: the bags pooled from the tier's weights by slot (embedding_bag);
 - ``tierstore::bag_update_`` (its backward, registered with register_autograd): the
   duplicate ids of the batch combined and the fused optimizer's step applied to the
   tier's rows in place (declared in mutates_args), the rows marked dirty.
@@ -37,20 +38,19 @@ __all__ = ["bag_lookup", "bag_update_", "device_step", "run_sums"]
 
 
 @torch.library.custom_op("tierstore::bag_lookup", mutates_args=())
-def bag_lookup(weights: torch.Tensor, state: torch.Tensor, dirty: torch.Tensor, slot_map: torch.Tensor,
+def bag_lookup(weights: torch.Tensor, state: torch.Tensor, dirty: torch.Tensor, slots: torch.Tensor,
                ids: torch.Tensor, offsets: torch.Tensor, anchor: torch.Tensor, pooling: int, include_last: bool,
-               kind: str, hyper: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pooled bags [B, dim] and each id's slot. ``state``, ``dirty``, ``anchor``, ``kind``
-    and ``hyper`` are the backward's (an empty ``anchor`` requiring grad puts the op in the graph)."""
-    slots = slot_map.index_select(0, ids).long()  # int64, as index_fill_ takes them
-    pooled = torch.embedding_bag(weights, slots, offsets, False, pooling, False, None, include_last)[0]
-    return pooled, slots
+               kind: str, hyper: list[float]) -> torch.Tensor:
+    """The bags [B, dim] pooled from the rows at ``slots`` (of ``ids``). ``state``, ``dirty``,
+    ``anchor``, ``kind`` and ``hyper`` are the backward's (an empty ``anchor`` requiring
+    grad puts the op in the graph)."""
+    return torch.embedding_bag(weights, slots, offsets, False, pooling, False, None, include_last)[0]
 
 
 @bag_lookup.register_fake
-def _(weights, state, dirty, slot_map, ids, offsets, anchor, pooling, include_last, kind, hyper):
+def _(weights, state, dirty, slots, ids, offsets, anchor, pooling, include_last, kind, hyper):
     bags = offsets.shape[0] - 1 if include_last else offsets.shape[0]
-    return weights.new_empty((bags, weights.shape[1])), ids.new_empty(ids.shape, dtype=torch.int64)
+    return weights.new_empty((bags, weights.shape[1]))
 
 
 @torch.library.custom_op("tierstore::bag_update_", mutates_args=("weights", "state", "dirty"))
@@ -103,13 +103,12 @@ def run_sums(src: torch.Tensor, index: torch.Tensor, starts: torch.Tensor, piece
 
 
 def _setup(ctx, inputs, output):
-    weights, state, dirty, _, ids, offsets, _, pooling, include_last, kind, hyper = inputs
-    ctx.save_for_backward(weights, state, dirty, ids, output[1], offsets)
-    ctx.set_materialize_grads(False)  # the slots' gradient stays None, not zeros
+    weights, state, dirty, slots, ids, offsets, _, pooling, include_last, kind, hyper = inputs
+    ctx.save_for_backward(weights, state, dirty, ids, slots, offsets)
     ctx.args = (pooling, include_last, kind, hyper)
 
 
-def _backward(ctx, grad_out, _):
+def _backward(ctx, grad_out):
     weights, state, dirty, ids, slots, offsets = ctx.saved_tensors
     bag_update_(weights, state, dirty, ids, slots, offsets, grad_out.contiguous(), *ctx.args)
     return None, None, None, None, None, None, None, None, None, None, None
@@ -118,12 +117,15 @@ def _backward(ctx, grad_out, _):
 bag_lookup.register_autograd(_backward, setup_context=_setup)
 
 
-def device_step(rows, ids: torch.Tensor, offsets: torch.Tensor, mode: str, include_last: bool,
-                optimizer: RowOptimizer | None, anchor: torch.Tensor | None) -> torch.Tensor:
-    """The bags of ``ids`` pooled from ``rows`` (DeviceRows); with ``anchor`` (an empty tensor
-    requiring grad), its backward updates them with ``optimizer``."""
+def device_step(rows, ids: torch.Tensor, slots: torch.Tensor | None, offsets: torch.Tensor, mode: str,
+                include_last: bool, optimizer: RowOptimizer | None, anchor: torch.Tensor | None) -> torch.Tensor:
+    """The bags of ``ids`` pooled from ``rows`` (DeviceRows) at ``slots`` (each id's, int64; None:
+    looked up in ``rows.slot_map``); with ``anchor`` (an empty tensor requiring grad), its
+    backward updates them with ``optimizer``."""
     kind, hyper = ("SGD", [0.0]) if optimizer is None else (type(optimizer).__name__, optimizer.hyper())
     if anchor is None:
         anchor = rows.weights.new_empty(0)
-    return bag_lookup(rows.weights, rows.state, rows.dirty, rows.slot_map, ids, offsets, anchor, MODES[mode],
-                      include_last, kind, hyper)[0]
+    if slots is None:
+        slots = rows.slot_map.index_select(0, ids).long()  # int64, as index_fill_ takes them
+    return bag_lookup(rows.weights, rows.state, rows.dirty, slots, ids, offsets, anchor, MODES[mode],
+                      include_last, kind, hyper)
