@@ -64,6 +64,10 @@ PLANS = {
     # made by TorchRec's planner (tierstore's: sharder.planner), constrained to these sharding types
     "planned": {"t1": ("planner", {"sharding_types": ["table_column_wise"]}), "t2": ("planner", {"sharding_types": ["table_wise"]})},
 }
+# a checkpoint of "table" on 2 ranks loads onto 1 rank and onto 4, resharded
+RESHARDED = {1: {"t1": ("table_wise", {"rank": 0}), "t2": ("table_wise", {"rank": 0})},
+             2: {"t1": ("row_wise", {}), "t2": ("table_wise", {"rank": 0})},
+             4: {"t1": ("row_wise", {}), "t2": ("table_wise", {"rank": 3})}}
 OPTIMIZERS = {"sgd": (lambda: optim.SGD(lr=LR), "EXACT_SGD", {}),
               "rowwise": (lambda: optim.RowWiseAdagrad(lr=LR, eps=EPS), "EXACT_ROWWISE_ADAGRAD", {"eps": EPS})}
 TIERS = {"tiny": {"hbm_rows": 2, "ddr_rows": 3}, "roomy": {"hbm_rows": 64, "ddr_rows": 0}}
@@ -87,7 +91,7 @@ def _model():
     return Model()
 
 
-def _dmp(path: Path, plan_name: str, opt: str, kind: str, tiers: str):
+def _dmp(path: Path, plan_name: str, opt: str, kind: str, tiers: str, world: int = WORLD):
     from torchrec.distributed import sharding_plan as sp
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -103,12 +107,13 @@ def _dmp(path: Path, plan_name: str, opt: str, kind: str, tiers: str):
         sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": getattr(EmbOptimType, fbgemm_opt), "learning_rate": LR,
                                                               **extra})
     model = _model()
-    if all(fn == "planner" for fn, _ in PLANS[plan_name].values()):
-        module_plan = _planned(model, path, {t: args for t, (_, args) in PLANS[plan_name].items()})
+    tables = PLANS[plan_name] if plan_name in PLANS else RESHARDED[world]
+    if all(fn == "planner" for fn, _ in tables.values()):
+        module_plan = _planned(model, path, {t: args for t, (_, args) in tables.items()})
     else:
-        per_param = {t: getattr(sp, fn)(**args) for t, (fn, args) in PLANS[plan_name].items()}
-        module_plan = sp.construct_module_sharding_plan(model.ebc, per_param, sharder=sharder, local_size=WORLD,
-                                                        world_size=WORLD, device_type="cpu")
+        per_param = {t: getattr(sp, fn)(**args) for t, (fn, args) in tables.items()}
+        module_plan = sp.construct_module_sharding_plan(model.ebc, per_param, sharder=sharder, local_size=world,
+                                                        world_size=world, device_type="cpu")
     if kind == "torchrec":  # its fused kernel (FBGEMM's TBE with the optimizer in the backward), not the dense default
         for p in module_plan.values():
             p.compute_kernel = "fused"
@@ -140,6 +145,8 @@ def _local_rows(dmp, kind: str) -> dict[str, list]:
                 k = shard.key
                 ids = torch.arange(k.row_offset, k.row_offset + shard.rows)
                 out.setdefault(k.table, []).append((k.row_offset, k.col_offset, shard.bag.store.peek(k.table, ids)))
+                out.setdefault(k.table + ".state", []).append(
+                    (k.row_offset, 0, shard.bag.store.peek(k.table, ids, with_state=True)[:, shard.dim:]))
         return out
     for key, st in dmp.state_dict().items():
         table = key.split(".")[-2]
@@ -175,10 +182,41 @@ def train_cases(rank: int, out: Path) -> dict:
                          "types": {t: p.sharding_type for t, p in dmp.plan.plan["ebc"].items()}}
         if kind == "tierstore":
             dmp.module.ebc.close()
+    results["dcp"] = save_checkpoint(rank, out)
+    results["load-2"] = load_checkpoint(rank, out / "load-2", out / "dcp")["dcp"]
     return results
 
 
-SCENARIOS = {"train": train_cases}
+def save_checkpoint(rank: int, out: Path) -> dict:
+    """A DCP checkpoint of "table" on the ranks, row-wise Adagrad's state with it, after STEPS steps."""
+    import torch.distributed.checkpoint as dcp
+
+    dmp = _dmp(out / "dcp-source", "table", "rowwise", "tierstore", "tiny")
+    for step in range(STEPS):
+        dmp(batch(step, rank)).pow(2).sum().backward()
+    dcp.save({"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}, checkpoint_id=out / "dcp")
+    rows, keys = _local_rows(dmp, "tierstore"), sorted(dmp.state_dict())
+    dmp.module.ebc.close()
+    return {"rows": rows, "keys": keys}
+
+
+def load_checkpoint(rank: int, out: Path, checkpoint: Path | None = None) -> dict:
+    """The checkpoint save_checkpoint made (in the folder above ``out``), loaded onto this launch's
+    ranks (RESHARDED's plan for their number)."""
+    import torch.distributed.checkpoint as dcp
+
+    world = dist.get_world_size()
+    dmp = _dmp(out / "stores", f"resharded-{world}", "rowwise", "tierstore", "roomy", world=world)
+    state = {"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}
+    dcp.load(state, checkpoint_id=checkpoint or out.parent / "dcp")
+    dmp.load_state_dict(state["model"])
+    dmp.fused_optimizer.load_state_dict(state["optim"])
+    rows = _local_rows(dmp, "tierstore")
+    dmp.module.ebc.close()
+    return {"dcp": {"rows": rows}}
+
+
+SCENARIOS = {"train": train_cases, "load": load_checkpoint}
 
 
 def _rank_main(rank: int, world: int, out: str, scenario: str):
@@ -207,18 +245,26 @@ def launch(path: Path, scenario: str, world: int = WORLD) -> list:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("dmp-train"), "train")
+def trained_at(tmp_path_factory):
+    return tmp_path_factory.mktemp("dmp-train")
+
+
+@pytest.fixture(scope="module")
+def trained(trained_at):
+    return launch(trained_at, "train")
 
 
 # -- the oracles ----------------------------------------------------------------------------
 def assembled(results: list, case) -> dict[str, torch.Tensor]:
-    """Each table's rows, assembled from every rank's shards."""
-    full = {c.name: torch.full((c.num_embeddings, c.embedding_dim), float("nan")) for c in configs()}
+    """Each table's rows (and "<table>.state": its optimizer state), assembled from every rank's shards."""
+    full = {}
     for res in results:
         for table, shards in res[case]["rows"].items():
             for r, c, rows in shards:
-                full[table][r:r + rows.shape[0], c:c + rows.shape[1]] = rows
+                config = next(t for t in configs() if table.split(".")[0] == t.name)
+                width = config.embedding_dim if table == config.name else rows.shape[1]
+                part = full.setdefault(table, torch.full((config.num_embeddings, width), float("nan")))
+                part[r:r + rows.shape[0], c:c + rows.shape[1]] = rows
     return full
 
 
@@ -273,6 +319,7 @@ def test_dmp_trains_as_torchrecs_sharder_and_the_unsharded_model(trained, plan_n
             torch.testing.assert_close(res[ours]["outs"][step], res[theirs]["outs"][step], rtol=0, atol=1e-5)
     got, want = assembled(trained, ours), assembled(trained, theirs)
     for name in rows:
+        assert not got[name].isnan().any()
         torch.testing.assert_close(got[name], rows[name], rtol=0, atol=1e-5)
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5)
 
@@ -332,3 +379,19 @@ def test_init_fn_gives_the_rows_their_first_values(trained):
     outs, _ = unsharded(column_blocks(trained, ("table", "sgd", "torchrec", "tiny")), "sgd")
     for r, res in enumerate(trained):
         torch.testing.assert_close(res[("table", "sgd", "tierstore", "tiny")]["outs"][0], outs[r][0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 1, pytest.param(4, marks=pytest.mark.slow)])  # 4 processes: 45 s on 2 cores
+def test_a_dcp_checkpoint_of_2_ranks_loads_onto_another_plan_and_world_size(trained, trained_at, world):
+    """DCP saves each rank's shards in chunks under TorchRec's names (t1 on rank 0, t2 on rank 1);
+    loaded onto 2 ranks (t1 split by rows, t2 on rank 0), 1 rank (every table there) and 4 (t1
+    split by rows, t2 on rank 3), the rows and row-wise Adagrad's state are the saved ones, bit
+    for bit."""
+    assert "ebc.embedding_bags.t1.weight" in trained[0]["dcp"]["keys"]
+    saved = assembled(trained, "dcp")
+    results = [{"dcp": res["load-2"]} for res in trained] if world == 2 else \
+        launch(trained_at / f"load-{world}", "load", world=world)
+    loaded = assembled(results, "dcp")
+    assert sorted(saved) == sorted(loaded) == ["t1", "t1.state", "t2", "t2.state"]
+    for name in saved:
+        assert torch.equal(saved[name], loaded[name]), name

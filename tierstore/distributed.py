@@ -63,8 +63,8 @@ from torch import nn
 
 from tierstore.io import StoreCorruptError
 
-from tierstore.training.checkpointing import (FusedOptimizer, OptimizerMismatchError, TableViews, check_loadable, load_views, state_layout,
-                            table_views)
+from tierstore.training.checkpointing import (FusedOptimizer, OptimizerMismatchError, SharedViews, TableViews, state_layout,
+                                              table_views)
 from tierstore.errors import ArgumentTypeError, PathExistsError, PathNotFoundError, SettingError, StateError, TierstoreError, UnknownTableError, kind
 from tierstore.training.bags import MODES, Bags, EmbeddingBagConfig, Rows, mean_grads, plan_bags, sum_rows
 from tierstore.nn import feature_parts
@@ -312,7 +312,7 @@ class _ShardedBagFunction(torch.autograd.Function):
         return (None, None, None, *psw_grads)
 
 
-class ShardedEmbeddingBagCollection(nn.Module):
+class ShardedEmbeddingBagCollection(SharedViews, nn.Module):
     """TieredEmbeddingBagCollection with its tables sharded over a process group by ``plan``.
 
     Every rank constructs it with the same tables, plan, optimizer, comm_dtype
@@ -884,16 +884,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return FusedOptimizer(self.optimizer, {f"embedding_bags.{name}.weight": state for name in self._tables
                                                if (state := self.views(name).state)})
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        for name in self._tables:
-            destination[f"{prefix}embedding_bags.{name}.weight"] = self.views(name).weight
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        views = {f"{prefix}embedding_bags.{name}.weight": self.views(name).weight for name in self._tables}
-        unexpected_keys[:] = [k for k in unexpected_keys if k not in views]
-        load_views(views, check_loadable(views, state_dict, missing_keys, error_msgs))
+    def _view_tables(self) -> list[str]:
+        return list(self._tables)
 
     def close(self) -> None:
         """Flush and close this rank's store, after every rank got here. Collective."""

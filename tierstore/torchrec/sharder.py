@@ -31,11 +31,13 @@ from torchrec import EmbeddingBagCollection
 from torchrec.distributed.embedding_types import BaseEmbeddingSharder, EmbeddingComputeKernel, GroupedEmbeddingConfig
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
 from tierstore.errors import ArgumentTypeError
 from tierstore.optim import RowOptimizer
 from tierstore.store import Sizes
-from tierstore.torchrec import _DTYPES, row_init
+from tierstore.torchrec import _DTYPES, _FusedKeyedOptimizer, row_init
+from tierstore.training.checkpointing import SharedViews, TableView, TableViews, table_views
 from tierstore.torchrec.lookup import RankStores, ShardLookup
 
 KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
@@ -52,7 +54,7 @@ def local_groups(sharding) -> list[GroupedEmbeddingConfig]:
     return grouped
 
 
-class TieredShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+class TieredShardedEmbeddingBagCollection(SharedViews, ShardedEmbeddingBagCollection):
     """TorchRec's ShardedEmbeddingBagCollection with the rank's shards in tierstore stores."""
 
     def __init__(self, module, table_name_to_parameter_sharding: dict[str, ParameterSharding], env: ShardingEnv,
@@ -68,6 +70,9 @@ class TieredShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         super().__init__(module, table_name_to_parameter_sharding, env, fused_params=fused_params, device=device,
                          qcomm_codecs_registry=qcomm_codecs_registry, module_fqn=module_fqn)
         self._built = True
+        # TorchRec's base collects its kernels' fused optimizers; the tierstore shards' state is their views
+        self._optim = CombinedOptimizer([("", self._fused_state())])
+        self.register_load_state_dict_post_hook(self._loaded_views)
 
     def _create_lookups(self) -> None:
         s = self._sharder
@@ -91,6 +96,50 @@ class TieredShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         for lookup in self._lookups:
             for shard in lookup.shards:
                 shard.bag.reset_parameters()
+
+    # -- checkpoints: TorchRec's keys, this rank's shards as TableViews (tierstore.training.checkpointing) --
+    def views(self, table: str) -> TableViews:
+        """This rank's shards of ``table`` and their optimizer state as TableViews of the whole
+        table's shape: what state_dict() and fused_optimizer hold, read and written a chunk at a
+        time; DCP saves each rank's rows and reshards them on load."""
+        config = self._table_name_to_config[table]
+        dtype = _DTYPES[config.data_type][0]
+        parts = [table_views(shard.bag.store, table, config.num_embeddings, config.embedding_dim, dtype, self._sharder.optimizer,
+                             (shard.key.row_offset, shard.key.row_offset + shard.rows),
+                             (shard.key.col_offset, shard.key.col_offset + shard.dim))
+                 for lookup in self._lookups for shard in lookup.shards if shard.key.table == table]
+        if not parts:  # no shard here: views of no rows
+            return table_views(None, table, config.num_embeddings, config.embedding_dim, dtype, self._sharder.optimizer,
+                               (0, 0))
+
+        def merged(views: list[TableView]) -> TableView:
+            first = views[0]
+            blocks = [dataclasses.replace(b, store=v._store) for v in views for b in v._blocks]
+            return TableView(first._store, table, first._what, first._full, first.dtype, blocks)
+
+        return TableViews(merged([p.weight for p in parts]), {k: merged([p.state[k] for p in parts]) for k in parts[0].state})
+
+    def _fused_state(self) -> KeyedOptimizer:
+        views = {f"embedding_bags.{name}.weight": self.views(name) for name in self._table_names}
+        params = {key: v.weight for key, v in views.items()}
+        return _FusedKeyedOptimizer(self._sharder.optimizer, params, {v.weight: v.state for v in views.values() if v.state},
+                                    [{"params": list(params.values())}])
+
+    @property
+    def fused_optimizer(self) -> KeyedOptimizer:
+        """The fused optimizer's state, keyed as TorchRec's: ``{"state": {"embedding_bags.<table>.weight":
+        {"<table>.momentum1": ...}}}`` (this rank's shards, as TableViews); ``step()`` does nothing."""
+        return self._optim
+
+    def _view_tables(self) -> list[str]:
+        return self._table_names
+
+    @staticmethod
+    def _loaded_views(module: "TieredShardedEmbeddingBagCollection", incompatible) -> None:
+        """The tables' keys were loaded here, not by the empty ``embedding_bags.<table>`` modules
+        below, which report them unexpected."""
+        ours = tuple(f"embedding_bags.{name}.weight" for name in module._table_names)
+        incompatible.unexpected_keys[:] = [k for k in incompatible.unexpected_keys if not k.endswith(ours)]
 
     @property
     def stores(self) -> RankStores:

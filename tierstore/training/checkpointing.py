@@ -68,6 +68,7 @@ class Block:
     c1: int
     base: int
     saves: bool = True  # DCP's save writes it from here (one column shard saves a row's shared state)
+    store: object = None  # the store holding it, where not the view's (a rank's shards of a table in several stores)
 
 
 def state_layout(optimizer: RowOptimizer | None) -> tuple[int, int]:
@@ -126,11 +127,14 @@ class TableView(torch.Tensor):
     def _chunk_rows(self) -> int:
         return max(1, CHUNK_BYTES // (self._cols * 4))
 
-    def _io_rows(self) -> int:
-        return max(1, IO_BYTES // (self._store.tables[self._table].width * 4))
+    def _store_of(self, blk: Block):
+        return self._store if blk.store is None else blk.store
+
+    def _io_rows(self, blk: Block) -> int:
+        return max(1, IO_BYTES // (self._store_of(blk).tables[self._table].width * 4))
 
     def _read(self, blk: Block, a: int, b: int, c: int, d: int) -> torch.Tensor:
-        rows = self._store.peek(self._table, torch.arange(a, b), with_state=True)
+        rows = self._store_of(blk).peek(self._table, torch.arange(a, b), with_state=True)
         part = rows[:, blk.base + c - blk.c0: blk.base + d - blk.c0].to(self.dtype)
         return part if len(self._full) == 2 else part.reshape(-1)
 
@@ -149,7 +153,7 @@ class TableView(torch.Tensor):
         R0, C0 = self._region[0][0], (self._region[1][0] if len(self._full) == 2 else 0)
         covered = 0
         for blk, a, b, c, d in self._pieces():
-            step = self._io_rows()
+            step = self._io_rows(blk)
             for lo in range(a, b, step):
                 hi = min(b, lo + step)
                 flat[lo - R0: hi - R0, c - C0: d - C0] = self._read(blk, lo, hi, c, d).reshape(hi - lo, d - c)
@@ -170,8 +174,8 @@ class TableView(torch.Tensor):
             return  # the rows themselves: DCP's load wrote them already
         R0, C0 = self._region[0][0], (self._region[1][0] if len(self._full) == 2 else 0)
         for blk, a, b, c, d in self._pieces():
-            spec = self._store.tables[self._table]
-            step = self._io_rows()
+            spec = self._store_of(blk).tables[self._table]
+            step = self._io_rows(blk)
             for lo in range(a, b, step):
                 hi = min(b, lo + step)
                 part = src[lo - R0: hi - R0]
@@ -185,7 +189,8 @@ class TableView(torch.Tensor):
         """Set columns of rows [lo, hi): rows whose bits change are written, or deleted
         when they become their initial value with zero state."""
         ids = torch.arange(lo, hi)
-        old = self._store.peek(self._table, ids, with_state=True)
+        store = self._store_of(blk)
+        old = store.peek(self._table, ids, with_state=True)
         new = old.clone()
         at = blk.base + c - blk.c0
         new[:, at: at + part.shape[1]] = part.to(torch.float32)
@@ -202,10 +207,10 @@ class TableView(torch.Tensor):
             init = torch.from_numpy(initial_rows(spec, ids[maybe].numpy()))
             to_init[maybe] = (new[maybe].view(torch.int32) == init.view(torch.int32)).all(1)
         if bool(to_init.any()):
-            self._store.evict(self._table, ids[to_init])
+            store.evict(self._table, ids[to_init])
         keep = changed & ~to_init
         if bool(keep.any()):
-            self._store.write(self._table, ids[keep], new[keep], with_state=True)
+            store.write(self._table, ids[keep], new[keep], with_state=True)
 
     # -- torch.distributed.checkpoint (its _Checkpointable protocol, as DTensor's) -------------
     def _chunks(self, saving: bool) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -398,6 +403,26 @@ def check_loadable(views: Mapping[str, TableView], state_dict: Mapping[str, obje
         else:
             found[key] = value
     return found
+
+
+class SharedViews:
+    """state_dict()/load_state_dict() of a module (mixed in before nn.Module) whose tables are
+    TableViews under TorchRec's keys, ``embedding_bags.<table>.weight``: the module gives its
+    table names (``_view_tables()``) and each table's views (``views(name)``)."""
+
+    def _view_tables(self) -> Sequence[str]:
+        raise NotImplementedError
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name in self._view_tables():
+            destination[f"{prefix}embedding_bags.{name}.weight"] = self.views(name).weight
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        views = {f"{prefix}embedding_bags.{name}.weight": self.views(name).weight for name in self._view_tables()}
+        unexpected_keys[:] = [k for k in unexpected_keys if k not in views]
+        load_views(views, check_loadable(views, state_dict, missing_keys, error_msgs))
 
 
 def load_views(views: Mapping[str, TableView], values: Mapping[str, torch.Tensor]) -> None:
