@@ -74,6 +74,9 @@ class LmdbBackend(LogTables, Upkeep):
         self._logs: dict[str, rowlog.RowLog] = {}  # tables in the log layout, and their segments' databases:
         self._log_dbs: dict[str, object] = {}
         self._log_synced: dict[str, int] = {}  # the transaction id each log's index reflects
+        self._index_limits: dict[str, int] = {}  # bytes each log's runs may hold (limit_index)
+        self._index_named: dict[str, str] = {}  # the token of each log's index file LMDB names (io.lmdb_log)
+        self._index_current: dict[str, str] = {}  # ... and of the one its runs come from now
         self._index_lock = threading.Lock()  # a log's index against the transaction reading it
         # one write transaction, its commit and index update at a time; held around a read that
         # decides a write (collection, sweep), so no commit comes between
@@ -105,6 +108,11 @@ class LmdbBackend(LogTables, Upkeep):
         if nbytes is not None:
             limit = self._shared.mapped_limit
             self._shared.mapped_limit = nbytes if limit is None else min(limit, nbytes)
+
+    def limit_index(self, limits: dict[str, int]) -> None:
+        """The bytes each log table's runs may hold in memory (io.rowindex.RowIndex.limit),
+        given before its table opens; past it a writer spills them to its index file."""
+        self._index_limits = dict(limits)
 
     @property
     def reads_directly(self) -> bool:
@@ -309,12 +317,14 @@ class LmdbBackend(LogTables, Upkeep):
             self._log_dbs[name] = open_db(b"s:" + name.encode())
             if self._lock_fd is not None:
                 self._roll_back(name)
-            self._logs[name] = rowlog.RowLog(self._codecs[name], num_rows, last_use)
+            self._logs[name] = self._new_log(name, self._codecs[name], num_rows, last_use)
             self._log_synced[name] = -1
             self._load_index(name)
             self._log_slots(name, np.zeros(0, dtype=np.int64))  # replays the segments into the index
             if self._lock_fd is not None:
                 self._start_publishing(name)
+                self._remove_index_files(name)  # left by a writer that died
+                self._spill_indexes()
             return
         self._dbs[name] = open_db(b"t:" + name.encode())
         if last_use:
@@ -364,7 +374,7 @@ class LmdbBackend(LogTables, Upkeep):
     def stored_ids(self, table: str) -> np.ndarray:
         """Ids of the rows stored for ``table``, ascending (int64): its keys, read in one transaction."""
         if table in self._logs:
-            return self._log_read(table, lambda log: np.flatnonzero(log.loc != rowlog.NONE).astype(np.int64))
+            return self._log_read(table, lambda log: log.index.ids())
         with self._reading(db=self._dbs[table], buffers=False) as txn:
             keys = b"".join(txn.cursor().iternext(keys=True, values=False))
         return np.frombuffer(keys, dtype=">u8").astype(np.int64)
@@ -400,7 +410,7 @@ class LmdbBackend(LogTables, Upkeep):
         self._record_deleted(table, ids)
         if table in self._logs:
             with self._write_lock:  # the writer's index changes only under it
-                gone = ids[self._logs[table].loc[ids] != rowlog.NONE]
+                gone = ids[self._logs[table].index.get(ids) != rowlog.NONE]
                 if len(gone):
                     self._write_log({table: [(gone, None)]})
             return len(gone)
@@ -523,12 +533,15 @@ class LmdbBackend(LogTables, Upkeep):
                     if self._unsynced >= self.txn_rows * rowlog.PAGE:
                         self.sync()
                     self._shared.trim_map()
-                    return
+                    break
                 except lmdb.MapFullError:
                     # the transaction aborted; grow the map and replay it
                     with self._resize.exclusive():
                         self._shared.set_mapsize(self.env.info()["map_size"] * 2)
-        raise lmdb.MapFullError(f"LMDB map at {self.path} still full after growing it {_MAX_GROWTH_RETRIES} times")
+            else:
+                raise lmdb.MapFullError(f"LMDB map at {self.path} still full after growing it {_MAX_GROWTH_RETRIES} times")
+            if applied is not None:
+                self._spill_indexes()
 
     def sync(self) -> None:
         self.env.sync(True)

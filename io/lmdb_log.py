@@ -24,8 +24,15 @@ STEP = np.dtype("<i8")  # a row's last-use step, in a log slot and in a keyed ta
 class LogTables:
     """LmdbBackend's methods for its tables in the log layout."""
 
-    def _index_file(self, table: str) -> Path:
-        return self.path / f"index-{table.encode().hex()}.bin"
+    def _index_file(self, table: str, token: str) -> Path:
+        return self.path / f"index-{table.encode().hex()}-{token}.bin"
+
+    def _new_log(self, table: str, codec, num_rows: int, last_use: bool) -> rowlog.RowLog:
+        """An empty index of ``table``, its runs limited as limit_index set; a reader's never
+        spills (it writes no file)."""
+        log = rowlog.RowLog(codec, num_rows, last_use, self._index_limits.get(table))
+        log.index.spills = self._lock_fd is not None
+        return log
 
     def _load_index(self, table: str) -> None:
         """Start ``table``'s index from the one its writer saved at close (io.rowlog.save_index),
@@ -34,12 +41,14 @@ class LogTables:
         with self._reading(buffers=True) as txn:
             saved = txn.get(_INDEX_KEY + table.encode(), db=self._meta)
             log = self._logs[table]
-            if saved is None or not rowlog.load_index(self._index_file(table), log, json.loads(bytes(saved))["token"]):
+            token = None if saved is None else json.loads(bytes(saved))["token"]
+            if token is None or not rowlog.load_index(self._index_file(table, token), log, token):
                 return
             published = self._published_in(txn, table)
             if published is not None and log.applied > published[0]:  # saved past what was published: not this history
-                self._logs[table] = rowlog.RowLog(log.codec, len(log.loc), log.last_use)
+                self._logs[table] = self._new_log(table, log.codec, log.num_rows, log.last_use)
                 return
+            self._index_named[table] = self._index_current[table] = token
             _, base, size = self._map_base(txn)
             mem = rowlog.map_view(base, size)
             try:
@@ -52,19 +61,47 @@ class LogTables:
             self._log_synced[table] = txn.id()
 
     def _save_indexes(self) -> None:
-        """Save each log table's index beside data.mdb, then name it in LMDB (a new token each
-        time): an index written but not named, or named by another copy of the file, is ignored.
-        Not while a publishing writer holds segments it has not published: the next writer rolls
-        those back, and the index would place rows in them."""
+        """A writer's close: save each log table's index (_save_index), unless a publishing
+        writer holds segments it has not published (it could not be named)."""
         if self.publish_at_flush and self._unpublished():
             return
-        for table, log in self._logs.items():
-            token = os.urandom(16).hex()
-            rowlog.save_index(log, self._index_file(table), token)
+        for table in self._logs:
+            self._save_index(table)
 
-            def op(txn, table=table, token=token):
-                txn.put(_INDEX_KEY + table.encode(), json.dumps({"token": token}).encode(), db=self._meta)
-            self._write(op)
+    def _spill_indexes(self) -> None:
+        """After a commit: save the index of each log table whose runs passed their limit
+        (io.rowindex.RowIndex.wants_spill), which maps them from the file written."""
+        for table, log in self._logs.items():
+            if log.index.wants_spill():
+                self._save_index(table)
+
+    def _save_index(self, table: str) -> None:
+        """Write ``table``'s index beside data.mdb under a new token, take its runs from there,
+        and name it in LMDB: the index an open starts from. An index written but not named, or
+        named by another copy of the file, is ignored. Named later (at the next publish) while a
+        publishing writer holds segments it has not published: the next writer rolls those back,
+        and the index would place rows in them. Files no longer named nor mapped are removed."""
+        log, token = self._logs[table], os.urandom(16).hex()
+        path = self._index_file(table, token)
+        header = rowlog.write_index(log, path, token)
+        with self._index_lock:
+            if not rowlog.take_index(log, path, header):  # does not read back: neither named nor mapped
+                path.unlink(missing_ok=True)
+                return
+        self._index_current[table] = token
+        if not (self.publish_at_flush and self._unpublished()):
+            self._write(lambda txn: txn.put(_INDEX_KEY + table.encode(), json.dumps({"token": token}).encode(), db=self._meta))
+            self._index_named[table] = token
+        self._remove_index_files(table)
+
+    def _remove_index_files(self, table: str) -> None:
+        """Remove ``table``'s index files that are neither named in LMDB nor mapped (a reader
+        that maps one keeps it until it unmaps: the file system frees it then)."""
+        keep = {self._index_file(table, t).name for t in (self._index_named.get(table), self._index_current.get(table)) if t}
+        hexed = table.encode().hex()
+        for f in [*self.path.glob(f"index-{hexed}-*"), self.path / f"index-{hexed}.bin"]:
+            if f.name not in keep:
+                f.unlink(missing_ok=True)
 
     # -- what readers see of the log tables: the last publish ---------------------------------
     def _published_in(self, txn, table: str) -> tuple[int, int] | None:
@@ -139,6 +176,9 @@ class LogTables:
                 txn.put(k.encode(), json.dumps(v).encode(), db=self._meta)
             if not self.publish_at_flush:
                 return
+            for t, token in self._index_current.items():
+                if token != self._index_named.get(t):  # spilled since the last publish: named now
+                    txn.put(_INDEX_KEY + t.encode(), json.dumps({"token": token}).encode(), db=self._meta)
             for t, log in self._logs.items():
                 for seq in self._retired[t]:
                     txn.delete(rowlog.seq_key(seq), db=self._log_dbs[t])
@@ -149,7 +189,13 @@ class LogTables:
             for t, log in self._logs.items() if self.publish_at_flush else ():
                 self._published[t] = log.applied
                 self._retired[t].clear()
+            if self.publish_at_flush:
+                renamed[:] = [t for t, token in self._index_current.items() if token != self._index_named.get(t)]
+                self._index_named.update({t: self._index_current[t] for t in renamed})
+        renamed: list[str] = []
         self._write(op, applied, plan=lambda: None)
+        for t in renamed:
+            self._remove_index_files(t)
 
     def _log_read(self, table: str, under_lock, after=None):
         """``under_lock(log)`` with ``table``'s index brought to a read snapshot, then
@@ -225,7 +271,7 @@ class LogTables:
                 seqs = [seq for seq, _, _ in newer]
                 stale = seqs and seqs[-1] - seqs[0] + 1 != len(seqs) or seqs[:1] not in ([], [log.applied + 1])
             if stale:
-                log = self._logs[table] = rowlog.RowLog(log.codec, len(log.loc), log.last_use)
+                log = self._logs[table] = self._new_log(table, log.codec, log.num_rows, log.last_use)
                 newer = rowlog.walk_values(mem, record, 0, upto=upto)
             log.replay(mem, newer)
         except rowlog.SegmentFormatError as e:
@@ -271,8 +317,9 @@ class LogTables:
 
         def applied(planned):
             new, gone = planned
-            for t, seq, ids, slots in new:
-                self._logs[t].apply(seq, rowlog.TOMBSTONES if slots is None else rowlog.ROWS, ids)
+            for t in {t for t, *_ in new}:
+                self._logs[t].apply([(seq, rowlog.TOMBSTONES if slots is None else rowlog.ROWS, ids, -1)
+                                     for table, seq, ids, slots in new if table == t])
             for t, seqs in gone.items():
                 log = self._logs[t]
                 for seq in seqs:
@@ -331,7 +378,7 @@ class LogTables:
                 self._read_at(txn, np.concatenate(kept_at), log.slot_bytes, kept_slots, direct=False)
             for seq in merged:
                 ids = rowlog.parse_header(txn.get(rowlog.seq_key(seq)))[1]
-                still_deleted.append(ids[log.loc[ids] == rowlog.NONE])
+                still_deleted.append(ids[log.index.get(ids) == rowlog.NONE])
         parts = []
         if kept_ids:
             ids = np.concatenate(kept_ids)

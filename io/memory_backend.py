@@ -109,6 +109,9 @@ class MemoryBackend:
     def indexed_tables(self, specs) -> list[str]:
         return []  # no index apart from the rows themselves
 
+    def limit_index(self, limits: dict[str, int]) -> None:
+        pass  # no index to limit
+
     # -- rows -------------------------------------------------------------------------------
     def _table(self, name: str) -> _Table:
         """The table as this backend sees it: a reader of a publishing writer sees its last publish."""

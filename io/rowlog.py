@@ -5,7 +5,7 @@ Why: stored one row per key, a random row written costs LMDB a copy of its whole
 at scale), and a row read faults a branch page as well when the page cache is small.
 Here a write appends the rows it writes, packed, as one LMDB value, a *segment*, which
 LMDB stores in contiguous overflow pages: a transaction writes about its rows' own
-bytes. Where each row lives (segment, slot) is kept in memory, 4 bytes a row, and
+bytes. Where each row lives (segment, slot) is kept in memory (io.rowindex), and
 rebuilt at open from the segments' id lists; the segments' own B-tree is a few pages.
 Rows start on a page boundary of the file, so a row read touches its own page only.
 
@@ -15,7 +15,8 @@ last-use step (int64) where the table keeps one. A *tombstone* segment has ids o
 rows are deleted. Segments are keyed by a sequence number that only grows, so the latest
 copy of a row is the one in the highest segment: replaying segments in key order gives
 the index, in any process and after any crash (a segment is in LMDB exactly when its
-transaction committed).
+transaction committed). Where each row is, is kept by io.rowindex: runs of ids in
+consecutive slots, memory that grows with the rows written, not the ids declared.
 
 Space: overwritten rows leave dead slots; a collection copies the live rows of the emptiest
 segments into a new one and deletes them, in one transaction, once dead slots pass
@@ -29,17 +30,16 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import json
 import os
 import struct
-import zlib
 from pathlib import Path
 
 import numpy as np
 
+from . import rowindex
 from .codecs import RowCodec
-from .files import fsync_path
 from .errors import SegmentLimitError, TierstoreError
+from .rowindex import NONE, SLOT_BITS as _SLOT_BITS, RowIndex
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -54,11 +54,9 @@ _libc.syscall.restype = ctypes.c_long
 SEGMENT_BYTES = 64 << 10
 MIN_SEGMENT_ROWS = 256  # fewer and the segments' own bookkeeping (SEGMENT_ENTRY_BYTES) outgrows a byte a row
 SPARE = 0.5  # dead slots kept at most, as a fraction of live rows, before a collection (RowLog.victims)
-_SLOT_BITS = 12
 MAX_SLOTS = 1 << _SLOT_BITS
 _MAX_SEGMENTS = (1 << (32 - _SLOT_BITS)) - 1  # the last one would make NONE a place
 SEGMENT_ENTRY_BYTES = 4 * 8  # a segment's seq, live, slots and offset in RowLog
-NONE = np.uint32(0xFFFFFFFF)
 HEADER = struct.Struct("<4sB3xII")  # magic, kind, ids, slot bytes
 _MAGIC = b"TSG1"
 ROWS, TOMBSTONES = 0, 1
@@ -72,6 +70,7 @@ MIN_SEGMENT = PAGE // 2
 _STEP = np.dtype("<i8")
 _MIN_DEAD = MAX_SLOTS  # dead slots below this never trigger a collection
 MAX_TOMBSTONE_SEGMENTS = 16  # more are merged into one
+_REPLAY_SEGMENTS = 64  # segments a replay applies at once (RowLog.apply)
 
 
 def rows_per_segment(slot_bytes: int, num_rows: int) -> int:
@@ -82,13 +81,25 @@ def rows_per_segment(slot_bytes: int, num_rows: int) -> int:
     return min(MAX_SLOTS, max(SEGMENT_BYTES // slot_bytes, MIN_SEGMENT_ROWS, fit))
 
 
-def index_bytes_bound(num_rows: int) -> int:
-    """The most a RowLog of ``num_rows`` rows holds in memory: 4 bytes a row, and the
-    segments' entries, with segments of MIN_SEGMENT_ROWS or more: victims() keeps them
-    under twice the full ones needed plus 16, _allocate grows the arrays by doubling from
-    64, and the 64 more leave room for what a collection has yet to merge."""
-    segments = 2 * (2 * -(-num_rows // MIN_SEGMENT_ROWS) + 16 + 64)
-    return 4 * num_rows + SEGMENT_ENTRY_BYTES * segments
+def segment_bytes_bound(num_rows: int, slot_bytes: int) -> int:
+    """The most the segments' entries of a RowLog of ``num_rows`` rows of ``slot_bytes`` take:
+    victims() keeps the segments under twice the full ones needed plus 16, _allocate grows
+    the arrays by doubling from 64, and the 64 more leave room for what a collection has yet
+    to merge."""
+    segments = 2 * (2 * -(-num_rows // rows_per_segment(slot_bytes, num_rows)) + 16 + 64)
+    return SEGMENT_ENTRY_BYTES * segments
+
+
+def runs_bytes_bound(num_rows: int) -> int:
+    """The most an unlimited io.rowindex of ``num_rows`` rows holds: each level at most a run
+    a row, and a merge's copies (RowIndex._settles: three of main, two of recent)."""
+    return 5 * rowindex.RUN_BYTES * num_rows
+
+
+def index_bytes_bound(num_rows: int, slot_bytes: int) -> int:
+    """The most a RowLog of ``num_rows`` rows of ``slot_bytes`` holds in memory without a
+    limit: its segments' entries and its runs."""
+    return segment_bytes_bound(num_rows, slot_bytes) + runs_bytes_bound(num_rows)
 
 
 def seq_key(seq: int) -> bytes:
@@ -140,16 +151,19 @@ def parse_header(value) -> tuple[int, np.ndarray, int]:
 
 class RowLog:
     """The in-memory index of one table's segments: for each id, its segment's slot in
-    this index (``loc``: segment index << 12 | slot, NONE where no row is stored), and
-    for each segment its sequence number, live rows and place in the file. Its own
-    methods never touch LMDB: the backend hands them values and commits."""
+    this index (``index``, io.rowindex: segment index << 12 | slot, NONE where no row is
+    stored), and for each segment its sequence number, live rows and place in the file.
+    Its own methods never touch LMDB: the backend hands them values and commits.
+    ``runs_limit``: the bytes its runs may hold (RowIndex.limit)."""
 
-    def __init__(self, codec: RowCodec, num_rows: int, last_use: bool):
+    def __init__(self, codec: RowCodec, num_rows: int, last_use: bool, runs_limit: int | None = None):
         self.codec = codec
         self.last_use = last_use
+        self.num_rows = num_rows
         self.slot_bytes = codec.row_bytes + (_STEP.itemsize if last_use else 0)
         self.per_segment = rows_per_segment(self.slot_bytes, num_rows)
-        self.loc = np.full(num_rows, NONE, dtype=np.uint32)
+        self.index = RowIndex(num_rows, runs_limit)
+        self._held: list[int] = []  # segment indexes a mapped index still names (RowIndex.held)
         self.seq = np.zeros(0, dtype=np.int64)  # 0: a free entry
         self.live = np.zeros(0, dtype=np.int64)
         self.slots = np.zeros(0, dtype=np.int64)
@@ -166,10 +180,12 @@ class RowLog:
         return int(self.slots.sum()) - self.live_rows
 
     def index_bytes(self) -> int:
-        return self.loc.nbytes + SEGMENT_ENTRY_BYTES * len(self.seq)
+        return self.index.nbytes + SEGMENT_ENTRY_BYTES * len(self.seq)
 
     # -- applying segments (in sequence order) -----------------------------------------
     def _allocate(self, seq: int, n: int) -> int:
+        if not self._free and self._held and self.index.dead is None:  # no mapped index names them now
+            self._free, self._held = self._held[::-1], []
         if not self._free:
             old = len(self.seq)
             if old >= _MAX_SEGMENTS:
@@ -197,22 +213,37 @@ class RowLog:
         self.live_rows -= len(places)
         self.emptied.extend(self.seq[segs[self.live[segs] == 0]].tolist())
 
-    def apply(self, seq: int, kind: int, ids: np.ndarray, offset: int = -1) -> None:
-        """Apply segment ``seq`` (newer than every one applied) of ``ids``."""
-        old = self.loc[ids]
-        self._release(old)
-        if kind == TOMBSTONES:
-            self.loc[ids] = NONE
-            self.tombstones[seq] = len(ids)
-        else:
-            s = self._allocate(seq, len(ids))
-            self.loc[ids] = (s << _SLOT_BITS) | np.arange(len(ids), dtype=np.uint32)
-            self.live[s] = len(ids)
-            self.offset[s] = offset
-            self.live_rows += len(ids)
-            if not len(ids):
-                self.emptied.append(seq)
-        self.applied = seq
+    def apply(self, segments: list[tuple[int, int, np.ndarray, int]]) -> None:
+        """Apply ``segments`` ((seq, kind, ids, file offset of the first slot or -1), in sequence
+        order, each newer than every one applied): one update of the index for all of them
+        (it costs about its own runs, and a little for the runs it meets: see io.rowindex)."""
+        if not segments:
+            return
+        all_ids, all_places = [], []
+        for seq, kind, ids, offset in segments:
+            if kind == TOMBSTONES:
+                self.tombstones[seq] = len(ids)
+                all_places.append(np.full(len(ids), NONE, dtype=np.uint32))
+            else:
+                s = self._allocate(seq, len(ids))
+                self.live[s], self.offset[s] = len(ids), offset
+                self.live_rows += len(ids)
+                if not len(ids):
+                    self.emptied.append(seq)
+                all_places.append((s << _SLOT_BITS) | np.arange(len(ids), dtype=np.uint32))
+            all_ids.append(ids)
+            self.applied = seq
+        ids, places = np.concatenate(all_ids).astype(np.int64), np.concatenate(all_places)
+        order = np.argsort(ids, kind="stable")  # an id's places in segment order
+        ids, places = ids[order], places[order]
+        first = np.ones(len(ids), dtype=bool)
+        first[1:] = ids[1:] != ids[:-1]
+        last = np.append(first[1:], True)
+        previous = np.empty(len(ids), dtype=np.uint32)  # where each place's row was before it
+        previous[first] = self.index.get(ids[first])
+        previous[~first] = places[:-1][~first[1:]]
+        self._release(previous)
+        self.index.put(ids[last], places[last])
 
     def note_offset(self, seq: int, at: int) -> None:
         """Segment ``seq`` (committed, its value at file offset ``at``) starts its slots where its
@@ -248,14 +279,13 @@ class RowLog:
         if gone:
             dead = np.zeros(len(self.seq), dtype=bool)
             dead[gone] = True
-            for lo in range(0, len(self.loc), 1 << 20):  # a piece at a time: temporaries stay small
-                loc = self.loc[lo: lo + (1 << 20)]
-                placed = np.flatnonzero(loc != NONE)
-                drop = placed[dead[loc[placed] >> _SLOT_BITS]]
-                loc[drop] = NONE
-                self.live_rows -= len(drop)
+            self.index.drop(dead)
         for seq in [seq for seq in self._index if seq not in present] + [t for t in self.tombstones if t not in present]:
             self.forget(seq)
+        held = set(self.index.held())
+        self._held = sorted(held)
+        self._free = [s for s in self._free if s not in held]
+        self.live_rows = int(self.live[self.seq > 0].sum())
         self.emptied = [seq for seq in self.emptied if seq in present]
         return [v for v in values if v[0] > self.applied]
 
@@ -269,14 +299,17 @@ class RowLog:
 
     def replay(self, mem: np.ndarray, values: list[tuple[int, int, int]]) -> None:
         """Apply the segments ``values`` ((seq, file offset, bytes), in seq order) of the map ``mem``."""
-        for seq, at, size in values:
-            kind, ids, start = parse_header(mem[at: at + size])
-            self.apply(seq, kind, ids, at + start)
+        for lo in range(0, len(values), _REPLAY_SEGMENTS):
+            segments = []
+            for seq, at, size in values[lo: lo + _REPLAY_SEGMENTS]:
+                kind, ids, start = parse_header(mem[at: at + size])
+                segments.append((seq, kind, ids, at + start))
+            self.apply(segments)
 
     # -- reading ---------------------------------------------------------------------------
     def places(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(segment index, slot, found) of each id; the caller holds the index still."""
-        loc = self.loc[ids]
+        loc = self.index.get(ids)
         found = loc != NONE
         loc = loc[found]
         return (loc >> _SLOT_BITS).astype(np.int64), (loc & (MAX_SLOTS - 1)).astype(np.int64), found
@@ -341,7 +374,7 @@ class RowLog:
     def live_of(self, seq: int, ids: np.ndarray) -> np.ndarray:
         """Mask of the slots of segment ``seq`` (of ``ids``) that hold their id's latest row."""
         s = self._index[seq]
-        return self.loc[ids] == ((s << _SLOT_BITS) | np.arange(len(ids), dtype=np.uint32))
+        return self.index.get(ids) == ((s << _SLOT_BITS) | np.arange(len(ids), dtype=np.uint32))
 
     def droppable_tombstones(self) -> list[int]:
         """Tombstones older than every row segment: no older copy of their ids is left."""
@@ -352,89 +385,50 @@ class RowLog:
         return [seq for seq in self.tombstones if seq < min(oldest, self.applied)]
 
 
-# -- the index saved at close ---------------------------------------------------------------
+# -- the index saved -------------------------------------------------------------------------
 # Replaying every segment's ids at open reads about 9 bytes a row (34M rows: 311 MiB, 10-12 s).
-# The writer saves its index when it closes, and an open replays only what came after. The
-# file is a cache: it counts only when LMDB names it (the token committed after the file was
-# written), so a file from another history (a store copied back, a crash between the two)
-# is never applied, and whatever is wrong with it costs a full replay, never a row.
-_SAVED_MAGIC = b"TSIDX1\n"
-_SAVED_CHUNK = 32 << 20  # written and synced a piece at a time: dirty pages count against a memory cgroup
+# The writer saves its index when it closes (and when its runs outgrow their limit: spill), and
+# an open replays only what came after. The file is a cache: it counts only when LMDB names it
+# (the token committed after the file was written), so a file from another history (a store
+# copied back, a crash between the two) is never applied, and whatever is wrong with what it
+# holds in memory costs a full replay, never a row (its runs, mapped when they do not fit the
+# index's limit, are not read at open).
+def _header(log: "RowLog", token: str) -> dict:
+    return {"token": token, "rows": log.num_rows, "slot_bytes": log.slot_bytes, "slot_bits": _SLOT_BITS}
 
 
-def _bytes(a: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+def write_index(log: "RowLog", path: Path, token: str) -> dict:
+    """Write ``log``'s index to ``path`` (a temporary file, synced, renamed over it); returns
+    the header take_index needs."""
+    tombstones = np.array(sorted(log.tombstones.items()), dtype=np.int64).reshape(-1)
+    return rowindex.write_file(log.index, path, {**_header(log, token), "applied": log.applied, "live_rows": log.live_rows},
+                               [log.seq, log.live, log.slots, tombstones])
 
 
-def _crc(arrays: list[np.ndarray]) -> int:
-    crc = 0
-    for a in arrays:
-        crc = zlib.crc32(_bytes(a), crc)
-    return crc
-
-
-def _saved_arrays(log: "RowLog") -> list[np.ndarray]:
-    tombstones = np.array(sorted(log.tombstones.items()), dtype=np.int64).reshape(-1, 2)
-    return [log.loc, log.seq, log.live, log.slots, tombstones]
-
-
-def save_index(log: "RowLog", path: Path, token: str) -> None:
-    """Write ``log``'s index to ``path`` (a temporary file, synced, renamed over it)."""
-    arrays = _saved_arrays(log)
-    header = {"token": token, "rows": len(log.loc), "slot_bytes": log.slot_bytes, "slot_bits": _SLOT_BITS,
-              "applied": log.applied, "live_rows": log.live_rows, "segments": len(log.seq),
-              "tombstones": len(log.tombstones), "crc": _crc(arrays)}
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, _SAVED_MAGIC + json.dumps(header).encode() + b"\n")
-        for a in arrays:
-            view = _bytes(a)
-            for lo in range(0, len(view), _SAVED_CHUNK):
-                chunk = view[lo: lo + _SAVED_CHUNK]
-                while len(chunk):
-                    chunk = chunk[os.write(fd, chunk):]
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_path(path.parent)
+def take_index(log: "RowLog", path: Path, header: dict) -> bool:
+    """``log``'s runs, just written to ``path``, from there: mapped where they pass its
+    limit (no index changed since write_index: the writer's lock is held between). False,
+    the log left as it was, where they do not read back."""
+    return rowindex.load_runs(log.index, path, header)
 
 
 def load_index(path: Path, log: "RowLog", token: str) -> bool:
     """Fill ``log`` (new, empty) with the index saved at ``path`` under ``token``; False, the
     log left empty, where there is none, it was saved under another token or for another
-    table shape, or it does not read back whole. Reads into the log's own arrays: an open
-    never holds two indexes of a table."""
-    try:
-        f = open(path, "rb")
-    except OSError:
+    table shape, or it does not read back whole."""
+    got = rowindex.read_file(path, _header(log, token))
+    if got is None:
         return False
-    with f:
-        try:
-            if f.read(len(_SAVED_MAGIC)) != _SAVED_MAGIC:
-                return False
-            h = json.loads(f.readline(4096))
-            if (h["token"], h["rows"], h["slot_bytes"], h["slot_bits"]) != (token, len(log.loc), log.slot_bytes, _SLOT_BITS):
-                return False
-            n, t = h["segments"], h["tombstones"]
-            whole = f.readinto(_bytes(log.loc)) == log.loc.nbytes
-            arrays = [log.loc] + [np.fromfile(f, dtype=np.int64, count=n) for _ in range(3)]
-            arrays.append(np.fromfile(f, dtype=np.int64, count=2 * t).reshape(-1, 2))
-            whole = whole and [len(a) for a in arrays[1:]] == [n, n, n, t] and f.read(1) == b"" and _crc(arrays) == h["crc"]
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        except (OSError, ValueError, KeyError, TypeError):
-            whole = False
-    if not whole:
-        log.loc.fill(NONE)
+    h, (seq, live, slots, tombstones) = got
+    if not rowindex.load_runs(log.index, path, h):
         return False
-    _, log.seq, log.live, log.slots, tombstones = arrays
+    n = len(seq)
+    log.seq, log.live, log.slots = seq, live, slots
     log.offset = np.full(n, -1, dtype=np.int64)
     used = np.flatnonzero(log.seq > 0)
     log._index = dict(zip(log.seq[used].tolist(), used.tolist()))
     log._free = np.flatnonzero(log.seq == 0)[::-1].tolist()
+    tombstones = tombstones.reshape(-1, 2)
     log.tombstones = dict(zip(tombstones[:, 0].tolist(), tombstones[:, 1].tolist()))
     log.applied, log.live_rows = h["applied"], h["live_rows"]
     log.emptied = log.seq[used[log.live[used] == 0]].tolist()

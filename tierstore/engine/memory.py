@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tierstore.io import WRITE_TXN_ROWS, index_bytes_bound  # rows per LMDB write transaction at most, by default
+from tierstore.io import WRITE_TXN_ROWS, index_bytes_bound, runs_bytes_bound  # rows per LMDB write transaction at most, by default
 
 from tierstore.engine.hashindex import PROBE_WINDOW
 from tierstore.precision import DTYPES
@@ -30,6 +30,7 @@ PAGE = 4096  # LMDB's page: a transaction copies (mallocs) a dirty page for ever
 PAGE_CACHE_SHARE = 4  # 1/4 of the budget is left to the page cache of data.mdb
 DIRTY_SHARE = 16  # 1/16 of it (at most WRITE_TXN_ROWS pages, at least MIN_TXN_ROWS): one write transaction's dirty pages
 MIN_TXN_ROWS = 1024  # fewer rows a transaction and its commit costs more than its rows
+INDEX_SHARE = 16  # 1/16 of it at most: the row index's runs (io.rowindex); past it they are mapped from its file
 QUEUE_SHARE = 8  # 1/8 of what is left after the page cache and LMDB's dirty pages: the write-back queue
 STAGING_SHARE = 8  # 1/8 of it: prefetch staging; the rest: the DDR tier
 DEFAULT_WRITEBACK_ROWS = 65536
@@ -151,6 +152,7 @@ class MemorySplit:
     writeback_rows: int
     txn_rows: int = WRITE_TXN_ROWS  # rows per LMDB write transaction at most (LmdbBackend.txn_rows)
     limit: "MemoryLimit | None" = None  # detected at open
+    index_limits: dict[str, int] | None = None  # bytes each log table's index runs may hold (RowBackend.limit_index)
 
     @property
     def host_bytes(self) -> int:
@@ -196,6 +198,27 @@ def _shared_out(specs: Sequence[TableSpec], nbytes: int) -> dict[str, int]:
     return rows
 
 
+def _index_share(budget: int | None, logged: Sequence[TableSpec]) -> tuple[int, dict[str, int] | None]:
+    """(bytes, {table: runs limit}) of the row index of the tables ``logged``: what their rows
+    could take (index_bytes_bound), or where that is more than a table's share of B/16 (in
+    proportion to its rows), the share: half of it at least to its runs, the rest to its
+    segments' entries (these grow with the rows written, about 32 bytes for a segment's
+    hundreds of rows, and are not spilled)."""
+    full = {s.name: index_bytes_bound(s.num_rows, s.row_bytes + (8 if s.ttl_steps is not None else 0)) for s in logged}
+    if budget is None:
+        return sum(full.values()), None
+    rows = max(sum(s.num_rows for s in logged), 1)
+    index, limits = 0, {}
+    for s in logged:
+        share = budget // INDEX_SHARE * s.num_rows // rows
+        runs = runs_bytes_bound(s.num_rows)
+        if full[s.name] <= share:
+            index, limits[s.name] = index + full[s.name], runs
+        else:
+            index, limits[s.name] = index + share, max(share - (full[s.name] - runs), share // 2)
+    return index, limits
+
+
 def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Sizes | None = None,
                  ddr_rows: Sizes | None = None, staged_rows: Sizes | Mapping[str, int | None] | None = None,
                  writeback_rows: int | None = None, hbm_on_host: bool = True, writes: bool = True,
@@ -207,10 +230,12 @@ def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Si
       memory cgroup its pages count against the limit, and a cache squeezed to nothing makes
       every get a disk read), and to the buffers of direct reads (io.direct: 2 MiB for each
       thread that reads, in place of the pages those reads would have cached);
-    - row_index: 4 bytes a row of every table with num_rows (of the tables ``indexed_tables`` names,
-      where given) and its segments' entries (io.rowlog.index_bytes_bound: about 4.5 bytes a
-      row in all), where the log layout keeps where each row is (io.rowlog; a table of an
-      unbounded id space, or of a store written before the log layout, keeps its rows by key);
+    - row_index: where the log layout keeps where each row is (io.rowlog), for every table with
+      num_rows (of the tables ``indexed_tables`` names, where given; a table of an unbounded id
+      space, or of a store written before the log layout, keeps its rows by key): its segments'
+      entries (a few bytes per segment of rows) and its runs (io.rowindex), at most B/16 for all
+      tables (shared in proportion to their rows), or what their rows could take where less
+      (io.rowlog.index_bytes_bound); runs past that are mapped from the index's file;
     - lmdb_dirty: B/16 for one write transaction's dirty pages, a 4 KiB page for each row it
       writes (the worst case: every row on its own page), so a transaction writes at most
       B/16 / 4 KiB rows (txn_rows; within MIN_TXN_ROWS..WRITE_TXN_ROWS); 0 for a readonly store;
@@ -235,8 +260,9 @@ def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Si
     txn_rows = WRITE_TXN_ROWS if budget is None else min(WRITE_TXN_ROWS, max(MIN_TXN_ROWS, budget // DIRTY_SHARE // PAGE))
     dirty = txn_rows * PAGE if writes else 0
     page_cache = 0 if budget is None else budget // PAGE_CACHE_SHARE
-    logged = [s.num_rows for s in specs if s.num_rows is not None and (indexed_tables is None or s.name in indexed_tables)]
-    indexed, index = sum(logged), sum(map(index_bytes_bound, logged))
+    logged = [s for s in specs if s.num_rows is not None and (indexed_tables is None or s.name in indexed_tables)]
+    indexed = sum(s.num_rows for s in logged)
+    index, index_limits = _index_share(budget, logged)
     rest = 0 if budget is None else budget - page_cache - dirty - index
     if budget is not None and rest <= 0:
         need = ((dirty + index) * PAGE_CACHE_SHARE) // (PAGE_CACHE_SHARE - 1) + (1 << 20)
@@ -279,7 +305,7 @@ def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Si
              "lmdb_dirty": MemoryPart(txn_rows if writes else 0, dirty),
              "row_index": MemoryPart(indexed, index),
              "page_cache": MemoryPart(0, page_cache)}
-    split = MemorySplit(budget, parts, hbm, ddr, staged, writeback_rows, txn_rows)
+    split = MemorySplit(budget, parts, hbm, ddr, staged, writeback_rows, txn_rows, index_limits=index_limits)
     if budget is not None and split.host_bytes > budget:
         given = ", ".join(f"{name} {format_bytes(p.bytes)}" for name, p in parts.items() if p.host and p.bytes)
         raise SettingError(f"memory_budget={format_bytes(budget)} cannot hold the sizes given: {given} take "

@@ -1,0 +1,287 @@
+"""The row index (io.rowindex): runs that grow with the rows written, against a plain dict,
+in memory and spilled to its file; a writer killed at any point reopens as its last publish;
+its memory under the budget, whatever the rows a table declares."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tierstore.io import lmdb_log, rowindex, rowlog
+from tierstore.io.rowindex import NONE, RowIndex
+
+sys.path.insert(0, str(Path(__file__).parent))
+from index_writer import DIM, open_writer  # noqa: E402
+
+ROWS = 10**9  # declared; a few hundred written
+
+
+def ids_of(draw_sparse, draw_range):
+    """Ids of a write: scattered over the whole id space, or a range near one of a few bases
+    (so that runs meet, split and cover one another)."""
+    return st.one_of(draw_sparse, draw_range).map(lambda ids: sorted(set(ids)))
+
+
+BASES = (0, 1000, ROWS // 2, ROWS - 64)
+sparse_ids = st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=20)
+range_ids = st.builds(lambda base, lo, n: list(range(base + lo, min(base + lo + n, ROWS))),
+                      st.sampled_from(BASES), st.integers(0, 48), st.integers(1, 16))
+near_ids = st.lists(st.builds(lambda base, off: base + off, st.sampled_from(BASES), st.integers(0, 63)), min_size=1, max_size=20)
+write_ids = ids_of(st.one_of(sparse_ids, near_ids), range_ids)
+
+
+class IndexAgainstDict(RuleBasedStateMachine):
+    """RowIndex in memory and spilled (its main mapped from a file), against a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp())
+        self.index = RowIndex(ROWS, limit=400)  # 25 runs: spills within a few writes
+        self.model: dict[int, int] = {}
+        self.segment = 0
+        self.saves = 0
+
+    @rule(ids=write_ids)
+    def put(self, ids):
+        self.segment += 1
+        places = (self.segment << rowindex.SLOT_BITS) | np.arange(len(ids), dtype=np.uint32)
+        order = np.random.default_rng(self.segment).permutation(len(ids))  # a segment's ids in any order
+        self.index.put(np.array(ids)[order], places[order])
+        self.model.update(zip(np.array(ids)[order].tolist(), places[order].tolist()))
+
+    @rule(ids=write_ids)
+    def delete(self, ids):
+        self.index.put(np.array(ids), None)
+        for i in ids:
+            self.model.pop(i, None)
+
+    @rule(data=st.data())
+    def segments_gone(self, data):
+        dead = np.array(data.draw(st.lists(st.booleans(), min_size=self.segment + 1, max_size=self.segment + 1)))
+        self.index.drop(dead)
+        self.model = {i: p for i, p in self.model.items() if not dead[p >> rowindex.SLOT_BITS]}
+
+    @rule()
+    def spill_when_asked(self):
+        if self.index.wants_spill():
+            self.save()
+
+    @rule()
+    def save(self):
+        """What a writer's backend does: write the file, take the runs from it (mapped past the limit)."""
+        self.saves += 1
+        path = self.dir / f"i{self.saves}"
+        header = rowindex.write_file(self.index, path, {"n": self.saves}, [np.arange(3)])
+        assert rowindex.load_runs(self.index, path, header)
+        assert self.index.mapped == (header["runs"] * rowindex.RUN_BYTES > self.index.limit // 2)
+        assert self.index.nbytes == 0 or not self.index.mapped  # a mapped main is the page cache's, recent is empty
+
+    @rule()
+    def reload(self):
+        """An open: the last file read back (its runs mapped or in memory) reads the same."""
+        if self.saves:
+            path = self.dir / f"i{self.saves}"
+            got = rowindex.read_file(path, {"n": self.saves})
+            assert got is not None and got[1][0].tolist() == [0, 1, 2]
+            fresh = RowIndex(ROWS, limit=self.index.limit)
+            assert rowindex.load_runs(fresh, path, got[0])
+            saved = {i: p for i, p in zip(fresh.ids().tolist(), fresh.get(fresh.ids()).tolist())}
+            assert fresh.get(np.array(BASES)).dtype == np.uint32
+            self.index, self.model = fresh, saved  # what the file holds is what was saved: checked by the invariant next
+
+    @rule()
+    def settle(self):
+        self.index.settle()
+
+    @invariant()
+    def reads_as_the_dict(self):
+        asked = np.array(sorted(set(self.model) | set(BASES) | {b + 5 for b in BASES}), dtype=np.int64)
+        assert self.index.get(asked).tolist() == [self.model.get(i, int(NONE)) for i in asked.tolist()]
+        assert self.index.ids().tolist() == sorted(self.model)
+        for level in (self.index.main, self.index.recent):
+            assert (np.diff(level.start) > 0).all() and (level.start[1:] >= level.end[:-1]).all()
+            assert (level.length > 0).all()
+
+
+IndexAgainstDict.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+TestIndexAgainstDict = IndexAgainstDict.TestCase
+
+
+def test_a_write_in_id_order_is_a_run_a_segment():
+    """A table loaded in id order holds a run for each segment, a scattered write a run a row."""
+    index = RowIndex(ROWS)
+    for s in range(100):
+        index.put(np.arange(s * 256, (s + 1) * 256), (s << rowindex.SLOT_BITS) | np.arange(256, dtype=np.uint32))
+    index.settle()
+    assert len(index.main) == 100 and index.nbytes == 100 * rowindex.RUN_BYTES
+    index.put(np.array([5, 700, 20_000]), (100 << rowindex.SLOT_BITS) | np.arange(3, dtype=np.uint32))
+    index.settle()
+    assert len(index.main) == 100 + 3 + 3  # each of the three rows cuts a run in two, and is one
+    assert index.get(np.array([4, 5, 6, 25_599, 25_600])).tolist() == [4, 100 << 12, 6, (99 << 12) | 255, int(NONE)]
+
+
+# -- a writer killed at any point -----------------------------------------------------------------
+LIMIT = 400  # the child's index runs: 25 at most, so that it spills all the time
+
+
+class Child:
+    def __init__(self, path: str):
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "index_writer.py"), path, str(ROWS), str(LIMIT)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline() == "ready\n"
+
+    def send(self, **cmd) -> None:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def ask(self, **cmd) -> None:
+        self.send(**cmd)
+        line = self.proc.stdout.readline()
+        assert line == "ok\n", f"the writer answered {line!r}"
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+class KilledWriterAgainstDict(RuleBasedStateMachine):
+    """A writer in another process, its index spilling, killed (kill -9) at any point, even
+    within a publish: it reopens as the last publish that returned, or as the one under way."""
+
+    def __init__(self):
+        super().__init__()
+        self.path = tempfile.mkdtemp()
+        self.child = Child(self.path)
+        self.model: dict[int, float] = {}
+        self.published: dict[int, float] = {}
+        self.version = 0
+
+    def teardown(self):
+        self.child.kill()
+
+    def _put(self, ids, wait=True):
+        self.version += 1
+        rows = [[float(i % 1000), float(self.version)] for i in ids]
+        (self.child.ask if wait else self.child.send)(op="put", ids=ids, rows=rows)
+        self.model.update({i: float(self.version) for i in ids})
+
+    @rule(ids=write_ids)
+    def put(self, ids):
+        self._put(ids)
+
+    @rule(ids=write_ids)
+    def delete(self, ids):
+        self.child.ask(op="delete", ids=ids)
+        for i in ids:
+            self.model.pop(i, None)
+
+    @rule()
+    def publish(self):
+        self.child.ask(op="publish")
+        self.published = dict(self.model)
+
+    @rule(ids=write_ids, publishing=st.booleans(), after=st.floats(0, 0.03))
+    def kill_9(self, ids, publishing, after):
+        """A write (and a publish) sent, the writer killed ``after`` seconds later, done or not."""
+        before = dict(self.published)
+        self._put(ids, wait=False)
+        if publishing:
+            self.child.send(op="publish")
+        time.sleep(after)
+        self.child.kill()
+        b = open_writer(self.path, ROWS, LIMIT)
+        try:
+            stored = b.stored_ids("t").tolist()
+            rows, found = b.get_rows("t", np.array(stored, dtype=np.int64))
+        finally:
+            b.close(save_index=bool(self.version % 2))
+        now = {i: float(v) for i, v in zip(stored, rows[:, 1].tolist())}
+        assert found.all() and (rows[:, 0] == np.array(stored) % 1000).all()
+        assert now == before or publishing and now == self.model
+        self.model = dict(now)
+        self.published = dict(now)
+        self.child = Child(self.path)
+
+    @precondition(lambda self: self.version % 3 == 0)
+    @invariant()
+    def index_files_are_few(self):
+        # the one LMDB names and the one the writer maps, and maybe one being written
+        assert len(list(Path(self.path).glob("index-*"))) <= 3
+
+
+KilledWriterAgainstDict.TestCase.settings = settings(max_examples=6, stateful_step_count=20, deadline=None)
+TestKilledWriterAgainstDict = KilledWriterAgainstDict.TestCase
+
+
+def test_recovery_replays_only_what_came_after_the_index_last_named(tmp_path, monkeypatch):
+    """A writer whose index spilled (mapped from its file) and was named at a publish, then
+    killed: the next open maps that file and replays only the segments written after it."""
+    b = open_writer(str(tmp_path), ROWS, LIMIT)
+    rng = np.random.default_rng(0)
+    for step in range(12):
+        ids = np.unique(rng.integers(0, ROWS, 16))
+        b.put_rows([("t", ids, np.full((len(ids), DIM), step, dtype=np.float32))])
+    b.publish()  # names the file the spills wrote
+    log = b._logs["t"]
+    assert log.index.mapped and b._index_named["t"] == b._index_current["t"]
+    applied = log.applied
+    b.put_rows([("t", np.array([7, 8]), np.full((2, DIM), 99, dtype=np.float32))])
+    b.publish()
+    want = b.stored_ids("t")
+    b.close(save_index=False)  # as after kill -9: nothing saved at close
+    replayed = []
+    real = rowlog.RowLog.replay
+    monkeypatch.setattr(rowlog.RowLog, "replay", lambda log, mem, values: (replayed.extend(v[0] for v in values), real(log, mem, values))[1])
+    b = open_writer(str(tmp_path), ROWS, LIMIT)
+    try:
+        assert replayed and min(replayed) > applied  # only the segments after the named index
+        assert b.stored_ids("t").tolist() == want.tolist()
+        assert b.get_rows("t", np.array([7, 8]))[0][:, 0].tolist() == [99, 99]
+    finally:
+        b.close()
+
+
+# -- the budget -------------------------------------------------------------------------------
+def test_a_table_of_a_billion_rows_opens_and_its_index_grows_with_the_rows_written(tmp_path):
+    """10^9 declared rows under a 256 MiB budget: the index is charged at most a sixteenth of it
+    (it was 4 bytes a declared row: refused), holds nothing until rows are written, then about
+    a run per row written, within what it was charged."""
+    from tierstore import TableSpec, TieredStore
+    with TieredStore(tmp_path, [TableSpec("t", 10**9, 16)], memory_budget="256MiB", device="cpu") as s:
+        part = s.memory().parts["row_index"]
+        assert part.bytes <= (256 << 20) // 16 and part.used_bytes < 64 << 10
+        ids = np.unique(np.random.default_rng(0).integers(0, 10**9, 5000))
+        s.write("t", ids, np.ones((len(ids), 16), dtype=np.float32))
+        s.flush()
+        part = s.memory().parts["row_index"]
+        assert len(ids) * rowindex.RUN_BYTES <= part.used_bytes <= part.bytes
+    assert sum(f.stat().st_blocks * 512 for f in tmp_path.glob("index-*")) < 1 << 20  # the saved index: its runs only
+
+
+def test_an_index_past_its_limit_is_mapped_and_memory_stays_within_it(tmp_path):
+    """A writer whose runs pass their limit maps them from its file: what it holds in memory
+    stays within the limit (and the segments' entries), whatever it wrote."""
+    limit = 4096
+    b = open_writer(str(tmp_path), ROWS, limit)
+    rng = np.random.default_rng(1)
+    try:
+        for step in range(40):
+            ids = np.unique(rng.integers(0, ROWS, 64))
+            b.put_rows([("t", ids, np.full((len(ids), DIM), step, dtype=np.float32))])
+            log = b._logs["t"]
+            assert log.index.nbytes <= limit
+        assert log.index.mapped and len(log.index.main) > limit // rowindex.RUN_BYTES
+        assert b.index_bytes() == log.index.nbytes + rowlog.SEGMENT_ENTRY_BYTES * len(log.seq)
+    finally:
+        b.close()
