@@ -258,8 +258,7 @@ class TieredStore:
             check_fits(split, split.limit, process_rss(), what)
         cfg.hbm_rows, cfg.ddr_rows, cfg.writeback_rows = split.hbm_rows, split.ddr_rows, split.writeback_rows
         self._backend.txn_rows = split.txn_rows
-        if split.index_limits is not None:
-            self._backend.limit_index(split.index_limits)
+        self._backend.limit_index(split.index_limits)
         # pages read through LMDB's map would stay in the process's RSS: kept to half the page cache's share
         self._backend.limit_mapped(None if split.budget is None else split.parts["page_cache"].bytes // 2)
         self._backend.read_directly(*self._direct_reads(split, specs))

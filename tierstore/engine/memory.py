@@ -31,6 +31,7 @@ PAGE_CACHE_SHARE = 4  # 1/4 of the budget is left to the page cache of data.mdb
 DIRTY_SHARE = 16  # 1/16 of it (at most WRITE_TXN_ROWS pages, at least MIN_TXN_ROWS): one write transaction's dirty pages
 MIN_TXN_ROWS = 1024  # fewer rows a transaction and its commit costs more than its rows
 INDEX_SHARE = 16  # 1/16 of it at most: the row index's runs (io.rowindex); past it they are mapped from its file
+UNBUDGETED_INDEX_BYTES = 4  # without a budget, the row index's runs may take this much a declared row before they are mapped
 QUEUE_SHARE = 8  # 1/8 of what is left after the page cache and LMDB's dirty pages: the write-back queue
 STAGING_SHARE = 8  # 1/8 of it: prefetch staging; the rest: the DDR tier
 DEFAULT_WRITEBACK_ROWS = 65536
@@ -198,24 +199,27 @@ def _shared_out(specs: Sequence[TableSpec], nbytes: int) -> dict[str, int]:
     return rows
 
 
-def _index_share(budget: int | None, logged: Sequence[TableSpec]) -> tuple[int, dict[str, int] | None]:
-    """(bytes, {table: runs limit}) of the row index of the tables ``logged``: what their rows
-    could take (index_bytes_bound), or where that is more than a table's share of B/16 (in
-    proportion to its rows), the share: half of it at least to its runs, the rest to its
-    segments' entries (these grow with the rows written, about 32 bytes for a segment's
-    hundreds of rows, and are not spilled)."""
-    full = {s.name: index_bytes_bound(s.num_rows, s.row_bytes + (8 if s.ttl_steps is not None else 0)) for s in logged}
-    if budget is None:
-        return sum(full.values()), None
+def _index_share(budget: int | None, logged: Sequence[TableSpec]) -> tuple[int, dict[str, int]]:
+    """(bytes, {table: runs limit}) of the row index of the tables ``logged``. A table's index
+    is its segments' entries (these grow with the rows written, about 32 bytes for a segment's
+    hundreds of rows, and are not spilled) and its runs, limited: under a budget to the table's
+    share of B/16 (in proportion to its rows), half of it at least to its runs, or to all its
+    rows could take where less (index_bytes_bound); without one to UNBUDGETED_INDEX_BYTES a
+    declared row (a dense map of the ids would take that much)."""
     rows = max(sum(s.num_rows for s in logged), 1)
     index, limits = 0, {}
     for s in logged:
-        share = budget // INDEX_SHARE * s.num_rows // rows
         runs = runs_bytes_bound(s.num_rows)
-        if full[s.name] <= share:
-            index, limits[s.name] = index + full[s.name], runs
+        full = index_bytes_bound(s.num_rows, s.row_bytes + (8 if s.ttl_steps is not None else 0))
+        if budget is None:
+            limits[s.name] = min(runs, UNBUDGETED_INDEX_BYTES * s.num_rows)
+            index += full - runs + limits[s.name]
+            continue
+        share = budget // INDEX_SHARE * s.num_rows // rows
+        if full <= share:
+            index, limits[s.name] = index + full, runs
         else:
-            index, limits[s.name] = index + share, max(share - (full[s.name] - runs), share // 2)
+            index, limits[s.name] = index + share, max(share - (full - runs), share // 2)
     return index, limits
 
 
