@@ -76,7 +76,7 @@ CASES = [(plan, opt, kind, "tiny") for plan in PLANS for opt in OPTIMIZERS for k
 
 
 # -- rank side ------------------------------------------------------------------------------
-def _model():
+def _model(with_loss: bool = False):
     from torch import nn
 
     class Model(nn.Module):
@@ -86,12 +86,13 @@ def _model():
 
         def forward(self, kjt):  # the features in one order (a sharded collection's keys follow its sharding types)
             pooled = self.ebc(kjt).to_dict()
-            return torch.cat([pooled[k] for k in KEYS], dim=1)
+            out = torch.cat([pooled[k] for k in KEYS], dim=1)
+            return (out.pow(2).sum(), out.detach()) if with_loss else out  # (loss, output): TorchRec's pipelines
 
     return Model()
 
 
-def _dmp(path: Path, plan_name: str, opt: str, kind: str, tiers: str, world: int = WORLD):
+def _dmp(path: Path, plan_name: str, opt: str, kind: str, tiers: str, world: int = WORLD, with_loss: bool = False):
     from torchrec.distributed import sharding_plan as sp
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -106,7 +107,7 @@ def _dmp(path: Path, plan_name: str, opt: str, kind: str, tiers: str, world: int
     else:
         sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": getattr(EmbOptimType, fbgemm_opt), "learning_rate": LR,
                                                               **extra})
-    model = _model()
+    model = _model(with_loss)
     tables = PLANS[plan_name] if plan_name in PLANS else RESHARDED[world]
     if all(fn == "planner" for fn, _ in tables.values()):
         module_plan = _planned(model, path, {t: args for t, (_, args) in tables.items()})
@@ -182,9 +183,37 @@ def train_cases(rank: int, out: Path) -> dict:
                          "types": {t: p.sharding_type for t, p in dmp.plan.plan["ebc"].items()}}
         if kind == "tierstore":
             dmp.module.ebc.close()
+    results["pipelines"] = pipelines(rank, out)
     results["dcp"] = save_checkpoint(rank, out)
     results["load-2"] = load_checkpoint(rank, out / "load-2", out / "dcp")["dcp"]
     return results
+
+
+def pipelines(rank: int, out: Path) -> dict:
+    """The outputs of STEPS steps of "mixed" with row-wise Adagrad, run by TorchRec's
+    TrainPipelineSparseDist (the input dist of the next batch ahead of this one's forward), and
+    step by step as a prefetching pipeline runs them: the input dist, then the shards' prefetch
+    of the ids this rank received, then the lookup and output dist."""
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    dmp = _dmp(out / "pipeline", "mixed", "rowwise", "tierstore", "tiny", with_loss=True)
+    pipe = TrainPipelineSparseDist(dmp, dmp.fused_optimizer, torch.device("cpu"))
+    batches = iter([batch(step, rank) for step in range(STEPS)])
+    pipelined = [pipe.progress(batches) for _ in range(STEPS)]  # the output the model gives beside its loss
+    dmp.module.ebc.close()
+    dmp = _dmp(out / "prefetched", "mixed", "rowwise", "tierstore", "tiny")
+    ebc = dmp.module.ebc
+    prefetched = []
+    for step in range(STEPS):
+        ctx = ebc.create_context()
+        dist_input = ebc.input_dist(ctx, batch(step, rank)).wait().wait()
+        ebc.prefetch(dist_input, ctx=ctx)
+        pooled = ebc.compute_and_output_dist(ctx, dist_input).wait().to_dict()
+        o = torch.cat([pooled[k] for k in KEYS], dim=1)
+        o.pow(2).sum().backward()
+        prefetched.append(o.detach())
+    ebc.close()
+    return {"pipelined": pipelined, "prefetched": prefetched}
 
 
 def save_checkpoint(rank: int, out: Path) -> dict:
@@ -363,6 +392,13 @@ def test_tier_sizes_change_no_bit(trained, plan_name):
             assert torch.equal(a, b)
     a, b = assembled(trained, tiny), assembled(trained, roomy)
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_torchrecs_pipeline_and_a_prefetch_after_the_input_dist_change_no_bit(trained):
+    for res in trained:
+        plain = res[("mixed", "rowwise", "tierstore", "tiny")]["outs"]
+        assert all(torch.equal(a, b) for a, b in zip(plain, res["pipelines"]["pipelined"]))
+        assert all(torch.equal(a, b) for a, b in zip(plain, res["pipelines"]["prefetched"]))
 
 
 def test_two_shards_of_a_table_on_a_rank_live_in_two_stores(trained):

@@ -159,6 +159,7 @@ class ShardLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.Tensor]):
                                     for g in grouped_configs for t in g.embedding_tables)
         self._splits = [s.num_features for s in self.shards]
         self._device = device
+        self._prefetched: list = []  # tickets of the prefetches ahead of the next forward
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
         if sparse_features.variable_stride_per_key():
@@ -166,14 +167,19 @@ class ShardLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.Tensor]):
                                    "feature (KeyedJaggedTensor's stride_per_key_per_rank) are not supported under DMP")
         if not self.shards:  # a rank without shards of this sharding type: TorchRec's empty [batch, 0]
             return torch.empty([0], device=sparse_features.device(), requires_grad=True).view(sparse_features.stride(), 0)
+        tickets, self._prefetched = self._prefetched, []
+        for ticket in tickets:  # a failed prefetch (a bad id) raises here, before any row is read
+            ticket.wait()
         parts = sparse_features.split(self._splits)
         return torch.cat([shard(part) for shard, part in zip(self.shards, parts)], dim=1)
 
-    def batch_ids(self, sparse_features: KeyedJaggedTensor) -> list[tuple[TieredEmbeddingBag, torch.Tensor]]:
-        """Each shard's bag and the global ids ``sparse_features`` reads from it (what a prefetch brings up)."""
-        if not self.shards:
-            return []
-        return [(shard.bag, shard.ids(part)) for shard, part in zip(self.shards, sparse_features.split(self._splits))]
+    def prefetch(self, sparse_features: KeyedJaggedTensor, forward_stream=None) -> None:
+        """Start bringing up the rows of a later forward of ``sparse_features`` (this rank's ids,
+        after TorchRec's input dist): TorchRec's prefetching pipelines
+        (PrefetchTrainPipelineSparseDist) call it for the batch ahead. Returns at once."""
+        if self.shards:
+            parts = sparse_features.split(self._splits)
+            self._prefetched += [shard.bag.prefetch(shard.ids(part)) for shard, part in zip(self.shards, parts)]
 
     # TorchRec's sharded module asks its lookups for these; the rows' state is the sharded module's
     def state_dict(self, destination=None, prefix="", keep_vars=False):
