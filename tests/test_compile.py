@@ -184,23 +184,29 @@ def test_fx_traces_dlrm_and_the_collection_as_torchrecs(tmp_path, trace):
 
 
 # -- the device step: held tables compile whole and export ------------------------------------------
-def held_demo(path):
+def held_demo(path, device="cpu"):
     """tierstore demo's DLRM over tables held in HBM (hold_resident), and its click data."""
     from tierstore.tools.demo import DLRM, ClickData, DemoConfig, _specs, seeded
 
     cfg = DemoConfig(dir=path, rows=120, tables=2, batch=8, dim=DIM, hbm_rows=120, ddr_rows=240)
-    ebc = TieredEmbeddingBagCollection(_specs(cfg), path=path / "store", hbm_rows=cfg.rows, device="cpu",
+    ebc = TieredEmbeddingBagCollection(_specs(cfg), path=path / "store", hbm_rows=cfg.rows, device=device,
                                        optimizer=tierstore.optim.Adagrad(lr=0.1)).hold_resident()
-    return DLRM(ebc, cfg.table_names, cfg.dim, seeded(1)), ClickData(cfg, seeded(0))
+    return DLRM(ebc, cfg.table_names, cfg.dim, seeded(1)).to(device), ClickData(cfg, seeded(0))
 
 
-def train_demo(model, data, backend=None, steps=4):
+def on(device, batch):
+    dense, sparse, labels = batch
+    return dense.to(device), {k: tuple(t.to(device) for t in f) for k, f in sparse.items()}, labels.to(device)
+
+
+def train_demo(model, data, backend=None, steps=4, mode=None):
     torch._dynamo.reset()
+    device = next(model.parameters()).device
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    fwd = torch.compile(model, backend=backend, fullgraph=True) if backend else model
+    fwd = torch.compile(model, backend=backend, fullgraph=True, mode=mode) if backend else model
     g, losses = torch.Generator().manual_seed(2), []
     for _ in range(steps):
-        dense, sparse, labels = data.batch(g)
+        dense, sparse, labels = on(device, data.batch(g))
         loss = torch.nn.functional.binary_cross_entropy_with_logits(fwd(dense, sparse), labels)
         opt.zero_grad()
         loss.backward()
@@ -234,3 +240,11 @@ def test_held_demo_dlrm_exports_with_the_lookup_as_a_leaf(tmp_path):
     assert torch.equal(exported(dense, sparse), model(dense, sparse))
     train_demo(model, data, steps=2)  # the program reads the store's rows as they are now
     assert torch.equal(exported(dense, sparse), model(dense, sparse))
+
+
+@pytest.mark.gpu
+def test_held_demo_dlrm_captured_by_cuda_graphs_trains_as_eager(tmp_path):
+    """mode="reduce-overhead": the held step (lookup, update in place) inside CUDA graphs."""
+    eager = train_demo(*held_demo(tmp_path / "e", "cuda"), steps=6)
+    compiled = train_demo(*held_demo(tmp_path / "c", "cuda"), backend="inductor", mode="reduce-overhead", steps=6)
+    same(eager, compiled, "inductor")

@@ -188,3 +188,12 @@ def test_device_step_on_cuda_never_syncs_and_matches_the_host_step(tmp_path):
         tiered(ids, offsets).backward(grad)
     assert torch.equal(held.store.read("t0", torch.arange(N), with_state=True),
                        tiered.store.read("t0", torch.arange(N), with_state=True))
+
+
+def test_device_step_takes_int32_ids_and_offsets(tmp_path):
+    held = module(tmp_path / "held", OPTIMIZERS[1]).hold_resident()
+    twin = module(tmp_path / "twin", OPTIMIZERS[1]).hold_resident()
+    for ids, offsets, grad in batches(3):
+        held(ids.int(), offsets.int()).backward(grad)
+        twin(ids, offsets).backward(grad)
+    assert torch.equal(rows(held), rows(twin))
