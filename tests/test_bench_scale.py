@@ -77,11 +77,40 @@ def test_a_built_table_is_reused_and_another_is_refused_naming_the_fix(tmp_path)
     path = tmp_path / "store"
     assert not bench_scale.prepare_table(path, 1000, 8, 0)["reused"]
     assert bench_scale.prepare_table(path, 1000, 8, 0)["reused"]
-    with pytest.raises(SystemExit, match="holds a bench scale table of 1,000 x 8, not 2,000 x 8; pass the same --rows/--dim"):
+    with pytest.raises(SystemExit, match=r"holds a bench scale table of 1,000 x 8 \(1,000 declared\), not 2,000 x 8 \(2,000\); "
+                                         "pass the same --rows/--dim/--declared-rows"):
         bench_scale.prepare_table(path, 2000, 8, 0)
+    with pytest.raises(SystemExit, match=r"not 1,000 x 8 \(10,000\)"):
+        bench_scale.prepare_table(path, 1000, 8, 0, declared=10_000)
     (path / bench_scale.MARKER).unlink()
     with pytest.raises(SystemExit, match="not empty and holds no finished bench scale table"):
         bench_scale.prepare_table(path, 2000, 8, 0)
+
+
+def test_a_table_declaring_more_rows_than_it_writes(tmp_path):
+    """--declared-rows: the table declares them (its num_rows), the first --rows are written."""
+    import tierstore
+
+    path = tmp_path / "store"
+    built = bench_scale.prepare_table(path, 1000, 8, 0, declared=10**9)
+    assert built["declared"] == 10**9 and bench_scale.prepare_table(path, 1000, 8, 0, declared=10**9)["reused"]
+    with tierstore.TieredStore(path, readonly=True) as store:
+        assert store.spec(bench_scale.TABLE).num_rows == 10**9
+        assert store.stats()["rows"]["stored"] == 1000
+
+
+def test_a_runs_floor_is_its_in_memory_step_or_the_rows_no_cache_could_have(tmp_path):
+    """The step against max(its in-memory step, the disk time of the rows no earlier step used)."""
+    floors = {"disk": {"iops_qd32": 10_000}, "lmdb": {"put_us": None}}
+    in_memory = {"dlrm": {"mean_s": 0.05, "lookups_per_s": 1e6}}
+    for first_use, floor in ((1000, 0.1), (100, 0.05)):  # 0.1 s of reads; 0.01 s, under the in-memory step
+        r = {"kind": "dlrm", "mean_s": 0.12, "lookups_per_s": 5e5, "rows_read_per_step": 2000, "rows_written_per_step": 0,
+             "first_use_rows_per_step": first_use}
+        bench_scale._ratios(r, floors, in_memory)
+        assert r["floor_s"] == pytest.approx(floor) and r["x_floor"] == pytest.approx(0.12 / floor)
+    r = {"kind": "emb", "mean_s": 0.12, "lookups_per_s": 5e5, "rows_read_per_step": 2000, "rows_written_per_step": 0}
+    bench_scale._ratios(r, floors, {"skipped": "--no-in-memory"})
+    assert r["floor_s"] is None and r["x_floor"] is None and r["x_in_memory"] is None
 
 
 def test_the_log_floor_reads_each_rows_newest_copy_with_lmdb_alone(tmp_path):

@@ -37,6 +37,7 @@ import torch
 
 from tierstore.tools.bench import shared
 from tierstore.tools.bench_floors import disk_floor, drop_page_cache, lmdb_floor
+from tierstore.tools.bench_scale_report import print_report
 from tierstore.tools.cli import nonneg_int
 
 ROWS, DIM = 34_000_000, 64  # 34M x 64 float32: 8.1 GiB of rows
@@ -61,15 +62,18 @@ def table_spec(rows: int, dim: int):
     return tierstore.TableSpec(TABLE, rows, dim, init=tierstore.RowInit.normal(0.0, 1.0))
 
 
-def prepare_table(path: Path, rows: int, dim: int, seed: int) -> dict:
+def prepare_table(path: Path, rows: int, dim: int, seed: int, declared: int | None = None) -> dict:
     """Reuse the table at ``path`` if a finished build of the same shape is there, else
-    build it: every row written (ascending, as a bulk load) and flushed."""
+    build it: every row written (ascending, as a bulk load) and flushed. ``declared``: the
+    rows the table declares (num_rows), at least ``rows``; ids from ``rows`` up are never written."""
+    declared = rows if declared is None else declared
     marker = path / MARKER
     if marker.exists():
         built = json.loads(marker.read_text())
-        if (built["rows"], built["dim"]) != (rows, dim):
-            raise SystemExit(f"--path {path} holds a bench scale table of {built['rows']:,} x {built['dim']}, not {rows:,} x {dim}; "
-                             "pass the same --rows/--dim, or another --path")
+        if (built["rows"], built["dim"], built.get("declared", built["rows"])) != (rows, dim, declared):
+            raise SystemExit(f"--path {path} holds a bench scale table of {built['rows']:,} x {built['dim']} "
+                             f"({built.get('declared', built['rows']):,} declared), not {rows:,} x {dim} ({declared:,}); "
+                             "pass the same --rows/--dim/--declared-rows, or another --path")
         return {**built, "reused": True}
     if path.exists() and any(path.iterdir()):
         raise SystemExit(f"--path {path} is not empty and holds no finished bench scale table ({MARKER}); "
@@ -78,12 +82,12 @@ def prepare_table(path: Path, rows: int, dim: int, seed: int) -> dict:
 
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
-    with tierstore.TieredStore(path, [table_spec(rows, dim)], hbm_rows=0, ddr_rows=0, device="cpu") as store:
+    with tierstore.TieredStore(path, [table_spec(declared, dim)], hbm_rows=0, ddr_rows=0, device="cpu") as store:
         for lo in range(0, rows, 1 << 18):
             n = min(rows, lo + (1 << 18)) - lo
             store.write(TABLE, np.arange(lo, lo + n), rng.standard_normal((n, dim), dtype=np.float32) * 0.01)
         store.flush()
-    built = {"rows": rows, "dim": dim, "build_s": round(time.perf_counter() - t0, 1),
+    built = {"rows": rows, "dim": dim, "declared": declared, "build_s": round(time.perf_counter() - t0, 1),
              "data_mdb_bytes": (path / "data.mdb").stat().st_size}
     marker.write_text(json.dumps(built))
     return {**built, "reused": False}
@@ -278,12 +282,12 @@ def _tiered(job: dict, batches, go, first_use: float | None = None) -> dict:
     dlrm = job["kind"] == "dlrm"
     go()  # the limit is set and the page cache dropped: open the store now
     if job.get("trace"):  # recorded, for the capacity tools' prediction of this run (_predicted)
-        opened = tierstore.TieredStore(job["path"], [table_spec(job["rows"], job["dim"])], memory_budget=job["budget"],
+        opened = tierstore.TieredStore(job["path"], [table_spec(job["declared"], job["dim"])], memory_budget=job["budget"],
                                        record_trace=job["trace"])
-        emb = tierstore.TieredEmbeddingBag(job["rows"], job["dim"], mode="sum", store=opened, table=TABLE,
+        emb = tierstore.TieredEmbeddingBag(job["declared"], job["dim"], mode="sum", store=opened, table=TABLE,
                                            optimizer=tierstore.optim.SGD(lr=LR))
     else:
-        emb = tierstore.TieredEmbeddingBag(job["rows"], job["dim"], mode="sum", path=job["path"], table=TABLE, device="cpu",
+        emb = tierstore.TieredEmbeddingBag(job["declared"], job["dim"], mode="sum", path=job["path"], table=TABLE, device="cpu",
                                            optimizer=tierstore.optim.SGD(lr=LR), memory_budget=job["budget"])
     if dlrm:
         data, name, make = batches
@@ -463,6 +467,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory budgets (memory_budget=): the embedding step runs at each, at each depth")
     p.add_argument("--depths", nargs="+", type=nonneg_int, default=list(DEPTHS),
                    help="LookaheadLoader depths of the embedding step")
+    p.add_argument("--declared-rows", type=nonneg_int, default=None,
+                   help="rows the table declares (num_rows), of which --rows are written and trained (default: --rows)")
+    p.add_argument("--no-in-memory", action="store_true",
+                   help="skip the in-memory steps (they hold the whole table in memory): no ratio to them is printed")
     p.add_argument("--warmup", type=nonneg_int, default=WARMUP, help="untimed steps before the timed ones")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
@@ -476,7 +484,11 @@ def run(args: argparse.Namespace) -> dict:
         temp = tempfile.TemporaryDirectory(prefix="tierstore-bench-scale-", dir=args.dir)
         path = Path(temp.name) / "store"
     try:
-        result = _run(path, args.rows, args.dim, args.seed, budgets, args.depths, args.repeat, args.warmup)
+        if args.declared_rows is not None and args.declared_rows < args.rows:
+            raise SystemExit(f"--declared-rows {args.declared_rows:,} is fewer than --rows {args.rows:,}: a table declares "
+                             "at least the rows written")
+        result = _run(path, args.rows, args.dim, args.seed, budgets, args.depths, args.repeat, args.warmup, args.declared_rows,
+                      not args.no_in_memory)
     finally:
         if temp is not None:
             temp.cleanup()
@@ -487,17 +499,18 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def _run(path: Path, rows: int, dim: int, seed: int, budgets: list[int], depths: list[int], repeat: int, warmup: int) -> dict:
-    table = prepare_table(path, rows, dim, seed)
+def _run(path: Path, rows: int, dim: int, seed: int, budgets: list[int], depths: list[int], repeat: int, warmup: int,
+         declared: int | None = None, in_memory: bool = True) -> dict:
+    table = prepare_table(path, rows, dim, seed, declared)
     table_bytes = rows * dim * 4
-    job = {"rows": rows, "dim": dim, "seed": seed, "path": str(path), "warmup": warmup, "steps": warmup + repeat,
+    job = {"rows": rows, "declared": table["declared"], "dim": dim, "seed": seed, "path": str(path), "warmup": warmup, "steps": warmup + repeat,
            "bags": BAGS}
     floors = {"disk": disk_floor(path / "data.mdb", FLOOR_SECONDS),
               "lmdb": lmdb_floor(path, TABLE, _emb_batches(rows, 1, seed, BAGS)[0].numpy())}
     probe, cgroup = MemoryGroup.make(f"tierstore-bench-scale-{os.getpid()}")
     if probe is not None:
         probe.remove()
-    in_memory = _spawn({**job, "kind": "inmem"}, path)
+    in_memory = _spawn({**job, "kind": "inmem"}, path) if in_memory else {"skipped": "--no-in-memory"}
     with tempfile.TemporaryDirectory(prefix="tierstore-bench-scale-traces-") as traces:
         runs = []
         for b in budgets:
@@ -567,85 +580,9 @@ def _ratios(r: dict, floors: dict, in_memory: dict) -> None:
     first = r.get("first_use_rows_per_step")
     r["first_use_floor_s"] = first / iops if iops and first is not None else None
     r["first_use_floor_x_in_memory"] = r["first_use_floor_s"] / base["mean_s"] if base and r["first_use_floor_s"] else None
-
-
-def _f(x, fmt: str, none: str = "-") -> str:
-    return none if x is None else format(x, fmt)
-
-
-def print_report(res: dict) -> None:
-    from tierstore.engine.memory import format_bytes
-
-    t, fl = res["table"], res["floors"]
-    disk, lm = fl["disk"], fl["lmdb"]
-    print(f"\n== scale: {t['rows']:,} x {t['dim']} float32 rows ({format_bytes(t['table_bytes'])} of rows; data.mdb "
-          f"{format_bytes(t['data_mdb_bytes'])}, {'reused' if t['reused'] else 'built in %.0f s' % t['build_s']}) at {t['path']}")
-    b = res["batch"]
-    print(f"   step: {b['bags']} bags x {b['pooling']} ids, Zipf {b['zipf']}, SGD, {b['threads']} thread; "
-          f"{b['timed_steps']} timed steps after {b['warmup']} untimed (--warmup)")
-    print(f"   memory limit: {res['cgroup']}")
-    print(f"   disk floor ({disk['tool']}): {_f(disk['iops_qd32'], ',.0f')} reads/s at depth 32, "
-          f"{_f(disk['iops_qd1'], ',.0f')} at depth 1")
-    print(f"   LMDB floor (py-lmdb alone, {lm['rows']:,} rows of a step; the table's layout: {lm['layout']}): get {_f(lm['get_cold_us'], '.1f')} us a row cold, "
-          f"{_f(lm['get_warm_us'], '.1f')} us warm; put {_f(lm['put_us'], '.1f')} us")
-    for name, label in (("fbgemm", "FBGEMM in memory (EmbeddingLocation.HOST, EXACT_SGD)"), ("dlrm", "DLRM demo model in memory")):
-        m = res["in_memory"].get(name)
-        if m:
-            print(f"   {label}: p50 {m['p50_s'] * 1e3:.1f} ms, {m['lookups_per_s'] / 1e6:.2f} M lookups/s")
-    if "fbgemm" not in res["in_memory"]:
-        print("   FBGEMM: not installed (pip install 'tierstore[fbgemm]'); no in-memory embedding step to compare")
-    if res["dlrm"]:
-        print(f"   DLRM: {res['dlrm']}")
-    for r in res["runs"]:
-        _print_run(r)
-
-
-def _print_run(r: dict) -> None:
-    from tierstore.engine.memory import format_bytes
-
-    print(f"\n-- {'DLRM demo model' if r['kind'] == 'dlrm' else 'embedding step'}, budget {format_bytes(r['budget'])}, "
-          f"depth {r['depth']}")
-    limit = f"limit {format_bytes(r['limit'])} (RSS {format_bytes(r['rss_before'])} + budget + margin)" if "limit" in r else "no limit"
-    fate = "OOM-KILLED" if r.get("oom_killed") else f"exit {r['exit']}"
-    if r.get("oom_killed") and "mean_s" in r:
-        fate += " after its timed steps (closing the store: its final flush)"
-    print(f"   {fate}; {limit}; peak RSS {format_bytes(r.get('rss_peak'))}, cgroup peak {format_bytes(r.get('cgroup_peak'))}")
-    if "mean_s" not in r:
-        print(f"   no figures: {r.get('error', 'the run ended before its report')}")
-        return
-    hit = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731
-    print(f"   {r['lookups_per_s'] / 1e6:.3f} M lookups/s; step p50 / p90 / p99 {r['p50_s'] * 1e3:.0f} / {r['p90_s'] * 1e3:.0f} / "
-          f"{r['p99_s'] * 1e3:.0f} ms (p99/p50 {r['p99_s'] / r['p50_s']:.1f}x); hit rate HBM {hit(r['hbm_hit'])}, DDR {hit(r['ddr_hit'])}")
-    filling = " (none: the tier was still filling; more --warmup steps reach the steady state)" if not r["ddr_evictions"] else ""
-    print(f"   DDR tier {hit(r['ddr_full_at_start'])} full at the first timed step; {r['ddr_evictions']:,} DDR evictions "
-          f"while timed{filling}")
-    print(f"   a step: {r['rows_read_per_step']:,.0f} rows read, {r['rows_written_per_step']:,.0f} written back; disk "
-          f"{format_bytes(round(r['disk_read_bytes_per_step']))} read, {format_bytes(round(r['disk_written_bytes_per_step']))} "
-          f"written; amplification read {_f(r['read_amp'], '.1f')}x, write {_f(r['write_amp'], '.1f')}x")
-    print(f"   rows read through: {r.get('read_path', '-')}")
-    print(f"   store's budgeted host memory {format_bytes(r['store_host_bytes'])}: "
-          + ", ".join(f"{k} {format_bytes(v)}" for k, v in r["parts"].items() if v))
-    stages = r.get("stage_ms_per_step", {})
-    print("   a step's time in the store by stage (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items() if v >= 0.05))
-    cpu = sorted(r.get("thread_cpu_ms_per_step", {}).items(), key=lambda kv: -kv[1])
-    print("   CPU a step by thread (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in cpu if v >= 0.05))
-    p = r.get("predicted")
-    if p:
-        got = r["ddr_since_open"]
-        print(f"   capacity prediction from the run's trace ({r['ddr_rows']:,} DDR rows, LRU, {p['seconds']:.1f} s): DDR misses "
-              f"replayed {p['replay']['misses']:,}, LRU curve {p['curve']['misses']:,}; the store measured {got['misses']:,} "
-              f"({'equal' if p['replay']['misses'] == got['misses'] else 'DIFFERENT'}); hits {p['replay']['hits']:,} / "
-              f"{got['hits']:,}, evictions {p['replay']['evictions']:,} / {got['evictions']:,}")
-    # no ratio to print without the in-memory step (FBGEMM not installed)
-    vs = "x its in-memory step" if r["kind"] == "dlrm" else "x FBGEMM in memory"
-    ratio = lambda x: "" if x is None else f" = {x:.1f}{vs}"  # noqa: E731
-    print(f"   mean step {r['mean_s'] * 1e3:.0f} ms{ratio(r['x_in_memory'])}; {_f(r['x_disk_floor'], '.1f')}x the disk "
-          f"floor ({_f(r['disk_floor_s'] and r['disk_floor_s'] * 1e3, '.1f')} ms: rows read / reads/s at depth 32); LMDB floor "
-          f"{_f(r['lmdb_floor_s'] and r['lmdb_floor_s'] * 1e3, '.0f')} ms")
-    if r.get("first_use_floor_s"):
-        print(f"   rows no earlier step used: {r['first_use_rows_per_step']:,.0f} a step, which any cache that opens empty reads "
-              f"from disk: {r['first_use_floor_s'] * 1e3:.0f} ms at depth 32{ratio(r['first_use_floor_x_in_memory'])} "
-              "by themselves")
+    # the step's own floor: its in-memory step, or the disk reads no cache can save, whichever is longer
+    r["floor_s"] = max(base["mean_s"], r["first_use_floor_s"] or 0.0) if base else None
+    r["x_floor"] = r["mean_s"] / r["floor_s"] if r["floor_s"] else None
 
 
 if __name__ == "__main__":
