@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +74,10 @@ class LogTables:
         (io.rowindex.RowIndex.wants_spill), which maps them from the file written."""
         for table, log in self._logs.items():
             if log.index.wants_spill():
-                self._save_index(table)
+                try:
+                    self._save_index(table)
+                except OSError as e:  # the commit stands; the index stays in memory, past its limit, until the next try
+                    warnings.warn(f"could not write the row index of table {table!r} at {self.path} ({e})", stacklevel=3)
 
     def _save_index(self, table: str) -> None:
         """Write ``table``'s index beside data.mdb under a new token, take its runs from there,

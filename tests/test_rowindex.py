@@ -285,3 +285,31 @@ def test_an_index_past_its_limit_is_mapped_and_memory_stays_within_it(tmp_path):
         assert b.index_bytes() == log.index.nbytes + rowlog.SEGMENT_ENTRY_BYTES * len(log.seq)
     finally:
         b.close()
+
+
+def test_a_spill_that_fails_leaves_the_write_committed_and_the_index_in_memory(tmp_path, monkeypatch):
+    """The index file cannot be written (a full disk, injected): the write that made the
+    index pass its limit still returns, its rows read back, and the index stays in memory."""
+    import errno
+    import warnings
+
+    b = open_writer(str(tmp_path), ROWS, 256)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(rowindex, "write_file", full)
+    ids = np.arange(0, 4000, 2)  # a run a row: past the limit
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            b.put_rows([("t", ids, np.full((len(ids), DIM), 3, dtype=np.float32))])
+        assert any("could not write the row index" in str(w.message) for w in caught)
+        log = b._logs["t"]
+        assert not log.index.mapped and log.index.wants_spill()
+        rows, found = b.get_rows("t", ids)
+        assert found.all() and (rows == 3).all()
+    finally:
+        monkeypatch.undo()
+        b.publish()  # the disk has room again: the spill goes through
+        assert b._logs["t"].index.mapped
+        b.close()
