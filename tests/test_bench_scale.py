@@ -54,7 +54,7 @@ def test_without_a_cgroup_or_fio_it_says_so_and_runs(tmp_path, capsys, monkeypat
     monkeypatch.setattr(bench_scale, "CGROUP_V1", tmp_path / "no-v1")
     monkeypatch.setattr(bench_scale, "CGROUP_V2", tmp_path / "no-v2")
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    assert cli.main(["bench", "scale", "--rows", "200000", "--dim", "16", "--budgets", "8MiB", "--depths", "0",
+    assert cli.main(["bench", "scale", "--rows", "200000", "--dim", "16", "--budgets", "7MiB", "--depths", "0",
                      "--repeat", "1", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "memory limit: none: no cgroup memory controller here" in out
