@@ -247,3 +247,61 @@ def test_the_sharded_module_opens_each_rank_store_with_the_config(tmp_path):
         module.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_the_dmp_sharder_opens_each_rank_store_with_the_config(tmp_path):
+    """TieredEmbeddingBagCollectionSharder takes store=StoreConfig(...) as the other modules do."""
+    import warnings
+
+    import torch.distributed as dist
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FBGEMM and TorchRec warn about CPU-only builds on import
+        torchrec = pytest.importorskip("torchrec", reason="the DMP sharder needs the optional peer TorchRec")
+        from torchrec.distributed import sharding_plan as sp
+        from torchrec.distributed.types import ShardingEnv
+    import tierstore
+    from tierstore.torchrec import TieredEmbeddingBagCollectionSharder
+
+    with pytest.raises(ValueError, match="leave the config's path unset"):
+        TieredEmbeddingBagCollectionSharder(tmp_path / "m", store=StoreConfig(tmp_path / "x"))
+    with pytest.raises(ValueError, match=r"hbm_rows=4 contradicts config.hbm_rows=8"):
+        TieredEmbeddingBagCollectionSharder(tmp_path / "m", store=MODULE_CFG, hbm_rows=4)
+    sharder = TieredEmbeddingBagCollectionSharder(tmp_path / "m", store=MODULE_CFG, optimizer=tierstore.optim.SGD(lr=0.1))
+    ebc = torchrec.EmbeddingBagCollection([torchrec.EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=1000,
+                                                                       feature_names=["t"])], device=torch.device("meta"))
+    params = sp.construct_module_sharding_plan(ebc, {"t": sp.table_wise(rank=0)}, sharder=sharder, local_size=1,
+                                               world_size=1, device_type="cpu")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        module = sharder.shard(ebc, params, ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"))
+        assert _is_module_cfg(module.stores.stores[0], tmp_path / "m" / "rank-0")
+        module.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("given, error, says", [
+    ({"hbm_rows": -1}, "SettingError", "hbm_rows for every table must be an int >= 0"),
+    ({"ddr_rows": {"t": "many"}}, "SettingError", "ddr_rows for t must be an int >= 0"),
+    ({"policy": "mru"}, "SettingError", "unknown eviction policy 'mru'; choose one of"),
+    ({"memory_budget": "lots"}, "SettingError", "memory_budget 'lots' is not a size"),
+    ({"kernels": "cuda"}, "SettingError", "kernels must be one of 'torch', 'fbgemm'"),
+    ({"init": "normal"}, "ArgumentTypeError", r"init must be a tierstore.RowInit"),
+    ({"store": {"hbm_rows": 3}}, "ArgumentTypeError", "store must be a tierstore.StoreConfig"),
+])
+def test_the_dmp_sharder_refuses_bad_settings_where_it_is_made(tmp_path, given, error, says):
+    """Checked when the sharder is made, not on every rank once DistributedModelParallel shards."""
+    import warnings
+
+    from tierstore import errors
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pytest.importorskip("torchrec", reason="the DMP sharder needs the optional peer TorchRec")
+    from tierstore.torchrec import TieredEmbeddingBagCollectionSharder
+
+    with pytest.raises(getattr(errors, error), match=says):
+        TieredEmbeddingBagCollectionSharder(tmp_path, **given)
+    with pytest.raises(errors.ArgumentTypeError, match="path must be the directory of the ranks' stores"):
+        TieredEmbeddingBagCollectionSharder(None)

@@ -22,6 +22,7 @@ handling, which the subclass gives (TableViews, read and written in chunks).
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,11 @@ from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
-from tierstore.errors import ArgumentTypeError
+from tierstore.errors import ArgumentTypeError, SettingError
 from tierstore.optim import RowOptimizer
-from tierstore.store import Sizes
+from tierstore.spec import RowInit
+from tierstore.store import Sizes, StoreConfig
+from tierstore.validate import check_choice, set_fields, with_keywords
 from tierstore.torchrec import _DTYPES, _FusedKeyedOptimizer, row_init
 from tierstore.training.checkpointing import SharedViews, TableView, TableViews, table_views
 from tierstore.torchrec.lookup import RankStores, ShardLookup
@@ -167,13 +170,22 @@ class TieredEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagColle
     weight_init_max)), as tierstore.torchrec.TieredEmbeddingBagCollection reads it.
     ``module_type`` is the collection class it shards: TorchRec's EmbeddingBagCollection, or
     tierstore.torchrec.TieredEmbeddingBagCollection (built with ``device="meta"``).
+    ``store=StoreConfig(...)`` gives the settings of every rank's stores whole (any of the
+    config's fields but its path, which is ``path``'s, and its device, DMP's), as for
+    ShardedEmbeddingBagCollection. The settings are checked here, before DMP shards.
     """
 
     def __init__(self, path: str | Path, *, hbm_rows: Sizes | None = None, ddr_rows: Sizes | None = None,
                  memory_budget: int | str | None = None, policy: str = "lru", optimizer: RowOptimizer | None = None,
                  init=None, kernels: str = "torch", module_type: type[nn.Module] = EmbeddingBagCollection,
-                 fused_params: dict[str, Any] | None = None, qcomm_codecs_registry=None):
+                 fused_params: dict[str, Any] | None = None, qcomm_codecs_registry=None, store: StoreConfig | None = None):
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
+        if not isinstance(path, (str, os.PathLike)):
+            raise ArgumentTypeError(f"path must be the directory of the ranks' stores (a str or Path), got {type(path).__name__}")
+        if init is not None and not isinstance(init, RowInit):
+            raise ArgumentTypeError(f"init must be a tierstore.RowInit (e.g. RowInit.normal(0, 0.01)) or None (each table's "
+                                    f"config says), got {type(init).__name__}")
+        check_choice(kernels, "kernels", ("torch", "fbgemm"), "fbgemm: FBGEMM's fused backward")
         if optimizer is not None and not isinstance(optimizer, RowOptimizer):
             raise ArgumentTypeError(f"optimizer must be a tierstore.optim optimizer (SGD, RowWiseAdagrad, Adagrad, Adam), "
                                     f"got {type(optimizer).__name__}")
@@ -184,7 +196,8 @@ class TieredEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagColle
         self.init = init
         self.kernels = kernels
         self._module_type = module_type
-        self.store_options = {"hbm_rows": hbm_rows, "ddr_rows": ddr_rows, "memory_budget": memory_budget, "policy": policy}
+        self.store_options = _store_options(store, hbm_rows=hbm_rows, ddr_rows=ddr_rows, memory_budget=memory_budget,
+                                            policy=policy)
 
     def planner(self, topology, batch_size: int = 512, constraints=None, **kwargs):
         """TorchRec's EmbeddingShardingPlanner for this sharder: its storage estimates count a
@@ -216,3 +229,18 @@ class TieredEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagColle
     @property
     def sharded_module_type(self) -> type[TieredShardedEmbeddingBagCollection]:
         return TieredShardedEmbeddingBagCollection
+
+
+def _store_options(store: StoreConfig | None, **keywords) -> dict[str, Any]:
+    """The ranks' TieredStore settings, checked now (StoreConfig's checks): a bad size or policy
+    fails where the sharder is made, not on every rank once DMP shards the model."""
+    config = StoreConfig(**keywords)
+    if store is not None:
+        if not isinstance(store, StoreConfig):
+            raise ArgumentTypeError(f"store must be a tierstore.StoreConfig (the settings of each rank's stores), got {type(store).__name__}")
+        if store.path is not None:
+            raise SettingError(f"store=StoreConfig(path={str(store.path)!r}): each rank's stores are PATH/rank-K under the "
+                               "sharder's path; leave the config's path unset")
+        config = with_keywords(store, config, set_fields(StoreConfig, keywords), "TieredEmbeddingBagCollectionSharder")
+    # the device is the one DMP shards onto
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(StoreConfig) if f.name not in ("path", "device")}
