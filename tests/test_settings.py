@@ -305,3 +305,13 @@ def test_the_dmp_sharder_refuses_bad_settings_where_it_is_made(tmp_path, given, 
         TieredEmbeddingBagCollectionSharder(tmp_path, **given)
     with pytest.raises(errors.ArgumentTypeError, match="path must be the directory of the ranks' stores"):
         TieredEmbeddingBagCollectionSharder(None)
+
+
+def test_a_table_layout_that_contradicts_the_stored_one_names_the_directory_and_the_fixes(tmp_path):
+    """A module or the DMP sharder opens the store for the caller: the error says which directory holds the other layout."""
+    import tierstore
+
+    TieredStore(tmp_path / "s", [SPEC], registry=CollectorRegistry()).close()
+    with pytest.raises(tierstore.errors.SettingError,
+                       match=rf"dim=8 contradicts the dim=4 stored in {tmp_path / 's'}; open it without tables=.*or give a new path"):
+        tierstore.TieredEmbeddingBag(1000, 8, path=tmp_path / "s", table="t")

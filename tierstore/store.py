@@ -296,9 +296,11 @@ class TieredStore:
                 continue
             for f in dataclasses.fields(TableSpec):
                 if getattr(old, f.name) != getattr(spec, f.name):
+                    # a module or the DMP sharder passes tables= for the caller: name the directory and both fixes
                     raise SettingError(
-                        f"table {spec.name!r}: {f.name}={getattr(spec, f.name)!r} contradicts the stored "
-                        f"{f.name}={getattr(old, f.name)!r}; open without tables= to use the stored specs"
+                        f"table {spec.name!r}: {f.name}={getattr(spec, f.name)!r} contradicts the "
+                        f"{f.name}={getattr(old, f.name)!r} stored in {self.path}; open it without tables= to use the "
+                        "stored specs, or give a new path for this layout"
                     )
         new = [s for s in given if s.name not in stored]
         if new and self.readonly:
