@@ -151,3 +151,23 @@ class InFlightMachine(RuleBasedStateMachine):
 
 InFlightMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=12, deadline=None)
 TestInFlight = InFlightMachine.TestCase
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [1, 2])
+def test_cached_steps_on_cuda_never_sync_and_train_the_resident_bits(tmp_path, depth):
+    kw = dict(mode="sum", device="cuda", optimizer=tierstore.optim.Adagrad(lr=0.1))
+    cached = TieredEmbeddingBag(N, DIM, path=tmp_path / "c", hbm_rows=70, ddr_rows=30, **kw).resolve_ahead()
+    held = TieredEmbeddingBag(N, DIM, path=tmp_path / "h", hbm_rows=N, **kw).hold_resident()
+    batches = data(10)
+    for i, (ids, offsets) in enumerate(LookaheadLoader([b[:2] for b in batches], cached, depth=depth)):
+        grad = batches[i][2].cuda()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # the step only: the loader's resolution is the host's
+        try:
+            cached(ids, offsets).backward(grad)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    for ids, offsets, grad in batches:
+        held(ids, offsets).backward(grad.cuda())
+    assert torch.equal(rows(cached), rows(held))

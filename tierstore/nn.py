@@ -459,7 +459,9 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         device = rows.weights.device
         # an exported program is the forward alone: its update needs the store, not a graph
         train = self.trains and torch.is_grad_enabled() and not torch.compiler.is_exporting()
-        return devstep.device_step(rows, input.to(device), slots, offsets.to(device), self.config.mode,
+        # a batch from the host goes up without waiting (torch stages a pageable source itself)
+        ids, offsets = (t.to(device, non_blocking=t.device.type == "cpu") for t in (input, offsets))
+        return devstep.device_step(rows, ids, slots, offsets, self.config.mode,
                                    self.config.include_last_offset, self.optimizer, self._anchor if train else None)
 
     @outside_graphs  # the host's part (which batch, its slots) is Python: a graph break
