@@ -245,7 +245,21 @@ def load_checkpoint(rank: int, out: Path, checkpoint: Path | None = None) -> dic
     return {"dcp": {"rows": rows}}
 
 
-SCENARIOS = {"train": train_cases, "load": load_checkpoint}
+def killed(rank: int, out: Path) -> dict:
+    """Rank 1 dies after a step; rank 0's next step meets it in TorchRec's input dist."""
+    dmp = _dmp(out / "stores", "table", "sgd", "tierstore", "tiny")
+    dmp(batch(0, rank)).pow(2).sum().backward()
+    dist.barrier()
+    if rank == 1:
+        os._exit(3)
+    try:
+        dmp(batch(1, rank)).pow(2).sum().backward()
+    except Exception as e:
+        return {"error": (type(e).__name__, str(e))}
+    return {"error": None}
+
+
+SCENARIOS = {"train": train_cases, "load": load_checkpoint, "killed": killed}
 
 
 def _rank_main(rank: int, world: int, out: str, scenario: str):
@@ -431,3 +445,16 @@ def test_a_dcp_checkpoint_of_2_ranks_loads_onto_another_plan_and_world_size(trai
     assert sorted(saved) == sorted(loaded) == ["t1", "t1.state", "t2", "t2.state"]
     for name in saved:
         assert torch.equal(saved[name], loaded[name]), name
+
+
+def test_a_rank_killed_between_steps_ends_the_other_with_rank_failed_error(tmp_path):
+    spawn = mp.get_context("spawn")
+    ranks = [spawn.Process(target=_rank_main, args=(r, WORLD, str(tmp_path), "killed")) for r in range(WORLD)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=120)
+    assert [p.exitcode for p in ranks] == [0, 3]
+    error = torch.load(tmp_path / "result-0.pt", weights_only=False)["error"]
+    assert error is not None and error[0] == "RankFailedError", error
+    assert "rank 0: TorchRec's dists with the other ranks failed" in error[1] and "a rank died" in error[1]

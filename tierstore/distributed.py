@@ -65,14 +65,14 @@ from tierstore.io import StoreCorruptError
 
 from tierstore.training.checkpointing import (FusedOptimizer, OptimizerMismatchError, SharedViews, TableViews, state_layout,
                                               table_views)
-from tierstore.errors import ArgumentTypeError, PathExistsError, PathNotFoundError, SettingError, StateError, TierstoreError, UnknownTableError, kind
+from tierstore.errors import ArgumentTypeError, PathExistsError, PathNotFoundError, SettingError, StateError, UnknownTableError, kind
 from tierstore.training.bags import MODES, Bags, EmbeddingBagConfig, Rows, mean_grads, plan_bags, sum_rows
 from tierstore.nn import feature_parts
 from tierstore.optim import RowOptimizer
 from tierstore.capacity.planner import plan
 from tierstore.precision import round_stochastic
 from tierstore.engine.prefetch import PrefetchGroup
-from tierstore.training.sharding import PlanMismatchError, Shard, ShardingPlan, TablePlan
+from tierstore.training.sharding import PlanMismatchError, RankFailedError, Shard, ShardingPlan, TablePlan
 from tierstore.spec import TableSpec
 from tierstore.engine.tensors import as_ids, as_values, resolve_device
 from tierstore.store import Sizes, StoreConfig, TieredStore
@@ -84,12 +84,6 @@ COMM_DTYPES = {None: torch.float32, "float32": torch.float32, "float16": torch.f
 _COMM_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _MAX_MESSAGE = 2048  # bytes of an error message sent to the other ranks
 _RESHARD_CHUNK = 1 << 16  # rows moved at once when resharding a checkpoint
-
-
-class RankFailedError(RuntimeError, TierstoreError):
-    """Another rank failed this collective step (named in the message), the ranks
-    called different collectives (each rank's call named), or the collective itself
-    failed: a rank died or did not answer within the timeout."""
 
 
 class SettingsMismatchError(PlanMismatchError):

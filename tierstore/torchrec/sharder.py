@@ -34,13 +34,14 @@ from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
-from tierstore.errors import ArgumentTypeError, SettingError
+from tierstore.errors import ArgumentTypeError, SettingError, TierstoreError, kind
 from tierstore.optim import RowOptimizer
 from tierstore.spec import RowInit
 from tierstore.store import Sizes, StoreConfig
 from tierstore.validate import check_choice, set_fields, with_keywords
 from tierstore.torchrec import _DTYPES, _FusedKeyedOptimizer, row_init
 from tierstore.training.checkpointing import SharedViews, TableView, TableViews, table_views
+from tierstore.training.sharding import RankFailedError
 from tierstore.torchrec.lookup import RankStores, ShardLookup
 
 KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
@@ -90,6 +91,19 @@ class TieredShardedEmbeddingBagCollection(SharedViews, ShardedEmbeddingBagCollec
         for sharding_type, sharding in zip(self._sharding_types, self._embedding_shardings):
             self._lookups.append(ShardLookup(local_groups(sharding), sharding_type, self._stores, s.optimizer, s.kernels,
                                              self._device))
+
+    def forward(self, *args, **kwargs):
+        """TorchRec's: the input dist, the lookup, the output dist started. A collective that
+        fails there (a rank died, or did not answer within the process group's timeout) raises
+        RankFailedError; a failed lookup raises its own error (a bad id, a store's fault)."""
+        try:
+            return super().forward(*args, **kwargs)
+        except RuntimeError as e:
+            if isinstance(e, TierstoreError):
+                raise
+            raise RankFailedError(
+                f"rank {self._env.rank}: TorchRec's dists with the other ranks failed ({kind(e)}: {e}); a rank died or did "
+                "not answer within the process group's timeout (init_process_group(timeout=...))") from e
 
     def reset_parameters(self) -> None:
         """Every row of this rank's shards back to its initial value, with zero optimizer state.

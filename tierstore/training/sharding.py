@@ -29,6 +29,13 @@ class PlanMismatchError(ValueError, TierstoreError):
     """A plan does not fit the tables, or differs between ranks."""
 
 
+class RankFailedError(RuntimeError, TierstoreError):
+    """Another rank failed this collective step (named in the message), the ranks
+    called different collectives (each rank's call named), or the collective itself
+    failed: a rank died or did not answer within the timeout. (tierstore.distributed's
+    sharded collection; tierstore.torchrec's DMP shards)"""
+
+
 @dataclass(frozen=True)
 class Shard:
     rank: int
