@@ -320,9 +320,17 @@ def format_report(cfg: ShardedBenchConfig, m: dict) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     shared(p, "dir", "seed")
+    p.add_argument("--dmp", action="store_true",
+                   help="instead: TorchRec's DistributedModelParallel with tierstore shards against TorchRec's own, on 2, 4 "
+                        "and 8 ranks, same batches (needs TorchRec)")
 
 
 def run(args: argparse.Namespace) -> None:
     cfg = ShardedBenchConfig(seed=args.seed)
     with tempfile.TemporaryDirectory(prefix="tierstore-bench-sharded-", dir=args.dir) as d:
-        print(format_report(cfg, measure(cfg, d)))
+        if args.dmp:
+            from tierstore.tools import bench_sharded_dmp
+
+            print(bench_sharded_dmp.format_report(cfg, bench_sharded_dmp.measure(cfg, d)))
+        else:
+            print(format_report(cfg, measure(cfg, d)))
