@@ -93,6 +93,8 @@ def test_bench_gpu_refuses_a_missing_gpu_and_unknown_parts(tmp_path, capsys):
         assert "--device cuda: torch sees no GPU here; run with --device cpu" in capsys.readouterr().err
     assert main(["bench", "gpu", "--device", "cpu", "--only", "read,nope", "--dir", str(tmp_path)]) == 2
     assert "--only: no part 'nope'; choose from resident, read, cache, compile, tests" in capsys.readouterr().err
+    assert main(["bench", "gpu", "--device", "cpu", "--backend", "nope", "--dir", str(tmp_path)]) == 2
+    assert "--backend 'nope': torch.compile has no such backend; use inductor" in capsys.readouterr().err
 
 
 def test_bench_gpu_runs_the_tests_of_its_checkout():

@@ -118,6 +118,12 @@ def _run(args: argparse.Namespace, start: float) -> None:
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         raise SettingError(f"--only: no part {', '.join(map(repr, unknown))}; choose from {', '.join(PARTS)}")
+    if "compile" in parts:  # refused now, not after the parts before it ran
+        from torch._dynamo import list_backends
+
+        if args.backend not in list_backends(exclude_tags=()):  # debug ones too: aot_eager is one
+            raise SettingError(f"--backend {args.backend!r}: torch.compile has no such backend; use inductor (the default), "
+                               f"aot_eager (the capture alone) or another of torch._dynamo.list_backends()")
     size = SIZES["quick" if args.quick else "full"]
     given = {"rows": args.rows, "dim": args.dim, "batch": args.batch, "repeat": args.repeat,
              "cache_rows": args.cache_rows, "steps": args.steps}
