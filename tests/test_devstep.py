@@ -197,3 +197,23 @@ def test_device_step_takes_int32_ids_and_offsets(tmp_path):
         held(ids.int(), offsets.int()).backward(grad)
         twin(ids, offsets).backward(grad)
     assert torch.equal(rows(held), rows(twin))
+
+
+def test_torchrec_collection_steps_its_held_tables_on_the_device(tmp_path):
+    pytest.importorskip("torchrec", reason="TorchRec (optional peer) is not installed: see docs")
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+    from tierstore.torchrec import TieredEmbeddingBagCollection as Ours
+
+    configs = [EmbeddingBagConfig(name="user", embedding_dim=DIM, num_embeddings=N, feature_names=["u"])]
+    held = Ours(configs, path=tmp_path / "held", hbm_rows=N, device="cpu", optimizer=OPTIMIZERS[1]()).hold_resident()
+    host = Ours(configs, path=tmp_path / "host", hbm_rows=40, device="cpu", optimizer=OPTIMIZERS[1]())
+    for ids, offsets, grad in batches(4):
+        lengths = torch.diff(offsets, append=torch.tensor([len(ids)]))
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["u"], values=ids, lengths=lengths)
+        for m in (held, host):
+            with OpCounter(inside=("tierstore",)) as ops:
+                m(kjt).values().backward(grad)
+            if m is held:
+                assert ops.summary()["ops"].get("tierstore.bag_update_") == 1
+    assert torch.equal(held.store.read("user", torch.arange(N), with_state=True),
+                       host.store.read("user", torch.arange(N), with_state=True))

@@ -245,6 +245,13 @@ class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterfac
         state = {v.weight: v.state for v in views.values() if v.state}
         return _FusedKeyedOptimizer(self._optimizer, params, state, [{"params": list(params.values())}])
 
+    def hold_resident(self) -> "TieredEmbeddingBagCollection":
+        """Every table held in its top tier: each table's step is the device step
+        (tierstore.TieredEmbeddingBag.hold_resident; unweighted tables)."""
+        for bag in self.embedding_bags.values():
+            bag.hold_resident()
+        return self
+
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
 
