@@ -68,9 +68,9 @@ def test_bench_gpu_on_the_cpu_reports_every_figure_in_its_json(tmp_path, capsys)
         assert ops["sync_debug_warnings"] is None and ops["device_to_host"] == 0
         assert ops["aten_ops"] + ops["other_ops"] > 0
 
-    for name in ("compile", "export"):  # the demo DLRM: captured whole and equal to eager, or refused with a reason
+    for name in ("compile", "export"):  # the demo DLRM over held tables (the device step): captured whole, equal to eager
         done = got["compile"][name]
-        assert done["equal"] if done["ok"] else done["error"].split(":")[0].endswith(("Unsupported", "Error")), done
+        assert done["ok"] and done["equal"], done
 
     t = got["tests"]  # pytest -m gpu: the marked tests only, counted
     assert (t["passed"], t["failed"], t["skipped"], t["deselected"], t["error"]) == (1, 1, 1, 1, 0)

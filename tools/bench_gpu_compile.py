@@ -67,14 +67,15 @@ def _moved(batch, device: torch.device):
 
 
 def _dlrm(cfg, path: str, seed: int, device: torch.device):
-    """The demo's DLRM over a collection whose HBM tier holds every row, its dense layers on ``device``."""
+    """The demo's DLRM over a collection whose HBM tier holds every row (hold_resident: the device step, which
+    compiles and exports whole), its dense layers on ``device``."""
     import tierstore
     from tierstore.tools.demo import DLRM
 
     init = tierstore.RowInit.uniform(-0.05, 0.05, seed=seed)
     specs = [tierstore.TableSpec(n, cfg.rows, cfg.dim, init=init) for n in cfg.table_names]
     ebc = tierstore.TieredEmbeddingBagCollection(specs, path=path, hbm_rows=cfg.rows, device=device,
-                                                 optimizer=tierstore.optim.Adagrad(lr=cfg.lr))
+                                                 optimizer=tierstore.optim.Adagrad(lr=cfg.lr)).hold_resident()
     model = DLRM(ebc, cfg.table_names, cfg.dim, torch.Generator().manual_seed(seed + 1))
     model.bottom.to(device)
     model.top.to(device)
