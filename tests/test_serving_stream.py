@@ -255,3 +255,15 @@ def test_a_missing_delta_between_published_ones_is_a_named_gap(tmp_path):
         replica.close()
     finally:
         store.close()
+
+
+def test_a_replica_names_a_bad_policy_and_a_missing_directory(tmp_path):
+    from tierstore import errors
+    from tierstore.serving.stream import Replica
+
+    with pytest.raises(errors.PathNotFoundError, match=r"nothing is not a directory; pass the directory a .*Publisher"):
+        Replica(tmp_path / "nothing")
+    with pytest.raises(errors.SettingError, match="unknown eviction policy 'mru'"):
+        Replica(tmp_path, policy="mru")  # checked before the directory is read: it holds no export
+    with pytest.raises(errors.PathNotFoundError, match="no export in"):
+        Replica(tmp_path)

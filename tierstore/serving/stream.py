@@ -37,6 +37,7 @@ from tierstore.io.serving_layout import RowFormat
 from tierstore.serving.store import ServingStore
 from tierstore.serving.export import export, written
 from tierstore.errors import BadValuesError, PathNotFoundError
+from tierstore.eviction import make_policy
 
 _EXPORT = re.compile(r"export-(\d{8})")
 _DELTA = re.compile(r"delta-(\d{8})\.bin")
@@ -117,6 +118,10 @@ class Replica:
 
     def __init__(self, directory: str | os.PathLike, hbm_rows=0, ddr_rows=0, device=None, policy: str = "lru"):
         self.directory = Path(directory)
+        make_policy(policy)  # a bad setting is named before the directory is read
+        if not self.directory.is_dir():
+            raise PathNotFoundError(f"{self.directory} is not a directory; pass the directory a "
+                                    "tierstore.serving.stream.Publisher publishes exports and deltas into")
         self._open_args = dict(hbm_rows=hbm_rows, ddr_rows=ddr_rows, device=device, policy=policy)
         self._lock = threading.Lock()  # a catch-up swaps the store
         self._polling = threading.Lock()  # one poll at a time: each delta is applied once
