@@ -303,8 +303,22 @@ def test_the_dmp_sharder_refuses_bad_settings_where_it_is_made(tmp_path, given, 
 
     with pytest.raises(getattr(errors, error), match=says):
         TieredEmbeddingBagCollectionSharder(tmp_path, **given)
+
+
+def test_the_dmp_sharder_refuses_a_path_or_topology_of_another_type(tmp_path):
+    import warnings
+
+    from tierstore import errors
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pytest.importorskip("torchrec", reason="the DMP sharder needs the optional peer TorchRec")
+    from tierstore.torchrec import TieredEmbeddingBagCollectionSharder
+
     with pytest.raises(errors.ArgumentTypeError, match="path must be the directory of the ranks' stores"):
         TieredEmbeddingBagCollectionSharder(None)
+    with pytest.raises(errors.ArgumentTypeError, match=r"topology must be TorchRec's .*Topology\(world_size="):
+        TieredEmbeddingBagCollectionSharder(tmp_path).planner(None)
 
 
 def test_a_table_layout_that_contradicts_the_stored_one_names_the_directory_and_the_fixes(tmp_path):

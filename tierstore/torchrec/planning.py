@@ -22,7 +22,7 @@ from torchrec.distributed.planner.storage_reservations import HeuristicalStorage
 from torchrec.distributed.planner.types import ParameterConstraints, ShardEstimator, ShardingOption, Storage, Topology
 
 from tierstore.engine.memory import parse_bytes
-from tierstore.errors import SettingError
+from tierstore.errors import ArgumentTypeError, SettingError
 
 KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 _MODELLED_AS = EmbeddingComputeKernel.FUSED.value
@@ -107,6 +107,9 @@ def planner(sharder, topology: Topology, batch_size: int = 512,
     """TorchRec's EmbeddingShardingPlanner whose estimates count a tierstore shard's tiers
     (TieredShardEstimator) and, with a memory_budget, reserve it on every rank (RankBudget);
     ``kwargs`` go to the planner (proposer=, partitioner=, ...)."""
+    if not isinstance(topology, Topology):
+        raise ArgumentTypeError("topology must be TorchRec's torchrec.distributed.planner.Topology(world_size=..., "
+                                f"compute_device=\"cpu\" or \"cuda\"), the ranks to plan over; got {type(topology).__name__}")
     enumerator = EmbeddingEnumerator(topology=topology, batch_size=batch_size, constraints=constraints,
                                      estimator=[TieredShardEstimator(sharder, topology, constraints)])
     budget = sharder.store_options.get("memory_budget")
