@@ -1,58 +1,10 @@
-"""Embedding tables sharded across processes on torch.distributed.
-
-``ShardedEmbeddingBagCollection`` is TieredEmbeddingBagCollection split by a
-ShardingPlan: each rank keeps its shards in a TieredStore of its own under
-``path/rank-<r>``; forward takes the rank's local batch and returns its pooled
-bags; backward sends each row's gradient to the rank that owns it, which runs
-the fused optimizer there.
-
-Determinism: with float32 exchange, N ranks train exactly as one process
-training TieredEmbeddingBagCollection on the concatenated global batch (rank
-0's local batch, then rank 1's, ...), bit for bit. For that:
-- the requesting rank pools with the same embedding_bag call as nn.py, from
-  rows it fetched from their owners;
-- an owner sums a row's gradient from each occurrence's contribution (the
-  grad_out row of its bag, its weight), not from per-rank partial sums, and
-  in the order the single process sums them: the order torch.sort gives the
-  table's global ids. torch.sort's default is not stable (on CPU, for 17 to
-  ~100k entries), so that order depends on every id of the global batch: every
-  rank gathers the global ids of each table (8 bytes per entry) and sorts them;
-- a column shard of a row-wise optimizer (RowWiseAdagrad, whose step divides
-  by the mean of the whole row's squared gradient) receives whole-row
-  gradients and keeps the row's accumulator itself; partial sums of squares
-  combined across shards would round differently from the single process.
-
-Every collective call begins with one all_gather of a fixed-size header: the
-call (an op code and its argument: table, with_state, training or not, the
-forward a backward belongs to), a hash of the settings that shape the messages
-(plan, tables, optimizer, comm_dtype, mode; also compared one by one at
-construction: SettingsMismatchError), an ok/error flag and the id count. The
-header is the same size whatever was called, so ranks that call different
-collectives compare their calls (RankFailedError naming each rank's call, on
-every rank) instead of handing gloo messages of different sizes, which aborts
-the process. Bad input on one rank raises its own named error there
-(BagIndexError, KeyError, ...) and RankFailedError naming it on the others,
-before any row moves. A rank whose training forward had no outputs (an empty
-batch, ``{}``) has nothing to run backward through: it takes part in the
-others' backward from the header of its next collective call. Work between
-collectives that may fail on one rank (the owners' store reads, a write,
-flush, checkpoint) is followed by such an exchange too, so no rank waits in a
-collective that a failed rank never enters. A collective that fails (a dead
-rank, a timeout set by ``init_process_group(timeout=...)``) raises
-RankFailedError. The owners' update at the end of backward has no collective
-after it: a failure there raises on that rank only, and the others learn of it
-at their next collective (RankFailedError once the rank exits, or the timeout).
-"""
+"""ShardedEmbeddingBagCollection: the module, its forward and backward over the ranks (the design:
+tierstore.distributed's docstring)."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import enum
-import hashlib
 import json
-import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -61,196 +13,27 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily
 from torch import nn
 
-from tierstore.io import StoreCorruptError
-
-from tierstore.training.checkpointing import (FusedOptimizer, OptimizerMismatchError, SharedViews, TableViews, state_layout,
-                                              table_views)
-from tierstore.errors import ArgumentTypeError, PathExistsError, PathNotFoundError, SettingError, StateError, UnknownTableError, kind
-from tierstore.training.bags import MODES, Bags, EmbeddingBagConfig, Rows, mean_grads, plan_bags, sum_rows
+from tierstore.distributed.checkpoint import Checkpoints
+from tierstore.distributed.comm import (_COMM_NAMES, _OP, _PENDING, _SETTINGS, _TOTAL, COMM_DTYPES, _Comm, _digest, _error_of,
+                                        _Op, _Reader)
+from tierstore.distributed.tables import _Step, _Table
+from tierstore.engine.prefetch import PrefetchGroup
+from tierstore.engine.tensors import as_ids, as_values, resolve_device
+from tierstore.errors import ArgumentTypeError, SettingError, StateError, UnknownTableError
 from tierstore.nn import feature_parts
 from tierstore.optim import RowOptimizer
-from tierstore.capacity.planner import plan
 from tierstore.precision import round_stochastic
-from tierstore.engine.prefetch import PrefetchGroup
-from tierstore.training.sharding import PlanMismatchError, RankFailedError, Shard, ShardingPlan, TablePlan
 from tierstore.spec import TableSpec
-from tierstore.engine.tensors import as_ids, as_values, resolve_device
 from tierstore.store import Sizes, StoreConfig, TieredStore
-
-__all__ = ["PlanMismatchError", "RankFailedError", "SettingsMismatchError", "Shard", "ShardedEmbeddingBagCollection",
-           "ShardingPlan", "TablePlan", "plan"]
-
-COMM_DTYPES = {None: torch.float32, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_COMM_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-_MAX_MESSAGE = 2048  # bytes of an error message sent to the other ranks
-_RESHARD_CHUNK = 1 << 16  # rows moved at once when resharding a checkpoint
+from tierstore.training.bags import MODES, Bags, EmbeddingBagConfig, Rows, mean_grads, plan_bags, sum_rows
+from tierstore.training.checkpointing import FusedOptimizer, SharedViews, TableViews, state_layout, table_views
+from tierstore.training.sharding import PlanMismatchError, RankFailedError, ShardingPlan
 
 
 class SettingsMismatchError(PlanMismatchError):
     """A setting that shapes the ranks' messages (tables, optimizer, comm_dtype, mode)
     differs between the ranks constructing a sharded collection."""
 
-
-class _Op(enum.IntEnum):
-    """What a collective call is: the header's first field."""
-
-    INIT = 1
-    FORWARD = 2
-    BACKWARD = 3
-    READ = 4
-    WRITE = 5
-    FLUSH = 6
-    CHECKPOINT = 7
-    CLOSE = 8
-    ANNOUNCE = 9
-    # the ok/error exchanges inside a call, after work that may fail on one rank
-    FETCHED = 10
-    WRITTEN = 11
-    FLUSHED = 12
-    SAVED = 13
-    RESTORED = 14
-
-
-# the header's fields after the message length: every rank all-gathers the same 6 int64s per call
-_OP, _ARG, _SETTINGS, _PENDING, _TOTAL = range(1, 6)
-
-
-class _Comm:
-    """The collectives a step uses, on CPU tensors (gloo) or CUDA ones (NCCL)."""
-
-    def __init__(self, group):
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        nccl = dist.get_backend(group) == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-
-    def _run(self, what: str, op):
-        try:
-            return op()
-        except RuntimeError as e:
-            raise RankFailedError(
-                f"rank {self.rank}: {what} with the other ranks failed ({kind(e)}: {e}); a rank died, did not "
-                "answer within the process group's timeout (init_process_group(timeout=...)), or called another collective"
-            ) from e
-
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        t = t.to(self.device)
-        out = [torch.empty_like(t) for _ in range(self.world)]
-        self._run("all_gather", lambda: dist.all_gather(out, t, group=self.group))
-        return [o.cpu() for o in out]
-
-    def header(self, error: BaseException | None, fields: Sequence[int]) -> torch.Tensor:
-        """Every rank's [message length, *fields], [world, 1 + len(fields)]: ``fields`` must
-        have the same length on every rank whatever it calls (gloo aborts on a size mismatch)."""
-        return torch.stack(self.all_gather(torch.tensor([len(_message(error)), *fields], dtype=torch.int64)))
-
-    def raise_failures(self, error: BaseException | None, got: torch.Tensor) -> None:
-        """After ``header``: raise ``error`` on a failing rank and RankFailedError naming it on the others."""
-        msg = _message(error)
-        if bool(got[:, 0].any()):
-            buf = torch.zeros(int(got[:, 0].max()), dtype=torch.uint8)
-            if msg:
-                buf[: len(msg)] = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
-            texts = self.all_gather(buf)
-            if error is not None:
-                raise error
-            failed = [f"rank {r} failed: {bytes(texts[r][:n].tolist()).decode(errors='replace')}"
-                      for r, n in enumerate(got[:, 0].tolist()) if n]
-            raise RankFailedError("; ".join(failed) + f" (the step is aborted on rank {self.rank} too; nothing changed)")
-
-    def gather_ids(self, local: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
-        """Every rank's ids (``lengths`` agreed beforehand)."""
-        buf = torch.zeros(max(max(lengths), 1), dtype=torch.int64)
-        buf[: len(local)] = local
-        return [part[:n] for part, n in zip(self.all_gather(buf), lengths)]
-
-    def exchange(self, send: list[list[torch.Tensor]], recv_bytes: Sequence[int]) -> list[torch.Tensor]:
-        """Send ``send[r]`` (tensors, as raw bytes) to rank r; the bytes from each rank."""
-        chunks = [torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in parts]) if parts
-                  else torch.empty(0, dtype=torch.uint8) for parts in send]
-        out = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=self.device)
-        inp = torch.cat(chunks).to(self.device)
-        self._run("all_to_all", lambda: dist.all_to_all_single(out, inp, list(recv_bytes), [len(c) for c in chunks],
-                                                               group=self.group))
-        return list(out.cpu().split(list(recv_bytes)))
-
-
-def _digest(text: str) -> int:
-    """56 bits of the text's SHA-256: a non-negative int64."""
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
-
-
-def _message(error: BaseException | None) -> bytes:
-    return b"" if error is None else f"{kind(error)}: {error}".encode()[:_MAX_MESSAGE]
-
-
-class _Reader:
-    """Consumes typed tensors from the bytes received from one rank, in order."""
-
-    def __init__(self, data: torch.Tensor):
-        self.data, self.at = data, 0
-
-    def take(self, n: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        size = n * width * torch.empty(0, dtype=dtype).element_size()
-        part = self.data[self.at: self.at + size]
-        if part.storage_offset() % 8:  # a view needs the element size's alignment (not so after 2-byte values)
-            part = part.clone()
-        self.at += size
-        return part.view(dtype).reshape(n, width).to(torch.float32)
-
-
-@dataclass
-class _Table:
-    spec: TableSpec  # the whole table, state_dim set for the optimizer
-    tplan: TablePlan
-    mine: int | None  # index of this rank's shard, if it has one
-    layout: tuple[int, int]
-    coupled: bool  # column shards exchange whole-row gradients
-
-    @property
-    def column(self) -> bool:
-        return self.tplan.sharding == "column"
-
-    def rank_of(self, k: int) -> int:
-        return self.tplan.shards[k].rank
-
-    def masks(self, ids: torch.Tensor) -> list[torch.Tensor]:
-        """Per shard, which of ``ids`` it holds."""
-        if self.column:
-            return [torch.ones(len(ids), dtype=torch.bool)] * len(self.tplan.shards)
-        owner = self.tplan.owner(ids) if len(ids) else torch.zeros(0, dtype=torch.int64)
-        return [owner == k for k in range(len(self.tplan.shards))]
-
-    def cols(self, k: int, with_state: bool) -> torch.Tensor:
-        """Columns of the whole row (weights, then state) that shard k's stored row holds."""
-        s, dim = self.tplan.shards[k], self.spec.dim
-        own = torch.arange(s.col_start, s.col_stop)
-        if not with_state:
-            return own
-        a, b = self.layout
-        return torch.cat([own, *(dim * (j + 1) + own for j in range(a)), dim * (a + 1) + torch.arange(b)])
-
-    def grad_cols(self, k: int) -> torch.Tensor:
-        return torch.arange(self.spec.dim) if self.coupled else self.cols(k, False)
-
-    def shard_spec(self, k: int, optimizer: RowOptimizer | None) -> TableSpec:
-        s = self.tplan.shards[k]
-        return dataclasses.replace(self.spec, dim=s.dim, state_dim=optimizer.state_dim(s.dim) if optimizer else 0,
-                                   init=dataclasses.replace(self.spec.init, col_start=s.col_start))
-
-
-@dataclass
-class _Step:
-    """One forward's local bags and the table's ids on every rank, kept for backward."""
-
-    names: list[str]  # tables of the batch, in the features' order
-    bags: dict[str, Bags]
-    psw: dict[str, torch.Tensor | None]  # per used entry
-    segs: dict[str, list[torch.Tensor]]  # per table of the plan: every rank's used ids
-    psw_from: dict[str, list[bool]]  # per table: which ranks send per-sample weights
-    weights: dict[str, torch.Tensor]  # rows each bag was pooled from
-    number: int  # which forward of the module (the same on every rank)
 
 
 class _Announcer:
@@ -306,7 +89,8 @@ class _ShardedBagFunction(torch.autograd.Function):
         return (None, None, None, *psw_grads)
 
 
-class ShardedEmbeddingBagCollection(SharedViews, nn.Module):
+
+class ShardedEmbeddingBagCollection(SharedViews, Checkpoints, nn.Module):
     """TieredEmbeddingBagCollection with its tables sharded over a process group by ``plan``.
 
     Every rank constructs it with the same tables, plan, optimizer, comm_dtype
@@ -767,97 +551,6 @@ class ShardedEmbeddingBagCollection(SharedViews, nn.Module):
         self._begin(_Op.FLUSH)
         self._begin(_Op.FLUSHED, error=_error_of(self.local_store.flush if self.local_store is not None else None))
 
-    def checkpoint(self, path: str | Path) -> Path:
-        """Snapshot every rank's shards into ``path/rank-<r>`` (TieredStore.checkpoint,
-        after a barrier: no rank is mid-step), with the plan and tables as JSON;
-        restore with ``ShardedEmbeddingBagCollection.from_checkpoint``. Collective: a
-        rank's failure raises there, and RankFailedError naming it on the others."""
-        path = Path(path)
-        # a checkpoint is never overwritten, and every rank learns that before any writes:
-        # rank 0 replacing plan.json and tables.json of a checkpoint whose rank directories
-        # then refuse the copy would leave it describing rows it does not hold
-        self._begin(_Op.CHECKPOINT, error=_error_of(lambda: _check_new_checkpoint(path)))
-
-        def snapshot():
-            path.mkdir(parents=True, exist_ok=True)
-            if self.rank == 0:
-                _write_json(path / "plan.json", self.plan.to_json())
-                _write_json(path / "tables.json", json.dumps([t.spec.to_json() for t in self._tables.values()]))
-            if self.local_store is not None:
-                self.local_store.checkpoint(path / f"rank-{self.rank}")
-        self._begin(_Op.SAVED, error=_error_of(snapshot))
-        return path
-
-    @classmethod
-    def from_checkpoint(cls, checkpoint: str | Path, *, plan: ShardingPlan, path: str | Path,
-                        **kwargs) -> "ShardedEmbeddingBagCollection":
-        """Open a new collection at ``path`` (empty) under ``plan``, any world size, with the
-        rows and optimizer state of a ``checkpoint()`` written under another plan.
-
-        Each rank reads the rows its new shards own from the old shards' LMDB
-        files (the checkpoint directory must be visible to every rank) and
-        rebuilds them column by column. Takes the other arguments of the
-        constructor; the optimizer must have the checkpoint's state layout.
-        Before anything is created, every rank checks plan.json and tables.json
-        against what each rank directory holds (its tables, their columns and
-        specs, the rows it stored): a checkpoint that disagrees with itself raises
-        StoreCorruptError naming the file or directory."""
-        checkpoint = Path(checkpoint)
-        old_plan, specs = _read_checkpoint(checkpoint)
-        optimizer = kwargs.get("optimizer")
-        layout = state_layout(optimizer)
-        # the old plan's tables: which old shard holds which rows and columns
-        _check_same_tables(checkpoint, old_plan, specs)
-        olds = {s.name: _Table(s, old_plan.tables[s.name], None, layout, False) for s in specs}
-        stores = _open_shards(checkpoint, old_plan)
-        try:
-            _check_shards(checkpoint, old_plan, olds, stores)
-            for s in specs:
-                need = optimizer.state_dim(s.dim) if optimizer else 0
-                if s.state_dim != need:
-                    raise OptimizerMismatchError(
-                        f"table {s.name!r} was checkpointed with state_dim={s.state_dim}, {optimizer!r} needs {need}; "
-                        "restore with the optimizer it was trained with")
-            rank = dist.get_rank(kwargs.get("process_group"))
-            if (Path(path) / f"rank-{rank}").exists():
-                raise PathExistsError(f"{Path(path) / f'rank-{rank}'} exists; restore a checkpoint into a new path")
-            module = cls([dataclasses.replace(s, state_dim=0) for s in specs], plan, path, **kwargs)
-            try:
-                module._restore(stores, olds)
-            except BaseException:
-                with contextlib.suppress(Exception):  # every rank is here: _restore raises on all of them
-                    module.close()
-                raise
-        finally:
-            for store in stores.values():
-                store.close()
-        return module
-
-    def _restore(self, stores: dict[int, TieredStore], olds: dict[str, _Table]) -> None:
-        """Write the rows this rank's shards own, read from the old shards' ``stores`` (by rank)."""
-        error = None
-        try:
-            for name, t in self._tables.items():
-                if t.mine is None:
-                    continue
-                o = olds[name]
-                ids = torch.unique(torch.cat([stores[s.rank].stored_ids(name) for s in o.tplan.shards]))
-                ids = ids[t.masks(ids)[t.mine]]
-                cols = t.cols(t.mine, True)
-                for lo in range(0, len(ids), _RESHARD_CHUNK):
-                    chunk = ids[lo: lo + _RESHARD_CHUNK]
-                    rows = torch.empty(len(chunk), t.spec.width)
-                    for k, mask in enumerate(o.masks(chunk)):
-                        pos = torch.nonzero(mask).squeeze(1)
-                        got = stores[o.rank_of(k)].read(name, chunk[pos], with_state=True).cpu()
-                        rows[pos.unsqueeze(1), o.cols(k, True)] = got
-                    self.local_store.write(name, chunk, rows[:, cols], with_state=True)
-            if self.local_store is not None:
-                self.local_store.flush()
-        except BaseException as e:
-            error = e
-        self._begin(_Op.RESTORED, error=error)
-
     # -- checkpoints through torch.distributed.checkpoint (tierstore.training.checkpointing) -------------
     def views(self, table: str) -> TableViews:
         """This rank's shard of ``table`` and its optimizer state as TableViews of the whole
@@ -894,153 +587,6 @@ class ShardedEmbeddingBagCollection(SharedViews, nn.Module):
         return (f"rank={self.rank}, world_size={self.world_size}, tables={list(self._tables)}, "
                 f"optimizer={self.optimizer!r}, comm_dtype={self._comm_dtype}")
 
-
-_RESTORE_ANOTHER = "copy it from another copy of this checkpoint, or restore another checkpoint"
-_EDITED = ("plan.json was edited or replaced, or rank directories renamed or taken from another checkpoint: copy the "
-           "checkpoint's files from another copy of it, or restore another checkpoint")
-
-
-def _read_checkpoint(checkpoint: Path) -> tuple[ShardingPlan, list[TableSpec]]:
-    """The plan and table specs a sharded checkpoint was written under; a file that is
-    damaged (cut short, edited) raises StoreCorruptError naming it and what is wrong."""
-    def damaged(name: str, what: str) -> StoreCorruptError:
-        return StoreCorruptError(f"{checkpoint / name} is damaged: {what}. Rank 0 wrote it with the checkpoint: "
-                                 + _RESTORE_ANOTHER)
-
-    texts = {}
-    for name in ("plan.json", "tables.json"):
-        try:
-            texts[name] = (checkpoint / name).read_text()
-        except FileNotFoundError as e:
-            raise PathNotFoundError(f"{checkpoint} is not a sharded checkpoint ({e.filename} is missing); "
-                                    "write one with ShardedEmbeddingBagCollection.checkpoint(path)") from None
-        except UnicodeDecodeError as e:
-            raise damaged(name, f"it is not text ({e})") from None
-    try:
-        plan = ShardingPlan.from_json(texts["plan.json"])
-    except PlanMismatchError as e:
-        raise damaged("plan.json", str(e)) from None
-    try:
-        entries = json.loads(texts["tables.json"])
-    except json.JSONDecodeError as e:
-        raise damaged("tables.json", f"it is not JSON, cut short or overwritten ({e})") from None
-    if not isinstance(entries, list):
-        raise damaged("tables.json", f"it holds a JSON {type(entries).__name__}, not the list of table specs")
-    specs = []
-    for i, d in enumerate(entries):
-        try:
-            specs.append(TableSpec.from_json(d))
-        except (TypeError, KeyError, ValueError) as e:
-            what = f"lacks the key {e}" if isinstance(e, KeyError) else f"is unreadable ({kind(e)}: {e})"
-            raise damaged("tables.json", f"table spec {i} {what}") from None
-    return plan, specs
-
-
-def _check_new_checkpoint(path: Path) -> None:
-    """FileExistsError if ``path`` holds any file of a sharded checkpoint."""
-    held = sorted(p.name for p in path.glob("*") if p.name in ("plan.json", "tables.json") or p.name.startswith("rank-")) \
-        if path.is_dir() else []
-    if held:
-        raise PathExistsError(f"{path} holds a checkpoint already ({', '.join(held)}); a checkpoint is never overwritten: "
-                              "checkpoint into a new directory (and delete the old one once the new is written)")
-    if path.exists() and not path.is_dir():
-        raise PathExistsError(f"{path} exists and is not a directory; checkpoint into a new directory")
-
-
-def _check_same_tables(checkpoint: Path, plan: ShardingPlan, specs: list[TableSpec]) -> None:
-    if set(plan.tables) != {s.name for s in specs}:
-        raise StoreCorruptError(
-            f"{checkpoint / 'plan.json'} and {checkpoint / 'tables.json'} name different tables ({sorted(plan.tables)} and "
-            f"{[s.name for s in specs]}): one was edited or replaced; {_RESTORE_ANOTHER}")
-
-
-def _open_shards(checkpoint: Path, plan: ShardingPlan) -> dict[int, TieredStore]:
-    """Every rank directory of the checkpoint, opened readonly, by rank: those the plan
-    gives shards, and no other (its rows would be left behind unseen)."""
-    named = sorted({s.rank for tp in plan.tables.values() for s in tp.shards})
-    present = {p.name for p in checkpoint.glob("rank-*")}
-    for r in named:
-        if f"rank-{r}" not in present:
-            tables = sorted(tp.table for tp in plan.tables.values() if r in tp.ranks)
-            raise StoreCorruptError(
-                f"{checkpoint / f'rank-{r}'} is missing: {checkpoint / 'plan.json'} gives rank {r} shards of {tables}, "
-                f"which that directory held. Every rank directory must be visible to each restoring rank: {_RESTORE_ANOTHER}")
-    extra = sorted(present - {f"rank-{r}" for r in named})
-    if extra:
-        raise StoreCorruptError(f"{checkpoint / extra[0]} holds shards, but {checkpoint / 'plan.json'} gives shards to ranks "
-                                f"{named} only: {_EDITED}")
-    stores: dict[int, TieredStore] = {}
-    try:
-        for r in named:
-            stores[r] = TieredStore(checkpoint / f"rank-{r}", readonly=True, registry=CollectorRegistry())
-    except BaseException:
-        for store in stores.values():
-            store.close()
-        raise
-    return stores
-
-
-def _check_shards(checkpoint: Path, plan: ShardingPlan, olds: dict[str, _Table], stores: dict[int, TieredStore]) -> None:
-    """StoreCorruptError unless each rank directory holds what plan.json and tables.json say:
-    the tables the plan places on its rank, with the plan's columns and tables.json's spec,
-    and rows only of its shard. An edited plan would otherwise read rows from a shard that
-    does not hold them and restore their initial values instead."""
-    plan_file, tables_file = checkpoint / "plan.json", checkpoint / "tables.json"
-    placed: dict[int, set[str]] = {r: set() for r in stores}
-    for name, o in olds.items():
-        shards = o.tplan.shards
-        for k, s in enumerate(shards):
-            where, store = checkpoint / f"rank-{s.rank}", stores[s.rank]
-            placed[s.rank].add(name)
-            if name not in store.tables:
-                raise StoreCorruptError(f"{where} holds no table {name!r}, which {plan_file} places on rank {s.rank} "
-                                        f"(it holds {sorted(store.tables)}): {_EDITED}")
-            got = store.tables[name]
-            if (got.init.col_start, got.dim) != (s.col_start, s.dim):
-                raise StoreCorruptError(
-                    f"{plan_file} gives rank {s.rank} columns [{s.col_start}, {s.col_stop}) of table {name!r}, but {where} "
-                    f"holds columns [{got.init.col_start}, {got.init.col_start + got.dim}): {_EDITED}")
-            ids = store.stored_ids(name)
-            outside = ids[o.tplan.owner(ids) != k] if o.tplan.sharding == "row" and len(ids) else ids[:0]
-            if len(outside):
-                rows = f"rows [{s.row_start}, {s.row_stop})" if s.row_start is not None else \
-                    f"the rows that hash to shard {k} of {len(shards)}"
-                raise StoreCorruptError(
-                    f"{plan_file} gives rank {s.rank} {rows} of table {name!r}, but {where} holds {len(outside)} rows "
-                    f"outside them (ids {outside[:5].tolist()}{' ...' if len(outside) > 5 else ''}): {_EDITED}")
-            want = dataclasses.replace(o.spec, init=dataclasses.replace(o.spec.init, col_start=s.col_start))
-            if o.column:  # a column shard's width and state are its own
-                want = dataclasses.replace(want, dim=got.dim, state_dim=got.state_dim)
-            for f in dataclasses.fields(TableSpec):
-                if getattr(want, f.name) != getattr(got, f.name):
-                    raise StoreCorruptError(
-                        f"{tables_file} gives table {name!r} {f.name}={getattr(o.spec, f.name)!r}, but {where} holds it "
-                        f"with {f.name}={getattr(got, f.name)!r}: {tables_file} was edited or replaced; {_RESTORE_ANOTHER}")
-    for r, store in stores.items():
-        if set(store.tables) - placed[r]:
-            raise StoreCorruptError(f"{checkpoint / f'rank-{r}'} holds tables {sorted(set(store.tables) - placed[r])}, which "
-                                    f"{plan_file} does not place on rank {r}: {_EDITED}")
-    try:  # each directory agrees with both files; do the files cover the tables' rows and columns?
-        plan.check([o.spec for o in olds.values()])
-    except PlanMismatchError as e:
-        raise StoreCorruptError(f"{plan_file} and {tables_file} disagree ({e}): one was edited or replaced; "
-                                f"{_RESTORE_ANOTHER}") from None
-
-
-def _error_of(op) -> Exception | None:
-    """Run ``op`` (if any); its exception, for _begin to raise on every rank."""
-    try:
-        if op is not None:
-            op()
-    except Exception as e:
-        return e
-    return None
-
-
-def _write_json(path: Path, text: str) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class _ShardedMetrics:
