@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from index_writer import DIM, open_writer  # noqa: E402
 
 ROWS = 10**9  # declared; a few hundred written
+CHUNK_RUNS = rowindex._CHUNK_RUNS
 
 
 def ids_of(draw_sparse, draw_range):
@@ -48,9 +49,13 @@ class IndexAgainstDict(RuleBasedStateMachine):
         super().__init__()
         self.dir = Path(tempfile.mkdtemp())
         self.index = RowIndex(ROWS, limit=400)  # 25 runs: spills within a few writes
+        rowindex._CHUNK_RUNS = 4  # a save merges main a few runs at a time: recent's runs cut at each piece's line
         self.model: dict[int, int] = {}
         self.segment = 0
         self.saves = 0
+
+    def teardown(self):
+        rowindex._CHUNK_RUNS = CHUNK_RUNS
 
     @rule(ids=write_ids)
     def put(self, ids):
