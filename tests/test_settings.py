@@ -329,3 +329,17 @@ def test_a_table_layout_that_contradicts_the_stored_one_names_the_directory_and_
     with pytest.raises(tierstore.errors.SettingError,
                        match=rf"dim=8 contradicts the dim=4 stored in {tmp_path / 's'}; open it without tables=.*or give a new path"):
         tierstore.TieredEmbeddingBag(1000, 8, path=tmp_path / "s", table="t")
+
+
+def test_a_path_or_tables_of_another_type_is_named_with_the_fix(tmp_path):
+    from tierstore import errors
+
+    with pytest.raises(errors.ArgumentTypeError, match=r"path must be the store's directory \(a str or pathlib.Path\), got int"):
+        TieredStore(5, [SPEC])
+    with pytest.raises(errors.ArgumentTypeError, match="tables must be a list of tierstore.TableSpec.*got TableSpec: wrap the one spec in a list"):
+        opened(tmp_path / "a", SPEC)
+    with pytest.raises(errors.ArgumentTypeError, match=r"got a list holding \['str'\]"):
+        opened(tmp_path / "a", ["t"])
+    assert not (tmp_path / "a").exists()  # refused before anything is created
+    with opened(tmp_path / "a", (SPEC,)) as store:  # a tuple is a list of specs
+        assert list(store.tables) == ["t"]

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +83,8 @@ class StoreConfig:
     direct_reads: bool | None = None
 
     def __post_init__(self):
+        if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
+            raise ArgumentTypeError(f"path must be the store's directory (a str or pathlib.Path), got {type(self.path).__name__}")
         self.path = None if self.path is None else Path(self.path)
         if self.memory_budget is not None:
             self.memory_budget = parse_bytes(self.memory_budget, "memory_budget")
@@ -119,6 +122,18 @@ class TableLife:
     steps: int  # steps the table has counted over its life: its read calls and forwards
     updates: int  # updates keyed for stochastic rounding so far (store.trainer(table).update_key)
     sketch: np.ndarray | None  # uint8 [admit_depth, admit_width]: a copy of the admission counts; None without admit_after
+
+
+def _table_list(tables) -> list[TableSpec] | None:
+    """``tables=`` as a list, each a TableSpec (one spec alone, or a list of names, named as such)."""
+    if tables is None:
+        return None
+    listed = list(tables) if isinstance(tables, Iterable) and not isinstance(tables, (str, bytes, Mapping)) else None
+    if listed is None or not all(isinstance(t, TableSpec) for t in listed):
+        raise ArgumentTypeError("tables must be a list of tierstore.TableSpec (tables=[TableSpec(name, num_rows, dim)]), got "
+                                + (f"a list holding {sorted({type(t).__name__ for t in listed})}" if listed is not None else
+                                   type(tables).__name__ + (": wrap the one spec in a list" if isinstance(tables, TableSpec) else "")))
+    return listed
 
 
 class TieredStore:
@@ -201,6 +216,7 @@ class TieredStore:
         self._closed = False
         self._change_records: dict[str, dict[str, list[np.ndarray]]] = {}  # take_changes's, by reader
         self._shared: Shared | None = None
+        tables = _table_list(tables)
         # without tables= nothing is created: a mistyped path fails, leaving nothing behind
         # readers see its log tables as flush() publishes them (LmdbBackend.publish)
         self._backend: RowBackend = LmdbBackend(self.path, readonly=self.readonly, map_size=self.config.map_size,
