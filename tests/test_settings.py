@@ -289,6 +289,8 @@ def test_the_dmp_sharder_opens_each_rank_store_with_the_config(tmp_path):
     ({"kernels": "cuda"}, "SettingError", "kernels must be one of 'torch', 'fbgemm'"),
     ({"init": "normal"}, "ArgumentTypeError", r"init must be a tierstore.RowInit"),
     ({"store": {"hbm_rows": 3}}, "ArgumentTypeError", "store must be a tierstore.StoreConfig"),
+    ({"fused_params": {"optimizer": "EXACT_SGD", "learning_rate": 0.1}}, "SettingError",
+     r"fused_params \['learning_rate', 'optimizer'\] configure FBGEMM's fused optimizer.*pass optimizer=tierstore.optim"),
 ])
 def test_the_dmp_sharder_refuses_bad_settings_where_it_is_made(tmp_path, given, error, says):
     """Checked when the sharder is made, not on every rank once DistributedModelParallel shards."""

@@ -45,6 +45,7 @@ from tierstore.training.sharding import RankFailedError
 from tierstore.torchrec.lookup import RankStores, ShardLookup
 
 KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+FBGEMM_OPTIMIZER_KEYS = {"optimizer", "learning_rate", "eps", "beta1", "beta2", "weight_decay", "weight_decay_mode", "momentum"}
 # what TorchRec 1.8 runs on the CPU with its own sharder; row-wise types need a GPU there too
 SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value,
                   ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
@@ -200,6 +201,11 @@ class TieredEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagColle
             raise ArgumentTypeError(f"init must be a tierstore.RowInit (e.g. RowInit.normal(0, 0.01)) or None (each table's "
                                     f"config says), got {type(init).__name__}")
         check_choice(kernels, "kernels", ("torch", "fbgemm"), "fbgemm: FBGEMM's fused backward")
+        # TorchRec's own sharder takes its fused optimizer here; tierstore's lookups would leave these unread
+        fbgemm_optimizer = sorted(set(fused_params or {}) & FBGEMM_OPTIMIZER_KEYS)
+        if fbgemm_optimizer:
+            raise SettingError(f"fused_params {fbgemm_optimizer} configure FBGEMM's fused optimizer, which tierstore's shards do "
+                               "not run: pass optimizer=tierstore.optim.RowWiseAdagrad(lr=...) (or SGD, Adagrad, Adam) instead")
         if optimizer is not None and not isinstance(optimizer, RowOptimizer):
             raise ArgumentTypeError(f"optimizer must be a tierstore.optim optimizer (SGD, RowWiseAdagrad, Adagrad, Adam), "
                                     f"got {type(optimizer).__name__}")
