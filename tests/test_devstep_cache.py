@@ -93,6 +93,30 @@ def test_collection_resolves_each_table_ahead(tmp_path):
         assert torch.equal(cached.store.read(t, torch.arange(n)), held.store.read(t, torch.arange(n)))
 
 
+def test_cached_step_compiles_whole_and_trains_as_eager(tmp_path):
+    """The loader resolves each batch and hands its slots over as it yields it (begin_step):
+    the forward left to compile is the step on slots, one graph, no break (fullgraph)."""
+    class Tower(torch.nn.Module):
+        def __init__(self, bag):
+            super().__init__()
+            self.bag, self.dense = bag, torch.nn.Linear(DIM, 1)
+            torch.nn.init.constant_(self.dense.weight, 0.5), torch.nn.init.constant_(self.dense.bias, 0.1)
+
+        def forward(self, ids, offsets):
+            return self.dense(self.bag(ids, offsets)).square()
+
+    torch._dynamo.reset()
+    batches = data(5)
+    eager, compiled = (Tower(bag(tmp_path / name, hbm_rows=60, ddr_rows=30).resolve_ahead()) for name in ("e", "c"))
+    step = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+    for model, fwd in ((eager, eager), (compiled, step)):
+        for ids, offsets in LookaheadLoader([b[:2] for b in batches], model.bag, depth=1):
+            fwd(ids, offsets).sum().backward()
+    assert torch.equal(rows(compiled.bag), rows(eager.bag))
+    assert compiled.bag.store.stats()["hbm"]["evictions"] > 0  # a cache indeed
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
 class InFlightMachine(RuleBasedStateMachine):
     """Batches resolved up to ``depth`` ahead of their steps, as LookaheadLoader does, over
     tiers of any size: a row of a step in flight never leaves its slot, a batch is refused

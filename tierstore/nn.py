@@ -252,6 +252,7 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         self.optimizer = optimizer
         self._rows = None  # hold_resident: the table's rows, as the device step uses them
         self._ahead = self._done = None  # resolve_ahead: batches resolved, not yet forwarded; forwarded, still pinned
+        self._step = None  # resolve_ahead: (input, rows, slots) of the batch the loader handed out (begin_step)
         self._frozen = False  # requires_grad_(False)
         self._warned_untrained = False
         opening = store is None or isinstance(store, StoreConfig)
@@ -374,6 +375,9 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
             return leaf
         if self._on_device(input, offsets, per_sample_weights):
             return self._device_forward(input, offsets)
+        step = self._step  # handed out by the loader (begin_step): only its slots left to use, no host part
+        if step is not None and step[0] is input and self._device_input(input, offsets, per_sample_weights):
+            return self._device_forward(input, offsets, step[1], step[2])
         if self._ahead is not None and self._device_input(input, offsets, per_sample_weights):
             return self._resolved_forward(input, offsets)
         return self._host_forward(input, offsets, per_sample_weights)
@@ -419,8 +423,20 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         """Whether the steps run on the device over a cache (resolve_ahead)."""
         return self._ahead is not None
 
+    def begin_step(self, batch) -> None:
+        """``batch`` (resolved ahead by ``resolve_batch``) is handed out for its step: its
+        rows and slots are set aside, on the host, for the forward of its ids tensor, which
+        then only pools from the slots (under torch.compile, no graph break). What
+        LookaheadLoader calls as it yields a batch; a batch not resolved ahead is left to its
+        forward, which resolves it then."""
+        input = batch[0]
+        if not self._ahead or self._ahead[0][0] is not input:
+            return
+        self._step = (input, *self._in_flight(self._ahead.popleft()))
+
     def release_steps(self) -> None:
         """The steps forwarded so far are done: their rows may leave the top tier again."""
+        self._step = None
         trainer = self.store.trainer(self.table)
         for _, _, pins in self._done or ():
             trainer.release(pins)
@@ -474,10 +490,13 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
             self.release_steps()
             self._plan(input, offsets, None)
             entry = self._resolve(input)
+        return self._device_forward(input, offsets, *self._in_flight(entry))
+
+    def _in_flight(self, entry) -> tuple[DeviceRows, torch.Tensor]:
+        """A resolved batch's step begins: its rows (pinned until release_steps) and slots."""
         self._done.append(entry)
         hit = entry[1]
-        rows = DeviceRows(hit.tier, hit.generation, hit.tier.weights, hit.tier.state, hit.tier.dirty, None)
-        return self._device_forward(input, offsets, rows, hit.slots)
+        return DeviceRows(hit.tier, hit.generation, hit.tier.weights, hit.tier.state, hit.tier.dirty, None), hit.slots
 
     @outside_graphs  # torch.compile: a graph break; the dense layers around it compile
     def _host_forward(self, input, offsets, per_sample_weights) -> torch.Tensor:
@@ -810,6 +829,11 @@ class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
         """Each table's TieredEmbeddingBag.resolve_batch of its feature."""
         for name, feature in features.items():
             self[name].resolve_batch(feature)
+
+    def begin_step(self, features: Mapping[str, object]) -> None:
+        """Each table's TieredEmbeddingBag.begin_step of its feature."""
+        for name, feature in features.items():
+            self[name].begin_step(feature)
 
     @property
     def resolves_ahead(self) -> bool:

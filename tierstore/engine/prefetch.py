@@ -604,8 +604,10 @@ class LookaheadLoader:
     batch is in its forward's input form); a store needs ``ids``. ``depth=0``: no prefetch.
     A failure of batch i's prefetch is raised when batch i is due. A module that resolves
     batches ahead (``resolve_ahead()``: tierstore.training.devstep) resolves each batch
-    ``depth`` batches ahead instead (a failure is raised then), and each batch's rows stay
-    pinned until the loader is asked for the next batch.
+    ``depth`` batches ahead instead (a failure is raised then), is handed each batch's slots
+    as the batch is yielded (``begin_step``: its forward is then the step on slots alone, which
+    torch.compile compiles whole), and each batch's rows stay pinned until the loader is
+    asked for the next batch.
     """
 
     def __init__(self, batches: Iterable, module, depth: int = 2, ids: Callable[[object], Mapping[str, object]] | None = None,
@@ -685,6 +687,8 @@ class LookaheadLoader:
                     if group is not None:
                         group.wait()
                     handed = self.clock()
+                    if self._resolves:  # its slots set aside on the host: the step itself only uses them
+                        self.module.begin_step(batch)
                     yield batch
                     if self._resolves:  # the batch's step is done: its rows may go
                         self.module.release_steps()
