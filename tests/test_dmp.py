@@ -76,13 +76,13 @@ CASES = [(plan, opt, kind, "tiny") for plan in PLANS for opt in OPTIMIZERS for k
 
 
 # -- rank side ------------------------------------------------------------------------------
-def _model(with_loss: bool = False):
+def _model(with_loss: bool = False, collection=None):
     from torch import nn
 
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
-            self.ebc = EmbeddingBagCollection(configs(), device=torch.device("meta"))
+            self.ebc = (collection or EmbeddingBagCollection)(configs(), device=torch.device("meta"))
 
         def forward(self, kjt):  # the features in one order (a sharded collection's keys follow its sharding types)
             pooled = self.ebc(kjt).to_dict()
@@ -92,7 +92,8 @@ def _model(with_loss: bool = False):
     return Model()
 
 
-def _dmp(path: Path, plan_name: str, opt: str, kind: str, tiers: str, world: int = WORLD, with_loss: bool = False):
+def _dmp(path: Path, plan_name: str, opt: str, kind: str, tiers: str, world: int = WORLD, with_loss: bool = False,
+         collection=None):
     from torchrec.distributed import sharding_plan as sp
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -103,11 +104,12 @@ def _dmp(path: Path, plan_name: str, opt: str, kind: str, tiers: str, world: int
     if kind == "tierstore":
         from tierstore.torchrec import TieredEmbeddingBagCollectionSharder
 
-        sharder = TieredEmbeddingBagCollectionSharder(path, optimizer=make(), **TIERS[tiers])
+        sharder = TieredEmbeddingBagCollectionSharder(path, optimizer=make(), module_type=collection or EmbeddingBagCollection,
+                                                      **TIERS[tiers])
     else:
         sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": getattr(EmbOptimType, fbgemm_opt), "learning_rate": LR,
                                                               **extra})
-    model = _model(with_loss)
+    model = _model(with_loss, collection)
     tables = PLANS[plan_name] if plan_name in PLANS else RESHARDED[world]
     if all(fn == "planner" for fn, _ in tables.values()):
         module_plan = _planned(model, path, {t: args for t, (_, args) in tables.items()})
@@ -183,10 +185,26 @@ def train_cases(rank: int, out: Path) -> dict:
                          "types": {t: p.sharding_type for t, p in dmp.plan.plan["ebc"].items()}}
         if kind == "tierstore":
             dmp.module.ebc.close()
+    results["tierstore-collection"] = tierstore_collection(rank, out)
     results["pipelines"] = pipelines(rank, out)
     results["dcp"] = save_checkpoint(rank, out)
     results["load-2"] = load_checkpoint(rank, out / "load-2", out / "dcp")["dcp"]
     return results
+
+
+def tierstore_collection(rank: int, out: Path) -> list:
+    """The outputs of "table" with SGD for a model holding tierstore's TieredEmbeddingBagCollection
+    (built on the meta device), sharded with module_type= that class."""
+    from tierstore.torchrec import TieredEmbeddingBagCollection
+
+    dmp = _dmp(out / "tierstore-collection", "table", "sgd", "tierstore", "tiny", collection=TieredEmbeddingBagCollection)
+    outs = []
+    for step in range(STEPS):
+        o = dmp(batch(step, rank))
+        o.pow(2).sum().backward()
+        outs.append(o.detach())
+    dmp.module.ebc.close()
+    return outs
 
 
 def pipelines(rank: int, out: Path) -> dict:
@@ -413,6 +431,12 @@ def test_torchrecs_pipeline_and_a_prefetch_after_the_input_dist_change_no_bit(tr
         plain = res[("mixed", "rowwise", "tierstore", "tiny")]["outs"]
         assert all(torch.equal(a, b) for a, b in zip(plain, res["pipelines"]["pipelined"]))
         assert all(torch.equal(a, b) for a, b in zip(plain, res["pipelines"]["prefetched"]))
+
+
+def test_a_model_holding_tierstores_collection_shards_as_torchrecs(trained):
+    for res in trained:
+        plain = res[("table", "sgd", "tierstore", "tiny")]["outs"]
+        assert all(torch.equal(a, b) for a, b in zip(plain, res["tierstore-collection"]))
 
 
 def test_two_shards_of_a_table_on_a_rank_live_in_two_stores(trained):
