@@ -67,6 +67,9 @@ def test_bench_gpu_on_the_cpu_reports_every_figure_in_its_json(tmp_path, capsys)
         assert ops["aten_ops"] == sum(n for op, n in ops["ops"].items() if op.startswith("aten."))
         assert ops["sync_debug_warnings"] is None and ops["device_to_host"] == 0
         assert ops["aten_ops"] + ops["other_ops"] > 0
+        # the device step (held, or resolved ahead at depth 2), its custom ops' insides counted: no wait, static shapes
+        assert ops["host_syncs"] == ops["data_dependent"] == 0 and 0 < ops["aten_ops"] <= 16, ops
+        assert {"tierstore.bag_lookup", "tierstore.bag_update_"} <= set(ops["ops"]), ops["ops"]
 
     for name in ("compile", "export"):  # the demo DLRM over held tables (the device step): captured whole, equal to eager
         done = got["compile"][name]
