@@ -17,7 +17,7 @@ _LAZY = {
     "StoreConfig": "store", "TieredStore": "store", "restore": "store",
     "optim": None,
     "TieredEmbeddingBag": "nn", "TieredEmbeddingBagCollection": "nn",
-    "LookaheadLoader": "engine.prefetch", "PrefetchConfig": "engine.prefetch", "PrefetchTicket": "engine.prefetch",
+    "LookaheadLoader": "engine.loader", "PrefetchConfig": "engine.prefetch", "PrefetchTicket": "engine.prefetch",
     "open_store": "daemon.client",
     "EmbeddingStore": "engine.interface",
     "DaemonBusyError": "daemon.wire",
@@ -31,7 +31,8 @@ if TYPE_CHECKING:  # what type checkers and the API reference see
     from tierstore.daemon.wire import DaemonBusyError
     from tierstore.engine.interface import EmbeddingStore
     from tierstore.nn import TieredEmbeddingBag, TieredEmbeddingBagCollection
-    from tierstore.engine.prefetch import LookaheadLoader, PrefetchConfig, PrefetchTicket
+    from tierstore.engine.loader import LookaheadLoader
+    from tierstore.engine.prefetch import PrefetchConfig, PrefetchTicket
     from tierstore.serving.store import ServingEmbeddingBag, ServingEmbeddingBagCollection, ServingStore
     from tierstore.serving.export import export
     from tierstore.spec import RowInit, TableSpec

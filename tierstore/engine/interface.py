@@ -51,7 +51,7 @@ class EmbeddingStore(Protocol):
         """Start reading rows ahead of their read; the ticket's wait() raises what the read would."""
 
     def prefetch_batch(self, reads: Mapping[str, torch.Tensor]) -> PrefetchGroup | None:
-        """A LookaheadLoader's batch, prefetched whole or not yet (tierstore.engine.prefetch.PrefetchTarget)."""
+        """A LookaheadLoader's batch, prefetched whole or not yet (tierstore.engine.loader.PrefetchTarget)."""
 
     def report_step_seconds(self, seconds: float) -> None: ...
 
