@@ -14,6 +14,7 @@ LAYERS = {
     "engine": 3,
     "training": 4,
     "capacity": 5,
+    "config": 5, "inspection": 5,
     "store": 6,
     "serving": 7, "daemon": 7,
     "nn": 8, "torchrec": 9, "distributed": 9, "wire": 9, "__init__": 10,

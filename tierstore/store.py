@@ -24,13 +24,10 @@ checkpoint and close, metrics and stats.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -38,90 +35,27 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from tierstore.eviction import make_policy
-from tierstore.io import FORMAT_VERSION, LmdbBackend, RowBackend, WriteBack, unique_ids
+from tierstore.io import LmdbBackend, RowBackend, WriteBack, unique_ids
 from tierstore.io.lmdb_file import corrupt
-from tierstore.metrics import MetricsConfig, MetricsServer, StoreMetrics
+from tierstore.metrics import MetricsConfig, StoreMetrics
 
 from tierstore.engine import chain
-from tierstore.engine.counters import (LifeCounters, StoreCounters, StoreSnapshot, TableCounters, TableSnapshot, TierFill, add_dicts,
-                       restored_on_error)
-from tierstore.engine.memory import (DEFAULT_WRITEBACK_ROWS, MemoryPart, MemorySplit, check_fits, detect_limit, format_bytes, parse_bytes,
-                     process_rss, return_freed_blocks, split_memory)
+from tierstore.engine.counters import StoreCounters, restored_on_error
+from tierstore.engine.memory import DEFAULT_WRITEBACK_ROWS
 from tierstore.precision import DTYPES
 from tierstore.spec import TableSpec
 from tierstore.trace import TraceRecorder
-from tierstore.engine.trainer import DeviceRows, TableTrainer
-from tierstore.validate import check_choice, check_int, check_rows, set_fields, with_keywords
+from tierstore.engine.embedded import EmbeddedTableTrainer
+from tierstore.engine.trainer import TableTrainer
+from tierstore.validate import set_fields, with_keywords
 from tierstore.engine.prefetch import PrefetchConfig, Prefetcher, PrefetchGroup, PrefetchTicket, StoreParts
-from tierstore.engine.table import Resident, Shared, TableStore
+from tierstore.engine.table import Shared, TableStore
 from tierstore.engine.tiers import CacheTier, first_uses, last_values
-from tierstore.engine.tensors import as_ids, as_values, check_out, gather_rows, gather_tier, resolve_device, unpicklable
-from tierstore.errors import ArgumentTypeError, FormatError, SettingError, StoreClosedError, UnknownTableError, WriteRefusedError, kind
-
-Sizes = int | Mapping[str, int]
-
-
-@dataclass
-class StoreConfig:
-    """A store's settings, checked: ``TieredStore(path, tables, config=StoreConfig(...))``
-    takes them whole (the keywords of the same names are the other way to give them).
-    The defaults are TieredStore's."""
-    path: Path | None = None  # None: the path TieredStore is given
-    hbm_rows: Sizes | None = None  # None: left out (0, or derived from memory_budget); set to {table: rows} at open
-    ddr_rows: Sizes | None = None
-    policy: str = "lru"
-    device: torch.device | None = None
-    readonly: bool = False
-    map_size: int | None = None
-    clock: Callable[[], float] = field(default=time.time)
-    eviction: str = "policy"
-    writeback_rows: int | None = None  # None: 65536, or derived from memory_budget
-    writeback_group_rows: int = 32768
-    memory_budget: int | str | None = None  # bytes (tierstore.engine.memory.parse_bytes); an int once checked
-    # large reads of rows skip the page cache (tierstore.io.direct) where the system allows: True, False, or None:
-    # when a memory_budget's page-cache share is smaller than the tables' rows, whose pages it then could not keep
-    direct_reads: bool | None = None
-
-    def __post_init__(self):
-        if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
-            raise ArgumentTypeError(f"path must be the store's directory (a str or pathlib.Path), got {type(self.path).__name__}")
-        self.path = None if self.path is None else Path(self.path)
-        if self.memory_budget is not None:
-            self.memory_budget = parse_bytes(self.memory_budget, "memory_budget")
-        if self.direct_reads not in (None, True, False):
-            raise SettingError(f"direct_reads must be True, False or None (None: when a memory_budget cannot cache the "
-                             f"tables' rows), got {self.direct_reads!r}")
-        check_int(self.writeback_rows, "writeback_rows", none=True,
-                  meaning="rows queued for LMDB before a call waits; 0 = wait for every write")
-        check_int(self.writeback_group_rows, "writeback_group_rows",
-                  meaning="rows the writer gathers into one LMDB commit, at most writeback_rows // 2; 0 = commit each write at once")
-        check_choice(self.eviction, "eviction", ("policy", "lookahead"), "next use in the prefetch window first")
-        check_rows(self.hbm_rows, "hbm_rows")
-        check_rows(self.ddr_rows, "ddr_rows")
-        make_policy(self.policy)  # raises on unknown names
-        self.device = resolve_device(self.device)
-
-    def rows_for(self, name: str, table: str) -> int:
-        value = getattr(self, name)
-        return int(value.get(table, 0)) if isinstance(value, Mapping) else int(value)
-
-
-
-@dataclass(frozen=True)
-class StoredRows:
-    """What LMDB holds for some rows (``store.stored_rows``), in the order of the ids asked for."""
-    found: np.ndarray  # bool [n]: LMDB holds the row
-    rows: np.ndarray  # float32 [n, dim + state_dim]: the stored weights then state; NaN where not found
-    last_use: np.ndarray | None  # int64 [n]: the stored last-use step, -1 where none; None unless the table has ttl_steps
-
-
-@dataclass(frozen=True)
-class TableLife:
-    """A table's counts that admission, TTL and stochastic rounding go by (``store.life``),
-    which flush() makes durable and incremental checkpoints carry."""
-    steps: int  # steps the table has counted over its life: its read calls and forwards
-    updates: int  # updates keyed for stochastic rounding so far (store.trainer(table).update_key)
-    sketch: np.ndarray | None  # uint8 [admit_depth, admit_width]: a copy of the admission counts; None without admit_after
+from tierstore.engine.tensors import as_ids, as_values, check_out, gather_rows, gather_tier, unpicklable
+from tierstore.errors import ArgumentTypeError, SettingError, StoreClosedError, UnknownTableError, WriteRefusedError
+# StoreConfig, Sizes, StoredRows and TableLife: users import them from here too
+from tierstore.config import Sizes, StoreConfig, reconcile_specs, size_memory
+from tierstore.inspection import StoredRows, StoreInspection, TableLife  # noqa: F401
 
 
 def _table_list(tables) -> list[TableSpec] | None:
@@ -136,7 +70,7 @@ def _table_list(tables) -> list[TableSpec] | None:
     return listed
 
 
-class TieredStore:
+class TieredStore(StoreInspection):
     """Embedding rows by id, cached in HBM and DDR tiers over LMDB.
 
     ``TieredStore(path, tables=[TableSpec(...)], hbm_rows=..., ddr_rows=...)``
@@ -222,13 +156,13 @@ class TieredStore:
         self._backend: RowBackend = LmdbBackend(self.path, readonly=self.readonly, map_size=self.config.map_size,
                                                 create=bool(tables), publish_at_flush=True)
         try:
-            specs = self._reconcile_specs(list(tables or []))
+            specs = reconcile_specs(self._backend, self.path, list(tables or []), self.readonly)
             for name in ("hbm_rows", "ddr_rows"):
                 value = getattr(self.config, name)
                 if isinstance(value, Mapping) and set(value) - set(specs):
                     raise UnknownTableError(f"{name} names unknown tables {sorted(set(value) - set(specs))}; tables are {sorted(specs)}")
             prefetch = prefetch or PrefetchConfig()
-            self._memory = self._size_memory(specs, prefetch)
+            self._memory = size_memory(self.config, self._backend, specs, prefetch)
             prefetch = dataclasses.replace(prefetch, staged_rows=self._memory.staged_rows)
             # every LMDB row write goes through this queue and its one writer thread
             self._writeback = WriteBack(self._backend, self._lock, self.config.writeback_rows, self.config.writeback_group_rows,
@@ -257,78 +191,7 @@ class TieredStore:
                 self._shared.recorder.close()
             raise
 
-    def _size_memory(self, specs: Mapping[str, TableSpec], prefetch: PrefetchConfig) -> MemorySplit:
-        """The store's memory (tierstore.engine.memory.split_memory), checked against the memory
-        limit when a budget or tier sizes were given; sets the sizes the budget derived."""
-        cfg = self.config
-        split = split_memory(cfg.memory_budget, list(specs.values()), hbm_rows=cfg.hbm_rows, ddr_rows=cfg.ddr_rows,
-                             indexed_tables=self._backend.indexed_tables(list(specs.values())),
-                             staged_rows=prefetch.staged_rows, writeback_rows=cfg.writeback_rows,
-                             hbm_on_host=self.device.type == "cpu", writes=not self.readonly)
-        split.limit = detect_limit()
-        if cfg.memory_budget is not None:
-            return_freed_blocks()
-        if cfg.memory_budget is not None or cfg.hbm_rows is not None or cfg.ddr_rows is not None:
-            what = (f"memory_budget={cfg.memory_budget:,} bytes" if cfg.memory_budget is not None else
-                    f"the store at {self.path} with hbm_rows={cfg.hbm_rows}, ddr_rows={cfg.ddr_rows}")
-            check_fits(split, split.limit, process_rss(), what)
-        cfg.hbm_rows, cfg.ddr_rows, cfg.writeback_rows = split.hbm_rows, split.ddr_rows, split.writeback_rows
-        self._backend.txn_rows = split.txn_rows
-        self._backend.limit_index(split.index_limits)
-        # pages read through LMDB's map would stay in the process's RSS: kept to half the page cache's share
-        self._backend.limit_mapped(None if split.budget is None else split.parts["page_cache"].bytes // 2)
-        self._backend.read_directly(*self._direct_reads(split, specs))
-        return split
-
-    def _direct_reads(self, split: MemorySplit, specs: Mapping[str, TableSpec]) -> tuple[bool, str]:
-        """Whether large reads skip the page cache, and why. Through the page cache a read
-        of a cached row costs ~1 us, a direct one the disk's ~10: direct reads pay only where
-        the page cache could not keep the rows anyway."""
-        if self.config.direct_reads is not None:
-            return self.config.direct_reads, f"direct_reads={self.config.direct_reads}"
-        if split.budget is None:
-            return False, "no memory_budget: the page cache may keep every row"
-        rows = sum(s.num_rows * s.row_bytes for s in specs.values() if s.num_rows is not None)
-        share = split.parts["page_cache"].bytes
-        if rows <= share:
-            return False, f"the tables' rows ({format_bytes(rows)}) fit the budget's page-cache share ({format_bytes(share)})"
-        return True, f"the tables' rows ({format_bytes(rows)}) exceed the budget's page-cache share ({format_bytes(share)})"
-
     # -- opening -------------------------------------------------------------------
-    def _reconcile_specs(self, given: list[TableSpec]) -> dict[str, TableSpec]:
-        meta = self._backend.read_meta()
-        if meta and meta.get("format") != FORMAT_VERSION:
-            raise FormatError(f"{self.path} has store format {meta.get('format')}, this tierstore reads {FORMAT_VERSION}")
-        try:
-            stored = {d["name"]: TableSpec.from_json(d) for d in meta.get("tables", [])}
-        except (TypeError, KeyError, ValueError) as e:
-            raise corrupt(self.path / "data.mdb", f"its table specs are unreadable ({kind(e)}: {e})") from None
-        names = [s.name for s in given]
-        if len(set(names)) != len(names):
-            raise SettingError(f"duplicate table names in tables=: {names}")
-        for spec in given:
-            old = stored.get(spec.name)
-            if old is None:
-                continue
-            for f in dataclasses.fields(TableSpec):
-                if getattr(old, f.name) != getattr(spec, f.name):
-                    # a module or the DMP sharder passes tables= for the caller: name the directory and both fixes
-                    raise SettingError(
-                        f"table {spec.name!r}: {f.name}={getattr(spec, f.name)!r} contradicts the "
-                        f"{f.name}={getattr(old, f.name)!r} stored in {self.path}; open it without tables= to use the "
-                        "stored specs, or give a new path for this layout"
-                    )
-        new = [s for s in given if s.name not in stored]
-        if new and self.readonly:
-            raise SettingError(f"tables {[s.name for s in new]} are not in the store and it is open readonly")
-        specs = {**stored, **{s.name: s for s in new}}
-        if not specs:
-            raise SettingError(f"{self.path} holds no tables; pass tables=[tierstore.TableSpec(...)] to create them")
-        if not meta or new:
-            self._backend.write_meta({"format": FORMAT_VERSION, "tables": [s.to_json() for s in specs.values()]},
-                                     new_tables={s.name: (s.ttl_steps is not None, s.num_rows) for s in new})
-        return specs
-
     def _make_table(self, spec: TableSpec, steps: int = 0) -> TableStore:
         # created with the metadata naming it (write_meta): a missing database is damage
         self._backend.open_table(spec.name, spec.dim, spec.state_dim, spec.dtype, last_use=spec.ttl_steps is not None,
@@ -480,14 +343,6 @@ class TieredStore:
             t.counters.prefetch.effective_depth = effective_depth
             t.counters.prefetch.shrunk_steps = shrunk_steps
 
-    def prefetch_stats(self) -> dict:
-        """Prefetch state now: fetches in flight, staged rows, announced batches,
-        and per table the prefetch counters (effective depth among them)."""
-        with self._lock:
-            state = self._prefetcher.state()
-            state["tables"] = {n: dataclasses.asdict(t.counters.prefetch) for n, t in self._tables.items()}
-            return state
-
     def flush(self) -> None:
         """Return once every dirty row is durable in LMDB (survives kill -9 and power loss) and
         published: readers, and a writer opened after a crash, see this flush whole."""
@@ -596,121 +451,6 @@ class TieredStore:
                 self._tables.clear()
                 self.metrics.close()  # leave the registry, stop the endpoints
 
-    def serve_metrics(self, port: int, addr: str = "127.0.0.1") -> MetricsServer:
-        """Serve this store's registry over HTTP at http://addr:port/metrics until
-        close(); port=0 binds a free port (the returned server's ``.port``)."""
-        self._check_open()
-        return self.metrics.serve(port, addr)
-
-    def stats(self, per_table: bool = False) -> dict:
-        """Cumulative counts: {"hbm": {hits, misses, evictions, writebacks}, "ddr": {...},
-        "ssd": {reads, writes, read_bytes, write_bytes}}; per table with per_table=True.
-        Store-wide, "memory" is memory() as a dict: the budget, the limit detected at
-        open and what each part may hold and holds now; "read_path", how large reads of
-        rows reach the disk (io_uring O_DIRECT reads, or LMDB's map and why)."""
-        with self._lock:
-            each = {name: t.counters.as_dict() for name, t in self._snapshot_or_raise().tables.items()}
-            self._add_row_stats(each)
-            memory = self.memory().as_dict()
-        if per_table:
-            return each
-        total = {**TableCounters.new().as_dict(), "rows": {"stored": 0, **dataclasses.asdict(LifeCounters())}}
-        for d in each.values():
-            total = add_dicts(total, d)
-        return {**total, "memory": memory, "read_path": self._backend.read_path}
-
-    def snapshot(self) -> StoreSnapshot | None:
-        """The store's counters and tier fill as readers see them (stats(), stage_seconds(),
-        the Prometheus collector); None once closed. Reads plain counts without the lock."""
-        if self._closed:
-            return None
-        tables = {name: TableSnapshot(t.counters, {tier: TierFill(cache.capacity, cache.resident)
-                                                   for tier, cache in (("hbm", t.hbm), ("ddr", t.ddr)) if cache is not None})
-                  for name, t in list(self._tables.items())}
-        return StoreSnapshot(tables, self._counters, self._writeback.queued_rows)
-
-    def stage_seconds(self) -> dict[str, float]:
-        """Seconds the store's calls spent in each stage since it opened, over every table
-        (the sums of ``tierstore_lookup_seconds``: dedupe, hbm, ddr, ssd_read, writeback,
-        total) and in flush()."""
-        snap = self._snapshot_or_raise()
-        out = {"flush": snap.store.flush_latency.sums.get("flush", 0.0)}
-        for t in snap.tables.values():
-            for stage, (_, seconds) in t.counters.latency.snapshot().items():
-                out[stage] = out.get(stage, 0.0) + seconds
-        return out
-
-    def _snapshot_or_raise(self) -> StoreSnapshot:
-        self._check_open()
-        return self.snapshot()
-
-    def memory(self) -> MemorySplit:
-        """The store's memory as split at open (tierstore.engine.memory.split_memory,
-        docs/memory-budget.md), with what each part holds now: ``used_rows``, the rows resident in the tiers,
-        staged, queued for LMDB; ``used_bytes``, their share of the part's bytes. LMDB's dirty
-        pages and the page cache are not seen from here (None). Reads plain counts without
-        the lock (the metrics collector calls it at scrape time)."""
-        m = self._memory
-        tables = list(self._tables.values())
-        parts = dict(m.parts)
-        for name in ("hbm", "ddr"):
-            tiers = [tier for t in tables if (tier := getattr(t, name)) is not None]
-            parts[name] = self._filled(m.parts[name], sum(tier.resident for tier in tiers))
-        parts["staging"] = self._filled(m.parts["staging"], sum(t.counters.prefetch.staged_rows for t in tables))
-        parts["writeback"] = self._filled(m.parts["writeback"], self._writeback.queued_rows)
-        parts["row_index"] = dataclasses.replace(m.parts["row_index"], used_bytes=self._backend.index_bytes())
-        return dataclasses.replace(m, parts=parts)
-
-    @staticmethod
-    def _filled(part: MemoryPart, rows: int) -> MemoryPart:
-        per_row = part.bytes / part.rows if part.rows else 0
-        return dataclasses.replace(part, used_rows=rows, used_bytes=round(rows * per_row))
-
-    def resident_rows(self, table: str) -> dict[str, int]:
-        t = self._table(table)
-        return {"hbm": t.hbm.resident if t.hbm else 0, "ddr": t.ddr.resident if t.ddr else 0}
-
-    def stored_ids(self, table: str) -> torch.Tensor:
-        """Ids of ``table``'s rows in LMDB, ascending (int64, CPU): rows flushed or written
-        back; a row still only in the tiers or queued for write-back is not there yet."""
-        with self._lock:
-            self._check_open()
-            self._table(table)
-            return torch.from_numpy(self._backend.stored_ids(table))
-
-    def cached_ids(self, table: str) -> dict[str, torch.Tensor]:
-        """Ids of ``table``'s rows in each cache tier now, ascending (int64, CPU): {"hbm": ...,
-        "ddr": ...}, empty for a tier the table does not have. Tiers are exclusive: no id is in
-        both. Nothing moves and nothing is counted."""
-        with self._lock:
-            self._check_open()
-            t = self._table(table)
-            return {name: torch.sort(tier.ids[tier.ids >= 0].cpu()).values if tier is not None else torch.empty(0, dtype=torch.int64)
-                    for name, tier in (("hbm", t.hbm), ("ddr", t.ddr))}
-
-    def stored_rows(self, table: str, ids) -> StoredRows:
-        """What LMDB holds for the rows of ``ids`` (any order, repeats allowed) once the rows
-        already queued for it are committed (it waits for them, as drain_writeback): a newer
-        value still dirty in a tier is not there yet (read() or peek() give the rows as the
-        store serves them). Nothing moves and nothing is counted."""
-        with self._lock:
-            self._check_open()
-            self._reap(drain=True)  # else the answer would depend on how far the writer thread got
-            spec = self._table(table).spec
-            uid, inverse = np.unique(as_ids(spec, ids).cpu().numpy(), return_inverse=True)
-            rows, found = self._backend.get_rows(table, uid)
-            rows[~found] = np.nan
-            last_use = self._backend.get_last_use(table, uid)[inverse] if spec.ttl_steps is not None else None
-            return StoredRows(found[inverse], rows[inverse], last_use)
-
-    def life(self, table: str) -> TableLife:
-        """``table``'s step count, update count and admission counts now (TableLife)."""
-        with self._lock:
-            self._check_open()
-            life = self._table(table).life
-            sketch = life.sketch.counters.copy() if life.sketch is not None else None
-            return TableLife(life.steps, self._updates.get(table, 0), sketch)
-
     def __enter__(self) -> "TieredStore":
         return self
 
@@ -810,13 +550,6 @@ class TieredStore:
         if t is not None:
             t.counters.life.evicted += rows
 
-    def _add_row_stats(self, each: dict[str, dict]) -> None:
-        """stats()'s "rows" of each table: rows in LMDB now (queued writes not yet
-        committed excepted), and the admission and eviction counts."""
-        stored = self._backend.table_stats() if each else {}
-        for name, d in each.items():
-            d["rows"] = {"stored": stored[name], **dataclasses.asdict(self._tables[name].counters.life)}
-
     def _load_sketches(self) -> None:
         for name, t in self._tables.items():
             blob = self._backend.get_sketch(name) if t.life.sketch is not None else None
@@ -844,69 +577,3 @@ def restore(path: str | Path, dst: str | Path) -> Path:
     base copied and every link up to ``path`` replayed (tierstore.engine.chain.restore).
     ``CheckpointChainError`` names a link that is damaged, missing or not its parent's."""
     return chain.restore(path, dst, lambda d: TieredStore(d, device="cpu"))
-
-
-class EmbeddedTableTrainer(TableTrainer):
-    """An embedded store's TableTrainer (``store.trainer(table)``): the rows are the
-    store's own, so a forward may pool straight from its top tier."""
-
-    store: TieredStore
-
-    @contextlib.contextmanager
-    def resident(self, ids: torch.Tensor, admit: bool = False) -> Iterator[Resident | None]:
-        # held steady: calls that would overwrite tier rows wait, as for a read gathering outside the lock
-        s = self.store
-        with s._lock:
-            t = s._table_to_read(self.table)
-            s._prefetcher.check(self.table)
-            hit, top = None, t.hbm or t.ddr
-            # a module computes on the store's device, whatever tier holds the rows: a table
-            # with no HBM tier on a CUDA store is read (its rows go up), so its output and its
-            # update do not move between the GPU and the host with the tier sizes
-            if len(ids) and top is not None and top.device == s.device:
-                hit = t.use_top_tier(ids) or (t.admit(ids) if admit else None)
-            if hit is not None:
-                s._gathers += 1
-        if hit is None:
-            yield None
-            return
-        try:
-            yield hit
-        finally:
-            s._gather_done()
-
-    def update_resident(self, slots: torch.Tensor, generation: int, update: Callable[[CacheTier], None]) -> bool:
-        with self.store._lock:
-            if not self.store._table_to_write(self.table).update_resident(slots, generation, update):
-                return False
-        self.written += 1
-        return True
-
-    def hold_resident(self) -> DeviceRows:
-        s = self.store
-        with s._lock:
-            return s._table_to_read(self.table).hold_resident(s.device)
-
-    def resolve(self, ids: torch.Tensor) -> tuple[Resident, np.ndarray]:
-        s = self.store
-        with s._lock:
-            return s._table_to_write(self.table).resolve(ids.cpu())
-
-    def release(self, pins: np.ndarray) -> None:
-        with self.store._lock:
-            table = self.store._tables.get(self.table)
-            if table is not None and table.in_flight is not None:
-                table.in_flight.release(pins)
-
-    def admitted(self, uid: torch.Tensor) -> torch.Tensor | None:
-        with self.store._lock:
-            life = self.store._table(self.table).life
-            if life.sketch is None:
-                return None
-            return torch.from_numpy(life.admitted(uid.cpu().numpy()))
-
-    def reread(self, uid: torch.Tensor) -> torch.Tensor:
-        # whether a backward re-reads depends on the tiers' sizes: so it is no step
-        s = self.store
-        with s._lock:
-            return s._table_to_read(self.table).reread(uid.cpu()).to(s.device)
