@@ -19,7 +19,7 @@ import tierstore.tools.stats
 from tierstore import TierstoreError
 from tierstore.tools.cli import main
 
-PACKAGES = ("tierstore", "tierstore.capacity", "tierstore.daemon", "tierstore.engine", "tierstore.serving", "tierstore.training",
+PACKAGES = ("tierstore", "tierstore.capacity", "tierstore.daemon", "tierstore.engine", "tierstore.nn", "tierstore.serving", "tierstore.training",
             "tierstore.torchrec", "tierstore.distributed", "tierstore.io", "tierstore.eviction", "tierstore.metrics", "tierstore.tools")
 
 # the builtin bases each error had before TierstoreError: `except` clauses written for them still catch it

@@ -1,4 +1,4 @@
-"""torch modules whose weights live in a TieredStore.
+"""TieredEmbeddingBag: a torch module whose weights live in a TieredStore.
 
 ``TieredEmbeddingBag`` follows the torch.nn.EmbeddingBag contract; the store is
 its parameter store (the module has no torch Parameters). A forward reads each
@@ -30,36 +30,23 @@ math they share with tierstore.distributed is tierstore.training.bags.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections import deque
-import sys
-import warnings
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from tierstore.training import devstep, fbgemm
-from tierstore.training.bags import MODES, BagIndexError, BagOffsetsError, BagTypeError, Bags, EmbeddingBagConfig, plan_bags, row_grads
+from tierstore.training.bags import MODES, Bags, EmbeddingBagConfig, plan_bags, row_grads
 from tierstore.training.checkpointing import FusedOptimizer, TableViews, check_loadable, load_views, table_views
 from tierstore.engine.interface import EmbeddingStore
 from tierstore.engine.trainer import DeviceRows
 from tierstore.optim import RowOptimizer
 from tierstore.precision import round_stochastic
 from tierstore.spec import RowInit, TableSpec
-from tierstore.store import Sizes, StoreConfig, TieredStore
+from tierstore.store import Sizes, StoreConfig
 from tierstore.errors import ArgumentTypeError, BadValuesError, SettingError, UnknownTableError, UnsupportedError
-
-__all__ = [
-    "BagIndexError",
-    "BagOffsetsError",
-    "BagTypeError",
-    "EmbeddingBagConfig",
-    "TieredEmbeddingBag",
-    "TieredEmbeddingBagCollection",
-]
+from tierstore.nn.common import ScriptRefusal, _check_spec, _warn_untrained, as_leaf, module_store, outside_graphs, refuse_export
 
 _CHUNK_ROWS = 1 << 18  # from_pretrained writes in chunks of this many rows
 
@@ -102,89 +89,6 @@ class _TieredBagFunction(torch.autograd.Function):
                 rows, ctx.rows = ctx.rows, None  # a failed or repeated backward re-reads
                 owner._backward_from_rows(bags, grad_out, ctx.psw, ctx.max_idx, rows, ctx.writes)
         return None, grad_psw, None, None, None, None, None, None
-
-
-def outside_graphs(fn):
-    """``fn`` (a forward that reads the store) runs eagerly under torch.compile, the graph
-    broken at its call, as torch.compiler.disable does. That decorator imports dynamo
-    (2 s of every ``import tierstore``); this one marks the function as dynamo's tracer
-    reads it and disables it once dynamo is loaded (nothing compiles before)."""
-    disabled = None
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        nonlocal disabled
-        if disabled is None:
-            if "torch._dynamo" not in sys.modules:
-                return fn(*args, **kwargs)
-            disabled = torch.compiler.disable(fn)
-        return disabled(*args, **kwargs)
-
-    call._torchdynamo_disable = True  # the attribute torch.compiler.disable sets: dynamo does not inline the call
-    return call
-
-
-def as_leaf(module: nn.Module, args: Sequence) -> "torch.fx.Proxy | None":
-    """Under torch.fx symbolic tracing (torch.fx, torchrec.fx): the module's call as one
-    call_module node, a leaf of the graph, as TorchRec's tables appear in theirs (its rows
-    live in a store, not in tensors a graph can hold). None when not tracing."""
-    proxy = next((a for a in args if isinstance(a, torch.fx.Proxy)), None)
-    if proxy is None:
-        return None
-    path = proxy.tracer.path_of_module(module)
-    if not path:
-        raise ArgumentTypeError(f"torch.fx cannot trace a {type(module).__name__} by itself: its rows live in a TieredStore, "
-                        "not in tensors. Trace the model that holds it, where it is a leaf (a call_module node)")
-    return proxy.tracer.create_proxy("call_module", path, tuple(args), {})
-
-
-def refuse_export(module: nn.Module) -> None:
-    """torch.export captures tensors and ops; a store lookup is neither."""
-    if torch.compiler.is_exporting():
-        raise UnsupportedError(
-            f"torch.export cannot capture {type(module).__name__}: its rows live in a TieredStore, outside any graph. "
-            "Use torch.compile(model) instead (the dense layers compile; the lookup runs between the graphs), or "
-            "export the dense part alone and feed it the pooled embeddings from this module or from "
-            "tierstore.ServingEmbeddingBagCollection")
-
-
-def module_store(store, path, specs: Sequence[TableSpec], **options) -> tuple[EmbeddingStore, bool]:
-    """The store a module reads, and whether the module opened it (and so closes it).
-
-    ``store`` is an open store, taken as it was opened: options for opening one
-    (``path=``, ``hbm_rows=``, ...) are refused, not ignored. Or it is a
-    :class:`~tierstore.StoreConfig`: the settings of the TieredStore the module opens at
-    ``path`` (else the config's path), the drop-in keywords in ``options`` beside it (a
-    keyword also set in the config must agree). Or None: the keywords alone."""
-    if store is None or isinstance(store, StoreConfig):
-        where = path if path is not None else getattr(store, "path", None)
-        if where is None:
-            raise SettingError("pass path= (a directory for a new or existing store), store=StoreConfig(path=..., ...) "
-                             "(the settings of the store to open) or store= (an open TieredStore)")
-        return TieredStore(where, tables=specs, config=store, **options), True
-    if not isinstance(store, EmbeddingStore):
-        raise ArgumentTypeError(f"store must be a tierstore.StoreConfig (settings for the store to open), or an open store: a "
-                        f"TieredStore, or tierstore.open_store(path, daemon=SOCK)'s client; got {type(store).__name__}")
-    given = [name for name, value in [("path", path), *options.items()] if value != _OPEN_DEFAULTS.get(name)]
-    if given:  # the store's own path, device, tiers, memory budget, policy and trace apply
-        raise SettingError(f"with store= an open store, its own settings apply: drop {'=, '.join(given)}= "
-                         "(or pass store=StoreConfig(...) for a store the module opens; record a store's reads by "
-                         "opening it with TieredStore(..., record_trace=PATH))")
-    return store, False
-
-
-# the values of the opening keywords that mean "not given"
-_OPEN_DEFAULTS = {"policy": "lru", "hbm_rows": None, "ddr_rows": None}
-
-
-class ScriptRefusal:
-    """torch.jit.script would compile forward, which calls into the store (Python, threads, LMDB)."""
-
-    def __prepare_scriptable__(self):
-        raise UnsupportedError(
-            f"torch.jit.script cannot compile {type(self).__name__}: its forward reads rows from a TieredStore in "
-            "Python. Use torch.compile(model) (the dense layers compile, the lookup runs eagerly between the graphs); "
-            "to script the dense part, script those submodules alone")
 
 
 class TieredEmbeddingBag(ScriptRefusal, nn.Module):
@@ -690,207 +594,3 @@ class _Held:
         if self.slots is not None:
             self.top.weights.index_copy_(0, self.slots, self.weights)
             self.top.state.index_copy_(0, self.slots, self.state)
-
-
-def _warn_untrained(bags: Sequence[TieredEmbeddingBag], training: bool) -> None:
-    """Warn once per module when a forward that looks like training trains nothing: training
-    mode, grad enabled, no optimizer, and nobody said the rows are frozen. Inference (eval(),
-    no_grad(), a readonly store) and requires_grad_(False) are the explicit ways not to train."""
-    if not training or not torch.is_grad_enabled():
-        return
-    idle = [b for b in bags if b.optimizer is None and not b._frozen and not b._warned_untrained
-            and not b.store.readonly]
-    if not idle:
-        return
-    for b in idle:
-        b._warned_untrained = True
-    names = ", ".join(repr(b.table) for b in idle)
-    warnings.warn(
-        f"TieredEmbeddingBag (table {names}) has no optimizer, so its output has no grad and backward() trains none "
-        "of its rows. To train them pass optimizer=tierstore.optim.Adagrad(lr=...) (or SGD, RowWiseAdagrad, Adam); "
-        "for inference call .eval() or run under torch.no_grad(); to keep them frozen while the rest of the model "
-        "trains call .requires_grad_(False) on it", UserWarning, stacklevel=2)
-
-
-def _check_spec(spec: TableSpec, num_embeddings, embedding_dim, optimizer) -> None:
-    if spec.num_rows != num_embeddings or spec.dim != embedding_dim:
-        raise SettingError(
-            f"table {spec.name!r} has num_rows={spec.num_rows}, dim={spec.dim}; the module asks for "
-            f"num_embeddings={num_embeddings}, embedding_dim={embedding_dim}"
-        )
-    if optimizer is not None and spec.state_dim != optimizer.state_dim(spec.dim):
-        raise SettingError(
-            f"table {spec.name!r} stores state_dim={spec.state_dim} per row but {optimizer!r} needs "
-            f"{optimizer.state_dim(spec.dim)}; create the table with state_dim=optimizer.state_dim(dim)"
-        )
-
-
-def feature_parts(name: str, feature) -> tuple:
-    """(values, offsets, per_sample_weights) of one table's feature in a collection's batch."""
-    if isinstance(feature, torch.Tensor):
-        return feature, None, None
-    if isinstance(feature, (tuple, list)) and len(feature) in (2, 3):
-        return (*feature, None)[:3]
-    raise ArgumentTypeError(f"feature {name!r} must be (values, offsets), (values, offsets, per_sample_weights) or a 2-D tensor")
-
-
-class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
-    """Several TieredEmbeddingBags over the tables of one store.
-
-    ``ebc = TieredEmbeddingBagCollection(tables=[TableSpec(...), ...], path=..., optimizer=...)``;
-    ``ebc({"user": (values, offsets), "item": (values, offsets)})`` returns
-    ``{"user": pooled [B, dim], "item": ...}``. A feature may also be
-    ``(values, offsets, per_sample_weights)`` or a 2-D tensor of fixed-length bags.
-    Each table's ``state_dim`` is set to what the optimizer needs. ``store=StoreConfig(...)``
-    gives the settings of the store it opens; ``store=`` an open store uses its tables. ``record_trace=PATH``
-    records the store's reads as a trace for ``tierstore capacity`` (TieredStore's option).
-    """
-
-    def __init__(
-        self,
-        tables: Sequence[TableSpec],
-        *,
-        path: str | Path | None = None,
-        store: EmbeddingStore | StoreConfig | None = None,
-        hbm_rows: Sizes | None = None,
-        ddr_rows: Sizes | None = None,
-        policy: str = "lru",
-        device: str | torch.device | None = None,
-        optimizer: RowOptimizer | None = None,
-        mode: str = "sum",
-        include_last_offset: bool = False,
-        kernels: str = "torch",
-        memory_budget: int | str | None = None,
-        record_trace: str | Path | None = None,
-    ):
-        super().__init__()
-        tables = list(tables)
-        if not tables or not all(isinstance(t, TableSpec) for t in tables):
-            raise ArgumentTypeError("tables must be a non-empty list of tierstore.TableSpec")
-        specs = []
-        for spec in tables:
-            if optimizer is not None:
-                need = optimizer.state_dim(spec.dim)
-                if spec.state_dim not in (0, need):
-                    raise SettingError(f"table {spec.name!r}: state_dim={spec.state_dim} but {optimizer!r} needs {need}; leave state_dim=0")
-                spec = dataclasses.replace(spec, state_dim=need)
-            specs.append(spec)
-        store, self._owns_store = module_store(store, path, specs, hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy,
-                                               device=device, memory_budget=memory_budget, record_trace=record_trace)
-        self.store = store
-        self.optimizer = optimizer
-        self._bags = {
-            s.name: TieredEmbeddingBag(s.num_rows, s.dim, mode=mode, store=store, table=s.name, optimizer=optimizer,
-                                       include_last_offset=include_last_offset, kernels=kernels)
-            for s in specs
-        }
-
-    @property
-    def bags(self) -> Mapping[str, TieredEmbeddingBag]:
-        return dict(self._bags)
-
-    def requires_grad_(self, requires_grad: bool = True) -> "TieredEmbeddingBagCollection":
-        """Freezes (False) or trains (True, needs optimizer=) every table's rows, as torch does a module's."""
-        for bag in self._bags.values():
-            bag.requires_grad_(requires_grad)
-        return self
-
-    def __getitem__(self, name: str) -> TieredEmbeddingBag:
-        return self._bags[self._known(name)]
-
-    def _known(self, name) -> str:
-        if name not in self._bags:
-            raise UnknownTableError(f"unknown table {name!r}; the collection has tables {sorted(self._bags)}")
-        return name
-
-    def forward(self, features: Mapping[str, object]) -> dict[str, torch.Tensor]:
-        leaf = as_leaf(self, (features,))
-        if leaf is not None:
-            return leaf
-        if isinstance(features, Mapping) and features and all(
-                name in self._bags and isinstance(f, (tuple, list)) and len(f) == 2
-                and self._bags[name]._steps_on_device(f[0], f[1], None) for name, f in features.items()):
-            return {name: self._bags[name].forward(*f) for name, f in features.items()}
-        return self._host_forward(features)
-
-    def hold_resident(self) -> "TieredEmbeddingBagCollection":
-        """Every table's TieredEmbeddingBag.hold_resident: the device step for each."""
-        for bag in self._bags.values():
-            bag.hold_resident()
-        return self
-
-    def resolve_ahead(self) -> "TieredEmbeddingBagCollection":
-        """Every table's TieredEmbeddingBag.resolve_ahead: the device step over each one's cache."""
-        for bag in self._bags.values():
-            bag.resolve_ahead()
-        return self
-
-    def resolve_batch(self, features: Mapping[str, object]) -> None:
-        """Each table's TieredEmbeddingBag.resolve_batch of its feature."""
-        for name, feature in features.items():
-            self[name].resolve_batch(feature)
-
-    def begin_step(self, features: Mapping[str, object]) -> None:
-        """Each table's TieredEmbeddingBag.begin_step of its feature."""
-        for name, feature in features.items():
-            self[name].begin_step(feature)
-
-    @property
-    def resolves_ahead(self) -> bool:
-        return any(bag.resolves_ahead for bag in self._bags.values())
-
-    def release_steps(self) -> None:
-        for bag in self._bags.values():
-            bag.release_steps()
-
-    @outside_graphs  # torch.compile: a graph break; the dense layers around it compile
-    def _host_forward(self, features: Mapping[str, object]) -> dict[str, torch.Tensor]:
-        refuse_export(self)
-        if not isinstance(features, Mapping):
-            raise ArgumentTypeError("features must be a mapping {table: (values, offsets)}")
-        plans = {}
-        for name, feature in features.items():  # validate every table before touching the store
-            bag = self._bags[self._known(name)]
-            values, offsets, psw = feature_parts(name, feature)
-            plans[name] = (bag, bag._plan(values, offsets, psw), psw)
-        _warn_untrained([bag for bag, _, _ in plans.values()], self.training)  # its bags are not submodules
-        return {name: bag._run(bags, psw) for name, (bag, bags, psw) in plans.items()}
-
-    def batch_reads(self, features: Mapping[str, object]) -> dict[str, torch.Tensor]:
-        """The ids a forward of ``features`` reads, by table."""
-        return {table: ids for name, f in features.items() for table, ids in self[name].batch_reads(f).items()}
-
-    def prefetch(self, features: Mapping[str, object]):
-        """Start bringing up the rows of a later ``forward(features)``; returns at once
-        with a tierstore.engine.prefetch.PrefetchGroup of one ticket per table."""
-        from tierstore.engine.prefetch import PrefetchGroup
-
-        return PrefetchGroup(
-            self._bags[self._known(name)].prefetch(f[0] if isinstance(f, (tuple, list)) else f)
-            for name, f in features.items()
-        )
-
-    def close(self) -> None:
-        """Close the store if this collection opened it (flushes every row)."""
-        if self._owns_store:
-            self.store.close()
-
-    # -- checkpoints: TorchRec's keys, embedding_bags.<table>.weight ---------------------------
-    @property
-    def fused_optimizer(self) -> FusedOptimizer:
-        """The fused optimizer's state: ``{"state": {"embedding_bags.<table>.weight": {"<table>.momentum1": ...}}}``."""
-        return FusedOptimizer(self.optimizer, {f"embedding_bags.{name}.weight": state for name, bag in self._bags.items()
-                                               if (state := bag.views().state)})
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        for name, bag in self._bags.items():
-            destination[f"{prefix}embedding_bags.{name}.weight"] = bag.views().weight
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        for name, bag in self._bags.items():
-            bag._load_weight(state_dict, f"{prefix}embedding_bags.{name}.weight", missing_keys, unexpected_keys, error_msgs)
-
-    def extra_repr(self) -> str:
-        return f"tables={sorted(self._bags)}, store={str(self.store.path)!r}, optimizer={self.optimizer!r}"
