@@ -115,6 +115,30 @@ def test_collection_steps_on_the_device_per_table(tmp_path):
         assert torch.equal(ebc.store.read(t, torch.arange(n)), twin.store.read(t, torch.arange(n)))
 
 
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_held_steps_count_their_ids_as_hits(tmp_path, backend):
+    """Each id a held step looks up is a hit in stats(), counted on the host from its shape,
+    eager or compiled whole (the count adds no op, no wait and no recompilation)."""
+    held = module(tmp_path / "held", OPTIMIZERS[1]).hold_resident()
+    before = held.store.stats()["hbm"]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    step = torch.compile(held, backend=backend, fullgraph=True, dynamic=True) if backend else held
+    data = list(batches(4))
+    for ids, offsets, grad in data:
+        if backend:
+            step(ids, offsets).backward(grad)
+            continue
+        with OpCounter(inside=("tierstore",)) as ops:
+            step(ids, offsets).backward(grad)
+        assert ops.summary()["host_syncs"] == 0 and ops.summary()["aten_ops"] == 18
+    after = held.store.stats()["hbm"]
+    assert after["hits"] - before["hits"] == sum(len(ids) for ids, _, _ in data) > 0
+    assert (after["misses"], after["evictions"]) == (before["misses"], before["evictions"])
+    if backend:
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
 def test_device_steps_reach_lmdb(tmp_path):
     """Rows the device step updated are dirty: flush writes them, a reopened store reads them."""
     held = module(tmp_path / "s", OPTIMIZERS[1]).hold_resident()

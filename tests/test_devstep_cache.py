@@ -106,6 +106,7 @@ def test_cached_step_compiles_whole_and_trains_as_eager(tmp_path):
             return self.dense(self.bag(ids, offsets)).square()
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     batches = data(5)
     eager, compiled = (Tower(bag(tmp_path / name, hbm_rows=60, ddr_rows=30).resolve_ahead()) for name in ("e", "c"))
     step = torch.compile(compiled, backend="aot_eager", fullgraph=True)

@@ -2,6 +2,7 @@
 collector) copy them at read time, so counting costs a few integer adds per call."""
 from __future__ import annotations
 
+import weakref
 from bisect import bisect_left
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -15,6 +16,23 @@ class TierCounters:
     misses: int = 0
     evictions: int = 0
     writebacks: int = 0  # dirty rows written to LMDB when they left the cache
+
+
+# TierCounters by key, for the custom ops of tierstore.training.devstep: their arguments are
+# tensors and numbers, and their kernels run at each step even where torch.compile traced them once
+_COUNTING: "weakref.WeakValueDictionary[int, TierCounters]" = weakref.WeakValueDictionary()
+
+
+def counting(counters: TierCounters) -> int:
+    """The key by which ``count_hits`` counts in ``counters``."""
+    _COUNTING[id(counters)] = counters
+    return id(counters)
+
+
+def count_hits(key: int, hits: int) -> None:
+    counters = _COUNTING.get(key)
+    if counters is not None:  # -1, or the store gone: nothing to count in
+        counters.hits += hits
 
 
 @dataclass

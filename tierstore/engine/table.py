@@ -34,7 +34,7 @@ from tierstore.errors import UnsupportedError
 from tierstore.io import RowBackend, WriteBack
 
 from tierstore.engine.admission import RowLife
-from tierstore.engine.counters import TableCounters, restored_on_error
+from tierstore.engine.counters import TableCounters, counting, restored_on_error
 from tierstore.spec import TableSpec, initial_rows
 from tierstore.engine.inflight import InFlight
 from tierstore.engine.lived import LivedRows
@@ -500,7 +500,8 @@ class TableStore(LivedRows):
             missing = ids[top.lookup(ids).cpu() < 0]
             for lo in range(0, len(missing), _HOLD_CHUNK):
                 self.admit(missing[lo: lo + _HOLD_CHUNK])
-        return DeviceRows(top, top.generation, top.weights, top.state, top.dirty, top.index.as_tensor())
+        return DeviceRows(top, top.generation, top.weights, top.state, top.dirty, top.index.as_tensor(),
+                          counting(self.counters.hbm if top is self.hbm else self.counters.ddr))
 
     def update_resident(self, slots: torch.Tensor, generation: int, update: Callable[[CacheTier], None]) -> bool:
         """store.trainer(table).update_resident on this table: False, having changed nothing,

@@ -51,6 +51,7 @@ class DeviceRows(NamedTuple):
     state: torch.Tensor  # [capacity, state_dim]
     dirty: torch.Tensor  # [capacity] bool
     slot_map: torch.Tensor | None  # [num_rows] the slot of each id, on the tier's device (None: slots come resolved)
+    counters: int = -1  # devstep.counting's key of the tier's counters, where a held step's lookups count (-1: counted at resolve)
 
     def valid(self) -> bool:
         return self.tier.generation == self.generation

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from tierstore.engine.counters import count_hits
 from tierstore.optim import RowOptimizer
 from tierstore.training.bags import MODES, RUN, mean_grads
 
@@ -40,15 +41,18 @@ __all__ = ["bag_lookup", "bag_update_", "device_step", "run_sums"]
 @torch.library.custom_op("tierstore::bag_lookup", mutates_args=())
 def bag_lookup(weights: torch.Tensor, state: torch.Tensor, dirty: torch.Tensor, slots: torch.Tensor,
                ids: torch.Tensor, offsets: torch.Tensor, anchor: torch.Tensor, pooling: int, include_last: bool,
-               kind: str, hyper: list[float]) -> torch.Tensor:
-    """The bags [B, dim] pooled from the rows at ``slots`` (of ``ids``). ``state``, ``dirty``,
-    ``anchor``, ``kind`` and ``hyper`` are the backward's (an empty ``anchor`` requiring
-    grad puts the op in the graph)."""
+               kind: str, hyper: list[float], counter: int) -> torch.Tensor:
+    """The bags [B, dim] pooled from the rows at ``slots`` (of ``ids``), each id counted a hit
+    in ``counter``'s TierCounters (tierstore.engine.counters.counting; -1: none): from the
+    shape, on the host, so a repeated id counts each time (its distinct rows would wait for
+    the device). ``state``, ``dirty``, ``anchor``, ``kind`` and ``hyper`` are the backward's
+    (an empty ``anchor`` requiring grad puts the op in the graph)."""
+    count_hits(counter, slots.shape[0])
     return torch.embedding_bag(weights, slots, offsets, False, pooling, False, None, include_last)[0]
 
 
 @bag_lookup.register_fake
-def _(weights, state, dirty, slots, ids, offsets, anchor, pooling, include_last, kind, hyper):
+def _(weights, state, dirty, slots, ids, offsets, anchor, pooling, include_last, kind, hyper, counter):
     bags = offsets.shape[0] - 1 if include_last else offsets.shape[0]
     return weights.new_empty((bags, weights.shape[1]))
 
@@ -103,7 +107,7 @@ def run_sums(src: torch.Tensor, index: torch.Tensor, starts: torch.Tensor, piece
 
 
 def _setup(ctx, inputs, output):
-    weights, state, dirty, slots, ids, offsets, _, pooling, include_last, kind, hyper = inputs
+    weights, state, dirty, slots, ids, offsets, _, pooling, include_last, kind, hyper, _ = inputs
     ctx.save_for_backward(weights, state, dirty, ids, slots, offsets)
     ctx.args = (pooling, include_last, kind, hyper)
 
@@ -111,7 +115,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad_out):
     weights, state, dirty, ids, slots, offsets = ctx.saved_tensors
     bag_update_(weights, state, dirty, ids, slots, offsets, grad_out.contiguous(), *ctx.args)
-    return None, None, None, None, None, None, None, None, None, None, None
+    return None, None, None, None, None, None, None, None, None, None, None, None
 
 
 bag_lookup.register_autograd(_backward, setup_context=_setup)
@@ -128,4 +132,4 @@ def device_step(rows, ids: torch.Tensor, slots: torch.Tensor | None, offsets: to
     if slots is None:
         slots = rows.slot_map.index_select(0, ids).long()  # int64, as index_fill_ takes them
     return bag_lookup(rows.weights, rows.state, rows.dirty, slots, ids, offsets, anchor, MODES[mode],
-                      include_last, kind, hyper)
+                      include_last, kind, hyper, rows.counters)
