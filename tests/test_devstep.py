@@ -72,7 +72,7 @@ def test_device_step_trains_as_torch_sparse_sgd(tmp_path):
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_resident_step_dispatches_no_wait_and_few_ops(tmp_path, optimizer):
     """Forward and backward of a held table: no .item(), no op whose output size depends on
-    the data, no copy to the host; SGD in at most 12 aten ops."""
+    the data, no copy to the host; SGD in at most 12 aten ops, no optimizer in more than it takes now."""
     held = module(tmp_path / "held", optimizer).hold_resident()
     train(held, steps=1)
     (ids, offsets, grad), = batches(1, seed=3)
@@ -82,8 +82,9 @@ def test_resident_step_dispatches_no_wait_and_few_ops(tmp_path, optimizer):
     assert (counts["host_syncs"], counts["data_dependent"], counts["device_to_host"]) == (0, 0, 0), counts
     assert not any(tag in op.tags for op in ops.dispatched
                    for tag in (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)), counts
-    if optimizer is OPTIMIZERS[0]:
-        assert counts["aten_ops"] <= 12, counts
+    # SGD within the 12 aten ops a table's step may take; Adagrad's and RowWiseAdagrad's
+    # element-wise steps are each op rounded on its own, as the host step's (the same bits)
+    assert counts["aten_ops"] <= {0: 12, 1: 18, 2: 20}[OPTIMIZERS.index(optimizer)], counts
     assert counts["ops"]["aten.sort"] == 1 and counts["ops"]["tierstore.bag_update_"] == 1
 
 
