@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from prometheus_client import REGISTRY, CollectorRegistry
-from prometheus_client.metrics_core import CounterMetricFamily
 from torch import nn
 
 from tierstore.distributed.checkpoint import Checkpoints
+from tierstore.distributed.reporting import Announcer, ShardedMetrics
 from tierstore.distributed.comm import (_COMM_NAMES, _OP, _PENDING, _SETTINGS, _TOTAL, COMM_DTYPES, _Comm, _digest, _error_of,
                                         _Op, _Reader)
 from tierstore.distributed.tables import _Step, _Table
@@ -34,25 +34,6 @@ class SettingsMismatchError(PlanMismatchError):
     """A setting that shapes the ranks' messages (tables, optimizer, comm_dtype, mode)
     differs between the ranks constructing a sharded collection."""
 
-
-
-class _Announcer:
-    """What LookaheadLoader calls ``module.store``: announces a future batch to the
-    ranks that own its rows (a collective: every rank's loader runs the same depth)."""
-
-    def __init__(self, module: "ShardedEmbeddingBagCollection"):
-        self.module = module
-
-    def prefetch_batch(self, reads: Mapping[str, torch.Tensor]) -> PrefetchGroup:
-        return self.module._announce(reads)
-
-    def report_step_seconds(self, seconds: float) -> None:
-        if self.module.local_store is not None:
-            self.module.local_store.report_step_seconds(seconds)
-
-    def report_prefetch_depth(self, effective_depth: int, shrunk_steps: int) -> None:
-        if self.module.local_store is not None:
-            self.module.local_store.report_prefetch_depth(effective_depth, shrunk_steps)
 
 
 class _ShardedBagFunction(torch.autograd.Function):
@@ -163,9 +144,9 @@ class ShardedEmbeddingBagCollection(SharedViews, Checkpoints, nn.Module):
             self.local_store.metrics.add_labels(rank=str(self.rank))
         self.device = resolve_device(device) if device is not None else (
             self.local_store.device if self.local_store is not None else torch.device("cpu"))
-        self.store = _Announcer(self)
+        self.store = Announcer(self)
         self.lookups = {"sent": 0, "served": 0, "steps": 0}
-        self._metrics = _ShardedMetrics(self, registry if registry is not None else REGISTRY)
+        self._metrics = ShardedMetrics(self, registry if registry is not None else REGISTRY)
 
     def _configure(self, tables, plan, optimizer, mode, comm_dtype, include_last_offset) -> None:
         tables = list(tables)
@@ -586,33 +567,3 @@ class ShardedEmbeddingBagCollection(SharedViews, Checkpoints, nn.Module):
     def extra_repr(self) -> str:
         return (f"rank={self.rank}, world_size={self.world_size}, tables={list(self._tables)}, "
                 f"optimizer={self.optimizer!r}, comm_dtype={self._comm_dtype}")
-
-
-
-class _ShardedMetrics:
-    """Per-rank lookup counters of a sharded collection: ids this rank requested
-    (sent) and rows it served to the ranks asking (itself included), with a ``rank``
-    label; max/mean over ranks of the served rate is the load imbalance."""
-
-    def __init__(self, module: ShardedEmbeddingBagCollection, registry: CollectorRegistry):
-        self.module, self.registry = module, registry
-        registry.register(self)
-
-    def describe(self):
-        return self.collect()
-
-    def collect(self):
-        m = self.module
-        for key, doc in (("sent", "Unique ids a rank requested from the shards' owners (itself included)."),
-                         ("served", "Rows a rank's shards served to the requesting ranks."),
-                         ("steps", "Forward steps of the sharded collection.")):
-            f = CounterMetricFamily(f"tierstore_sharded_lookups_{key}" if key != "steps" else "tierstore_sharded_steps", doc,
-                                    labels=["rank"])
-            f.add_metric([str(m.rank)], m.lookups[key])
-            yield f
-
-    def close(self) -> None:
-        try:
-            self.registry.unregister(self)
-        except KeyError:
-            pass
