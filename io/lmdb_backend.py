@@ -33,10 +33,10 @@ from tierstore.io.lmdb_env import (
     _OPEN, _OPEN_LOCK, META_DB, _Env, _lock_directory, _ResizeGuard, _shared_env, take_writer_lock)
 from tierstore.io.lmdb_file import _CORRUPT, _LOW_SPACE, _free_bytes, check_data_file, corrupt
 from tierstore.io.lmdb_log import STEP, LogTables
+from tierstore.io.lmdb_sketches import Sketches
 from tierstore.io.lmdb_upkeep import Upkeep
 
 FORMAT_VERSION = 1
-_SKETCH_DB = b"__sketch__"  # admission sketches, by table name, as raw counters
 _INITIAL_MAP = 1 << 30
 _MAX_GROWTH_RETRIES = 16
 _READ_CHUNK = 2048  # rows per get-and-copy round of get_rows
@@ -48,7 +48,7 @@ WRITE_TXN_ROWS = 65536
 # and as stores written before the log layout are). A table keeps the layout it was created with.
 NEW_TABLE_LAYOUT = "log"
 
-class LmdbBackend(LogTables, Upkeep):
+class LmdbBackend(LogTables, Upkeep, Sketches):
     def __init__(self, path: str | os.PathLike, readonly: bool = False, map_size: int | None = None,
                  create: bool = True, txn_rows: int = WRITE_TXN_ROWS, publish_at_flush: bool = False):
         """``create=False``: a store must already be at ``path``; nothing is created otherwise.
@@ -355,22 +355,6 @@ class LmdbBackend(LogTables, Upkeep):
                 found[lo:hi] = codec.decode(list(map(get, keys[lo:hi])), rows[lo:hi])
         return rows, found
 
-    def put_sketches(self, sketches: dict[str, bytes]) -> None:
-        """Store tables' admission sketches (one transaction)."""
-        opened = [None]
-        self._write(lambda txn: self._put_sketches(txn, sketches, opened))
-        self._sketch_db = opened[0]
-
-    def _put_sketches(self, txn, sketches: dict[str, bytes], opened: list) -> None:
-        if not sketches:
-            return
-        # opened in this transaction: env.open_db alone begins a write transaction
-        # holding the GIL, which waits forever for the writer thread's transaction;
-        # kept (opened[0]) only once committed (a replayed op's first handle died with its abort)
-        opened[0] = self._sketch_db or self.env.open_db(_SKETCH_DB, txn=txn)
-        for table, blob in sketches.items():
-            txn.put(table.encode(), blob, db=opened[0])
-
     def stored_ids(self, table: str) -> np.ndarray:
         """Ids of the rows stored for ``table``, ascending (int64): its keys, read in one transaction."""
         if table in self._logs:
@@ -378,13 +362,6 @@ class LmdbBackend(LogTables, Upkeep):
         with self._reading(db=self._dbs[table], buffers=False) as txn:
             keys = b"".join(txn.cursor().iternext(keys=True, values=False))
         return np.frombuffer(keys, dtype=">u8").astype(np.int64)
-
-    def get_sketch(self, table: str) -> bytes | None:
-        """A table's stored admission sketch; None if none was stored."""
-        with self._reading() as txn:
-            if txn.get(_SKETCH_DB) is None:  # never created: a readonly environment cannot create it
-                return None
-            return txn.get(table.encode(), db=self.env.open_db(_SKETCH_DB, txn=txn, create=False))
 
     def keeps_last_use(self, table: str) -> bool:
         return table in self._last_dbs or table in self._logs and self._logs[table].last_use
