@@ -16,7 +16,6 @@ passes over the ids asked and the runs they meet (np.searchsorted), never a loop
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import zlib
 from pathlib import Path
@@ -392,12 +391,7 @@ def load_runs(index: RowIndex, path: Path, header: dict) -> bool:
             return False
         mapped = False
     else:
-        # without read-ahead: a lookup faults in the page of runs it reads, never the 128 KiB
-        # around it (the DLRM model over a 200M-row table read 4 pages a row fetched so)
-        with open(path, "rb") as f:
-            whole = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        whole.madvise(mmap.MADV_RANDOM)
-        arrays = [np.frombuffer(whole, dtype=d, count=n, offset=at) for at, d in zip(offsets, _RUN_DTYPES)]
+        arrays = [np.memmap(path, dtype=d, mode="r", offset=at, shape=(n,)) for at, d in zip(offsets, _RUN_DTYPES)]
         mapped = True
     index.main, index.recent, index.mapped, index.dead = Runs(*arrays), Runs(), mapped, None
     return True
