@@ -157,16 +157,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def interleaved_medians(fns, repeat: int, warmup: int = 2) -> list[float]:
+def wall_clock(fn, round_: int) -> float:
+    """Seconds one call ``fn()`` takes by the wall clock (the round is not passed)."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleaved_medians(fns, repeat: int, warmup: int = 2, timed=wall_clock) -> list[float]:
     """Median seconds of each function, called in turn each round, so that a change
-    in machine load during the run hits the baseline and tierstore alike."""
+    in machine load during the run hits the baseline and tierstore alike; ``timed(fn, round)``
+    times one call (bench gpu times CUDA calls between events)."""
     times = [[] for _ in fns]
     for r in range(warmup + repeat):
         for fn, ts in zip(fns, times):
-            t0 = time.perf_counter()
-            fn()
+            t = timed(fn, r)
             if r >= warmup:
-                ts.append(time.perf_counter() - t0)
+                ts.append(t)
     return [statistics.median(ts) for ts in times]
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from tierstore.tools.bench import shared
+from tierstore.tools.bench import interleaved_medians, shared
 from tierstore.tools.cli import positive_int
 
 POOLING = 32
@@ -176,13 +176,7 @@ class Timer:
 
     def interleaved(self, fns, repeat: int, warmup: int = 3) -> list[float]:
         """Median seconds of each function, called in turn each round with the round's number."""
-        times = [[] for _ in fns]
-        for r in range(warmup + repeat):
-            for fn, ts in zip(fns, times):
-                t = self(fn, r)
-                if r >= warmup:
-                    ts.append(t)
-        return [statistics.median(ts) for ts in times]
+        return interleaved_medians(fns, repeat, warmup, timed=self)
 
 
 def _batches(rows: int, batch: int, n: int, seed: int) -> list[torch.Tensor]:

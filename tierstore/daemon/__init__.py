@@ -15,8 +15,7 @@ The command-line verb is tierstore.tools.daemon (tools/daemon.py); ``tierstore b
 daemon`` is tierstore.tools.bench_daemon.
 """
 
+from tierstore.lazy import exports
 
-def __getattr__(name: str):
-    from tierstore.lazy import submodule  # tierstore.daemon.client without importing it first
-
-    return submodule(__name__, name)
+# tierstore.daemon.client without importing it first
+__getattr__, __dir__ = exports(globals(), {}, modules=True)
