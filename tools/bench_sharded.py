@@ -118,6 +118,8 @@ def _rank_main(fn, rank, world_size, port, results, args, timeout_s) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
+        # every rank's side of gloo's mesh is up before any rank may finish and close its side
+        dist.barrier()
         try:
             value = fn(rank, world_size, *args)
         finally:
