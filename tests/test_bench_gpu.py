@@ -61,6 +61,8 @@ def test_bench_gpu_on_the_cpu_reports_every_figure_in_its_json(tmp_path, capsys)
     assert [(r["hbm_rows"], r["depth"]) for r in cache["runs"]] == [(40_000, 0), (2_000, 2), (2_000, 0)]
     assert cache["bit_identical"] and cache["max_abs_diff"] == 0.0
     assert cache["ratio"] == pytest.approx(cache["cached_ms"] / cache["resident_ms"])
+    # how the misses went up: on CUDA from pinned staging on a side stream; here in place
+    assert [r["side_stream"] for r in cache["runs"]] == [False] * 3 and "misses copied in place (no stream)" in out
 
     for step in ("resident", "cached"):  # counted by OpCounter; CUDA's sync debug mode only on CUDA
         ops = got["ops"][step]

@@ -51,6 +51,7 @@ from tierstore.validate import set_fields, with_keywords
 from tierstore.engine.prefetch import PrefetchConfig, Prefetcher, PrefetchGroup, PrefetchTicket, StoreParts
 from tierstore.engine.table import Shared, TableStore
 from tierstore.engine.tiers import CacheTier, first_uses, last_values
+from tierstore.engine.upload import Upload
 from tierstore.engine.tensors import as_ids, as_values, check_out, gather_rows, gather_tier, unpicklable
 from tierstore.errors import ArgumentTypeError, SettingError, StoreClosedError, UnknownTableError, WriteRefusedError
 # StoreConfig, Sizes, StoredRows and TableLife: users import them from here too
@@ -168,7 +169,8 @@ class TieredStore(StoreInspection):
             self._writeback = WriteBack(self._backend, self._lock, self.config.writeback_rows, self.config.writeback_group_rows,
                                         on_swept=self._count_swept)
             # what the tables share, handed to each (tierstore/engine/table.py): none reaches back into the store
-            self._shared = Shared(self._backend, self._writeback, self.readonly, self._await_gathers)
+            self._shared = Shared(self._backend, self._writeback, self.readonly, self._await_gathers,
+                                  upload=Upload(self.device))
             if record_trace is not None:
                 self._shared.recorder = TraceRecorder(record_trace, specs.values())
             meta = self._backend.read_meta()

@@ -355,11 +355,13 @@ def _cache(directory, seed, sz, device, timer, result) -> None:
                     times.append(now - t)
                 t = now
             after = emb.store.stats()["hbm"]
+            up = emb.store._shared.upload  # how the misses went up: pinned staging on a side stream on CUDA
             rows_now = emb.store.read(emb.table, check.to(device), with_state=True).cpu()
             emb.close()
         p50 = statistics.median(times)
         run = {"label": label, "hbm_rows": hbm_rows, "ddr_rows": ddr_rows, "depth": depth, "p50_ms": p50 * 1e3,
-               "mean_ms": statistics.mean(times) * 1e3, "hbm_hit_rate": _hit_rate(before, after)}
+               "mean_ms": statistics.mean(times) * 1e3, "hbm_hit_rate": _hit_rate(before, after),
+               "side_stream": up.stream is not None, "staged_uploads": up.uploads + up.bypassed}
         if first is None:
             first = rows_now
         else:
@@ -368,8 +370,10 @@ def _cache(directory, seed, sz, device, timer, result) -> None:
             worst = max(worst, (rows_now - first).abs().max().item())
             run["bit_identical_to_resident"] = same
         out["runs"].append(run)
+        uploads = (f"  {run['staged_uploads']} uploads from pinned staging on a side stream" if run["side_stream"]
+                   else "  misses copied in place (no stream)") if ddr_rows else ""
         lines.append((label, f"p50 {p50 * 1e3:8.2f} ms  mean {run['mean_ms']:8.2f} ms  HBM hits "
-                             f"{run['hbm_hit_rate']:.1%}"))
+                             f"{run['hbm_hit_rate']:.1%}{uploads}"))
     resident, cached = out["runs"][0]["p50_ms"], out["runs"][1]["p50_ms"]
     out.update(resident_ms=resident, cached_ms=cached, ratio=cached / resident,
                bit_identical=identical, max_abs_diff=worst, rows_compared=len(check))

@@ -41,6 +41,7 @@ from tierstore.engine.lived import LivedRows
 from tierstore.engine.step import StepPlan, StepPlanner
 from tierstore.engine.tiers import CacheTier, by_id, first_uses, nonzero, select
 from tierstore.engine.trainer import DeviceRows
+from tierstore.engine.upload import Upload
 from tierstore.trace import TraceRecorder
 
 _SCRATCH_BYTES = 64 << 20
@@ -71,6 +72,7 @@ class Shared:
     recorder: TraceRecorder | None = None  # record_trace: every read step goes to a trace
     prefetcher: Prefetch | None = None  # set once the tables exist (the prefetcher reads them)
     use_clock: int = 0  # advanced by each read call's length (store.py's semantics)
+    upload: Upload | None = None  # host rows up to the HBM tier's device (pinned staging, a side stream)
     _plan_pool: futures.ThreadPoolExecutor | None = None
 
     def queue_write(self, batches: Sequence[tuple[TableStore, np.ndarray, np.ndarray]], meta: dict | None = None) -> None:
@@ -232,7 +234,7 @@ class TableStore(LivedRows):
         miss = nonzero(~in_h & ~in_d)
         plan, fetched = self._fetch_while_planning(uid[miss], lambda: self._plan(use_clock, slot_h, slot_d, refresh))
         dev = H.device if H else torch.device("cpu")
-        fetched = (fetched.pin_memory() if dev.type == "cuda" else fetched).to(dev, non_blocking=True)
+        fetched = self._up(fetched, dev)
         if len(miss) == n:  # all cold: the fetched rows are the call's rows, in uid order
             rows = fetched
         else:
@@ -240,7 +242,7 @@ class TableStore(LivedRows):
             for tier, slot, inside, count in ((H, slot_h, in_h, n_h), (D, slot_d, in_d, n_d)):
                 if count:
                     at = nonzero(inside)
-                    rows.index_copy_(0, at.to(dev), tier.gather(slot.index_select(0, at).to(tier.device)).to(dev))
+                    rows.index_copy_(0, at.to(dev), self._up(tier.gather(slot.index_select(0, at).to(tier.device)), dev))
             rows.index_copy_(0, miss.to(dev), fetched)
         n_wb = self._write_back(plan, uid, rows)
 
@@ -275,7 +277,7 @@ class TableStore(LivedRows):
         miss = nonzero(slot < 0)
         plan, fetched = self._fetch_while_planning(uid[miss], lambda: self._plan(use_clock, slot_h, slot_d))
         level = plan.hbm if T is self.hbm else plan.ddr
-        fetched = (fetched.pin_memory() if T.device.type == "cuda" else fetched).to(T.device, non_blocking=True)
+        fetched = self._up(fetched, T.device)
         n_wb = self._write_back(plan, uid, None)
 
         # -- commit (in memory only; cannot fail half-way) --
@@ -288,6 +290,14 @@ class TableStore(LivedRows):
         slots = slot.to(T.device)
         slots.index_copy_(0, miss.to(T.device), added)
         return T, slots, None
+
+    def _up(self, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Rows of the step on ``device``: host rows going up to the HBM tier's device
+        through the store's Upload (pinned staging, a side stream), others moved as they are."""
+        up = self._shared.upload
+        if up is not None and up.staged and device == up.device and rows.device.type == "cpu":
+            return up(rows)
+        return rows.to(device)
 
     def _fetch_while_planning(self, ids: torch.Tensor, plan: Callable[[], StepPlan]) -> tuple[StepPlan, torch.Tensor]:
         """``plan()`` and the rows of ids not cached. A plan needs no fetched row:
