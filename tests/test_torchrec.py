@@ -409,6 +409,68 @@ def test_ported_fx_and_scripting(tmp_path):
     ours.close()
 
 
+# -- held tables: the collection as ops, compiled whole and exported as TorchRec's ------------------
+def held_tables():
+    """A table two features pool (its rows updated twice a step) and one with mean pooling."""
+    return [EmbeddingBagConfig(name="t1", embedding_dim=DIM, num_embeddings=30, feature_names=["f1", "f2"]),
+            EmbeddingBagConfig(name="t2", embedding_dim=DIM, num_embeddings=20, feature_names=["f3"], pooling=PoolingType.MEAN)]
+
+
+def held_batch(g):
+    lengths = torch.randint(0, 5, (3 * B,), generator=g)
+    values = (torch.rand(int(lengths.sum()), generator=g) ** 2 * 20).long()  # repeats, < 20: valid in both tables
+    return KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2", "f3"], values=values, lengths=lengths)
+
+
+def train_held(ebc, steps=3, backend=None):
+    torch._dynamo.reset()
+    fwd = torch.compile(ebc, backend=backend, fullgraph=True) if backend else ebc
+    g = torch.Generator().manual_seed(4)
+    for _ in range(steps):
+        fwd(held_batch(g)).values().backward(torch.randn(B, 3 * DIM, generator=g))
+    return [ebc.store.read(c.name, torch.arange(c.num_embeddings), with_state=True) for c in held_tables()]
+
+
+@pytest.mark.parametrize("optimizer", [tierstore.optim.SGD, tierstore.optim.RowWiseAdagrad])
+def test_held_collection_compiles_whole_and_trains_as_the_host_step(tmp_path, optimizer):
+    """hold_resident: torch.compile(fullgraph=True) takes the whole forward, KeyedJaggedTensor
+    handling included, as it takes TorchRec's collection; eager and compiled (AOTAutograd's
+    graphs) train the rows of the host step through small tiers bit for bit."""
+    import torch._dynamo
+
+    def make(name, **kw):
+        return TieredEmbeddingBagCollection(held_tables(), path=tmp_path / name, device="cpu", optimizer=optimizer(lr=0.1), **kw)
+
+    host = train_held(make("host", hbm_rows=4, ddr_rows=8))
+    eager = train_held(make("eager", hbm_rows=30).hold_resident())
+    torch._dynamo.utils.counters.clear()
+    compiled = train_held(make("compiled", hbm_rows=30).hold_resident(), backend="aot_eager")
+    assert not torch._dynamo.utils.counters["graph_break"]
+    for h, e, c in zip(host, eager, compiled):
+        assert torch.equal(h, e) and torch.equal(h, c)
+    assert not torch.equal(host[0], make("fresh").store.read("t1", torch.arange(30), with_state=True))
+
+
+def test_held_collection_exports_with_a_lookup_per_feature(tmp_path):
+    """torch.export (non-strict, as TorchRec's collection exports): one tierstore.bag_lookup
+    leaf per feature; the program reads the store's rows as they are when it runs."""
+    ebc = TieredEmbeddingBagCollection(held_tables(), path=tmp_path, hbm_rows=30, device="cpu",
+                                       optimizer=tierstore.optim.SGD(lr=0.1)).hold_resident()
+    kjt = held_batch(torch.Generator().manual_seed(5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchRec's "non-strict export of KJT.to_dict is slow"
+        program = torch.export.export(ebc, (kjt,), strict=False)
+    ops = [n.target for n in program.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.tierstore.bag_lookup.default) == 3
+    exported = program.module()
+    assert torch.equal(exported(kjt).values(), ebc(kjt).values())
+    train_held(ebc, steps=2)
+    assert torch.equal(exported(kjt).values(), ebc(kjt).values())
+    unheld = TieredEmbeddingBagCollection(held_tables(), path=tmp_path / "unheld", device="cpu")
+    with pytest.raises(RuntimeError, match=r"torch\.export cannot capture .*hold_resident"):
+        torch.export.export(unheld, (kjt,), strict=False)
+
+
 def test_a_serving_collection_pools_the_exported_rows_as_the_trained_one(tmp_path):
     """tierstore.torchrec.ServingEmbeddingBagCollection over `tierstore.export` of a trained
     collection: KeyedJaggedTensor in, the same KeyedTensor out (float32 rows: equal to the

@@ -323,6 +323,12 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         self._ahead.append(self._resolve(input))
 
     @property
+    def holds_resident(self) -> bool:
+        """Whether every row is held in the top tier for the device step (hold_resident),
+        and still is (rows leave it only by ``store.evict``)."""
+        return self._rows is not None and self._rows.valid()
+
+    @property
     def resolves_ahead(self) -> bool:
         """Whether the steps run on the device over a cache (resolve_ahead)."""
         return self._ahead is not None
@@ -366,8 +372,7 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
 
     def _on_device(self, input, offsets, per_sample_weights) -> bool:
         """Whether this forward is the held device step: held rows, still in place, 1-D ids and offsets."""
-        rows = self._rows
-        return rows is not None and rows.valid() and self._device_input(input, offsets, per_sample_weights)
+        return self.holds_resident and self._device_input(input, offsets, per_sample_weights)
 
     def _steps_on_device(self, input, offsets, per_sample_weights) -> bool:
         """Whether this forward is a device step, held or resolved."""

@@ -61,7 +61,8 @@ def refuse_export(module: nn.Module) -> None:
     if torch.compiler.is_exporting():
         raise UnsupportedError(
             f"torch.export cannot capture {type(module).__name__}: its rows live in a TieredStore, outside any graph. "
-            "Use torch.compile(model) instead (the dense layers compile; the lookup runs between the graphs), or "
+            "Call its hold_resident() first (every row in the top tier: the lookup is then an op export captures), "
+            "use torch.compile(model) instead (the dense layers compile; the lookup runs between the graphs), or "
             "export the dense part alone and feed it the pooled embeddings from this module or from "
             "tierstore.ServingEmbeddingBagCollection")
 

@@ -214,10 +214,19 @@ class TieredEmbeddingBagCollection(ScriptRefusal, EmbeddingBagCollectionInterfac
             for t in tables
         })
 
-    @outside_graphs  # torch.compile: a graph break; the dense layers around it compile
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """As TorchRec's: a KeyedJaggedTensor (or TensorDict), variable batch sizes by its
-        inverse indices. Under torch.fx tracing this is traced, its tables leaves."""
+        inverse indices. Under torch.fx tracing this is traced, its tables leaves. With every
+        table on the device step (held or resolved ahead, unweighted) it is ops alone, so
+        torch.compile and torch.export see it whole, as they see TorchRec's own collection."""
+        if not self._is_weighted and self.embedding_bags and all(  # (on the meta device, the bags are torch's)
+                isinstance(bag, TieredEmbeddingBag) and (bag.resolves_ahead or bag.holds_resident)
+                for bag in self.embedding_bags.values()):
+            return _pooled(self, features)
+        return self._host_forward(features)
+
+    @outside_graphs  # torch.compile: a graph break; the dense layers around it compile
+    def _host_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         refuse_export(self)
         return _pooled(self, features)
 

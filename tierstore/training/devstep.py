@@ -108,13 +108,17 @@ def run_sums(src: torch.Tensor, index: torch.Tensor, starts: torch.Tensor, piece
 
 def _setup(ctx, inputs, output):
     weights, state, dirty, slots, ids, offsets, _, pooling, include_last, kind, hyper, _ = inputs
-    ctx.save_for_backward(weights, state, dirty, ids, slots, offsets)
+    ctx.save_for_backward(ids, slots, offsets)
+    # the rows and state are what the backward updates, not values it reads back: kept by
+    # reference, without save_for_backward's version check, so that two lookups of one table
+    # in a step (a table shared by two features) each update the rows the other left
+    ctx.table = (weights, state, dirty)
     ctx.args = (pooling, include_last, kind, hyper)
 
 
 def _backward(ctx, grad_out):
-    weights, state, dirty, ids, slots, offsets = ctx.saved_tensors
-    bag_update_(weights, state, dirty, ids, slots, offsets, grad_out.contiguous(), *ctx.args)
+    ids, slots, offsets = ctx.saved_tensors
+    bag_update_(*ctx.table, ids, slots, offsets, grad_out.contiguous(), *ctx.args)
     return None, None, None, None, None, None, None, None, None, None, None, None
 
 
