@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tierstore import RowInit, TableSpec, TieredEmbeddingBagCollection, optim
+from tierstore.training.bags import sort_is_stable
 from tierstore.training.sharding import PlanMismatchError, Shard, ShardingPlan, TablePlan
 
 TIERS = {"hbm_rows": 3, "ddr_rows": 4, "device": "cpu"}  # tiny: rows go through LMDB every step; on the CPU
@@ -273,21 +274,56 @@ def scenario_cuda(rank, world, out):
     return res
 
 
-SCENARIOS = {"train": scenario_train, "four": scenario_four, "reshard": scenario_reshard, "dead": scenario_dead,
+def sized_batch(step: int, rank: int) -> dict:
+    """Step 0: 16,384 ids of user per rank (the global batch's sort is torch's stable radix sort,
+    so each owner gets only its own ids), weighted; step 1: at most 16 ids of every table in all
+    (an insertion sort, stable too); step 2: the usual sizes (unstable: user goes whole)."""
+    if step == 2:
+        return local_batch(step, rank, weighted=True)
+    g = torch.Generator().manual_seed(77 * step + rank)
+    out = local_batch(step, rank, weighted=True)
+    bags, length = (2048, 8) if step == 0 else (2, 2)
+    for name in (("user",) if step == 0 else out):
+        hi = TABLES[[t.name for t in TABLES].index(name)].num_rows or 50
+        values = torch.randint(0, min(hi, 40), (bags * length,), generator=g)
+        out[name] = (values, torch.arange(bags) * length, *([torch.rand(bags * length, generator=g)] if name == "user" else []))
+    return out
+
+
+def scenario_sized(rank, world, out):
+    """Training as one process whether owners get the whole of a row-sharded table or their own ids,
+    and the ids each rank received from the other."""
+    from tierstore.distributed import ShardedEmbeddingBagCollection
+
+    module = ShardedEmbeddingBagCollection(TABLES, make_plan(world), out / "store", optimizer=OPTIMIZERS["sgd"](), **TIERS)
+    outs, received = [], []
+    for s in range(3):
+        before = module.received_bytes["ids"]
+        o = module(sized_batch(s, rank))
+        loss_of(o).backward()
+        received.append(module.received_bytes["ids"] - before)
+        outs.append({k: v.detach() for k, v in o.items()})
+    result = {"sgd": {"outs": outs, "rows": read_all(module, rank)}, "received": received,
+              "counts": module.received_bytes}
+    module.close()
+    return result
+
+
+SCENARIOS = {"train": scenario_train, "sized": scenario_sized, "four": scenario_four, "reshard": scenario_reshard, "dead": scenario_dead,
              "cuda": scenario_cuda}
 
 
 # -- the oracle ------------------------------------------------------------------------------
-def train_single(path, world, opt_name, steps=3, mode="sum", weighted=False):
+def train_single(path, world, opt_name, steps=3, mode="sum", weighted=False, batch=None):
     module = TieredEmbeddingBagCollection(TABLES, path=path, optimizer=OPTIMIZERS[opt_name](), mode=mode, **TIERS)
     outs = []
     for s in range(steps):
-        locals_ = [local_batch(s, r, weighted) for r in range(world)]
+        locals_ = [local_batch(s, r, weighted) if batch is None else batch(s, r) for r in range(world)]
         o = module(concat(locals_))
         loss_of(o).backward()
         # split the global output back into the ranks' bags
-        sizes = [len(b["user"][1]) for b in locals_]
-        outs.append([{k: v.detach()[sum(sizes[:r]): sum(sizes[: r + 1])] for k, v in o.items()} for r in range(world)])
+        sizes = {k: [len(b[k][1]) for b in locals_] for k in o}
+        outs.append([{k: v.detach()[sum(sizes[k][:r]): sum(sizes[k][: r + 1])] for k, v in o.items()} for r in range(world)])
     rows = {name: module.store.read(name, ids, with_state=True) for name, ids in CHECK_IDS.items()}
     module.close()
     return outs, rows
@@ -350,6 +386,27 @@ def test_two_ranks_train_as_one_process(tmp_path):
     assert bad[0]["unchanged"] and bad[1]["unchanged"]
     for r in range(2):
         assert bad[r]["plan"][0] == "PlanMismatchError" and "ranks [1]" in bad[r]["plan"][1]
+
+
+def test_owners_get_only_their_ids_where_the_sort_allows_and_train_as_one_process(tmp_path):
+    results = launch(tmp_path / "run", "sized", 2)
+    assert_same(results, 2, tmp_path, "sgd", batch=sized_batch)
+    plan = make_plan(2)
+    for r in range(2):
+        expect = []
+        for s in range(3):
+            other, mine = sized_batch(s, 1 - r), sized_batch(s, r)
+            n = 0
+            for name, feature in other.items():  # what rank r's shard of each table holds of the other's ids
+                ids, tp = feature[0], plan.tables[name]
+                # a row shard gets the whole table's ids where torch.sort's order of the global batch is unstable
+                whole = tp.sharding == "column" or (tp.sharding == "row" and not sort_is_stable(len(ids) + len(mine[name][0])))
+                if r in tp.ranks:
+                    n += len(ids) if whole else int((tp.owner(ids) == tp.ranks.index(r)).sum())
+            expect.append(8 * n)
+        assert results[r]["received"] == expect, (r, results[r]["received"], expect)
+        assert set(results[r]["counts"]) == {"headers", "sizes", "ids", "rows", "grads"}
+        assert min(results[r]["counts"].values()) > 0
 
 
 def test_four_ranks_then_reshard_to_two_then_three(tmp_path):

@@ -54,6 +54,7 @@ from tierstore.capacity.curves import LruCurve, lru_curves
 from tierstore.trace import Trace, TraceTable, gather_ranges
 
 from tierstore.precision import DTYPES
+from tierstore.training.bags import sort_is_stable
 from tierstore.training.sharding import SHARDING_TYPES, Shard, ShardingPlan, TablePlan
 from tierstore.spec import TableSpec
 from tierstore.validate import check_int
@@ -373,27 +374,26 @@ def _predict(cfg: PlanConfig, items: list[_Item], sent: np.ndarray | None) -> di
 
 # -- what the ranks exchange ------------------------------------------------------------------------------
 def exchange_bytes(cfg: PlanConfig, table_plans: Mapping[str, TablePlan]) -> np.ndarray:
-    """Bytes each rank sends to the others per step under ShardedEmbeddingBagCollection's
+    """Bytes each rank sends to the others per training step under ShardedEmbeddingBagCollection's
     protocol (float32 exchange), when each call of the trace is a step's global batch
     split into ``world_size`` contiguous equal parts, part r being rank r's local batch:
 
-    - forward: the call's header (6 x 8 bytes), then each table's id count and weight
-      flag with the step's ids of every table (8 bytes each, padded to the rank with
-      the most) to every other rank; the owners' header after reading their rows; each
-      owner sends each rank the rows it asked for (unique ids per rank and table)
-      that its shard holds, its shard's columns;
+    - forward: the call's header (6 x 8 bytes); the sizes (3 x 8 bytes a table) to every
+      other rank; each id (8 bytes) to the ranks holding the shard that holds its row
+      (every shard of a column-sharded table; every shard of a row-sharded one too where
+      torch.sort orders the step's ids of the table unstably, ``sort_is_stable``); the
+      owners' header after reading their rows; each owner sends each rank the rows it
+      asked for (unique ids per rank and table) that its shard holds, its shard's columns;
     - backward: its header, then each rank sends every occurrence's gradient (one per id, not per
       unique id) to the shards holding the row: their columns, or the whole row
       for a column shard under a row-coupled optimizer, RowWiseAdagrad (per-sample weights, 4 bytes an id, are
       not counted).
 
-    A step's ids are gathered in one message for all tables, so steps of the trace
-    are the unit, as in the module."""
+    Steps of the trace are the unit, as in the module (a step's sizes cover every table)."""
     n, trace = cfg.world_size, cfg.trace
     sent = np.zeros(n, dtype=np.float64)
     if n == 1 or trace is None:
         return sent
-    ids_per_call_part = np.zeros((trace.n_calls, n), dtype=np.int64)
     for spec in cfg.tables:  # a loop per table
         tp = table_plans[spec.name]
         ids, offsets, calls = _table_calls(trace, spec)
@@ -402,13 +402,14 @@ def exchange_bytes(cfg: PlanConfig, table_plans: Mapping[str, TablePlan]) -> np.
         lengths = np.diff(offsets)
         call = np.repeat(np.arange(len(calls)), lengths)
         part = (np.arange(len(ids)) - offsets[call]) * n // lengths[call]  # the rank whose local batch holds the id
-        np.add.at(ids_per_call_part, (calls[call], part), 1)
         # unique ids per (call, part): the rows a rank asks for
         order = np.lexsort((ids, part, call))
         first = np.ones(len(ids), dtype=bool)
         first[1:] = (np.diff(ids[order]) != 0) | (np.diff(part[order]) != 0) | (np.diff(call[order]) != 0)
         uniq = order[first]
         who = tp.owner(torch.from_numpy(ids)).numpy() if tp.sharding != "column" else None
+        unstable = np.array([not sort_is_stable(int(m)) for m in lengths])  # a loop per call
+        whole = unstable[call] if tp.sharding == "row" and len(tp.shards) > 1 else np.zeros(len(ids), dtype=bool)
         for k, shard in enumerate(tp.shards):  # a loop per shard
             own = np.ones(len(ids), dtype=bool) if who is None else who == k
             whole_row = tp.sharding == "column" and getattr(cfg.optimizer, "row_coupled", False)
@@ -418,10 +419,9 @@ def exchange_bytes(cfg: PlanConfig, table_plans: Mapping[str, TablePlan]) -> np.
             occurrences = np.bincount(part[own], minlength=n)  # gradients each rank sends this shard
             occurrences[shard.rank] = 0
             sent += 4 * grad_cols * occurrences
+            to_shard = np.bincount(part[own | whole], minlength=n)  # ids each rank sends this shard
+            to_shard[shard.rank] = 0
+            sent += 8 * to_shard
     steps = max(trace.n_steps, 1)
-    step_index = np.searchsorted(np.unique(trace.call_step), trace.call_step)
-    ids_per_step_part = np.zeros((steps, n), dtype=np.int64)
-    np.add.at(ids_per_step_part, step_index, ids_per_call_part)
-    flags = 8 * (3 * 6 + 2 * len(cfg.tables))  # three call headers (forward, owners' ok, backward), id counts, weight flags
-    sent += (n - 1) * (flags * steps + 8 * ids_per_step_part.max(1).sum())
-    return sent / steps
+    # each step: three call headers (forward, the owners' ok, backward) and the sizes
+    return sent / steps + (n - 1) * 8 * (3 * 6 + 3 * len(cfg.tables))

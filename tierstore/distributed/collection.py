@@ -25,7 +25,7 @@ from tierstore.optim import RowOptimizer
 from tierstore.precision import round_stochastic
 from tierstore.spec import TableSpec
 from tierstore.store import Sizes, StoreConfig, TieredStore
-from tierstore.training.bags import MODES, Bags, EmbeddingBagConfig, Rows, mean_grads, plan_bags, sum_rows
+from tierstore.training.bags import MODES, Bags, EmbeddingBagConfig, Rows, mean_grads, plan_bags, sort_is_stable, sum_rows
 from tierstore.training.checkpointing import FusedOptimizer, SharedViews, TableViews, state_layout, table_views
 from tierstore.training.sharding import PlanMismatchError, RankFailedError, ShardingPlan
 
@@ -147,6 +147,13 @@ class ShardedEmbeddingBagCollection(SharedViews, Checkpoints, nn.Module):
         self.store = Announcer(self)
         self.lookups = {"sent": 0, "served": 0, "steps": 0}
         self._metrics = ShardedMetrics(self, registry if registry is not None else REGISTRY)
+
+    @property
+    def received_bytes(self) -> dict[str, int]:
+        """Bytes this rank has received from the others, by what they carried: ``headers``
+        (each call's all_gather), ``sizes`` (what each rank receives next), ``ids``, ``rows``
+        (forward's rows and read/write's) and ``grads``."""
+        return dict(self._comm.received)
 
     def _configure(self, tables, plan, optimizer, mode, comm_dtype, include_last_offset) -> None:
         tables = list(tables)
@@ -276,27 +283,53 @@ class ShardedEmbeddingBagCollection(SharedViews, Checkpoints, nn.Module):
                 f"(an optimizer, grad enabled) on every rank or on none (aborted on rank {self.rank}; nothing changed)")
 
     def _gather(self, op: _Op, arg: int, local: dict[str, torch.Tensor], error: BaseException | None,
-                flags: Sequence[int] = ()) -> tuple[dict[str, list[torch.Tensor]], torch.Tensor]:
-        """Begin the call and gather every rank's ids of each table, with per-table ``flags``:
-        ({table: [ids per rank]}, flags [world, len(flags)]). The id counts travel in front
-        of the ids, the header carrying their total: no exchange beside the header's sizes them."""
-        names = list(self._tables)
-        lengths = [len(local.get(n, ())) for n in names]
-        head = self._begin(op, arg, error, sum(lengths))
-        prefix = torch.tensor([*lengths, *flags], dtype=torch.int64)
-        flat = torch.cat([prefix, *(local[n].to("cpu", torch.int64) for n in names if n in local)])
-        parts = self._comm.gather_ids(flat, (head[:, _TOTAL] + len(prefix)).tolist())
+                flags: Sequence[int] = (), exact: bool = False) -> tuple[dict[str, list[torch.Tensor]], torch.Tensor, set[str]]:
+        """Begin the call and send each table's ``local`` ids to the ranks holding its shards,
+        each only those its shard holds, with per-table ``flags``: ({table: [ids from each
+        rank]}, flags [world, len(flags)], the row-sharded tables whose owners got only their own
+        ids: they sort them with stable=True).
+        An all-to-all of sizes goes first: what each rank receives of each table, with every
+        rank's id count of each table and its flags. ``exact`` (a training forward): a row-sharded
+        table whose step torch.sort orders unstably goes whole to each owner, which sorts it as
+        the single process does (the package's docstring)."""
+        names, world = list(self._tables), self.world_size
+        n_tables = len(names)
+        ids = {n: local[n].to("cpu", torch.int64) if n in local else torch.zeros(0, dtype=torch.int64) for n in names}
+        self._begin(op, arg, error, sum(len(v) for v in ids.values()))
+        masks = {n: self._tables[n].masks(ids[n]) for n in names}
+        sizes = torch.zeros(world, 3 * n_tables, dtype=torch.int64)  # to each rank: its ids, my counts, my flags
+        sizes[:, n_tables: 2 * n_tables] = torch.tensor([len(ids[n]) for n in names], dtype=torch.int64)
+        sizes[:, 2 * n_tables: 2 * n_tables + len(flags)] = torch.tensor(list(flags), dtype=torch.int64)
+        for i, n in enumerate(names):
+            t = self._tables[n]
+            for k, m in enumerate(masks[n]):  # a loop per shard
+                sizes[t.rank_of(k), i] = int(m.sum())
+        got = self._comm.exchange([[row] for row in sizes], [sizes[0].numel() * 8] * world, "sizes")
+        got = torch.stack([b.view(torch.int64) for b in got])
+        split = {i: n for i, n in enumerate(names)
+                 if self._tables[n].tplan.sharding == "row" and len(self._tables[n].tplan.shards) > 1}
+        whole = {n for i, n in split.items() if exact and not sort_is_stable(int(got[:, n_tables + i].sum()))}
+        send: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        for n in names:
+            t = self._tables[n]
+            for k, m in enumerate(masks[n]):
+                send[t.rank_of(k)].append(ids[n] if n in whole else ids[n][m])
+        counts = torch.zeros(world, n_tables, dtype=torch.int64)  # ids from each rank, per table
+        for i, n in enumerate(names):
+            if self._tables[n].mine is not None:
+                counts[:, i] = got[:, n_tables + i] if n in whole else got[:, i]
+        parts = self._comm.exchange(send, (8 * counts.sum(1)).tolist(), "ids")
         segs = {n: [] for n in names}
-        for part in parts:
-            counts = part[: len(names)].tolist()
-            for n, piece in zip(names, part[len(prefix):].split(counts)):
+        for part, row in zip(parts, counts.tolist()):  # a loop per rank
+            for n, piece in zip(names, part.view(torch.int64).split(row)):
                 segs[n].append(piece)
-        return segs, torch.stack([part[len(names): len(prefix)] for part in parts])
+        return segs, got[:, 2 * n_tables: 2 * n_tables + len(flags)], set(split.values()) - whole
 
-    def _fetch(self, segs: dict[str, list[torch.Tensor]], names: Sequence[str], with_state: bool,
-               dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Rows of this rank's unique ids of each table in ``names`` (sorted), from their owners."""
-        me, world = self.rank, self.world_size
+    def _fetch(self, segs: dict[str, list[torch.Tensor]], local: Mapping[str, torch.Tensor], names: Sequence[str],
+               with_state: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Rows of this rank's unique ``local`` ids of each table in ``names`` (sorted), from
+        their owners, which serve the ids ``segs`` brought them."""
+        world = self.world_size
         send: list[list[torch.Tensor]] = [[] for _ in range(world)]
         recv = [0] * world
         size = torch.empty(0, dtype=dtype).element_size()
@@ -314,7 +347,7 @@ class ShardedEmbeddingBagCollection(SharedViews, Checkpoints, nn.Module):
                     for r, w in enumerate(want):
                         send[r].append(rows.index_select(0, torch.searchsorted(uid, w)).to(dtype))
                     served += sum(len(w) for w in want)
-            uid = torch.unique(segs[name][me])
+            uid = torch.unique(local[name]) if name in local else torch.zeros(0, dtype=torch.int64)
             masks = t.masks(uid)
             mine[name] = (uid, masks)
             for k in range(len(t.tplan.shards)):
@@ -322,7 +355,7 @@ class ShardedEmbeddingBagCollection(SharedViews, Checkpoints, nn.Module):
         self._begin(_Op.FETCHED, error=error)
         self.lookups["served"] += served
         self.lookups["sent"] += sum(len(uid) for uid, _ in mine.values())
-        got = [_Reader(b) for b in self._comm.exchange(send, recv)]
+        got = [_Reader(b) for b in self._comm.exchange(send, recv, "rows")]
         out = {}
         for name in names:
             t = self._tables[name]
@@ -355,13 +388,14 @@ class ShardedEmbeddingBagCollection(SharedViews, Checkpoints, nn.Module):
             error = e
         names = list(self._tables)
         has_psw = [int(psws.get(n) is not None) for n in names]
-        segs, flags = self._gather(_Op.FORWARD, int(train), {n: b.ids for n, b in bags.items()}, error, has_psw)
-        weights = self._fetch(segs, names, False, self._comm_dtype)
+        local = {n: b.ids for n, b in bags.items()}
+        segs, flags, partial = self._gather(_Op.FORWARD, int(train), local, error, has_psw, exact=train)
+        weights = self._fetch(segs, local, names, False, self._comm_dtype)
         self.lookups["steps"] += 1
         self._forwards += 1
         step = _Step(list(bags), bags, {n: None if p is None else b.select(p.detach().reshape(-1).cpu()) for (n, b), p in
                                         zip(bags.items(), psws.values())},
-                     segs, {n: flags[:, i].bool().tolist() for i, n in enumerate(names)}, weights, self._forwards)
+                     segs, {n: flags[:, i].bool().tolist() for i, n in enumerate(names)}, weights, self._forwards, partial)
         # no outputs ({}): nothing to run backward through, so this rank's part of the backward
         # (receiving the gradients of the rows it owns) starts from its next collective call
         self._pending = step if train and not step.names else None
@@ -400,7 +434,7 @@ class ShardedEmbeddingBagCollection(SharedViews, Checkpoints, nn.Module):
                 width = len(t.grad_cols(t.mine))
                 for r, m in enumerate(owned[name]):
                     recv[r] += int(m.sum()) * (width * size + 4 * step.psw_from[name][r])
-        got = [_Reader(b) for b in self._comm.exchange(send, recv)]
+        got = [_Reader(b) for b in self._comm.exchange(send, recv, "grads")]
         for name, masks in owned.items():
             t = self._tables[name]
             width = len(t.grad_cols(t.mine))
@@ -410,14 +444,16 @@ class ShardedEmbeddingBagCollection(SharedViews, Checkpoints, nn.Module):
                 G.append(got[r].take(n, width, dtype))
                 P.append(got[r].take(n, 1, torch.float32).squeeze(1) if step.psw_from[name][r] else torch.ones(n))
             weighted = any(step.psw_from[name])
-            self._step_rows(name, step.segs[name], masks, torch.cat(G), torch.cat(P) if weighted else None)
+            self._step_rows(name, step.segs[name], masks, torch.cat(G), torch.cat(P) if weighted else None,
+                            name in step.partial)
 
     def _step_rows(self, name: str, segs: list[torch.Tensor], masks: list[torch.Tensor], G: torch.Tensor,
-                   P: torch.Tensor | None) -> None:
+                   P: torch.Tensor | None, partial: bool) -> None:
         t, store = self._tables[name], self.local_store
         mask = torch.cat(masks)
-        # the single process's order: the sort of the global batch's ids, ties included, then this shard's rows
-        grouped = Rows.group(torch.cat(segs), mask)
+        # the single process's order: the sort of the global batch's ids, ties included, then this shard's rows;
+        # from this shard's ids alone (partial) where that sort keeps equal ids in batch order
+        grouped = Rows.group(torch.cat(segs), mask, stable=partial)
         uid = grouped.uid
         local = (torch.cumsum(mask, 0) - 1).index_select(0, grouped.perm)  # entries among those received
         grad = sum_rows(G, local, grouped.counts, None if P is None else P.index_select(0, local))
@@ -459,7 +495,7 @@ class ShardedEmbeddingBagCollection(SharedViews, Checkpoints, nn.Module):
             ids = ids.to(torch.int64)
             ok = ids >= 0 if spec.num_rows is None else (ids >= 0) & (ids < spec.num_rows)
             local[name] = ids[ok]
-        segs, _ = self._gather(_Op.ANNOUNCE, 0, local, None)
+        segs, _, _ = self._gather(_Op.ANNOUNCE, 0, local, None)
         wanted = {}
         for name, t in self._tables.items():
             if t.mine is not None:
@@ -476,7 +512,7 @@ class ShardedEmbeddingBagCollection(SharedViews, Checkpoints, nn.Module):
 
     def _agree_table(self, op: _Op, table, with_state, ids, error) -> dict[str, list[torch.Tensor]]:
         index = list(self._tables).index(table) if isinstance(table, str) and table in self._tables else -1
-        segs, _ = self._gather(op, 2 * index + (with_state is True), {table: ids} if error is None else {}, error)
+        segs, _, _ = self._gather(op, 2 * index + (with_state is True), {table: ids} if error is None else {}, error)
         return segs
 
     def read(self, table: str, ids, with_state: bool = False) -> torch.Tensor:
@@ -491,7 +527,7 @@ class ShardedEmbeddingBagCollection(SharedViews, Checkpoints, nn.Module):
         except Exception as e:
             error = e
         segs = self._agree_table(_Op.READ, table, with_state, uid, error)
-        rows = self._fetch(segs, [table], with_state, torch.float32)[table]
+        rows = self._fetch(segs, {table: uid}, [table], with_state, torch.float32)[table]
         return rows.index_select(0, inverse).to(self.device)
 
     def write(self, table: str, ids, values, with_state: bool = False) -> None:
@@ -515,7 +551,7 @@ class ShardedEmbeddingBagCollection(SharedViews, Checkpoints, nn.Module):
             masks = [t.masks(s)[t.mine] for s in segs[table]]
             width = len(t.cols(t.mine, with_state))
             recv = [int(m.sum()) * width * 4 for m in masks]
-        got = self._comm.exchange(send, recv)
+        got = self._comm.exchange(send, recv, "rows")
         error = None
         if t.mine is not None:
             values = torch.cat([_Reader(b).take(int(m.sum()), width, torch.float32) for b, m in zip(got, masks)])

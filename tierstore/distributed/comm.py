@@ -15,6 +15,7 @@ from tierstore.training.sharding import RankFailedError
 
 COMM_DTYPES = {None: torch.float32, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _COMM_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+RECEIVED = ("headers", "sizes", "ids", "rows", "grads")
 _MAX_MESSAGE = 2048  # bytes of an error message sent to the other ranks
 
 
@@ -51,6 +52,8 @@ class _Comm:
         self.world = dist.get_world_size(group)
         nccl = dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        # bytes received from the other ranks, by what they carried (RECEIVED's keys)
+        self.received = dict.fromkeys(RECEIVED, 0)
 
     def _run(self, what: str, op):
         try:
@@ -63,6 +66,7 @@ class _Comm:
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         t = t.to(self.device)
+        self.received["headers"] += t.numel() * t.element_size() * (self.world - 1)
         out = [torch.empty_like(t) for _ in range(self.world)]
         self._run("all_gather", lambda: dist.all_gather(out, t, group=self.group))
         return [o.cpu() for o in out]
@@ -86,14 +90,10 @@ class _Comm:
                       for r, n in enumerate(got[:, 0].tolist()) if n]
             raise RankFailedError("; ".join(failed) + f" (the step is aborted on rank {self.rank} too; nothing changed)")
 
-    def gather_ids(self, local: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
-        """Every rank's ids (``lengths`` agreed beforehand)."""
-        buf = torch.zeros(max(max(lengths), 1), dtype=torch.int64)
-        buf[: len(local)] = local
-        return [part[:n] for part, n in zip(self.all_gather(buf), lengths)]
-
-    def exchange(self, send: list[list[torch.Tensor]], recv_bytes: Sequence[int]) -> list[torch.Tensor]:
-        """Send ``send[r]`` (tensors, as raw bytes) to rank r; the bytes from each rank."""
+    def exchange(self, send: list[list[torch.Tensor]], recv_bytes: Sequence[int], what: str) -> list[torch.Tensor]:
+        """Send ``send[r]`` (tensors, as raw bytes) to rank r; the bytes from each rank.
+        ``what`` they carry counts the bytes from the others in ``received``."""
+        self.received[what] += sum(recv_bytes) - recv_bytes[self.rank]
         chunks = [torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in parts]) if parts
                   else torch.empty(0, dtype=torch.uint8) for parts in send]
         out = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=self.device)

@@ -60,8 +60,9 @@ class _Step:
     names: list[str]  # tables of the batch, in the features' order
     bags: dict[str, Bags]
     psw: dict[str, torch.Tensor | None]  # per used entry
-    segs: dict[str, list[torch.Tensor]]  # per table of the plan: every rank's used ids
+    segs: dict[str, list[torch.Tensor]]  # per table of the plan: the used ids each rank sent this rank's shard
     psw_from: dict[str, list[bool]]  # per table: which ranks send per-sample weights
     weights: dict[str, torch.Tensor]  # rows each bag was pooled from
     number: int  # which forward of the module (the same on every rank)
+    partial: set[str]  # row-sharded tables whose owners got only their own ids (sorted stably)
 

@@ -11,6 +11,7 @@ equal to nn.EmbeddingBag(sparse=True)'s on CPU.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +22,7 @@ from tierstore.spec import MAX_ID, RowInit
 from tierstore.engine.tensors import check_has_values
 
 __all__ = ["MODES", "RUN", "BagIndexError", "BagOffsetsError", "BagTypeError", "Bags", "EmbeddingBagConfig", "Rows",
-           "mean_grads", "plan_bags", "row_grads", "sum_rows"]
+           "mean_grads", "plan_bags", "row_grads", "sort_is_stable", "sum_rows"]
 
 MODES = {"sum": 0, "mean": 1, "max": 2}
 
@@ -164,14 +165,17 @@ class Rows:
     _local: torch.Tensor | None = None
 
     @classmethod
-    def group(cls, ids: torch.Tensor, keep: torch.Tensor | None = None, sort_on: torch.device | None = None) -> "Rows":
+    def group(cls, ids: torch.Tensor, keep: torch.Tensor | None = None, sort_on: torch.device | None = None,
+              stable: bool = False) -> "Rows":
         """``keep`` [M] (bool) leaves entries out after the sort, so the kept ones stay
         in the order the sort of all ``ids`` gives them (a sharded owner's rows).
         ``sort_on``: a device that sorts; the result is on ``ids``' device either way.
         The sort is torch's default, as its sparse gradients' coalesce uses: a row's
-        entries are in the order that sums them as nn.EmbeddingBag does."""
+        entries are in the order that sums them as nn.EmbeddingBag does. ``stable``:
+        equal ids in input order, which is that order for a subset of a batch whose
+        whole sort is stable (``sort_is_stable``): a sharded owner given only its ids."""
         on = ids if sort_on is None else ids.to(sort_on)
-        sorted_ids, perm = torch.sort(on)
+        sorted_ids, perm = torch.sort(on, stable=stable)
         if keep is not None:
             perm = perm[keep.to(perm.device)[perm]]
             sorted_ids = on.index_select(0, perm)
@@ -189,6 +193,34 @@ class Rows:
         """[U] one entry of each row."""
         return self.perm.index_select(0, torch.cumsum(self.counts, 0) - self.counts)
 
+
+
+_PROBE_UP_TO = 1 << 20
+
+
+@functools.cache
+def _stable_from() -> int | None:
+    """The fewest int64 ids from which torch.sort's default on the CPU keeps equal ids in
+    input order (its radix sort, 32,768 in torch 2.x builds with OpenMP), probed once: equal
+    keys come out in input order only from a stable algorithm (the introsort below it swaps
+    them). None when not even at _PROBE_UP_TO."""
+    def stable(n: int) -> bool:
+        return torch.equal(torch.sort(torch.zeros(n, dtype=torch.int64)).indices, torch.arange(n))
+
+    lo, hi = 17, _PROBE_UP_TO
+    if not stable(hi):
+        return None
+    while lo < hi:  # the algorithm depends on the length alone, above a threshold
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if stable(mid) else (mid + 1, hi)
+    return lo
+
+
+def sort_is_stable(n: int) -> bool:
+    """Whether torch.sort's default orders n int64 ids on the CPU as stable=True does:
+    up to 16 (an insertion sort) and from the radix sort's threshold on."""
+    start = _stable_from()
+    return n <= 16 or (start is not None and n >= start)
 
 
 def row_grads(mode: str, bags: Bags, rows: Rows, grad_out: torch.Tensor, psw, max_idx) -> torch.Tensor:
