@@ -202,7 +202,7 @@ def test_the_cli_prints_the_plan_and_its_json_is_the_planners(tmp_path, capsys):
 def test_predicted_exchange_and_lookups_equal_what_the_sharded_module_does(tmp_path):
     """2 gloo ranks train through ShardedEmbeddingBagCollection: the bytes each sends (counted at
     torch.distributed) and its store's unique rows a step are the plan's, exactly."""
-    from tierstore.tools.bench_sharded import WARMUP, ShardedBenchConfig, measure
+    from tierstore.tools.bench_sharded import KINDS, WARMUP, ShardedBenchConfig, measure
 
     cfg = ShardedBenchConfig(tables=(("cold", 50_000, 0.6), ("hot", 500, 1.3), ("mid", 4_000, 1.0)), dim=8, batch=64,
                              pooling=4, steps=3, hbm_bytes=4096, ddr_bytes=16384)
@@ -214,6 +214,8 @@ def test_predicted_exchange_and_lookups_equal_what_the_sharded_module_does(tmp_p
         # the write-back queue serves some re-reads of written rows: at most the plan's SSD reads
         assert 0 < got["counts"]["ssd_reads"] / steps <= pred["ssd_reads_per_step"] + 1e-9
     assert run["ranks"][0]["counts"]["sent"] > 0
+    # what the module counts as received, by kind, is what torch.distributed was handed to send
+    assert sum(r["counts"][k] for r in run["ranks"] for k in KINDS) == sum(r["counts"]["sent"] for r in run["ranks"])
 
 
 @pytest.mark.parametrize("argv, expect", [

@@ -10,6 +10,12 @@ all_to_all_single, i.e. what the module hands to the network, its own part left
 out) against the plan's prediction, and each rank's lookups and SSD reads per step
 (its store's counters) against the plan's.
 
+Then the bytes each rank receives a step, by kind (the module's ``received_bytes``:
+headers, sizes, ids, rows, gradients), with a fixed local batch per rank, so the
+global batch grows with the ranks: what a rank receives should stay flat. Their sum
+over the ranks is checked against what torch.distributed was handed (every byte sent
+is received once) and against the plan's predicted bytes sent.
+
 The plan comes from ``plan()`` on the trace of the very batches the bench trains
 on, so the comparison checks the planner's model of each rank's work and of the
 module's protocol, not how well a trace forecasts the future.
@@ -17,6 +23,7 @@ module's protocol, not how well a trace forecasts the future.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import socket
@@ -36,6 +43,7 @@ from tierstore.validate import check_int
 from tierstore.errors import SettingError, StateError
 
 WORLD_SIZES = (1, 2, 4)
+KINDS = ("headers", "sizes", "ids", "rows", "grads")  # ShardedEmbeddingBagCollection.received_bytes
 WARMUP = 3
 
 
@@ -47,6 +55,7 @@ class ShardedBenchConfig:
                                                   ("mid1", 30_000, 1.0))
     dim: int = 32
     batch: int = 256  # global samples per step, split evenly among the ranks
+    local_batch: int = 2048  # samples per rank and step where the global batch grows with the ranks
     pooling: int = 8  # ids per sample and table (fixed: the ranks' parts are equal in ids too)
     steps: int = 15
     hbm_bytes: int = 256 << 10  # per rank
@@ -55,7 +64,7 @@ class ShardedBenchConfig:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("dim", "batch", "pooling", "steps", "hbm_bytes", "ddr_bytes"):
+        for name in ("dim", "batch", "local_batch", "pooling", "steps", "hbm_bytes", "ddr_bytes"):
             check_int(getattr(self, name), name, at_least=1)
         if self.batch % max(WORLD_SIZES):
             raise SettingError(f"batch must be a multiple of {max(WORLD_SIZES)} (every rank gets an equal part), got {self.batch}")
@@ -245,7 +254,8 @@ def _sharded_rank(rank: int, world_size: int, cfg: ShardedBenchConfig, trace, pl
     try:
         with SentBytes() as sent:
             result = _train(module, local_batches(trace, cfg, rank, world_size), head(cfg),
-                            lambda: {**store_counts(module.local_store), "sent": sent.bytes}, dist.barrier)
+                            lambda: {**store_counts(module.local_store), "sent": sent.bytes, **module.received_bytes},
+                            dist.barrier)
     finally:
         module.close()
     return result
@@ -268,20 +278,36 @@ def _baseline(cfg: ShardedBenchConfig, trace, workdir: str) -> dict:
             ebc.close()
 
 
-def measure(cfg: ShardedBenchConfig, workdir: str, world_sizes=WORLD_SIZES) -> dict:
-    """Per world size: the plan, and each rank's measured step time, bytes sent, lookups and SSD reads per step."""
+def _run(cfg: ShardedBenchConfig, trace, w: int, workdir: str) -> dict:
+    """The plan for ``w`` ranks and each rank's _train result."""
     import tierstore
     from tierstore.capacity.planner import plan
 
+    p = plan(specs_of(cfg), w, trace=trace, hbm_bytes=cfg.hbm_bytes, ddr_bytes=cfg.ddr_bytes,
+             optimizer=tierstore.optim.Adagrad(1.0))
+    with tempfile.TemporaryDirectory(dir=workdir) as d:
+        ranks = run_ranks(_sharded_rank, w, cfg, trace, p.to_json(), d)  # built once a run: each rank unpickles it
+    return {"plan": p, "ranks": ranks}
+
+
+def measure(cfg: ShardedBenchConfig, workdir: str, world_sizes=WORLD_SIZES) -> dict:
+    """Per world size: the plan, and each rank's measured step time, bytes sent, lookups and SSD reads per step."""
     torch.set_num_threads(1)
     trace = make_trace(cfg)
     out = {"baseline": _baseline(cfg, trace, workdir), "runs": {}}
     for w in world_sizes:  # a loop per world size
-        p = plan(specs_of(cfg), w, trace=trace, hbm_bytes=cfg.hbm_bytes, ddr_bytes=cfg.ddr_bytes,
-                 optimizer=tierstore.optim.Adagrad(1.0))
-        with tempfile.TemporaryDirectory(dir=workdir) as d:
-            ranks = run_ranks(_sharded_rank, w, cfg, trace, p.to_json(), d)  # built once a run: each rank unpickles it
-        out["runs"][w] = {"plan": p, "ranks": ranks}
+        out["runs"][w] = _run(cfg, trace, w, workdir)
+    return out
+
+
+def measure_received(cfg: ShardedBenchConfig, workdir: str, world_sizes=WORLD_SIZES, steps: int = 1) -> dict:
+    """Per world size, ranks each given ``cfg.local_batch`` samples a step (``steps`` after WARMUP):
+    the plan and each rank's counts (received bytes by kind, sent bytes) over all the steps."""
+    torch.set_num_threads(1)
+    out = {}
+    for w in world_sizes:  # a loop per world size
+        c = dataclasses.replace(cfg, batch=cfg.local_batch * w, steps=steps)
+        out[w] = _run(c, make_trace(c), w, workdir)
     return out
 
 
@@ -320,11 +346,41 @@ def format_report(cfg: ShardedBenchConfig, m: dict) -> str:
     return "\n".join(lines)
 
 
+def format_received(cfg: ShardedBenchConfig, runs: dict, steps: int = 1) -> str:
+    n = WARMUP + steps
+    lines = [f"\n   Bytes each rank receives a step, by kind: {cfg.local_batch} samples x {cfg.pooling} ids a table on every rank "
+             f"(the global batch grows with the ranks; counts over {n} steps)",
+             f"   {'ranks':>5} {'rank':>4} " + " ".join(f"{k:>9}" for k in KINDS) + f" {'total':>10}"]
+    for w, run in runs.items():
+        lines.append(f"   plan for {w}: " + "; ".join(f"{t} {tp.sharding} on {list(tp.ranks)}" for t, tp in run["plan"].tables.items()))
+        for r, got in enumerate(run["ranks"]):
+            c = got["counts"]
+            lines.append(f"   {w if r == 0 else '':>5} {r:>4} " + " ".join(f"{c[k] / n:>9,.0f}" for k in KINDS) +
+                         f" {sum(c[k] for k in KINDS) / n:>10,.0f}")
+        got = sum(sum(r["counts"][k] for k in KINDS) for r in run["ranks"]) / n
+        sent = sum(r["counts"]["sent"] for r in run["ranks"]) / n
+        pred = sum(p.get("exchange_bytes_per_step", 0) for p in run["plan"].predicted)
+        lines.append(f"   {'':>5} {'all':>4} received {got:,.0f} B a step = sent {sent:,.0f} (plan: {pred:,.0f})")
+    return "\n".join(lines)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     shared(p, "dir", "seed")
+    p.add_argument("--ranks", type=_ranks, default=WORLD_SIZES,
+                   help="world sizes to run, comma-separated, each 1 to 8 (default 1,2,4; 1,2,4,8 adds 8 ranks; not with --dmp)")
     p.add_argument("--dmp", action="store_true",
                    help="instead: TorchRec's DistributedModelParallel with tierstore shards against TorchRec's own, on 2, 4 "
                         "and 8 ranks, same batches (needs TorchRec)")
+
+
+def _ranks(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or not all(1 <= w <= 8 for w in sizes):
+        raise argparse.ArgumentTypeError(f"expected world sizes from 1 to 8, comma-separated (e.g. 1,2,4,8), got {text!r}")
+    return sizes
 
 
 def run(args: argparse.Namespace) -> None:
@@ -335,4 +391,5 @@ def run(args: argparse.Namespace) -> None:
 
             print(bench_sharded_dmp.format_report(cfg, bench_sharded_dmp.measure(cfg, d)))
         else:
-            print(format_report(cfg, measure(cfg, d)))
+            print(format_report(cfg, measure(cfg, d, args.ranks)))
+            print(format_received(cfg, measure_received(cfg, d, args.ranks)))

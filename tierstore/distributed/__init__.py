@@ -14,9 +14,15 @@ training TieredEmbeddingBagCollection on the concatenated global batch (rank
 - an owner sums a row's gradient from each occurrence's contribution (the
   grad_out row of its bag, its weight), not from per-rank partial sums, and
   in the order the single process sums them: the order torch.sort gives the
-  table's global ids. torch.sort's default is not stable (on CPU, for 17 to
-  ~100k entries), so that order depends on every id of the global batch: every
-  rank gathers the global ids of each table (8 bytes per entry) and sorts them;
+  table's global ids. Ids travel by all-to-all, each to the ranks holding its
+  row (every rank receives the ids of its shards, not the global batch): a
+  table's or column shard's owner gets all of the table's ids and sorts them as
+  the single process does; a row shard's owner sorts its own ids stably, which
+  is torch.sort's order where that is stable (up to 16 ids, and from its radix
+  sort's threshold, 32,768 ids, on: ``sort_is_stable``). Between the two,
+  torch.sort's order of equal ids depends on every id of the table's global
+  batch, so there a training forward sends a row-sharded table's ids whole to
+  each of its owners (8 bytes per entry and owner);
 - a column shard of a row-wise optimizer (RowWiseAdagrad, whose step divides
   by the mean of the whole row's squared gradient) receives whole-row
   gradients and keeps the row's accumulator itself; partial sums of squares
@@ -26,8 +32,10 @@ Every collective call begins with one all_gather of a fixed-size header: the
 call (an op code and its argument: table, with_state, training or not, the
 forward a backward belongs to), a hash of the settings that shape the messages
 (plan, tables, optimizer, comm_dtype, mode; also compared one by one at
-construction: SettingsMismatchError), an ok/error flag and the id count. The
-header is the same size whatever was called, so ranks that call different
+construction: SettingsMismatchError), an ok/error flag and the id count. A call
+that moves ids then exchanges their sizes (all_to_all_single of 3 int64s a table:
+what the receiver gets of the table, the sender's id count, its weight flag), so
+each rank knows what it receives before the ids and rows move. The header is the same size whatever was called, so ranks that call different
 collectives compare their calls (RankFailedError naming each rank's call, on
 every rank) instead of handing gloo messages of different sizes, which aborts
 the process. Bad input on one rank raises its own named error there
