@@ -1,14 +1,17 @@
 """``tierstore bench sharded --dmp``: TorchRec's DistributedModelParallel with tierstore shards
 (tierstore.torchrec.TieredEmbeddingBagCollectionSharder) against DMP with TorchRec's own shards
 (EmbeddingBagCollectionSharder, FBGEMM's fused CPU kernel, rows in memory), on 2, 4 and 8 local
-ranks, the same plan (every table row-wise) and the same batches, measured in the same run.
+ranks, the same plan (every table row-wise) and the same batches, measured in the same run: each
+rank holds both models and steps them in turn, so both see the same load of the machine.
 
 Per world size and sharder: the median step (input dist, lookup, output dist, backward with the
 fused row-wise Adagrad) of the slowest rank, and the bytes of ids and lengths each rank receives
 from TorchRec's input dist per step (its KeyedJaggedTensors after the all-to-all, its own part
 included): with the global batch fixed, a rank receives the ids of its rows, about
-batch x pooling x tables / ranks. tierstore's tiers hold every row (ddr_rows = the table's rows):
-what is compared is the sharder, not the disk.
+batch x pooling x tables / ranks. tierstore's shards are DDR-resident (ddr_rows = the table's
+rows, every row read into the tier before the timed steps, as TorchRec's are in memory) and run
+FBGEMM's fused backward (kernels="fbgemm"), as TorchRec's: what is compared is the sharder's
+lookup, not the disk.
 """
 from __future__ import annotations
 
@@ -24,13 +27,15 @@ WORLD_SIZES = (2, 4, 8)
 KINDS = ("tierstore", "torchrec")
 
 
-def _dmp_rank(rank: int, world_size: int, cfg: ShardedBenchConfig, trace, kind: str, workdir: str) -> dict:
-    import warnings
+ROUNDS = 4  # passes over the trace's batches: the timed steps of both sharders, alternating
 
-    warnings.simplefilter("ignore")  # FBGEMM and TorchRec warn about CPU-only builds
+
+def _sharded(kind: str, rank: int, world_size: int, cfg: ShardedBenchConfig, workdir: str):
+    """DMP's sharded EmbeddingBagCollection of ``kind`` (every table row-wise), its rows ready:
+    tierstore's shards read once whole into their DDR tiers, as TorchRec's are in memory."""
     import torch.distributed as dist
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
@@ -43,8 +48,9 @@ def _dmp_rank(rank: int, world_size: int, cfg: ShardedBenchConfig, trace, kind: 
     configs = [EmbeddingBagConfig(name=t, num_embeddings=rows, embedding_dim=cfg.dim, feature_names=[t])
                for t, rows, _ in cfg.tables]
     if kind == "tierstore":
+        # FBGEMM's fused backward, as TorchRec's shards run it
         sharder = TieredEmbeddingBagCollectionSharder(workdir, hbm_rows=0, ddr_rows={t: rows for t, rows, _ in cfg.tables},
-                                                      optimizer=tierstore.optim.RowWiseAdagrad(lr=cfg.lr))
+                                                      optimizer=tierstore.optim.RowWiseAdagrad(lr=cfg.lr), kernels="fbgemm")
     else:
         sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
                                                               "learning_rate": cfg.lr})
@@ -54,35 +60,59 @@ def _dmp_rank(rank: int, world_size: int, cfg: ShardedBenchConfig, trace, kind: 
     dmp = DistributedModelParallel(ebc, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
                                    sharders=[sharder], plan=ShardingPlan({"": plan}))
     sharded = dmp.module
-    w = torch.randn(len(names) * cfg.dim, generator=torch.Generator().manual_seed(cfg.seed + 1))
-    steps, received = [], 0
-    for i, feats in enumerate(local_batches(trace, cfg, rank, world_size)):
-        kjt = KeyedJaggedTensor.from_offsets_sync(
-            keys=names, values=torch.cat([feats[t][0] for t in names]),
-            offsets=torch.arange(0, len(names) * (cfg.batch // world_size) + 1) * cfg.pooling)
-        dist.barrier()
-        start = time.perf_counter()
-        ctx = sharded.create_context()
-        dist_input = sharded.input_dist(ctx, kjt).wait().wait()
-        pooled = sharded.compute_and_output_dist(ctx, dist_input).wait()
-        (pooled.values() @ w).sum().backward()
-        if i >= WARMUP:
-            steps.append(time.perf_counter() - start)
-            received += sum(f.values().numel() * f.values().element_size() + f.lengths().numel() * f.lengths().element_size()
-                            for f in dist_input)
     if kind == "tierstore":
-        sharded.close()
-    return {"step_s": statistics.median(steps), "ids_bytes": received / len(steps)}
+        for lookup in sharded._lookups:
+            for shard in lookup.shards:
+                end = shard.row_offset + shard.rows
+                for lo in range(shard.row_offset, end, 1 << 16):
+                    shard.bag.store.read(shard.key.table, torch.arange(lo, min(lo + (1 << 16), end)))
+    return sharded
+
+
+def _dmp_rank(rank: int, world_size: int, cfg: ShardedBenchConfig, trace, workdir: str) -> dict:
+    import warnings
+
+    warnings.simplefilter("ignore")  # FBGEMM and TorchRec warn about CPU-only builds
+    import torch.distributed as dist
+    from torchrec import KeyedJaggedTensor
+
+    names = [t for t, _, _ in cfg.tables]
+    modules = {kind: _sharded(kind, rank, world_size, cfg, workdir) for kind in KINDS}
+    w = torch.randn(len(names) * cfg.dim, generator=torch.Generator().manual_seed(cfg.seed + 1))
+    steps = {kind: [] for kind in KINDS}
+    received = {kind: 0 for kind in KINDS}
+    batches = [KeyedJaggedTensor.from_offsets_sync(
+        keys=names, values=torch.cat([feats[t][0] for t in names]),
+        offsets=torch.arange(0, len(names) * (cfg.batch // world_size) + 1) * cfg.pooling)
+        for feats in local_batches(trace, cfg, rank, world_size)]
+    for i in range(ROUNDS * len(batches)):  # a loop per step: each batch through both sharders, in turn
+        kinds = KINDS if i % 2 else KINDS[::-1]
+        for kind in kinds:
+            sharded = modules[kind]
+            dist.barrier()
+            start = time.perf_counter()
+            ctx = sharded.create_context()
+            dist_input = sharded.input_dist(ctx, batches[i % len(batches)]).wait().wait()
+            pooled = sharded.compute_and_output_dist(ctx, dist_input).wait()
+            (pooled.values() @ w).sum().backward()
+            if i >= WARMUP:
+                steps[kind].append(time.perf_counter() - start)
+                received[kind] += sum(f.values().numel() * f.values().element_size()
+                                      + f.lengths().numel() * f.lengths().element_size() for f in dist_input)
+    modules["tierstore"].close()
+    return {kind: {"step_s": statistics.median(steps[kind]), "ids_bytes": received[kind] / len(steps[kind])}
+            for kind in KINDS}
 
 
 def measure(cfg: ShardedBenchConfig, workdir: str, world_sizes=WORLD_SIZES) -> dict:
     """Per world size and sharder: each rank's median step and id bytes received per step."""
     trace = make_trace(cfg)
     out = {}
-    for w in world_sizes:  # a loop per world size and sharder
+    for w in world_sizes:  # a loop per world size
+        with tempfile.TemporaryDirectory(dir=workdir) as d:
+            ranks = run_ranks(_dmp_rank, w, cfg, trace, d)
         for kind in KINDS:
-            with tempfile.TemporaryDirectory(dir=workdir) as d:
-                out[w, kind] = run_ranks(_dmp_rank, w, cfg, trace, kind, d)
+            out[w, kind] = [r[kind] for r in ranks]
     return out
 
 

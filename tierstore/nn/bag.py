@@ -414,6 +414,14 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         _warn_untrained([self], self.training)
         return self._run(bags, per_sample_weights)
 
+    @outside_graphs
+    def forward_bags(self, bags: Bags, per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """The host forward of bags planned already (tierstore.training.bags.jagged_bags: a
+        KeyedJaggedTensor's, whose layout TorchRec checked), without forward's checks of its input."""
+        refuse_export(self)
+        _warn_untrained([self], self.training)
+        return self._run(bags, per_sample_weights)
+
     def batch_reads(self, batch) -> dict[str, torch.Tensor]:
         """The ids a batch in forward's input form (``input`` or ``(input, offsets[, ...])``)
         reads, by table: what LookaheadLoader prefetches."""
@@ -516,7 +524,7 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
 
     def _admitted_rows(self, bags: Bags) -> torch.Tensor | None:
         """After the forward's read: which rows its backward may update (admit_after)."""
-        if self.store.tables[self.table].admit_after == 1:
+        if self.store.spec(self.table).admit_after == 1:
             return None
         mask = self.store.trainer(self.table).admitted(bags.rows.uid)
         return None if mask is None or bool(mask.all()) else mask
@@ -570,7 +578,7 @@ class TieredEmbeddingBag(ScriptRefusal, nn.Module):
         if rows is None or trainer.written != writes:
             # another backward wrote rows since this forward read them: update the current values
             # with admission or TTL, not a step: they count steps, and whether this happens depends on the tiers
-            rows = trainer.reread(uid) if self.store.tables[self.table].lived else self.store.read(self.table, uid, with_state=True)
+            rows = trainer.reread(uid) if self.store.spec(self.table).lived else self.store.read(self.table, uid, with_state=True)
         if self.kernels == "fbgemm":
             weights, state = rows[:, :dim].contiguous(), rows[:, dim:].contiguous()
             fbgemm.fused_step(self.optimizer, weights, state, bags.rows.positions(), bags.ends(), grad_out, psw, self.config.mode)

@@ -35,6 +35,7 @@ from tierstore.errors import SettingError, UnsupportedError
 from tierstore.nn import TieredEmbeddingBag
 from tierstore.optim import RowOptimizer
 from tierstore.spec import RowInit, TableSpec
+from tierstore.training.bags import jagged_bags
 from tierstore.store import TieredStore
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
@@ -132,16 +133,14 @@ class _Shard(nn.Module):
         self.bag = TieredEmbeddingBag(table.num_embeddings, table.local_cols, mode=mode, store=store,
                                       table=table.name, optimizer=optimizer, include_last_offset=True, kernels=kernels)
 
-    def ids(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        """The table's global row ids of ``features`` (this shard's keys)."""
-        values = features.values()
+    def ids(self, values: torch.Tensor) -> torch.Tensor:
+        """The table's global row ids of ``values`` (ids of this shard's keys, TorchRec's local ones)."""
         return values + self.row_offset if self.row_offset else values
 
-    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        """``features`` holds this shard's keys; [batch, features x dim], each feature's bags side by side."""
-        batch = features.stride()
-        weights = features.weights_or_none()
-        pooled = self.bag(self.ids(features), features.offsets(), weights)
+    def forward(self, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, batch: int) -> torch.Tensor:
+        """This shard's features' ids, bag offsets ([features x batch + 1], from 0) and weights,
+        as TorchRec's input dist gave them; [batch, features x dim], each feature's bags side by side."""
+        pooled = self.bag.forward_bags(jagged_bags(self.bag.config, self.ids(values), offsets), weights)
         if self.num_features == 1:
             return pooled
         return pooled.view(self.num_features, batch, self.dim).transpose(0, 1).reshape(batch, self.num_features * self.dim)
@@ -157,7 +156,10 @@ class ShardLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.Tensor]):
         partial_sums = sharding_type in (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
         self.shards = nn.ModuleList(_Shard(t, stores, optimizer, kernels, partial_sums)
                                     for g in grouped_configs for t in g.embedding_tables)
-        self._splits = [s.num_features for s in self.shards]
+        # where each shard's features start among the lookup's, and where the last ends
+        self._bounds = [0]
+        for shard in self.shards:
+            self._bounds.append(self._bounds[-1] + shard.num_features)
         self._device = device
         self._prefetched: list = []  # tickets of the prefetches ahead of the next forward
 
@@ -170,16 +172,28 @@ class ShardLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.Tensor]):
         tickets, self._prefetched = self._prefetched, []
         for ticket in tickets:  # a failed prefetch (a bad id) raises here, before any row is read
             ticket.wait()
-        parts = sparse_features.split(self._splits)
-        return torch.cat([shard(part) for shard, part in zip(self.shards, parts)], dim=1)
+        batch = sparse_features.stride()
+        return torch.cat([shard(*part, batch) for shard, part in zip(self.shards, self._parts(sparse_features))], dim=1)
+
+    def _parts(self, features: KeyedJaggedTensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """Each shard's (ids, bag offsets from 0, weights) of ``features``: slices of its
+        values, in place of KeyedJaggedTensor.split's new jagged tensors."""
+        values, offsets, weights = features.values(), features.offsets(), features.weights_or_none()
+        bags = [k * features.stride() for k in self._bounds]
+        at = offsets[bags].tolist()
+        parts = []
+        for i in range(len(self.shards)):
+            lo, hi = at[i], at[i + 1]
+            parts.append((values[lo:hi], offsets[bags[i]: bags[i + 1] + 1] - lo, None if weights is None else weights[lo:hi]))
+        return parts
 
     def prefetch(self, sparse_features: KeyedJaggedTensor, forward_stream=None) -> None:
         """Start bringing up the rows of a later forward of ``sparse_features`` (this rank's ids,
         after TorchRec's input dist): TorchRec's prefetching pipelines
         (PrefetchTrainPipelineSparseDist) call it for the batch ahead. Returns at once."""
         if self.shards:
-            parts = sparse_features.split(self._splits)
-            self._prefetched += [shard.bag.prefetch(shard.ids(part)) for shard, part in zip(self.shards, parts)]
+            self._prefetched += [shard.bag.prefetch(shard.ids(part[0]))
+                                 for shard, part in zip(self.shards, self._parts(sparse_features))]
 
     # TorchRec's sharded module asks its lookups for these; the rows' state is the sharded module's
     def state_dict(self, destination=None, prefix="", keep_vars=False):

@@ -363,18 +363,7 @@ def plan_bags(c: EmbeddingBagConfig, input, offsets, per_sample_weights) -> Bags
     else:
         end = n_input
     ids = flat[:end]
-    if end:
-        lo, hi = torch.aminmax(ids)
-        if lo < 0 or (c.num_embeddings is not None and hi >= c.num_embeddings):
-            bad = ids < 0
-            if c.num_embeddings is not None:
-                bad |= ids >= c.num_embeddings
-            i = int(torch.nonzero(bad)[0])
-            hi = c.num_embeddings if c.num_embeddings is not None else "2**63"
-            raise BagIndexError(
-                f"Index {i} of input takes value {int(ids[i])} which is not in the valid range [0, {hi}) "
-                f"of table {c.table!r}"
-            )
+    _check_range(c, ids)
     nbags = len(starts)
     sizes = torch.diff(starts, append=torch.tensor([end], dtype=torch.int64))
     bag_of = None
@@ -391,3 +380,26 @@ def plan_bags(c: EmbeddingBagConfig, input, offsets, per_sample_weights) -> Bags
         torch.cumsum(sizes[:-1], 0, out=bag_offsets[1:])
     return Bags(ids, sizes, bag_offsets, used, n_input, input.device if input.device.type == "cuda" else None, _bag_of=bag_of)
 
+
+
+def _check_range(c: EmbeddingBagConfig, ids: torch.Tensor) -> None:
+    if len(ids):
+        lo, hi = torch.aminmax(ids)
+        if lo < 0 or (c.num_embeddings is not None and hi >= c.num_embeddings):
+            bad = ids < 0
+            if c.num_embeddings is not None:
+                bad |= ids >= c.num_embeddings
+            i = int(torch.nonzero(bad)[0])
+            hi = c.num_embeddings if c.num_embeddings is not None else "2**63"
+            raise BagIndexError(
+                f"Index {i} of input takes value {int(ids[i])} which is not in the valid range [0, {hi}) "
+                f"of table {c.table!r}"
+            )
+
+
+def jagged_bags(c: EmbeddingBagConfig, ids: torch.Tensor, offsets: torch.Tensor) -> Bags:
+    """plan_bags for bags a jagged tensor made (TorchRec's KeyedJaggedTensor: ``offsets`` [B + 1] from 0 to len(ids), non-decreasing, as its lengths give them), when
+    the table has no padding_idx: only the ids' range is checked, as the batch's layout is."""
+    ids, offsets = ids.to("cpu", torch.int64), offsets.to("cpu", torch.int64)
+    _check_range(c, ids)
+    return Bags(ids, torch.diff(offsets), offsets[:-1], None, len(ids))
