@@ -181,13 +181,16 @@ def train_cases(rank: int, out: Path) -> dict:
             o.pow(2).sum().backward()
             dmp.fused_optimizer.step()
             outs.append(o.detach())
+        optim_state = dmp.fused_optimizer.state_dict()["state"]
         results[case] = {"outs": outs, "rows": _local_rows(dmp, kind),
+                         "optim_shapes": {p: {k: tuple(v.shape) for k, v in st.items()} for p, st in optim_state.items()},
                          "types": {t: p.sharding_type for t, p in dmp.plan.plan["ebc"].items()}}
         if kind == "tierstore":
             dmp.module.ebc.close()
     results["tierstore-collection"] = tierstore_collection(rank, out)
     results["pipelines"] = pipelines(rank, out)
     results["dcp"] = save_checkpoint(rank, out)
+    results["resumed"] = resumed(rank, out)
     results["load-2"] = load_checkpoint(rank, out / "load-2", out / "dcp")["dcp"]
     return results
 
@@ -247,17 +250,48 @@ def save_checkpoint(rank: int, out: Path) -> dict:
     return {"rows": rows, "keys": keys}
 
 
+def _restore(dmp, checkpoint: Path) -> None:
+    """Load a DCP checkpoint of the model and its fused optimizer into ``dmp``."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}
+    dcp.load(state, checkpoint_id=checkpoint)
+    dmp.load_state_dict(state["model"])
+    dmp.fused_optimizer.load_state_dict(state["optim"])
+
+
+def resumed(rank: int, out: Path) -> dict:
+    """Column-wise shards with row-wise Adagrad (an accumulator per row in each column shard):
+    STEPS steps, a DCP checkpoint, 2 steps more; and those 2 steps by a model restored from the
+    checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    def more(dmp) -> dict:
+        outs = []
+        for step in range(STEPS, STEPS + 2):
+            o = dmp(batch(step, rank))
+            o.pow(2).sum().backward()
+            outs.append(o.detach())
+        rows = _local_rows(dmp, "tierstore")
+        dmp.module.ebc.close()
+        return {"outs": outs, "rows": rows}
+
+    dmp = _dmp(out / "resumed-source", "column", "rowwise", "tierstore", "tiny")
+    for step in range(STEPS):
+        dmp(batch(step, rank)).pow(2).sum().backward()
+    dcp.save({"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}, checkpoint_id=out / "dcp-column")
+    uninterrupted = more(dmp)
+    dmp = _dmp(out / "resumed", "column", "rowwise", "tierstore", "tiny")
+    _restore(dmp, out / "dcp-column")
+    return {"uninterrupted": uninterrupted, "restored": more(dmp)}
+
+
 def load_checkpoint(rank: int, out: Path, checkpoint: Path | None = None) -> dict:
     """The checkpoint save_checkpoint made (in the folder above ``out``), loaded onto this launch's
     ranks (RESHARDED's plan for their number)."""
-    import torch.distributed.checkpoint as dcp
-
     world = dist.get_world_size()
     dmp = _dmp(out / "stores", f"resharded-{world}", "rowwise", "tierstore", "roomy", world=world)
-    state = {"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}
-    dcp.load(state, checkpoint_id=checkpoint or out.parent / "dcp")
-    dmp.load_state_dict(state["model"])
-    dmp.fused_optimizer.load_state_dict(state["optim"])
+    _restore(dmp, checkpoint or out.parent / "dcp")
     rows = _local_rows(dmp, "tierstore")
     dmp.module.ebc.close()
     return {"dcp": {"rows": rows}}
@@ -385,6 +419,18 @@ def test_dmp_trains_as_torchrecs_sharder_and_the_unsharded_model(trained, plan_n
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("plan_name", list(PLANS))
+def test_the_fused_optimizers_state_has_torchrecs_keys_and_shapes(trained, plan_name):
+    """Row-wise Adagrad's momentum1 of a column-sharded table holds each column shard's
+    accumulators, [rows x column shards], as TorchRec's."""
+    ours, theirs = (plan_name, "rowwise", "tierstore", "tiny"), (plan_name, "rowwise", "torchrec", "tiny")
+    for res in trained:  # TorchRec's names a rank's own tables; tierstore's every table (no rows where none)
+        got, want = res[ours]["optim_shapes"], res[theirs]["optim_shapes"]
+        assert want and {p: got[p] for p in want} == want
+    assert trained[0][("column", "rowwise", "torchrec", "tiny")]["optim_shapes"]["ebc.embedding_bags.t1.weight"] == \
+        {"t1.momentum1": (80,)}
+
+
 def test_every_sharding_type_on_the_cpu_was_run(trained):
     types = {t for res in trained for case in CASES for t in res[case]["types"].values()}
     assert types == {"table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise"}
@@ -469,6 +515,18 @@ def test_a_dcp_checkpoint_of_2_ranks_loads_onto_another_plan_and_world_size(trai
     assert sorted(saved) == sorted(loaded) == ["t1", "t1.state", "t2", "t2.state"]
     for name in saved:
         assert torch.equal(saved[name], loaded[name]), name
+
+
+def test_column_shards_resume_from_a_dcp_checkpoint_as_if_uninterrupted(trained):
+    """Each column shard's row-wise Adagrad accumulators are saved (TorchRec's momentum1 holds one
+    per row of each column shard): the restored model's next steps are the uninterrupted ones."""
+    for res in trained:
+        a, b = res["resumed"]["uninterrupted"], res["resumed"]["restored"]
+        assert all(torch.equal(x, y) for x, y in zip(a["outs"], b["outs"]))
+        assert sorted(a["rows"]) == sorted(b["rows"]) and "t1.state" in a["rows"]
+        for table in a["rows"]:
+            for (r, c, x), (r2, c2, y) in zip(a["rows"][table], b["rows"][table], strict=True):
+                assert (r, c) == (r2, c2) and torch.equal(x, y), (table, r, c)
 
 
 def test_a_rank_killed_between_steps_ends_the_other_with_rank_failed_error(tmp_path):

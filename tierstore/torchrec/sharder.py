@@ -122,13 +122,20 @@ class TieredShardedEmbeddingBagCollection(SharedViews, ShardedEmbeddingBagCollec
         time; DCP saves each rank's rows and reshards them on load."""
         config = self._table_name_to_config[table]
         dtype = _DTYPES[config.data_type][0]
+        # each column shard trains its own per-row state (row-wise Adagrad's accumulator), as
+        # TorchRec's do: their states side by side, by column, in TorchRec's layout
+        columns = sorted({int(s.shard_offsets[1]) for s in self.module_sharding_plan[table].sharding_spec.shards})
+
+        def col_shard(col: int) -> tuple[int, int] | None:
+            return (columns.index(col), len(columns)) if len(columns) > 1 else None
+
         parts = [table_views(shard.bag.store, table, config.num_embeddings, config.embedding_dim, dtype, self._sharder.optimizer,
                              (shard.key.row_offset, shard.key.row_offset + shard.rows),
-                             (shard.key.col_offset, shard.key.col_offset + shard.dim))
+                             (shard.key.col_offset, shard.key.col_offset + shard.dim), col_shard(shard.key.col_offset))
                  for lookup in self._lookups for shard in lookup.shards if shard.key.table == table]
         if not parts:  # no shard here: views of no rows
             return table_views(None, table, config.num_embeddings, config.embedding_dim, dtype, self._sharder.optimizer,
-                               (0, 0))
+                               (0, 0), None, col_shard(columns[0]))
 
         def merged(views: list[TableView]) -> TableView:
             first = views[0]

@@ -68,6 +68,7 @@ class Block:
     c1: int
     base: int
     saves: bool = True  # DCP's save writes it from here (one column shard saves a row's shared state)
+    shift: int = 0  # view row r is the store's row r - shift (a column shard's per-row state, TorchRec's layout)
     store: object = None  # the store holding it, where not the view's (a rank's shards of a table in several stores)
 
 
@@ -134,7 +135,7 @@ class TableView(torch.Tensor):
         return max(1, IO_BYTES // (self._store_of(blk).tables[self._table].width * 4))
 
     def _read(self, blk: Block, a: int, b: int, c: int, d: int) -> torch.Tensor:
-        rows = self._store_of(blk).peek(self._table, torch.arange(a, b), with_state=True)
+        rows = self._store_of(blk).peek(self._table, torch.arange(a - blk.shift, b - blk.shift), with_state=True)
         part = rows[:, blk.base + c - blk.c0: blk.base + d - blk.c0].to(self.dtype)
         return part if len(self._full) == 2 else part.reshape(-1)
 
@@ -188,7 +189,7 @@ class TableView(torch.Tensor):
     def _put(self, spec, blk: Block, lo: int, hi: int, c: int, part: torch.Tensor) -> None:
         """Set columns of rows [lo, hi): rows whose bits change are written, or deleted
         when they become their initial value with zero state."""
-        ids = torch.arange(lo, hi)
+        ids = torch.arange(lo - blk.shift, hi - blk.shift)
         store = self._store_of(blk)
         old = store.peek(self._table, ids, with_state=True)
         new = old.clone()
@@ -361,9 +362,15 @@ class TableViews:
 
 
 def table_views(store, table: str, num_rows: int | None, dim: int, dtype: str, optimizer: RowOptimizer | None,
-                rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> TableViews:
+                rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
+                col_shard: tuple[int, int] | None = None) -> TableViews:
     """Views of ``table`` in ``store``, which holds rows ``rows`` and columns ``cols`` of it
-    (a shard; default all), for a table of ``num_rows`` x ``dim`` trained by ``optimizer``."""
+    (a shard; default all), for a table of ``num_rows`` x ``dim`` trained by ``optimizer``.
+
+    A row's per-row state (row-wise Adagrad's accumulator) is one value, saved by the shard
+    at column 0, unless ``col_shard`` = (k, n) says that each of the table's n column shards
+    keeps its own, this shard being the k-th by column: then the state is [num_rows x n] with
+    this shard's at rows k x num_rows on, as TorchRec lays out a column-sharded table's."""
     if num_rows is None:
         raise SettingError(
             f"table {table!r} has an unbounded id space (num_rows=None), which no tensor in state_dict() can hold; "
@@ -378,8 +385,11 @@ def table_views(store, table: str, num_rows: int | None, dim: int, dtype: str, o
     state = {f"{table}.{name}": TableView(store, table, name, (num_rows, dim), torch.float32,
                                           [Block(r0, r1, c0, c1, local * (j + 1))])
              for j, name in enumerate(segments)}
-    state.update({f"{table}.{name}": TableView(store, table, name, (num_rows,), torch.float32,
-                                               [Block(r0, r1, 0, 1, local * (a + 1) + j, saves=c0 == 0)])
+    k, n = col_shard or (0, 1)
+    shift = k * num_rows
+    state.update({f"{table}.{name}": TableView(store, table, name, (num_rows * n,), torch.float32,
+                                               [Block(r0 + shift, r1 + shift, 0, 1, local * (a + 1) + j,
+                                                      saves=col_shard is not None or c0 == 0, shift=shift)])
                   for j, name in enumerate(values)})
     return TableViews(weight, state)
 
