@@ -101,9 +101,15 @@ def _pooled(collection, features: KeyedJaggedTensor) -> KeyedTensor:
             raise UnknownTableError(f"features {missing} are not in the KeyedJaggedTensor (it has {list(jagged)})")
     pooled = []
     for t in configs:
-        for f in t.feature_names:
-            jt = jagged[f]
-            pooled.append(collection.embedding_bags[t.name](jt.values(), jt.offsets(), jt.weights() if collection._is_weighted else None))
+        parts = [jagged[f] for f in t.feature_names]
+        weights = torch.cat([jt.weights() for jt in parts]) if collection._is_weighted else None
+        # a table's features in one lookup, as TorchRec's fused tables (FBGEMM's TBE) pool them: a row that
+        # several features read takes one optimizer step on its summed gradient, not one per feature
+        lengths = torch.cat([jt.lengths() for jt in parts])
+        offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0, dtype=lengths.dtype)])
+        out = collection.embedding_bags[t.name](torch.cat([jt.values() for jt in parts]), offsets, weights)
+        pieces = out.split([jt.lengths().shape[0] for jt in parts])
+        pooled.extend(pieces[i] for i in range(len(parts)))  # indexed, not iterated: torch.fx traces it
     return KeyedTensor(keys=collection._embedding_names, length_per_key=collection._lengths_per_embedding,
                        values=_pool_per_sample(pooled, inverse_indices))
 
