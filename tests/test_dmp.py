@@ -37,13 +37,13 @@ def configs() -> list[EmbeddingBagConfig]:
                                init_fn=functools.partial(torch.nn.init.normal_, mean=0.0, std=0.3))]
 
 
-def initial_weights() -> dict[str, torch.Tensor]:
+def initial_weights(tables: list[EmbeddingBagConfig] | None = None) -> dict[str, torch.Tensor]:
     """Each table's rows as tierstore initializes them from its config (the oracles start there)."""
     from tierstore.torchrec import row_init
 
     return {c.name: torch.from_numpy(initial_rows(TableSpec(c.name, c.num_embeddings, c.embedding_dim, init=row_init(c)),
                                                   torch.arange(c.num_embeddings).numpy()))
-            for c in configs()}
+            for c in tables or configs()}
 
 
 def batch(step: int, rank: int) -> KeyedJaggedTensor:
@@ -139,11 +139,12 @@ def _planned(model, path: Path, constraints: dict):
     return planner.collective_plan(model, [sharder], dist.group.WORLD).plan["ebc"]
 
 
-def _local_rows(dmp, kind: str) -> dict[str, list]:
-    """This rank's shards: [(row offset, col offset, rows)] by table."""
+def _local_rows(dmp, kind: str, ebc=None) -> dict[str, list]:
+    """This rank's shards (of ``ebc``, the model's sharded collection; default ``ebc``):
+    [(row offset, col offset, rows)] by table."""
     out: dict[str, list] = {}
     if kind == "tierstore":
-        for lookup in dmp.module.ebc._lookups:
+        for lookup in (ebc or dmp.module.ebc)._lookups:
             for shard in lookup.shards:
                 k = shard.key
                 ids = torch.arange(k.row_offset, k.row_offset + shard.rows)
@@ -153,7 +154,7 @@ def _local_rows(dmp, kind: str) -> dict[str, list]:
         return out
     for key, st in dmp.state_dict().items():
         table = key.split(".")[-2]
-        for sh in st.local_shards():
+        for sh in st.local_shards() if "embedding_bags" in key else ():
             r, c = sh.metadata.shard_offsets
             out.setdefault(table, []).append((r, c, sh.tensor.detach().clone()))
     return out
@@ -162,7 +163,7 @@ def _local_rows(dmp, kind: str) -> dict[str, list]:
 def _set_torchrec_rows(dmp, full: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for key, st in dmp.state_dict().items():
-            for sh in st.local_shards():
+            for sh in st.local_shards() if "embedding_bags" in key else ():
                 (r, c), (nr, nc) = sh.metadata.shard_offsets, sh.metadata.shard_sizes
                 sh.tensor.copy_(full[key.split(".")[-2]][r:r + nr, c:c + nc])
 
@@ -191,6 +192,7 @@ def train_cases(rank: int, out: Path) -> dict:
     results["pipelines"] = pipelines(rank, out)
     results["dcp"] = save_checkpoint(rank, out)
     results["resumed"] = resumed(rank, out)
+    results["dlrm"] = {kind: dlrm_trained(rank, out, kind) for kind in ("tierstore", "torchrec")}
     results["load-2"] = load_checkpoint(rank, out / "load-2", out / "dcp")["dcp"]
     return results
 
@@ -286,6 +288,90 @@ def resumed(rank: int, out: Path) -> dict:
     return {"uninterrupted": uninterrupted, "restored": more(dmp)}
 
 
+# a DLRM whose big table is 10x each rank's DDR tier (row-wise on 2 ranks: 200 rows a rank, DDR 20)
+DLRM_TABLES = [EmbeddingBagConfig(name="big", num_embeddings=400, embedding_dim=4, feature_names=["f1"]),
+               EmbeddingBagConfig(name="small", num_embeddings=20, embedding_dim=4, feature_names=["f2"])]
+DLRM_TIERS = {"hbm_rows": 4, "ddr_rows": 20}
+DLRM_PLANS = {1: {"big": ("table_wise", {"rank": 0}), "small": ("table_wise", {"rank": 0})},
+              2: {"big": ("row_wise", {}), "small": ("table_wise", {"rank": 1})},
+              4: {"big": ("row_wise", {}), "small": ("table_wise", {"rank": 3})}}
+DLRM_FQN = "sparse_arch.embedding_bag_collection"
+
+
+def _dlrm(path: Path, kind: str):
+    """torchrec.models.dlrm.DLRM (its tables on the meta device) under DMP on this launch's
+    ranks, DLRM_PLANS' plan; the dense layers the same on every rank and in every run."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed import sharding_plan as sp
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.models.dlrm import DLRM
+
+    from tierstore.torchrec import TieredEmbeddingBagCollectionSharder
+
+    world = dist.get_world_size()
+    if kind == "tierstore":
+        sharder = TieredEmbeddingBagCollectionSharder(path, optimizer=optim.RowWiseAdagrad(lr=LR, eps=EPS), **DLRM_TIERS)
+    else:
+        sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                                                              "learning_rate": LR, "eps": EPS})
+    torch.manual_seed(0)
+    model = DLRM(embedding_bag_collection=EmbeddingBagCollection(DLRM_TABLES, device=torch.device("meta")),
+                 dense_in_features=3, dense_arch_layer_sizes=[6, 4], over_arch_layer_sizes=[5, 1],
+                 dense_device=torch.device("cpu"))
+    per_param = {t: getattr(sp, fn)(**args) for t, (fn, args) in DLRM_PLANS[world].items()}
+    module_plan = sp.construct_module_sharding_plan(model.sparse_arch.embedding_bag_collection, per_param, sharder=sharder,
+                                                    local_size=world, world_size=world, device_type="cpu")
+    if kind == "torchrec":
+        for p in module_plan.values():
+            p.compute_kernel = "fused"
+    return DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
+                                    sharders=[sharder], plan=ShardingPlan({DLRM_FQN: module_plan}))
+
+
+def _dlrm_state(dmp, kind: str) -> dict:
+    """The DLRM's rows (this rank's shards, with their state) and dense parameters."""
+    dense = {k: v.detach().clone() for k, v in dmp.state_dict().items() if "embedding_bags" not in k}
+    return {"rows": _local_rows(dmp, kind, dmp.module.sparse_arch.embedding_bag_collection), "dense": dense}
+
+
+def dlrm_trained(rank: int, out: Path, kind: str) -> dict:
+    """STEPS steps of the DLRM (dense layers by SGD, tables by the fused row-wise Adagrad) on
+    2 ranks; tierstore's run then saves a DCP checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    dmp = _dlrm(out / "dlrm", kind)
+    if kind == "torchrec":
+        _set_torchrec_rows(dmp, initial_weights(DLRM_TABLES))
+    dense_opt = torch.optim.SGD(dmp.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2"], values=torch.cat(
+            [torch.randint(0, 400, (8 * B,), generator=g), torch.randint(0, 20, (8 * B,), generator=g)]),
+            lengths=torch.full((2 * B,), 8))
+        logits = dmp(torch.rand(B, 3, generator=g), kjt).squeeze(1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.randint(0, 2, (B,), generator=g).float())
+        dense_opt.zero_grad()
+        loss.backward()
+        dense_opt.step()
+        losses.append(loss.detach())
+    result = {"losses": losses, **_dlrm_state(dmp, kind)}
+    if kind == "tierstore":
+        dcp.save({"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}, checkpoint_id=out / "dcp-dlrm")
+        dmp.module.sparse_arch.embedding_bag_collection.close()
+    return result
+
+
+def dlrm_restored(checkpoint: Path, out: Path) -> dict:
+    dmp = _dlrm(out / "dlrm", "tierstore")
+    _restore(dmp, checkpoint)
+    result = _dlrm_state(dmp, "tierstore")
+    dmp.module.sparse_arch.embedding_bag_collection.close()
+    return result
+
+
 def load_checkpoint(rank: int, out: Path, checkpoint: Path | None = None) -> dict:
     """The checkpoint save_checkpoint made (in the folder above ``out``), loaded onto this launch's
     ranks (RESHARDED's plan for their number)."""
@@ -294,7 +380,9 @@ def load_checkpoint(rank: int, out: Path, checkpoint: Path | None = None) -> dic
     _restore(dmp, checkpoint or out.parent / "dcp")
     rows = _local_rows(dmp, "tierstore")
     dmp.module.ebc.close()
-    return {"dcp": {"rows": rows}}
+    if checkpoint is not None:  # within the launch that saved it
+        return {"dcp": {"rows": rows}}
+    return {"dcp": {"rows": rows}, "dlrm": dlrm_restored(out.parent / "dcp-dlrm", out)}
 
 
 def killed(rank: int, out: Path) -> dict:
@@ -350,13 +438,13 @@ def trained(trained_at):
 
 
 # -- the oracles ----------------------------------------------------------------------------
-def assembled(results: list, case) -> dict[str, torch.Tensor]:
+def assembled(results: list, case, tables: list[EmbeddingBagConfig] | None = None) -> dict[str, torch.Tensor]:
     """Each table's rows (and "<table>.state": its optimizer state), assembled from every rank's shards."""
     full = {}
     for res in results:
         for table, shards in res[case]["rows"].items():
             for r, c, rows in shards:
-                config = next(t for t in configs() if table.split(".")[0] == t.name)
+                config = next(t for t in tables or configs() if table.split(".")[0] == t.name)
                 width = config.embedding_dim if table == config.name else rows.shape[1]
                 part = full.setdefault(table, torch.full((config.num_embeddings, width), float("nan")))
                 part[r:r + rows.shape[0], c:c + rows.shape[1]] = rows
@@ -501,20 +589,61 @@ def test_init_fn_gives_the_rows_their_first_values(trained):
         torch.testing.assert_close(res[("table", "sgd", "tierstore", "tiny")]["outs"][0], outs[r][0], rtol=0, atol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def loaded(trained, trained_at):
+    """The checkpoints of the 2-rank launch restored by a launch of ``world`` ranks (each once)."""
+    runs = {}
+
+    def at(world: int) -> list:
+        if world not in runs:
+            runs[world] = launch(trained_at / f"load-{world}", "load", world=world)
+        return runs[world]
+
+    return at
+
+
 @pytest.mark.parametrize("world", [2, 1, pytest.param(4, marks=pytest.mark.slow)])  # 4 processes: 45 s on 2 cores
-def test_a_dcp_checkpoint_of_2_ranks_loads_onto_another_plan_and_world_size(trained, trained_at, world):
+def test_a_dcp_checkpoint_of_2_ranks_loads_onto_another_plan_and_world_size(trained, loaded, world):
     """DCP saves each rank's shards in chunks under TorchRec's names (t1 on rank 0, t2 on rank 1);
     loaded onto 2 ranks (t1 split by rows, t2 on rank 0), 1 rank (every table there) and 4 (t1
     split by rows, t2 on rank 3), the rows and row-wise Adagrad's state are the saved ones, bit
     for bit."""
     assert "ebc.embedding_bags.t1.weight" in trained[0]["dcp"]["keys"]
     saved = assembled(trained, "dcp")
-    results = [{"dcp": res["load-2"]} for res in trained] if world == 2 else \
-        launch(trained_at / f"load-{world}", "load", world=world)
+    results = [{"dcp": res["load-2"]} for res in trained] if world == 2 else loaded(world)
     loaded = assembled(results, "dcp")
     assert sorted(saved) == sorted(loaded) == ["t1", "t1.state", "t2", "t2.state"]
     for name in saved:
         assert torch.equal(saved[name], loaded[name]), name
+
+
+@pytest.mark.parametrize("world", [1, pytest.param(4, marks=pytest.mark.slow)])  # 4 processes: 45 s on 2 cores
+def test_a_dlrm_with_a_table_10x_its_ranks_ddr_tier_trains_checkpoints_and_restores_bit_for_bit(trained, loaded, world):
+    """torchrec's DLRM, its big table row-wise on 2 ranks (200 rows a rank under DDR tiers of 20
+    and HBM tiers of 4, the rest in LMDB), trains as with TorchRec's own sharder (same rows and
+    dense layers at the start); its DCP checkpoint restores onto 1 rank (every table there) and
+    4 (big row-wise, small on rank 3): rows, row-wise Adagrad's state and the dense layers bit
+    for bit."""
+    ours, theirs = ([res["dlrm"][kind] for res in trained] for kind in ("tierstore", "torchrec"))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(torch.stack(a["losses"]), torch.stack(b["losses"]), rtol=0, atol=1e-5)
+        assert sorted(a["dense"]) == sorted(b["dense"]) and a["dense"]
+        for key in a["dense"]:
+            torch.testing.assert_close(a["dense"][key], b["dense"][key], rtol=0, atol=1e-5)
+    saved = assembled([{"x": r} for r in ours], "x", DLRM_TABLES)
+    want = assembled([{"x": r} for r in theirs], "x", DLRM_TABLES)
+    for table in ("big", "small"):
+        torch.testing.assert_close(saved[table], want[table], rtol=0, atol=1e-5)
+    trained_rows = (saved["big"] != initial_weights(DLRM_TABLES)["big"]).any(1)
+    assert int(trained_rows[:200].sum()) > 24 and int(trained_rows[200:].sum()) > 24  # more than a rank's tiers hold
+    restored = [res["dlrm"] for res in loaded(world)]
+    got = assembled([{"x": r} for r in restored], "x", DLRM_TABLES)
+    assert sorted(got) == sorted(saved) == ["big", "big.state", "small", "small.state"]
+    for name in saved:
+        assert torch.equal(got[name], saved[name]), name
+    for res in restored:
+        assert sorted(res["dense"]) == sorted(ours[0]["dense"])
+        assert all(torch.equal(res["dense"][k], ours[0]["dense"][k]) for k in res["dense"])
 
 
 def test_column_shards_resume_from_a_dcp_checkpoint_as_if_uninterrupted(trained):
