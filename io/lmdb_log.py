@@ -2,6 +2,7 @@
 read snapshot, appends, collection, sweeps, and what readers see of them (publish)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -33,6 +34,8 @@ class LogTables:
         spills (it writes no file)."""
         log = rowlog.RowLog(codec, num_rows, last_use, self._index_limits.get(table))
         log.index.spills = self._lock_fd is not None
+        if log.index.spills:
+            log.on_spill = lambda spilled: self._write_level(table, spilled, locked=False)
         return log
 
     def _load_index(self, table: str) -> None:
@@ -43,13 +46,15 @@ class LogTables:
             saved = txn.get(_INDEX_KEY + table.encode(), db=self._meta)
             log = self._logs[table]
             token = None if saved is None else json.loads(bytes(saved))["token"]
-            if token is None or not rowlog.load_index(self._index_file(table, token), log, token):
+            files = None if token is None else rowlog.load_index(self._index_file(table, token), log, token)
+            if files is None:
                 return
             published = self._published_in(txn, table)
             if published is not None and log.applied > published[0]:  # saved past what was published: not this history
                 self._logs[table] = self._new_log(table, log.codec, log.num_rows, log.last_use)
                 return
             self._index_named[table] = self._index_current[table] = token
+            self._index_named_files[table] = self._index_current_files[table] = files
             _, base, size = self._map_base(txn)
             mem = rowlog.map_view(base, size)
             try:
@@ -70,38 +75,56 @@ class LogTables:
             self._save_index(table)
 
     def _spill_indexes(self) -> None:
-        """After a commit: save the index of each log table whose runs passed their limit
-        (io.rowindex.RowIndex.wants_spill), which maps them from the file written."""
+        """After a commit, and at open once replayed: save the index of each log table whose runs
+        passed their limit (io.rowindex.RowIndex.wants_spill), which maps them from the file
+        written, or that would replay too many rows after a crash (io.rowlog.RowLog.wants_save);
+        and name one a replay spilled, where it can be named."""
         for table, log in self._logs.items():
-            if log.index.wants_spill():
+            spill = log.index.wants_spill() or log.wants_save()
+            if spill or self._index_current.get(table) != self._index_named.get(table) and not (
+                    self.publish_at_flush and self._unpublished()):
                 try:
-                    self._save_index(table)
+                    self._save_index(table, write=spill)
                 except OSError as e:  # the commit stands; the index stays in memory, past its limit, until the next try
                     warnings.warn(f"could not write the row index of table {table!r} at {self.path} ({e})", stacklevel=3)
 
-    def _save_index(self, table: str) -> None:
-        """Write ``table``'s index beside data.mdb under a new token, take its runs from there,
-        and name it in LMDB: the index an open starts from. An index written but not named, or
-        named by another copy of the file, is ignored. Named later (at the next publish) while a
-        publishing writer holds segments it has not published: the next writer rolls those back,
-        and the index would place rows in them. Files no longer named nor mapped are removed."""
-        log, token = self._logs[table], os.urandom(16).hex()
-        path = self._index_file(table, token)
-        header = rowlog.write_index(log, path, token)
-        with self._index_lock:
-            if not rowlog.take_index(log, path, header):  # does not read back: neither named nor mapped
-                path.unlink(missing_ok=True)
-                return
-        self._index_current[table] = token
-        if not (self.publish_at_flush and self._unpublished()):
+    def _save_index(self, table: str, write: bool = True) -> None:
+        """Spill ``table``'s index (_write_level) and name it in LMDB: the index an open starts
+        from. An index written but not named, or named by another copy of the file, is ignored.
+        Named later (at the next publish) while a publishing writer holds segments it has not
+        published: the next writer rolls those back, and the index would place rows in them.
+        Files no longer named nor mapped are removed."""
+        if write and not self._write_level(table, self._logs[table]):
+            return
+        token = self._index_current[table]
+        if token != self._index_named.get(table) and not (self.publish_at_flush and self._unpublished()):
             self._write(lambda txn: txn.put(_INDEX_KEY + table.encode(), json.dumps({"token": token}).encode(), db=self._meta))
-            self._index_named[table] = token
+            self._index_named[table], self._index_named_files[table] = token, self._index_current_files[table]
         self._remove_index_files(table)
+
+    def _write_level(self, table: str, log: rowlog.RowLog, locked: bool = True) -> bool:
+        """Write a file of ``table``'s index (``log``) beside data.mdb under a new token: a level
+        of what memory holds and the mapped levels its plan merges (io.rowindex.RowIndex.plan),
+        and take its runs from there (under the index lock where ``locked``: a replay holds it,
+        or runs before any reader). False where it does not read back (nothing changed)."""
+        token = os.urandom(16).hex()
+        path = self._index_file(table, token)
+        k = log.index.plan()
+        header = rowlog.write_index(log, path, token, k)
+        with self._index_lock if locked else contextlib.nullcontext():
+            if not rowlog.take_index(log, path, header, k):  # does not read back: neither named nor mapped
+                path.unlink(missing_ok=True)
+                return False
+        self._index_current[table] = token
+        self._index_current_files[table] = rowlog.index_files(path, header)
+        if not locked:  # a replay's spill, at open: named once the open is done (_spill_indexes)
+            self._remove_index_files(table)
+        return True
 
     def _remove_index_files(self, table: str) -> None:
         """Remove ``table``'s index files that are neither named in LMDB nor mapped (a reader
         that maps one keeps it until it unmaps: the file system frees it then)."""
-        keep = {self._index_file(table, t).name for t in (self._index_named.get(table), self._index_current.get(table)) if t}
+        keep = self._index_named_files.get(table, set()) | self._index_current_files.get(table, set())
         hexed = table.encode().hex()
         for f in [*self.path.glob(f"index-{hexed}-*"), self.path / f"index-{hexed}.bin"]:
             if f.name not in keep:
@@ -196,6 +219,7 @@ class LogTables:
             if self.publish_at_flush:
                 renamed[:] = [t for t, token in self._index_current.items() if token != self._index_named.get(t)]
                 self._index_named.update({t: self._index_current[t] for t in renamed})
+                self._index_named_files.update({t: self._index_current_files[t] for t in renamed})
         renamed: list[str] = []
         self._write(op, applied, plan=lambda: None)
         for t in renamed:

@@ -8,26 +8,29 @@ from place ``loc`` (NONE: deleted). A table loaded in id order, or a collection'
 (16 bytes). A table never written holds nothing. A dense array of 4 bytes a declared id
 took 4,016 MiB for a 10^9-row table never written, and 8.45 s to open.
 
-Two levels, both sorted by start with no two runs of a level overlapping: ``recent`` takes
-each write (small, so a write costs little), and is merged into ``main`` once it holds
-an eighth of main's runs; a lookup asks recent first. Every operation is a few vectorized
-passes over the ids asked and the runs they meet (np.searchsorted), never a loop per id.
+Levels, each sorted by start with no two runs of a level overlapping, newer over older: in
+memory ``recent`` takes each write (small, so a write costs little) and is merged into
+``main`` once it holds an eighth of main's runs. Past the index's limit a writer *spills*:
+recent and main go to a new file, mapped from there (io.rowindex_file), one of ``levels``
+below main, newest first. A spill writes what memory held and merges into it only the
+mapped levels smaller than GROWTH times what it writes so far (a log-structured merge):
+the levels grow geometrically, at most MAX_LEVELS of them, and a row written is rewritten
+a few times (about log_GROWTH of the levels), where rewriting every run at each spill made
+writing grow with the square of the rows. A lookup asks the levels newest first, each a
+binary search (np.searchsorted). Every operation is a few vectorized passes over the ids
+asked and the runs they meet, never a loop per id.
 """
 from __future__ import annotations
 
-import json
-import os
-import zlib
-from pathlib import Path
-
 import numpy as np
-
-from .files import fsync_path
 
 NONE = np.uint32(0xFFFFFFFF)
 RUN_BYTES = 8 + 4 + 4  # start (int64), length (uint32), place of its first id (uint32)
-RECENT_RUNS = 1 << 16
-_CHUNK_RUNS = 1 << 20  # main's runs a save merges at a time (16 MiB)  # recent is merged into main past this many runs or an eighth of main's
+RECENT_RUNS = 1 << 16  # recent is merged into main past this many runs or an eighth of main's
+_CHUNK_RUNS = 1 << 16  # runs of each level a save merges at a time (1 MiB each): memory a spill takes
+GROWTH = 4  # a spill merges the mapped levels of fewer than GROWTH times the runs it writes so far
+MAX_LEVELS = 6  # ... and more, while the mapped levels would number more than this
+_LO, _HI = np.iinfo(np.int64).min, np.iinfo(np.int64).max
 SLOT_BITS = 12  # a place: segment index << SLOT_BITS | slot
 _SLOT_MASK = (1 << SLOT_BITS) - 1  # a run never crosses a segment: its places share their high bits
 
@@ -131,6 +134,20 @@ class Runs:
         rest = self if not len(cut) else Runs(np.delete(self.start, cut), np.delete(self.length, cut), np.delete(self.loc, cut))
         return _inserted(rest, _sorted(pieces, kept))
 
+    def window(self, lo: int, hi: int) -> "Runs":
+        """Our runs' ids in [lo, hi), the runs across either line cut there: a copy of those
+        runs only (of a mapped level, the pages they are in)."""
+        a = int(np.searchsorted(self.start, lo, side="right")) - 1
+        if a < 0 or int(self.start[a]) + int(self.length[a]) <= lo:
+            a += 1
+        b = int(np.searchsorted(self.start, hi, side="left"))
+        if b <= a:
+            return Runs()
+        part = Runs(np.array(self.start[a:b]), np.array(self.length[a:b]), np.array(self.loc[a:b]))
+        start, end = np.maximum(part.start, lo), np.minimum(part.end, hi)
+        loc = np.where(part.loc == NONE, NONE, part.loc + (start - part.start).astype(np.uint32)).astype(np.uint32)
+        return Runs(start, (end - start).astype(np.uint32), loc)
+
     def ids(self) -> np.ndarray:
         """Every id a run holds a row of, ascending."""
         held = self.take(self.loc != NONE)
@@ -158,11 +175,11 @@ def _inserted(level: Runs, new: Runs) -> Runs:
 
 
 class RowIndex:
-    """id -> place of one table: runs in two levels (recent over main).
+    """id -> place of one table: recent over main in memory, over the mapped ``levels``.
 
-    ``limit``: the bytes it may hold (None: no limit). Past it, main is written to the
-    index file and mapped from it (wants_spill: the writer's backend saves it), and only
-    recent is held; the page cache keeps what lookups use of the mapped main, as it keeps
+    ``limit``: the bytes it may hold (None: no limit). Past half of it a writer spills
+    (wants_spill: its backend writes the file, io.rowindex_file), and memory holds what was
+    written since; the page cache keeps what lookups use of the mapped levels, as it keeps
     rows. ``spills``: whether it is a writer's (a reader merges in memory, past its limit)."""
 
     def __init__(self, num_rows: int, limit: int | None = None, spills: bool = True):
@@ -171,27 +188,40 @@ class RowIndex:
         self.spills = spills
         self.main = Runs()
         self.recent = Runs()
-        self.mapped = False  # main is a map of the index file, not memory
-        self.dead: np.ndarray | None = None  # by segment index: rows of a mapped main placed there are gone
+        self.levels: list[Runs] = []  # mapped from their files, newest first
+        self.names: list[str] = []  # ... the name of each one's file
+        self.dead: np.ndarray | None = None  # by segment index: rows of a mapped level placed there are gone
+
+    @property
+    def mapped(self) -> bool:
+        return bool(self.levels)
 
     @property
     def nbytes(self) -> int:
-        """Memory held: a mapped main is the page cache's."""
-        return (0 if self.mapped else self.main.nbytes) + self.recent.nbytes
+        """Memory held: mapped levels are the page cache's."""
+        return self.main.nbytes + self.recent.nbytes
 
     def get(self, ids: np.ndarray) -> np.ndarray:
-        """The place of each of ``ids`` (uint32), NONE where no row is stored."""
+        """The place of each of ``ids`` (uint32), NONE where no row is stored: from the newest
+        level that holds it (a mapped level: a binary search of its file's pages)."""
         ids = np.asarray(ids, dtype=np.int64)
         covered, loc = self.recent.find(ids)
-        if not covered.all():
-            rest = ~covered
-            loc[rest] = self._in_main(self.main.find(ids[rest])[1])
+        rest = np.flatnonzero(~covered)
+        for i, level in enumerate([self.main, *self.levels]):
+            if not len(rest):
+                break
+            held, got = level.find(ids[rest])
+            loc[rest[held]] = self._alive(got[held]) if i else got[held]
+            rest = rest[~held]
         return loc
 
-    def _in_main(self, loc: np.ndarray) -> np.ndarray:
+    def _alive(self, loc: np.ndarray) -> np.ndarray:
+        """``loc`` (places a mapped level holds) with those in dead segments deleted, in place."""
         if self.dead is not None:
-            placed = loc != NONE
-            loc[placed & self.dead[np.where(placed, loc >> SLOT_BITS, 0)]] = NONE
+            seg = loc >> SLOT_BITS
+            hit = (loc != NONE) & (seg < len(self.dead))
+            hit[hit] = self.dead[seg[hit]]
+            loc[hit] = NONE
         return loc
 
     def put(self, ids: np.ndarray, places: np.ndarray | None) -> None:
@@ -201,197 +231,88 @@ class RowIndex:
             self.settle()
 
     def _settles(self) -> bool:
-        """Whether recent merges into main in memory: main is not mapped, and the merge's
-        copies fit the limit (about three of main and two of recent at once); or recent is
-        four times its size, which only a replay at open makes (no spill can run within one),
-        and a write costs recent's size: past that a replay of every segment took 177 s for
-        a 34M-row table, against seconds merging. The open spills once it is replayed."""
-        if not self.spills or len(self.recent) > 4 * max(RECENT_RUNS, len(self.main) // 8):
+        """Whether recent merges into main in memory: a reader's always (it never spills);
+        a writer's where the merge's copies fit the limit (about three of main and two of
+        recent at once). A writer's replay at open spills as it goes (RowLog.replay)."""
+        if not self.spills or self.limit is None:
             return True
-        return not self.mapped and (self.limit is None or 3 * self.main.nbytes + 2 * self.recent.nbytes <= self.limit)
+        return 3 * self.main.nbytes + 2 * self.recent.nbytes <= self.limit
 
     def wants_spill(self) -> bool:
-        """Whether the index is past its limit: main is to be written out and mapped."""
+        """Whether memory holds more than half the limit, or recent can merge into main no more."""
         if self.limit is None or not self.spills:
             return False
-        if self.mapped:
-            return self.recent.nbytes > self.limit // 4
-        return not self._settles() and len(self.recent) > max(RECENT_RUNS, len(self.main) // 8) \
-            or self.main.nbytes + self.recent.nbytes > self.limit // 2
+        return self.nbytes > self.limit // 2 or not self._settles() and len(self.recent) > max(RECENT_RUNS, len(self.main) // 8)
 
     def settle(self) -> None:
-        """Merge recent into main in memory (a mapped main is read whole: a reader's)."""
-        if len(self.recent) or self.dead is not None:
-            main = self.main if self.dead is None else self.main.take(self._in_main(self.main.loc.copy()) != NONE)
-            self.main, self.recent, self.mapped, self.dead = main.under(self.recent, bottom=True), Runs(), False, None
+        """Merge recent into main in memory."""
+        if len(self.recent):
+            self.main, self.recent = self.main.under(self.recent, bottom=not self.levels), Runs()
 
     def drop(self, dead: np.ndarray) -> None:
-        """Rows placed in the segments ``dead`` marks (bool by segment index) are gone. A
-        mapped main keeps them, masked, until it is next written: their segment indexes
-        must not be reused until then (``held``)."""
-        placed = self.recent.loc != NONE
-        self.recent.loc[placed & dead[np.where(placed, self.recent.loc >> SLOT_BITS, 0)]] = NONE
-        if self.mapped:
-            self.dead = dead.copy() if self.dead is None else _padded(self.dead, len(dead)) | _padded(dead, len(self.dead))
+        """Rows placed in the segments ``dead`` marks (bool by segment index) are gone. Mapped
+        levels keep them, masked, until a spill merges them all: their segment indexes must
+        not be reused until then (``held``)."""
+        for level in (self.recent, self.main):
+            placed = level.loc != NONE
+            level.loc[placed & dead[np.where(placed, level.loc >> SLOT_BITS, 0)]] = NONE
+        if not self.levels:
+            self.main = self.main.take(self.main.loc != NONE)
         else:
-            placed = self.main.loc != NONE
-            self.main = self.main.take(~(placed & dead[np.where(placed, self.main.loc >> SLOT_BITS, 0)]))
+            self.dead = dead.copy() if self.dead is None else _padded(self.dead, len(dead)) | _padded(dead, len(self.dead))
 
     def held(self) -> list[int]:
-        """Segment indexes a mapped main still names though their segments are gone."""
+        """Segment indexes mapped levels still name though their segments are gone."""
         return [] if self.dead is None else np.flatnonzero(self.dead).tolist()
 
     def ids(self) -> np.ndarray:
         """Ids of every row stored, ascending."""
-        main = self.main.take(self._in_main(self.main.loc.copy()) != NONE)
-        return main.under(self.recent, bottom=True).ids()
+        return np.concatenate([np.zeros(0, dtype=np.int64)] + [p.ids() for p in self.merging(len(self.levels))])
 
+    # -- spilling ---------------------------------------------------------------------------
+    def plan(self) -> int:
+        """How many mapped levels (the newest) the next spill merges with what memory holds:
+        those of fewer than GROWTH times the runs merged before them, more while the levels
+        would number more than MAX_LEVELS, and all where a mapped level names dead segments
+        (the merge drops those places: their segment indexes can then be reused)."""
+        if self.dead is not None:
+            return len(self.levels)
+        size, k = len(self.recent) + len(self.main), 0
+        while k < len(self.levels) and (GROWTH * size >= len(self.levels[k]) or len(self.levels) - k >= MAX_LEVELS):
+            size += len(self.levels[k])
+            k += 1
+        return k
 
-    def merged(self):
-        """Main with recent over it (and a mapped main's dead rows left out), in pieces of
-        _CHUNK_RUNS of main's runs at most: what a save writes, never all of main in memory."""
-        main, recent = self.main, self.recent
-        n = len(main)
-        for lo in range(0, max(n, 1), _CHUNK_RUNS):
-            hi = min(lo + _CHUNK_RUNS, n)
-            piece = main.take(slice(lo, hi))
-            piece = piece.take(self._in_main(np.array(piece.loc)) != NONE)
-            # recent's runs within this piece's ids: from its first start (all ids below, for the
-            # first) up to the next piece's; a run across the line is cut in two
-            first = main.start[lo] if lo else np.iinfo(np.int64).min
-            last = main.start[hi] if hi < n else np.iinfo(np.int64).max
-            a = np.searchsorted(recent.end, first, side="right")
-            b = np.searchsorted(recent.start, last, side="left")
-            part = recent.take(slice(a, b))
-            start = np.maximum(part.start, first)
-            end = np.minimum(part.end, last)
-            loc = np.where(part.loc == NONE, NONE, part.loc + (start - part.start).astype(np.uint32)).astype(np.uint32)
-            yield piece.under(Runs(start, (end - start).astype(np.uint32), loc), bottom=True)
+    def merging(self, k: int):
+        """Recent over main over the ``k`` newest mapped levels, one level (all of them: the
+        bottom, deletions dropped), in pieces of the ids where each holds _CHUNK_RUNS runs at
+        most: what a spill writes, never a whole level in memory."""
+        sources = [self.recent, self.main, *self.levels[:k]]
+        bottom = k == len(self.levels)
+        lo = _LO
+        while True:
+            hi = _HI
+            for s in sources:
+                a = int(np.searchsorted(s.start, lo, side="left")) + _CHUNK_RUNS
+                if a < len(s):
+                    hi = min(hi, int(s.start[a]))
+            acc = Runs()
+            for i in range(len(sources) - 1, -1, -1):  # the oldest first, each newer over it
+                w = sources[i].window(lo, hi)
+                if i >= 2:
+                    self._alive(w.loc)
+                acc = acc.under(w)
+            yield acc.take(acc.loc != NONE) if bottom else acc
+            if hi == _HI:
+                return
+            lo = hi
 
-    def capacity(self) -> int:
-        """The most runs merged() yields: each of recent's adds itself and cuts one of main's
-        in two, and each piece's line cuts one of recent's."""
-        return len(self.main) + 2 * len(self.recent) + len(self.main) // _CHUNK_RUNS + 1
+    def capacity(self, k: int) -> int:
+        """The most runs merging(k) yields: each run of a newer level adds itself and cuts one
+        older run in two, and each piece's line cuts a run of each level."""
+        n = len(self.recent) + len(self.main) + sum(len(level) for level in self.levels[:k])
+        return 2 * n + (k + 2) * (n // _CHUNK_RUNS + 2) + 1
 
 
 def _padded(a: np.ndarray, n: int) -> np.ndarray:
     return a if len(a) >= n else np.concatenate((a, np.zeros(n - len(a), dtype=a.dtype)))
-
-
-# -- the index file ----------------------------------------------------------------------------
-# A page of header (magic, a JSON line), then each array from a page boundary: the caller's
-# (the segments' bookkeeping, int64), then main's starts, lengths and places, each with room
-# for capacity() runs (the room left over is a hole: no disk). The runs are mapped from the
-# file in place when they do not fit the index's limit.
-_MAGIC = b"TSIDX2\n"
-PAGE = 4096
-_SYNC_BYTES = 32 << 20  # written and synced a piece at a time: dirty pages count against a memory cgroup
-_RUN_DTYPES = (np.dtype("<i8"), np.dtype("<u4"), np.dtype("<u4"))
-
-
-def _bytes(a: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-
-
-def _crc(arrays) -> int:
-    crc = 0
-    for a in arrays:
-        crc = zlib.crc32(_bytes(a), crc)
-    return crc
-
-
-def _pwrite(fd: int, data: memoryview, at: int) -> None:
-    while len(data):
-        n = os.pwrite(fd, data, at)
-        data, at = data[n:], at + n
-
-
-def _offsets(sizes: list[int]) -> list[int]:
-    out, at = [], PAGE
-    for n in sizes:
-        out.append(at)
-        at += -(-n // PAGE) * PAGE
-    return out + [at]
-
-
-def write_file(index: RowIndex, path: Path, header: dict, arrays: list[np.ndarray]) -> dict:
-    """Write ``arrays`` (int64) and ``index``'s runs (recent merged into main, a piece at a
-    time) to ``path``: a temporary file, synced, renamed over it. Returns the header written."""
-    cap = index.capacity()
-    sizes = [a.nbytes for a in arrays] + [d.itemsize * cap for d in _RUN_DTYPES]
-    offsets = _offsets(sizes)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.ftruncate(fd, offsets[-1])
-        for a, at in zip(arrays, offsets):
-            _pwrite(fd, _bytes(a), at)
-        runs, crcs, dirty = 0, [0, 0, 0], 0
-        for piece in index.merged():
-            for k, a in enumerate((piece.start, piece.length, piece.loc)):
-                data = _bytes(a)
-                _pwrite(fd, data, offsets[len(arrays) + k] + runs * a.itemsize)
-                crcs[k] = zlib.crc32(data, crcs[k])
-                dirty += len(data)
-            runs += len(piece)
-            if dirty >= _SYNC_BYTES:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                dirty = 0
-        header = {**header, "runs": runs, "capacity": cap, "offsets": offsets, "counts": [len(a) for a in arrays],
-                  "crc": _crc(arrays), "runs_crc": crcs}
-        # a few hundred bytes: a page holds it
-        _pwrite(fd, memoryview(_MAGIC + json.dumps(header).encode() + b"\n"), 0)
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_path(path.parent)
-    return header
-
-
-def read_file(path: Path, expect: dict) -> tuple[dict, list[np.ndarray]] | None:
-    """(header, arrays) of the index file at ``path`` whose header holds ``expect``; None where
-    there is none, it holds other values, or its arrays do not read back whole (crc)."""
-    try:
-        with open(path, "rb") as f:
-            if f.read(len(_MAGIC)) != _MAGIC:
-                return None
-            header = json.loads(f.readline(PAGE))
-            if any(header.get(k) != v for k, v in expect.items()):
-                return None
-            arrays = []
-            for at, count in zip(header["offsets"], header["counts"]):
-                f.seek(at)
-                arrays.append(np.fromfile(f, dtype=np.int64, count=count))
-            if [len(a) for a in arrays] != header["counts"] or _crc(arrays) != header["crc"]:
-                return None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return header, arrays
-
-
-def load_runs(index: RowIndex, path: Path, header: dict) -> bool:
-    """Make the runs of the index file at ``path`` (``header``: read_file's) ``index``'s main:
-    read into memory where they fit half its limit (their crc checked: False where it fails),
-    else mapped (not read: a table's runs may be GiBs, and an open reads them not)."""
-    n, offsets = header["runs"], header["offsets"][len(header["counts"]):]
-    if n * RUN_BYTES <= (index.limit // 2 if index.limit is not None else n * RUN_BYTES):
-        try:
-            with open(path, "rb") as f:
-                arrays = []
-                for at, dtype in zip(offsets, _RUN_DTYPES):
-                    f.seek(at)
-                    arrays.append(np.fromfile(f, dtype=dtype, count=n))
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        except (OSError, ValueError):
-            return False
-        if [len(a) for a in arrays] != [n] * 3 or [zlib.crc32(_bytes(a)) for a in arrays] != header["runs_crc"]:
-            return False
-        mapped = False
-    else:
-        arrays = [np.memmap(path, dtype=d, mode="r", offset=at, shape=(n,)) for at, d in zip(offsets, _RUN_DTYPES)]
-        mapped = True
-    index.main, index.recent, index.mapped, index.dead = Runs(*arrays), Runs(), mapped, None
-    return True

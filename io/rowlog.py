@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import rowindex
+from . import rowindex, rowindex_file
 from .codecs import RowCodec
 from .errors import SegmentLimitError, TierstoreError
 from .rowindex import NONE, SLOT_BITS as _SLOT_BITS, RowIndex
@@ -71,6 +71,13 @@ _STEP = np.dtype("<i8")
 _MIN_DEAD = MAX_SLOTS  # dead slots below this never trigger a collection
 MAX_TOMBSTONE_SEGMENTS = 16  # more are merged into one
 _REPLAY_SEGMENTS = 64  # segments a replay applies at once (RowLog.apply)
+# A writer saves its index once the rows applied since it was last saved pass this, and an
+# eighth of the runs a save writes from memory: recovery after kill -9 replays no more, and saves
+# write at most 8 runs (128 bytes) a row written, and less as the spilled levels take the runs.
+# Saved only at close, an index held in memory replayed every row written since at the next
+# open (1M random rows: 1.1 s).
+SAVE_ROWS = 1 << 18
+_SAVED_RUNS_A_ROW = 8
 
 
 def rows_per_segment(slot_bytes: int, num_rows: int) -> int:
@@ -163,6 +170,8 @@ class RowLog:
         self.slot_bytes = codec.row_bytes + (_STEP.itemsize if last_use else 0)
         self.per_segment = rows_per_segment(self.slot_bytes, num_rows)
         self.index = RowIndex(num_rows, runs_limit)
+        self.on_spill = None  # a writer's: spills the index (RowIndex.wants_spill) during a replay
+        self.unsaved = 0  # rows applied since the index was last saved (wants_save)
         self._held: list[int] = []  # segment indexes a mapped index still names (RowIndex.held)
         self.seq = np.zeros(0, dtype=np.int64)  # 0: a free entry
         self.live = np.zeros(0, dtype=np.int64)
@@ -178,6 +187,12 @@ class RowLog:
     @property
     def dead_slots(self) -> int:
         return int(self.slots.sum()) - self.live_rows
+
+    def wants_save(self) -> bool:
+        """Whether a writer's index is to be saved: more rows applied since it was last saved
+        than SAVE_ROWS and than an eighth of the runs memory holds (what a save writes)."""
+        held = len(self.index.main) + len(self.index.recent)
+        return self.index.spills and self.unsaved >= max(SAVE_ROWS, held // _SAVED_RUNS_A_ROW)
 
     def index_bytes(self) -> int:
         return self.index.nbytes + SEGMENT_ENTRY_BYTES * len(self.seq)
@@ -234,6 +249,7 @@ class RowLog:
             all_ids.append(ids)
             self.applied = seq
         ids, places = np.concatenate(all_ids).astype(np.int64), np.concatenate(all_places)
+        self.unsaved += len(ids)
         order = np.argsort(ids, kind="stable")  # an id's places in segment order
         ids, places = ids[order], places[order]
         first = np.ones(len(ids), dtype=bool)
@@ -298,13 +314,21 @@ class RowLog:
         self.tombstones.clear()
 
     def replay(self, mem: np.ndarray, values: list[tuple[int, int, int]]) -> None:
-        """Apply the segments ``values`` ((seq, file offset, bytes), in seq order) of the map ``mem``."""
-        for lo in range(0, len(values), _REPLAY_SEGMENTS):
-            segments = []
-            for seq, at, size in values[lo: lo + _REPLAY_SEGMENTS]:
-                kind, ids, start = parse_header(mem[at: at + size])
-                segments.append((seq, kind, ids, at + start))
-            self.apply(segments)
+        """Apply the segments ``values`` ((seq, file offset, bytes), in seq order) of the map
+        ``mem``: _REPLAY_SEGMENTS at once, fewer where their rows' runs could pass a quarter of
+        the index's limit; a writer's index spills between, so that a replay of any length
+        holds at most about three quarters of the limit (and one segment's runs)."""
+        most = None if self.index.limit is None else self.index.limit // (4 * rowindex.RUN_BYTES)
+        segments, rows = [], 0
+        for i, (seq, at, size) in enumerate(values):
+            kind, ids, start = parse_header(mem[at: at + size])
+            segments.append((seq, kind, ids, at + start))
+            rows += len(ids)
+            if len(segments) == _REPLAY_SEGMENTS or i + 1 == len(values) or most is not None and rows + self.per_segment > most:
+                self.apply(segments)
+                segments, rows = [], 0
+                if self.on_spill is not None and self.index.wants_spill():
+                    self.on_spill(self)
 
     # -- reading ---------------------------------------------------------------------------
     def places(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -389,39 +413,54 @@ class RowLog:
 # Replaying every segment's ids at open reads about 9 bytes a row (34M rows: 311 MiB, 10-12 s).
 # The writer saves its index when it closes (and when its runs outgrow their limit: spill), and
 # an open replays only what came after. The file is a cache: it counts only when LMDB names it
-# (the token committed after the file was written), so a file from another history (a store
-# copied back, a crash between the two) is never applied, and whatever is wrong with what it
-# holds in memory costs a full replay, never a row (its runs, mapped when they do not fit the
-# index's limit, are not read at open).
+# (the token committed after the file was written; it names the older levels' files in turn),
+# so a file from another history (a store copied back, a crash between the two) is never
+# applied, and whatever is wrong with what the files hold (their CRCs, checked at open) costs
+# a full replay, never a row.
 def _header(log: "RowLog", token: str) -> dict:
-    return {"token": token, "rows": log.num_rows, "slot_bytes": log.slot_bytes, "slot_bits": _SLOT_BITS}
+    return {"token": token, **_shape(log)}
 
 
-def write_index(log: "RowLog", path: Path, token: str) -> dict:
-    """Write ``log``'s index to ``path`` (a temporary file, synced, renamed over it); returns
-    the header take_index needs."""
+def _shape(log: "RowLog") -> dict:
+    return {"rows": log.num_rows, "slot_bytes": log.slot_bytes, "slot_bits": _SLOT_BITS}
+
+
+def write_index(log: "RowLog", path: Path, token: str, k: int) -> dict:
+    """Write ``log``'s segments' bookkeeping and a level of its runs (what memory holds over
+    its ``k`` newest mapped levels: RowIndex.plan) to ``path`` (a temporary file, synced,
+    renamed over it); returns the header take_index needs."""
     tombstones = np.array(sorted(log.tombstones.items()), dtype=np.int64).reshape(-1)
-    return rowindex.write_file(log.index, path, {**_header(log, token), "applied": log.applied, "live_rows": log.live_rows},
-                               [log.seq, log.live, log.slots, tombstones])
+    return rowindex_file.write_file(log.index, path, {**_header(log, token), "applied": log.applied, "live_rows": log.live_rows},
+                                    [log.seq, log.live, log.slots, tombstones], k)
 
 
-def take_index(log: "RowLog", path: Path, header: dict) -> bool:
-    """``log``'s runs, just written to ``path``, from there: mapped where they pass its
-    limit (no index changed since write_index: the writer's lock is held between). False,
-    the log left as it was, where they do not read back."""
-    return rowindex.load_runs(log.index, path, header)
+def take_index(log: "RowLog", path: Path, header: dict, k: int) -> bool:
+    """``log``'s runs, just written to ``path`` (write_index(..., k)), from there: mapped
+    where they pass its limit (no index changed since write_index: the writer's lock is held
+    between). False, the log left as it was, where they do not read back."""
+    if not rowindex_file.take_runs(log.index, path, header, k):
+        return False
+    log.unsaved = 0
+    return True
 
 
-def load_index(path: Path, log: "RowLog", token: str) -> bool:
-    """Fill ``log`` (new, empty) with the index saved at ``path`` under ``token``; False, the
-    log left empty, where there is none, it was saved under another token or for another
-    table shape, or it does not read back whole."""
-    got = rowindex.read_file(path, _header(log, token))
+def index_files(path: Path, header: dict) -> set[str]:
+    """The names of the files the index saved at ``path`` (its ``header``) reads: its own and
+    its older levels'."""
+    return {path.name, *(name for name, _ in header["levels"])}
+
+
+def load_index(path: Path, log: "RowLog", token: str) -> set[str] | None:
+    """Fill ``log`` (new, empty) with the index saved at ``path`` under ``token``; returns the
+    names of the files it reads (index_files). None, the log left empty, where there is none,
+    it was saved under another token or for another table shape, or it does not read back
+    whole (a file of its levels missing, torn or damaged)."""
+    got = rowindex_file.read_file(path, _header(log, token))
     if got is None:
-        return False
+        return None
     h, (seq, live, slots, tombstones) = got
-    if not rowindex.load_runs(log.index, path, h):
-        return False
+    if not rowindex_file.load_runs(log.index, path, h, _shape(log)):
+        return None
     n = len(seq)
     log.seq, log.live, log.slots = seq, live, slots
     log.offset = np.full(n, -1, dtype=np.int64)
@@ -432,7 +471,7 @@ def load_index(path: Path, log: "RowLog", token: str) -> bool:
     log.tombstones = dict(zip(tombstones[:, 0].tolist(), tombstones[:, 1].tolist()))
     log.applied, log.live_rows = h["applied"], h["live_rows"]
     log.emptied = log.seq[used[log.live[used] == 0]].tolist()
-    return True
+    return index_files(path, h)
 
 
 # LMDB 0.9's on-disk structures, read straight from the map: py-lmdb touches every page of a

@@ -18,14 +18,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tierstore.io import lmdb_log, rowindex, rowlog
+from tierstore.io import lmdb_log, rowindex, rowindex_file, rowlog
 from tierstore.io.rowindex import NONE, RowIndex
 
 sys.path.insert(0, str(Path(__file__).parent))
 from index_writer import DIM, open_writer  # noqa: E402
 
 ROWS = 10**9  # declared; a few hundred written
-CHUNK_RUNS = rowindex._CHUNK_RUNS
+CHUNK_RUNS, MAX_LEVELS = rowindex._CHUNK_RUNS, rowindex.MAX_LEVELS
 
 
 def ids_of(draw_sparse, draw_range):
@@ -43,19 +43,21 @@ write_ids = ids_of(st.one_of(sparse_ids, near_ids), range_ids)
 
 
 class IndexAgainstDict(RuleBasedStateMachine):
-    """RowIndex in memory and spilled (its main mapped from a file), against a dict."""
+    """RowIndex in memory and spilled (levels mapped from files, merged as they grow), against
+    a dict; a damaged file is refused at open."""
 
     def __init__(self):
         super().__init__()
         self.dir = Path(tempfile.mkdtemp())
         self.index = RowIndex(ROWS, limit=400)  # 25 runs: spills within a few writes
-        rowindex._CHUNK_RUNS = 4  # a save merges main a few runs at a time: recent's runs cut at each piece's line
+        rowindex._CHUNK_RUNS = 4  # a save merges a few runs of each level at a time: runs cut at each piece's line
+        rowindex.MAX_LEVELS = 3  # levels merged for their number too
         self.model: dict[int, int] = {}
         self.segment = 0
         self.saves = 0
 
     def teardown(self):
-        rowindex._CHUNK_RUNS = CHUNK_RUNS
+        rowindex._CHUNK_RUNS, rowindex.MAX_LEVELS = CHUNK_RUNS, MAX_LEVELS
 
     @rule(ids=write_ids)
     def put(self, ids):
@@ -84,26 +86,56 @@ class IndexAgainstDict(RuleBasedStateMachine):
 
     @rule()
     def save(self):
-        """What a writer's backend does: write the file, take the runs from it (mapped past the limit)."""
+        """What a writer's backend does: write a level of memory's runs and the mapped levels
+        its plan merges, take the runs from it (mapped past the limit or over mapped levels)."""
         self.saves += 1
         path = self.dir / f"i{self.saves}"
-        header = rowindex.write_file(self.index, path, {"n": self.saves}, [np.arange(3)])
-        assert rowindex.load_runs(self.index, path, header)
-        assert self.index.mapped == (header["runs"] * rowindex.RUN_BYTES > self.index.limit // 2)
-        assert self.index.nbytes == 0 or not self.index.mapped  # a mapped main is the page cache's, recent is empty
+        levels, k = len(self.index.levels), self.index.plan()
+        header = rowindex_file.write_file(self.index, path, {"n": self.saves}, [np.arange(3)], k)
+        assert rowindex_file.take_runs(self.index, path, header, k)
+        assert len(header["levels"]) == levels - k and len(self.index.levels) <= rowindex.MAX_LEVELS
+        in_memory = k == levels and header["runs"] * rowindex.RUN_BYTES <= self.index.limit // 2
+        assert self.index.mapped == (not in_memory and (header["runs"] > 0 or k < levels))
+        assert self.index.nbytes == 0 or not self.index.mapped  # mapped levels are the page cache's, memory holds none
+        sizes = [len(level) for level in self.index.levels]  # each level GROWTH times the runs of those above it, about
+        assert all(b > rowindex.GROWTH * a for a, b in zip(sizes[:-1], sizes[1:])) or len(sizes) <= rowindex.MAX_LEVELS
 
     @rule()
     def reload(self):
-        """An open: the last file read back (its runs mapped or in memory) reads the same."""
+        """An open: the last file read back (its levels mapped or in memory) reads the same."""
         if self.saves:
             path = self.dir / f"i{self.saves}"
-            got = rowindex.read_file(path, {"n": self.saves})
+            got = rowindex_file.read_file(path, {"n": self.saves})
             assert got is not None and got[1][0].tolist() == [0, 1, 2]
             fresh = RowIndex(ROWS, limit=self.index.limit)
-            assert rowindex.load_runs(fresh, path, got[0])
+            assert rowindex_file.load_runs(fresh, path, got[0], {})
             saved = {i: p for i, p in zip(fresh.ids().tolist(), fresh.get(fresh.ids()).tolist())}
             assert fresh.get(np.array(BASES)).dtype == np.uint32
             self.index, self.model = fresh, saved  # what the file holds is what was saved: checked by the invariant next
+
+    @rule(data=st.data())
+    def damaged_file_is_refused(self, data):
+        """A byte of a level's runs changed (or its file cut short): the open refuses the index."""
+        if not self.saves:
+            return
+        path = self.dir / f"i{self.saves}"
+        header = rowindex_file.read_file(path, {})[0]
+        files = [(path, header)] + [(self.dir / name, rowindex_file.read_file(self.dir / name, {})[0]) for name, _ in header["levels"]]
+        files = [(p, h) for p, h in files if h["runs"]]
+        if not files:
+            return
+        p, h = data.draw(st.sampled_from(files))
+        array = data.draw(st.integers(0, 2))
+        at = h["offsets"][len(h["counts"]) + array] + data.draw(st.integers(0, h["runs"] * (8 if array == 0 else 4) - 1))
+        original = p.read_bytes()
+        damaged = bytearray(original)
+        damaged[at] ^= 1 << data.draw(st.integers(0, 7))
+        cut = data.draw(st.booleans())
+        p.write_bytes(bytes(damaged[:at] if cut else damaged))
+        try:
+            assert not rowindex_file.load_runs(RowIndex(ROWS, limit=self.index.limit), path, header, {})
+        finally:
+            p.write_bytes(original)
 
     @rule()
     def settle(self):
@@ -114,7 +146,7 @@ class IndexAgainstDict(RuleBasedStateMachine):
         asked = np.array(sorted(set(self.model) | set(BASES) | {b + 5 for b in BASES}), dtype=np.int64)
         assert self.index.get(asked).tolist() == [self.model.get(i, int(NONE)) for i in asked.tolist()]
         assert self.index.ids().tolist() == sorted(self.model)
-        for level in (self.index.main, self.index.recent):
+        for level in (self.index.main, self.index.recent, *self.index.levels):
             assert (np.diff(level.start) > 0).all() and (level.start[1:] >= level.end[:-1]).all()
             assert (level.length > 0).all()
 
@@ -196,15 +228,19 @@ class KilledWriterAgainstDict(RuleBasedStateMachine):
         self.child.ask(op="publish")
         self.published = dict(self.model)
 
-    @rule(ids=write_ids, publishing=st.booleans(), after=st.floats(0, 0.03))
-    def kill_9(self, ids, publishing, after):
-        """A write (and a publish) sent, the writer killed ``after`` seconds later, done or not."""
+    @rule(ids=write_ids, publishing=st.booleans(), after=st.floats(0, 0.03), damage=st.integers(0, 3), at=st.floats(0, 1))
+    def kill_9(self, ids, publishing, after, damage, at):
+        """A write (and a publish) sent, the writer killed ``after`` seconds later, done or not;
+        then, where ``damage`` is 1 or 2, a bit of its index files' runs flipped, or the files
+        cut there (a torn or damaged file: the open replays the segments instead)."""
         before = dict(self.published)
         self._put(ids, wait=False)
         if publishing:
             self.child.send(op="publish")
         time.sleep(after)
         self.child.kill()
+        if damage in (1, 2):
+            damage_the_index_files(Path(self.path), at, cut=damage == 2)
         b = open_writer(self.path, ROWS, LIMIT)
         try:
             stored = b.stored_ids("t").tolist()
@@ -223,6 +259,20 @@ class KilledWriterAgainstDict(RuleBasedStateMachine):
     def index_files_are_few(self):
         # the one LMDB names and the one the writer maps, and maybe one being written
         assert len(list(Path(self.path).glob("index-*"))) <= 3
+
+
+def damage_the_index_files(path: Path, at: float, cut: bool) -> None:
+    """Flip a bit of the runs of each index file at ``path`` holding runs (``at``: where, from
+    0 to 1, in its starts), or cut the file there."""
+    for f in path.glob("index-*.bin"):
+        got = rowindex_file.read_file(f, {})
+        if got is None or not got[0]["runs"]:
+            continue
+        header = got[0]
+        pos = header["offsets"][len(header["counts"])] + int(at * (header["runs"] * 8 - 1))
+        data = bytearray(f.read_bytes())
+        data[pos] ^= 1
+        f.write_bytes(bytes(data[:pos] if cut else data))
 
 
 KilledWriterAgainstDict.TestCase.settings = settings(max_examples=6, stateful_step_count=20, deadline=None)
@@ -257,6 +307,84 @@ def test_recovery_replays_only_what_came_after_the_index_last_named(tmp_path, mo
         b.close()
 
 
+def test_spills_write_about_what_changed(tmp_path, monkeypatch):
+    """A writer whose index spills again and again writes a level of what changed and merges
+    the levels geometrically: the runs its spills write stay a few times the rows written
+    (rewriting every run at each spill wrote 17 times them here, and more the more rows),
+    and its levels stay few."""
+    written = []
+    real = rowindex_file.write_file
+    monkeypatch.setattr(rowindex_file, "write_file", lambda *a: (h := real(*a), written.append(h["runs"]))[0])
+    per_segment = rowlog.rows_per_segment(4 * DIM, ROWS)  # full segments: no collection moves the rows
+    b = open_writer(str(tmp_path), ROWS, 4 * per_segment * rowindex.RUN_BYTES)  # spills every other write
+    rng = np.random.default_rng(2)
+    rows, every = 0, []
+    try:
+        for step in range(100):
+            ids = np.unique(rng.integers(0, ROWS, per_segment))
+            b.put_rows([("t", ids, np.full((len(ids), DIM), step, dtype=np.float32))])
+            rows += len(ids)
+            every.append(ids)
+        log = b._logs["t"]
+        assert len(written) >= 30 and sum(written) < 6 * rows, (len(written), sum(written) / rows)
+        assert 1 < len(log.index.levels) <= rowindex.MAX_LEVELS
+        assert b.stored_ids("t").tolist() == np.unique(np.concatenate(every)).tolist()
+        rows_read, found = b.get_rows("t", every[-1])
+        assert found.all() and (rows_read == 99).all()
+    finally:
+        b.close()
+
+
+def test_replay_at_open_stays_within_the_limit(tmp_path, monkeypatch):
+    """An open that replays many segments (no saved index) into an index of a small limit
+    applies a few at a time and spills as it goes: memory never holds more than the limit
+    (it held every run replayed, merged in memory)."""
+    per_segment = rowlog.rows_per_segment(4 * DIM, ROWS)
+    b = open_writer(str(tmp_path), ROWS, 1 << 30)
+    rng = np.random.default_rng(3)
+    for step in range(40):
+        ids = np.unique(rng.integers(0, ROWS, per_segment))
+        b.put_rows([("t", ids, np.full((len(ids), DIM), step, dtype=np.float32))])
+    b.publish()
+    want = b.stored_ids("t")
+    b.close(save_index=False)
+    held = []
+    real = rowlog.RowLog.apply
+    monkeypatch.setattr(rowlog.RowLog, "apply", lambda log, segments: (real(log, segments), held.append(log.index.nbytes))[0])
+    limit = 8 * per_segment * rowindex.RUN_BYTES
+    b = open_writer(str(tmp_path), ROWS, limit)
+    try:
+        assert len(held) > 8 and max(held) <= limit
+        assert b._logs["t"].index.mapped
+        assert b.stored_ids("t").tolist() == want.tolist()
+    finally:
+        b.close()
+
+
+def test_recovery_replays_about_save_rows_at_most(tmp_path, monkeypatch):
+    """A writer whose index stays in memory saves it once enough rows were applied since: after
+    kill -9 an open replays about that many (it replayed every row written since the last close)."""
+    monkeypatch.setattr(rowlog, "SAVE_ROWS", 500)
+    b = open_writer(str(tmp_path), ROWS, 1 << 30)
+    rng = np.random.default_rng(4)
+    for step in range(40):
+        ids = np.unique(rng.integers(0, ROWS, 64))
+        b.put_rows([("t", ids, np.full((len(ids), DIM), step, dtype=np.float32))])
+        b.publish()
+    assert not b._logs["t"].index.mapped
+    want = b.stored_ids("t")
+    b.close(save_index=False)  # as after kill -9
+    replayed = []
+    real = rowlog.RowLog.apply
+    monkeypatch.setattr(rowlog.RowLog, "apply", lambda log, segments: (replayed.extend(len(v[2]) for v in segments), real(log, segments))[1])
+    b = open_writer(str(tmp_path), ROWS, 1 << 30)
+    try:
+        assert sum(replayed) < 500 + 64
+        assert b.stored_ids("t").tolist() == want.tolist()
+    finally:
+        b.close()
+
+
 # -- the budget -------------------------------------------------------------------------------
 def test_a_table_of_a_billion_rows_opens_and_its_index_grows_with_the_rows_written(tmp_path):
     """10^9 declared rows under a 256 MiB budget: the index is charged at most a sixteenth of it
@@ -286,7 +414,7 @@ def test_an_index_past_its_limit_is_mapped_and_memory_stays_within_it(tmp_path):
             b.put_rows([("t", ids, np.full((len(ids), DIM), step, dtype=np.float32))])
             log = b._logs["t"]
             assert log.index.nbytes <= limit
-        assert log.index.mapped and len(log.index.main) > limit // rowindex.RUN_BYTES
+        assert log.index.mapped and sum(len(level) for level in log.index.levels) > limit // rowindex.RUN_BYTES
         assert b.index_bytes() == log.index.nbytes + rowlog.SEGMENT_ENTRY_BYTES * len(log.seq)
     finally:
         b.close()
@@ -302,7 +430,7 @@ def test_a_spill_that_fails_leaves_the_write_committed_and_the_index_in_memory(t
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(rowindex, "write_file", full)
+    monkeypatch.setattr(rowindex_file, "write_file", full)
     ids = np.arange(0, 4000, 2)  # a run a row: past the limit
     try:
         with warnings.catch_warnings(record=True) as caught:

@@ -1,0 +1,218 @@
+"""The row index's files (io.rowindex): each spill writes one, and each holds one level of
+runs. A page of header (magic, a JSON line: the level's runs and their CRCs, and the name
+and runs of each older level the index reads under it), then each array from a page
+boundary: the caller's (the segments' bookkeeping, int64), then the level's starts, lengths
+and places, each with room for the runs the merge may yield (the room left over is a hole:
+no disk). A file is written once, to a temporary name, synced and renamed, and never
+changed: a reader that maps it keeps it until it unmaps. An open checks every run it reads
+or maps against the CRCs: a torn or damaged file is not the index, and its caller replays
+the segments instead."""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from .files import fsync_path
+from .rowindex import NONE, RUN_BYTES, RowIndex, Runs
+
+_MAGIC = b"TSIDX3\n"
+PAGE = 4096
+_SYNC_BYTES = 32 << 20  # written and synced a piece at a time: dirty pages count against a memory cgroup
+_CHECK_BYTES = 16 << 20  # a mapped level's runs read at a time to check their CRCs
+_RUN_DTYPES = (np.dtype("<i8"), np.dtype("<u4"), np.dtype("<u4"))
+
+
+def _bytes(a: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+
+
+def _crc(arrays) -> int:
+    crc = 0
+    for a in arrays:
+        crc = zlib.crc32(_bytes(a), crc)
+    return crc
+
+
+def _pwrite(fd: int, data: memoryview, at: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, at)
+        data, at = data[n:], at + n
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out, at = [], PAGE
+    for n in sizes:
+        out.append(at)
+        at += -(-n // PAGE) * PAGE
+    return out + [at]
+
+
+def write_file(index: RowIndex, path: Path, header: dict, arrays: list[np.ndarray], k: int) -> dict:
+    """Write ``arrays`` (int64) and the level ``index.merging(k)`` makes (a piece at a time) to
+    ``path``: a temporary file, synced, renamed over it. Returns the header written, which
+    names the mapped levels left under it (``index.levels[k:]``)."""
+    cap = index.capacity(k)
+    sizes = [a.nbytes for a in arrays] + [d.itemsize * cap for d in _RUN_DTYPES]
+    offsets = _offsets(sizes)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, offsets[-1])
+        for a, at in zip(arrays, offsets):
+            _pwrite(fd, _bytes(a), at)
+        runs, crcs, dirty = 0, [0, 0, 0], 0
+        for piece in index.merging(k):
+            for j, a in enumerate((piece.start, piece.length, piece.loc)):
+                data = _bytes(a)
+                _pwrite(fd, data, offsets[len(arrays) + j] + runs * a.itemsize)
+                crcs[j] = zlib.crc32(data, crcs[j])
+                dirty += len(data)
+            runs += len(piece)
+            if dirty >= _SYNC_BYTES:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                dirty = 0
+        levels = [[name, len(level)] for name, level in zip(index.names[k:], index.levels[k:])]
+        header = {**header, "runs": runs, "capacity": cap, "offsets": offsets, "counts": [len(a) for a in arrays],
+                  "crc": _crc(arrays), "runs_crc": crcs, "levels": levels}
+        # a few hundred bytes, and some 60 a level (MAX_LEVELS): a page holds it
+        _pwrite(fd, memoryview(_MAGIC + json.dumps(header).encode() + b"\n"), 0)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+    return header
+
+
+def read_file(path: Path, expect: dict) -> tuple[dict, list[np.ndarray]] | None:
+    """(header, arrays) of the index file at ``path`` whose header holds ``expect``; None where
+    there is none, it holds other values, or its arrays do not read back whole (crc)."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(len(_MAGIC)) != _MAGIC:
+                return None
+            header = json.loads(f.readline(PAGE))
+            if any(header.get(k) != v for k, v in expect.items()):
+                return None
+            arrays = []
+            for at, count in zip(header["offsets"], header["counts"]):
+                f.seek(at)
+                arrays.append(np.fromfile(f, dtype=np.int64, count=count))
+            if [len(a) for a in arrays] != header["counts"] or _crc(arrays) != header["crc"]:
+                return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return header, arrays
+
+
+def _run_offsets(header: dict) -> list[int]:
+    return header["offsets"][len(header["counts"]):]
+
+
+def _read_runs(path: Path, header: dict) -> Runs | None:
+    """The level of the file at ``path`` read into memory; None where it fails its CRCs."""
+    n = header["runs"]
+    try:
+        with open(path, "rb") as f:
+            arrays = []
+            for at, dtype in zip(_run_offsets(header), _RUN_DTYPES):
+                f.seek(at)
+                arrays.append(np.fromfile(f, dtype=dtype, count=n))
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    except (OSError, ValueError):
+        return None
+    if [len(a) for a in arrays] != [n] * 3 or [zlib.crc32(_bytes(a)) for a in arrays] != header["runs_crc"]:
+        return None
+    return Runs(*arrays)
+
+
+def _map_runs(path: Path, header: dict, check: bool) -> Runs | None:
+    """The level of the file at ``path`` mapped; where ``check``, its runs read once, a piece
+    at a time (then dropped from the page cache), against its CRCs: None where they fail."""
+    n = header["runs"]
+    if not n:
+        return Runs()
+    offsets = _run_offsets(header)
+    try:
+        if check:
+            with open(path, "rb") as f:
+                for at, dtype, want in zip(offsets, _RUN_DTYPES, header["runs_crc"]):
+                    f.seek(at)
+                    crc, left = 0, n * dtype.itemsize
+                    while left:
+                        data = f.read(min(left, _CHECK_BYTES))
+                        if not data:
+                            return None
+                        crc, left = zlib.crc32(data, crc), left - len(data)
+                    if crc != want:
+                        return None
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        return Runs(*(np.memmap(path, dtype=d, mode="r", offset=at, shape=(n,)) for at, d in zip(offsets, _RUN_DTYPES)))
+    except (OSError, ValueError):
+        return None
+
+
+def _fits(index: RowIndex, runs: int) -> bool:
+    return index.limit is None or runs * RUN_BYTES <= index.limit // 2
+
+
+def take_runs(index: RowIndex, path: Path, header: dict, k: int) -> bool:
+    """After write_file(index, path, ..., k), no index changed between: the level written
+    replaces memory's runs and the ``k`` levels merged into it; read back into memory
+    (checked) where no mapped level is left and it fits half the limit, else mapped. False,
+    the index as it was, where it does not read back."""
+    n, full = header["runs"], k == len(index.levels)
+    if full and _fits(index, n):
+        runs = _read_runs(path, header)
+        if runs is None:
+            return False
+        index.main, index.levels, index.names = runs, [], []
+    else:
+        runs = _map_runs(path, header, check=False)
+        if runs is None:
+            return False
+        keep = [(path.name, runs)] if n else []
+        keep += list(zip(index.names[k:], index.levels[k:]))
+        index.main, index.names, index.levels = Runs(), [name for name, _ in keep], [level for _, level in keep]
+    index.recent = Runs()
+    if full:
+        index.dead = None
+    return True
+
+
+def load_runs(index: RowIndex, path: Path, header: dict, expect: dict) -> bool:
+    """Make the level of the file at ``path`` (``header``: read_file's) and the older ones it
+    names (their headers holding ``expect``) ``index``'s: read into memory, merged into main,
+    where they fit half its limit, else mapped; every run checked against its CRCs either
+    way. False, the index left empty, where a file is missing or fails its checks."""
+    files = [(path, header)]
+    for name, runs in header["levels"]:
+        got = read_file(path.parent / name, expect)
+        if got is None or got[0]["runs"] != runs:
+            return False
+        files.append((path.parent / name, got[0]))
+    if _fits(index, sum(h["runs"] for _, h in files)):
+        main = Runs()
+        for p, h in reversed(files):  # the oldest first, each newer over it
+            runs = _read_runs(p, h)
+            if runs is None:
+                return False
+            main = main.under(runs)
+        index.main, index.levels, index.names = main.take(main.loc != NONE), [], []
+    else:
+        levels = []
+        for p, h in files:
+            runs = _map_runs(p, h, check=True)
+            if runs is None:
+                return False
+            if len(runs):
+                levels.append((p.name, runs))
+        index.main, index.names, index.levels = Runs(), [name for name, _ in levels], [level for _, level in levels]
+    index.recent, index.dead = Runs(), None
+    return True
