@@ -652,6 +652,37 @@ def test_embedding_bag_with_adagrad_through_a_daemon_client_with_hbm_matches_an_
         assert client.stats()["hbm"]["writebacks"] > 0
 
 
+def test_a_daemon_clients_forward_pools_in_its_hbm_tier_and_trains_bit_identical_to_an_embedded_store(tmp_path, sockdir):
+    """The client's HBM tier steps as an embedded store's tiers do (one TableStore step over
+    the daemon): a forward over rows it holds pools from the tier in place and its backward
+    updates them there (trainer.resident), reads of more rows than it holds still work,
+    and the rows, their state and the HBM counts equal an embedded store's."""
+    with _client_and_embedded_twin(tmp_path, sockdir) as (client, local):
+        bags = [tierstore.TieredEmbeddingBag(1000, 8, store=s, table="t", optimizer=Adagrad(lr=0.1), mode="sum") for s in (client, local)]
+        g = torch.Generator().manual_seed(1)
+        for step in range(17):
+            hi = 1000 if step % 4 == 3 else 60  # mostly a working set near the 50-row tier, now and then wider than it
+            x, offsets = torch.randint(0, hi, (64,), generator=g), torch.arange(0, 64, 4)
+            outs = [bag(x, offsets) for bag in bags]
+            assert torch.equal(outs[0], outs[1]), step
+            for y in outs:
+                (y ** 2).sum().backward()
+        ids = torch.unique(x)[:8]  # used by the last step: in both HBM tiers
+        for s in (client, local):
+            with s.trainer("t").resident(ids) as hit:
+                assert hit is not None and hit.tier is not None
+                held = hit.tier.weights[hit.slots].clone()
+            assert torch.equal(held, s.read("t", ids))
+        hbm = [{k: v for k, v in s.stats()["hbm"].items() if k != "writebacks"} for s in (client, local)]
+        assert hbm[0] == hbm[1] and hbm[0]["hits"] > 0 and hbm[0]["evictions"] > 0
+        every = np.arange(1000)
+        assert torch.equal(client.read("t", every, with_state=True), local.read("t", every, with_state=True))
+        client.flush()  # the in-place updates, dirty in the client's tier, reach the daemon with their state
+        ro = tierstore.open_store(tmp_path / "a", daemon=str(client.socket_path), readonly=True)
+        assert torch.equal(ro.read("t", every, with_state=True), local.read("t", every, with_state=True))
+        ro.close()
+
+
 def test_lookahead_loader_over_a_daemon_client_sends_hints_and_trains_like_an_embedded_store(tmp_path, sockdir):
     with _client_and_embedded_twin(tmp_path, sockdir) as (client, local):
         g = torch.Generator().manual_seed(0)

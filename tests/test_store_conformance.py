@@ -24,12 +24,12 @@ def opened(request, tmp_path, sockdir):  # noqa: F811
     _embedded(path, tables=[USER, ITEM]).close()
     daemons = []
 
-    def open_():
+    def open_(**options):
         if request.param == "embedded":
-            return _embedded(path)
+            return _embedded(path, **options)
         if not daemons:
             daemons.append(Daemon(path, sockdir / "d.sock"))
-        return tierstore.open_store(path, daemon=str(daemons[0].sock), claim=["user", "item"])
+        return tierstore.open_store(path, daemon=str(daemons[0].sock), claim=["user", "item"], **options)
 
     def stop():
         for d in daemons:
@@ -131,6 +131,34 @@ def test_a_training_module_gets_one_trainer_per_table(opened):
         assert [t.update_key(), t.update_key()] == [update_key("item", 0), update_key("item", 1)]
         with t.resident(uid) as hit:  # pinned rows where the store holds them itself, else None: the caller reads
             assert hit is None or torch.equal(hit.tier.weights[hit.slots], rows[:, :4])
+
+
+def test_its_tables_step_over_a_row_source_that_gives_back_what_it_was_given(opened):
+    """Below each store's tiers, a tierstore.engine.source.RowSource: the embedded store's
+    backend rows (staging, write-back queue, LMDB) or a daemon client's daemon. Both
+    stores run TableStore's one step over theirs."""
+    from tierstore.engine.source import RowSource
+    from tierstore.engine.table import TableStore
+
+    path, open_, _ = opened
+    with open_(hbm_rows=16) as s:
+        t = s._hbm["item"] if isinstance(s, tierstore.daemon.client.DaemonStore) else s._table("item")
+        source = t._shared.source
+        assert isinstance(t, TableStore) and isinstance(source, RowSource)
+        with s._lock:  # as a table calls it
+            ids = torch.tensor([5, 7, 2**40])  # sorted unique, in no tier
+            initial = initial_rows(ITEM, ids.numpy())
+            assert np.array_equal(source.fetch(t, ids, None).numpy(), initial)
+            rows = np.arange(18, dtype=np.float32).reshape(3, 6)  # 4 weights + 2 state floats
+            source.write_back(t, ids.numpy(), rows)
+            out = np.empty((3, 6), dtype=np.float32)
+            assert np.array_equal(source.fetch(t, ids, out).numpy(), rows) and np.array_equal(out, rows)
+            source.write(t, ids[:2], torch.full((2, 4), -1.0), 4)  # weights only: each row keeps its state
+            expect = rows.copy()
+            expect[:2, :4] = -1.0
+            assert np.array_equal(source.fetch(t, ids, None).numpy(), expect)
+        assert np.array_equal(s.read("item", ids, with_state=True).numpy(), expect)  # the store's own step sees them
+        assert s.resident_rows("item")["hbm"] == 3
 
 
 def test_bad_calls_are_named_and_change_nothing(opened):

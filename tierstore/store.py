@@ -49,10 +49,11 @@ from tierstore.engine.embedded import EmbeddedTableTrainer
 from tierstore.engine.trainer import TableTrainer
 from tierstore.validate import set_fields, with_keywords
 from tierstore.engine.prefetch import PrefetchConfig, Prefetcher, PrefetchGroup, PrefetchTicket, StoreParts
-from tierstore.engine.table import Shared, TableStore
-from tierstore.engine.tiers import CacheTier, first_uses, last_values
+from tierstore.engine.source import BackendRows
+from tierstore.engine.table import Resident, Shared, TableStore
+from tierstore.engine.tiers import CacheTier, last_values
 from tierstore.engine.upload import Upload
-from tierstore.engine.tensors import as_ids, as_values, check_out, gather_rows, gather_tier, unpicklable
+from tierstore.engine.tensors import as_ids, as_values, check_out, gather_tier, unpicklable
 from tierstore.errors import ArgumentTypeError, SettingError, StoreClosedError, UnknownTableError, WriteRefusedError
 # StoreConfig, Sizes, StoredRows and TableLife: users import them from here too
 from tierstore.config import Sizes, StoreConfig, reconcile_specs, size_memory
@@ -169,8 +170,8 @@ class TieredStore(StoreInspection):
             self._writeback = WriteBack(self._backend, self._lock, self.config.writeback_rows, self.config.writeback_group_rows,
                                         on_swept=self._count_swept)
             # what the tables share, handed to each (tierstore/engine/table.py): none reaches back into the store
-            self._shared = Shared(self._backend, self._writeback, self.readonly, self._await_gathers,
-                                  upload=Upload(self.device))
+            self._rows = BackendRows(self._backend, self._writeback)
+            self._shared = Shared(self._rows, self.readonly, self._await_gathers, upload=Upload(self.device))
             if record_trace is not None:
                 self._shared.recorder = TraceRecorder(record_trace, specs.values())
             meta = self._backend.read_meta()
@@ -184,7 +185,7 @@ class TieredStore(StoreInspection):
             self.metrics = StoreMetrics(self, metrics_config)
             self._prefetcher = Prefetcher(StoreParts(self._tables, self._table, as_ids, self._lock, self._backend,
                                                      self._writeback), prefetch)
-            self._shared.prefetcher = self._prefetcher
+            self._shared.prefetcher = self._rows.prefetcher = self._prefetcher
         except BaseException:
             if getattr(self, "metrics", None) is not None:
                 self.metrics.close()  # frees the store's label and endpoint
@@ -248,17 +249,9 @@ class TieredStore(StoreInspection):
         check_out(out, n, cols, self.device)
         if n == 0:
             return out if out is not None else torch.empty((0, cols), dtype=torch.float32, device=self.device)
-        hit = t.use_top_tier(ids)  # fast path: no dedupe is needed
-        if hit is not None:
-            return hit, cols, t.counters.latency, start
-        mark = time.perf_counter()
-        uid, inverse, first = first_uses(ids.cpu())
-        t.counters.latency.observe("dedupe", time.perf_counter() - mark)
-        source, slots, rows = t.step(ids, uid, first)
-        if source is not None:  # every row in one tier
-            result = self._gather_tier(source, slots.index_select(0, inverse.to(slots.device)), cols, out)
-        else:
-            result = gather_rows(rows, inverse.to(rows.device), cols, out, self.device)
+        result = t.read(ids, cols, out, self.device)
+        if isinstance(result, Resident):  # every id in the top tier: no dedupe, no step
+            return result, cols, t.counters.latency, start
         t.counters.latency.observe("total", time.perf_counter() - start)
         return result
 
@@ -360,7 +353,7 @@ class TieredStore(StoreInspection):
             # with whole-queue chunks)
             chunk = max(1, (self.config.writeback_rows or DEFAULT_WRITEBACK_ROWS) // 4)
             while batches := [(t, *dirty) for t in self._tables.values() if (dirty := t.take_dirty(chunk)) is not None]:
-                self._shared.queue_write(batches)
+                self._rows.queue_write(batches)
                 self._reap()  # waits while the queue holds more than its limit
             self._reap(drain=True)
             now = self.config.clock()

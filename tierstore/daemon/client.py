@@ -36,7 +36,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +52,7 @@ from tierstore.engine.prefetch import PrefetchGroup, PrefetchTicket
 from tierstore.spec import TableSpec
 from tierstore.engine.tensors import as_ids, as_values, check_out, resolve_device, unpicklable
 from tierstore.store import TieredStore
-from tierstore.engine.step import StepPlanner
+from tierstore.engine.table import Resident, TableStore
 from tierstore.engine.tiers import CacheTier, last_values
 from tierstore.engine.trainer import TableTrainer
 from tierstore.validate import check_int, check_number
@@ -130,10 +130,8 @@ class DaemonStore(ClientHbm):
         self._shm_threshold = 1 << 16
         self._max_frame, self._max_ids = self._limits.max_bytes, self._limits.max_ids  # until the daemon says its own
         self._max_hint_ids = self._max_ids
-        self._hbm: dict[str, CacheTier] = {}
-        self._hbm_counts: dict[str, TierCounters] = {}
-        self._planners: dict[str, StepPlanner] = {}  # a step of each HBM tier
-        self._use_clock = 0
+        self._shared = self._shared_parts()
+        self._hbm: dict[str, TableStore] = {}  # the claimed tables with an HBM tier (client_hbm.py)
         self._updates: dict[str, int] = {}  # per table, for trainer(t).update_key (kept by this client only)
         self._trainers: dict[str, ClientTableTrainer] = {}
         self._sock = self._connect()
@@ -230,6 +228,7 @@ class DaemonStore(ClientHbm):
     def _drop_connection(self) -> None:
         self._closed = True
         self._sock.close()
+        self._shared.close()
         if self._shm is not None:
             self._shm.close()
             self._shm = None
@@ -331,19 +330,19 @@ class DaemonStore(ClientHbm):
         check_out(out, n, cols, self.device)
         if n == 0:
             return out if out is not None else torch.empty((0, cols), dtype=torch.float32, device=self.device)
-        tier = self._hbm.get(table)
-        if tier is None:
+        t = self._hbm.get(table)
+        if t is None:
             return self._daemon_read(table, ids_np, cols, with_state, out)
         with self._lock:
             self._check_open()
             mine = wire.claimed(self._ranges[table], ids_np)
             if mine.all():
-                return self._hbm_read(table, tier, torch.from_numpy(ids_np), cols, out)
+                return self._read_cached(t, ids_np, cols, out)
             # a call that spans claimed and unclaimed rows: each part from where it lives
             result = out if out is not None else torch.empty((n, cols), dtype=torch.float32, device=self.device)
             if mine.any():
                 at = torch.from_numpy(np.flatnonzero(mine)).to(self.device)
-                result[at] = self._hbm_read(table, tier, torch.from_numpy(ids_np[mine]), cols, None)
+                result[at] = self._read_cached(t, ids_np[mine], cols, None)
             at = torch.from_numpy(np.flatnonzero(~mine)).to(self.device)
             result[at] = self._daemon_read(table, ids_np[~mine], cols, with_state, None).to(self.device)
             return result
@@ -357,22 +356,15 @@ class DaemonStore(ClientHbm):
         values = as_values(spec, values, len(ids_np), cols)
         if len(ids_np) == 0:
             return
-        H = self._hbm.get(table)
-        if H is None:
+        t = self._hbm.get(table)
+        if t is None:
             self._daemon_write(table, ids_np, values.numpy(), with_state)
             return
         with self._lock:
             self._check_open()
-            uid, values = last_values(torch.from_numpy(ids_np), values)
-            slot = H.lookup(uid).cpu()
-            cached = slot >= 0
-            if not bool(cached.all()):
-                # the rest goes to the daemon first: it refuses the whole write if any row
-                # is unclaimed (none of those can be cached here), and nothing has changed yet
-                self._daemon_write(table, uid[~cached].numpy(), values[~cached].numpy(), with_state)
-            s = slot[cached].to(H.device)
-            H.put(s, values[cached], cols)
-            H.dirty[s] = True
+            # rows not in the HBM tier go to the daemon first: it refuses the whole write if
+            # any row is unclaimed (none of those can be cached here), and nothing has changed yet
+            t.write(*last_values(torch.from_numpy(ids_np), values), cols)
 
     def evict(self, table: str, ids) -> int:
         """Delete the rows of ``ids`` from the daemon's tiers and LMDB (and this client's
@@ -389,10 +381,10 @@ class DaemonStore(ClientHbm):
         with self._lock:
             for lo in range(0, len(ids_np), chunk):
                 deleted += int(self._request(wire.Frame(wire.EVICT, text=table, ids=ids_np[lo:lo + chunk])).ids[0])
-            H = self._hbm.get(table)
-            if H is not None:
-                slots = H.lookup(torch.from_numpy(ids_np).to(H.device))
-                H.remove(slots[slots >= 0])
+            t = self._hbm.get(table)
+            if t is not None:
+                slots = t.hbm.lookup(torch.from_numpy(ids_np).to(t.hbm.device))
+                t.hbm.remove(slots[slots >= 0])
         return deleted
 
     def prefetch(self, table: str, ids) -> PrefetchTicket:
@@ -434,10 +426,6 @@ class DaemonStore(ClientHbm):
         check_int(step, "step")
         self._request(wire.Frame(wire.STEP, ids=np.array([step], dtype=np.int64)))
 
-    def _write_back_all(self) -> None:
-        for table, H in self._hbm.items():
-            self._write_back(table, H, H.dirty_slots())
-
     def flush(self) -> None:
         """Write this client's dirty HBM rows to the daemon, then return once every
         dirty row in the daemon's store (every client's) is durable in LMDB."""
@@ -450,7 +438,7 @@ class DaemonStore(ClientHbm):
         and "ssd" the daemon's store (every client's reads)."""
         daemon = self.daemon_stats(per_table)["store"]
         with self._lock:
-            mine = {t: vars(c).copy() for t, c in self._hbm_counts.items()}
+            mine = {name: vars(t.counters.hbm).copy() for name, t in self._hbm.items()}
         if per_table:
             for t, d in daemon.items():
                 d["hbm"] = mine.get(t, vars(TierCounters()).copy())
@@ -469,8 +457,8 @@ class DaemonStore(ClientHbm):
     def resident_rows(self, table: str) -> dict[str, int]:
         """Rows in this client's HBM tier (the daemon's DDR tier is not counted)."""
         self.spec(table)
-        H = self._hbm.get(table)
-        return {"hbm": H.resident if H else 0}
+        t = self._hbm.get(table)
+        return {"hbm": t.hbm.resident if t else 0}
 
     def close(self) -> None:
         """Write dirty HBM rows back to the daemon, then disconnect (releases this
@@ -540,19 +528,39 @@ class DaemonStore(ClientHbm):
 
 
 class ClientTableTrainer(TableTrainer):
-    """A daemon client's TableTrainer (``store.trainer(table)``). The rows may be at the
-    daemon, so a forward reads them (``resident`` yields None); tables with admission,
-    TTL or the L2 score have their steps counted by the daemon's store, which answers
-    which updates are kept (ADMITTED) and re-reads without a step (REREAD)."""
+    """A daemon client's TableTrainer (``store.trainer(table)``). A forward over claimed rows
+    of a table with an HBM tier here pools from that tier, as over an embedded store's
+    (the same TableStore step brings them there); any other forward reads. Tables with
+    admission, TTL or the L2 score have their steps counted by the daemon's store, which
+    answers which updates are kept (ADMITTED) and re-reads without a step (REREAD)."""
 
     store: DaemonStore
 
     @contextlib.contextmanager
-    def resident(self, ids: torch.Tensor, admit: bool = False) -> Iterator[None]:
-        yield None
+    def resident(self, ids: torch.Tensor, admit: bool = False) -> Iterator[Resident | None]:
+        c = self.store
+        t = c._hbm.get(self.table)
+        if t is None or not len(ids):
+            yield None
+            return
+        # held steady by holding the client's lock while the caller computes: the tier's
+        # gathers all run under it (client_hbm.py), so nothing else waits for this one
+        with c._lock:
+            c._check_open()
+            hit = None
+            if wire.claimed(c._ranges[self.table], ids.cpu().numpy()).all():
+                hit = t.use_top_tier(ids) or (t.admit(ids) if admit else None)
+            yield hit
 
-    def update_resident(self, slots: torch.Tensor, generation: int, update) -> bool:
-        return False  # never pinned (resident yields None): nothing changed
+    def update_resident(self, slots: torch.Tensor, generation: int, update: Callable[[CacheTier], None]) -> bool:
+        c = self.store
+        t = c._hbm.get(self.table)
+        with c._lock:
+            c._check_open()
+            if t is None or not t.update_resident(slots, generation, update):
+                return False
+        self.written += 1
+        return True
 
     def admitted(self, uid: torch.Tensor) -> torch.Tensor | None:
         c, table = self.store, self.table

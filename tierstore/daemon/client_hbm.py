@@ -1,6 +1,9 @@
 """Client-side HBM tier (``hbm_rows=N``, a :class:`tierstore.engine.tiers.CacheTier`
-on ``device``; one per process). Consistency rests on the claims: a row has
-at most one writer, so that writer may keep the newest copy of the row to
+on ``device``; one per process). Each claimed table with one is a
+tierstore.engine.table.TableStore with that tier alone, over a DaemonRows source
+(tierstore.engine.source): the embedded store's own step, its misses READ from the
+daemon and its dirty rows leaving it WRITTEN there. Consistency rests on the claims:
+a row has at most one writer, so that writer may keep the newest copy of the row to
 itself. Hence:
 
 - Only rows this client claimed are cached in its HBM tier; reads of any
@@ -28,25 +31,49 @@ itself. Hence:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from tierstore.daemon import wire
-from tierstore.engine.counters import TierCounters
-from tierstore.engine.step import StepPlanner
-from tierstore.engine.tensors import gather_rows, gather_tier
-from tierstore.engine.tiers import CacheTier, first_uses, nonzero
+from tierstore.engine.table import Resident, Shared, TableStore
+from tierstore.engine.tensors import gather_tier
+from tierstore.engine.tiers import CacheTier
+from tierstore.engine.upload import Upload
 from tierstore.eviction import make_policy
 from tierstore.precision import DTYPES
 from tierstore.validate import check_int
 from tierstore.errors import SettingError
 
+if TYPE_CHECKING:
+    from tierstore.daemon.client import DaemonStore
+
+
+class DaemonRows:
+    """A daemon client's RowSource (tierstore.engine.source): below its HBM tier, the daemon's
+    store. Misses are READ with their state; rows leaving the tier, and writes to rows it
+    does not hold, are WRITTEN (the daemon refuses a write outside the client's claims)."""
+
+    def __init__(self, client: DaemonStore):
+        self._client = client
+
+    def fetch(self, table: TableStore, ids: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor:
+        spec = table.spec
+        rows = torch.empty((len(ids), spec.width), dtype=torch.float32) if out is None else torch.from_numpy(out)
+        return self._client._daemon_read(spec.name, ids.numpy(), spec.width, True, rows)
+
+    def write_back(self, table: TableStore, ids: np.ndarray, rows: np.ndarray) -> None:
+        self._client._daemon_write(table.spec.name, ids, rows, True)
+
+    def write(self, table: TableStore, ids: torch.Tensor, values: torch.Tensor, cols: int) -> None:
+        self._client._daemon_write(table.spec.name, ids.numpy(), values.numpy(), cols == table.spec.width)
+
 
 class ClientHbm:
-    """DaemonStore's HBM tier: its sizing at attach, its read step by the embedded store's
-    rules (tierstore.engine.step's plan), and the write-back of its dirty rows to the daemon.
-    It uses the client's tables, device, use clock and READ/WRITE frames."""
+    """DaemonStore's HBM tiers: their sizing at attach, their tables (the embedded step over
+    DaemonRows), and the write-back of their dirty rows at flush and close. It uses the
+    client's specs, claims, device and lock."""
 
     def _make_hbm(self, hbm_rows, policy: str) -> None:
         make_policy(policy)  # raises on unknown names
@@ -65,54 +92,29 @@ class ClientHbm:
                 r = self._ranges[table]
                 rows = min(rows, int((np.maximum(np.minimum(r[:, 1], spec.num_rows or wire.WHOLE), r[:, 0]) - r[:, 0]).sum()))
             if rows:
-                self._hbm[table] = CacheTier("hbm", int(rows), spec.dim, spec.state_dim, self.device, make_policy(policy), spec.num_rows,
-                                             DTYPES[spec.dtype])
-                self._hbm_counts[table] = TierCounters()
-                self._planners[table] = StepPlanner()
+                tier = CacheTier("hbm", int(rows), spec.dim, spec.state_dim, self.device, make_policy(policy), spec.num_rows,
+                                 DTYPES[spec.dtype])
+                self._hbm[table] = TableStore(spec, tier, None, self._shared)
         if not isinstance(hbm_rows, Mapping) and hbm_rows and not self._hbm:
             raise SettingError("hbm_rows > 0 with no claim=: a client caches only rows it has claimed for writing "
                              "(readonly and unclaimed reads always go to the daemon); add claim=[...] or drop hbm_rows")
 
-    def _hbm_read(self, table: str, H: CacheTier, ids: torch.Tensor, cols: int, out: torch.Tensor | None) -> torch.Tensor:
-        """One read step of the HBM tier, by the embedded store's rules: every
-        unique id is used at clock ``start + first position``; misses come from
-        the daemon with their state; evicted dirty rows go back to it first."""
-        c = self._hbm_counts[table]
-        n = len(ids)
-        slots = H.lookup(ids)
-        if bool((slots >= 0).all()):  # every row resident: no dedupe, no daemon
-            c.hits += H.use_resident(slots, self._use_clock)
-            self._use_clock += n
-            return gather_tier(H, slots, cols, out, self.device)
+    def _shared_parts(self) -> Shared:
+        """What the client's tables share: the daemon below them, and one use clock. A gather
+        from a tier runs under the client's lock, so no writer waits for one."""
+        return Shared(DaemonRows(self), self.readonly, lambda: None, upload=Upload(self.device))
 
-        uid, inverse, first = first_uses(ids)
-        slot = H.lookup(uid).cpu()
-        hit = slot >= 0
-        miss = nonzero(~hit)
-        fetched = self._daemon_read(table, uid[miss].numpy(), H.width, True, None)
+    def _read_cached(self, t: TableStore, ids: np.ndarray, cols: int, out: torch.Tensor | None) -> torch.Tensor:
+        """A read of claimed rows: the embedded store's step through the table's HBM tier."""
+        result = t.read(torch.from_numpy(ids), cols, out, self.device)
+        return gather_tier(result.tier, result.slots, cols, out, self.device) if isinstance(result, Resident) else result
 
-        rows = torch.empty((len(uid), H.width), dtype=torch.float32, device=H.device)
-        rows[hit.to(H.device)] = H.gather(slot[hit].to(H.device))
-        rows[miss.to(H.device)] = fetched.to(H.device)
-        plan = self._planners[table].plan(H, None, (first + self._use_clock).numpy(), slot.numpy(),
-                                          np.full(len(uid), -1, dtype=np.int64))
-        # before anything changes: a failure leaves the tier as it was
-        wb = plan.write_back
-        self._write_back(table, H, torch.cat([torch.from_numpy(wb.hbm), slot[torch.from_numpy(wb.call)]]))
-        H.commit(plan.hbm, plan, uid, rows.index_select(0, torch.from_numpy(plan.hbm.entering()).to(H.device)))
-        c.evictions += plan.hbm.evictions
-        c.hits += int(hit.sum())
-        c.misses += len(miss)
-        self._use_clock += n
-        return gather_rows(rows, inverse.to(H.device), cols, out, self.device)
-
-    def _write_back(self, table: str, H: CacheTier, slots: torch.Tensor) -> int:
-        """WRITE the dirty rows among ``slots`` (with their state) to the daemon; marks them clean."""
-        s = slots.to(H.device)
-        dirty = s[H.dirty[s]]
-        if len(dirty) == 0:
-            return 0
-        self._daemon_write(table, *H.rows_by_id(dirty), True)
-        H.dirty[dirty] = False
-        self._hbm_counts[table].writebacks += len(dirty)
-        return len(dirty)
+    def _write_back_all(self) -> None:
+        """WRITE every dirty HBM row (with its state) to the daemon, then mark it clean."""
+        for table, t in self._hbm.items():
+            H = t.hbm
+            dirty = H.dirty_slots()
+            if len(dirty):
+                self._daemon_write(table, *H.rows_by_id(dirty), True)
+                H.dirty[dirty] = False
+                t.counters.hbm.writebacks += len(dirty)

@@ -15,7 +15,7 @@ from tierstore.engine.tiers import CacheTier
 
 class LivedRows:
     """TableStore's part for unbounded id spaces: admission and TTL. It uses the table's
-    life, counters, shared parts, _cached and _access."""
+    life, counters, shared parts, _backend_rows, _cached and _access."""
 
     def _lived_access(self, uid: torch.Tensor, use_clock: torch.Tensor):
         """_access for a table with admission or TTL: the step is counted (the sketch,
@@ -44,7 +44,7 @@ class LivedRows:
             c.life.rejected += len(uid_np) - int(admitted.sum())
         cutoff = life.sweep_cutoff()
         if not self._shared.readonly and ((cutoff is not None and cutoff >= 0) or life.l2_below is not None):
-            self._shared.writeback.sweeps[self.spec.name] = (cutoff, life.l2_below)
+            self._backend_rows.writeback.sweeps[self.spec.name] = (cutoff, life.l2_below)
         return result
 
     def _mark_dirty(self, ids: torch.Tensor) -> None:
@@ -84,11 +84,11 @@ class LivedRows:
 
     def _stored_last_use(self, ids: np.ndarray) -> np.ndarray:
         """Last-use step of rows not cached (sorted ids): the queue's, else LMDB's; -1 for none."""
-        queued, steps = self._shared.writeback.lookup_last(self.spec.name, ids)
+        queued, steps = self._backend_rows.writeback.lookup_last(self.spec.name, ids)
         out = np.full(len(ids), -1, dtype=np.int64)
         out[queued] = steps
         if not queued.all():
-            out[~queued] = self._shared.backend.get_last_use(self.spec.name, ids[~queued])
+            out[~queued] = self._backend_rows.backend.get_last_use(self.spec.name, ids[~queued])
         return out
 
     def _expire_fetched(self, ids: np.ndarray, rows: np.ndarray) -> None:

@@ -1,28 +1,30 @@
 """One table's data path: its tiers, counters and row life, and the step of a read through them.
 
-TieredStore.read checks the call, then hands it to the table (TableStore):
+A store checks a read call, then hands it to the table (TableStore.read):
 - probe: every id in the top tier -> use_top_tier counts the use; the store
-  gathers the rows (no dedupe, and outside the lock);
+  gathers the rows (no dedupe; the embedded store does so outside its lock);
 - else dedupe, and step (_access) through the tiers:
   probe HBM, then DDR for the rest;
   plan while fetching: tierstore.engine.step plans the step (the rows each tier keeps,
-  the victims, the write-back), changing nothing, while _fetch reads the misses
-  from prefetch staging, the write-back queue, else LMDB (the two on two
+  the victims, the write-back), changing nothing, while fetch asks the table's
+  RowSource (tierstore.engine.source) for the misses: the embedded store's prefetch
+  staging, write-back queue and LMDB, or a daemon client's daemon (the two on two
   threads for long fetches);
-  write back: the plan's dirty rows leaving the cache are queued for LMDB;
+  write back: the plan's dirty rows leaving the cache go to the source;
   commit: each tier carries out its part (in memory only: it cannot fail half-way);
   (_access_one_tier commits where one tier, with none below, takes every row);
 - the store gathers the call's rows from the one tier holding them all, or from the step's rows.
 Admission and TTL wrap the step: _lived_access (tierstore/engine/lived.py; the counts are tierstore/engine/admission.py's).
 
-A table never reaches back into the store: what a store's tables share (LMDB, the
-write-back queue, the prefetcher, the use clock, the trace recorder, the wait for
-gathers running outside the lock) comes in one Shared object.
+A table never reaches back into the store: what a store's tables share (the row source,
+the prefetcher, the use clock, the trace recorder, the wait for gathers running outside
+the lock) comes in one Shared object. The embedded TieredStore and the daemon client's
+HBM tier (tierstore.daemon.client_hbm) both step through TableStore.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -31,14 +33,15 @@ import numpy as np
 import torch
 
 from tierstore.errors import UnsupportedError
-from tierstore.io import RowBackend, WriteBack
 
 from tierstore.engine.admission import RowLife
 from tierstore.engine.counters import TableCounters, counting, restored_on_error
 from tierstore.spec import TableSpec, initial_rows
 from tierstore.engine.inflight import InFlight
 from tierstore.engine.lived import LivedRows
+from tierstore.engine.source import BackendRows, RowSource
 from tierstore.engine.step import StepPlan, StepPlanner
+from tierstore.engine.tensors import gather_rows, gather_tier
 from tierstore.engine.tiers import CacheTier, by_id, first_uses, nonzero, select
 from tierstore.engine.trainer import DeviceRows
 from tierstore.engine.upload import Upload
@@ -58,31 +61,48 @@ class Prefetch(Protocol):
     def take(self, table: str, ids: torch.Tensor, out: torch.Tensor) -> np.ndarray: ...
     def written(self, table: str, ids: np.ndarray) -> None: ...
     def consumed(self, table: str, ids: torch.Tensor, sorted_unique: bool = False) -> None: ...
+    def in_window(self, table: str, ids: np.ndarray) -> np.ndarray | None: ...
     def next_use(self, table: str, tier: CacheTier) -> np.ndarray | None: ...
     def read_time(self, rows: int, seconds: float) -> None: ...
+
+
+class _NoPrefetch:
+    """The Prefetch of a store with no prefetcher of its own (a daemon client: its
+    hints go to the daemon): nothing staged, no window."""
+
+    def take(self, table: str, ids: torch.Tensor, out: torch.Tensor) -> np.ndarray:
+        return np.zeros(len(ids), dtype=bool)
+
+    def written(self, table: str, ids: np.ndarray) -> None:
+        pass
+
+    def consumed(self, table: str, ids: torch.Tensor, sorted_unique: bool = False) -> None:
+        pass
+
+    def in_window(self, table: str, ids: np.ndarray) -> None:
+        return None
+
+    def next_use(self, table: str, tier: CacheTier) -> None:
+        return None
+
+    def read_time(self, rows: int, seconds: float) -> None:
+        pass
+
+
+NO_PREFETCH: Prefetch = _NoPrefetch()
 
 
 @dataclass(eq=False)
 class Shared:
     """What the tables of one store share; the store makes it and hands it to each."""
-    backend: RowBackend
-    writeback: WriteBack  # every LMDB row write goes through it: queue_write
+    source: RowSource  # below the tables' tiers (tierstore.engine.source): the backend's rows, or a daemon's
     readonly: bool
     await_gathers: Callable[[], None]  # called with the lock held before tier rows are overwritten
     recorder: TraceRecorder | None = None  # record_trace: every read step goes to a trace
-    prefetcher: Prefetch | None = None  # set once the tables exist (the prefetcher reads them)
+    prefetcher: Prefetch = NO_PREFETCH  # the store's, set once the tables exist (the prefetcher reads them)
     use_clock: int = 0  # advanced by each read call's length (store.py's semantics)
     upload: Upload | None = None  # host rows up to the HBM tier's device (pinned staging, a side stream)
     _plan_pool: futures.ThreadPoolExecutor | None = None
-
-    def queue_write(self, batches: Sequence[tuple[TableStore, np.ndarray, np.ndarray]], meta: dict | None = None) -> None:
-        """Every LMDB row write starts here, and is counted here: counts do not
-        depend on when the writer thread commits."""
-        last = {t.spec.name: t.last_use_to_store(ids) for t, ids, _ in batches if t.life.ttl_steps is not None}
-        self.writeback.submit([(t.spec.name, ids, rows) for t, ids, rows in batches], meta, last)
-        for t, ids, _ in batches:
-            t.counters.ssd.count_writes(len(ids), t.spec.row_bytes)
-            self.prefetcher.written(t.spec.name, ids)  # staged copies are older now
 
     def plan_pool(self) -> futures.ThreadPoolExecutor:
         if self._plan_pool is None:
@@ -107,9 +127,8 @@ def _rows_at(rows: torch.Tensor, at: np.ndarray) -> torch.Tensor:
 
 
 class TableStore(LivedRows):
-    """One table of a TieredStore: its tiers (either may be None), counters and
-    row life, and every step of its rows through them. Called with the store's
-    lock held."""
+    """One table of a store: its tiers (either may be None), counters and row life,
+    and every step of its rows through them. Called with the store's lock held."""
 
     def __init__(self, spec: TableSpec, hbm: CacheTier | None, ddr: CacheTier | None, shared: Shared, steps: int = 0):
         self.spec = spec
@@ -121,6 +140,12 @@ class TableStore(LivedRows):
         self._planner = StepPlanner()
         self.in_flight: InFlight | None = None  # the rows of steps resolved ahead (resolve)
         self._scratch = np.empty((0, spec.width), dtype=np.float32)
+
+    @property
+    def _backend_rows(self) -> BackendRows:
+        """The embedded store's source, for what only its backend keeps (evict; row life's
+        last-use steps and sweeps): a daemon client caches no table with row life and evicts at the daemon."""
+        return self._shared.source
 
     def scratch(self, n: int) -> np.ndarray | None:
         """A buffer for the rows one read fetches from LMDB, reused by the next
@@ -153,6 +178,21 @@ class TableStore(LivedRows):
         self._shared.use_clock += len(ids)
         self._shared.prefetcher.consumed(self.spec.name, ids)
         return Resident(top, slots, top.generation)
+
+    def read(self, ids: torch.Tensor, cols: int, out: torch.Tensor | None, device: torch.device) -> Resident | torch.Tensor:
+        """A read call's step (checked ids, in call order): where the rows are when every
+        one is in the top tier (the caller gathers them, outside the lock if it can),
+        else the first ``cols`` columns of its rows on ``device``, in ``out`` when given."""
+        hit = self.use_top_tier(ids)  # fast path: no dedupe is needed
+        if hit is not None:
+            return hit
+        mark = time.perf_counter()
+        uid, inverse, first = first_uses(ids.cpu())
+        self.counters.latency.observe("dedupe", time.perf_counter() - mark)
+        source, slots, rows = self.step(ids, uid, first)
+        if source is not None:  # every row in one tier
+            return gather_tier(source, slots.index_select(0, inverse.to(slots.device)), cols, out, device)
+        return gather_rows(rows, inverse.to(rows.device), cols, out, device)
 
     def admit(self, ids: torch.Tensor) -> Resident | None:
         """A read of ids through the tiers that leaves every row in the top tier,
@@ -304,10 +344,10 @@ class TableStore(LivedRows):
         for a long fetch it is made on a helper thread while this one reads LMDB
         (both release the GIL in their C calls)."""
         if len(ids) < _PLAN_ASIDE_ROWS:
-            return plan(), self._fetch(ids, self.scratch(len(ids)))
+            return plan(), self.fetch(ids, self.scratch(len(ids)))
         planned = self._shared.plan_pool().submit(plan)
         try:
-            fetched = self._fetch(ids, self.scratch(len(ids)))
+            fetched = self.fetch(ids, self.scratch(len(ids)))
         finally:
             futures.wait([planned])  # never leave it reading tiers that a later call changes
         return planned.result(), fetched
@@ -367,32 +407,13 @@ class TableStore(LivedRows):
         self._queue_write_back(*by_id(torch.cat(ids), torch.cat(values)))
         return len(wb)
 
-    def _fetch(self, ids: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor:
-        """Rows of ids (sorted) not in any tier: prefetched into staging, else queued
-        for LMDB (newest first), else from LMDB, initial values for rows never
-        written. Into ``out`` when given."""
-        ids_np = ids.numpy()
-        rows = np.empty((len(ids_np), self.spec.width), dtype=np.float32) if out is None else out
-        cold = ~self._shared.prefetcher.take(self.spec.name, ids, torch.from_numpy(rows))  # staged rows are the newest
-        if cold.any():
-            where = np.flatnonzero(cold)
-            queued, queued_rows = self._shared.writeback.lookup(self.spec.name, ids_np[where])
-            if queued_rows is not None:
-                rows[where[queued]] = queued_rows
-                cold[where[queued]] = False
-        cold_ids = ids_np[cold]
-        if len(cold_ids):
-            mark = time.perf_counter()
-            all_cold = len(cold_ids) == len(ids_np)
-            cold_rows = self.fill_unwritten(cold_ids, *self._shared.backend.get_rows(self.spec.name, cold_ids, rows if all_cold else None))
-            seconds = time.perf_counter() - mark
-            self.counters.latency.observe("ssd_read", seconds)
-            self._shared.prefetcher.read_time(len(cold_ids), seconds)
-            if not all_cold:
-                rows[cold] = cold_rows
+    def fetch(self, ids: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor:
+        """Rows of ids (sorted) not in any tier, from the table's source (tierstore.engine.source),
+        rows idle too long as initial (TTL). Into ``out`` when given."""
+        rows = self._shared.source.fetch(self, ids, out)
         if self.life.resets:
-            self._expire_fetched(ids_np, rows)
-        return torch.from_numpy(rows)
+            self._expire_fetched(ids.numpy(), rows.numpy())
+        return rows
 
     def fill_unwritten(self, ids: np.ndarray, rows: np.ndarray, found: np.ndarray) -> np.ndarray:
         """Give rows LMDB does not hold their initial values, and count the read."""
@@ -402,10 +423,10 @@ class TableStore(LivedRows):
         return rows
 
     def _queue_write_back(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Queue dirty rows leaving the cache (sorted by id) for LMDB."""
+        """Hand dirty rows leaving the cache (sorted by id) to the table's source."""
         if len(ids):
             mark = time.perf_counter()
-            self._shared.queue_write([(self, ids, rows)])
+            self._shared.source.write_back(self, ids, rows)
             self.counters.latency.observe("writeback", time.perf_counter() - mark)
 
     # -- calls that are not a step -----------------------------------------------------------
@@ -426,17 +447,13 @@ class TableStore(LivedRows):
 
     def write(self, uid: torch.Tensor, values: torch.Tensor, cols: int) -> None:
         """Set the first ``cols`` columns of the rows of sorted unique ids (on the
-        CPU): cached rows in place, then dirty; others queued for LMDB."""
+        CPU): cached rows in place, then dirty; the others to the table's source first
+        (it may refuse them: nothing has changed yet)."""
         n = len(uid)
         targets, placed = self._cached(uid)
         cold = nonzero(~placed)
-        if len(cold):  # not cached: straight to LMDB (durable at the next flush)
-            if cols == self.spec.width:
-                rows = values[cold]
-            else:
-                rows = self._fetch(uid[cold])
-                rows[:, :cols] = values[cold]
-            self._shared.queue_write([(self, uid[cold].numpy(), rows.numpy())])
+        if len(cold):
+            self._shared.source.write(self, uid[cold], values[cold], cols)
         self._shared.await_gathers()
         for tier, slot, pos in targets:
             s = slot.to(tier.device)
@@ -457,14 +474,14 @@ class TableStore(LivedRows):
                 self._expire_cached(tier, s)
             rows[pos] = tier.gather(s).cpu()
         if not bool(placed.all()):
-            rows[~placed] = self._fetch(uid[~placed])
+            rows[~placed] = self.fetch(uid[~placed])
         return rows
 
     def evict(self, uid: torch.Tensor) -> int:
         """Delete the rows of sorted unique ids (on the CPU; none queued for LMDB)
         from every tier and from LMDB; returns how many of them LMDB held."""
         uid_np = uid.numpy()
-        deleted = self._shared.backend.delete_rows(self.spec.name, uid_np)
+        deleted = self._backend_rows.backend.delete_rows(self.spec.name, uid_np)
         # -- LMDB has changed; the rest is in memory and cannot fail --
         self._shared.prefetcher.written(self.spec.name, uid_np)  # staged copies are gone too
         self._shared.await_gathers()
