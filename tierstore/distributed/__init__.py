@@ -52,7 +52,8 @@ after it: a failure there raises on that rank only, and the others learn of it
 at their next collective (RankFailedError once the rank exits, or the timeout).
 """
 from tierstore.capacity.planner import plan
-from tierstore.distributed.collection import SettingsMismatchError, ShardedEmbeddingBagCollection
+from tierstore.distributed.collection import ShardedEmbeddingBagCollection
+from tierstore.distributed.comm import SettingsMismatchError
 from tierstore.training.sharding import PlanMismatchError, RankFailedError, Shard, ShardingPlan, TablePlan
 
 __all__ = ["PlanMismatchError", "RankFailedError", "SettingsMismatchError", "Shard", "ShardedEmbeddingBagCollection",

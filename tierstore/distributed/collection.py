@@ -15,7 +15,7 @@ from torch import nn
 from tierstore.distributed.checkpoint import Checkpoints
 from tierstore.distributed.reporting import Announcer, ShardedMetrics
 from tierstore.distributed.comm import (_COMM_NAMES, _OP, _PENDING, _SETTINGS, _TOTAL, COMM_DTYPES, _Comm, _digest, _error_of,
-                                        _Op, _Reader)
+                                        _Op, _Reader, raise_settings_mismatch)
 from tierstore.distributed.tables import _Step, _Table
 from tierstore.engine.prefetch import PrefetchGroup
 from tierstore.engine.tensors import as_ids, as_values, resolve_device
@@ -28,12 +28,6 @@ from tierstore.store import Sizes, StoreConfig, TieredStore
 from tierstore.training.bags import MODES, Bags, EmbeddingBagConfig, Rows, mean_grads, plan_bags, sort_is_stable, sum_rows
 from tierstore.training.checkpointing import FusedOptimizer, SharedViews, TableViews, state_layout, table_views
 from tierstore.training.sharding import PlanMismatchError, RankFailedError, ShardingPlan
-
-
-class SettingsMismatchError(PlanMismatchError):
-    """A setting that shapes the ranks' messages (tables, optimizer, comm_dtype, mode)
-    differs between the ranks constructing a sharded collection."""
-
 
 
 class _ShardedBagFunction(torch.autograd.Function):
@@ -132,7 +126,7 @@ class ShardedEmbeddingBagCollection(SharedViews, Checkpoints, nn.Module):
         if bool((head[:, _OP] != _Op.INIT).any()):
             raise RankFailedError(self._mismatch(head))
         if len(set(head[:, _SETTINGS].tolist())) > 1:
-            self._settings_mismatch(settings)
+            raise_settings_mismatch(self._comm, settings, self.rank)
         self.path = Path(path)
         mine = [t for t in self._tables.values() if t.mine is not None]
         self.local_store: TieredStore | None = None
@@ -197,28 +191,6 @@ class ShardedEmbeddingBagCollection(SharedViews, Checkpoints, nn.Module):
                 "optimizer": repr(self.optimizer),
                 "comm_dtype": _COMM_NAMES[self._comm_dtype],
                 "mode": self._mode_name}
-
-    def _settings_mismatch(self, settings: dict[str, str]) -> None:
-        """Raise the error naming the first setting that differs between ranks (every rank calls this)."""
-        got = torch.stack(self._comm.all_gather(torch.tensor([_digest(v) for v in settings.values()])))
-        for i, (name, value) in enumerate(settings.items()):
-            column = got[:, i].tolist()
-            if len(set(column)) == 1:
-                continue
-            if name in ("comm_dtype", "mode"):  # short: name every rank's value
-                known = {_digest(v): v for v in (*_COMM_NAMES.values(), *MODES)}
-                each = ", ".join(f"rank {r}: {known.get(d, '?') if name == 'comm_dtype' else repr(known.get(d, '?'))}"
-                                 for r, d in enumerate(column))
-                raise SettingsMismatchError(f"{name} differs between ranks ({each}); give every rank the same {name}")
-            differ = [r for r, d in enumerate(column) if d != column[0]]
-            if name == "plan":
-                raise PlanMismatchError(f"the sharding plan differs between ranks: ranks {differ} have another plan than rank 0; "
-                                        "give every rank the same plan (e.g. one ShardingPlan.to_json() file)")
-            if name == "tables":
-                raise SettingsMismatchError(f"tables differ between ranks: ranks {differ} have other TableSpecs than rank 0; "
-                                            "give every rank the same tables")
-            raise SettingsMismatchError(f"optimizer differs between ranks: ranks {differ} have another optimizer than rank 0 "
-                                        f"(rank {self.rank} has {value}); give every rank the same optimizer")
 
     # -- what a step moves -------------------------------------------------------------------
     def _known(self, name) -> str:

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from tierstore.errors import kind
-from tierstore.training.sharding import RankFailedError
+from tierstore.training.bags import MODES
+from tierstore.training.sharding import PlanMismatchError, RankFailedError
 
 
 COMM_DTYPES = {None: torch.float32, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -137,3 +138,31 @@ def _error_of(op) -> Exception | None:
         return e
     return None
 
+
+class SettingsMismatchError(PlanMismatchError):
+    """A setting that shapes the ranks' messages (tables, optimizer, comm_dtype, mode)
+    differs between the ranks constructing a sharded collection."""
+
+
+def raise_settings_mismatch(comm: "_Comm", settings: dict[str, str], rank: int) -> None:
+    """Raise the error naming the first setting that differs between ranks (every rank calls this,
+    with what ShardedEmbeddingBagCollection must have the same on each)."""
+    got = torch.stack(comm.all_gather(torch.tensor([_digest(v) for v in settings.values()])))
+    for i, (name, value) in enumerate(settings.items()):
+        column = got[:, i].tolist()
+        if len(set(column)) == 1:
+            continue
+        if name in ("comm_dtype", "mode"):  # short: name every rank's value
+            known = {_digest(v): v for v in (*_COMM_NAMES.values(), *MODES)}
+            each = ", ".join(f"rank {r}: {known.get(d, '?') if name == 'comm_dtype' else repr(known.get(d, '?'))}"
+                             for r, d in enumerate(column))
+            raise SettingsMismatchError(f"{name} differs between ranks ({each}); give every rank the same {name}")
+        differ = [r for r, d in enumerate(column) if d != column[0]]
+        if name == "plan":
+            raise PlanMismatchError(f"the sharding plan differs between ranks: ranks {differ} have another plan than rank 0; "
+                                    "give every rank the same plan (e.g. one ShardingPlan.to_json() file)")
+        if name == "tables":
+            raise SettingsMismatchError(f"tables differ between ranks: ranks {differ} have other TableSpecs than rank 0; "
+                                        "give every rank the same tables")
+        raise SettingsMismatchError(f"optimizer differs between ranks: ranks {differ} have another optimizer than rank 0 "
+                                    f"(rank {rank} has {value}); give every rank the same optimizer")
