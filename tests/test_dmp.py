@@ -70,9 +70,15 @@ RESHARDED = {1: {"t1": ("table_wise", {"rank": 0}), "t2": ("table_wise", {"rank"
              4: {"t1": ("row_wise", {}), "t2": ("table_wise", {"rank": 3})}}
 OPTIMIZERS = {"sgd": (lambda: optim.SGD(lr=LR), "EXACT_SGD", {}),
               "rowwise": (lambda: optim.RowWiseAdagrad(lr=LR, eps=EPS), "EXACT_ROWWISE_ADAGRAD", {"eps": EPS})}
-TIERS = {"tiny": {"hbm_rows": 2, "ddr_rows": 3}, "roomy": {"hbm_rows": 64, "ddr_rows": 0}}
+TIERS = {"tiny": {"hbm_rows": 2, "ddr_rows": 3}, "roomy": {"hbm_rows": 64, "ddr_rows": 0},
+         "ddr": {"hbm_rows": 0, "ddr_rows": 5}}
+# the same training under other tier sizes than "tiny" (every row resident; DDR as the top tier)
+OTHER_TIERS = [(plan, "rowwise", "roomy") for plan in ("table", "column", "mixed", "row", "table_row")] + \
+              [("row", "rowwise", "ddr"), ("row", "sgd", "roomy")]
+# prefetches this many batches ahead of the lookup (after the input dist), by plan
+PREFETCHED = {"mixed": 1, "row": 2}
 CASES = [(plan, opt, kind, "tiny") for plan in PLANS for opt in OPTIMIZERS for kind in ("tierstore", "torchrec")] + \
-        [(plan, "rowwise", "tierstore", "roomy") for plan in ("table", "mixed")]
+        [(plan, opt, "tierstore", tiers) for plan, opt, tiers in OTHER_TIERS]
 
 
 # -- rank side ------------------------------------------------------------------------------
@@ -168,26 +174,29 @@ def _set_torchrec_rows(dmp, full: dict[str, torch.Tensor]) -> None:
                 sh.tensor.copy_(full[key.split(".")[-2]][r:r + nr, c:c + nc])
 
 
+def trained_case(rank: int, out: Path, case: tuple) -> dict:
+    """STEPS steps of a case on this launch's ranks: their outputs, rows, optimizer state shapes, sharding types."""
+    plan_name, opt, kind, tiers = case
+    dmp = _dmp(out / "-".join(case), plan_name, opt, kind, tiers, world=dist.get_world_size())
+    if kind == "torchrec":
+        _set_torchrec_rows(dmp, initial_weights())
+    outs = []
+    for step in range(STEPS):
+        o = dmp(batch(step, rank))
+        o.pow(2).sum().backward()
+        dmp.fused_optimizer.step()
+        outs.append(o.detach())
+    optim_state = dmp.fused_optimizer.state_dict()["state"]
+    result = {"outs": outs, "rows": _local_rows(dmp, kind),
+              "optim_shapes": {p: {k: tuple(v.shape) for k, v in st.items()} for p, st in optim_state.items()},
+              "types": {t: p.sharding_type for t, p in dmp.plan.plan["ebc"].items()}}
+    if kind == "tierstore":
+        dmp.module.ebc.close()
+    return result
+
+
 def train_cases(rank: int, out: Path) -> dict:
-    results = {"path": out}
-    full = initial_weights()
-    for case in CASES:
-        plan_name, opt, kind, tiers = case
-        dmp = _dmp(out / "-".join(case), plan_name, opt, kind, tiers)
-        if kind == "torchrec":
-            _set_torchrec_rows(dmp, full)
-        outs = []
-        for step in range(STEPS):
-            o = dmp(batch(step, rank))
-            o.pow(2).sum().backward()
-            dmp.fused_optimizer.step()
-            outs.append(o.detach())
-        optim_state = dmp.fused_optimizer.state_dict()["state"]
-        results[case] = {"outs": outs, "rows": _local_rows(dmp, kind),
-                         "optim_shapes": {p: {k: tuple(v.shape) for k, v in st.items()} for p, st in optim_state.items()},
-                         "types": {t: p.sharding_type for t, p in dmp.plan.plan["ebc"].items()}}
-        if kind == "tierstore":
-            dmp.module.ebc.close()
+    results = {"path": out, **{case: trained_case(rank, out, case) for case in CASES}}
     results["tierstore-collection"] = tierstore_collection(rank, out)
     results["pipelines"] = pipelines(rank, out)
     results["dcp"] = save_checkpoint(rank, out)
@@ -213,10 +222,11 @@ def tierstore_collection(rank: int, out: Path) -> list:
 
 
 def pipelines(rank: int, out: Path) -> dict:
-    """The outputs of STEPS steps of "mixed" with row-wise Adagrad, run by TorchRec's
-    TrainPipelineSparseDist (the input dist of the next batch ahead of this one's forward), and
-    step by step as a prefetching pipeline runs them: the input dist, then the shards' prefetch
-    of the ids this rank received, then the lookup and output dist."""
+    """The outputs of STEPS steps of "mixed" with row-wise Adagrad run by TorchRec's
+    TrainPipelineSparseDist (the input dist of the next batch ahead of this one's forward);
+    and, per PREFETCHED plan, the outputs and rows of STEPS steps run as a prefetching pipeline
+    runs them: each batch's input dist and the shards' prefetch of the ids this rank received
+    ``depth`` batches ahead of its lookup and output dist."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     dmp = _dmp(out / "pipeline", "mixed", "rowwise", "tierstore", "tiny", with_loss=True)
@@ -224,19 +234,34 @@ def pipelines(rank: int, out: Path) -> dict:
     batches = iter([batch(step, rank) for step in range(STEPS)])
     pipelined = [pipe.progress(batches) for _ in range(STEPS)]  # the output the model gives beside its loss
     dmp.module.ebc.close()
-    dmp = _dmp(out / "prefetched", "mixed", "rowwise", "tierstore", "tiny")
+    return {"pipelined": pipelined, **{plan: prefetched(rank, out, plan, depth) for plan, depth in PREFETCHED.items()}}
+
+
+def prefetched(rank: int, out: Path, plan_name: str, depth: int) -> dict:
+    dmp = _dmp(out / f"prefetched-{plan_name}", plan_name, "rowwise", "tierstore", "tiny", world=dist.get_world_size())
     ebc = dmp.module.ebc
-    prefetched = []
-    for step in range(STEPS):
+    ahead = []  # (context, this rank's ids) of the batches dist'ed and prefetched, in order
+
+    def start(step: int) -> None:
         ctx = ebc.create_context()
         dist_input = ebc.input_dist(ctx, batch(step, rank)).wait().wait()
         ebc.prefetch(dist_input, ctx=ctx)
+        ahead.append((ctx, dist_input))
+
+    for step in range(depth):
+        start(step)
+    outs = []
+    for step in range(STEPS):
+        ctx, dist_input = ahead.pop(0)
         pooled = ebc.compute_and_output_dist(ctx, dist_input).wait().to_dict()
         o = torch.cat([pooled[k] for k in KEYS], dim=1)
         o.pow(2).sum().backward()
-        prefetched.append(o.detach())
+        outs.append(o.detach())
+        if step + depth < STEPS:
+            start(step + depth)
+    rows = _local_rows(dmp, "tierstore")
     ebc.close()
-    return {"pipelined": pipelined, "prefetched": prefetched}
+    return {"outs": outs, "rows": rows}
 
 
 def save_checkpoint(rank: int, out: Path) -> dict:
@@ -399,7 +424,17 @@ def killed(rank: int, out: Path) -> dict:
     return {"error": None}
 
 
-SCENARIOS = {"train": train_cases, "load": load_checkpoint, "killed": killed}
+# on 4 ranks (the slow run): row-wise and column-wise shards against TorchRec's and the unsharded
+# model, under other tiers, and prefetched 2 batches ahead
+CASES_4 = [(plan, opt, kind, "tiny") for plan in ("row", "column") for opt in OPTIMIZERS for kind in ("tierstore", "torchrec")] + \
+    [("row", "rowwise", "tierstore", "roomy")]
+
+
+def train_4(rank: int, out: Path) -> dict:
+    return {**{case: trained_case(rank, out, case) for case in CASES_4}, "pipelines": {"row": prefetched(rank, out, "row", 2)}}
+
+
+SCENARIOS = {"train": train_cases, "train-4": train_4, "load": load_checkpoint, "killed": killed}
 
 
 def _rank_main(rank: int, world: int, out: str, scenario: str):
@@ -457,7 +492,7 @@ def column_blocks(results: list, case) -> dict[str, list[tuple[int, int]]]:
             for table in (c.name for c in configs())}
 
 
-def unsharded(blocks: dict, opt: str) -> tuple[list[list[torch.Tensor]], dict[str, torch.Tensor]]:
+def unsharded(blocks: dict, opt: str, world: int = WORLD) -> tuple[list[list[torch.Tensor]], dict[str, torch.Tensor]]:
     """The model on one process, its loss the mean of the ranks' (TorchRec divides the
     embeddings' gradients by the world size), updated by the optimizer's formula on the dense
     gradient (row-wise Adagrad: one accumulator per row of each column shard, ``blocks``, as TorchRec's)."""
@@ -467,14 +502,14 @@ def unsharded(blocks: dict, opt: str) -> tuple[list[list[torch.Tensor]], dict[st
         for name, w in weights.items():
             ebc.embedding_bags[name].weight.copy_(w)
     state = {name: torch.zeros(w.shape[0], len(blocks[name])) for name, w in weights.items()}
-    outs = [[] for _ in range(WORLD)]
+    outs = [[] for _ in range(world)]
     for step in range(STEPS):
         ebc.zero_grad()
         total = 0
-        for r in range(WORLD):
+        for r in range(world):
             o = ebc(batch(step, r)).values()  # keys in KEYS' order
             outs[r].append(o.detach())
-            total = total + o.pow(2).sum() / WORLD
+            total = total + o.pow(2).sum() / world
         total.backward()
         with torch.no_grad():
             for name in weights:
@@ -490,12 +525,34 @@ def unsharded(blocks: dict, opt: str) -> tuple[list[list[torch.Tensor]], dict[st
     return outs, {name: ebc.embedding_bags[name].weight.detach() for name in weights}
 
 
+@pytest.fixture(scope="module")
+def trained_4(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("dmp-train-4"), "train-4", world=4)
+
+
 @pytest.mark.parametrize("plan_name", list(PLANS))
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 def test_dmp_trains_as_torchrecs_sharder_and_the_unsharded_model(trained, plan_name, opt):
+    check_trains_as_torchrec_and_unsharded(trained, plan_name, opt)
+
+
+@pytest.mark.slow  # 4 processes: a minute on 2 cores
+@pytest.mark.parametrize("plan_name", ["row", "column"])
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_dmp_on_4_ranks_trains_as_torchrecs_sharder_and_the_unsharded_model(trained_4, plan_name, opt):
+    check_trains_as_torchrec_and_unsharded(trained_4, plan_name, opt)
+
+
+@pytest.mark.slow
+def test_dmp_on_4_ranks_tier_sizes_and_prefetch_change_no_bit(trained_4):
+    check_same_bits(trained_4, ("row", "rowwise", "tierstore", "tiny"), ("row", "rowwise", "tierstore", "roomy"))
+    check_same_bits(trained_4, ("row", "rowwise", "tierstore", "tiny"), ("pipelines", "row"))
+
+
+def check_trains_as_torchrec_and_unsharded(trained: list, plan_name: str, opt: str) -> None:
     ours, theirs = (plan_name, opt, "tierstore", "tiny"), (plan_name, opt, "torchrec", "tiny")
     assert column_blocks(trained, ours) == column_blocks(trained, theirs)
-    outs, rows = unsharded(column_blocks(trained, theirs), opt)
+    outs, rows = unsharded(column_blocks(trained, theirs), opt, len(trained))
     for r, res in enumerate(trained):
         for step in range(STEPS):
             torch.testing.assert_close(res[ours]["outs"][step], outs[r][step], rtol=0, atol=1e-5)
@@ -550,21 +607,35 @@ def test_the_planner_counts_a_shards_tiers_not_its_table(tmp_path):
             sharder.planner(topology).plan(ebc, [sharder])
 
 
-@pytest.mark.parametrize("plan_name", ["table", "mixed"])
-def test_tier_sizes_change_no_bit(trained, plan_name):
-    tiny, roomy = (plan_name, "rowwise", "tierstore", "tiny"), (plan_name, "rowwise", "tierstore", "roomy")
-    for res in trained:
-        for a, b in zip(res[tiny]["outs"], res[roomy]["outs"]):
-            assert torch.equal(a, b)
-    a, b = assembled(trained, tiny), assembled(trained, roomy)
-    assert all(torch.equal(a[n], b[n]) for n in a)
+def check_same_bits(trained: list, case, other) -> None:
+    """The outputs and trained rows of ``other`` are ``case``'s, bit for bit (each a case, or
+    ("pipelines", plan) for a prefetched run)."""
+    def at(res: dict, key) -> dict:
+        return res["pipelines"][key[1]] if key[0] == "pipelines" else res[key]
+
+    results = [{"a": at(res, case), "b": at(res, other)} for res in trained]
+    for res in results:
+        assert all(torch.equal(x, y) for x, y in zip(res["a"]["outs"], res["b"]["outs"], strict=True))
+    a, b = assembled(results, "a"), assembled(results, "b")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
 
 
-def test_torchrecs_pipeline_and_a_prefetch_after_the_input_dist_change_no_bit(trained):
+@pytest.mark.parametrize("plan_name,opt,tiers", OTHER_TIERS)
+def test_tier_sizes_change_no_bit(trained, plan_name, opt, tiers):
+    check_same_bits(trained, (plan_name, opt, "tierstore", "tiny"), (plan_name, opt, "tierstore", tiers))
+
+
+def test_torchrecs_pipeline_changes_no_bit(trained):
     for res in trained:
         plain = res[("mixed", "rowwise", "tierstore", "tiny")]["outs"]
-        assert all(torch.equal(a, b) for a, b in zip(plain, res["pipelines"]["pipelined"]))
-        assert all(torch.equal(a, b) for a, b in zip(plain, res["pipelines"]["prefetched"]))
+        assert all(torch.equal(a, b) for a, b in zip(plain, res["pipelines"]["pipelined"], strict=True))
+
+
+@pytest.mark.parametrize("plan_name", list(PREFETCHED))
+def test_prefetching_batches_ahead_after_the_input_dist_changes_no_bit(trained, plan_name):
+    """Rows prefetched PREFETCHED[plan] batches ahead of their lookup, so some are read before the
+    previous step's update, train to the same bits as without prefetch."""
+    check_same_bits(trained, (plan_name, "rowwise", "tierstore", "tiny"), ("pipelines", plan_name))
 
 
 def test_a_model_holding_tierstores_collection_shards_as_torchrecs(trained):
