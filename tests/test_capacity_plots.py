@@ -1,4 +1,4 @@
-"""The saved capacity plots (tools/capacity_plots.py), read back from their PNG files (issue #35, item 9):
+"""The saved capacity plots (tools/capacity_plots.py), read back from their PNG files:
 pixels for the colours, the PNG's text chunks for the labels, legend and axis ranges."""
 from __future__ import annotations
 

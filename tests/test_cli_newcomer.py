@@ -1,4 +1,4 @@
-"""What a newcomer meets first (issue #35, items 4, 5, 8, 10): a module that would
+"""What a newcomer meets first: a module that would
 train nothing says so, Ctrl-C ends a command with one line, the demo's summary
 reads right at the edges, and the CLI's errors are in CLI terms."""
 from __future__ import annotations

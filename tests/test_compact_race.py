@@ -1,5 +1,5 @@
 """A reader that opens while compact() swaps data.mdb sees the store as it was or
-as compacted, never an error (issue 36). Real processes on a real LMDB: one
+as compacted, never an error. Real processes on a real LMDB: one
 compacting, others opening readonly."""
 import json
 import os

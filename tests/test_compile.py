@@ -1,5 +1,5 @@
 """torch.compile, torch.fx, torch.export and torch.jit.script of models holding tierstore's
-modules (issue #32, compilation): the real compilers over real LMDB stores."""
+modules: the real compilers over real LMDB stores."""
 from __future__ import annotations
 
 import warnings

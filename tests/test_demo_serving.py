@@ -1,4 +1,4 @@
-"""The demo's serving step (issue #34) and its trace (issue #35 item 7), run as real processes."""
+"""The demo's serving step and its trace, run as real processes."""
 import re
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""Faults between the ranks of a sharded collection (issue #36): ranks that call
+"""Faults between the ranks of a sharded collection: ranks that call
 different collectives, ranks configured differently, a rank with an empty local
 batch. Real rank processes (spawn), gloo over 127.0.0.1, real LMDB; the ranks
 save what they saw and the test process checks it and their exit codes (a gloo

@@ -1,4 +1,4 @@
-"""Errors of one type, naming the file, at every entry point (issue #36, item 6): a
+"""Errors of one type, naming the file, at every entry point: a
 full disk is OSError ENOSPC wherever LMDB writes (commits, checkpoints, compaction);
 bad ids get the store's ValueError/TypeError through the module and the daemon
 client too; a damaged sharded checkpoint's tables.json and a table database lost

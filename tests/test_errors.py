@@ -1,4 +1,4 @@
-"""One base for tierstore's errors (issue #33, item 4): every error class the package
+"""One base for tierstore's errors: every error class the package
 defines is a tierstore.TierstoreError and keeps its builtin base, and the CLI tells
 a user's error from a bug by that type. The classes are found by importing every
 module of the package, so a new error that forgets the base fails here."""

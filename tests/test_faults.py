@@ -1,5 +1,5 @@
 """Damaged files, failed opens and misuse end in named errors, never a signal,
-and leave nothing behind (issue 18). Whatever could kill the process runs in a
+and leave nothing behind. Whatever could kill the process runs in a
 child, so a signal fails the test instead of ending the run."""
 import errno
 import os

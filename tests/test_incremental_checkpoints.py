@@ -1,4 +1,4 @@
-"""Incremental checkpoints (issue #34): TieredStore.checkpoint(path, incremental=True) writes the
+"""Incremental checkpoints: TieredStore.checkpoint(path, incremental=True) writes the
 rows changed since the last one; tierstore.restore replays the chain bit for bit.
 Real LMDB."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Serving (issue #34): export to a serving store, quantized row-wise, and inference lookups
+"""Serving: export to a serving store, quantized row-wise, and inference lookups
 from its tiers. Real LMDB, real FBGEMM where installed, the CLI and a training writer in
 subprocesses."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`tierstore bench serve` runs end to end at a small size: its client processes, both phases,
-and the delta application (issue #34). The figures themselves go to BENCHMARKS.md."""
+and the delta application. The figures themselves go to BENCHMARKS.md."""
 from __future__ import annotations
 
 import re

@@ -1,4 +1,4 @@
-"""Streaming updates (issue #34): deletions in the training store travel in deltas to a
+"""Streaming updates: deletions in the training store travel in deltas to a
 replica in another process. Real LMDB, a real replica process."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Settings in one place (issue #33, item 4): a store's settings passed whole as
+"""Settings in one place: a store's settings passed whole as
 ``TieredStore(path, tables, config=StoreConfig(...))``, a keyword that contradicts
 the config refused before anything is created, and the shared validators
 (tierstore.validate) with the messages the entry points give. Real LMDB stores."""

@@ -1,4 +1,4 @@
-"""Tables in state_dict(), torch.save and torch.distributed.checkpoint (issue #32, checkpoints):
+"""Tables in state_dict(), torch.save and torch.distributed.checkpoint:
 real LMDB stores, real DCP files, real gloo ranks for the sharded collection."""
 from __future__ import annotations
 

@@ -169,7 +169,7 @@ def test_rowwise_adagrad_agrees_step_by_step_with_torchrecs_fused_optimizer(tmp_
     ours.close()
 
 
-# -- checkpoints (issue #32) ----------------------------------------------------------------------
+# -- checkpoints ----------------------------------------------------------------------
 def dlrm(ebc):
     torch.manual_seed(0)
     return DLRM(embedding_bag_collection=ebc, dense_in_features=3, dense_arch_layer_sizes=[8, DIM], over_arch_layer_sizes=[8, 1])
@@ -237,7 +237,7 @@ def test_dcp_round_trip_of_a_dlrm_with_its_fused_optimizer_state(tmp_path):
     ebc.close()
 
 
-# -- the rest of TorchRec's contract (issue #32) ------------------------------------------------------
+# -- the rest of TorchRec's contract ------------------------------------------------------
 def read_table(ebc, cfg, with_state=False):
     return ebc.store.read(cfg.name, torch.arange(cfg.num_embeddings), with_state=with_state)
 

@@ -1,4 +1,4 @@
-"""Where traces come from (issue #35 item 7): the modules' record_trace=, `tierstore trace synth`
+"""Where traces come from: the modules' record_trace=, `tierstore trace synth`
 saying and bounding what it writes, `tierstore capacity` saying what it will do before it starts."""
 import re
 import subprocess
