@@ -409,6 +409,14 @@ def test_owners_get_only_their_ids_where_the_sort_allows_and_train_as_one_proces
         assert min(results[r]["counts"].values()) > 0
 
 
+@pytest.mark.parametrize("n", [2, 16, 17, 1000, 32767, 32768, 50000])
+def test_sort_is_stable_says_where_torch_sort_orders_ties_as_a_stable_sort(n):
+    ids = torch.randint(0, 7, (n,), generator=torch.Generator().manual_seed(n))  # many ties
+    same = torch.equal(torch.sort(ids).indices, torch.sort(ids, stable=True).indices)
+    assert same or not sort_is_stable(n), n  # (an unstable sort may happen to keep some ties in order)
+    assert sort_is_stable(n) == (n <= 16 or n >= 32768)  # torch 2.x on CPU: insertion sort, introsort, radix sort
+
+
 def test_four_ranks_then_reshard_to_two_then_three(tmp_path):
     four = launch(tmp_path / "four", "four", 4)
     assert_same(four, 4, tmp_path, "adam", mode="mean")

@@ -350,17 +350,20 @@ def format_received(cfg: ShardedBenchConfig, runs: dict, steps: int = 1) -> str:
     n = WARMUP + steps
     lines = [f"\n   Bytes each rank receives a step, by kind: {cfg.local_batch} samples x {cfg.pooling} ids a table on every rank "
              f"(the global batch grows with the ranks; counts over {n} steps)",
-             f"   {'ranks':>5} {'rank':>4} " + " ".join(f"{k:>9}" for k in KINDS) + f" {'total':>10}"]
+             f"   {'ranks':>5} {'rank':>4} " + " ".join(f"{k:>9}" for k in KINDS) + f" {'total':>10}  ids if all-gathered"]
     for w, run in runs.items():
         lines.append(f"   plan for {w}: " + "; ".join(f"{t} {tp.sharding} on {list(tp.ranks)}" for t, tp in run["plan"].tables.items()))
+        # what every rank would receive of the ids alone if each got the global batch's (8 bytes an id)
+        gathered = 8 * (w - 1) * cfg.local_batch * cfg.pooling * len(cfg.tables)
         for r, got in enumerate(run["ranks"]):
             c = got["counts"]
             lines.append(f"   {w if r == 0 else '':>5} {r:>4} " + " ".join(f"{c[k] / n:>9,.0f}" for k in KINDS) +
-                         f" {sum(c[k] for k in KINDS) / n:>10,.0f}")
+                         f" {sum(c[k] for k in KINDS) / n:>10,.0f}  {gathered:>10,}")
         got = sum(sum(r["counts"][k] for k in KINDS) for r in run["ranks"]) / n
         sent = sum(r["counts"]["sent"] for r in run["ranks"]) / n
         pred = sum(p.get("exchange_bytes_per_step", 0) for p in run["plan"].predicted)
-        lines.append(f"   {'':>5} {'all':>4} received {got:,.0f} B a step = sent {sent:,.0f} (plan: {pred:,.0f})")
+        lines.append(f"   {'':>5} {'all':>4} received {got:,.0f} B a step ({got / w:,.0f} a rank) = sent {sent:,.0f} "
+                     f"(plan: {pred:,.0f})")
     return "\n".join(lines)
 
 
