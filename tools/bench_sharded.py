@@ -12,7 +12,9 @@ out) against the plan's prediction, and each rank's lookups and SSD reads per st
 
 Then the bytes each rank receives a step, by kind (the module's ``received_bytes``:
 headers, sizes, ids, rows, gradients), with a fixed local batch per rank, so the
-global batch grows with the ranks: what a rank receives should stay flat. Their sum
+global batch grows with the ranks, and every table row-sharded over all ranks (a whole
+table's or a column shard's owner receives all of the table's ids whatever the world
+size): what a rank receives should stay flat. Their sum
 over the ranks is checked against what torch.distributed was handed (every byte sent
 is received once) and against the plan's predicted bytes sent.
 
@@ -278,13 +280,13 @@ def _baseline(cfg: ShardedBenchConfig, trace, workdir: str) -> dict:
             ebc.close()
 
 
-def _run(cfg: ShardedBenchConfig, trace, w: int, workdir: str) -> dict:
-    """The plan for ``w`` ranks and each rank's _train result."""
+def _run(cfg: ShardedBenchConfig, trace, w: int, workdir: str, sharding: dict | None = None) -> dict:
+    """The plan for ``w`` ranks (``sharding`` forced per table) and each rank's _train result."""
     import tierstore
     from tierstore.capacity.planner import plan
 
     p = plan(specs_of(cfg), w, trace=trace, hbm_bytes=cfg.hbm_bytes, ddr_bytes=cfg.ddr_bytes,
-             optimizer=tierstore.optim.Adagrad(1.0))
+             optimizer=tierstore.optim.Adagrad(1.0), sharding=sharding)
     with tempfile.TemporaryDirectory(dir=workdir) as d:
         ranks = run_ranks(_sharded_rank, w, cfg, trace, p.to_json(), d)  # built once a run: each rank unpickles it
     return {"plan": p, "ranks": ranks}
@@ -301,13 +303,15 @@ def measure(cfg: ShardedBenchConfig, workdir: str, world_sizes=WORLD_SIZES) -> d
 
 
 def measure_received(cfg: ShardedBenchConfig, workdir: str, world_sizes=WORLD_SIZES, steps: int = 1) -> dict:
-    """Per world size, ranks each given ``cfg.local_batch`` samples a step (``steps`` after WARMUP):
-    the plan and each rank's counts (received bytes by kind, sent bytes) over all the steps."""
+    """Per world size, ranks each given ``cfg.local_batch`` samples a step (``steps`` after WARMUP),
+    every table row-sharded over all ranks (a whole table's or a column shard's owner receives
+    all of its ids, however many ranks there are): the plan and each rank's counts (received
+    bytes by kind, sent bytes) over all the steps."""
     torch.set_num_threads(1)
     out = {}
     for w in world_sizes:  # a loop per world size
         c = dataclasses.replace(cfg, batch=cfg.local_batch * w, steps=steps)
-        out[w] = _run(c, make_trace(c), w, workdir)
+        out[w] = _run(c, make_trace(c), w, workdir, sharding={t: "row" for t, _, _ in cfg.tables} if w > 1 else None)
     return out
 
 
@@ -349,7 +353,7 @@ def format_report(cfg: ShardedBenchConfig, m: dict) -> str:
 def format_received(cfg: ShardedBenchConfig, runs: dict, steps: int = 1) -> str:
     n = WARMUP + steps
     lines = [f"\n   Bytes each rank receives a step, by kind: {cfg.local_batch} samples x {cfg.pooling} ids a table on every rank "
-             f"(the global batch grows with the ranks; counts over {n} steps)",
+             f"(the global batch grows with the ranks),\n   every table row-sharded over all ranks; counts over {n} steps",
              f"   {'ranks':>5} {'rank':>4} " + " ".join(f"{k:>9}" for k in KINDS) + f" {'total':>10}  ids if all-gathered"]
     for w, run in runs.items():
         lines.append(f"   plan for {w}: " + "; ".join(f"{t} {tp.sharding} on {list(tp.ranks)}" for t, tp in run["plan"].tables.items()))
