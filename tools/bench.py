@@ -46,7 +46,7 @@ BENCHES: dict[str, Bench] = {
     "load": Bench("bench_store", "bulk load, durable, against LMDB putmulti in one transaction",
                   "bench_load", "load_arguments"),
     "sharded": Bench("bench_sharded", "ShardedEmbeddingBagCollection on 1, 2 and 4 local ranks against one "
-                                      "process and the plan's bytes"),
+                                      "process and the plan's bytes, and the bytes each rank receives"),
     "churn": Bench("bench_churn", "what admission and TTL eviction do to an unbounded table's disk and to a "
                                   "model's loss"),
     "instructions": Bench("bench_instructions", "machine instructions per training step (valgrind's callgrind), "
