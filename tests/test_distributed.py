@@ -255,6 +255,26 @@ def scenario_dead(rank, world, out):
     os._exit(0)  # the process group has lost a rank: leave without its teardown
 
 
+def scenario_dies_in(what: str):
+    """Rank 1 dies (os._exit) in the middle of a training step, as it enters the exchange of
+    ``what`` (ids in forward, grads in backward); rank 0 must raise, not hang."""
+    def scenario(rank, world, out):
+        import time
+
+        from tierstore.distributed import ShardedEmbeddingBagCollection
+
+        module = ShardedEmbeddingBagCollection(TABLES, make_plan(world), out / "store", optimizer=OPTIMIZERS["sgd"](), **TIERS)
+        loss_of(module(local_batch(0, rank))).backward()
+        if rank == 1:  # fault injection: the process ends where it would send ``what``
+            exchange = module._comm.exchange
+            module._comm.exchange = lambda send, recv, kind: os._exit(3) if kind == what else exchange(send, recv, kind)
+        start = time.monotonic()
+        error = raised(lambda: loss_of(module(local_batch(1, rank))).backward())
+        torch.save({"error": error, "seconds": time.monotonic() - start}, out / f"result-{rank}.pt")
+        os._exit(0)  # the process group has lost a rank: leave without its teardown
+    return scenario
+
+
 def scenario_cuda(rank, world, out):
     """Row-wise Adagrad, then SGD with per-sample weights; the batches on the GPU."""
     from tierstore.distributed import ShardedEmbeddingBagCollection
@@ -309,7 +329,8 @@ def scenario_sized(rank, world, out):
     return result
 
 
-SCENARIOS = {"train": scenario_train, "sized": scenario_sized, "four": scenario_four, "reshard": scenario_reshard, "dead": scenario_dead,
+SCENARIOS = {"train": scenario_train, "sized": scenario_sized, "dies-in-ids": scenario_dies_in("ids"),
+             "dies-in-grads": scenario_dies_in("grads"), "four": scenario_four, "reshard": scenario_reshard, "dead": scenario_dead,
              "cuda": scenario_cuda}
 
 
@@ -449,6 +470,18 @@ def test_a_dead_rank_makes_the_others_raise_and_its_flushed_rows_survive(tmp_pat
         assert torch.equal(store.read("user", ids), ref["user"][20:40])
         assert torch.equal(store.read("item", torch.arange(30)), ref["item"])
         assert torch.equal(store.read("wide", torch.arange(20)), ref["wide"][:, 3:6])
+
+
+@pytest.mark.parametrize("what", ["ids", "grads"])
+def test_a_rank_dying_mid_step_makes_the_other_raise_a_named_error(tmp_path, what):
+    ctx = mp.start_processes(_rank_main, args=(2, rendezvous(tmp_path), str(tmp_path), f"dies-in-{what}"), nprocs=2,
+                             join=False, start_method="spawn")
+    for p in ctx.processes:
+        p.join(timeout=90)
+    assert [p.exitcode for p in ctx.processes] == [0, 3]
+    seen = torch.load(tmp_path / "result-0.pt")
+    assert seen["error"][0] == "RankFailedError" and "a rank died" in seen["error"][1], seen
+    assert seen["seconds"] < 25  # the process group's timeout is 20 s
 
 
 @pytest.mark.gpu
