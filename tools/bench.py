@@ -53,6 +53,8 @@ BENCHES: dict[str, Bench] = {
                                                 "at prefetch depth 0 and 2"),
     "serve": Bench("bench_serve", "serving lookups (float32, int8, int4) against FBGEMM IntNBit; client "
                                   "latency while deltas apply"),
+    "index": Bench("bench_index", "a table of many more declared rows than written: random rows written under a "
+                                  "budget a million at a time, killed, recovered, trained, reopened"),
     "scale": Bench("bench_scale", "a table many times the memory budget, trained under a real memory limit"),
     "gpu": Bench("bench_gpu", "every GPU figure in one run: the resident step against nn.EmbeddingBag + torch's "
                               "optimizers, read against index_select, the HBM tier as a cache, ops and syncs a "
