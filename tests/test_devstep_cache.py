@@ -110,12 +110,14 @@ def test_cached_step_compiles_whole_and_trains_as_eager(tmp_path):
     batches = data(5)
     eager, compiled = (Tower(bag(tmp_path / name, hbm_rows=60, ddr_rows=30).resolve_ahead()) for name in ("e", "c"))
     step = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+    graphs = []  # compiled before each run: the eager run's are the update's kernels (tierstore.training.kernels)
     for model, fwd in ((eager, eager), (compiled, step)):
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         for ids, offsets in LookaheadLoader([b[:2] for b in batches], model.bag, depth=1):
             fwd(ids, offsets).sum().backward()
     assert torch.equal(rows(compiled.bag), rows(eager.bag))
     assert compiled.bag.store.stats()["hbm"]["evictions"] > 0  # a cache indeed
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs[1] == 1
 
 
 class InFlightMachine(RuleBasedStateMachine):

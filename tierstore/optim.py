@@ -92,10 +92,36 @@ class RowOptimizer:
 
     def increment(self, grad: torch.Tensor) -> torch.Tensor | None:
         """What a step adds to the state (None: no state), for an ``additive`` optimizer."""
-        return None
+        return self.increment_with(self.hyper(), grad, self.reduce(grad))
 
     def step_from(self, state: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """The step x (weights += x) from the state after its increment; ``grad`` may be overwritten."""
+        return self.step_with(self.hyper(), self.root(state), grad)
+
+    # An additive step in four parts, so that the device step (tierstore.training.kernels)
+    # fuses the element-wise ones into compiled kernels and leaves the others to aten,
+    # whose rounding a compiled kernel would not repeat: a reduction over a row (aten's
+    # summation order) and the state's square root (on the CPU aten's is MKL's, not
+    # correctly rounded). The element-wise parts are static functions of ``hyper()``, so a
+    # kernel compiled from them takes the numbers as inputs and a new lr recompiles nothing.
+    @staticmethod
+    def reduce(grad: torch.Tensor) -> torch.Tensor | None:
+        """Row reductions of the gradient the increment needs (aten), or None."""
+        return None
+
+    @staticmethod
+    def increment_with(hyper: list[float], grad: torch.Tensor, reduced: torch.Tensor | None) -> torch.Tensor | None:
+        """The increment, element-wise from ``grad`` and ``reduce(grad)``; ``reduced`` may be overwritten."""
+        return None
+
+    @staticmethod
+    def root(state: torch.Tensor) -> torch.Tensor | None:
+        """What the step needs of the state (aten), or None (no state)."""
+        return None
+
+    @staticmethod
+    def step_with(hyper: list[float], root: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
+        """The step x, element-wise from ``root`` and ``grad``; either may be overwritten."""
         raise NotImplementedError
 
     def hyper(self) -> list[float]:
@@ -105,8 +131,13 @@ class RowOptimizer:
     @staticmethod
     def of(kind: str, hyper: list[float]) -> "RowOptimizer":
         """The optimizer of class name ``kind`` with the numbers ``hyper()`` gave."""
-        cls = {c.__name__: c for c in (SGD, Adagrad, RowWiseAdagrad, Adam)}[kind]
+        cls = RowOptimizer.of_class(kind)
         return cls(hyper[0], (hyper[1], hyper[2]), hyper[3]) if cls is Adam else cls(*hyper)
+
+    @staticmethod
+    def of_class(kind: str) -> type["RowOptimizer"]:
+        """The optimizer class of name ``kind``."""
+        return {c.__name__: c for c in (SGD, Adagrad, RowWiseAdagrad, Adam)}[kind]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self._hyper().items())})"
@@ -124,8 +155,9 @@ class SGD(RowOptimizer):
     def state_dim(self, dim: int) -> int:
         return 0
 
-    def step_from(self, state, grad):
-        return grad.mul_(-self.lr)
+    @staticmethod
+    def step_with(hyper, root, grad):
+        return grad.mul_(-hyper[0])
 
 
 class Adagrad(RowOptimizer):
@@ -145,11 +177,17 @@ class Adagrad(RowOptimizer):
 
     # torch.optim.Adagrad's op sequence, except that its weights.add_(g / d, alpha=-lr)
     # rounds once (fused) where -lr * (g / d) is rounded before the add
-    def increment(self, grad):
+    @staticmethod
+    def increment_with(hyper, grad, reduced):
         return grad.pow(2)
 
-    def step_from(self, s, grad):
-        return grad.div_(s.sqrt().add_(self.eps)).mul_(-self.lr)
+    @staticmethod
+    def root(state):
+        return state.sqrt()
+
+    @staticmethod
+    def step_with(hyper, root, grad):
+        return grad.div_(root.add_(hyper[1])).mul_(-hyper[0])
 
     def _hyper(self):
         return {"lr": self.lr, "eps": self.eps}
@@ -170,12 +208,17 @@ class RowWiseAdagrad(RowOptimizer):
     def state_dim(self, dim: int) -> int:
         return 1
 
-    def increment(self, grad):
-        # mean(g*g) as |g|^2 / dim: no [n, dim] temporary, and 10x faster than vecdot here
-        return torch.linalg.vector_norm(grad, dim=1, keepdim=True).square_().div_(grad.shape[1])
+    # mean(g*g) as |g|^2 / dim: no [n, dim] temporary, and 10x faster than vecdot here
+    @staticmethod
+    def reduce(grad):
+        return torch.linalg.vector_norm(grad, dim=1, keepdim=True)
 
-    def step_from(self, s, grad):
-        return grad.div_(s.sqrt().add_(self.eps)).mul_(-self.lr)
+    @staticmethod
+    def increment_with(hyper, grad, reduced):
+        return reduced.square_().div_(grad.shape[1])
+
+    root = staticmethod(Adagrad.root)
+    step_with = staticmethod(Adagrad.step_with)
 
     def _hyper(self):
         return {"lr": self.lr, "eps": self.eps}

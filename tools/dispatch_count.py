@@ -54,9 +54,12 @@ class OpCounter(TorchDispatchMode):
         return sum(n for op, n in self.ops.items() if op.split(".", 1)[1] in names)
 
     def summary(self) -> dict:
-        """The counts as plain values: aten ops, other ops (custom ops), host syncs,
+        """The counts as plain values: aten ops, other ops (custom ops), the ops that ran
+        as one piece (``leaf_ops``: aten ops and the custom ops whose insides were not
+        counted, such as compiled kernels: what a step launches), host syncs,
         data-dependent ops and device-to-host copies, and every op by name."""
         aten = sum(n for op, n in self.ops.items() if op.startswith("aten."))
-        return {"aten_ops": aten, "other_ops": sum(self.ops.values()) - aten,
+        leaf = sum(n for op, n in self.ops.items() if op.split(".", 1)[0] not in self.inside)
+        return {"aten_ops": aten, "other_ops": sum(self.ops.values()) - aten, "leaf_ops": leaf,
                 "host_syncs": self.of(HOST_SYNCS), "data_dependent": self.of(DATA_DEPENDENT),
                 "device_to_host": self.device_to_host, "ops": dict(sorted(self.ops.items()))}

@@ -298,6 +298,7 @@ class TieredEmbeddingBag(ScriptRefusal, BagUpdates, nn.Module):
         self._check_device_step("hold_resident")
         self._rows = self.store.trainer(self.table).hold_resident()
         self._anchor = torch.empty(0, device=self._rows.weights.device, requires_grad=True)
+        devstep.warm(self.optimizer, self.embedding_dim, self._anchor.device)
         return self
 
     def resolve_ahead(self) -> "TieredEmbeddingBag":
@@ -311,6 +312,7 @@ class TieredEmbeddingBag(ScriptRefusal, BagUpdates, nn.Module):
         self._check_device_step("resolve_ahead")
         self._ahead, self._done = deque(), []
         self._anchor = torch.empty(0, device=self.store.device, requires_grad=True)
+        devstep.warm(self.optimizer, self.embedding_dim, self._anchor.device)
         return self
 
     def resolve_batch(self, batch) -> None:

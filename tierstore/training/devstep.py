@@ -34,8 +34,10 @@ import torch
 from tierstore.engine.counters import count_hits
 from tierstore.optim import RowOptimizer
 from tierstore.training.bags import MODES, RUN, mean_grads
+from tierstore.training import kernels
+from tierstore.training.kernels import state_step_, weights_step_
 
-__all__ = ["bag_lookup", "bag_update_", "device_step", "run_sums"]
+__all__ = ["bag_lookup", "bag_update_", "device_step", "run_sums", "warm"]
 
 
 @torch.library.custom_op("tierstore::bag_lookup", mutates_args=())
@@ -70,18 +72,17 @@ def bag_update_(weights: torch.Tensor, state: torch.Tensor, dirty: torch.Tensor,
     # the entries by id in torch.sort's order, as tierstore.training.bags.Rows groups them (and
     # torch's sparse gradients are coalesced): each row's entries are summed in the host step's order
     by_id, perm = torch.sort(ids)
-    order = slots.index_select(0, perm)
     bag = torch.searchsorted(offsets, perm, right=True) - 1  # the bag of each sorted entry
     starts = torch.searchsorted(by_id, by_id)  # where each entry's run of equal ids starts
     grads = run_sums(grad_out, bag, starts)
-    optimizer = RowOptimizer.of(kind, hyper)
-    increment = optimizer.increment(grads)
-    rows = None
-    if increment is not None:
-        state.index_add_(0, order, increment)
-        rows = state.index_select(0, order)
-    weights.index_add_(0, order, optimizer.step_from(rows, grads))
-    dirty.index_fill_(0, order, True)
+    # the update: the compiled kernels of tierstore.training.kernels, with aten's row
+    # reduction and square root between them (what a kernel would round otherwise)
+    optimizer = RowOptimizer.of_class(kind)
+    root = None
+    if state.shape[1]:
+        rows = state_step_(state, slots, perm, grads, optimizer.reduce(grads), kind, hyper)
+        root = optimizer.root(rows)
+    weights_step_(weights, dirty, slots, perm, grads, root, kind, hyper)
 
 
 @bag_update_.register_fake
@@ -137,3 +138,10 @@ def device_step(rows, ids: torch.Tensor, slots: torch.Tensor | None, offsets: to
         slots = rows.slot_map.index_select(0, ids).long()  # int64, as index_fill_ takes them
     return bag_lookup(rows.weights, rows.state, rows.dirty, slots, ids, offsets, anchor, MODES[mode],
                       include_last, kind, hyper, rows.counters)
+
+
+def warm(optimizer: RowOptimizer | None, dim: int, device: torch.device) -> None:
+    """Compile the update's kernels (tierstore.training.kernels) for a table of ``dim`` now, as
+    a module opts in to the device step: its first step then compiles nothing."""
+    if optimizer is not None:
+        kernels.warm(dim, optimizer.state_dim(dim), device, type(optimizer).__name__, optimizer.hyper())
