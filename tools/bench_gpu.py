@@ -533,7 +533,7 @@ def _goal_text(key: str) -> str:
 
 def _ops_text(ops: dict) -> str:
     syncs = "" if ops["sync_debug_warnings"] is None else f", {ops['sync_debug_warnings']} syncs seen by CUDA"
-    return (f"{ops['leaf_ops']} ops ({ops['aten_ops']} aten, {ops['leaf_ops'] - ops['aten_ops']} compiled kernels; "
+    return (f"{ops['leaf_ops']} ops ({ops['aten_ops']} aten + {ops['leaf_ops'] - ops['aten_ops']} compiled; "
             f"{ops['other_ops']} custom ops in all), {ops['host_syncs']} host syncs "
             f"(_local_scalar_dense...), {ops['data_dependent']} data-dependent (nonzero, unique...), "
             f"{ops['device_to_host']} device-to-host copies{syncs}")
