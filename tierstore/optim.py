@@ -101,8 +101,8 @@ class RowOptimizer:
     # An additive step in four parts, so that the device step (tierstore.training.kernels)
     # fuses the element-wise ones into compiled kernels and leaves the others to aten,
     # whose rounding a compiled kernel would not repeat: a reduction over a row (aten's
-    # summation order) and the state's square root (on the CPU aten's is MKL's, not
-    # correctly rounded). The element-wise parts are static functions of ``hyper()``, so a
+    # summation order) and the state's square root (aten's on the CPU is not correctly
+    # rounded, a compiled kernel's is). The element-wise parts are static functions of ``hyper()``, so a
     # kernel compiled from them takes the numbers as inputs and a new lr recompiles nothing.
     @staticmethod
     def reduce(grad: torch.Tensor) -> torch.Tensor | None:

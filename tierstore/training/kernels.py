@@ -15,7 +15,7 @@ inductor (a C++ loop nest on the CPU, Triton on a GPU):
 
 Between them only what a compiled kernel would round otherwise stays aten: a row
 reduction of the gradient (RowWiseAdagrad's norm: aten's summation order) and the state's
-square root (on the CPU aten's is MKL's, which is not correctly rounded). The compiled
+square root (aten's on the CPU is not correctly rounded; a compiled kernel's is). The compiled
 kernels are built to round as eager does: no FMA contraction (C++ and Triton), IEEE
 division and no flush of denormals on a GPU, so the rows are the host step's bits. A
 zero gradient leaves a row and its state exactly as they were, so the adds of every
