@@ -244,6 +244,29 @@ def test_device_step_on_cuda_never_syncs_and_matches_the_host_step(tmp_path):
                        tiered.store.read("t0", torch.arange(N), with_state=True))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_device_step_on_cuda_runs_compiled_kernels_in_12_ops_to_the_host_steps_bits(tmp_path, optimizer):
+    """On CUDA the update's kernels compile to Triton (no fallback to aten ops), a held step
+    is at most 12 ops, and its rows are the host step's bits for each optimizer."""
+    from tierstore.training import kernels
+
+    kw = dict(mode="sum", device="cuda")
+    held = TieredEmbeddingBag(N, DIM, path=tmp_path / "held", hbm_rows=N, optimizer=optimizer(), **kw).hold_resident()
+    tiered = TieredEmbeddingBag(N, DIM, path=tmp_path / "tiered", hbm_rows=20, ddr_rows=40, optimizer=optimizer(), **kw)
+    data = [(ids.cuda(), offsets.cuda(), grad.cuda()) for ids, offsets, grad in batches(6, hot=20)]
+    for i, (ids, offsets, grad) in enumerate(data):
+        with OpCounter(inside=("tierstore",)) as ops:
+            held(ids, offsets).backward(grad)
+        if i == len(data) - 1:
+            counts = ops.summary()
+            assert counts["leaf_ops"] <= 12 and counts["host_syncs"] == counts["device_to_host"] == 0, counts
+        tiered(ids, offsets).backward(grad)
+    assert kernels._state_kernel.failed is None and kernels._weights_kernel.failed is None
+    assert torch.equal(held.store.read("t0", torch.arange(N), with_state=True),
+                       tiered.store.read("t0", torch.arange(N), with_state=True))
+
+
 def test_device_step_takes_int32_ids_and_offsets(tmp_path):
     held = module(tmp_path / "held", OPTIMIZERS[1]).hold_resident()
     twin = module(tmp_path / "twin", OPTIMIZERS[1]).hold_resident()
