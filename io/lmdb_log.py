@@ -398,12 +398,14 @@ class LogTables:
                     ids = log.ids_at(seq, mem[at: at + length])
                 except rowlog.SegmentFormatError as e:
                     raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
-                live = np.flatnonzero(log.live_of(seq, ids))
-                kept_ids.append(ids[live])
-                kept_at.append(first + live * log.slot_bytes)
+                kept_ids.append(ids)
+                kept_at.append(first + np.arange(len(ids), dtype=np.int64) * log.slot_bytes)
+            if kept_ids:  # the live slots of them all, found in one index lookup
+                live = log.live_of(victims, kept_ids)
+                kept_ids, kept_at = [np.concatenate(kept_ids)[live]], [np.concatenate(kept_at)[live]]
             kept_slots = np.empty((sum(map(len, kept_at)), log.slot_bytes), dtype=np.uint8)
             if kept_at:
-                self._read_at(txn, np.concatenate(kept_at), log.slot_bytes, kept_slots, direct=False)
+                self._read_at(txn, kept_at[0], log.slot_bytes, kept_slots, direct=False)
             for seq in merged:
                 ids = rowlog.parse_header(txn.get(rowlog.seq_key(seq)))[1]
                 still_deleted.append(ids[log.index.get(ids) == rowlog.NONE])
@@ -435,7 +437,7 @@ class LogTables:
                 kind, ids, offset = rowlog.parse_header(value)
                 slots = np.frombuffer(value, dtype=np.uint8, count=len(ids) * log.slot_bytes, offset=offset)
                 slots = slots.reshape(len(ids), log.slot_bytes)
-                live = log.live_of(seq, ids)
+                live = log.live_of([seq], [ids])
                 gone = np.zeros(len(ids), dtype=bool)
                 if log.last_use and cutoff is not None:
                     gone |= np.ascontiguousarray(slots[:, codec.row_bytes:]).view(STEP).ravel() <= cutoff

@@ -395,10 +395,15 @@ class RowLog:
             raise SegmentFormatError(f"segment {seq} is not where the index places it (header {bytes(head[:HEADER.size])!r})")
         return np.frombuffer(head, dtype="<i8", count=n, offset=HEADER.size)
 
-    def live_of(self, seq: int, ids: np.ndarray) -> np.ndarray:
-        """Mask of the slots of segment ``seq`` (of ``ids``) that hold their id's latest row."""
-        s = self._index[seq]
-        return self.index.get(ids) == ((s << _SLOT_BITS) | np.arange(len(ids), dtype=np.uint32))
+    def live_of(self, seqs: list[int], ids: list[np.ndarray]) -> np.ndarray:
+        """Mask of the slots of segments ``seqs`` (of their ``ids``, concatenated) that hold
+        their id's latest row: one index lookup for them all (a lookup a segment took a third
+        of the write-back's CPU, collections meeting a few hundred segments each)."""
+        if not seqs:
+            return np.zeros(0, dtype=bool)
+        places = np.concatenate([(self._index[seq] << _SLOT_BITS) | np.arange(len(i), dtype=np.uint32)
+                                 for seq, i in zip(seqs, ids)])
+        return self.index.get(np.concatenate(ids)) == places
 
     def droppable_tombstones(self) -> list[int]:
         """Tombstones older than every row segment: no older copy of their ids is left."""

@@ -365,3 +365,21 @@ def test_a_reader_behind_a_dropped_tombstone_rebuilds_its_index(tmp_path):
     assert found.tolist() == [False] + [True] * 7 and (rows[1:4] == 2).all() and (rows[4:] == 3).all()
     reader.close()
     writer.close()
+
+
+def test_live_slots_of_several_segments_at_once():
+    """live_of over several segments, in any order, marks each slot holding its id's latest
+    row: the newest segment naming an id holds it, a tombstone after it holds none."""
+    from tierstore.io.codecs import RowCodec
+    log = rowlog.RowLog(RowCodec(DIM), N, last_use=False)
+    segments = {1: [0, 1, 2, 3], 2: [2, 3, 4], 4: [0, 5]}
+    log.apply([(1, rowlog.ROWS, np.array(segments[1]), 0), (2, rowlog.ROWS, np.array(segments[2]), 4096),
+               (3, rowlog.TOMBSTONES, np.array([4]), -1), (4, rowlog.ROWS, np.array(segments[4]), 8192)])
+    newest = {}  # the model: each id's latest segment, None where deleted
+    for seq, ids in [(1, [0, 1, 2, 3]), (2, [2, 3, 4]), (3, [4]), (4, [0, 5])]:
+        newest.update({i: (seq if seq != 3 else None) for i in ids})
+    for order in ([1, 2, 4], [4, 1], [2]):
+        want = [newest[i] == seq for seq in order for i in segments[seq]]
+        got = log.live_of(order, [np.array(segments[seq]) for seq in order])
+        assert got.tolist() == want
+    assert log.live_of([], []).tolist() == []
