@@ -49,6 +49,7 @@ from tierstore.trace import TraceRecorder
 
 _SCRATCH_BYTES = 64 << 20
 PROBE_SAMPLE = 256  # ids of a call probed before all of them (use_top_tier)
+PROBE_AFTER = 16 * PROBE_SAMPLE  # calls of more ids than this probe a sample first
 # misses above which a read plans on a helper thread while it fetches: a handoff
 # costs ~0.1 ms, reading 4096 rows from LMDB ~4 ms
 _PLAN_ASIDE_ROWS = 4096
@@ -165,10 +166,12 @@ class TableStore(LivedRows):
         if top is None or self.life.active:  # admission and TTL work on the step's unique ids: step
             return None
         # a spread sample first: out of core most calls miss somewhere, and the sample
-        # says so for 256 ids' probes instead of the whole call's
-        sample = ids[:: max(1, len(ids) // PROBE_SAMPLE)]
-        if len(sample) < len(ids) and not bool((top.lookup(sample) >= 0).all()):
-            return None
+        # says so for 256 ids' probes instead of the whole call's (below a few thousand
+        # ids, a probe's fixed cost is more than what the sample saves)
+        if len(ids) > PROBE_AFTER:
+            sample = ids[:: max(1, len(ids) // PROBE_SAMPLE)]
+            if not bool((top.lookup(sample) >= 0).all()):
+                return None
         slots = top.lookup(ids)
         if not bool((slots >= 0).all()):
             return None

@@ -104,6 +104,7 @@ class Bags:
     admitted: torch.Tensor | None = None  # [U] rows whose update is kept (admit_after); None = all
     _bag_of: torch.Tensor | None = None
     _rows: "Rows | None" = None
+    _ends: torch.Tensor | None = None
 
     @property
     def bag_of(self) -> torch.Tensor:
@@ -121,7 +122,9 @@ class Bags:
 
     def ends(self) -> torch.Tensor:
         """[B + 1] bag offsets ending with the number of entries (FBGEMM's form)."""
-        return torch.cat([self.offsets, torch.tensor([len(self.ids)])])
+        if self._ends is None:
+            self._ends = torch.cat([self.offsets, torch.tensor([len(self.ids)])])
+        return self._ends
 
     def select(self, flat: torch.Tensor) -> torch.Tensor:
         """Per-entry values of the flat input restricted to the used entries."""
@@ -384,7 +387,7 @@ def plan_bags(c: EmbeddingBagConfig, input, offsets, per_sample_weights) -> Bags
 
 def _check_range(c: EmbeddingBagConfig, ids: torch.Tensor) -> None:
     if len(ids):
-        lo, hi = torch.aminmax(ids)
+        lo, hi = (int(x) for x in torch.aminmax(ids))
         if lo < 0 or (c.num_embeddings is not None and hi >= c.num_embeddings):
             bad = ids < 0
             if c.num_embeddings is not None:
@@ -402,4 +405,4 @@ def jagged_bags(c: EmbeddingBagConfig, ids: torch.Tensor, offsets: torch.Tensor)
     the table has no padding_idx: only the ids' range is checked, as the batch's layout is."""
     ids, offsets = ids.to("cpu", torch.int64), offsets.to("cpu", torch.int64)
     _check_range(c, ids)
-    return Bags(ids, torch.diff(offsets), offsets[:-1], None, len(ids))
+    return Bags(ids, torch.diff(offsets), offsets[:-1], None, len(ids), _ends=offsets)
