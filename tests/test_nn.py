@@ -553,3 +553,24 @@ def test_cuda_hbm_trains_like_cpu_and_bit_identically_across_tiers(tmp_path):
         emb.close()
     assert torch.equal(rows["cuda all"], rows["cuda hbm=4"])
     torch.testing.assert_close(rows["cuda all"], rows["cpu"], rtol=1e-4, atol=1e-5)
+
+
+def test_jagged_bags_plan_as_plan_bags_and_refuse_an_id_out_of_range():
+    """The DMP lookup plans a KeyedJaggedTensor's bags (offsets from 0 to the ids' end) without
+    plan_bags's checks of their layout: the same plan, and an id outside the table the same error."""
+    from tierstore.training.bags import EmbeddingBagConfig, jagged_bags, plan_bags
+
+    c = EmbeddingBagConfig(50, 4, "sum", True, None, "t")
+    ids, offsets = torch.tensor([3, 7, 3, 49, 0, 7], dtype=torch.int32), torch.tensor([0, 2, 2, 5, 6])
+    ours, theirs = jagged_bags(c, ids, offsets), plan_bags(c, ids, offsets, None)
+    for field in ("ids", "sizes", "offsets"):
+        assert torch.equal(getattr(ours, field), getattr(theirs, field))
+    assert ours.used is theirs.used is None and ours.n_input == theirs.n_input
+    assert torch.equal(ours.ends(), theirs.ends()) and torch.equal(ours.rows.positions(), theirs.rows.positions())
+    for bad in (50, -1):
+        ids[3] = bad
+        with pytest.raises(IndexError, match="not in the valid range") as got:
+            jagged_bags(c, ids, offsets)
+        with pytest.raises(IndexError) as want:
+            plan_bags(c, ids, offsets, None)
+        assert str(got.value) == str(want.value)
