@@ -17,10 +17,13 @@ mapped levels smaller than GROWTH times what it writes so far (a log-structured 
 the levels grow geometrically, at most MAX_LEVELS of them, and a row written is rewritten
 a few times (about log_GROWTH of the levels), where rewriting every run at each spill made
 writing grow with the square of the rows. A lookup asks the levels newest first, each a
-binary search (np.searchsorted). Every operation is a few vectorized passes over the ids
-asked and the runs they meet, never a loop per id.
+binary search (np.searchsorted; in a mapped level, of the one page of starts its fence
+names, then a page of lengths and places). Every operation is a few vectorized passes over
+the ids asked and the runs they meet, never a loop per id.
 """
 from __future__ import annotations
+
+import mmap
 
 import numpy as np
 
@@ -31,20 +34,23 @@ _CHUNK_RUNS = 1 << 16  # runs of each level a save merges at a time (1 MiB each)
 GROWTH = 4  # a spill merges the mapped levels of fewer than GROWTH times the runs it writes so far
 MAX_LEVELS = 6  # ... and more, while the mapped levels would number more than this
 _LO, _HI = np.iinfo(np.int64).min, np.iinfo(np.int64).max
+FENCE = 512  # the starts a page holds: a mapped level keeps every FENCE-th in memory (Runs.fence)
 SLOT_BITS = 12  # a place: segment index << SLOT_BITS | slot
 _SLOT_MASK = (1 << SLOT_BITS) - 1  # a run never crosses a segment: its places share their high bits
 
 
 class Runs:
     """Sorted, non-overlapping runs: the ids ``start[i] .. start[i] + length[i] - 1`` are at
-    places ``loc[i] ..`` (all NONE where ``loc[i]`` is NONE)."""
+    places ``loc[i] ..`` (all NONE where ``loc[i]`` is NONE). A mapped level's has a
+    ``fence``, in memory: every FENCE-th start, so that a lookup reads one page of starts."""
 
-    __slots__ = ("start", "length", "loc")
+    __slots__ = ("start", "length", "loc", "fence")
 
-    def __init__(self, start=None, length=None, loc=None):
+    def __init__(self, start=None, length=None, loc=None, fence=None):
         self.start = np.zeros(0, dtype=np.int64) if start is None else start
         self.length = np.zeros(0, dtype=np.uint32) if length is None else length
         self.loc = np.zeros(0, dtype=np.uint32) if loc is None else loc
+        self.fence = fence
 
     def __len__(self) -> int:
         return len(self.start)
@@ -83,13 +89,27 @@ class Runs:
         (NONE where that run is a deletion, or where none holds it)."""
         if not len(self):
             return np.zeros(len(ids), dtype=bool), np.full(len(ids), NONE, dtype=np.uint32)
-        i = np.searchsorted(self.start, ids, side="right") - 1
+        i = np.searchsorted(self.start, ids, side="right") - 1 if self.fence is None else self._fenced(ids)
         i0 = np.maximum(i, 0)
         off = ids - self.start[i0]
         covered = (i >= 0) & (off < self.length[i0])
         base = self.loc[i0]
         loc = np.where(covered & (base != NONE), base + off.astype(np.uint32), NONE).astype(np.uint32)
         return covered, loc
+
+    def _fenced(self, ids: np.ndarray) -> np.ndarray:
+        """searchsorted(start, ids, "right") - 1 by way of the fence: the page of starts each id
+        falls in, then a binary search of that page alone (a vectorized step each halving)."""
+        page = np.searchsorted(self.fence, ids, side="right") - 1
+        _will_need(self, np.unique(np.maximum(page, 0)))
+        lo = np.maximum(page, 0) * FENCE
+        hi = np.minimum(lo + FENCE, len(self.start))
+        for _ in range(FENCE.bit_length()):
+            going = lo < hi
+            mid = (lo + hi) // 2
+            right = going & (self.start[np.where(going, mid, 0)] <= ids)
+            lo, hi = np.where(right, mid + 1, lo), np.where(going & ~right, mid, hi)
+        return np.where(page < 0, -1, lo - 1)
 
     def _cut(self, other: "Runs") -> tuple[np.ndarray, "Runs"]:
         """(indexes of our runs that ``other``'s meet, ascending; their pieces left on either
@@ -198,12 +218,12 @@ class RowIndex:
 
     @property
     def nbytes(self) -> int:
-        """Memory held: mapped levels are the page cache's."""
-        return self.main.nbytes + self.recent.nbytes
+        """Memory held: mapped levels are the page cache's, but for their fences."""
+        return self.main.nbytes + self.recent.nbytes + sum(level.fence.nbytes for level in self.levels)
 
     def get(self, ids: np.ndarray) -> np.ndarray:
         """The place of each of ``ids`` (uint32), NONE where no row is stored: from the newest
-        level that holds it (a mapped level: a binary search of its file's pages)."""
+        level that holds it (a mapped level: two pages of its file, Runs._fenced)."""
         ids = np.asarray(ids, dtype=np.int64)
         covered, loc = self.recent.find(ids)
         rest = np.flatnonzero(~covered)
@@ -289,6 +309,15 @@ class RowIndex:
         most: what a spill writes, never a whole level in memory."""
         sources = [self.recent, self.main, *self.levels[:k]]
         bottom = k == len(self.levels)
+        for level in self.levels[:k]:
+            _advise(level, mmap.MADV_SEQUENTIAL)
+        try:
+            yield from self._merged(sources, bottom)
+        finally:
+            for level in self.levels[:k]:
+                _advise(level, mmap.MADV_RANDOM)
+
+    def _merged(self, sources: list[Runs], bottom: bool):
         lo = _LO
         while True:
             hi = _HI
@@ -312,6 +341,24 @@ class RowIndex:
         older run in two, and each piece's line cuts a run of each level."""
         n = len(self.recent) + len(self.main) + sum(len(level) for level in self.levels[:k])
         return 2 * n + (k + 2) * (n // _CHUNK_RUNS + 2) + 1
+
+
+def _will_need(level: Runs, pages: np.ndarray) -> None:
+    """Ask the kernel for the pages of starts ``pages`` (of FENCE each) of a mapped level, and
+    for its lengths and places there, all at once: a lookup's faults then wait on reads under
+    way in parallel, not issued one by one (io.rowlog.will_need)."""
+    from .rowlog import will_need  # io.rowlog builds on this module
+    for a, width in ((level.start, 8), (level.length, level.length.strides[0])):
+        will_need(a.ctypes.data, pages * (FENCE * width), FENCE * width)
+
+
+def _advise(level: Runs, advice: int) -> None:
+    """Tell the kernel how a mapped level's pages are read: at random by lookups (a page
+    each: read-ahead read 32 around each), in order by a merge."""
+    for a in (level.start, level.length):
+        m = getattr(a, "_mmap", None)
+        if m is not None:
+            m.madvise(advice)
 
 
 def _padded(a: np.ndarray, n: int) -> np.ndarray:

@@ -1,15 +1,17 @@
 """The row index's files (io.rowindex): each spill writes one, and each holds one level of
 runs. A page of header (magic, a JSON line: the level's runs and their CRCs, and the name
 and runs of each older level the index reads under it), then each array from a page
-boundary: the caller's (the segments' bookkeeping, int64), then the level's starts, lengths
-and places, each with room for the runs the merge may yield (the room left over is a hole:
-no disk). A file is written once, to a temporary name, synced and renamed, and never
+boundary: the caller's (the segments' bookkeeping, int64), then the level's starts, and its
+lengths and places side by side (a lookup reads one page of them), each with room for the
+runs the merge may yield (the room left over is a hole: no disk), and the level's fence
+(every FENCE-th start: Runs.fence). A file is written once, to a temporary name, synced and renamed, and never
 changed: a reader that maps it keeps it until it unmaps. An open checks every run it reads
 or maps against the CRCs: a torn or damaged file is not the index, and its caller replays
 the segments instead."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import zlib
 from pathlib import Path
@@ -17,13 +19,14 @@ from pathlib import Path
 import numpy as np
 
 from .files import fsync_path
-from .rowindex import NONE, RUN_BYTES, RowIndex, Runs
+from .rowindex import FENCE, NONE, RUN_BYTES, RowIndex, Runs
 
-_MAGIC = b"TSIDX3\n"
+_MAGIC = b"TSIDX4\n"
 PAGE = 4096
 _SYNC_BYTES = 32 << 20  # written and synced a piece at a time: dirty pages count against a memory cgroup
 _CHECK_BYTES = 16 << 20  # a mapped level's runs read at a time to check their CRCs
-_RUN_DTYPES = (np.dtype("<i8"), np.dtype("<u4"), np.dtype("<u4"))
+_SPAN = np.dtype([("length", "<u4"), ("loc", "<u4")])  # a run's length and place, side by side
+_RUN_DTYPES = (np.dtype("<i8"), _SPAN)
 
 
 def _bytes(a: np.ndarray) -> memoryview:
@@ -56,7 +59,7 @@ def write_file(index: RowIndex, path: Path, header: dict, arrays: list[np.ndarra
     ``path``: a temporary file, synced, renamed over it. Returns the header written, which
     names the mapped levels left under it (``index.levels[k:]``)."""
     cap = index.capacity(k)
-    sizes = [a.nbytes for a in arrays] + [d.itemsize * cap for d in _RUN_DTYPES]
+    sizes = [a.nbytes for a in arrays] + [d.itemsize * cap for d in _RUN_DTYPES] + [8 * (cap // FENCE + 1)]
     offsets = _offsets(sizes)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -64,9 +67,12 @@ def write_file(index: RowIndex, path: Path, header: dict, arrays: list[np.ndarra
         os.ftruncate(fd, offsets[-1])
         for a, at in zip(arrays, offsets):
             _pwrite(fd, _bytes(a), at)
-        runs, crcs, dirty = 0, [0, 0, 0], 0
+        runs, crcs, dirty, fence = 0, [0, 0], 0, []
         for piece in index.merging(k):
-            for j, a in enumerate((piece.start, piece.length, piece.loc)):
+            fence.append(piece.start[(-runs) % FENCE::FENCE])
+            span = np.empty(len(piece), dtype=_SPAN)
+            span["length"], span["loc"] = piece.length, piece.loc
+            for j, a in enumerate((piece.start, span)):
                 data = _bytes(a)
                 _pwrite(fd, data, offsets[len(arrays) + j] + runs * a.itemsize)
                 crcs[j] = zlib.crc32(data, crcs[j])
@@ -76,9 +82,11 @@ def write_file(index: RowIndex, path: Path, header: dict, arrays: list[np.ndarra
                 os.fdatasync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 dirty = 0
+        fence = np.concatenate([np.zeros(0, dtype=np.int64), *fence])
+        _pwrite(fd, _bytes(fence), offsets[len(arrays) + 2])
         levels = [[name, len(level)] for name, level in zip(index.names[k:], index.levels[k:])]
         header = {**header, "runs": runs, "capacity": cap, "offsets": offsets, "counts": [len(a) for a in arrays],
-                  "crc": _crc(arrays), "runs_crc": crcs, "levels": levels}
+                  "crc": _crc(arrays), "runs_crc": crcs, "fence_crc": zlib.crc32(_bytes(fence)), "levels": levels}
         # a few hundred bytes, and some 60 a level (MAX_LEVELS): a page holds it
         _pwrite(fd, memoryview(_MAGIC + json.dumps(header).encode() + b"\n"), 0)
         os.fsync(fd)
@@ -127,19 +135,27 @@ def _read_runs(path: Path, header: dict) -> Runs | None:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     except (OSError, ValueError):
         return None
-    if [len(a) for a in arrays] != [n] * 3 or [zlib.crc32(_bytes(a)) for a in arrays] != header["runs_crc"]:
+    if [len(a) for a in arrays] != [n] * 2 or [zlib.crc32(_bytes(a)) for a in arrays] != header["runs_crc"]:
         return None
-    return Runs(*arrays)
+    start, span = arrays
+    return Runs(start, span["length"].copy(), span["loc"].copy())
 
 
 def _map_runs(path: Path, header: dict, check: bool) -> Runs | None:
-    """The level of the file at ``path`` mapped; where ``check``, its runs read once, a piece
-    at a time (then dropped from the page cache), against its CRCs: None where they fail."""
+    """The level of the file at ``path`` mapped, its fence read (and checked); where ``check``,
+    its runs read once, a piece at a time (then dropped from the page cache), against its
+    CRCs: None where they fail. Its pages are read at random (no read-ahead: a lookup reads
+    a page of starts and one of lengths and places)."""
     n = header["runs"]
     if not n:
         return Runs()
     offsets = _run_offsets(header)
     try:
+        with open(path, "rb") as f:
+            f.seek(offsets[2])
+            fence = np.fromfile(f, dtype=np.int64, count=-(-n // FENCE))
+        if len(fence) != -(-n // FENCE) or zlib.crc32(_bytes(fence)) != header["fence_crc"]:
+            return None
         if check:
             with open(path, "rb") as f:
                 for at, dtype, want in zip(offsets, _RUN_DTYPES, header["runs_crc"]):
@@ -153,8 +169,11 @@ def _map_runs(path: Path, header: dict, check: bool) -> Runs | None:
                     if crc != want:
                         return None
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        return Runs(*(np.memmap(path, dtype=d, mode="r", offset=at, shape=(n,)) for at, d in zip(offsets, _RUN_DTYPES)))
-    except (OSError, ValueError):
+        start, span = (np.memmap(path, dtype=d, mode="r", offset=at, shape=(n,)) for at, d in zip(offsets, _RUN_DTYPES))
+        for m in (start, span):
+            m._mmap.madvise(mmap.MADV_RANDOM)
+        return Runs(start, span["length"], span["loc"], fence)
+    except (OSError, ValueError, KeyError):
         return None
 
 

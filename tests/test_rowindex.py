@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from index_writer import DIM, open_writer  # noqa: E402
 
 ROWS = 10**9  # declared; a few hundred written
-CHUNK_RUNS, MAX_LEVELS = rowindex._CHUNK_RUNS, rowindex.MAX_LEVELS
+CHUNK_RUNS, MAX_LEVELS, FENCE = rowindex._CHUNK_RUNS, rowindex.MAX_LEVELS, rowindex.FENCE
 
 
 def ids_of(draw_sparse, draw_range):
@@ -52,12 +52,14 @@ class IndexAgainstDict(RuleBasedStateMachine):
         self.index = RowIndex(ROWS, limit=400)  # 25 runs: spills within a few writes
         rowindex._CHUNK_RUNS = 4  # a save merges a few runs of each level at a time: runs cut at each piece's line
         rowindex.MAX_LEVELS = 3  # levels merged for their number too
+        rowindex.FENCE = rowindex_file.FENCE = 4  # a mapped level's lookups search pages of a few starts
         self.model: dict[int, int] = {}
         self.segment = 0
         self.saves = 0
 
     def teardown(self):
         rowindex._CHUNK_RUNS, rowindex.MAX_LEVELS = CHUNK_RUNS, MAX_LEVELS
+        rowindex.FENCE = rowindex_file.FENCE = FENCE
 
     @rule(ids=write_ids)
     def put(self, ids):
@@ -96,7 +98,8 @@ class IndexAgainstDict(RuleBasedStateMachine):
         assert len(header["levels"]) == levels - k and len(self.index.levels) <= rowindex.MAX_LEVELS
         in_memory = k == levels and header["runs"] * rowindex.RUN_BYTES <= self.index.limit // 2
         assert self.index.mapped == (not in_memory and (header["runs"] > 0 or k < levels))
-        assert self.index.nbytes == 0 or not self.index.mapped  # mapped levels are the page cache's, memory holds none
+        fences = sum(level.fence.nbytes for level in self.index.levels)  # every FENCE-th start of a mapped level
+        assert self.index.nbytes == fences or not self.index.mapped  # mapped levels are the page cache's, memory holds the rest
         sizes = [len(level) for level in self.index.levels]  # each level GROWTH times the runs of those above it, about
         assert all(b > rowindex.GROWTH * a for a, b in zip(sizes[:-1], sizes[1:])) or len(sizes) <= rowindex.MAX_LEVELS
 
@@ -125,8 +128,8 @@ class IndexAgainstDict(RuleBasedStateMachine):
         if not files:
             return
         p, h = data.draw(st.sampled_from(files))
-        array = data.draw(st.integers(0, 2))
-        at = h["offsets"][len(h["counts"]) + array] + data.draw(st.integers(0, h["runs"] * (8 if array == 0 else 4) - 1))
+        array = data.draw(st.integers(0, 1))  # the starts, or the lengths and places
+        at = h["offsets"][len(h["counts"]) + array] + data.draw(st.integers(0, h["runs"] * 8 - 1))
         original = p.read_bytes()
         damaged = bytearray(original)
         damaged[at] ^= 1 << data.draw(st.integers(0, 7))
