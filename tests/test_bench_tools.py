@@ -120,3 +120,16 @@ def test_bench_prefetch_measures_lmdb_on_a_copy_of_its_table(tmp_path):
     bench_prefetch.write_rows(base)
     get, put, cold = bench_prefetch.lmdb_floor(base, rows=256, rounds=1)
     assert get > 0 and put > 0 and cold >= 0  # seconds a row: measured, whatever the machine
+
+
+def test_bench_scale_keeps_the_cpu_of_threads_that_ended():
+    """bench scale's CPU by thread: a thread that ends between the two readings (the
+    write-back thread, whenever its queue is empty) is counted, as "ended threads"."""
+    from tierstore.tools import bench_scale
+    before = bench_scale._thread_cpu()
+    writer = threading.Thread(target=_spin, args=(0.2,), name="tierstore-writeback")
+    writer.start()
+    writer.join()
+    spent = bench_scale._per_step(before, bench_scale._thread_cpu(), 1)
+    assert 200 - 2e3 * TICK <= spent["ended threads"] <= 400
+    assert "tierstore-writeback" not in spent

@@ -335,24 +335,34 @@ def _tiered(job: dict, batches, go, first_use: float | None = None) -> dict:
 
 def _thread_cpu() -> dict[int, tuple[str, float]]:
     """{thread id: (name, CPU seconds)} of this process's threads: Python's names where the
-    thread is Python's (tierstore names its own), "native" for torch's, LMDB's and others."""
+    thread is Python's (tierstore names its own), "native" for torch's, LMDB's and others;
+    and under id 0 the whole process's ("process"), which keeps the CPU of threads that
+    have ended (the write-back thread leaves whenever its queue is empty)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     tick = os.sysconf("SC_CLK_TCK")
-    out = {}
+    out = {0: ("process", _cpu_seconds(_read(Path("/proc/self/stat")), tick))}
     for tid in os.listdir("/proc/self/task"):
         stat = _read(Path(f"/proc/self/task/{tid}/stat"))
         if not stat:  # it ended meanwhile
             continue
-        utime, stime = stat[stat.rindex(")") + 2:].split()[11:13]
-        out[int(tid)] = (re.sub(r"_\d+$", "", names.get(int(tid), "native")), (int(utime) + int(stime)) / tick)
+        out[int(tid)] = (re.sub(r"_\d+$", "", names.get(int(tid), "native")), _cpu_seconds(stat, tick))
     return out
 
 
+def _cpu_seconds(stat: str, tick: int) -> float:
+    utime, stime = stat[stat.rindex(")") + 2:].split()[11:13]
+    return (int(utime) + int(stime)) / tick
+
+
 def _per_step(before: dict, after: dict, steps: int) -> dict[str, float]:
-    """CPU ms a step by thread name (pools' threads together) between two _thread_cpu()."""
+    """CPU ms a step by thread name (pools' threads together) between two _thread_cpu();
+    "ended threads": what threads that ended meanwhile took (the process's less the live ones')."""
     out: dict[str, float] = {}
     for tid, (name, seconds) in after.items():
-        out[name] = out.get(name, 0.0) + 1e3 * (seconds - before.get(tid, (name, 0.0))[1]) / steps
+        if tid:
+            out[name] = out.get(name, 0.0) + 1e3 * (seconds - before.get(tid, (name, 0.0))[1]) / steps
+    ended = 1e3 * (after[0][1] - before[0][1]) / steps - sum(out.values())
+    out["ended threads"] = max(0.0, ended)
     return out
 
 
