@@ -259,10 +259,11 @@ class RowIndex:
         return 3 * self.main.nbytes + 2 * self.recent.nbytes <= self.limit
 
     def wants_spill(self) -> bool:
-        """Whether memory holds more than half the limit, or recent can merge into main no more."""
+        """Whether memory's runs take more than half the limit, or recent can merge into main no
+        more (the fences stay: a spill would not free them)."""
         if self.limit is None or not self.spills:
             return False
-        return self.nbytes > self.limit // 2 or not self._settles() and len(self.recent) > max(RECENT_RUNS, len(self.main) // 8)
+        return self.main.nbytes + self.recent.nbytes > self.limit // 2 or not self._settles() and len(self.recent) > max(RECENT_RUNS, len(self.main) // 8)
 
     def settle(self) -> None:
         """Merge recent into main in memory."""

@@ -171,6 +171,21 @@ def test_a_write_in_id_order_is_a_run_a_segment():
     assert index.get(np.array([4, 5, 6, 25_599, 25_600])).tolist() == [4, 100 << 12, 6, (99 << 12) | 255, int(NONE)]
 
 
+def test_fences_count_as_memory_but_do_not_make_the_index_spill(tmp_path, monkeypatch):
+    """A mapped level's fence is memory the index holds (nbytes), but a spill cannot free it:
+    past half the limit it does not ask for another spill (it would spill at every write)."""
+    monkeypatch.setattr(rowindex, "FENCE", 1)
+    monkeypatch.setattr(rowindex_file, "FENCE", 1)  # every start in memory: 8 bytes a run
+    index = RowIndex(ROWS, limit=2048)
+    index.put(np.arange(0, 400, 2), (1 << rowindex.SLOT_BITS) | np.arange(200, dtype=np.uint32))  # 200 runs
+    assert index.wants_spill()
+    header = rowindex_file.write_file(index, tmp_path / "i", {}, [], index.plan())
+    assert rowindex_file.take_runs(index, tmp_path / "i", header, 0)
+    assert index.mapped and index.nbytes == 200 * 8 > index.limit // 2
+    assert not index.wants_spill()
+    assert index.get(np.array([0, 1, 398])).tolist() == [1 << rowindex.SLOT_BITS, int(NONE), (1 << rowindex.SLOT_BITS) | 199]
+
+
 # -- a writer killed at any point -----------------------------------------------------------------
 LIMIT = 400  # the child's index runs: 25 at most, so that it spills all the time
 
