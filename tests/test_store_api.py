@@ -48,6 +48,21 @@ def test_init_distributions_have_their_moments(tmp_path):
     assert abs(n.mean() - 1) < 0.05 and abs(n.std() - 3) < 0.05
 
 
+@pytest.mark.parametrize("init, dtype, state_dim, digest", [
+    (RowInit.normal(0.5, 2.0, seed=11), "float32", 1, "4b4b2025b4c26298"),
+    (RowInit.uniform(-0.1, 0.3, seed=2), "bfloat16", 2, "1ece316393c035a1"),
+    (RowInit(kind="normal", a=0.0, b=1.0, col_start=4), "float16", 0, "81b90514a814bc04"),
+])
+def test_initial_rows_keep_their_values(init, dtype, state_dim, digest):
+    """A never-written row is never stored: a store reads it as initial_rows gives it, so
+    these bytes are part of every existing store and must not change with the code."""
+    import hashlib
+    from tierstore.spec import initial_rows
+    ids = np.array([0, 1, 7, 123456789, 2**62 + 5, -1], dtype=np.int64)
+    rows = initial_rows(TableSpec("golden", None, 5, dtype=dtype, init=init, state_dim=state_dim), ids)
+    assert hashlib.sha256(rows.tobytes()).hexdigest()[:16] == digest
+
+
 def test_last_write_wins_and_write_keeps_state(tmp_path):
     with TieredStore(tmp_path, [TableSpec("t", 10, 2, state_dim=2)], hbm_rows=2, device="cpu") as s:
         s.write("t", [1, 1, 2], torch.tensor([[1.0, 1], [9, 9], [2, 2]]))

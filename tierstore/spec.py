@@ -145,11 +145,15 @@ class TableSpec:
         return cls(**d)
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+def _splitmix64(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """splitmix64's finalizer of uint64 ``x``, into ``out`` when given (``out=x`` is safe):
+    in place, a row init's [n, dim] words make no temporaries beyond one shift."""
+    x = np.add(x, np.uint64(0x9E3779B97F4A7C15), out=out)
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        x ^= x >> np.uint64(shift)
+        x *= np.uint64(mult)
+    x ^= x >> np.uint64(31)
+    return x
 
 
 def _unit_uniform(spec: TableSpec, ids: np.ndarray, stream: int) -> np.ndarray:
@@ -158,8 +162,12 @@ def _unit_uniform(spec: TableSpec, ids: np.ndarray, stream: int) -> np.ndarray:
     base = _splitmix64(ids.astype(np.uint64) ^ np.uint64(salt & 0xFFFFFFFFFFFFFFFF))
     first = spec.init.col_start
     cols = np.arange(first, first + spec.dim, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)
-    bits = _splitmix64(base[:, None] + cols[None, :])
-    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    bits = np.add(base[:, None], cols[None, :])
+    bits = _splitmix64(bits, out=bits)
+    bits >>= np.uint64(11)
+    u = bits.astype(np.float64)
+    u *= 1.0 / (1 << 53)
+    return u
 
 
 def initial_rows(spec: TableSpec, ids: np.ndarray) -> np.ndarray:
@@ -167,13 +175,25 @@ def initial_rows(spec: TableSpec, ids: np.ndarray) -> np.ndarray:
     out = np.zeros((len(ids), spec.width), dtype=np.float32)
     if len(ids) == 0 or spec.init.kind == "zeros":
         return out
+    a, b = spec.init.a, spec.init.b
     with np.errstate(over="ignore"):
-        u = _unit_uniform(spec, ids, 0)
+        # in place, in the order of a + b * sqrt(-2 log1p(-u)) * cos(2 pi v) (Box-Muller;
+        # 1-u keeps the log argument in (0, 1]) or a + (b - a) * u: the same doubles, so
+        # the same rows, without a temporary per operation
+        w = _unit_uniform(spec, ids, 0)
         if spec.init.kind == "uniform":
-            w = spec.init.a + (spec.init.b - spec.init.a) * u
-        else:  # Box-Muller; 1-u keeps the log argument in (0, 1]
+            w *= b - a
+        else:
+            np.negative(w, out=w)
+            np.log1p(w, out=w)
+            w *= -2.0
+            np.sqrt(w, out=w)
+            w *= b
             v = _unit_uniform(spec, ids, 1)
-            w = spec.init.a + spec.init.b * np.sqrt(-2.0 * np.log1p(-u)) * np.cos(2 * np.pi * v)
+            v *= 2 * np.pi
+            np.cos(v, out=v)
+            w *= v
+        w += a
     out[:, : spec.dim] = w
     if spec.dtype != "float32":
         out[:, : spec.dim] = round_nearest(torch.from_numpy(out[:, : spec.dim]), spec.dtype).numpy()

@@ -25,10 +25,17 @@ class InFlight:
         self.tier = tier
         self.pins = np.zeros(tier.capacity, dtype=np.int32)
         self.rows = 0  # slots pinned by at least one step
+        self._owner = np.zeros(tier.capacity, dtype=np.int32)  # pin's scratch: an entry per slot
 
     def pin(self, slots: torch.Tensor) -> np.ndarray:
-        """Pin a step's rows (its entries' ``slots``); returns the slots to ``release``."""
-        pins = np.unique(slots.cpu().numpy())
+        """Pin a step's rows (its entries' ``slots``); returns the slots to ``release``,
+        each once. The distinct slots are the entries that own their slot after each wrote
+        its position there: one entry per slot whichever write wins, in a pass over the
+        batch (np.unique sorted it: 10x the time for 64k entries)."""
+        s = slots.cpu().numpy()
+        at = np.arange(len(s), dtype=np.int32)
+        self._owner[s] = at
+        pins = s[self._owner[s] == at]
         self.rows += int(np.count_nonzero(self.pins[pins] == 0))
         self.pins[pins] += 1
         return pins
