@@ -11,6 +11,11 @@ class StoreCorruptError(RuntimeError, TierstoreError):
     """data.mdb is damaged (truncated, overwritten, emptied) or its metadata is unreadable."""
 
 
+class RowIndexDamagedError(StoreCorruptError):
+    """A block of a row index file fails its CRC when first read: the index is rebuilt from
+    the row log's segments, which hold every row (the file is a cache)."""
+
+
 class BadRowsError(ValueError, TierstoreError):
     """Rows, a dtype or a call the storage cannot take: a width or dtype that does not match
     the table, rows without the last-use steps their table keeps, a copy onto its source."""

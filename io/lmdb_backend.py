@@ -28,7 +28,8 @@ import numpy as np
 from tierstore.io import rowlog
 from tierstore.io.codecs import RowCodec, encode_keys
 from tierstore.io.errors import (
-    BadRowsError, DiskFullError, ForeignStoreError, StoreLockedError, StoreNotFoundError, StoreReadonlyError)
+    BadRowsError, DiskFullError, ForeignStoreError, RowIndexDamagedError, StoreLockedError, StoreNotFoundError,
+    StoreReadonlyError)
 from tierstore.io.lmdb_env import (
     _OPEN, _OPEN_LOCK, META_DB, _Env, _lock_directory, _ResizeGuard, _shared_env, take_writer_lock)
 from tierstore.io.lmdb_file import _CORRUPT, _LOW_SPACE, _free_bytes, check_data_file, corrupt
@@ -504,9 +505,13 @@ class LmdbBackend(LogTables, Upkeep, Sketches):
                             # the snapshot readers now get: a transaction that changed nothing (a sweep
                             # finding no idle row) commits none, and keeps the last one's id
                             tid = self.env.info()["last_txnid"]
+                            rebuilt = set()
                             if applied is not None:
-                                applied(planned)
-                            for t in self._logs:
+                                try:
+                                    applied(planned)
+                                except RowIndexDamagedError:  # the commit stands: the segments hold it
+                                    rebuilt = set().union(*map(self._rebuild_log, list(self._logs)))
+                            for t in set(self._logs) - rebuilt:
                                 self._log_synced[t] = tid
                     self._unsynced += dirties
                     if self._unsynced >= self.txn_rows * rowlog.PAGE:

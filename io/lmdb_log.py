@@ -12,6 +12,7 @@ import numpy as np
 
 from tierstore.io import rowlog
 from tierstore.io.codecs import row_norms_sq
+from tierstore.io.errors import RowIndexDamagedError
 from tierstore.io.lmdb_file import corrupt
 
 _INDEX_KEY = b"index:"  # + a log table's name: the token of its saved index (_save_indexes)
@@ -62,6 +63,9 @@ class LogTables:
                 log.replay(mem, newer if published is None else [v for v in newer if v[0] <= published[0]])
             except rowlog.SegmentFormatError as e:
                 raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
+            except RowIndexDamagedError:  # the open's replay (_log_slots) then replays every segment
+                self._rebuild_log(table, sync=False)
+                return
             if self._lock_fd is None:
                 log.free_emptied()
             self._log_synced[table] = txn.id()
@@ -85,6 +89,8 @@ class LogTables:
                     self.publish_at_flush and self._unpublished()):
                 try:
                     self._save_index(table, write=spill)
+                except RowIndexDamagedError:  # the merge met a damaged block: the segments hold every row
+                    self._rebuild_log(table)
                 except OSError as e:  # the commit stands; the index stays in memory, past its limit, until the next try
                     warnings.warn(f"could not write the row index of table {table!r} at {self.path} ({e})", stacklevel=3)
 
@@ -232,10 +238,26 @@ class LogTables:
         while True:
             with self._reading(db=self._log_dbs[table], buffers=True) as txn:
                 with self._index_lock:
-                    if not self._sync_log(table, txn):
-                        continue  # the index moved past this snapshot (a commit meanwhile): take a newer one
-                    got = under_lock(self._logs[table])
+                    try:
+                        if not self._sync_log(table, txn):
+                            continue  # the index moved past this snapshot (a commit meanwhile): take a newer one
+                        got = under_lock(self._logs[table])
+                    except RowIndexDamagedError:  # a block of its files fails its CRC: replayed from the segments
+                        self._rebuild_log(table, sync=False)
+                        continue
                 return after(txn, got) if after is not None else got
+
+    def _rebuild_log(self, table: str, sync: bool = True) -> set[str]:
+        """``table``'s index afresh (a block of its files failed its CRC when first read:
+        io.rowindex_file), replayed from every segment now where ``sync`` (under the index
+        lock), else at the next read. Returns {table}: the tables rebuilt."""
+        log = self._logs[table]
+        self._logs[table] = self._new_log(table, log.codec, log.num_rows, log.last_use)
+        self._log_synced[table] = -1
+        if sync:
+            with self._reading(db=self._log_dbs[table], buffers=True) as txn:
+                self._sync_log(table, txn)
+        return {table}
 
     def _log_slots(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The stored slots (row bytes, then the last-use step where kept) of ``ids`` and the

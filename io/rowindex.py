@@ -18,7 +18,10 @@ the levels grow geometrically, at most MAX_LEVELS of them, and a row written is 
 a few times (about log_GROWTH of the levels), where rewriting every run at each spill made
 writing grow with the square of the rows. A lookup asks the levels newest first, each a
 binary search (np.searchsorted; in a mapped level, of the one page of starts its fence
-names, then a page of lengths and places). Every operation is a few vectorized passes over
+names, then a page of lengths and places). A mapped level's runs are checked against their
+CRCs a block (the FENCE runs of a page of starts) at a time, when a lookup or a merge first
+reads that block (Runs.verify), so that an open reads only each level's header and fence.
+Every operation is a few vectorized passes over
 the ids asked and the runs they meet, never a loop per id.
 """
 from __future__ import annotations
@@ -42,15 +45,18 @@ _SLOT_MASK = (1 << SLOT_BITS) - 1  # a run never crosses a segment: its places s
 class Runs:
     """Sorted, non-overlapping runs: the ids ``start[i] .. start[i] + length[i] - 1`` are at
     places ``loc[i] ..`` (all NONE where ``loc[i]`` is NONE). A mapped level's has a
-    ``fence``, in memory: every FENCE-th start, so that a lookup reads one page of starts."""
+    ``fence``, in memory: every FENCE-th start, so that a lookup reads one page of starts,
+    and a ``check``: called with the blocks (of FENCE runs, the fence's pages) about to be
+    read, it checks those not yet checked against their CRCs (raising where one fails)."""
 
-    __slots__ = ("start", "length", "loc", "fence")
+    __slots__ = ("start", "length", "loc", "fence", "check")
 
-    def __init__(self, start=None, length=None, loc=None, fence=None):
+    def __init__(self, start=None, length=None, loc=None, fence=None, check=None):
         self.start = np.zeros(0, dtype=np.int64) if start is None else start
         self.length = np.zeros(0, dtype=np.uint32) if length is None else length
         self.loc = np.zeros(0, dtype=np.uint32) if loc is None else loc
         self.fence = fence
+        self.check = check
 
     def __len__(self) -> int:
         return len(self.start)
@@ -58,6 +64,28 @@ class Runs:
     @property
     def nbytes(self) -> int:
         return self.start.nbytes + self.length.nbytes + self.loc.nbytes
+
+    @property
+    def held(self) -> int:
+        """Memory a mapped level holds: its fence and its blocks' CRCs."""
+        return self.fence.nbytes + (self.check.nbytes if self.check is not None else 0)
+
+    def verify(self, blocks) -> None:
+        """Check ``blocks`` (indexes of FENCE runs) of a mapped level before they are read."""
+        if self.check is not None:
+            self.check(np.asarray(blocks, dtype=np.int64).reshape(-1))
+
+    def search(self, x: int, side: str) -> int:
+        """np.searchsorted(start, x, side); in a mapped level, of the one block (checked) the
+        fence names: a binary search of the whole level would read unchecked pages."""
+        if self.fence is None:
+            return int(np.searchsorted(self.start, x, side=side))
+        p = int(np.searchsorted(self.fence, x, side=side)) - 1
+        if p < 0:
+            return 0
+        self.verify(p)
+        lo = p * FENCE
+        return lo + int(np.searchsorted(self.start[lo:lo + FENCE], x, side=side))
 
     @property
     def end(self) -> np.ndarray:
@@ -101,7 +129,9 @@ class Runs:
         """searchsorted(start, ids, "right") - 1 by way of the fence: the page of starts each id
         falls in, then a binary search of that page alone (a vectorized step each halving)."""
         page = np.searchsorted(self.fence, ids, side="right") - 1
-        _will_need(self, np.unique(np.maximum(page, 0)))
+        pages = np.unique(np.maximum(page, 0))
+        _will_need(self, pages)
+        self.verify(pages)
         lo = np.maximum(page, 0) * FENCE
         hi = np.minimum(lo + FENCE, len(self.start))
         for _ in range(FENCE.bit_length()):
@@ -157,12 +187,14 @@ class Runs:
     def window(self, lo: int, hi: int) -> "Runs":
         """Our runs' ids in [lo, hi), the runs across either line cut there: a copy of those
         runs only (of a mapped level, the pages they are in)."""
-        a = int(np.searchsorted(self.start, lo, side="right")) - 1
+        a = self.search(lo, "right") - 1
         if a < 0 or int(self.start[a]) + int(self.length[a]) <= lo:
             a += 1
-        b = int(np.searchsorted(self.start, hi, side="left"))
+        b = self.search(hi, "left")
         if b <= a:
             return Runs()
+        if self.fence is not None:
+            self.verify(np.arange(a // FENCE, (b - 1) // FENCE + 1))
         part = Runs(np.array(self.start[a:b]), np.array(self.length[a:b]), np.array(self.loc[a:b]))
         start, end = np.maximum(part.start, lo), np.minimum(part.end, hi)
         loc = np.where(part.loc == NONE, NONE, part.loc + (start - part.start).astype(np.uint32)).astype(np.uint32)
@@ -218,8 +250,8 @@ class RowIndex:
 
     @property
     def nbytes(self) -> int:
-        """Memory held: mapped levels are the page cache's, but for their fences."""
-        return self.main.nbytes + self.recent.nbytes + sum(level.fence.nbytes for level in self.levels)
+        """Memory held: mapped levels are the page cache's, but for their fences and CRCs."""
+        return self.main.nbytes + self.recent.nbytes + sum(level.held for level in self.levels)
 
     def get(self, ids: np.ndarray) -> np.ndarray:
         """The place of each of ``ids`` (uint32), NONE where no row is stored: from the newest
@@ -323,8 +355,10 @@ class RowIndex:
         while True:
             hi = _HI
             for s in sources:
-                a = int(np.searchsorted(s.start, lo, side="left")) + _CHUNK_RUNS
+                a = s.search(lo, "left") + _CHUNK_RUNS
                 if a < len(s):
+                    if s.fence is not None:
+                        s.verify(a // FENCE)
                     hi = min(hi, int(s.start[a]))
             acc = Runs()
             for i in range(len(sources) - 1, -1, -1):  # the oldest first, each newer over it

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tierstore.io import lmdb_log, rowindex, rowindex_file, rowlog
+from tierstore.io.errors import RowIndexDamagedError
 from tierstore.io.rowindex import NONE, RowIndex
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -98,7 +99,7 @@ class IndexAgainstDict(RuleBasedStateMachine):
         assert len(header["levels"]) == levels - k and len(self.index.levels) <= rowindex.MAX_LEVELS
         in_memory = k == levels and header["runs"] * rowindex.RUN_BYTES <= self.index.limit // 2
         assert self.index.mapped == (not in_memory and (header["runs"] > 0 or k < levels))
-        fences = sum(level.fence.nbytes for level in self.index.levels)  # every FENCE-th start of a mapped level
+        fences = sum(level.fence.nbytes + 5 * len(level.fence) for level in self.index.levels)  # every FENCE-th start of a mapped level, and a CRC (and its checked flag) a block
         assert self.index.nbytes == fences or not self.index.mapped  # mapped levels are the page cache's, memory holds the rest
         sizes = [len(level) for level in self.index.levels]  # each level GROWTH times the runs of those above it, about
         assert all(b > rowindex.GROWTH * a for a, b in zip(sizes[:-1], sizes[1:])) or len(sizes) <= rowindex.MAX_LEVELS
@@ -118,7 +119,8 @@ class IndexAgainstDict(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def damaged_file_is_refused(self, data):
-        """A byte of a level's runs changed (or its file cut short): the open refuses the index."""
+        """A byte of a level's runs changed (or its file cut short): the open refuses the index,
+        or, where it maps the level, the first read of the block holding that byte raises."""
         if not self.saves:
             return
         path = self.dir / f"i{self.saves}"
@@ -136,7 +138,15 @@ class IndexAgainstDict(RuleBasedStateMachine):
         cut = data.draw(st.booleans())
         p.write_bytes(bytes(damaged[:at] if cut else damaged))
         try:
-            assert not rowindex_file.load_runs(RowIndex(ROWS, limit=self.index.limit), path, header, {})
+            fresh = RowIndex(ROWS, limit=self.index.limit)
+            if rowindex_file.load_runs(fresh, path, header, {}):
+                assert not cut and fresh.mapped
+                block = (at - h["offsets"][len(h["counts"]) + array]) // (8 * rowindex.FENCE)
+                level = fresh.levels[fresh.names.index(p.name)]
+                others = np.flatnonzero(np.arange(len(level.fence)) != block)
+                level.verify(others)  # the other blocks read as written
+                with pytest.raises(RowIndexDamagedError, match="fails its CRC"):
+                    fresh.ids()  # reads every block
         finally:
             p.write_bytes(original)
 
@@ -181,9 +191,42 @@ def test_fences_count_as_memory_but_do_not_make_the_index_spill(tmp_path, monkey
     assert index.wants_spill()
     header = rowindex_file.write_file(index, tmp_path / "i", {}, [], index.plan())
     assert rowindex_file.take_runs(index, tmp_path / "i", header, 0)
-    assert index.mapped and index.nbytes == 200 * 8 > index.limit // 2
+    assert index.mapped and index.nbytes == 200 * (8 + 5) > index.limit // 2  # a start, a CRC and its flag a block
     assert not index.wants_spill()
     assert index.get(np.array([0, 1, 398])).tolist() == [1 << rowindex.SLOT_BITS, int(NONE), (1 << rowindex.SLOT_BITS) | 199]
+
+
+def _read_chars() -> int:
+    """Bytes this process has read by read(2) and the like (a mapped page is not counted)."""
+    return int(next(line.split()[1] for line in open("/proc/self/io") if line.startswith("rchar:")))
+
+
+def test_an_open_reads_a_mapped_level_by_its_header_and_a_damaged_block_raises_when_read(tmp_path):
+    """Opening a level of 3.2 MB of runs reads its header, fence and blocks' CRCs (some KB),
+    not its runs; a bit flipped in one block is found when a lookup first reads that block,
+    and the other blocks still read as written."""
+    n = 200_000
+    index = RowIndex(ROWS, limit=4096)
+    index.put(np.arange(0, 2 * n, 2), (1 << rowindex.SLOT_BITS) | np.arange(n, dtype=np.uint32) % 4000)
+    path = tmp_path / "i"
+    header = rowindex_file.write_file(index, path, {}, [np.arange(3)], index.plan())
+    assert header["runs"] == n
+    fresh = RowIndex(ROWS, limit=4096)
+    before = _read_chars()
+    assert rowindex_file.load_runs(fresh, path, header, {}) and fresh.mapped
+    assert _read_chars() - before < n * rowindex.RUN_BYTES // 50
+    data = bytearray(path.read_bytes())
+    block = 300
+    data[header["offsets"][1] + (block * rowindex.FENCE + 7) * 8] ^= 4  # a start in block 300
+    path.write_bytes(bytes(data))
+    fresh = RowIndex(ROWS, limit=4096)
+    assert rowindex_file.load_runs(fresh, path, header, {})
+    elsewhere = np.array([0, 2 * 10 * rowindex.FENCE + 2, 2 * (n - 1)])  # blocks 0, 10 and the last
+    assert fresh.get(elsewhere).tolist() == index.get(elsewhere).tolist()
+    with pytest.raises(RowIndexDamagedError, match="block 300 of its runs fails its CRC"):
+        fresh.get(np.array([2 * block * rowindex.FENCE + 4]))
+    with pytest.raises(RowIndexDamagedError):  # and again: never a place read from it
+        fresh.get(np.array([2 * block * rowindex.FENCE + 4]))
 
 
 # -- a writer killed at any point -----------------------------------------------------------------
