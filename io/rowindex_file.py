@@ -96,7 +96,8 @@ def write_file(index: RowIndex, path: Path, header: dict, arrays: list[np.ndarra
         _pwrite(fd, _bytes(block_crcs), offsets[len(arrays) + 3])
         levels = [[name, len(level)] for name, level in zip(index.names[k:], index.levels[k:])]
         header = {**header, "runs": runs, "capacity": cap, "offsets": offsets, "counts": [len(a) for a in arrays],
-                  "crc": _crc(arrays), "runs_crc": crcs, "fence_crc": zlib.crc32(_bytes(fence)), "blocks_crc": zlib.crc32(_bytes(block_crcs)), "levels": levels}
+                  "crc": _crc(arrays), "runs_crc": crcs, "fence_crc": zlib.crc32(_bytes(fence)),
+                  "blocks_crc": zlib.crc32(_bytes(block_crcs)), "levels": levels}
         # a few hundred bytes, and some 60 a level (MAX_LEVELS): a page holds it
         _pwrite(fd, memoryview(_MAGIC + json.dumps(header).encode() + b"\n"), 0)
         os.fsync(fd)

@@ -20,6 +20,7 @@ as in FBGEMM's table-batched kernel.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -157,9 +158,7 @@ class ShardLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.Tensor]):
         self.shards = nn.ModuleList(_Shard(t, stores, optimizer, kernels, partial_sums)
                                     for g in grouped_configs for t in g.embedding_tables)
         # where each shard's features start among the lookup's, and where the last ends
-        self._bounds = [0]
-        for shard in self.shards:
-            self._bounds.append(self._bounds[-1] + shard.num_features)
+        self._bounds = list(itertools.accumulate((s.num_features for s in self.shards), initial=0))
         self._device = device
         self._prefetched: list = []  # tickets of the prefetches ahead of the next forward
 

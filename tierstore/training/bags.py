@@ -384,7 +384,6 @@ def plan_bags(c: EmbeddingBagConfig, input, offsets, per_sample_weights) -> Bags
     return Bags(ids, sizes, bag_offsets, used, n_input, input.device if input.device.type == "cuda" else None, _bag_of=bag_of)
 
 
-
 def _check_range(c: EmbeddingBagConfig, ids: torch.Tensor) -> None:
     if len(ids):
         lo, hi = (int(x) for x in torch.aminmax(ids))
@@ -401,8 +400,9 @@ def _check_range(c: EmbeddingBagConfig, ids: torch.Tensor) -> None:
 
 
 def jagged_bags(c: EmbeddingBagConfig, ids: torch.Tensor, offsets: torch.Tensor) -> Bags:
-    """plan_bags for bags a jagged tensor made (TorchRec's KeyedJaggedTensor: ``offsets`` [B + 1] from 0 to len(ids), non-decreasing, as its lengths give them), when
-    the table has no padding_idx: only the ids' range is checked, as the batch's layout is."""
+    """plan_bags for bags a jagged tensor made (TorchRec's KeyedJaggedTensor: ``offsets``
+    [B + 1] from 0 to len(ids), non-decreasing, as its lengths give them), when the table has
+    no padding_idx: only the ids' range is checked, as the batch's layout is."""
     ids, offsets = ids.to("cpu", torch.int64), offsets.to("cpu", torch.int64)
     _check_range(c, ids)
     return Bags(ids, torch.diff(offsets), offsets[:-1], None, len(ids), _ends=offsets)
