@@ -390,7 +390,7 @@ class LmdbBackend(LogTables, Upkeep, Sketches):
         self._record_deleted(table, ids)
         if table in self._logs:
             with self._write_lock:  # the writer's index changes only under it
-                gone = ids[self._logs[table].index.get(ids) != rowlog.NONE]
+                gone = self._rebuilt_on_damage(table, lambda: ids[self._logs[table].index.get(ids) != rowlog.NONE])
                 if len(gone):
                     self._write_log({table: [(gone, None)]})
             return len(gone)

@@ -90,7 +90,8 @@ class LogTables:
                 try:
                     self._save_index(table, write=spill)
                 except RowIndexDamagedError:  # the merge met a damaged block: the segments hold every row
-                    self._rebuild_log(table)
+                    with self._index_lock:
+                        self._rebuild_log(table)
                 except OSError as e:  # the commit stands; the index stays in memory, past its limit, until the next try
                     warnings.warn(f"could not write the row index of table {table!r} at {self.path} ({e})", stacklevel=3)
 
@@ -247,6 +248,18 @@ class LogTables:
                         continue
                 return after(txn, got) if after is not None else got
 
+    def _rebuilt_on_damage(self, table: str, fn):
+        """``fn()``, or, where a block of ``table``'s index files fails its CRC when ``fn`` first
+        reads it, ``fn()`` again over the index rebuilt from the segments. For a write's lookups
+        made before it writes anything (a delete's, a collection's, a sweep's): the segments
+        hold every row, and the write goes on."""
+        try:
+            return fn()
+        except RowIndexDamagedError:
+            with self._index_lock:
+                self._rebuild_log(table)
+            return fn()
+
     def _rebuild_log(self, table: str, sync: bool = True) -> set[str]:
         """``table``'s index afresh (a block of its files failed its CRC when first read:
         io.rowindex_file), replayed from every segment now where ``sync`` (under the index
@@ -398,7 +411,7 @@ class LogTables:
         slots of its emptiest segments into one new segment, drop tombstones no longer needed,
         merge the rest when they are many; one transaction."""
         with self._write_lock:
-            self._collect_locked(table, written)
+            self._rebuilt_on_damage(table, lambda: self._collect_locked(table, written))
 
     def _collect_locked(self, table: str, written: int) -> None:
         log = self._logs[table]
@@ -445,7 +458,8 @@ class LogTables:
     def _log_sweep(self, table: str, cutoff: int | None, budget: int, l2_below: float | None) -> int:
         """sweep() of a log table: the live rows of its next segments, ``budget`` slots or so."""
         with self._write_lock:
-            return self._log_sweep_locked(table, cutoff, budget, l2_below)
+            return self._rebuilt_on_damage(table,
+                                           lambda: self._log_sweep_locked(table, cutoff, budget, l2_below))
 
     def _log_sweep_locked(self, table: str, cutoff: int | None, budget: int, l2_below: float | None) -> int:
         log, db, codec = self._logs[table], self._log_dbs[table], self._codecs[table]
