@@ -114,7 +114,7 @@ class LmdbBackend(LogTables, Upkeep, Sketches):
 
     def limit_index(self, limits: dict[str, int]) -> None:
         """The bytes each log table's runs may hold in memory (io.rowindex.RowIndex.limit),
-        given before its table opens; past it a writer spills them to its index file."""
+        given before its table opens; past it a writer spills them to its index file, a reader to a private one."""
         self._index_limits = dict(limits)
 
     @property

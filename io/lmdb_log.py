@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -31,13 +32,32 @@ class LogTables:
         return self.path / f"index-{table.encode().hex()}-{token}.bin"
 
     def _new_log(self, table: str, codec, num_rows: int, last_use: bool) -> rowlog.RowLog:
-        """An empty index of ``table``, its runs limited as limit_index set; a reader's never
-        spills (it writes no file)."""
+        """An empty index of ``table``, its runs limited as limit_index set: past it, a writer's
+        replay spills to the index files it names, a reader's to a private one."""
         log = rowlog.RowLog(codec, num_rows, last_use, self._index_limits.get(table))
-        log.index.spills = self._lock_fd is not None
-        if log.index.spills:
+        if self._lock_fd is not None:
             log.on_spill = lambda spilled: self._write_level(table, spilled, locked=False)
+        else:
+            log.on_spill = self._spill_private
         return log
+
+    def _spill_private(self, log: rowlog.RowLog) -> None:
+        """A reader's index past its limit (its only writes are the replays of what the writer
+        committed): a level written to a file of its own, mapped, and unlinked at once, so that
+        no other process sees it and nothing is left behind, even after kill -9 (the map keeps
+        the file until it unmaps). Beside data.mdb, on the levels' file system, where the reader
+        may write there; else in the temporary directory. A file that cannot be written leaves
+        the index in memory, past its limit, until the next replay tries again."""
+        folder = self.path if os.access(self.path, os.W_OK) else Path(tempfile.gettempdir())
+        path = folder / f"reader-index-{os.getpid()}-{os.urandom(8).hex()}.bin"
+        k = log.index.plan()
+        try:
+            rowlog.take_index(log, path, rowlog.write_index(log, path, "", k), k)
+        except OSError as e:
+            warnings.warn(f"could not write a reader's row index for {self.path} to {folder} ({e})", stacklevel=3)
+        finally:
+            path.unlink(missing_ok=True)
+            path.with_name(path.name + ".tmp").unlink(missing_ok=True)
 
     def _load_index(self, table: str) -> None:
         """Start ``table``'s index from the one its writer saved at close (io.rowlog.save_index),

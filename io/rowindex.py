@@ -10,7 +10,8 @@ took 4,016 MiB for a 10^9-row table never written, and 8.45 s to open.
 
 Levels, each sorted by start with no two runs of a level overlapping, newer over older: in
 memory ``recent`` takes each write (small, so a write costs little) and is merged into
-``main`` once it holds an eighth of main's runs. Past the index's limit a writer *spills*:
+``main`` once it holds an eighth of main's runs. Past the index's limit it *spills* (a
+writer to the files it names, a reader to private ones):
 recent and main go to a new file, mapped from there (io.rowindex_file), one of ``levels``
 below main, newest first. A spill writes what memory held and merges into it only the
 mapped levels smaller than GROWTH times what it writes so far (a log-structured merge):
@@ -229,15 +230,14 @@ def _inserted(level: Runs, new: Runs) -> Runs:
 class RowIndex:
     """id -> place of one table: recent over main in memory, over the mapped ``levels``.
 
-    ``limit``: the bytes it may hold (None: no limit). Past half of it a writer spills
+    ``limit``: the bytes it may hold (None: no limit). Past half of it the index spills
     (wants_spill: its backend writes the file, io.rowindex_file), and memory holds what was
     written since; the page cache keeps what lookups use of the mapped levels, as it keeps
-    rows. ``spills``: whether it is a writer's (a reader merges in memory, past its limit)."""
+    rows."""
 
-    def __init__(self, num_rows: int, limit: int | None = None, spills: bool = True):
+    def __init__(self, num_rows: int, limit: int | None = None):
         self.num_rows = num_rows
         self.limit = limit
-        self.spills = spills
         self.main = Runs()
         self.recent = Runs()
         self.levels: list[Runs] = []  # mapped from their files, newest first
@@ -283,17 +283,17 @@ class RowIndex:
             self.settle()
 
     def _settles(self) -> bool:
-        """Whether recent merges into main in memory: a reader's always (it never spills);
-        a writer's where the merge's copies fit the limit (about three of main and two of
-        recent at once). A writer's replay at open spills as it goes (RowLog.replay)."""
-        if not self.spills or self.limit is None:
+        """Whether recent merges into main in memory: where the merge's copies fit the limit
+        (about three of main and two of recent at once). A replay spills as it goes
+        (RowLog.replay)."""
+        if self.limit is None:
             return True
         return 3 * self.main.nbytes + 2 * self.recent.nbytes <= self.limit
 
     def wants_spill(self) -> bool:
         """Whether memory's runs take more than half the limit, or recent can merge into main no
         more (the fences stay: a spill would not free them)."""
-        if self.limit is None or not self.spills:
+        if self.limit is None:
             return False
         return self.main.nbytes + self.recent.nbytes > self.limit // 2 or not self._settles() and len(self.recent) > max(RECENT_RUNS, len(self.main) // 8)
 

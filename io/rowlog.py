@@ -170,7 +170,7 @@ class RowLog:
         self.slot_bytes = codec.row_bytes + (_STEP.itemsize if last_use else 0)
         self.per_segment = rows_per_segment(self.slot_bytes, num_rows)
         self.index = RowIndex(num_rows, runs_limit)
-        self.on_spill = None  # a writer's: spills the index (RowIndex.wants_spill) during a replay
+        self.on_spill = None  # spills the index (RowIndex.wants_spill) during a replay
         self.unsaved = 0  # rows applied since the index was last saved (wants_save)
         self._held: list[int] = []  # segment indexes a mapped index still names (RowIndex.held)
         self.seq = np.zeros(0, dtype=np.int64)  # 0: a free entry
@@ -189,10 +189,11 @@ class RowLog:
         return int(self.slots.sum()) - self.live_rows
 
     def wants_save(self) -> bool:
-        """Whether a writer's index is to be saved: more rows applied since it was last saved
-        than SAVE_ROWS and than an eighth of the runs memory holds (what a save writes)."""
+        """Whether a writer's index is to be saved (asked of a writer's only): more rows applied
+        since it was last saved than SAVE_ROWS and than an eighth of the runs memory holds
+        (what a save writes)."""
         held = len(self.index.main) + len(self.index.recent)
-        return self.index.spills and self.unsaved >= max(SAVE_ROWS, held // _SAVED_RUNS_A_ROW)
+        return self.unsaved >= max(SAVE_ROWS, held // _SAVED_RUNS_A_ROW)
 
     def index_bytes(self) -> int:
         return self.index.nbytes + SEGMENT_ENTRY_BYTES * len(self.seq)
@@ -316,7 +317,7 @@ class RowLog:
     def replay(self, mem: np.ndarray, values: list[tuple[int, int, int]]) -> None:
         """Apply the segments ``values`` ((seq, file offset, bytes), in seq order) of the map
         ``mem``: _REPLAY_SEGMENTS at once, fewer where their rows' runs could pass a quarter of
-        the index's limit; a writer's index spills between, so that a replay of any length
+        the index's limit; the index spills between, so that a replay of any length
         holds at most about three quarters of the limit (and one segment's runs)."""
         most = None if self.index.limit is None else self.index.limit // (4 * rowindex.RUN_BYTES)
         segments, rows = [], 0
