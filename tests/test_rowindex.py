@@ -509,10 +509,13 @@ def test_a_spill_that_fails_leaves_the_write_committed_and_the_index_in_memory(t
         b.close()
 
 
-def test_bench_index_writes_kills_recovers_and_reports(tmp_path, capsys):
-    """`tierstore bench index`, small: its writer process is killed, the store recovers, trains and reopens."""
+@pytest.mark.parametrize("writes", ["train", "put"])
+def test_bench_index_writes_kills_recovers_and_reports(tmp_path, capsys, writes):
+    """`tierstore bench index`, small: its writer process (training, or store.write) is killed,
+    the store recovers with every row flushed, trains and reopens."""
     from tierstore.tools.cli import main
     main(["bench", "index", "--declared-rows", "1000000000", "--written-rows", "3000", "--steps", "1", "--batch", "256",
-          "--budget", "64MiB", "--dir", str(tmp_path)])
+          "--budget", "64MiB", "--dir", str(tmp_path), "--writes", writes])
     out = capsys.readouterr().out
-    assert "open after kill -9 (recovery)" in out and "last million's write / first's: 1.00x" in out
+    assert "rows stored as flushed" in out and "last million's write / first's: 1.00x" in out
+    assert "memory by part after the writes, MiB used/given  ddr" in out and "row_index" in out
