@@ -89,7 +89,7 @@ def _writer(path: str, declared: int, dim: int, budget: str, rows: int, seed: in
 
 
 def _parts(m: dict) -> str:
-    return ", ".join(f"{name} {used:.1f}/{given:.0f}" if used is not None else f"{name} -/{given:.0f}"
+    return ", ".join(f"{name} {used:.1f}/{given:.1f}" if used is not None else f"{name} -/{given:.1f}"
                      for name, (used, given) in m["parts"].items() if given or used)
 
 
