@@ -18,10 +18,10 @@ mapped levels smaller than GROWTH times what it writes so far (a log-structured 
 the levels grow geometrically, at most MAX_LEVELS of them, and a row written is rewritten
 a few times (about log_GROWTH of the levels), where rewriting every run at each spill made
 writing grow with the square of the rows. A lookup asks the levels newest first, each a
-binary search (np.searchsorted; in a mapped level, of the one page of starts its fence
-names, then a page of lengths and places). A mapped level's runs are checked against their
-CRCs a block (the FENCE runs of a page of starts) at a time, when a lookup or a merge first
-reads that block (Runs.verify), so that an open reads only each level's header and fence.
+binary search (np.searchsorted; in a mapped level, of the one page its fence names: a
+block of FENCE runs, their starts, lengths and places side by side, Paged). A mapped level's runs are checked against their
+CRCs a block (the FENCE runs of a page) at a time, when a lookup or a merge first reads that
+block (Runs.verify), so that an open reads only each level's header and fence.
 Every operation is a few vectorized passes over
 the ids asked and the runs they meet, never a loop per id.
 """
@@ -38,16 +38,59 @@ _CHUNK_RUNS = 1 << 16  # runs of each level a save merges at a time (1 MiB each)
 GROWTH = 4  # a spill merges the mapped levels of fewer than GROWTH times the runs it writes so far
 MAX_LEVELS = 6  # ... and more, while the mapped levels would number more than this
 _LO, _HI = np.iinfo(np.int64).min, np.iinfo(np.int64).max
-FENCE = 512  # the starts a page holds: a mapped level keeps every FENCE-th in memory (Runs.fence)
+# the runs a page holds (a start, a length and a place each): a mapped level keeps every FENCE-th
+# start in memory (Runs.fence), so that a lookup reads one page of it. With the starts and the
+# places in pages of their own a lookup read two, and DLRM's step under 0.5 GiB read 2.6
+# pages a row fetched (`tierstore bench scale`)
+FENCE = 4096 // RUN_BYTES
 SLOT_BITS = 12  # a place: segment index << SLOT_BITS | slot
 _SLOT_MASK = (1 << SLOT_BITS) - 1  # a run never crosses a segment: its places share their high bits
+
+
+class Paged:
+    """A column (the starts, lengths or places) of a mapped level, whose runs lie FENCE a page
+    (io.rowindex_file): indexed by run as the 1-D array it stands for (an index, an array of
+    them, a slice), each run read from the one page that holds it. ``blocks``: the column's
+    [pages, FENCE] view of the map; ``map``: the map (np.memmap)."""
+
+    __slots__ = ("blocks", "map", "n", "per")
+
+    def __init__(self, blocks: np.ndarray, mapped, n: int):
+        self.blocks, self.map, self.n, self.per = blocks, mapped, n, blocks.shape[1]
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.blocks.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * self.blocks.dtype.itemsize
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            lo, hi, _ = i.indices(self.n)
+            if hi <= lo:
+                return np.zeros(0, dtype=self.dtype)
+            b0 = lo // self.per
+            return np.ascontiguousarray(self.blocks[b0:(hi - 1) // self.per + 1]).reshape(-1)[lo - b0 * self.per: hi - b0 * self.per]
+        i = np.asarray(i)
+        if i.ndim == 0 and i < 0:
+            i = i + self.n
+        return self.blocks[i // self.per, i % self.per]
+
+    def __array__(self, dtype=None, copy=None):
+        whole = self[:]
+        return whole if dtype is None else whole.astype(dtype)
 
 
 class Runs:
     """Sorted, non-overlapping runs: the ids ``start[i] .. start[i] + length[i] - 1`` are at
     places ``loc[i] ..`` (all NONE where ``loc[i]`` is NONE). A mapped level's has a
-    ``fence``, in memory: every FENCE-th start, so that a lookup reads one page of starts,
-    and a ``check``: called with the blocks (of FENCE runs, the fence's pages) about to be
+    ``fence``, in memory: every FENCE-th start, so that a lookup reads one page (its
+    columns are Paged), and a ``check``: called with the blocks (of FENCE runs, the fence's pages) about to be
     read, it checks those not yet checked against their CRCs (raising where one fails)."""
 
     __slots__ = ("start", "length", "loc", "fence", "check")
@@ -90,7 +133,7 @@ class Runs:
 
     @property
     def end(self) -> np.ndarray:
-        return self.start + self.length
+        return np.asarray(self.start) + np.asarray(self.length)
 
     def take(self, which) -> "Runs":
         return Runs(self.start[which], self.length[which], self.loc[which])
@@ -255,7 +298,7 @@ class RowIndex:
 
     def get(self, ids: np.ndarray) -> np.ndarray:
         """The place of each of ``ids`` (uint32), NONE where no row is stored: from the newest
-        level that holds it (a mapped level: two pages of its file, Runs._fenced)."""
+        level that holds it (a mapped level: a page of its file, Runs._fenced)."""
         ids = np.asarray(ids, dtype=np.int64)
         covered, loc = self.recent.find(ids)
         rest = np.flatnonzero(~covered)
@@ -379,21 +422,20 @@ class RowIndex:
 
 
 def _will_need(level: Runs, pages: np.ndarray) -> None:
-    """Ask the kernel for the pages of starts ``pages`` (of FENCE each) of a mapped level, and
-    for its lengths and places there, all at once: a lookup's faults then wait on reads under
-    way in parallel, not issued one by one (io.rowlog.will_need)."""
+    """Ask the kernel for the pages ``pages`` (FENCE runs each) of a mapped level all at once: a
+    lookup's faults then wait on reads under way in parallel, not issued one by one
+    (io.rowlog.will_need)."""
     from .rowlog import will_need  # io.rowlog builds on this module
-    for a, width in ((level.start, 8), (level.length, level.length.strides[0])):
-        will_need(a.ctypes.data, pages * (FENCE * width), FENCE * width)
+    page = level.start.map.dtype.itemsize
+    will_need(level.start.map.ctypes.data, pages * page, page)
 
 
 def _advise(level: Runs, advice: int) -> None:
     """Tell the kernel how a mapped level's pages are read: at random by lookups (a page
     each: read-ahead read 32 around each), in order by a merge."""
-    for a in (level.start, level.length):
-        m = getattr(a, "_mmap", None)
-        if m is not None:
-            m.madvise(advice)
+    m = getattr(level.start, "map", None)
+    if m is not None:
+        m._mmap.madvise(advice)
 
 
 def _padded(a: np.ndarray, n: int) -> np.ndarray:

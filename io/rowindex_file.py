@@ -1,20 +1,20 @@
 """The row index's files (io.rowindex): each spill writes one, and each holds one level of
 runs. A page of header (magic, a JSON line: the level's runs and their CRCs, and the name
 and runs of each older level the index reads under it), then each array from a page
-boundary: the caller's (the segments' bookkeeping, int64), then the level's starts, and its
-lengths and places side by side (a lookup reads one page of them), each with room for the
-runs the merge may yield (the room left over is a hole: no disk), the level's fence
-(every FENCE-th start: Runs.fence) and the CRC of each block of FENCE runs (their starts,
-then their lengths and places). A file is written once, to a temporary name, synced and
-renamed, and never changed: a reader that maps it keeps it until it unmaps.
+boundary: the caller's (the segments' bookkeeping, int64), then the level's runs a block of
+FENCE a page, their starts, lengths and places side by side (a lookup reads the one page
+the fence names), with room for the runs the merge may yield (the room left over is a
+hole: no disk), the level's fence (every FENCE-th start: Runs.fence) and the CRC of each
+block. A file is written once, to a temporary name, synced and renamed, and never changed:
+a reader that maps it keeps it until it unmaps.
 
 An open checks what it reads into memory whole; of a level it maps, it checks the header,
 the file's size (a file cut short), the fence and the blocks' CRCs, and each block of runs
 only when a lookup or a merge first reads it (_Blocks): reading every run at open took 2.1 s
-for 1.5 GiB of runs, and grew with the index, where a lookup reads a block's two pages
-anyway. A torn or damaged file found at open is not the index, and its caller replays the
-segments instead; a damaged block found later raises RowIndexDamagedError (its caller
-rebuilds the index from the segments), never a place read from it."""
+for 1.5 GiB of runs, and grew with the index, where a lookup reads a block's page anyway.
+A torn or damaged file found at open is not the index, and its caller replays the segments
+instead; a damaged block found later raises RowIndexDamagedError (its caller rebuilds the
+index from the segments), never a place read from it."""
 from __future__ import annotations
 
 import json
@@ -27,13 +27,23 @@ import numpy as np
 
 from .errors import RowIndexDamagedError
 from .files import fsync_path
-from .rowindex import FENCE, NONE, RUN_BYTES, RowIndex, Runs
+from . import rowindex
+from .rowindex import NONE, RUN_BYTES, Paged, RowIndex, Runs
 
-_MAGIC = b"TSIDX5\n"
+_MAGIC = b"TSIDX6\n"
 PAGE = 4096
 _SYNC_BYTES = 32 << 20  # written and synced a piece at a time: dirty pages count against a memory cgroup
-_SPAN = np.dtype([("length", "<u4"), ("loc", "<u4")])  # a run's length and place, side by side
-_RUN_DTYPES = (np.dtype("<i8"), _SPAN)
+
+
+def _block() -> np.dtype:
+    """A page of runs: the starts, lengths and places of FENCE of them (rowindex.FENCE, which
+    tests make small)."""
+    f = rowindex.FENCE
+    return np.dtype([("start", "<i8", (f,)), ("length", "<u4", (f,)), ("loc", "<u4", (f,))])
+
+
+def _blocks(n: int) -> int:
+    return -(-n // rowindex.FENCE)
 
 
 def _bytes(a: np.ndarray) -> memoryview:
@@ -65,8 +75,8 @@ def write_file(index: RowIndex, path: Path, header: dict, arrays: list[np.ndarra
     """Write ``arrays`` (int64) and the level ``index.merging(k)`` makes (a piece at a time) to
     ``path``: a temporary file, synced, renamed over it. Returns the header written, which
     names the mapped levels left under it (``index.levels[k:]``)."""
-    cap = index.capacity(k)
-    sizes = [a.nbytes for a in arrays] + [d.itemsize * cap for d in _RUN_DTYPES] + [8 * (cap // FENCE + 1), 4 * (cap // FENCE + 1)]
+    cap, block = index.capacity(k), _block()
+    sizes = [a.nbytes for a in arrays] + [block.itemsize * _blocks(cap), 8 * (_blocks(cap) + 1), 4 * (_blocks(cap) + 1)]
     offsets = _offsets(sizes)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -74,29 +84,38 @@ def write_file(index: RowIndex, path: Path, header: dict, arrays: list[np.ndarra
         os.ftruncate(fd, offsets[-1])
         for a, at in zip(arrays, offsets):
             _pwrite(fd, _bytes(a), at)
-        runs, crcs, dirty, fence, blocks = 0, [0, 0], 0, [], _BlockCrcs()
-        for piece in index.merging(k):
-            fence.append(piece.start[(-runs) % FENCE::FENCE])
-            span = np.empty(len(piece), dtype=_SPAN)
-            span["length"], span["loc"] = piece.length, piece.loc
-            blocks.add(piece.start, span)
-            for j, a in enumerate((piece.start, span)):
-                data = _bytes(a)
-                _pwrite(fd, data, offsets[len(arrays) + j] + runs * a.itemsize)
-                crcs[j] = zlib.crc32(data, crcs[j])
+        runs, written, crc, dirty, fence, crcs = 0, 0, 0, 0, [], []
+        left = Runs()
+        pieces = index.merging(k)
+        while True:
+            piece = next(pieces, None)
+            if piece is not None:
+                runs += len(piece)
+                left = Runs(*(np.concatenate((a, b)) for a, b in zip((left.start, left.length, left.loc), (piece.start, piece.length, piece.loc))))
+            whole = len(left) // rowindex.FENCE * rowindex.FENCE if piece is not None else len(left)
+            if whole:
+                pages = _pages(left.take(slice(0, whole)), block)
+                fence.append(left.start[:whole:rowindex.FENCE])
+                crcs += [zlib.crc32(p) for p in pages.view(np.uint8).reshape(len(pages), -1)]  # a loop per page, not per run
+                data = _bytes(pages)
+                _pwrite(fd, data, offsets[len(arrays)] + written * block.itemsize)
+                crc = zlib.crc32(data, crc)
+                written += len(pages)
                 dirty += len(data)
-            runs += len(piece)
+                left = left.take(slice(whole, None))
             if dirty >= _SYNC_BYTES:
                 os.fdatasync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 dirty = 0
+            if piece is None:
+                break
         fence = np.concatenate([np.zeros(0, dtype=np.int64), *fence])
-        _pwrite(fd, _bytes(fence), offsets[len(arrays) + 2])
-        block_crcs = blocks.done()
-        _pwrite(fd, _bytes(block_crcs), offsets[len(arrays) + 3])
+        _pwrite(fd, _bytes(fence), offsets[len(arrays) + 1])
+        block_crcs = np.array(crcs, dtype=np.uint32)
+        _pwrite(fd, _bytes(block_crcs), offsets[len(arrays) + 2])
         levels = [[name, len(level)] for name, level in zip(index.names[k:], index.levels[k:])]
         header = {**header, "runs": runs, "capacity": cap, "offsets": offsets, "counts": [len(a) for a in arrays],
-                  "crc": _crc(arrays), "runs_crc": crcs, "fence_crc": zlib.crc32(_bytes(fence)),
+                  "crc": _crc(arrays), "runs_crc": crc, "fence_crc": zlib.crc32(_bytes(fence)),
                   "blocks_crc": zlib.crc32(_bytes(block_crcs)), "levels": levels}
         # a few hundred bytes, and some 60 a level (MAX_LEVELS): a page holds it
         _pwrite(fd, memoryview(_MAGIC + json.dumps(header).encode() + b"\n"), 0)
@@ -107,6 +126,16 @@ def write_file(index: RowIndex, path: Path, header: dict, arrays: list[np.ndarra
     os.replace(tmp, path)
     fsync_path(path.parent)
     return header
+
+
+def _pages(runs: Runs, block: np.dtype) -> np.ndarray:
+    """``runs`` in pages of FENCE (the last one's rest zero)."""
+    pages = np.zeros(_blocks(len(runs)), dtype=block)
+    for name in ("start", "length", "loc"):
+        column = np.zeros(len(pages) * rowindex.FENCE, dtype=pages[name].dtype)
+        column[:len(runs)] = getattr(runs, name)
+        pages[name] = column.reshape(len(pages), rowindex.FENCE)
+    return pages
 
 
 def read_file(path: Path, expect: dict) -> tuple[dict, list[np.ndarray]] | None:
@@ -139,48 +168,22 @@ def _read_runs(path: Path, header: dict) -> Runs | None:
     n = header["runs"]
     try:
         with open(path, "rb") as f:
-            arrays = []
-            for at, dtype in zip(_run_offsets(header), _RUN_DTYPES):
-                f.seek(at)
-                arrays.append(np.fromfile(f, dtype=dtype, count=n))
+            f.seek(_run_offsets(header)[0])
+            pages = np.fromfile(f, dtype=_block(), count=_blocks(n))
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     except (OSError, ValueError):
         return None
-    if [len(a) for a in arrays] != [n] * 2 or [zlib.crc32(_bytes(a)) for a in arrays] != header["runs_crc"]:
+    if len(pages) != _blocks(n) or zlib.crc32(_bytes(pages)) != header["runs_crc"]:
         return None
-    start, span = arrays
-    return Runs(start, span["length"].copy(), span["loc"].copy())
-
-
-class _BlockCrcs:
-    """The CRC of each block of FENCE runs of a level written a piece at a time (pieces of
-    any length): a loop per block (FENCE runs), not per run."""
-
-    def __init__(self):
-        self.crcs, self.left = [], (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=_SPAN))
-
-    def add(self, start: np.ndarray, span: np.ndarray) -> None:
-        start, span = np.concatenate((self.left[0], start)), np.concatenate((self.left[1], span))
-        whole = len(start) // FENCE * FENCE
-        self.crcs += [_block_crc(start[i:i + FENCE], span[i:i + FENCE]) for i in range(0, whole, FENCE)]
-        self.left = start[whole:], span[whole:]
-
-    def done(self) -> np.ndarray:
-        if len(self.left[0]):
-            self.crcs.append(_block_crc(*self.left))
-        return np.array(self.crcs, dtype=np.uint32)
-
-
-def _block_crc(start: np.ndarray, span: np.ndarray) -> int:
-    return zlib.crc32(_bytes(span), zlib.crc32(_bytes(start)))
+    return Runs(*(pages[name].reshape(-1)[:n].copy() for name in ("start", "length", "loc")))
 
 
 class _Blocks:
-    """Runs.check of a mapped level: each block of its runs checked against its CRC when a
-    lookup or a merge first reads it (the pages it reads anyway), then remembered as checked."""
+    """Runs.check of a mapped level: each block (page) of its runs checked against its CRC when
+    a lookup or a merge first reads it (the page it reads anyway), then remembered as checked."""
 
-    def __init__(self, path: Path, start: np.ndarray, span: np.ndarray, crcs: np.ndarray):
-        self.path, self.start, self.span, self.crcs = path, start, span, crcs
+    def __init__(self, path: Path, pages: np.ndarray, crcs: np.ndarray):
+        self.path, self.pages, self.crcs = path, pages, crcs
         self.checked = np.zeros(len(crcs), dtype=bool)
 
     @property
@@ -190,8 +193,7 @@ class _Blocks:
     def __call__(self, blocks: np.ndarray) -> None:
         todo = blocks[~self.checked[blocks]]
         for b in todo.tolist():
-            lo = b * FENCE
-            if _block_crc(self.start[lo:lo + FENCE], self.span[lo:lo + FENCE]) != self.crcs[b]:
+            if zlib.crc32(self.pages[b]) != self.crcs[b]:
                 raise RowIndexDamagedError(
                     f"the row index file {self.path} is damaged (block {b} of its runs fails its CRC); "
                     "its store rebuilds the index from the row log's segments (or remove the index-*.bin "
@@ -202,27 +204,28 @@ class _Blocks:
 def _map_runs(path: Path, header: dict) -> Runs | None:
     """The level of the file at ``path`` mapped, its size, fence and blocks' CRCs checked (None
     where they fail); its runs are checked a block at a time as they are first read (_Blocks).
-    Its pages are read at random (no read-ahead: a lookup reads a page of starts and one of
-    lengths and places)."""
+    Its pages are read at random (no read-ahead: a lookup reads the page its fence names)."""
     n = header["runs"]
     if not n:
         return Runs()
-    offsets = _run_offsets(header)
+    offsets, blocks = _run_offsets(header), _blocks(n)
     try:
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size < offsets[-1]:  # cut short: a mapped page past its end would fault
                 return None
+            f.seek(offsets[1])
+            fence = np.fromfile(f, dtype=np.int64, count=blocks)
             f.seek(offsets[2])
-            fence = np.fromfile(f, dtype=np.int64, count=-(-n // FENCE))
-            f.seek(offsets[3])
-            crcs = np.fromfile(f, dtype=np.uint32, count=-(-n // FENCE))
-        if (len(fence) != -(-n // FENCE) or zlib.crc32(_bytes(fence)) != header["fence_crc"]
-                or len(crcs) != len(fence) or zlib.crc32(_bytes(crcs)) != header["blocks_crc"]):
+            crcs = np.fromfile(f, dtype=np.uint32, count=blocks)
+        if (len(fence) != blocks or zlib.crc32(_bytes(fence)) != header["fence_crc"]
+                or len(crcs) != blocks or zlib.crc32(_bytes(crcs)) != header["blocks_crc"]):
             return None
-        start, span = (np.memmap(path, dtype=d, mode="r", offset=at, shape=(n,)) for at, d in zip(offsets, _RUN_DTYPES))
-        for m in (start, span):
-            m._mmap.madvise(mmap.MADV_RANDOM)
-        return Runs(start, span["length"], span["loc"], fence, _Blocks(path, start, span, crcs))
+        mapped = np.memmap(path, dtype=_block(), mode="r", offset=offsets[0], shape=(blocks,))
+        mapped._mmap.madvise(mmap.MADV_RANDOM)
+        pages = mapped.view(np.ndarray)  # a plain array over the map: a memmap's indexing costs 20 us a call more
+        raw = pages.view(np.uint8).reshape(blocks, -1)
+        columns = (Paged(pages[name], mapped, n) for name in ("start", "length", "loc"))
+        return Runs(*columns, fence, _Blocks(path, raw, crcs))
     except (OSError, ValueError, KeyError):
         return None
 

@@ -53,14 +53,14 @@ class IndexAgainstDict(RuleBasedStateMachine):
         self.index = RowIndex(ROWS, limit=400)  # 25 runs: spills within a few writes
         rowindex._CHUNK_RUNS = 4  # a save merges a few runs of each level at a time: runs cut at each piece's line
         rowindex.MAX_LEVELS = 3  # levels merged for their number too
-        rowindex.FENCE = rowindex_file.FENCE = 4  # a mapped level's lookups search pages of a few starts
+        rowindex.FENCE = 4  # a mapped level's lookups search pages of a few starts
         self.model: dict[int, int] = {}
         self.segment = 0
         self.saves = 0
 
     def teardown(self):
         rowindex._CHUNK_RUNS, rowindex.MAX_LEVELS = CHUNK_RUNS, MAX_LEVELS
-        rowindex.FENCE = rowindex_file.FENCE = FENCE
+        rowindex.FENCE = FENCE
 
     @rule(ids=write_ids)
     def put(self, ids):
@@ -130,8 +130,7 @@ class IndexAgainstDict(RuleBasedStateMachine):
         if not files:
             return
         p, h = data.draw(st.sampled_from(files))
-        array = data.draw(st.integers(0, 1))  # the starts, or the lengths and places
-        at = h["offsets"][len(h["counts"]) + array] + data.draw(st.integers(0, h["runs"] * 8 - 1))
+        at = h["offsets"][len(h["counts"])] + data.draw(st.integers(0, h["runs"] * rowindex.RUN_BYTES - 1))  # a byte of a page of runs
         original = p.read_bytes()
         damaged = bytearray(original)
         damaged[at] ^= 1 << data.draw(st.integers(0, 7))
@@ -141,7 +140,7 @@ class IndexAgainstDict(RuleBasedStateMachine):
             fresh = RowIndex(ROWS, limit=self.index.limit)
             if rowindex_file.load_runs(fresh, path, header, {}):
                 assert not cut and fresh.mapped
-                block = (at - h["offsets"][len(h["counts"]) + array]) // (8 * rowindex.FENCE)
+                block = (at - h["offsets"][len(h["counts"])]) // (rowindex.RUN_BYTES * rowindex.FENCE)
                 level = fresh.levels[fresh.names.index(p.name)]
                 others = np.flatnonzero(np.arange(len(level.fence)) != block)
                 level.verify(others)  # the other blocks read as written
@@ -160,8 +159,9 @@ class IndexAgainstDict(RuleBasedStateMachine):
         assert self.index.get(asked).tolist() == [self.model.get(i, int(NONE)) for i in asked.tolist()]
         assert self.index.ids().tolist() == sorted(self.model)
         for level in (self.index.main, self.index.recent, *self.index.levels):
-            assert (np.diff(level.start) > 0).all() and (level.start[1:] >= level.end[:-1]).all()
-            assert (level.length > 0).all()
+            start = np.asarray(level.start)
+            assert (np.diff(start) > 0).all() and (start[1:] >= level.end[:-1]).all()
+            assert (np.asarray(level.length) > 0).all()
 
 
 IndexAgainstDict.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
@@ -184,8 +184,7 @@ def test_a_write_in_id_order_is_a_run_a_segment():
 def test_fences_count_as_memory_but_do_not_make_the_index_spill(tmp_path, monkeypatch):
     """A mapped level's fence is memory the index holds (nbytes), but a spill cannot free it:
     past half the limit it does not ask for another spill (it would spill at every write)."""
-    monkeypatch.setattr(rowindex, "FENCE", 1)
-    monkeypatch.setattr(rowindex_file, "FENCE", 1)  # every start in memory: 8 bytes a run
+    monkeypatch.setattr(rowindex, "FENCE", 1)  # every start in memory: 8 bytes a run
     index = RowIndex(ROWS, limit=2048)
     index.put(np.arange(0, 400, 2), (1 << rowindex.SLOT_BITS) | np.arange(200, dtype=np.uint32))  # 200 runs
     assert index.wants_spill()
@@ -217,7 +216,7 @@ def test_an_open_reads_a_mapped_level_by_its_header_and_a_damaged_block_raises_w
     assert _read_chars() - before < n * rowindex.RUN_BYTES // 50
     data = bytearray(path.read_bytes())
     block = 300
-    data[header["offsets"][1] + (block * rowindex.FENCE + 7) * 8] ^= 4  # a start in block 300
+    data[header["offsets"][1] + block * rowindex.FENCE * rowindex.RUN_BYTES + 7 * 8] ^= 4  # a start in block 300
     path.write_bytes(bytes(data))
     fresh = RowIndex(ROWS, limit=4096)
     assert rowindex_file.load_runs(fresh, path, header, {})
@@ -227,6 +226,37 @@ def test_an_open_reads_a_mapped_level_by_its_header_and_a_damaged_block_raises_w
         fresh.get(np.array([2 * block * rowindex.FENCE + 4]))
     with pytest.raises(RowIndexDamagedError):  # and again: never a place read from it
         fresh.get(np.array([2 * block * rowindex.FENCE + 4]))
+
+
+def _disk_reads() -> int:
+    """Bytes this process has had read from the disk (mapped pages faulted in included)."""
+    return int(next(line.split()[1] for line in open("/proc/self/io") if line.startswith("read_bytes:")))
+
+
+def test_a_lookup_of_a_mapped_level_reads_one_page_an_id(tmp_path):
+    """Ids scattered over a mapped level, its pages out of the page cache: a lookup reads one
+    page of the file an id (the page of runs its fence names, starts, lengths and places side
+    by side), where the starts and the places in pages of their own took two."""
+    n = 400_000
+    index = RowIndex(ROWS, limit=4096)
+    index.put(np.arange(0, 2 * n, 2), (1 << rowindex.SLOT_BITS) | np.arange(n, dtype=np.uint32) % 4000)
+    path = tmp_path / "i"
+    header = rowindex_file.write_file(index, path, {}, [], index.plan())
+    assert rowindex_file.take_runs(index, path, header, index.plan()) and index.mapped
+    pages = n // rowindex.FENCE
+    asked = 2 * (np.random.default_rng(0).permutation(pages)[:200] * rowindex.FENCE + 7)  # 200 pages, one id each
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the file's clean pages out of the page cache
+        before = _disk_reads()
+        got = index.get(asked)
+        read = _disk_reads() - before
+    finally:
+        os.close(fd)
+    assert got.tolist() == ((1 << rowindex.SLOT_BITS) | (asked // 2) % 4000).tolist()
+    if read == 0:
+        pytest.skip("this file system does not count a mapped file's reads in /proc/self/io (tmpfs)")
+    assert read <= len(asked) * 4096 * 1.1, read / len(asked) / 4096
 
 
 # -- a writer killed at any point -----------------------------------------------------------------
@@ -330,7 +360,7 @@ def damage_the_index_files(path: Path, at: float, cut: bool) -> None:
         if got is None or not got[0]["runs"]:
             continue
         header = got[0]
-        pos = header["offsets"][len(header["counts"])] + int(at * (header["runs"] * 8 - 1))
+        pos = header["offsets"][len(header["counts"])] + int(at * (header["runs"] * rowindex.RUN_BYTES - 1))
         data = bytearray(f.read_bytes())
         data[pos] ^= 1
         f.write_bytes(bytes(data[:pos] if cut else data))
