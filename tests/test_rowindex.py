@@ -259,6 +259,25 @@ def test_a_lookup_of_a_mapped_level_reads_one_page_an_id(tmp_path):
     assert read <= len(asked) * 4096 * 1.1, read / len(asked) / 4096
 
 
+def test_a_lookup_of_many_ids_asks_for_a_few_pages_of_a_mapped_level_at_a_time(tmp_path, monkeypatch):
+    """A lookup of more ids than LOOKUP_PAGES over a mapped level asks the kernel for their
+    pages a part at a time (all at once, under a memory limit, they were reclaimed before they
+    were read), and finds every place."""
+    monkeypatch.setattr(rowindex, "LOOKUP_PAGES", 16)
+    n = 50_000
+    index = RowIndex(ROWS, limit=4096)
+    index.put(np.arange(0, 2 * n, 2), (1 << rowindex.SLOT_BITS) | np.arange(n, dtype=np.uint32) % 4000)
+    header = rowindex_file.write_file(index, tmp_path / "i", {}, [], index.plan())
+    assert rowindex_file.take_runs(index, tmp_path / "i", header, index.plan()) and index.mapped
+    asked = []
+    real = rowlog.will_need
+    monkeypatch.setattr(rowlog, "will_need", lambda base, offsets, width: (asked.append(len(offsets)), real(base, offsets, width))[1])
+    ids = np.sort(np.random.default_rng(1).choice(2 * n, 3000, replace=False))
+    got = index.get(ids)
+    assert got.tolist() == [((1 << rowindex.SLOT_BITS) | (i // 2) % 4000) if i % 2 == 0 else int(NONE) for i in ids.tolist()]
+    assert len(asked) >= 3000 // 16 and max(asked) <= 16
+
+
 # -- a writer killed at any point -----------------------------------------------------------------
 LIMIT = 400  # the child's index runs: 25 at most, so that it spills all the time
 
