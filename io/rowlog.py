@@ -317,8 +317,9 @@ class RowLog:
     def replay(self, mem: np.ndarray, values: list[tuple[int, int, int]]) -> None:
         """Apply the segments ``values`` ((seq, file offset, bytes), in seq order) of the map
         ``mem``: _REPLAY_SEGMENTS at once, fewer where their rows' runs could pass a quarter of
-        the index's limit; the index spills between, so that a replay of any length
-        holds at most about three quarters of the limit (and one segment's runs)."""
+        the index's limit; the index spills between, and before a batch that would take it past its
+        limit, so that a replay of any length holds at most about three quarters of the limit,
+        or half of it and one segment's runs."""
         most = None if self.index.limit is None else self.index.limit // (4 * rowindex.RUN_BYTES)
         segments, rows = [], 0
         for i, (seq, at, size) in enumerate(values):
@@ -326,6 +327,9 @@ class RowLog:
             segments.append((seq, kind, ids, at + start))
             rows += len(ids)
             if len(segments) == _REPLAY_SEGMENTS or i + 1 == len(values) or most is not None and rows + self.per_segment > most:
+                if (most is not None and self.on_spill is not None and len(self.index.main) + len(self.index.recent)
+                        and self.index.nbytes + rows * rowindex.RUN_BYTES > self.index.limit):
+                    self.on_spill(self)  # first: a segment of many rows would take the runs past the limit
                 self.apply(segments)
                 segments, rows = [], 0
                 if self.on_spill is not None and self.index.wants_spill():

@@ -38,7 +38,7 @@ def _damage(b) -> None:
     assert log.index.mapped and not log.index.levels[0].check.checked.any()
     path = b.path / log.index.names[0]
     header = rowindex_file.read_file(path, {})[0]
-    at = header["offsets"][len(header["counts"])] + (BLOCK * rowindex.FENCE + 3) * 8
+    at = header["offsets"][len(header["counts"])] + BLOCK * rowindex.FENCE * rowindex.RUN_BYTES + 3 * 8  # a start in its page
     fd = os.open(path, os.O_RDWR)
     try:
         os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 4]), at)
