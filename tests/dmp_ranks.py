@@ -96,7 +96,7 @@ def _model(with_loss: bool = False, collection=None):
 
 
 def _dmp(path: Path, plan_name: str, opt: str, kind: str, tiers: str, world: int = WORLD, with_loss: bool = False,
-         collection=None):
+         collection=None, plans: dict = PLANS, device: torch.device = torch.device("cpu")):
     from torchrec.distributed import sharding_plan as sp
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -113,18 +113,18 @@ def _dmp(path: Path, plan_name: str, opt: str, kind: str, tiers: str, world: int
         sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": getattr(EmbOptimType, fbgemm_opt), "learning_rate": LR,
                                                               **extra})
     model = _model(with_loss, collection)
-    tables = PLANS[plan_name] if plan_name in PLANS else RESHARDED[world]
+    tables = plans[plan_name] if plan_name in plans else RESHARDED[world]
     if all(fn == "planner" for fn, _ in tables.values()):
         module_plan = _planned(model, path, {t: args for t, (_, args) in tables.items()})
     else:
         per_param = {t: getattr(sp, fn)(**args) for t, (fn, args) in tables.items()}
         module_plan = sp.construct_module_sharding_plan(model.ebc, per_param, sharder=sharder, local_size=world,
-                                                        world_size=world, device_type="cpu")
+                                                        world_size=world, device_type=device.type)
     if kind == "torchrec":  # its fused kernel (FBGEMM's TBE with the optimizer in the backward), not the dense default
         for p in module_plan.values():
             p.compute_kernel = "fused"
     plan = ShardingPlan({"ebc": module_plan})
-    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,
                                    sharders=[sharder], plan=plan)
     return dmp
 
