@@ -22,7 +22,10 @@ training TieredEmbeddingBagCollection on the concatenated global batch (rank
   sort's threshold, 32,768 ids, on: ``sort_is_stable``). Between the two,
   torch.sort's order of equal ids depends on every id of the table's global
   batch, so there a training forward sends a row-sharded table's ids whole to
-  each of its owners (8 bytes per entry and owner);
+  each of its owners (8 bytes per entry and owner). A stable sort on both
+  sides would spare that but part the single process from torch: its order
+  is the one nn.EmbeddingBag's sparse gradients are coalesced in, which keeps
+  its rows bit-identical to torch's (Adam, tests/test_nn.py);
 - a column shard of a row-wise optimizer (RowWiseAdagrad, whose step divides
   by the mean of the whole row's squared gradient) receives whole-row
   gradients and keeps the row's accumulator itself; partial sums of squares
