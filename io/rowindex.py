@@ -179,7 +179,7 @@ class Runs:
         return covered, loc
 
     def _fenced(self, ids: np.ndarray) -> np.ndarray:
-        """searchsorted(start, ids, "right") - 1 by way of the fence: the page of starts each id
+        """searchsorted(start, ids, "right") - 1 by way of the fence: the page of runs each id
         falls in, then a binary search of that page alone (a vectorized step each halving)."""
         page = np.searchsorted(self.fence, ids, side="right") - 1
         pages = np.unique(np.maximum(page, 0))
