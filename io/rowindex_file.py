@@ -95,8 +95,9 @@ def write_file(index: RowIndex, path: Path, header: dict, arrays: list[np.ndarra
             whole = len(left) // rowindex.FENCE * rowindex.FENCE if piece is not None else len(left)
             if whole:
                 pages = _pages(left.take(slice(0, whole)), block)
-                fence.append(left.start[:whole:rowindex.FENCE])
-                crcs += [zlib.crc32(p) for p in pages.view(np.uint8).reshape(len(pages), -1)]  # a loop per page, not per run
+                # a copy: a view would keep each piece's starts alive, 8 bytes a run of the whole level
+                fence.append(left.start[:whole:rowindex.FENCE].copy())
+                crcs.append(np.array([zlib.crc32(p) for p in pages.view(np.uint8).reshape(len(pages), -1)], dtype=np.uint32))  # a loop per page, not per run
                 data = _bytes(pages)
                 _pwrite(fd, data, offsets[len(arrays)] + written * block.itemsize)
                 crc = zlib.crc32(data, crc)
@@ -111,7 +112,7 @@ def write_file(index: RowIndex, path: Path, header: dict, arrays: list[np.ndarra
                 break
         fence = np.concatenate([np.zeros(0, dtype=np.int64), *fence])
         _pwrite(fd, _bytes(fence), offsets[len(arrays) + 1])
-        block_crcs = np.array(crcs, dtype=np.uint32)
+        block_crcs = np.concatenate([np.zeros(0, dtype=np.uint32), *crcs])
         _pwrite(fd, _bytes(block_crcs), offsets[len(arrays) + 2])
         levels = [[name, len(level)] for name, level in zip(index.names[k:], index.levels[k:])]
         header = {**header, "runs": runs, "capacity": cap, "offsets": offsets, "counts": [len(a) for a in arrays],

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -193,6 +194,35 @@ def test_fences_count_as_memory_but_do_not_make_the_index_spill(tmp_path, monkey
     assert index.mapped and index.nbytes == 200 * (8 + 5) > index.limit // 2  # a start, a CRC and its flag a block
     assert not index.wants_spill()
     assert index.get(np.array([0, 1, 398])).tolist() == [1 << rowindex.SLOT_BITS, int(NONE), (1 << rowindex.SLOT_BITS) | 199]
+
+
+def _merge_peak(tmp_path, n: int) -> int:
+    """Peak bytes (tracemalloc: numpy's arrays included) a full merge of a mapped level of ``n``
+    runs, a run of recent over it, takes to write its file."""
+    index = RowIndex(ROWS, limit=4096)
+    index.put(np.arange(0, 2 * n, 2), (1 << rowindex.SLOT_BITS) | np.arange(n, dtype=np.uint32) % 4000)
+    path = tmp_path / f"i{n}"
+    header = rowindex_file.write_file(index, path, {}, [], 0)
+    assert rowindex_file.take_runs(index, path, header, 0) and index.mapped
+    index.put(np.array([n]), np.array([7], dtype=np.uint32))
+    tracemalloc.start()
+    try:
+        header = rowindex_file.write_file(index, tmp_path / f"all{n}", {}, [], len(index.levels))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert header["runs"] == n
+    return peak
+
+
+def test_a_full_merge_takes_memory_of_a_few_pieces_whatever_the_index(tmp_path, monkeypatch):
+    """A spill merging every mapped level streams them a piece of _CHUNK_RUNS runs at a time: its
+    memory is a few pieces, and the fence and CRCs it writes (12 bytes a block of FENCE runs),
+    not the level (a fence of views kept each piece's starts: 8 bytes a run, 195 MiB for 24M)."""
+    monkeypatch.setattr(rowindex, "_CHUNK_RUNS", 8192)
+    small, large = (_merge_peak(tmp_path, n) for n in (100_000, 400_000))
+    blocks = 400_000 // rowindex.FENCE
+    assert large - small < 12 * blocks + (64 << 10), (small, large)
 
 
 def _read_chars() -> int:
