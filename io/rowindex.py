@@ -19,11 +19,11 @@ the levels grow geometrically, at most MAX_LEVELS of them, and a row written is 
 a few times (about log_GROWTH of the levels), where rewriting every run at each spill made
 writing grow with the square of the rows. A lookup asks the levels newest first, each a
 binary search (np.searchsorted; in a mapped level, of the one page its fence names: a
-block of FENCE runs, their starts, lengths and places side by side, Paged). A mapped level's runs are checked against their
-CRCs a block (the FENCE runs of a page) at a time, when a lookup or a merge first reads that
-block (Runs.verify), so that an open reads only each level's header and fence.
-Every operation is a few vectorized passes over
-the ids asked and the runs they meet, never a loop per id.
+block of FENCE runs, their starts, lengths and places side by side, Paged). A mapped
+level's runs are checked against their CRCs a block (the FENCE runs of a page) at a time,
+when a lookup or a merge first reads that block (Runs.verify), so that an open reads only
+each level's header and fence. Every operation is a few vectorized passes over the ids
+asked and the runs they meet, never a loop per id.
 """
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ class Paged:
             if hi <= lo:
                 return np.zeros(0, dtype=self.dtype)
             b0 = lo // self.per
-            return np.ascontiguousarray(self.blocks[b0:(hi - 1) // self.per + 1]).reshape(-1)[lo - b0 * self.per: hi - b0 * self.per]
+            pages = np.ascontiguousarray(self.blocks[b0:(hi - 1) // self.per + 1]).reshape(-1)
+            return pages[lo - b0 * self.per: hi - b0 * self.per]
         i = np.asarray(i)
         if i.ndim == 0 and i < 0:
             i = i + self.n

@@ -91,13 +91,14 @@ def write_file(index: RowIndex, path: Path, header: dict, arrays: list[np.ndarra
             piece = next(pieces, None)
             if piece is not None:
                 runs += len(piece)
-                left = Runs(*(np.concatenate((a, b)) for a, b in zip((left.start, left.length, left.loc), (piece.start, piece.length, piece.loc))))
+                left = Runs(*(np.concatenate((getattr(left, c), getattr(piece, c))) for c in ("start", "length", "loc")))
             whole = len(left) // rowindex.FENCE * rowindex.FENCE if piece is not None else len(left)
             if whole:
                 pages = _pages(left.take(slice(0, whole)), block)
                 # a copy: a view would keep each piece's starts alive, 8 bytes a run of the whole level
                 fence.append(left.start[:whole:rowindex.FENCE].copy())
-                crcs.append(np.array([zlib.crc32(p) for p in pages.view(np.uint8).reshape(len(pages), -1)], dtype=np.uint32))  # a loop per page, not per run
+                page_bytes = pages.view(np.uint8).reshape(len(pages), -1)
+                crcs.append(np.array([zlib.crc32(p) for p in page_bytes], dtype=np.uint32))  # a loop per page, not per run
                 data = _bytes(pages)
                 _pwrite(fd, data, offsets[len(arrays)] + written * block.itemsize)
                 crc = zlib.crc32(data, crc)
