@@ -42,7 +42,7 @@ def test_cpu_of_a_thread_that_ended_goes_to_the_write_back_thread():
     writer.start()
     writer.join()
     spent = bench_prefetch._since(before, bench_prefetch._cpu_seconds())
-    assert 0.2 - 2 * TICK <= spent["write-back"] <= 0.4
+    assert 0.2 - 2 * TICK - 1e-9 <= spent["write-back"] <= 0.4  # tick sums round below 0.18
     assert spent["trainer"] < 0.1
 
 
