@@ -474,6 +474,38 @@ def test_collection_matches_separate_embeddingbags(tmp_path):
     ebc.close()
 
 
+def test_a_collections_tables_are_one_node_of_the_graph_and_each_output_steps_only_its_table(tmp_path):
+    """One forward of several tables is one node of the autograd graph (its cost paid once per
+    step, not per table), and still each table's update follows its own output: a table whose
+    output the loss leaves out keeps its rows, a frozen table's output has no grad, and the
+    gradient of per-sample weights is torch's."""
+    specs = [TableSpec(name, 20, 4, init=tierstore.RowInit.normal(0, 0.5, seed=k)) for k, name in enumerate("abcd")]
+    ebc = TieredEmbeddingBagCollection(tables=specs, path=tmp_path, hbm_rows=8, ddr_rows=8, optimizer=optim.Adagrad(lr=0.3))
+    ebc["d"].requires_grad_(False)
+    refs = {s.name: torch.nn.EmbeddingBag.from_pretrained(ebc.store.read(s.name, torch.arange(20)), freeze=False,
+                                                          mode="sum", sparse=True) for s in specs}
+    ref_opt = torch.optim.Adagrad([refs[t].weight for t in "ab"], lr=0.3)
+    g = torch.Generator().manual_seed(5)
+    offsets = torch.tensor([0, 2, 2, 6])
+    for _ in range(3):
+        ids = {t: torch.randint(0, 20, (9,), generator=g) for t in "abcd"}
+        psw = torch.rand(9, generator=g, requires_grad=True)
+        pooled = ebc({"a": (ids["a"], offsets), "b": (ids["b"], offsets, psw), "c": (ids["c"], offsets),
+                      "d": (ids["d"], offsets)})
+        assert len({pooled[t].grad_fn for t in "abc"}) == 1
+        assert not pooled["d"].requires_grad
+        ref_psw = psw.detach().clone().requires_grad_(True)
+        expect = {"a": refs["a"](ids["a"], offsets), "b": refs["b"](ids["b"], offsets, per_sample_weights=ref_psw)}
+        (pooled["a"].square().sum() + pooled["b"].square().sum()).backward()  # "c" and "d" out of the loss
+        ref_opt.zero_grad()
+        (expect["a"].square().sum() + expect["b"].square().sum()).backward()
+        ref_opt.step()
+        torch.testing.assert_close(psw.grad, ref_psw.grad, rtol=1e-5, atol=1e-6)
+    for s in specs:
+        torch.testing.assert_close(ebc.store.read(s.name, torch.arange(20)), refs[s.name].weight.detach(), rtol=1e-5, atol=1e-6)
+    ebc.close()
+
+
 def test_collection_sets_state_dim_from_the_optimizer(tmp_path):
     ebc = TieredEmbeddingBagCollection(tables=[TableSpec("a", 10, 4)], path=tmp_path, optimizer=optim.Adam())
     assert ebc.store.tables["a"].state_dim == 9

@@ -31,6 +31,7 @@ math they share with tierstore.distributed is tierstore.training.bags.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -51,44 +52,88 @@ from tierstore.nn.update import BagUpdates
 _CHUNK_ROWS = 1 << 18  # from_pretrained writes in chunks of this many rows
 
 
-class _TieredBagFunction(torch.autograd.Function):
-    """Pools bags from the rows one forward read; its backward runs the fused update.
+class _Pooled:
+    """What one module's backward needs of its forward in a group (_TieredBagFunction).
+    ``weights``/``index`` are what the bags were pooled from: the unique rows read and
+    each entry's position among them, or, when every row is resident in the top tier
+    (``resident``), that tier's weight matrix and each entry's slot, so no row is copied."""
 
-    ``anchor`` is an empty tensor that requires grad when the rows are trained:
-    it puts the function in the graph (the rows are not torch Parameters) and
-    gets None back. ``weights``/``index`` are what the bags are pooled from: the
-    unique rows read and each entry's position among them, or, when every row
-    is resident in the top tier (``resident``), that tier's weight matrix and
-    each entry's slot, so no row is copied.
+    __slots__ = ("owner", "bags", "train", "rows", "resident", "weights", "psw", "psw_shape", "max_idx", "writes")
+
+    def __init__(self, owner: "TieredEmbeddingBag", bags: Bags, train: bool):
+        self.owner, self.bags, self.train = owner, bags, train
+        self.rows = self.resident = self.weights = self.psw = self.psw_shape = self.max_idx = None
+        self.writes = 0
+
+
+class _TieredBagFunction(torch.autograd.Function):
+    """Pools the bags of a group of modules, one node of the graph for all of them (a
+    collection's tables, a rank's shards: the graph's per-node cost is paid once); its
+    backward runs each trained module's fused update, in the group's order.
+
+    ``anchor`` is an empty tensor that requires grad when some module's rows are trained:
+    it puts the function in the graph (the rows are not torch Parameters) and gets None
+    back. ``members`` are (module, bags, whether it trains, whether its per-sample weights
+    need a gradient) and ``psws`` those weights (or None): one output each, without grad
+    where neither. Each
+    module's rows are read and pooled in turn, as its own forward would (a resident
+    forward holds its tier steady only while it pools).
     """
 
     @staticmethod
-    def forward(ctx, anchor, per_sample_weights, weights, index, rows, resident, bags: Bags, owner: "TieredEmbeddingBag"):
-        dev = weights.device
-        psw = None
-        if per_sample_weights is not None:
-            psw = bags.select(per_sample_weights.reshape(-1).to(dev))
-        out, max_idx = bags.pool(weights, index, MODES[owner.config.mode], psw)
-        ctx.bags, ctx.owner, ctx.rows, ctx.resident = bags, owner, rows, resident
-        ctx.weights = None if resident is not None else weights
-        ctx.psw, ctx.psw_shape, ctx.max_idx = psw, None if per_sample_weights is None else per_sample_weights.shape, max_idx
-        ctx.writes = owner.store.trainer(owner.table).written  # a backward written after this one's read: re-read
-        return out
+    def forward(ctx, anchor, members, *psws):
+        ctx.set_materialize_grads(False)  # an output not used gets None: its module takes no step
+        ctx.pooled, outs, frozen = [], [], []
+        for (owner, bags, train, psw_grad), psw in zip(members, psws):
+            p = _Pooled(owner, bags, train)
+            outs.append(owner._pool(p, psw, psw_grad))
+            ctx.pooled.append(p)
+            if not (train or psw_grad):
+                frozen.append(outs[-1])
+        ctx.mark_non_differentiable(*frozen)
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad_out):
-        bags, owner = ctx.bags, ctx.owner
-        grad_out = grad_out.contiguous()
-        grad_psw = None
-        if ctx.needs_input_grad[1]:  # never with a resident forward: see TieredEmbeddingBag._run
-            grad_psw = bags.psw_grad(grad_out, ctx.weights, ctx.psw_shape)
-        if ctx.needs_input_grad[0]:
-            if ctx.resident is not None:
-                owner._backward_in_place(bags, ctx.resident, grad_out, ctx.psw)
-            else:
-                rows, ctx.rows = ctx.rows, None  # a failed or repeated backward re-reads
-                owner._backward_from_rows(bags, grad_out, ctx.psw, ctx.max_idx, rows, ctx.writes)
-        return None, grad_psw, None, None, None, None, None, None
+    def backward(ctx, *grad_outs):
+        grad_psws = []
+        for i, (p, grad_out) in enumerate(zip(ctx.pooled, grad_outs)):
+            grad_psw = None
+            if grad_out is not None:
+                grad_out = grad_out.contiguous()
+                if ctx.needs_input_grad[2 + i]:  # never with a resident forward: see TieredEmbeddingBag._pool
+                    grad_psw = p.bags.psw_grad(grad_out, p.weights, p.psw_shape)
+                if p.train:
+                    p.owner._update(p, grad_out)
+            grad_psws.append(grad_psw)
+        return None, None, *grad_psws
+
+
+Group = Sequence[tuple["TieredEmbeddingBag", Bags, "torch.Tensor | None"]]  # (module, its bags, per-sample weights)
+
+
+@outside_graphs  # torch.compile: a graph break; the dense layers around it compile
+def forward_group(members: Group) -> tuple[torch.Tensor, ...]:
+    """The host forward of several modules' bags planned already (tierstore.training.bags.
+    jagged_bags: a KeyedJaggedTensor's, whose layout TorchRec checked), without forward's
+    checks of the input: each module's pooled bags, as its own forward gives them, in one
+    node of the autograd graph (see pool_group). TorchRec's sharded lookup runs it."""
+    for bag, _, _ in members:
+        refuse_export(bag)
+    _warn_untrained([bag for bag, _, _ in members if bag.training], True)
+    return pool_group(members)
+
+
+def pool_group(members: Group) -> tuple[torch.Tensor, ...]:
+    """Each module's pooled bags (planned already) as its own forward gives them, in one
+    node of the autograd graph, whose backward updates each trained module's rows: the
+    graph's cost per node is paid once for the group (a collection's tables, a rank's
+    shards)."""
+    if not members:
+        return ()
+    grad = torch.is_grad_enabled()
+    group = tuple((bag, bags, bag.trains and grad, psw is not None and psw.requires_grad and grad) for bag, bags, psw in members)
+    anchor = torch.empty(0, requires_grad=True) if any(m[2] for m in group) else None
+    return _TieredBagFunction.apply(anchor, group, *(psw for _, _, psw in members))
 
 
 class TieredEmbeddingBag(ScriptRefusal, BagUpdates, nn.Module):
@@ -416,13 +461,9 @@ class TieredEmbeddingBag(ScriptRefusal, BagUpdates, nn.Module):
         _warn_untrained([self], self.training)
         return self._run(bags, per_sample_weights)
 
-    @outside_graphs
     def forward_bags(self, bags: Bags, per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        """The host forward of bags planned already (tierstore.training.bags.jagged_bags: a
-        KeyedJaggedTensor's, whose layout TorchRec checked), without forward's checks of its input."""
-        refuse_export(self)
-        _warn_untrained([self], self.training)
-        return self._run(bags, per_sample_weights)
+        """The host forward of bags planned already (forward_group's, for one module)."""
+        return forward_group(((self, bags, per_sample_weights),))[0]
 
     def batch_reads(self, batch) -> dict[str, torch.Tensor]:
         """The ids a batch in forward's input form (``input`` or ``(input, offsets[, ...])``)
@@ -494,17 +535,20 @@ class TieredEmbeddingBag(ScriptRefusal, BagUpdates, nn.Module):
         return plan_bags(self.config, input, offsets, per_sample_weights)
 
     def _run(self, bags: Bags, per_sample_weights) -> torch.Tensor:
-        train = self.trains and torch.is_grad_enabled()
-        anchor = torch.empty(0, requires_grad=True) if train else None
+        return pool_group(((self, bags, per_sample_weights),))[0]
+
+    def _pool(self, p: _Pooled, per_sample_weights: torch.Tensor | None, psw_grad: bool) -> torch.Tensor:
+        """This module's part of a group's forward (_TieredBagFunction): reads or finds its
+        rows, pools its bags, and keeps in ``p`` what its backward needs."""
+        bags = p.bags
         # Pool straight from the top tier's weights, once every row is there (the
         # backward then updates them in place). Not for max pooling (its backward
         # indexes the rows read) nor per-sample weights that need a gradient (it
         # reads the rows as the forward saw them).
-        psw_grad = per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled()
         if self.config.mode != "max" and not psw_grad:
             with self.store.trainer(self.table).resident(bags.ids, admit=True) as hit:
                 if hit is not None:
-                    bags.admitted = self._admitted_rows(bags) if train else None
+                    bags.admitted = self._admitted_rows(bags) if p.train else None
                     weights, index = hit.tier.weights, hit.slots
                     # pool in float32, as from rows read: FBGEMM sums float16 rows so in place;
                     # else the batch's rows are gathered once and upcast
@@ -513,16 +557,32 @@ class TieredEmbeddingBag(ScriptRefusal, BagUpdates, nn.Module):
                     if weights.dtype != torch.float32 and not fbgemm_sums:
                         weights = weights.index_select(0, hit.slots.index_select(0, bags.rows.firsts().to(hit.slots.device))).to(torch.float32)
                         index = bags.rows.positions()
-                    return _TieredBagFunction.apply(anchor, per_sample_weights, weights, index, None,
-                                                    hit if train else None, bags, self)
-        rows = self.store.read(self.table, bags.rows.uid, with_state=train)
-        bags.admitted = self._admitted_rows(bags) if train else None
+                    p.resident = hit if p.train else None
+                    return self._pool_from(p, weights, index, per_sample_weights)
+        rows = self.store.read(self.table, bags.rows.uid, with_state=p.train)
+        bags.admitted = self._admitted_rows(bags) if p.train else None
         dim = self.config.embedding_dim
         weights = rows if rows.shape[1] == dim else rows[:, :dim].contiguous()
-        if weights is rows and train and psw_grad:
+        if weights is rows and p.train and psw_grad:
             weights = rows.clone()  # the update must not alter what the per-sample-weight gradient reads
-        return _TieredBagFunction.apply(anchor, per_sample_weights, weights, bags.rows.positions(), rows if train else None,
-                                        None, bags, self)
+        p.rows, p.weights = rows if p.train else None, weights
+        return self._pool_from(p, weights, bags.rows.positions(), per_sample_weights)
+
+    def _pool_from(self, p: _Pooled, weights: torch.Tensor, index: torch.Tensor, per_sample_weights) -> torch.Tensor:
+        if per_sample_weights is not None:
+            p.psw = p.bags.select(per_sample_weights.reshape(-1).to(weights.device))
+            p.psw_shape = per_sample_weights.shape
+        out, p.max_idx = p.bags.pool(weights, index, MODES[self.config.mode], p.psw)
+        p.writes = self.store.trainer(self.table).written  # a backward written after this one's read: re-read
+        return out
+
+    def _update(self, p: _Pooled, grad_out: torch.Tensor) -> None:
+        """This module's part of a group's backward: the fused update of its rows."""
+        if p.resident is not None:
+            self._backward_in_place(p.bags, p.resident, grad_out, p.psw)
+        else:
+            rows, p.rows = p.rows, None  # a failed or repeated backward re-reads
+            self._backward_from_rows(p.bags, grad_out, p.psw, p.max_idx, rows, p.writes)
 
     def _admitted_rows(self, bags: Bags) -> torch.Tensor | None:
         """After the forward's read: which rows its backward may update (admit_after)."""

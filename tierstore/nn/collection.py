@@ -14,7 +14,7 @@ from tierstore.optim import RowOptimizer
 from tierstore.spec import TableSpec
 from tierstore.store import Sizes, StoreConfig
 from tierstore.errors import ArgumentTypeError, SettingError, UnknownTableError
-from tierstore.nn.bag import TieredEmbeddingBag
+from tierstore.nn.bag import TieredEmbeddingBag, pool_group
 from tierstore.nn.common import ScriptRefusal, _warn_untrained, as_leaf, module_store, outside_graphs, refuse_export
 
 
@@ -147,7 +147,7 @@ class TieredEmbeddingBagCollection(ScriptRefusal, nn.Module):
             values, offsets, psw = feature_parts(name, feature)
             plans[name] = (bag, bag._plan(values, offsets, psw), psw)
         _warn_untrained([bag for bag, _, _ in plans.values()], self.training)  # its bags are not submodules
-        return {name: bag._run(bags, psw) for name, (bag, bags, psw) in plans.items()}
+        return dict(zip(plans, pool_group(tuple(plans.values()))))
 
     def batch_reads(self, features: Mapping[str, object]) -> dict[str, torch.Tensor]:
         """The ids a forward of ``features`` reads, by table."""

@@ -13,7 +13,7 @@ Each shard is a ``TieredEmbeddingBag`` over a table of a store under
 ``path/rank-<r>``: the shard's columns of the table's rows, keyed by the
 table's global row ids (row-wise shards get their ids back from TorchRec's
 local ones), initialized as the whole table would be (the config's init, the
-shard's columns of it). All features of a shard are pooled by one call, so a
+shard's columns of it). All features of a shard are pooled together, so a
 row read by several features takes one optimizer step on its summed gradient,
 as in FBGEMM's table-batched kernel.
 """
@@ -33,10 +33,10 @@ from torchrec.modules.embedding_configs import PoolingType
 
 from tierstore.engine.memory import parse_bytes
 from tierstore.errors import SettingError, UnsupportedError
-from tierstore.nn import TieredEmbeddingBag
+from tierstore.nn import TieredEmbeddingBag, forward_group
 from tierstore.optim import RowOptimizer
 from tierstore.spec import RowInit, TableSpec
-from tierstore.training.bags import jagged_bags
+from tierstore.training.bags import Bags, jagged_bags
 from tierstore.store import TieredStore
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
@@ -138,10 +138,14 @@ class _Shard(nn.Module):
         """The table's global row ids of ``values`` (ids of this shard's keys, TorchRec's local ones)."""
         return values + self.row_offset if self.row_offset else values
 
-    def forward(self, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, batch: int) -> torch.Tensor:
-        """This shard's features' ids, bag offsets ([features x batch + 1], from 0) and weights,
-        as TorchRec's input dist gave them; [batch, features x dim], each feature's bags side by side."""
-        pooled = self.bag.forward_bags(jagged_bags(self.bag.config, self.ids(values), offsets), weights)
+    def bags(self, values: torch.Tensor, offsets: torch.Tensor) -> Bags:
+        """This shard's features' bags: their ids and bag offsets ([features x batch + 1],
+        from 0) as TorchRec's input dist gave them."""
+        return jagged_bags(self.bag.config, self.ids(values), offsets)
+
+    def arrange(self, pooled: torch.Tensor, batch: int) -> torch.Tensor:
+        """The shard's pooled bags ([features x batch, dim]) as [batch, features x dim], each
+        feature's bags side by side."""
         if self.num_features == 1:
             return pooled
         return pooled.view(self.num_features, batch, self.dim).transpose(0, 1).reshape(batch, self.num_features * self.dim)
@@ -172,7 +176,11 @@ class ShardLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.Tensor]):
         for ticket in tickets:  # a failed prefetch (a bad id) raises here, before any row is read
             ticket.wait()
         batch = sparse_features.stride()
-        return torch.cat([shard(*part, batch) for shard, part in zip(self.shards, self._parts(sparse_features))], dim=1)
+        # every shard pooled by one call: one node of the graph for the rank's shards, as
+        # TorchRec's table-batched kernel takes them
+        pooled = forward_group([(shard.bag, shard.bags(ids, offsets), weights)
+                             for shard, (ids, offsets, weights) in zip(self.shards, self._parts(sparse_features))])
+        return torch.cat([shard.arrange(p, batch) for shard, p in zip(self.shards, pooled)], dim=1)
 
     def _parts(self, features: KeyedJaggedTensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """Each shard's (ids, bag offsets from 0, weights) of ``features``: slices of its
