@@ -39,6 +39,10 @@ class _HostArrays:
         return torch.from_numpy(a)
 
     @staticmethod
+    def int64(a: np.ndarray) -> np.ndarray:
+        return a.astype(np.int64)
+
+    @staticmethod
     def full(n: int, value: int, dtype=np.int64) -> np.ndarray:
         return np.full(n, value, dtype=dtype)
 
@@ -82,6 +86,10 @@ class _DeviceArrays:
     @staticmethod
     def tensor(a: torch.Tensor) -> torch.Tensor:
         return a
+
+    @staticmethod
+    def int64(a: torch.Tensor) -> torch.Tensor:
+        return a.long()
 
     def full(self, n: int, value: int, dtype=torch.int64) -> torch.Tensor:
         return torch.full((n,), value, dtype=dtype, device=self.device)
@@ -276,7 +284,7 @@ class DenseIndex:
         return self.live
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._xp.tensor(self.slots.take(self._xp.array(ids))).long()
+        return self._xp.tensor(self._xp.int64(self.slots.take(self._xp.array(ids))))
 
     def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         self.slots[self._xp.array(ids)] = self._xp.array(slots.to(torch.int32))

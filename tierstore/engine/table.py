@@ -42,7 +42,7 @@ from tierstore.engine.lived import LivedRows
 from tierstore.engine.source import BackendRows, RowSource
 from tierstore.engine.step import StepPlan, StepPlanner
 from tierstore.engine.tensors import gather_rows, gather_tier
-from tierstore.engine.tiers import CacheTier, by_id, first_uses, nonzero, select
+from tierstore.engine.tiers import CacheTier, by_id, first_uses, found_all, nonzero, select
 from tierstore.engine.trainer import DeviceRows
 from tierstore.engine.upload import Upload
 from tierstore.trace import TraceRecorder
@@ -170,10 +170,10 @@ class TableStore(LivedRows):
         # ids, a probe's fixed cost is more than what the sample saves)
         if len(ids) > PROBE_AFTER:
             sample = ids[:: max(1, len(ids) // PROBE_SAMPLE)]
-            if not bool((top.lookup(sample) >= 0).all()):
+            if not found_all(top.lookup(sample)):
                 return None
         slots = top.lookup(ids)
-        if not bool((slots >= 0).all()):
+        if not found_all(slots):
             return None
         if self._shared.recorder is not None:
             self._shared.recorder.record(self.spec.name, ids)

@@ -138,10 +138,10 @@ class _Shard(nn.Module):
         """The table's global row ids of ``values`` (ids of this shard's keys, TorchRec's local ones)."""
         return values + self.row_offset if self.row_offset else values
 
-    def bags(self, values: torch.Tensor, offsets: torch.Tensor) -> Bags:
-        """This shard's features' bags: their ids and bag offsets ([features x batch + 1],
-        from 0) as TorchRec's input dist gave them."""
-        return jagged_bags(self.bag.config, self.ids(values), offsets)
+    def bags(self, values: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor) -> Bags:
+        """This shard's features' bags: their ids, bag offsets ([features x batch + 1], from 0)
+        and sizes, as TorchRec's input dist gave them."""
+        return jagged_bags(self.bag.config, self.ids(values), offsets, sizes)
 
     def arrange(self, pooled: torch.Tensor, batch: int) -> torch.Tensor:
         """The shard's pooled bags ([features x batch, dim]) as [batch, features x dim], each
@@ -178,20 +178,24 @@ class ShardLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.Tensor]):
         batch = sparse_features.stride()
         # every shard pooled by one call: one node of the graph for the rank's shards, as
         # TorchRec's table-batched kernel takes them
-        pooled = forward_group([(shard.bag, shard.bags(ids, offsets), weights)
-                             for shard, (ids, offsets, weights) in zip(self.shards, self._parts(sparse_features))])
+        pooled = forward_group([(shard.bag, shard.bags(ids, offsets, sizes), weights)
+                                for shard, (ids, offsets, sizes, weights) in zip(self.shards, self._parts(sparse_features))])
         return torch.cat([shard.arrange(p, batch) for shard, p in zip(self.shards, pooled)], dim=1)
 
-    def _parts(self, features: KeyedJaggedTensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-        """Each shard's (ids, bag offsets from 0, weights) of ``features``: slices of its
-        values, in place of KeyedJaggedTensor.split's new jagged tensors."""
+    def _parts(self, features: KeyedJaggedTensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """Each shard's (ids, bag offsets from 0, bag sizes, weights) of ``features``: slices of
+        its values, in place of KeyedJaggedTensor.split's new jagged tensors."""
         values, offsets, weights = features.values(), features.offsets(), features.weights_or_none()
-        bags = [k * features.stride() for k in self._bounds]
-        at = offsets[bags].tolist()
+        stride = features.stride()
+        at = offsets[::stride].tolist()  # where each feature's ids start, and where the last ends
+        sizes = torch.diff(offsets)
         parts = []
-        for i in range(len(self.shards)):
-            lo, hi = at[i], at[i + 1]
-            parts.append((values[lo:hi], offsets[bags[i]: bags[i + 1] + 1] - lo, None if weights is None else weights[lo:hi]))
+        for i in range(len(self.shards)):  # a loop per shard: slices, no copies
+            first, end = self._bounds[i], self._bounds[i + 1]
+            lo, hi = at[first], at[end]
+            starts = offsets[first * stride: end * stride + 1]
+            parts.append((values[lo:hi], starts - lo if lo else starts, sizes[first * stride: end * stride],
+                          None if weights is None else weights[lo:hi]))
         return parts
 
     def prefetch(self, sparse_features: KeyedJaggedTensor, forward_stream=None) -> None:

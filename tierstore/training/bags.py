@@ -386,7 +386,8 @@ def plan_bags(c: EmbeddingBagConfig, input, offsets, per_sample_weights) -> Bags
 
 def _check_range(c: EmbeddingBagConfig, ids: torch.Tensor) -> None:
     if len(ids):
-        lo, hi = (int(x) for x in torch.aminmax(ids))
+        host = ids.numpy()  # (CPU int64) numpy's two reductions: a third of aminmax's dispatch and reads
+        lo, hi = int(host.min()), int(host.max())
         if lo < 0 or (c.num_embeddings is not None and hi >= c.num_embeddings):
             bad = ids < 0
             if c.num_embeddings is not None:
@@ -399,10 +400,12 @@ def _check_range(c: EmbeddingBagConfig, ids: torch.Tensor) -> None:
             )
 
 
-def jagged_bags(c: EmbeddingBagConfig, ids: torch.Tensor, offsets: torch.Tensor) -> Bags:
+def jagged_bags(c: EmbeddingBagConfig, ids: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor | None = None) -> Bags:
     """plan_bags for bags a jagged tensor made (TorchRec's KeyedJaggedTensor: ``offsets``
     [B + 1] from 0 to len(ids), non-decreasing, as its lengths give them), when the table has
-    no padding_idx: only the ids' range is checked, as the batch's layout is."""
+    no padding_idx: only the ids' range is checked, as the batch's layout is. ``sizes``: the
+    bags' sizes (int64, the offsets' differences) where the caller has them already."""
     ids, offsets = ids.to("cpu", torch.int64), offsets.to("cpu", torch.int64)
     _check_range(c, ids)
-    return Bags(ids, torch.diff(offsets), offsets[:-1], None, len(ids), _ends=offsets)
+    sizes = torch.diff(offsets) if sizes is None else sizes.to("cpu", torch.int64)
+    return Bags(ids, sizes, offsets[:-1], None, len(ids), _ends=offsets)

@@ -32,6 +32,7 @@ INSTALL = 'pip install "tierstore[fbgemm]" (fbgemm-gpu-cpu 1.8.0 goes with torch
 _KERNELS = {SGD: "sgd", Adagrad: "adagrad", RowWiseAdagrad: "rowwise_adagrad"}
 _POOLING = {"sum": 0, "mean": 1}
 _HOST = 3  # FBGEMM's EmbeddingLocation.HOST: the table lives in host memory
+_UNWEIGHTED = torch.empty(0)  # the kernels' per-sample weights when there are none (only read)
 
 
 def _ops():
@@ -104,7 +105,7 @@ def fused_step(optimizer: RowOptimizer, weights: torch.Tensor, state: torch.Tens
     table, dims, rows = _layout(n, dim)
     args = [
         grad_out.contiguous(), weights.view(-1), *table, dims, dim, rows, max(n, 1).bit_length(), index, offsets,
-        _POOLING[mode], torch.empty(0) if per_sample_weights is None else per_sample_weights, False,
+        _POOLING[mode], _UNWEIGHTED if per_sample_weights is None else per_sample_weights, False,
     ]
     if state.shape[1]:
         args += [state.view(-1), *table]
