@@ -296,7 +296,6 @@ class RowIndex:
         self.levels: list[Runs] = []  # mapped from their files, newest first
         self.names: list[str] = []  # ... the name of each one's file
         self.dead: np.ndarray | None = None  # by segment index: rows of a mapped level placed there are gone
-        self.fetched = Fetched()  # places the mapped levels gave the reads (get(..., remember=True))
 
     @property
     def mapped(self) -> bool:
@@ -305,57 +304,21 @@ class RowIndex:
     @property
     def nbytes(self) -> int:
         """Memory held: mapped levels are the page cache's, but for their fences and CRCs."""
-        return self.main.nbytes + self.recent.nbytes + self._held() + self.fetched.nbytes
+        return self.main.nbytes + self.recent.nbytes + sum(level.held for level in self.levels)
 
-    def _held(self) -> int:
-        return sum(level.held for level in self.levels)
-
-    def get(self, ids: np.ndarray, remember: bool = False) -> np.ndarray:
+    def get(self, ids: np.ndarray) -> np.ndarray:
         """The place of each of ``ids`` (uint32), NONE where no row is stored: from the newest
-        level that holds it (a mapped level: a page of its file, Runs._fenced, unless
-        ``fetched`` holds what it gave). ``remember``: a read's lookup, whose places found in
-        the mapped levels ``fetched`` keeps for the row's write-back (RowLog.apply looks up
-        its previous place), by when the level's page has mostly left the page cache."""
+        level that holds it (a mapped level: a page of its file, Runs._fenced)."""
         ids = np.asarray(ids, dtype=np.int64)
         covered, loc = self.recent.find(ids)
         rest = np.flatnonzero(~covered)
-        if len(rest):
-            held, got = self.main.find(ids[rest])
-            loc[rest[held]] = got[held]
-            rest = rest[~held]
-        if not len(rest) or not self.levels:
-            return loc
-        held, got = self.fetched.find(ids[rest])
-        loc[rest[held]] = self._alive(got[held])
-        rest = rest[~held]
-        below = rest
-        for level in self.levels:
+        for i, level in enumerate([self.main, *self.levels]):
             if not len(rest):
                 break
             held, got = level.find(ids[rest])
-            loc[rest[held]] = self._alive(got[held])
+            loc[rest[held]] = self._alive(got[held]) if i else got[held]
             rest = rest[~held]
-        if remember and len(below):
-            self.fetched.add(ids[below], loc[below], self._room())
         return loc
-
-    def _room(self) -> int:
-        """Bytes ``fetched`` may hold: what the limit leaves beside the fences and a merge of
-        main and recent at its largest (_settles), so that it never makes the index spill
-        sooner nor hold more than its limit. An index without a limit is never mapped."""
-        if self.limit is None:
-            return 0
-        return self.limit - self._held() - 3 * self.main.nbytes - 2 * self.recent.nbytes
-
-    def spilling(self, in_memory: bool) -> None:
-        """Memory's runs (and the mapped levels) go to a level about to replace them, or the
-        whole index to memory (``in_memory``): ``fetched`` forgets the ids memory's runs
-        hold (the new level answers for them from now on) and the places in dead segments
-        (a merge of every level drops those, and forgets them dead)."""
-        if in_memory or not len(self.fetched):
-            self.fetched = Fetched()
-            return
-        self.fetched.forget(lambda ids: self.recent.find(ids)[0] | self.main.find(ids)[0], self._alive)
 
     def _alive(self, loc: np.ndarray) -> np.ndarray:
         """``loc`` (places a mapped level holds) with those in dead segments deleted, in place."""
@@ -369,7 +332,6 @@ class RowIndex:
     def put(self, ids: np.ndarray, places: np.ndarray | None) -> None:
         """Rows of distinct ``ids`` now at ``places`` (NONE, or all where None: deleted)."""
         self.recent = self.recent.under(Runs.of(ids, places))
-        self.fetched.trim(self._room())
         if len(self.recent) > max(RECENT_RUNS, len(self.main) // 8) and self._settles():
             self.settle()
 
@@ -467,73 +429,6 @@ class RowIndex:
         older run in two, and each piece's line cuts a run of each level."""
         n = len(self.recent) + len(self.main) + sum(len(level) for level in self.levels[:k])
         return 2 * n + (k + 2) * (n // _CHUNK_RUNS + 2) + 1
-
-
-class Fetched:
-    """Places the mapped levels gave reads' lookups (NONE included), by id: sorted batches,
-    newest first, a newer merged into the next while it is at least half its size and that
-    one under a quarter of the room it is let hold (so that forgetting the oldest batch forgets a
-    quarter at most). A lookup is a binary search of each of the few batches.
-
-    Exact: it holds only what the mapped levels said, filled in the lookup that read them.
-    The mapped levels change only at a spill, where the ids memory's runs held (written since
-    the levels were) are forgotten (RowIndex.spilling), and by drop()'s dead segments, masked
-    on every hit as on the levels'. A write after the fill goes to recent, which get() asks
-    first. So get() answers what it did without it."""
-
-    __slots__ = ("batches",)
-
-    def __init__(self):
-        self.batches: list[tuple[np.ndarray, np.ndarray]] = []  # (ids sorted, their places), newest first
-
-    def __len__(self) -> int:
-        return sum(len(ids) for ids, _ in self.batches)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(ids.nbytes + loc.nbytes for ids, loc in self.batches)
-
-    def find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(held, place) of each of ``ids``, as Runs.find."""
-        held, loc = np.zeros(len(ids), dtype=bool), np.full(len(ids), NONE, dtype=np.uint32)
-        for known, places in self.batches:
-            rest = np.flatnonzero(~held)
-            if not len(rest):
-                break
-            at = np.minimum(np.searchsorted(known, ids[rest]), len(known) - 1)
-            hit = known[at] == ids[rest]
-            held[rest[hit]], loc[rest[hit]] = True, places[at[hit]]
-        return held, loc
-
-    def add(self, ids: np.ndarray, loc: np.ndarray, room: int) -> None:
-        """``ids`` (none held) were found at ``loc`` in the mapped levels; ``room``: the bytes
-        it may hold now (the oldest batches are forgotten to make it)."""
-        ids, first = np.unique(ids, return_index=True)
-        batch = (ids, loc[first])
-        size = ids.nbytes + batch[1].nbytes
-        if size > room:
-            return
-        self.trim(room - size)
-        self.batches.insert(0, batch)
-        while len(self.batches) > 1 and 2 * len(self.batches[0][0]) >= len(self.batches[1][0]) \
-                and 4 * sum(a.nbytes for a in self.batches[1]) < room:
-            (a, pa), (b, pb) = self.batches[:2]
-            ids = np.concatenate((a, b))
-            order = np.argsort(ids, kind="stable")
-            self.batches[:2] = [(ids[order], np.concatenate((pa, pb))[order])]
-
-    def trim(self, room: int) -> None:
-        """Forget the oldest batches until it holds ``room`` bytes at most."""
-        while self.batches and self.nbytes > room:
-            self.batches.pop()
-
-    def forget(self, written, alive) -> None:
-        """Forget the ids ``written`` (a mask of ids) marks; ``alive`` masks dead places (in place)."""
-        kept = []
-        for ids, loc in self.batches:
-            keep = ~written(ids)
-            kept.append((ids[keep], alive(loc[keep])))
-        self.batches = [b for b in kept if len(b[0])]
 
 
 def _will_need(level: Runs, pages: np.ndarray) -> None:

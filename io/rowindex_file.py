@@ -28,7 +28,7 @@ import numpy as np
 from .errors import RowIndexDamagedError
 from .files import fsync_path
 from . import rowindex
-from .rowindex import NONE, RUN_BYTES, Fetched, Paged, RowIndex, Runs
+from .rowindex import NONE, RUN_BYTES, Paged, RowIndex, Runs
 
 _MAGIC = b"TSIDX6\n"
 PAGE = 4096
@@ -242,7 +242,6 @@ def take_runs(index: RowIndex, path: Path, header: dict, k: int) -> bool:
     (checked) where no mapped level is left and it fits half the limit, else mapped. False,
     the index as it was, where it does not read back."""
     n, full = header["runs"], k == len(index.levels)
-    index.spilling(in_memory=full and _fits(index, n))
     if full and _fits(index, n):
         runs = _read_runs(path, header)
         if runs is None:
@@ -266,7 +265,6 @@ def load_runs(index: RowIndex, path: Path, header: dict, expect: dict) -> bool:
     names (their headers holding ``expect``) ``index``'s: read into memory, merged into main
     (every run checked against its CRCs), where they fit half its limit, else mapped (each
     block checked as it is first read: _map_runs). False, the index left empty, where a file is missing or fails its checks."""
-    index.fetched = Fetched()
     files = [(path, header)]
     for name, runs in header["levels"]:
         got = read_file(path.parent / name, expect)

@@ -337,9 +337,8 @@ class RowLog:
 
     # -- reading ---------------------------------------------------------------------------
     def places(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(segment index, slot, found) of each id; the caller holds the index still. The
-        places the mapped levels give are remembered for the rows' write-back (apply)."""
-        loc = self.index.get(ids, remember=True)
+        """(segment index, slot, found) of each id; the caller holds the index still."""
+        loc = self.index.get(ids)
         found = loc != NONE
         loc = loc[found]
         return (loc >> _SLOT_BITS).astype(np.int64), (loc & (MAX_SLOTS - 1)).astype(np.int64), found

@@ -101,8 +101,7 @@ class IndexAgainstDict(RuleBasedStateMachine):
         in_memory = k == levels and header["runs"] * rowindex.RUN_BYTES <= self.index.limit // 2
         assert self.index.mapped == (not in_memory and (header["runs"] > 0 or k < levels))
         fences = sum(level.fence.nbytes + 5 * len(level.fence) for level in self.index.levels)  # every FENCE-th start of a mapped level, and a CRC (and its checked flag) a block
-        held = self.index.nbytes - self.index.fetched.nbytes  # and the places fetched, apart
-        assert held == fences or not self.index.mapped  # mapped levels are the page cache's, memory holds the rest
+        assert self.index.nbytes == fences or not self.index.mapped  # mapped levels are the page cache's, memory holds the rest
         sizes = [len(level) for level in self.index.levels]  # each level GROWTH times the runs of those above it, about
         assert all(b > rowindex.GROWTH * a for a, b in zip(sizes[:-1], sizes[1:])) or len(sizes) <= rowindex.MAX_LEVELS
 
@@ -155,14 +154,6 @@ class IndexAgainstDict(RuleBasedStateMachine):
     def settle(self):
         self.index.settle()
 
-    @rule(data=st.data())
-    def fetch(self, data):
-        """A read's lookup: the places it finds in the mapped levels are remembered (fetched),
-        and every later lookup (the invariant's, as a write-back's) answers the same."""
-        known = sorted(self.model) + [b + 5 for b in BASES]
-        ids = np.array(sorted(set(data.draw(st.lists(st.sampled_from(known), min_size=1, max_size=20)))), dtype=np.int64)
-        assert self.index.get(ids, remember=True).tolist() == [self.model.get(i, int(NONE)) for i in ids.tolist()]
-
     @invariant()
     def reads_as_the_dict(self):
         asked = np.array(sorted(set(self.model) | set(BASES) | {b + 5 for b in BASES}), dtype=np.int64)
@@ -173,39 +164,9 @@ class IndexAgainstDict(RuleBasedStateMachine):
             assert (np.diff(start) > 0).all() and (start[1:] >= level.end[:-1]).all()
             assert (np.asarray(level.length) > 0).all()
 
-    @invariant()
-    def fetched_within_what_the_limit_leaves(self):
-        """The places remembered take only what the limit leaves beside memory's runs, the
-        fences and a merge of main and recent at its largest."""
-        index = self.index
-        held = index.nbytes - index.fetched.nbytes
-        assert index.fetched.nbytes == 0 or held + index.fetched.nbytes + 2 * index.main.nbytes + index.recent.nbytes <= index.limit
-        assert index.mapped or not len(index.fetched)
-
 
 IndexAgainstDict.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
 TestIndexAgainstDict = IndexAgainstDict.TestCase
-
-
-class RememberingIndexAgainstDict(IndexAgainstDict):
-    """The same, the places fetched given room whatever the limit (which leaves them little
-    here), so that writes, spills and dead segments meet many of them."""
-
-    def __init__(self):
-        super().__init__()
-        self.room = RowIndex._room
-        RowIndex._room = lambda index: 1 << 20
-
-    def teardown(self):
-        RowIndex._room = self.room
-        super().teardown()
-
-    def fetched_within_what_the_limit_leaves(self):
-        """Not asked here: the room is not the limit's."""
-
-
-RememberingIndexAgainstDict.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
-TestRememberingIndexAgainstDict = RememberingIndexAgainstDict.TestCase
 
 
 def test_a_write_in_id_order_is_a_run_a_segment():
@@ -595,69 +556,6 @@ def test_an_index_past_its_limit_is_mapped_and_memory_stays_within_it(tmp_path):
             assert log.index.nbytes <= limit
         assert log.index.mapped and sum(len(level) for level in log.index.levels) > limit // rowindex.RUN_BYTES
         assert b.index_bytes() == log.index.nbytes + rowlog.SEGMENT_ENTRY_BYTES * len(log.seq)
-    finally:
-        b.close()
-
-
-def test_places_fetched_are_memory_of_the_index_that_yields_to_its_runs(tmp_path):
-    """The places remembered count in the index's memory and take only what its limit leaves
-    beside memory's runs at their largest merge: as writes grow those, the oldest are
-    forgotten, and the index spills at the same write as one that remembers none."""
-    rng = np.random.default_rng(3)
-    written = np.unique(rng.integers(0, ROWS, 6000))
-    twins = []
-    for n, remember in enumerate((True, False)):
-        index = RowIndex(ROWS, limit=1 << 17)
-        index.put(written, (np.arange(len(written)) // 4000 << rowindex.SLOT_BITS | np.arange(len(written)) % 4000).astype(np.uint32))
-        k = index.plan()
-        header = rowindex_file.write_file(index, tmp_path / f"i{n}", {}, [np.arange(3)], k)
-        assert rowindex_file.take_runs(index, tmp_path / f"i{n}", header, k) and index.mapped
-        twins.append(index)
-    index, plain = twins
-    for lo in range(0, 6000, 500):
-        assert (index.get(written[lo:lo + 500], remember=True) == plain.get(written[lo:lo + 500])).all()
-    assert len(index.fetched) == len(written) and index.nbytes == plain.nbytes + 12 * len(written)
-    spills = []
-    for step in range(400):
-        ids = np.unique(rng.integers(0, ROWS, 64))
-        places = (np.uint32(2 + step) << rowindex.SLOT_BITS) | np.arange(len(ids), dtype=np.uint32)
-        for twin in twins:
-            twin.put(ids, places)
-        assert index.nbytes + 2 * index.main.nbytes + index.recent.nbytes <= index.limit or not len(index.fetched)
-        assert index.wants_spill() == plain.wants_spill()
-        spills.append(index.wants_spill())
-        if spills[-1]:
-            break
-    assert spills[-1] and not len(index.fetched)  # forgotten as memory's runs grew to a spill
-
-
-def test_a_write_back_of_rows_read_from_a_mapped_index_does_not_read_its_levels(tmp_path, monkeypatch):
-    """Rows read through a mapped index (a page of a level each) and written back later: the
-    write's lookup of their previous places (RowLog.apply) finds them in memory, where the
-    level's pages have left the page cache by then, and the store reads back the rows written
-    and counts each segment's live rows as a fresh replay does."""
-    limit = 1 << 16
-    b = open_writer(str(tmp_path), ROWS, limit)
-    rng = np.random.default_rng(2)
-    try:
-        written = np.unique(rng.integers(0, ROWS, 5000))  # a run a row: past the limit, spilled
-        b.put_rows([("t", written, np.zeros((len(written), DIM), dtype=np.float32))])
-        log = b._logs["t"]
-        assert log.index.mapped and not len(log.index.main) + len(log.index.recent)
-        fetched = rng.choice(written, 300, replace=False)
-        rows, found = b.get_rows("t", np.append(fetched, ROWS - 1))  # and a row never written
-        assert found[:-1].all() and not found[-1] and (rows[:-1] == 0).all()
-        assert log.index.fetched.nbytes == 301 * 12 and b.index_bytes() == log.index.nbytes + rowlog.SEGMENT_ENTRY_BYTES * len(log.seq)
-        asked = []
-        real = rowindex.Runs._fenced
-        monkeypatch.setattr(rowindex.Runs, "_fenced", lambda level, ids: (asked.append(ids.copy()), real(level, ids))[1])
-        b.put_rows([("t", fetched, np.ones((len(fetched), DIM), dtype=np.float32))])
-        assert not np.isin(fetched, np.concatenate([np.zeros(0, dtype=np.int64), *asked])).any()
-        assert log.index.nbytes <= limit
-        rows, found = b.get_rows("t", written)
-        assert found.all() and (rows[np.isin(written, fetched)] == 1).all() and (rows[~np.isin(written, fetched)] == 0).all()
-        segment = log.index.get(written) >> rowindex.SLOT_BITS  # where each row is now: the live rows of each segment
-        assert log.live.tolist() == np.bincount(segment, minlength=len(log.live)).tolist()
     finally:
         b.close()
 
