@@ -373,8 +373,9 @@ def format_received(cfg: ShardedBenchConfig, runs: dict, steps: int = 1) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     shared(p, "dir", "seed")
-    p.add_argument("--ranks", type=_ranks, default=WORLD_SIZES,
-                   help="world sizes to run, comma-separated, each 1 to 8 (default 1,2,4; 1,2,4,8 adds 8 ranks; not with --dmp)")
+    p.add_argument("--ranks", type=_ranks, default=None,
+                   help="world sizes to run, comma-separated, each 1 to 8 (default 1,2,4; 1,2,4,8 adds 8 ranks; with --dmp "
+                        "2,4,8)")
     p.add_argument("--dmp", action="store_true",
                    help="instead: TorchRec's DistributedModelParallel with tierstore shards against TorchRec's own, on 2, 4 "
                         "and 8 ranks, same batches (needs TorchRec)")
@@ -396,7 +397,8 @@ def run(args: argparse.Namespace) -> None:
         if args.dmp:
             from tierstore.tools import bench_sharded_dmp
 
-            print(bench_sharded_dmp.format_report(cfg, bench_sharded_dmp.measure(cfg, d)))
+            print(bench_sharded_dmp.format_report(cfg, bench_sharded_dmp.measure(cfg, d, args.ranks or bench_sharded_dmp.WORLD_SIZES)))
         else:
-            print(format_report(cfg, measure(cfg, d, args.ranks)))
-            print(format_received(cfg, measure_received(cfg, d, args.ranks)))
+            ranks = args.ranks or WORLD_SIZES
+            print(format_report(cfg, measure(cfg, d, ranks)))
+            print(format_received(cfg, measure_received(cfg, d, ranks)))
