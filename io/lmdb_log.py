@@ -368,13 +368,15 @@ class LogTables:
         return self._shared.map_base(txn)
 
     def _write_log(self, segments: dict[str, list[tuple[np.ndarray, np.ndarray | None]]], meta: dict | None = None,
-                   deleting: dict[str, list[int]] | None = None, dropping: dict[str, list[int]] | None = None) -> None:
+                   deleting: dict[str, list[int]] | None = None, dropping: dict[str, list[int]] | None = None,
+                   known: dict[str, np.ndarray] | None = None) -> None:
         """Append segments (ids, slots or a function making them; tombstones where slots is None) to log tables, retire
         the segments ``deleting`` names (``dropping``: the tombstones among them no older copy
         of their ids outlives) and those left without a live row, then meta: one transaction;
         the index follows once it has committed. Retired segments go in the same transaction,
         or, for a publish_at_flush writer, with the next publish: readers of the last one may
-        still read them."""
+        still read them. ``known``: by table, the place of each id of its segments before them
+        (RowLog.apply)."""
         def plan():
             out, gone = [], {}
             for t in set(segments) | set(deleting or ()):
@@ -402,7 +404,7 @@ class LogTables:
             new, gone = planned
             for t in {t for t, *_ in new}:
                 self._logs[t].apply([(seq, rowlog.TOMBSTONES if slots is None else rowlog.ROWS, ids, -1)
-                                     for table, seq, ids, slots in new if table == t])
+                                     for table, seq, ids, slots in new if table == t], known=(known or {}).get(t))
             for t, seqs in gone.items():
                 log = self._logs[t]
                 for seq in seqs:
@@ -455,8 +457,10 @@ class LogTables:
                     raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
                 kept_ids.append(ids)
                 kept_at.append(first + np.arange(len(ids), dtype=np.int64) * log.slot_bytes)
+            kept_places = np.zeros(0, dtype=np.uint32)
             if kept_ids:  # the live slots of them all, found in one index lookup
                 live = log.live_of(victims, kept_ids)
+                kept_places = log.slot_places(victims, kept_ids)[live]
                 kept_ids, kept_at = [np.concatenate(kept_ids)[live]], [np.concatenate(kept_at)[live]]
             kept_slots = np.empty((sum(map(len, kept_at)), log.slot_bytes), dtype=np.uint8)
             if kept_at:
@@ -464,16 +468,20 @@ class LogTables:
             for seq in merged:
                 ids = rowlog.parse_header(txn.get(rowlog.seq_key(seq)))[1]
                 still_deleted.append(ids[log.index.get(ids) == rowlog.NONE])
-        parts = []
+        # where each id of the new segments was: its victim slot, found live above; a merged
+        # tombstone's id, nowhere (the index held none). The index is not asked again
+        parts, known = [], [kept_places]
         if kept_ids:
             ids = np.concatenate(kept_ids)
             order = np.argsort(ids, kind="stable")
             slots = kept_slots[order]
-            ids = ids[order]
+            ids, known = ids[order], [kept_places[order]]
             parts += [(ids[lo: lo + log.per_segment], slots[lo: lo + log.per_segment]) for lo in range(0, len(ids), log.per_segment)]
         if still_deleted:
             parts.append((np.unique(np.concatenate(still_deleted)), None))
-        self._write_log({table: parts}, deleting={table: victims + dropped + merged}, dropping={table: dropped})
+            known.append(np.full(len(parts[-1][0]), rowlog.NONE, dtype=np.uint32))
+        self._write_log({table: parts}, deleting={table: victims + dropped + merged}, dropping={table: dropped},
+                        known={table: np.concatenate(known)})
 
     def _log_sweep(self, table: str, cutoff: int | None, budget: int, l2_below: float | None) -> int:
         """sweep() of a log table: the live rows of its next segments, ``budget`` slots or so."""

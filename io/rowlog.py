@@ -229,10 +229,14 @@ class RowLog:
         self.live_rows -= len(places)
         self.emptied.extend(self.seq[segs[self.live[segs] == 0]].tolist())
 
-    def apply(self, segments: list[tuple[int, int, np.ndarray, int]]) -> None:
+    def apply(self, segments: list[tuple[int, int, np.ndarray, int]], known: np.ndarray | None = None) -> None:
         """Apply ``segments`` ((seq, kind, ids, file offset of the first slot or -1), in sequence
         order, each newer than every one applied): one update of the index for all of them
-        (it costs about its own runs, and a little for the runs it meets: see io.rowindex)."""
+        (it costs about its own runs, and a little for the runs it meets: see io.rowindex).
+        ``known``: the place of each of their ids (all of them, in order, distinct) before
+        them, where the caller found it under the same write lock (a collection's copies: the
+        slots it found live), so that the index is not asked again: in a mapped level that
+        is a page read from disk a row."""
         if not segments:
             return
         all_ids, all_places = [], []
@@ -257,7 +261,7 @@ class RowLog:
         first[1:] = ids[1:] != ids[:-1]
         last = np.append(first[1:], True)
         previous = np.empty(len(ids), dtype=np.uint32)  # where each place's row was before it
-        previous[first] = self.index.get(ids[first])
+        previous[first] = self.index.get(ids[first]) if known is None else np.asarray(known, dtype=np.uint32)[order][first]
         previous[~first] = places[:-1][~first[1:]]
         self._release(previous)
         self.index.put(ids[last], places[last])
@@ -406,9 +410,12 @@ class RowLog:
         of the write-back's CPU, collections meeting a few hundred segments each)."""
         if not seqs:
             return np.zeros(0, dtype=bool)
-        places = np.concatenate([(self._index[seq] << _SLOT_BITS) | np.arange(len(i), dtype=np.uint32)
-                                 for seq, i in zip(seqs, ids)])
-        return self.index.get(np.concatenate(ids)) == places
+        return self.index.get(np.concatenate(ids)) == self.slot_places(seqs, ids)
+
+    def slot_places(self, seqs: list[int], ids: list[np.ndarray]) -> np.ndarray:
+        """The places of the slots of segments ``seqs`` (of their ``ids``), concatenated."""
+        return np.concatenate([(self._index[seq] << _SLOT_BITS) | np.arange(len(i), dtype=np.uint32)
+                               for seq, i in zip(seqs, ids)])
 
     def droppable_tombstones(self) -> list[int]:
         """Tombstones older than every row segment: no older copy of their ids is left."""

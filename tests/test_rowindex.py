@@ -490,7 +490,7 @@ def test_replay_at_open_stays_within_the_limit(tmp_path, monkeypatch):
     b.close(save_index=False)
     held = []
     real = rowlog.RowLog.apply
-    monkeypatch.setattr(rowlog.RowLog, "apply", lambda log, segments: (real(log, segments), held.append(log.index.nbytes))[0])
+    monkeypatch.setattr(rowlog.RowLog, "apply", lambda log, segments, **k: (real(log, segments, **k), held.append(log.index.nbytes))[0])
     limit = 8 * per_segment * rowindex.RUN_BYTES
     b = open_writer(str(tmp_path), ROWS, limit)
     try:
@@ -516,7 +516,7 @@ def test_recovery_replays_about_save_rows_at_most(tmp_path, monkeypatch):
     b.close(save_index=False)  # as after kill -9
     replayed = []
     real = rowlog.RowLog.apply
-    monkeypatch.setattr(rowlog.RowLog, "apply", lambda log, segments: (replayed.extend(len(v[2]) for v in segments), real(log, segments))[1])
+    monkeypatch.setattr(rowlog.RowLog, "apply", lambda log, segments, **k: (replayed.extend(len(v[2]) for v in segments), real(log, segments, **k))[1])
     b = open_writer(str(tmp_path), ROWS, 1 << 30)
     try:
         assert sum(replayed) < 500 + 64

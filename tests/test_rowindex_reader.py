@@ -51,8 +51,8 @@ def test_a_reader_keeps_its_index_within_its_limit(tmp_path, monkeypatch, writab
     store = tmp_path / "s"
     held = []
     real = rowlog.RowLog.apply
-    monkeypatch.setattr(rowlog.RowLog, "apply", lambda log, segments: (
-        real(log, segments), log.index.limit == LIMIT and held.append(log.index.nbytes))[0])  # the reader's
+    monkeypatch.setattr(rowlog.RowLog, "apply", lambda log, segments, **k: (
+        real(log, segments, **k), log.index.limit == LIMIT and held.append(log.index.nbytes))[0])  # the reader's
     writer = open_writer(str(store), ROWS, 1 << 30)
     rng = np.random.default_rng(0)
     model: dict[int, float] = {}
