@@ -457,7 +457,6 @@ class LogTables:
                     raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
                 kept_ids.append(ids)
                 kept_at.append(first + np.arange(len(ids), dtype=np.int64) * log.slot_bytes)
-            kept_places = np.zeros(0, dtype=np.uint32)
             if kept_ids:  # the live slots of them all, found in one index lookup
                 live = log.live_of(victims, kept_ids)
                 kept_places = log.slot_places(victims, kept_ids)[live]
@@ -470,18 +469,19 @@ class LogTables:
                 still_deleted.append(ids[log.index.get(ids) == rowlog.NONE])
         # where each id of the new segments was: its victim slot, found live above; a merged
         # tombstone's id, nowhere (the index held none). The index is not asked again
-        parts, known = [], [kept_places]
+        parts, known = [], []
         if kept_ids:
             ids = np.concatenate(kept_ids)
             order = np.argsort(ids, kind="stable")
             slots = kept_slots[order]
-            ids, known = ids[order], [kept_places[order]]
+            ids = ids[order]
+            known.append(kept_places[order])
             parts += [(ids[lo: lo + log.per_segment], slots[lo: lo + log.per_segment]) for lo in range(0, len(ids), log.per_segment)]
         if still_deleted:
             parts.append((np.unique(np.concatenate(still_deleted)), None))
             known.append(np.full(len(parts[-1][0]), rowlog.NONE, dtype=np.uint32))
         self._write_log({table: parts}, deleting={table: victims + dropped + merged}, dropping={table: dropped},
-                        known={table: np.concatenate(known)})
+                        known={table: np.concatenate(known)} if known else None)
 
     def _log_sweep(self, table: str, cutoff: int | None, budget: int, l2_below: float | None) -> int:
         """sweep() of a log table: the live rows of its next segments, ``budget`` slots or so."""
