@@ -457,8 +457,8 @@ class LogTables:
                     raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
                 kept_ids.append(ids)
                 kept_at.append(first + np.arange(len(ids), dtype=np.int64) * log.slot_bytes)
-            if kept_ids:  # the live slots of them all, found in one index lookup
-                live = log.live_of(victims, kept_ids)
+            if kept_ids:  # the live slots of them all, from the log's bits (no index lookup)
+                live = log.live_of(victims)
                 kept_places = log.slot_places(victims, kept_ids)[live]
                 kept_ids, kept_at = [np.concatenate(kept_ids)[live]], [np.concatenate(kept_at)[live]]
             kept_slots = np.empty((sum(map(len, kept_at)), log.slot_bytes), dtype=np.uint8)
@@ -501,7 +501,7 @@ class LogTables:
                 kind, ids, offset = rowlog.parse_header(value)
                 slots = np.frombuffer(value, dtype=np.uint8, count=len(ids) * log.slot_bytes, offset=offset)
                 slots = slots.reshape(len(ids), log.slot_bytes)
-                live = log.live_of([seq], [ids])
+                live = log.live_of([seq])
                 gone = np.zeros(len(ids), dtype=bool)
                 if log.last_use and cutoff is not None:
                     gone |= np.ascontiguousarray(slots[:, codec.row_bytes:]).view(STEP).ravel() <= cutoff
