@@ -45,14 +45,14 @@ class LogTables:
         """A reader's index past its limit (its only writes are the replays of what the writer
         committed): a level written to a file of its own, mapped, and unlinked at once, so that
         no other process sees it and nothing is left behind, even after kill -9 (the map keeps
-        the file until it unmaps). Beside data.mdb, on the levels' file system, where the reader
+        the file until it unmaps), never synced. Beside data.mdb, on the levels' file system, where the reader
         may write there; else in the temporary directory. A file that cannot be written leaves
         the index in memory, past its limit, until the next replay tries again."""
         folder = self.path if os.access(self.path, os.W_OK) else Path(tempfile.gettempdir())
         path = folder / f"reader-index-{os.getpid()}-{os.urandom(8).hex()}.bin"
         k = log.index.plan()
         try:
-            rowlog.take_index(log, path, rowlog.write_index(log, path, "", k), k)
+            rowlog.take_index(log, path, rowlog.write_index(log, path, "", k, durable=False), k)
         except OSError as e:
             warnings.warn(f"could not write a reader's row index for {self.path} to {folder} ({e})", stacklevel=3)
         finally:

@@ -71,10 +71,11 @@ def _offsets(sizes: list[int]) -> list[int]:
     return out + [at]
 
 
-def write_file(index: RowIndex, path: Path, header: dict, arrays: list[np.ndarray], k: int) -> dict:
+def write_file(index: RowIndex, path: Path, header: dict, arrays: list[np.ndarray], k: int, durable: bool = True) -> dict:
     """Write ``arrays`` (int64) and the level ``index.merging(k)`` makes (a piece at a time) to
-    ``path``: a temporary file, synced, renamed over it. Returns the header written, which
-    names the mapped levels left under it (``index.levels[k:]``)."""
+    ``path``: a temporary file, synced (where ``durable``: a file LMDB may name; a reader's
+    private level is unlinked once mapped, and needs no sync), renamed over it. Returns the
+    header written, which names the mapped levels left under it (``index.levels[k:]``)."""
     cap, block = index.capacity(k), _block()
     sizes = [a.nbytes for a in arrays] + [block.itemsize * _blocks(cap), 8 * (_blocks(cap) + 1), 4 * (_blocks(cap) + 1)]
     offsets = _offsets(sizes)
@@ -121,12 +122,14 @@ def write_file(index: RowIndex, path: Path, header: dict, arrays: list[np.ndarra
                   "blocks_crc": zlib.crc32(_bytes(block_crcs)), "levels": levels}
         # a few hundred bytes, and some 60 a level (MAX_LEVELS): a page holds it
         _pwrite(fd, memoryview(_MAGIC + json.dumps(header).encode() + b"\n"), 0)
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    fsync_path(path.parent)
+    if durable:
+        fsync_path(path.parent)
     return header
 
 

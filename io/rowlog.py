@@ -464,13 +464,13 @@ def _shape(log: "RowLog") -> dict:
     return {"rows": log.num_rows, "slot_bytes": log.slot_bytes, "slot_bits": _SLOT_BITS}
 
 
-def write_index(log: "RowLog", path: Path, token: str, k: int) -> dict:
+def write_index(log: "RowLog", path: Path, token: str, k: int, durable: bool = True) -> dict:
     """Write ``log``'s segments' bookkeeping and a level of its runs (what memory holds over
-    its ``k`` newest mapped levels: RowIndex.plan) to ``path`` (a temporary file, synced,
-    renamed over it); returns the header take_index needs."""
+    its ``k`` newest mapped levels: RowIndex.plan) to ``path`` (a temporary file, synced where
+    ``durable``, renamed over it); returns the header take_index needs."""
     tombstones = np.array(sorted(log.tombstones.items()), dtype=np.int64).reshape(-1)
     return rowindex_file.write_file(log.index, path, {**_header(log, token), "applied": log.applied, "live_rows": log.live_rows},
-                                    [log.seq, log.live, log.slots, tombstones, log.bits.reshape(-1).view(np.int64)], k)
+                                    [log.seq, log.live, log.slots, tombstones, log.bits.reshape(-1).view(np.int64)], k, durable)
 
 
 def take_index(log: "RowLog", path: Path, header: dict, k: int) -> bool:

@@ -41,7 +41,7 @@ def test_a_reader_keeps_its_index_within_its_limit(tmp_path, monkeypatch, writab
     runs opens (it replays every segment: the writer saved no index) and follows 20,000 more
     written after: its index never holds more than its limit, its private files are gone
     from the directory (the store's, or the temporary one where it may not write the
-    store's), and it reads every row as written."""
+    store's), never synced (no one reads them after a crash), and it reads every row as written."""
     spare = tmp_path / "tmp"
     spare.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(spare))
@@ -53,6 +53,9 @@ def test_a_reader_keeps_its_index_within_its_limit(tmp_path, monkeypatch, writab
     real = rowlog.RowLog.apply
     monkeypatch.setattr(rowlog.RowLog, "apply", lambda log, segments, **k: (
         real(log, segments, **k), log.index.limit == LIMIT and held.append(log.index.nbytes))[0])  # the reader's
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))[1])
     writer = open_writer(str(store), ROWS, 1 << 30)
     rng = np.random.default_rng(0)
     model: dict[int, float] = {}
@@ -77,6 +80,7 @@ def test_a_reader_keeps_its_index_within_its_limit(tmp_path, monkeypatch, writab
             assert len(held) > 2 and max(held) <= LIMIT
             assert reader._logs["t"].index.nbytes <= LIMIT < len(model) * rowindex.RUN_BYTES
             assert set(store.iterdir()) == files and not any(spare.iterdir())  # the reader's files: unlinked once mapped
+            assert not [f for f in synced if "reader-index" in f]
         finally:
             reader.close()
     finally:
