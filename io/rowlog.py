@@ -38,6 +38,7 @@ import numpy as np
 
 from . import rowindex, rowindex_file
 from .codecs import RowCodec
+from .liveslots import LiveSlots
 from .errors import SegmentLimitError, TierstoreError
 from .rowindex import NONE, SLOT_BITS as _SLOT_BITS, RowIndex
 
@@ -52,10 +53,11 @@ _libc.syscall.restype = ctypes.c_long
 # of 2-256 (read from its free database), reloaded by every transaction: 36% of the write-back's
 # CPU in mdb_page_alloc and mdb_midl_xmerge (perf, 1 GiB, depth 4).
 SEGMENT_BYTES = 64 << 10
-MIN_SEGMENT_ROWS = 256  # fewer and the segments' own bookkeeping (entry_bytes) outgrows a byte a row
+MIN_SEGMENT_ROWS = 256  # fewer and the segments' own bookkeeping (SEGMENT_ENTRY_BYTES) outgrows a byte a row
 SPARE = 0.5  # dead slots kept at most, as a fraction of live rows, before a collection (RowLog.victims)
 MAX_SLOTS = 1 << _SLOT_BITS
 _MAX_SEGMENTS = (1 << (32 - _SLOT_BITS)) - 1  # the last one would make NONE a place
+SEGMENT_ENTRY_BYTES = 4 * 8  # a segment's seq, live, slots and offset in RowLog (its live bits: the page cache's)
 HEADER = struct.Struct("<4sB3xII")  # magic, kind, ids, slot bytes
 _MAGIC = b"TSG1"
 ROWS, TOMBSTONES = 0, 1
@@ -87,20 +89,13 @@ def rows_per_segment(slot_bytes: int, num_rows: int) -> int:
     return min(MAX_SLOTS, max(SEGMENT_BYTES // slot_bytes, MIN_SEGMENT_ROWS, fit))
 
 
-def entry_bytes(slots: int) -> int:
-    """Memory a RowLog keeps per segment of up to ``slots`` slots: its seq, live, slots and
-    offset, and a bit a slot (whether it holds its id's latest row), in whole 8-byte words."""
-    return 4 * 8 + 8 * -(-slots // 64)
-
-
 def segment_bytes_bound(num_rows: int, slot_bytes: int) -> int:
     """The most the segments' entries of a RowLog of ``num_rows`` rows of ``slot_bytes`` take:
     victims() keeps the segments under twice the full ones needed plus 16, _allocate grows
     the arrays by doubling from 64, and the 64 more leave room for what a collection has yet
     to merge."""
-    per_segment = rows_per_segment(slot_bytes, num_rows)
-    segments = 2 * (2 * -(-num_rows // per_segment) + 16 + 64)
-    return entry_bytes(per_segment) * segments
+    segments = 2 * (2 * -(-num_rows // rows_per_segment(slot_bytes, num_rows)) + 16 + 64)
+    return SEGMENT_ENTRY_BYTES * segments
 
 
 def runs_bytes_bound(num_rows: int) -> int:
@@ -166,13 +161,13 @@ class RowLog:
     """The in-memory index of one table's segments: for each id, its segment's slot in
     this index (``index``, io.rowindex: segment index << 12 | slot, NONE where no row is
     stored), and for each segment its sequence number, live rows, place in the file, and
-    which of its slots are live (``bits``, a bit a slot: a collection finds the rows it
-    must copy there, where asking the index for each victim's ids read a page of a
-    mapped level a row).
+    which of its slots are live (``bits``, io.liveslots: what a collection copies).
     Its own methods never touch LMDB: the backend hands them values and commits.
-    ``runs_limit``: the bytes its runs may hold (RowIndex.limit)."""
+    ``runs_limit``: the bytes its runs may hold (RowIndex.limit); ``folder``: where the bits'
+    file goes (None: the temporary directory)."""
 
-    def __init__(self, codec: RowCodec, num_rows: int, last_use: bool, runs_limit: int | None = None):
+    def __init__(self, codec: RowCodec, num_rows: int, last_use: bool, runs_limit: int | None = None,
+                 folder: Path | None = None):
         self.codec = codec
         self.last_use = last_use
         self.num_rows = num_rows
@@ -186,9 +181,7 @@ class RowLog:
         self.live = np.zeros(0, dtype=np.int64)
         self.slots = np.zeros(0, dtype=np.int64)
         self.offset = np.zeros(0, dtype=np.int64)  # file offset of the first slot; -1 until read
-        # by segment index, a bit a slot (little-endian), set while the slot holds its id's latest row;
-        # rows of whole 8-byte words (saved as int64), widened where a segment has more slots
-        self.bits = np.zeros((0, 8 * -(-self.per_segment // 64)), dtype=np.uint8)
+        self.bits = LiveSlots(self.per_segment, _MAX_SEGMENTS, folder)  # by segment index
         self._free: list[int] = []
         self._index: dict[int, int] = {}  # seq -> segment index
         self.tombstones: dict[int, int] = {}  # seq -> ids
@@ -208,7 +201,7 @@ class RowLog:
         return self.unsaved >= max(SAVE_ROWS, held // _SAVED_RUNS_A_ROW)
 
     def index_bytes(self) -> int:
-        return self.index.nbytes + entry_bytes(8 * self.bits.shape[1]) * len(self.seq)
+        return self.index.nbytes + SEGMENT_ENTRY_BYTES * len(self.seq)
 
     # -- applying segments (in sequence order) -----------------------------------------
     def _allocate(self, seq: int, n: int) -> int:
@@ -223,14 +216,11 @@ class RowLog:
                 grown = np.full(new, fill, dtype=np.int64)
                 grown[:old] = getattr(self, name)
                 setattr(self, name, grown)
-            self.bits = np.concatenate((self.bits, np.zeros((new - old, self.bits.shape[1]), dtype=np.uint8)))
             self._free = list(range(new - 1, old - 1, -1))
-        if n > 8 * self.bits.shape[1]:  # a segment written with more slots (an older SEGMENT_BYTES)
-            wider = -(-n // 64) * 8
-            self.bits = np.concatenate((self.bits, np.zeros((len(self.bits), wider - self.bits.shape[1]), dtype=np.uint8)), axis=1)
+        self.bits.widen(n, len(self.seq))  # a segment written under an older SEGMENT_BYTES may have more slots
         s = self._free.pop()
         self.seq[s], self.live[s], self.slots[s], self.offset[s] = seq, 0, n, -1
-        self.bits[s] = np.packbits(np.arange(8 * self.bits.shape[1]) < n, bitorder="little")
+        self.bits.reset(s, n)
         self._index[seq] = s
         return s
 
@@ -243,9 +233,7 @@ class RowLog:
         # applied took a fifth of the write-back's CPU with 64 KiB segments
         segs, counts = np.unique(places >> _SLOT_BITS, return_counts=True)
         self.live[segs] -= counts
-        slot = (places & (MAX_SLOTS - 1)).astype(np.int64)
-        np.bitwise_and.at(self.bits.reshape(-1), (places >> _SLOT_BITS).astype(np.int64) * self.bits.shape[1] + (slot >> 3),
-                          ~(np.uint8(1) << (slot & 7).astype(np.uint8)))
+        self.bits.clear((places >> _SLOT_BITS).astype(np.int64), (places & (MAX_SLOTS - 1)).astype(np.int64))
         self.live_rows -= len(places)
         self.emptied.extend(self.seq[segs[self.live[segs] == 0]].tolist())
 
@@ -299,7 +287,8 @@ class RowLog:
         self.tombstones.pop(seq, None)
         s = self._index.pop(seq, None)
         if s is not None:
-            self.seq[s], self.slots[s], self.live[s], self.bits[s] = 0, 0, 0, 0
+            self.seq[s], self.slots[s], self.live[s] = 0, 0, 0
+            self.bits.reset(s, 0)
             self._free.append(s)
 
     def adopt(self, values: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -430,8 +419,7 @@ class RowLog:
         if not seqs:
             return np.zeros(0, dtype=bool)
         s = np.array([self._index[seq] for seq in seqs], dtype=np.int64)
-        bits = np.unpackbits(self.bits[s], axis=1, bitorder="little").view(bool)
-        return bits[np.arange(bits.shape[1]) < self.slots[s][:, None]]
+        return self.bits.live(s, self.slots[s])
 
     def slot_places(self, seqs: list[int], ids: list[np.ndarray]) -> np.ndarray:
         """The places of the slots of segments ``seqs`` (of their ``ids``), concatenated."""
@@ -470,7 +458,7 @@ def write_index(log: "RowLog", path: Path, token: str, k: int, durable: bool = T
     ``durable``, renamed over it); returns the header take_index needs."""
     tombstones = np.array(sorted(log.tombstones.items()), dtype=np.int64).reshape(-1)
     return rowindex_file.write_file(log.index, path, {**_header(log, token), "applied": log.applied, "live_rows": log.live_rows},
-                                    [log.seq, log.live, log.slots, tombstones, log.bits.reshape(-1).view(np.int64)], k, durable)
+                                    [log.seq, log.live, log.slots, tombstones, log.bits.saved(len(log.seq))], k, durable)
 
 
 def take_index(log: "RowLog", path: Path, header: dict, k: int) -> bool:
@@ -503,7 +491,7 @@ def load_index(path: Path, log: "RowLog", token: str) -> set[str] | None:
     n = len(seq)
     log.seq, log.live, log.slots = seq, live, slots
     log.offset = np.full(n, -1, dtype=np.int64)
-    log.bits = bits.view(np.uint8).reshape(n, -1) if n else np.zeros((0, log.bits.shape[1]), dtype=np.uint8)
+    log.bits.load(bits, n)
     used = np.flatnonzero(log.seq > 0)
     log._index = dict(zip(log.seq[used].tolist(), used.tolist()))
     log._free = np.flatnonzero(log.seq == 0)[::-1].tolist()

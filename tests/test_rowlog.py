@@ -169,9 +169,9 @@ def live_counts_match_the_index(b):
     counts = np.bincount(segs, minlength=len(log.live))
     assert counts.tolist() == log.live.tolist()
     assert log.live_rows == len(places)
-    want = np.zeros((len(log.seq), 8 * log.bits.shape[1]), dtype=bool)
+    want = np.zeros((len(log.seq), log.bits.slots), dtype=bool)
     want[segs, (places & (rowlog.MAX_SLOTS - 1)).astype(np.int64)] = True
-    assert (np.unpackbits(log.bits, axis=1, bitorder="little").view(bool) == want).all()
+    assert (np.unpackbits(log.bits.rows[:len(log.seq)], axis=1, bitorder="little").view(bool) == want).all()
 
 
 LogAgainstModel.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
@@ -379,6 +379,18 @@ def test_an_index_saved_without_live_bits_is_rebuilt_from_the_segments(tmp_path,
     got = b.get_rows("t", np.arange(N))
     assert got[1].tolist() == want[1].tolist() and (got[0][got[1]] == want[0][want[1]]).all()
     live_counts_match_the_index(b)
+    b.close()
+
+
+def test_the_live_bits_are_pages_of_a_file_mapped_shared_and_unlinked(tmp_path):
+    """A writer's live-slot bits are pages of a sparse file beside data.mdb, mapped shared and
+    unlinked at once: the page cache's, which the kernel can write out and drop (anonymous
+    memory it could not), and nothing is left in the store's directory."""
+    b = open_backend(tmp_path / "s", "log")
+    b.put_rows([("t", np.arange(16), np.ones((16, DIM), dtype=np.float32))], last_use={"t": np.zeros(16, dtype=np.int64)})
+    maps = [line for line in Path("/proc/self/maps").read_text().splitlines() if f"{tmp_path / 's'}/live-slots-" in line]
+    assert maps and all(line.split()[1] == "rw-s" and line.endswith("(deleted)") for line in maps)
+    assert not [f for f in os.listdir(tmp_path / "s") if f.startswith("live-slots")]
     b.close()
 
 

@@ -232,8 +232,9 @@ def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Si
     The rule, for a budget B (bytes):
     - page_cache: B/4 is left to the page cache of data.mdb (LMDB reads through it; under a
       memory cgroup its pages count against the limit, and a cache squeezed to nothing makes
-      every get a disk read), and to the buffers of direct reads (io.direct: 2 MiB for each
-      thread that reads, in place of the pages those reads would have cached);
+      every get a disk read), to the buffers of direct reads (io.direct: 2 MiB for each
+      thread that reads, in place of the pages those reads would have cached), and to the
+      pages of the log tables' mapped index levels and live-slot bits (io.liveslots);
     - row_index: where the log layout keeps where each row is (io.rowlog), for every table with
       num_rows (of the tables ``indexed_tables`` names, where given; a table of an unbounded id
       space, or of a store written before the log layout, keeps its rows by key): its segments'

@@ -1,0 +1,90 @@
+"""Which slots of a row log's segments (io.rowlog) hold their id's latest row: a bit a slot.
+
+Why: a collection copies the live slots of its victims, and asking the row index for each
+victim's ids read a page of a mapped level a row (under a 0.5 GiB budget, half the index
+lookups of the DLRM step's write-back). The bits are kept as rows are written (a new
+segment's slots all live) and overwritten (the slots they leave cleared), and a collection
+reads them instead.
+
+A bit a slot is 25 MB for 200M rows of 16 floats: more than a small budget's share of the
+index, and unlike the runs it is touched at random by every write, so it cannot be spilled
+to a level. The bits live in a sparse file beside the store's (in the temporary directory
+where the store's may not be written), mapped shared and unlinked at once: pages never
+written take neither memory nor disk, the pages written are the page cache's, which the
+kernel writes out and drops under memory pressure as it does the mapped index levels' (the
+budget's page_cache part), and nothing is left behind, even after kill -9. The saved index
+holds a copy (io.rowlog.write_index)."""
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+
+def _mapped(entries: int, width: int, folder: Path | None) -> np.ndarray:
+    """A zeroed [entries, width] uint8 array over a sparse file, mapped shared and unlinked."""
+    if folder is None or not os.access(folder, os.W_OK):
+        folder = Path(tempfile.gettempdir())
+    path = folder / f"live-slots-{os.getpid()}-{os.urandom(8).hex()}.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        path.unlink()
+        os.ftruncate(fd, entries * width)
+        m = mmap.mmap(fd, entries * width, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    m.madvise(mmap.MADV_RANDOM)  # a row a segment, at random: read-ahead would read 32 pages for one
+    return np.frombuffer(m, dtype=np.uint8).reshape(entries, width)
+
+
+class LiveSlots:
+    """A bit a slot (little-endian, rows of whole 8-byte words: saved as int64) for each of
+    ``entries`` segment entries of up to ``slots`` slots, kept in a sparse file in ``folder``."""
+
+    def __init__(self, slots: int, entries: int, folder: Path | None = None):
+        self.entries, self.folder = entries, folder
+        self.rows = _mapped(entries, 8 * -(-slots // 64), folder)
+
+    @property
+    def slots(self) -> int:
+        """The most slots a segment may have."""
+        return 8 * self.rows.shape[1]
+
+    def widen(self, slots: int, used: int) -> None:
+        """Room for segments of ``slots`` slots (one written under an older segment size),
+        the first ``used`` entries kept."""
+        if slots > self.slots:
+            wider = _mapped(self.entries, 8 * -(-slots // 64), self.folder)
+            wider[:used, :self.rows.shape[1]] = self.rows[:used]
+            self.rows = wider
+
+    def reset(self, s: int, n: int) -> None:
+        """Entry ``s`` is a segment of ``n`` slots, all live (0: a free entry)."""
+        self.rows[s] = np.packbits(np.arange(self.slots) < n, bitorder="little")
+
+    def clear(self, segments: np.ndarray, slots: np.ndarray) -> None:
+        """The slots ``slots`` of entries ``segments`` (int64, one each) hold a row no longer."""
+        width = self.rows.shape[1]
+        # .at: two slots of one byte must both clear (a fancy-indexed &= keeps one of them)
+        np.bitwise_and.at(self.rows.reshape(-1), segments * width + (slots >> 3), ~(np.uint8(1) << (slots & 7).astype(np.uint8)))
+
+    def live(self, segments: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Mask of the first ``counts`` slots of each of entries ``segments``, concatenated:
+        those that hold their id's latest row."""
+        bits = np.unpackbits(self.rows[segments], axis=1, bitorder="little").view(bool)
+        return bits[np.arange(self.slots) < counts[:, None]]
+
+    def saved(self, used: int) -> np.ndarray:
+        """The first ``used`` entries' bits, as int64 (io.rowindex_file saves int64 arrays)."""
+        return np.ascontiguousarray(self.rows[:used]).reshape(-1).view(np.int64)
+
+    def load(self, words: np.ndarray, used: int) -> None:
+        """The bits of the first ``used`` entries from ``words`` (saved(used) of a log)."""
+        if used:
+            rows = words.view(np.uint8).reshape(used, -1)
+            self.widen(8 * rows.shape[1], 0)
+            self.rows[:used] = 0
+            self.rows[:used, :rows.shape[1]] = rows
