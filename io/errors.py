@@ -48,3 +48,7 @@ class SystemCallError(OSError, TierstoreError):
 
 class SegmentLimitError(RuntimeError, TierstoreError):
     """A log table holds as many segments as its index can; compacting the store frees them."""
+
+
+class SegmentFormatError(ValueError, TierstoreError):
+    """A row log segment's bytes are not a segment (damage): the backend names the file."""

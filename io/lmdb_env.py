@@ -11,7 +11,7 @@ from pathlib import Path
 
 import lmdb
 
-from tierstore.io import rowlog
+from tierstore.io import lmdb_map
 from tierstore.io.direct import DirectReader, open_reader
 from tierstore.io.errors import StoreLockedError
 from tierstore.io.files import mapped_file_bytes, unmap_pages
@@ -73,7 +73,7 @@ class _Env:
         again after the map moves; ``txn`` reads with buffers."""
         if self.base[0] != self.maps:
             # a value of the main database, in the map: the metadata database's record
-            self.base = (self.maps, rowlog.map_base(txn.get(META_DB, db=self.main)), self.env.info()["map_size"])
+            self.base = (self.maps, lmdb_map.map_base(txn.get(META_DB, db=self.main)), self.env.info()["map_size"])
         return self.base
 
     def trim_map(self) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from tierstore.io import rowlog
+from tierstore.io import lmdb_map, rowlog
 from tierstore.io.errors import StoreCorruptError
 
 
@@ -102,7 +102,7 @@ def _free_past_end(f, psize: int, free_db: bytes, first: int, last: int) -> bool
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mem:
             free = []
             # the free database's keys are transaction ids, never 0: every record is "above -1"
-            for _, at, nbytes in rowlog.walk_values(mem, free_db, -1, psize):
+            for _, at, nbytes in lmdb_map.walk_values(mem, free_db, -1, psize):
                 ids = np.frombuffer(mem[at: at + nbytes], dtype="=u8")  # a copy: the map closes after
                 if len(ids) == 0 or ids[0] != len(ids) - 1:
                     return False

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tierstore.io import rowlog
+from tierstore.io import lmdb_map, rowlog
 from tierstore.io.codecs import row_norms_sq
 from tierstore.io.errors import RowIndexDamagedError
 from tierstore.io.lmdb_file import corrupt
@@ -77,9 +77,9 @@ class LogTables:
             self._index_named[table] = self._index_current[table] = token
             self._index_named_files[table] = self._index_current_files[table] = files
             _, base, size = self._map_base(txn)
-            mem = rowlog.map_view(base, size)
+            mem = lmdb_map.map_view(base, size)
             try:
-                newer = log.adopt(rowlog.walk_values(mem, txn.get(b"s:" + table.encode(), db=self._shared.main), 0))
+                newer = log.adopt(lmdb_map.walk_values(mem, txn.get(b"s:" + table.encode(), db=self._shared.main), 0))
                 log.replay(mem, newer if published is None else [v for v in newer if v[0] <= published[0]])
             except rowlog.SegmentFormatError as e:
                 raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
@@ -184,7 +184,7 @@ class LogTables:
             _, base, size = self._map_base(txn)
             record = txn.get(b"s:" + table.encode(), db=self._shared.main)
             try:
-                seqs = [seq for seq, _, _ in rowlog.walk_values(rowlog.map_view(base, size), record, published[0])]
+                seqs = [seq for seq, _, _ in lmdb_map.walk_values(lmdb_map.map_view(base, size), record, published[0])]
             except rowlog.SegmentFormatError as e:
                 raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
         for lo in range(0, len(seqs), _ROLLBACK_KEYS):
@@ -322,8 +322,8 @@ class LogTables:
             return
         _, base, size = self._map_base(txn)
         if len(offsets) >= _ADVISED_READ:
-            rowlog.will_need(base, offsets, width)
-        rowlog.gather(base, size, offsets, width, out)
+            lmdb_map.will_need(base, offsets, width)
+        lmdb_map.gather(base, size, offsets, width, out)
 
     def _sync_log(self, table: str, txn) -> bool:
         """Bring ``table``'s index to ``txn``'s snapshot (under the index lock); False when
@@ -341,11 +341,11 @@ class LogTables:
             self._log_synced[table] = tid
             return True
         _, base, size = self._map_base(txn)
-        mem = rowlog.map_view(base, size)
+        mem = lmdb_map.map_view(base, size)
         record = txn.get(b"s:" + table.encode(), db=self._shared.main)
         upto = published[0] if published is not None else None
         try:
-            newer = rowlog.walk_values(mem, record, log.applied, upto=upto)
+            newer = lmdb_map.walk_values(mem, record, log.applied, upto=upto)
             if published is not None:
                 # segments that came and went unseen held only rows that newer segments hold, or are
                 # tombstones: a merged one's ids are in the merge, a dropped one's are not (rebuild)
@@ -355,7 +355,7 @@ class LogTables:
                 stale = seqs and seqs[-1] - seqs[0] + 1 != len(seqs) or seqs[:1] not in ([], [log.applied + 1])
             if stale:
                 log = self._logs[table] = self._new_log(table, log.codec, log.num_rows, log.last_use)
-                newer = rowlog.walk_values(mem, record, 0, upto=upto)
+                newer = lmdb_map.walk_values(mem, record, 0, upto=upto)
             log.replay(mem, newer)
         except rowlog.SegmentFormatError as e:
             raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
@@ -419,11 +419,11 @@ class LogTables:
                 # writer grows the map)
                 with self._reading(buffers=True) as txn:
                     _, base, size = self._map_base(txn)
-                    mem = rowlog.map_view(base, size)
+                    mem = lmdb_map.map_view(base, size)
                     for t in {t for t, *_ in new}:
                         first = min(seq for table, seq, *_ in new if table == t)
                         record = txn.get(b"s:" + t.encode(), db=self._shared.main)
-                        for seq, at, _ in rowlog.walk_values(mem, record, first - 1):
+                        for seq, at, _ in lmdb_map.walk_values(mem, record, first - 1):
                             self._logs[t].note_offset(seq, at)
         self._write(op, applied, plan, dirties=sum(len(ids) * self._logs[t].slot_bytes for t, parts in segments.items()
                                                    for ids, slots in parts if slots is not None))
@@ -445,11 +445,11 @@ class LogTables:
         with self._reading(db=self._log_dbs[table], buffers=True) as txn:
             kept_ids, kept_at, still_deleted = [], [], []
             _, base, size = self._map_base(txn)
-            mem = rowlog.map_view(base, size)
+            mem = lmdb_map.map_view(base, size)
             # each victim's header and ids, then its live slots, their pages asked for all at once
             # (not a fault a page); never txn.get, which faults in a whole 1 MiB value
             spans = np.array([log.id_span(seq) for seq in victims], dtype=np.int64).reshape(-1, 3)
-            rowlog.will_need(base, spans[:, 0], spans[:, 1])
+            lmdb_map.will_need(base, spans[:, 0], spans[:, 1])
             for seq, (at, length, first) in zip(victims, spans.tolist()):
                 try:
                     ids = log.ids_at(seq, mem[at: at + length])

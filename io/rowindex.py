@@ -31,6 +31,8 @@ import mmap
 
 import numpy as np
 
+from .lmdb_map import will_need
+
 NONE = np.uint32(0xFFFFFFFF)
 RUN_BYTES = 8 + 4 + 4  # start (int64), length (uint32), place of its first id (uint32)
 RECENT_RUNS = 1 << 16  # recent is merged into main past this many runs or an eighth of main's
@@ -434,8 +436,7 @@ class RowIndex:
 def _will_need(level: Runs, pages: np.ndarray) -> None:
     """Ask the kernel for the pages ``pages`` (FENCE runs each) of a mapped level all at once: a
     lookup's faults then wait on reads under way in parallel, not issued one by one
-    (io.rowlog.will_need)."""
-    from .rowlog import will_need  # io.rowlog builds on this module
+    (io.lmdb_map.will_need)."""
     page = level.start.map.dtype.itemsize
     will_need(level.start.map.ctypes.data, pages * page, page)
 

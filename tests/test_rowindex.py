@@ -19,7 +19,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tierstore.io import lmdb_log, rowindex, rowindex_file, rowlog
+from tierstore.io import rowindex, rowindex_file, rowlog
 from tierstore.io.errors import RowIndexDamagedError
 from tierstore.io.rowindex import NONE, RowIndex
 
@@ -300,8 +300,8 @@ def test_a_lookup_of_many_ids_asks_for_a_few_pages_of_a_mapped_level_at_a_time(t
     header = rowindex_file.write_file(index, tmp_path / "i", {}, [], index.plan())
     assert rowindex_file.take_runs(index, tmp_path / "i", header, index.plan()) and index.mapped
     asked = []
-    real = rowlog.will_need
-    monkeypatch.setattr(rowlog, "will_need", lambda base, offsets, width: (asked.append(len(offsets)), real(base, offsets, width))[1])
+    real = rowindex.will_need
+    monkeypatch.setattr(rowindex, "will_need", lambda base, offsets, width: (asked.append(len(offsets)), real(base, offsets, width))[1])
     ids = np.sort(np.random.default_rng(1).choice(2 * n, 3000, replace=False))
     got = index.get(ids)
     assert got.tolist() == [((1 << rowindex.SLOT_BITS) | (i // 2) % 4000) if i % 2 == 0 else int(NONE) for i in ids.tolist()]
