@@ -12,20 +12,24 @@ to a level. The bits live in a sparse file beside the store's (in the temporary 
 where the store's may not be written), mapped shared and unlinked at once: pages never
 written take neither memory nor disk, the pages written are the page cache's, which the
 kernel writes out and drops under memory pressure as it does the mapped index levels' (the
-budget's page_cache part), and nothing is left behind, even after kill -9. The saved index
-holds a copy (io.rowlog.write_index)."""
+budget's page_cache part), and nothing is left behind, even after kill -9. The disk under
+the entries in use is allocated as they are added (reserve), before the write that needs them
+commits: a page written over a hole of a full disk would kill the process (SIGBUS), where a
+failed allocation fails that write. The saved index holds a copy (io.rowlog.write_index)."""
 from __future__ import annotations
 
 import mmap
 import os
 import tempfile
+import weakref
 from pathlib import Path
 
 import numpy as np
 
 
-def _mapped(entries: int, width: int, folder: Path | None) -> np.ndarray:
-    """A zeroed [entries, width] uint8 array over a sparse file, mapped shared and unlinked."""
+def _mapped(entries: int, width: int, folder: Path | None) -> tuple[int, np.ndarray]:
+    """(its descriptor, a zeroed [entries, width] uint8 array) of a sparse file, mapped shared
+    and unlinked."""
     if folder is None or not os.access(folder, os.W_OK):
         folder = Path(tempfile.gettempdir())
     path = folder / f"live-slots-{os.getpid()}-{os.urandom(8).hex()}.bin"
@@ -34,10 +38,11 @@ def _mapped(entries: int, width: int, folder: Path | None) -> np.ndarray:
         path.unlink()
         os.ftruncate(fd, entries * width)
         m = mmap.mmap(fd, entries * width, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
     m.madvise(mmap.MADV_RANDOM)  # a row a segment, at random: read-ahead would read 32 pages for one
-    return np.frombuffer(m, dtype=np.uint8).reshape(entries, width)
+    return fd, np.frombuffer(m, dtype=np.uint8).reshape(entries, width)
 
 
 class LiveSlots:
@@ -45,8 +50,19 @@ class LiveSlots:
     ``entries`` segment entries of up to ``slots`` slots, kept in a sparse file in ``folder``."""
 
     def __init__(self, slots: int, entries: int, folder: Path | None = None):
-        self.entries, self.folder = entries, folder
-        self.rows = _mapped(entries, 8 * -(-slots // 64), folder)
+        self.entries, self.folder, self.reserved = entries, folder, 0
+        self._take(*_mapped(entries, 8 * -(-slots // 64), folder))
+
+    def _take(self, fd: int, rows: np.ndarray) -> None:
+        self.rows = rows
+        self._closed = weakref.finalize(self, os.close, fd)  # closes the one it replaces
+        self._fd = fd
+
+    def reserve(self, used: int) -> None:
+        """Allocate the disk under the first ``used`` entries (OSError ENOSPC where the disk is full)."""
+        if used > self.reserved:
+            os.posix_fallocate(self._fd, 0, used * self.rows.shape[1])
+            self.reserved = used
 
     @property
     def slots(self) -> int:
@@ -57,9 +73,16 @@ class LiveSlots:
         """Room for segments of ``slots`` slots (one written under an older segment size),
         the first ``used`` entries kept."""
         if slots > self.slots:
-            wider = _mapped(self.entries, 8 * -(-slots // 64), self.folder)
+            fd, wider = _mapped(self.entries, 8 * -(-slots // 64), self.folder)
+            try:
+                if self.reserved:
+                    os.posix_fallocate(fd, 0, self.reserved * wider.shape[1])
+            except BaseException:
+                os.close(fd)
+                raise
             wider[:used, :self.rows.shape[1]] = self.rows[:used]
-            self.rows = wider
+            self._closed()
+            self._take(fd, wider)
 
     def reset(self, s: int, n: int) -> None:
         """Entry ``s`` is a segment of ``n`` slots, all live (0: a free entry)."""
@@ -86,5 +109,6 @@ class LiveSlots:
         if used:
             rows = words.view(np.uint8).reshape(used, -1)
             self.widen(8 * rows.shape[1], 0)
+            self.reserve(used)
             self.rows[:used] = 0
             self.rows[:used, :rows.shape[1]] = rows

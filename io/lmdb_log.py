@@ -3,6 +3,7 @@ read snapshot, appends, collection, sweeps, and what readers see of them (publis
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
@@ -13,7 +14,7 @@ import numpy as np
 
 from tierstore.io import lmdb_map, rowlog
 from tierstore.io.codecs import row_norms_sq
-from tierstore.io.errors import RowIndexDamagedError
+from tierstore.io.errors import DiskFullError, RowIndexDamagedError
 from tierstore.io.lmdb_file import corrupt
 
 _INDEX_KEY = b"index:"  # + a log table's name: the token of its saved index (_save_indexes)
@@ -387,6 +388,13 @@ class LogTables:
                     if len(ids):
                         seq += 1
                         out.append((t, seq, ids, slots))
+                try:  # the index's room for them, taken before the commit (RowLog.reserve)
+                    log.reserve(sum(1 for table, *_, slots in out if table == t and slots is not None))
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    raise DiskFullError(errno.ENOSPC, f"disk full: could not allocate the row index's live-slot bits of "
+                                        f"table {t!r} beside {self.path} ({e}); free disk space", str(self.path)) from e
             return out, gone
 
         def op(txn, planned):

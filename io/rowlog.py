@@ -193,19 +193,26 @@ class RowLog:
         return self.index.nbytes + SEGMENT_ENTRY_BYTES * len(self.seq)
 
     # -- applying segments (in sequence order) -----------------------------------------
-    def _allocate(self, seq: int, n: int) -> int:
+    def reserve(self, segments: int) -> None:
+        """Room for ``segments`` more row segments, made before the transaction that writes them
+        commits: the live bits' disk is taken here (io.liveslots.LiveSlots.reserve), so that a
+        full disk fails the write (OSError ENOSPC), never the index update after its commit."""
         if not self._free and self._held and self.index.dead is None:  # no mapped index names them now
             self._free, self._held = self._held[::-1], []
-        if not self._free:
+        if len(self._free) < segments:
             old = len(self.seq)
             if old >= _MAX_SEGMENTS:
                 raise SegmentLimitError(f"a table reached {_MAX_SEGMENTS:,} segments; compact the store (tierstore compact)")
-            new = min(_MAX_SEGMENTS, max(64, 2 * old))
+            new = min(_MAX_SEGMENTS, max(64, 2 * old, old + segments))
+            self.bits.reserve(new)
             for name, fill in (("seq", 0), ("live", 0), ("slots", 0), ("offset", -1)):
                 grown = np.full(new, fill, dtype=np.int64)
                 grown[:old] = getattr(self, name)
                 setattr(self, name, grown)
-            self._free = list(range(new - 1, old - 1, -1))
+            self._free = list(range(new - 1, old - 1, -1)) + self._free
+
+    def _allocate(self, seq: int, n: int) -> int:
+        self.reserve(1)  # a replay's: a writer's commits reserve first
         self.bits.widen(n, len(self.seq))  # a segment written under an older SEGMENT_BYTES may have more slots
         s = self._free.pop()
         self.seq[s], self.live[s], self.slots[s], self.offset[s] = seq, 0, n, -1

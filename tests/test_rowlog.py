@@ -394,6 +394,32 @@ def test_the_live_bits_are_pages_of_a_file_mapped_shared_and_unlinked(tmp_path):
     b.close()
 
 
+def test_a_full_disk_under_the_live_bits_fails_the_write_before_it_commits(tmp_path, monkeypatch):
+    """The disk under the live-slot bits of new segment entries is allocated before the write
+    that needs them commits: where it cannot be (a full disk, injected), the write fails with
+    DiskFullError, nothing of it committed, and it goes through once there is room (a page
+    written over an unallocated hole of a full disk kills the process with SIGBUS)."""
+    import errno
+    from tierstore.io.errors import DiskFullError
+    b = open_backend(tmp_path / "s", "log")
+    b.put_rows([("t", np.arange(N), np.ones((N, DIM), dtype=np.float32))], last_use={"t": np.zeros(N, dtype=np.int64)})
+    log = b._logs["t"]
+    log._free = log._free[:5]  # 5 entries left: the next write's 10 segments need more
+    applied = log.applied
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with monkeypatch.context() as disk:
+        disk.setattr(os, "posix_fallocate", full)
+        with pytest.raises(DiskFullError, match="live-slot bits"):
+            b.put_rows([("t", np.arange(N), np.full((N, DIM), 2, dtype=np.float32))], last_use={"t": np.ones(N, dtype=np.int64)})
+    assert log.applied == applied and (b.get_rows("t", np.arange(N))[0] == 1).all()
+    b.put_rows([("t", np.arange(N), np.full((N, DIM), 2, dtype=np.float32))], last_use={"t": np.ones(N, dtype=np.int64)})
+    assert (b.get_rows("t", np.arange(N))[0] == 2).all()
+    live_counts_match_the_index(b)
+    b.close()
+
+
 def test_a_write_that_changes_nothing_leaves_log_reads_working(tmp_path, monkeypatch):
     """A write transaction that changes nothing (a sweep of another table finding no idle row)
     commits no new snapshot: the log's index must still name the snapshot readers get, or each
