@@ -55,7 +55,7 @@ class LiveSlots:
 
     def _take(self, fd: int, rows: np.ndarray) -> None:
         self.rows = rows
-        self._closed = weakref.finalize(self, os.close, fd)  # closes the one it replaces
+        self._closed = weakref.finalize(self, os.close, fd)  # called by widen, or when this goes
         self._fd = fd
 
     def reserve(self, used: int) -> None:
