@@ -11,7 +11,6 @@ spans many commits is seen whole or not at all (docs/durability.md).
 """
 from __future__ import annotations
 
-import errno
 import fcntl
 import functools
 import json
@@ -28,11 +27,11 @@ import numpy as np
 from tierstore.io import rowlog
 from tierstore.io.codecs import RowCodec, encode_keys
 from tierstore.io.errors import (
-    BadRowsError, DiskFullError, ForeignStoreError, RowIndexDamagedError, StoreLockedError, StoreNotFoundError,
+    BadRowsError, ForeignStoreError, RowIndexDamagedError, StoreLockedError, StoreNotFoundError,
     StoreReadonlyError)
 from tierstore.io.lmdb_env import (
     _OPEN, _OPEN_LOCK, META_DB, _Env, _lock_directory, _ResizeGuard, _shared_env, take_writer_lock)
-from tierstore.io.lmdb_file import _CORRUPT, _LOW_SPACE, _free_bytes, check_data_file, corrupt
+from tierstore.io.lmdb_file import _CORRUPT, _LOW_SPACE, _free_bytes, check_data_file, corrupt, disk_full
 from tierstore.io.lmdb_log import STEP, LogTables
 from tierstore.io.lmdb_sketches import Sketches
 from tierstore.io.lmdb_upkeep import Upkeep
@@ -277,10 +276,8 @@ class LmdbBackend(LogTables, Upkeep, Sketches):
             if isinstance(e, lmdb.MapFullError) or (writes is None and not isinstance(e, lmdb.DiskError)):
                 raise
             path = writes or self.path / "data.mdb"
-            free = _free_bytes(path)
-            if isinstance(e, lmdb.DiskError) or free < _LOW_SPACE:
-                raise DiskFullError(errno.ENOSPC, f"disk full: LMDB could not write {path} ({e}; {free} bytes free); "
-                              "free disk space", str(path)) from e
+            if isinstance(e, lmdb.DiskError) or _free_bytes(path) < _LOW_SPACE:
+                raise disk_full(path, f"LMDB could not write {path}", e) from e
             raise
 
     def write_meta(self, items: dict, new_tables: dict[str, tuple[bool, int | None]] | None = None) -> None:

@@ -2,6 +2,7 @@
 the free-space test that tells a full disk from another failed write."""
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import shutil
@@ -12,7 +13,7 @@ import lmdb
 import numpy as np
 
 from tierstore.io import lmdb_map, rowlog
-from tierstore.io.errors import StoreCorruptError
+from tierstore.io.errors import DiskFullError, StoreCorruptError
 
 
 def corrupt(path: Path, what: str) -> StoreCorruptError:
@@ -125,3 +126,9 @@ def _free_bytes(path: Path) -> int:
     while not path.exists() and path != path.parent:
         path = path.parent
     return shutil.disk_usage(path).free
+
+
+def disk_full(path: Path, what: str, cause: BaseException, fix: str = "free disk space") -> DiskFullError:
+    """The store's error for a write that found the disk under ``path`` full: ``what`` could
+    not be written (``cause``), the free bytes, and ``fix``."""
+    return DiskFullError(errno.ENOSPC, f"disk full: {what} ({cause}; {_free_bytes(path)} bytes free); {fix}", str(path))

@@ -14,8 +14,8 @@ import numpy as np
 
 from tierstore.io import lmdb_map, rowlog
 from tierstore.io.codecs import row_norms_sq
-from tierstore.io.errors import DiskFullError, RowIndexDamagedError
-from tierstore.io.lmdb_file import corrupt
+from tierstore.io.errors import RowIndexDamagedError
+from tierstore.io.lmdb_file import corrupt, disk_full
 
 _INDEX_KEY = b"index:"  # + a log table's name: the token of its saved index (_save_indexes)
 # + a log table's name: what readers see of it (publish): {"seq": the newest segment, "dropped": the
@@ -83,7 +83,7 @@ class LogTables:
                 newer = log.adopt(lmdb_map.walk_values(mem, txn.get(b"s:" + table.encode(), db=self._shared.main), 0))
                 log.replay(mem, newer if published is None else [v for v in newer if v[0] <= published[0]])
             except rowlog.SegmentFormatError as e:
-                raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
+                raise self._damaged(table, e) from None
             except RowIndexDamagedError:  # the open's replay (_log_slots) then replays every segment
                 self._rebuild_log(table, sync=False)
                 return
@@ -187,7 +187,7 @@ class LogTables:
             try:
                 seqs = [seq for seq, _, _ in lmdb_map.walk_values(lmdb_map.map_view(base, size), record, published[0])]
             except rowlog.SegmentFormatError as e:
-                raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
+                raise self._damaged(table, e) from None
         for lo in range(0, len(seqs), _ROLLBACK_KEYS):
             def op(txn, part=seqs[lo: lo + _ROLLBACK_KEYS]):
                 for seq in part:
@@ -359,7 +359,7 @@ class LogTables:
                 newer = lmdb_map.walk_values(mem, record, 0, upto=upto)
             log.replay(mem, newer)
         except rowlog.SegmentFormatError as e:
-            raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
+            raise self._damaged(table, e) from None
         if self._lock_fd is None:  # a reader: segments left behind are gone from its snapshots
             log.free_emptied()
         self._log_synced[table] = tid
@@ -393,8 +393,8 @@ class LogTables:
                 except OSError as e:
                     if e.errno != errno.ENOSPC:
                         raise
-                    raise DiskFullError(errno.ENOSPC, f"disk full: could not allocate the row index's live-slot bits of "
-                                        f"table {t!r} beside {self.path} ({e}); free disk space", str(self.path)) from e
+                    raise disk_full(self.path, f"could not allocate the row index's live-slot bits of table {t!r} "
+                                    f"beside {self.path}", e) from e
             return out, gone
 
         def op(txn, planned):
@@ -459,15 +459,12 @@ class LogTables:
             spans = np.array([log.id_span(seq) for seq in victims], dtype=np.int64).reshape(-1, 3)
             lmdb_map.will_need(base, spans[:, 0], spans[:, 1])
             for seq, (at, length, first) in zip(victims, spans.tolist()):
-                try:
-                    ids = log.ids_at(seq, mem[at: at + length])
-                except rowlog.SegmentFormatError as e:
-                    raise corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})") from None
+                ids = self._segment_ids(table, seq, mem[at: at + length])
                 kept_ids.append(ids)
                 kept_at.append(first + np.arange(len(ids), dtype=np.int64) * log.slot_bytes)
             if kept_ids:  # the live slots of them all, from the log's bits (no index lookup)
                 live = log.live_of(victims)
-                kept_places = log.slot_places(victims, kept_ids)[live]
+                kept_places = log.slot_places(victims)[live]
                 kept_ids, kept_at = [np.concatenate(kept_ids)[live]], [np.concatenate(kept_at)[live]]
             kept_slots = np.empty((sum(map(len, kept_at)), log.slot_bytes), dtype=np.uint8)
             if kept_at:
@@ -491,6 +488,17 @@ class LogTables:
         self._write_log({table: parts}, deleting={table: victims + dropped + merged}, dropping={table: dropped},
                         known={table: np.concatenate(known)} if known else None)
 
+    def _damaged(self, table: str, e: rowlog.SegmentFormatError) -> Exception:
+        return corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})")
+
+    def _segment_ids(self, table: str, seq: int, head) -> np.ndarray:
+        """The ids of ``table``'s row segment ``seq`` from ``head`` (the map's bytes that
+        RowLog.id_span names), damage named."""
+        try:
+            return self._logs[table].ids_at(seq, head)
+        except rowlog.SegmentFormatError as e:
+            raise self._damaged(table, e) from None
+
     def _log_sweep(self, table: str, cutoff: int | None, budget: int, l2_below: float | None) -> int:
         """sweep() of a log table: the live rows of its next segments, ``budget`` slots or so."""
         with self._write_lock:
@@ -503,19 +511,22 @@ class LogTables:
         start = int(self._sweep_from.get(table, 0) or 0)
         seqs = seqs[seqs >= start]
         dead, examined, last = [], 0, None
-        with self._reading(db=db) as txn:
-            for seq in seqs.tolist():
-                value = txn.get(rowlog.seq_key(seq))
-                kind, ids, offset = rowlog.parse_header(value)
-                slots = np.frombuffer(value, dtype=np.uint8, count=len(ids) * log.slot_bytes, offset=offset)
-                slots = slots.reshape(len(ids), log.slot_bytes)
-                live = log.live_of([seq])
-                gone = np.zeros(len(ids), dtype=bool)
+        with self._reading(db=db, buffers=True) as txn:
+            _, base, size = self._map_base(txn)
+            mem = lmdb_map.map_view(base, size)
+            for seq in seqs.tolist():  # its ids and live slots from the map, as a collection reads them
+                at, length, first = log.id_span(seq)
+                lmdb_map.will_need(base, np.array([at], dtype=np.int64), length)
+                ids = self._segment_ids(table, seq, mem[at: at + length])
+                live = np.flatnonzero(log.live_of([seq]))
+                slots = np.empty((len(live), log.slot_bytes), dtype=np.uint8)
+                self._read_at(txn, first + live * log.slot_bytes, log.slot_bytes, slots, direct=False)
+                gone = np.zeros(len(live), dtype=bool)
                 if log.last_use and cutoff is not None:
                     gone |= np.ascontiguousarray(slots[:, codec.row_bytes:]).view(STEP).ravel() <= cutoff
                 if l2_below is not None:
                     gone |= row_norms_sq(codec.unpack(slots[:, : codec.row_bytes])[:, : codec.dim]) < l2_below ** 2
-                dead.append(ids[live & gone])
+                dead.append(ids[live[gone]])
                 examined += len(ids)
                 last = seq
                 if examined >= budget:

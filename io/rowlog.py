@@ -417,10 +417,10 @@ class RowLog:
         s = np.array([self._index[seq] for seq in seqs], dtype=np.int64)
         return self.bits.live(s, self.slots[s])
 
-    def slot_places(self, seqs: list[int], ids: list[np.ndarray]) -> np.ndarray:
-        """The places of the slots of segments ``seqs`` (of their ``ids``), concatenated."""
-        return np.concatenate([(self._index[seq] << _SLOT_BITS) | np.arange(len(i), dtype=np.uint32)
-                               for seq, i in zip(seqs, ids)])
+    def slot_places(self, seqs: list[int]) -> np.ndarray:
+        """The places of every slot of row segments ``seqs``, concatenated (in live_of's order)."""
+        s = [self._index[seq] for seq in seqs]
+        return np.concatenate([(i << _SLOT_BITS) | np.arange(self.slots[i], dtype=np.uint32) for i in s])
 
     def droppable_tombstones(self) -> list[int]:
         """Tombstones older than every row segment: no older copy of their ids is left."""

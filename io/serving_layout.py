@@ -17,7 +17,6 @@ uint64 ids); ``__serving__`` holds the store's description as JSON under ``meta`
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import shutil
@@ -30,8 +29,8 @@ import lmdb
 import numpy as np
 
 from .codecs import encode_keys
-from .errors import BadRowsError, DiskFullError, ForeignStoreError, StoreCorruptError, StoreExistsError, StoreNotFoundError
-from .lmdb_file import _LOW_SPACE, _free_bytes, check_data_file, corrupt
+from .errors import BadRowsError, ForeignStoreError, StoreCorruptError, StoreExistsError, StoreNotFoundError
+from .lmdb_file import _LOW_SPACE, _free_bytes, check_data_file, corrupt, disk_full
 
 SERVING_FORMAT = 1
 SERVING_DTYPES = ("float32", "float16", "int8", "int4")
@@ -173,11 +172,10 @@ class ServingWriter:
         try:
             yield
         except lmdb.Error as e:
-            free = _free_bytes(self._partial)
-            if not isinstance(e, lmdb.DiskError) and free >= _LOW_SPACE:
+            if not isinstance(e, lmdb.DiskError) and _free_bytes(self._partial) >= _LOW_SPACE:
                 raise
-            raise DiskFullError(errno.ENOSPC, f"disk full: could not write the serving store {self.path} ({e}; {free} bytes free); "
-                          "free disk space, or write it to another disk", str(self.path)) from e
+            raise disk_full(self.path, f"could not write the serving store {self.path}", e,
+                            "free disk space, or write it to another disk") from e
 
 
 class NotServingStoreError(StoreCorruptError):
