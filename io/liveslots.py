@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 
 
-def _mapped(entries: int, width: int, folder: Path | None) -> tuple[int, np.ndarray]:
+def _mapped(entries: int, width: int, folder: Path | None, reserved: int = 0) -> tuple[int, np.ndarray]:
     """(its descriptor, a zeroed [entries, width] uint8 array) of a sparse file, mapped shared
-    and unlinked."""
+    and unlinked, the disk under its first ``reserved`` entries allocated."""
     if folder is None or not os.access(folder, os.W_OK):
         folder = Path(tempfile.gettempdir())
     path = folder / f"live-slots-{os.getpid()}-{os.urandom(8).hex()}.bin"
@@ -37,6 +37,8 @@ def _mapped(entries: int, width: int, folder: Path | None) -> tuple[int, np.ndar
     try:
         path.unlink()
         os.ftruncate(fd, entries * width)
+        if reserved:
+            os.posix_fallocate(fd, 0, reserved * width)
         m = mmap.mmap(fd, entries * width, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)
@@ -73,13 +75,7 @@ class LiveSlots:
         """Room for segments of ``slots`` slots (one written under an older segment size),
         the first ``used`` entries kept."""
         if slots > self.slots:
-            fd, wider = _mapped(self.entries, 8 * -(-slots // 64), self.folder)
-            try:
-                if self.reserved:
-                    os.posix_fallocate(fd, 0, self.reserved * wider.shape[1])
-            except BaseException:
-                os.close(fd)
-                raise
+            fd, wider = _mapped(self.entries, 8 * -(-slots // 64), self.folder, self.reserved)
             wider[:used, :self.rows.shape[1]] = self.rows[:used]
             self._closed()
             self._take(fd, wider)

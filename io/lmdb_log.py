@@ -451,35 +451,17 @@ class LogTables:
         if not victims and not dropped and not merged:
             return
         with self._reading(db=self._log_dbs[table], buffers=True) as txn:
-            kept_ids, kept_at, still_deleted = [], [], []
-            _, base, size = self._map_base(txn)
-            mem = lmdb_map.map_view(base, size)
-            # each victim's header and ids, then its live slots, their pages asked for all at once
-            # (not a fault a page); never txn.get, which faults in a whole 1 MiB value
-            spans = np.array([log.id_span(seq) for seq in victims], dtype=np.int64).reshape(-1, 3)
-            lmdb_map.will_need(base, spans[:, 0], spans[:, 1])
-            for seq, (at, length, first) in zip(victims, spans.tolist()):
-                ids = self._segment_ids(table, seq, mem[at: at + length])
-                kept_ids.append(ids)
-                kept_at.append(first + np.arange(len(ids), dtype=np.int64) * log.slot_bytes)
-            if kept_ids:  # the live slots of them all, from the log's bits (no index lookup)
-                live = log.live_of(victims)
-                kept_places = log.slot_places(victims)[live]
-                kept_ids, kept_at = [np.concatenate(kept_ids)[live]], [np.concatenate(kept_at)[live]]
-            kept_slots = np.empty((sum(map(len, kept_at)), log.slot_bytes), dtype=np.uint8)
-            if kept_at:
-                self._read_at(txn, kept_at[0], log.slot_bytes, kept_slots, direct=False)
+            still_deleted = []
+            kept_ids, kept_places, kept_slots = self._live_slots(table, victims, txn)
             for seq in merged:
                 ids = rowlog.parse_header(txn.get(rowlog.seq_key(seq)))[1]
                 still_deleted.append(ids[log.index.get(ids) == rowlog.NONE])
         # where each id of the new segments was: its victim slot, found live above; a merged
         # tombstone's id, nowhere (the index held none). The index is not asked again
         parts, known = [], []
-        if kept_ids:
-            ids = np.concatenate(kept_ids)
-            order = np.argsort(ids, kind="stable")
-            slots = kept_slots[order]
-            ids = ids[order]
+        if victims:
+            order = np.argsort(kept_ids, kind="stable")
+            ids, slots = kept_ids[order], kept_slots[order]
             known.append(kept_places[order])
             parts += [(ids[lo: lo + log.per_segment], slots[lo: lo + log.per_segment]) for lo in range(0, len(ids), log.per_segment)]
         if still_deleted:
@@ -491,13 +473,30 @@ class LogTables:
     def _damaged(self, table: str, e: rowlog.SegmentFormatError) -> Exception:
         return corrupt(self.path / "data.mdb", f"table {table!r} holds a damaged segment ({e})")
 
-    def _segment_ids(self, table: str, seq: int, head) -> np.ndarray:
-        """The ids of ``table``'s row segment ``seq`` from ``head`` (the map's bytes that
-        RowLog.id_span names), damage named."""
-        try:
-            return self._logs[table].ids_at(seq, head)
-        except rowlog.SegmentFormatError as e:
-            raise self._damaged(table, e) from None
+    def _live_slots(self, table: str, seqs: list[int], txn) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, places, slots) of the live slots of ``table``'s row segments ``seqs``, in
+        order, in ``txn``'s snapshot (what a collection copies and a sweep examines): each
+        segment's header and ids read through the map, its live slots from the log's bits (no
+        index lookup), their pages asked for all at once (not a fault a page); never txn.get,
+        which faults in a whole 1 MiB value."""
+        log = self._logs[table]
+        _, base, size = self._map_base(txn)
+        mem = lmdb_map.map_view(base, size)
+        spans = np.array([log.id_span(seq) for seq in seqs], dtype=np.int64).reshape(-1, 3)
+        lmdb_map.will_need(base, spans[:, 0], spans[:, 1])
+        ids, at = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+        for seq, (start, length, first) in zip(seqs, spans.tolist()):
+            try:
+                ids.append(log.ids_at(seq, mem[start: start + length]))
+            except rowlog.SegmentFormatError as e:
+                raise self._damaged(table, e) from None
+            at.append(first + np.arange(len(ids[-1]), dtype=np.int64) * log.slot_bytes)
+        live = log.live_of(seqs)
+        at = np.concatenate(at)[live]
+        slots = np.empty((len(at), log.slot_bytes), dtype=np.uint8)
+        self._read_at(txn, at, log.slot_bytes, slots, direct=False)
+        places = log.slot_places(seqs)[live] if seqs else np.zeros(0, dtype=np.uint32)
+        return np.concatenate(ids)[live], places, slots
 
     def _log_sweep(self, table: str, cutoff: int | None, budget: int, l2_below: float | None) -> int:
         """sweep() of a log table: the live rows of its next segments, ``budget`` slots or so."""
@@ -507,30 +506,19 @@ class LogTables:
 
     def _log_sweep_locked(self, table: str, cutoff: int | None, budget: int, l2_below: float | None) -> int:
         log, db, codec = self._logs[table], self._log_dbs[table], self._codecs[table]
-        seqs = np.sort(log.seq[log.seq > 0])
-        start = int(self._sweep_from.get(table, 0) or 0)
-        seqs = seqs[seqs >= start]
-        dead, examined, last = [], 0, None
+        used = np.flatnonzero(log.seq > 0)
+        used = used[np.argsort(log.seq[used])]
+        used = used[log.seq[used] >= int(self._sweep_from.get(table, 0) or 0)]
+        reach = np.cumsum(log.slots[used])  # the next segments, until budget slots are examined
+        chosen = log.seq[used[: int(np.searchsorted(reach, budget)) + 1]].tolist()
         with self._reading(db=db, buffers=True) as txn:
-            _, base, size = self._map_base(txn)
-            mem = lmdb_map.map_view(base, size)
-            for seq in seqs.tolist():  # its ids and live slots from the map, as a collection reads them
-                at, length, first = log.id_span(seq)
-                lmdb_map.will_need(base, np.array([at], dtype=np.int64), length)
-                ids = self._segment_ids(table, seq, mem[at: at + length])
-                live = np.flatnonzero(log.live_of([seq]))
-                slots = np.empty((len(live), log.slot_bytes), dtype=np.uint8)
-                self._read_at(txn, first + live * log.slot_bytes, log.slot_bytes, slots, direct=False)
-                gone = np.zeros(len(live), dtype=bool)
-                if log.last_use and cutoff is not None:
-                    gone |= np.ascontiguousarray(slots[:, codec.row_bytes:]).view(STEP).ravel() <= cutoff
-                if l2_below is not None:
-                    gone |= row_norms_sq(codec.unpack(slots[:, : codec.row_bytes])[:, : codec.dim]) < l2_below ** 2
-                dead.append(ids[live[gone]])
-                examined += len(ids)
-                last = seq
-                if examined >= budget:
-                    break
-        self._sweep_from[table] = last + 1 if examined >= budget and last is not None else 0
-        doomed = np.concatenate(dead) if dead else np.zeros(0, dtype=np.int64)
-        return self.delete_rows(table, np.sort(doomed)) if len(doomed) else 0
+            ids, _, slots = self._live_slots(table, chosen, txn)
+        gone = np.zeros(len(ids), dtype=bool)
+        if log.last_use and cutoff is not None:
+            gone |= np.ascontiguousarray(slots[:, codec.row_bytes:]).view(STEP).ravel() <= cutoff
+        if l2_below is not None:
+            gone |= row_norms_sq(codec.unpack(slots[:, : codec.row_bytes])[:, : codec.dim]) < l2_below ** 2
+        examined = int(reach[len(chosen) - 1]) if chosen else 0
+        self._sweep_from[table] = chosen[-1] + 1 if examined >= budget else 0
+        doomed = np.sort(ids[gone])
+        return self.delete_rows(table, doomed) if len(doomed) else 0
