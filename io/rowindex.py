@@ -24,6 +24,13 @@ level's runs are checked against their CRCs a block (the FENCE runs of a page) a
 when a lookup or a merge first reads that block (Runs.verify), so that an open reads only
 each level's header and fence. Every operation is a few vectorized passes over the ids
 asked and the runs they meet, never a loop per id.
+
+A level a table's rows have scattered (a run a row or two, as training writes them) is
+mapped *dense* instead (Dense): every declared id's place, 4 bytes each, where its runs took
+16 a row. A spill writes one where that is the smaller (more than a quarter as many runs as
+ids declared): the bench-scale table, aged by training, held 34M rows in 35M runs, 530 MB its
+page cache could not keep, so that a row fetched read a page of the index twice (the prefetch's
+lookup, and the write-back's freeing its old slot) besides its own; dense, 136 MB.
 """
 from __future__ import annotations
 
@@ -52,6 +59,10 @@ FENCE = 4096 // RUN_BYTES
 # CPU a lookup, the DLRM step under 0.5 GiB 1.1 s where its floor is 0.16 s)
 LOOKUP_PAGES = 1024
 SLOT_BITS = 12  # a place: segment index << SLOT_BITS | slot
+DENSE_IDS = 4096 // 4  # the places a page of a dense level holds
+# a dense level's values: an id it does not cover (an older level may), an id deleted, or its place + _PLACED
+# (a hole of its file, never written, reads as ABSENT: no disk for ids no row was written to)
+ABSENT, DELETED, _PLACED = 0, 1, 2
 _SLOT_MASK = (1 << SLOT_BITS) - 1  # a run never crosses a segment: its places share their high bits
 
 
@@ -119,6 +130,11 @@ class Runs:
         return self.start.nbytes + self.length.nbytes + self.loc.nbytes
 
     @property
+    def map(self):
+        """The file map of a mapped level (np.memmap); None in memory."""
+        return getattr(self.start, "map", None)
+
+    @property
     def held(self) -> int:
         """Memory a mapped level holds: its fence and its blocks' CRCs."""
         return self.fence.nbytes + (self.check.nbytes if self.check is not None else 0)
@@ -139,6 +155,16 @@ class Runs:
         self.verify(p)
         lo = p * FENCE
         return lo + int(np.searchsorted(self.start[lo:lo + FENCE], x, side=side))
+
+    def line(self, lo: int) -> int:
+        """The first id from ``lo`` past which our runs number more than _CHUNK_RUNS (_HI: none):
+        where a merge's piece ends (RowIndex.merging)."""
+        a = self.search(lo, "left") + _CHUNK_RUNS
+        if a >= len(self):
+            return _HI
+        if self.fence is not None:
+            self.verify(a // FENCE)
+        return int(self.start[a])
 
     @property
     def end(self) -> np.ndarray:
@@ -264,6 +290,95 @@ class Runs:
         return np.repeat(held.start, length) + offsets
 
 
+class Dense:
+    """A mapped level stored dense: the value of every id below ``len(values)`` (ABSENT,
+    DELETED or its place + _PLACED), DENSE_IDS a page of its file, so that a lookup reads
+    the one page its id names and needs no fence. ``count``: the ids it covers (its size to
+    the merge plan, as a level's runs are); ``check``: as a mapped Runs's, by page."""
+
+    __slots__ = ("values", "map", "count", "check")
+
+    def __init__(self, values: np.ndarray, mapped, count: int, check=None):
+        self.values, self.map, self.count, self.check = values, mapped, count, check
+
+    def __len__(self) -> int:
+        return self.count
+
+    @property
+    def held(self) -> int:
+        return self.check.nbytes if self.check is not None else 0
+
+    def verify(self, pages) -> None:
+        if self.check is not None:
+            self.check(np.asarray(pages, dtype=np.int64).reshape(-1))
+
+    def find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """As Runs.find: a page of the file an id, LOOKUP_PAGES of them asked for at a time."""
+        if len(ids) > LOOKUP_PAGES:
+            parts = [self.find(ids[lo:lo + LOOKUP_PAGES]) for lo in range(0, len(ids), LOOKUP_PAGES)]
+            return np.concatenate([c for c, _ in parts]), np.concatenate([p for _, p in parts])
+        inside = (ids >= 0) & (ids < len(self.values))
+        at = np.where(inside, ids, 0)
+        pages = np.unique(at[inside] // DENSE_IDS)
+        will_need(self.values.ctypes.data, pages * (4 * DENSE_IDS), 4 * DENSE_IDS)
+        self.verify(pages)
+        value = np.where(inside, self.values[at], ABSENT)
+        return value != ABSENT, np.where(value >= _PLACED, value - _PLACED, NONE).astype(np.uint32)
+
+    def line(self, lo: int) -> int:
+        hi = max(lo, 0) + _CHUNK_RUNS
+        return hi if hi < len(self.values) else _HI
+
+    def window(self, lo: int, hi: int) -> Runs:
+        """The runs of our ids in [lo, hi) (a copy, read from the pages that hold them)."""
+        lo, hi = max(lo, 0), min(hi, len(self.values))
+        if hi <= lo:
+            return Runs()
+        self.verify(np.arange(lo // DENSE_IDS, (hi - 1) // DENSE_IDS + 1))
+        value = np.array(self.values[lo:hi])
+        held = np.flatnonzero(value != ABSENT)
+        value = value[held]
+        return Runs.of(lo + held, np.where(value >= _PLACED, value - _PLACED, NONE).astype(np.uint32))
+
+
+def dense_pages(pieces, ids: int):
+    """(first page, values) of the pages of a dense level of ``ids`` ids that hold the runs
+    of ``pieces`` (sorted Runs, each past the last): consecutive pages in parts of a few MiB
+    at most, whatever the runs' lengths, a page two pieces share given once, pages no run
+    reaches not at all (ABSENT: a hole of the file)."""
+    span = 256 * DENSE_IDS  # ids a part holds at most: 1 MiB of values
+    last, held = -1, None  # the last page of the part before, which the next piece may fill on
+    for piece in pieces:
+        if not len(piece):
+            continue
+        end = piece.end
+        lo, top_id = int(piece.start[0]) // DENSE_IDS * DENSE_IDS, min(int(end[-1]), ids)  # a table's ids are below ids
+        while lo < top_id:
+            hi = min(lo + span, -(-ids // DENSE_IDS) * DENSE_IDS)
+            a, b = np.searchsorted(end, lo, side="right"), np.searchsorted(piece.start, hi, side="left")
+            if a < b:
+                start = np.maximum(piece.start[a:b], lo)
+                length = (np.minimum(end[a:b], hi) - start).astype(np.int64)
+                loc = piece.loc[a:b]
+                first = np.repeat(np.where(loc == NONE, DELETED, loc.astype(np.int64) + _PLACED + (start - piece.start[a:b])), length)
+                offset = np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
+                placed = np.repeat(loc != NONE, length)
+                values = np.zeros(hi - lo, dtype=np.uint32)
+                values[np.repeat(start - lo, length) + offset] = first + np.where(placed, offset, 0)
+                page = lo // DENSE_IDS
+                if held is not None and last == page:
+                    values[:DENSE_IDS] |= held  # the same page: each piece's ids are ABSENT (0) in the other's
+                elif held is not None:
+                    yield last, held
+                top = -(-(min(int(end[b - 1]), hi) - lo) // DENSE_IDS)  # the part's pages up to its last id
+                if top > 1:
+                    yield page, values[:(top - 1) * DENSE_IDS]
+                last, held = page + top - 1, values[(top - 1) * DENSE_IDS: top * DENSE_IDS]
+            lo = hi
+    if held is not None:
+        yield last, held
+
+
 def _sorted(a: Runs, b: Runs) -> Runs:
     """The runs of ``a`` and ``b`` (each sorted, none overlapping; few) in one sorted level."""
     if not len(a) or not len(b):
@@ -295,7 +410,7 @@ class RowIndex:
         self.limit = limit
         self.main = Runs()
         self.recent = Runs()
-        self.levels: list[Runs] = []  # mapped from their files, newest first
+        self.levels: list[Runs | Dense] = []  # mapped from their files, newest first
         self.names: list[str] = []  # ... the name of each one's file
         self.dead: np.ndarray | None = None  # by segment index: rows of a mapped level placed there are gone
 
@@ -408,13 +523,7 @@ class RowIndex:
     def _merged(self, sources: list[Runs], bottom: bool):
         lo = _LO
         while True:
-            hi = _HI
-            for s in sources:
-                a = s.search(lo, "left") + _CHUNK_RUNS
-                if a < len(s):
-                    if s.fence is not None:
-                        s.verify(a // FENCE)
-                    hi = min(hi, int(s.start[a]))
+            hi = min(s.line(lo) for s in sources)
             acc = Runs()
             for i in range(len(sources) - 1, -1, -1):  # the oldest first, each newer over it
                 w = sources[i].window(lo, hi)
@@ -441,12 +550,11 @@ def _will_need(level: Runs, pages: np.ndarray) -> None:
     will_need(level.start.map.ctypes.data, pages * page, page)
 
 
-def _advise(level: Runs, advice: int) -> None:
+def _advise(level: Runs | Dense, advice: int) -> None:
     """Tell the kernel how a mapped level's pages are read: at random by lookups (a page
     each: read-ahead read 32 around each), in order by a merge."""
-    m = getattr(level.start, "map", None)
-    if m is not None:
-        m._mmap.madvise(advice)
+    if level.map is not None:
+        level.map._mmap.madvise(advice)
 
 
 def _padded(a: np.ndarray, n: int) -> np.ndarray:

@@ -12,6 +12,11 @@ An open checks what it reads into memory whole; of a level it maps, it checks th
 the file's size (a file cut short), the fence and the blocks' CRCs, and each block of runs
 only when a lookup or a merge first reads it (_Blocks): reading every run at open took 2.1 s
 for 1.5 GiB of runs, and grew with the index, where a lookup reads a block's page anyway.
+A dense level (io.rowindex.Dense: a spill's choice where the level would hold more than a
+quarter as many runs as the table declares ids) holds every id's value instead of runs, a
+page of rowindex.DENSE_IDS at a time, a CRC a page, and no fence; the pages no row reaches
+are holes of the file.
+
 A torn or damaged file found at open is not the index, and its caller replays the segments
 instead; a damaged block found later raises RowIndexDamagedError (its caller rebuilds the
 index from the segments), never a place read from it."""
@@ -28,9 +33,9 @@ import numpy as np
 from .errors import RowIndexDamagedError
 from .files import fsync_path
 from . import rowindex
-from .rowindex import NONE, RUN_BYTES, Paged, RowIndex, Runs
+from .rowindex import NONE, RUN_BYTES, Dense, Paged, RowIndex, Runs
 
-_MAGIC = b"TSIDX6\n"
+_MAGIC = b"TSIDX7\n"  # 7: dense levels (a file of 6 is an older tierstore's: replayed)
 PAGE = 4096
 _SYNC_BYTES = 32 << 20  # written and synced a piece at a time: dirty pages count against a memory cgroup
 
@@ -76,50 +81,22 @@ def write_file(index: RowIndex, path: Path, header: dict, arrays: list[np.ndarra
     ``path``: a temporary file, synced (where ``durable``: a file LMDB may name; a reader's
     private level is unlinked once mapped, and needs no sync), renamed over it. Returns the
     header written, which names the mapped levels left under it (``index.levels[k:]``)."""
-    cap, block = index.capacity(k), _block()
-    sizes = [a.nbytes for a in arrays] + [block.itemsize * _blocks(cap), 8 * (_blocks(cap) + 1), 4 * (_blocks(cap) + 1)]
-    offsets = _offsets(sizes)
+    if _dense(index, k):
+        pages = _dense_pages(index.num_rows)
+        sizes, level = [4 * rowindex.DENSE_IDS * pages, 4 * pages], _write_dense
+    else:
+        cap = index.capacity(k)
+        sizes, level = [_block().itemsize * _blocks(cap), 8 * (_blocks(cap) + 1), 4 * (_blocks(cap) + 1)], _write_runs
+    offsets = _offsets([a.nbytes for a in arrays] + sizes)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.ftruncate(fd, offsets[-1])
         for a, at in zip(arrays, offsets):
             _pwrite(fd, _bytes(a), at)
-        runs, written, crc, dirty, fence, crcs = 0, 0, 0, 0, [], []
-        left = Runs()
-        pieces = index.merging(k)
-        while True:
-            piece = next(pieces, None)
-            if piece is not None:
-                runs += len(piece)
-                left = Runs(*(np.concatenate((getattr(left, c), getattr(piece, c))) for c in ("start", "length", "loc")))
-            whole = len(left) // rowindex.FENCE * rowindex.FENCE if piece is not None else len(left)
-            if whole:
-                pages = _pages(left.take(slice(0, whole)), block)
-                # a copy: a view would keep each piece's starts alive, 8 bytes a run of the whole level
-                fence.append(left.start[:whole:rowindex.FENCE].copy())
-                page_bytes = pages.view(np.uint8).reshape(len(pages), -1)
-                crcs.append(np.array([zlib.crc32(p) for p in page_bytes], dtype=np.uint32))  # a loop per page, not per run
-                data = _bytes(pages)
-                _pwrite(fd, data, offsets[len(arrays)] + written * block.itemsize)
-                crc = zlib.crc32(data, crc)
-                written += len(pages)
-                dirty += len(data)
-                left = left.take(slice(whole, None))
-            if dirty >= _SYNC_BYTES:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                dirty = 0
-            if piece is None:
-                break
-        fence = np.concatenate([np.zeros(0, dtype=np.int64), *fence])
-        _pwrite(fd, _bytes(fence), offsets[len(arrays) + 1])
-        block_crcs = np.concatenate([np.zeros(0, dtype=np.uint32), *crcs])
-        _pwrite(fd, _bytes(block_crcs), offsets[len(arrays) + 2])
+        written = level(index, k, _Writer(fd), offsets[len(arrays):])
         levels = [[name, len(level)] for name, level in zip(index.names[k:], index.levels[k:])]
-        header = {**header, "runs": runs, "capacity": cap, "offsets": offsets, "counts": [len(a) for a in arrays],
-                  "crc": _crc(arrays), "runs_crc": crc, "fence_crc": zlib.crc32(_bytes(fence)),
-                  "blocks_crc": zlib.crc32(_bytes(block_crcs)), "levels": levels}
+        header = {**header, **written, "offsets": offsets, "counts": [len(a) for a in arrays], "crc": _crc(arrays), "levels": levels}
         # a few hundred bytes, and some 60 a level (MAX_LEVELS): a page holds it
         _pwrite(fd, memoryview(_MAGIC + json.dumps(header).encode() + b"\n"), 0)
         if durable:
@@ -131,6 +108,85 @@ def write_file(index: RowIndex, path: Path, header: dict, arrays: list[np.ndarra
     if durable:
         fsync_path(path.parent)
     return header
+
+
+class _Writer:
+    """Writes a level's pages, synced and dropped from the page cache every _SYNC_BYTES: dirty
+    pages count against a memory cgroup."""
+
+    def __init__(self, fd: int):
+        self.fd, self.dirty = fd, 0
+
+    def __call__(self, data: memoryview, at: int) -> None:
+        _pwrite(self.fd, data, at)
+        self.dirty += len(data)
+        if self.dirty >= _SYNC_BYTES:
+            os.fdatasync(self.fd)
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            self.dirty = 0
+
+
+def _write_runs(index: RowIndex, k: int, write: _Writer, offsets: list[int]) -> dict:
+    """The runs of ``index.merging(k)`` in blocks of FENCE a page, their fence and CRCs, at
+    ``offsets``; returns the header's fields for them."""
+    block = _block()
+    runs, written, crc, fence, crcs = 0, 0, 0, [], []
+    left = Runs()
+    pieces = index.merging(k)
+    while True:
+        piece = next(pieces, None)
+        if piece is not None:
+            runs += len(piece)
+            left = Runs(*(np.concatenate((getattr(left, c), getattr(piece, c))) for c in ("start", "length", "loc")))
+        whole = len(left) // rowindex.FENCE * rowindex.FENCE if piece is not None else len(left)
+        if whole:
+            pages = _pages(left.take(slice(0, whole)), block)
+            # a copy: a view would keep each piece's starts alive, 8 bytes a run of the whole level
+            fence.append(left.start[:whole:rowindex.FENCE].copy())
+            crcs.append(_page_crcs(pages.view(np.uint8).reshape(len(pages), -1)))
+            data = _bytes(pages)
+            write(data, offsets[0] + written * block.itemsize)
+            crc = zlib.crc32(data, crc)
+            written += len(pages)
+            left = left.take(slice(whole, None))
+        if piece is None:
+            break
+    fence = np.concatenate([np.zeros(0, dtype=np.int64), *fence])
+    write(_bytes(fence), offsets[1])
+    block_crcs = np.concatenate([np.zeros(0, dtype=np.uint32), *crcs])
+    write(_bytes(block_crcs), offsets[2])
+    return {"runs": runs, "runs_crc": crc, "fence_crc": zlib.crc32(_bytes(fence)),
+            "blocks_crc": zlib.crc32(_bytes(block_crcs))}
+
+
+def _dense(index: RowIndex, k: int) -> bool:
+    """Whether the next spill (merging ``k`` levels) writes a dense level: where its runs (at
+    most those it merges) would take more than its ids' values (4 bytes each of the table's),
+    and would be mapped (a full merge that fits half the limit is read back into memory)."""
+    runs = len(index.recent) + len(index.main) + sum(len(level) for level in index.levels[:k])
+    return runs * RUN_BYTES > 4 * index.num_rows and not (k == len(index.levels) and _fits(index, runs))
+
+
+def _dense_pages(ids: int) -> int:
+    return -(-ids // rowindex.DENSE_IDS)
+
+
+def _page_crcs(pages: np.ndarray) -> np.ndarray:
+    return np.array([zlib.crc32(p) for p in pages], dtype=np.uint32)  # a loop per page, not per run or id
+
+
+def _write_dense(index: RowIndex, k: int, write: _Writer, offsets: list[int]) -> dict:
+    """The values of ``index.merging(k)`` over the table's ids (rowindex.dense_pages), a CRC a
+    page, at ``offsets``; returns the header's fields for them."""
+    page = 4 * rowindex.DENSE_IDS
+    crcs = np.full(_dense_pages(index.num_rows), zlib.crc32(bytes(page)), dtype=np.uint32)  # a hole's
+    covered = 0
+    for first, values in rowindex.dense_pages(index.merging(k), index.num_rows):
+        write(_bytes(values), offsets[0] + first * page)
+        crcs[first: first + len(values) // rowindex.DENSE_IDS] = _page_crcs(values.view(np.uint8).reshape(-1, page))
+        covered += int(np.count_nonzero(values))
+    write(_bytes(crcs), offsets[1])
+    return {"dense": True, "runs": covered, "pages": len(crcs), "blocks_crc": zlib.crc32(_bytes(crcs))}
 
 
 def _pages(runs: Runs, block: np.dtype) -> np.ndarray:
@@ -170,6 +226,9 @@ def _run_offsets(header: dict) -> list[int]:
 
 def _read_runs(path: Path, header: dict) -> Runs | None:
     """The level of the file at ``path`` read into memory; None where it fails its CRCs."""
+    if header.get("dense"):
+        level = _map_dense(path, header)
+        return None if level is None else _checked(level.window, 0, len(level.values))
     n = header["runs"]
     try:
         with open(path, "rb") as f:
@@ -200,19 +259,50 @@ class _Blocks:
         for b in todo.tolist():
             if zlib.crc32(self.pages[b]) != self.crcs[b]:
                 raise RowIndexDamagedError(
-                    f"the row index file {self.path} is damaged (block {b} of its runs fails its CRC); "
+                    f"the row index file {self.path} is damaged (block {b} of its level fails its CRC); "
                     "its store rebuilds the index from the row log's segments (or remove the index-*.bin "
                     "files beside data.mdb: the next open rebuilds it)")
         self.checked[todo] = True
 
 
-def _map_runs(path: Path, header: dict) -> Runs | None:
+def _checked(read, *args):
+    """``read(*args)``, None where a block it reads fails its CRC."""
+    try:
+        return read(*args)
+    except RowIndexDamagedError:
+        return None
+
+
+def _map_dense(path: Path, header: dict) -> Dense | None:
+    """The dense level of the file at ``path`` mapped, its size and pages' CRCs checked (None
+    where they fail); each page is checked as it is first read (_Blocks)."""
+    offsets, page = _run_offsets(header), 4 * rowindex.DENSE_IDS
+    try:
+        pages = header["pages"]
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < offsets[-1]:
+                return None
+            f.seek(offsets[1])
+            crcs = np.fromfile(f, dtype=np.uint32, count=pages)
+        if len(crcs) != pages or zlib.crc32(_bytes(crcs)) != header["blocks_crc"]:
+            return None
+        mapped = np.memmap(path, dtype=np.uint32, mode="r", offset=offsets[0], shape=(pages * rowindex.DENSE_IDS,))
+        mapped._mmap.madvise(mmap.MADV_RANDOM)
+        values = mapped.view(np.ndarray)
+        return Dense(values, mapped, header["runs"], _Blocks(path, values.view(np.uint8).reshape(pages, page), crcs))
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _map_runs(path: Path, header: dict) -> Runs | Dense | None:
     """The level of the file at ``path`` mapped, its size, fence and blocks' CRCs checked (None
     where they fail); its runs are checked a block at a time as they are first read (_Blocks).
     Its pages are read at random (no read-ahead: a lookup reads the page its fence names)."""
     n = header["runs"]
     if not n:
         return Runs()
+    if header.get("dense"):
+        return _map_dense(path, header)
     offsets, blocks = _run_offsets(header), _blocks(n)
     try:
         with open(path, "rb") as f:
@@ -245,7 +335,7 @@ def take_runs(index: RowIndex, path: Path, header: dict, k: int) -> bool:
     (checked) where no mapped level is left and it fits half the limit, else mapped. False,
     the index as it was, where it does not read back."""
     n, full = header["runs"], k == len(index.levels)
-    if full and _fits(index, n):
+    if full and _fits(index, n) and not header.get("dense"):  # a dense level was written to be mapped (_dense)
         runs = _read_runs(path, header)
         if runs is None:
             return False

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from index_writer import DIM, open_writer  # noqa: E402
 
 ROWS = 10**9  # declared; a few hundred written
-CHUNK_RUNS, MAX_LEVELS, FENCE = rowindex._CHUNK_RUNS, rowindex.MAX_LEVELS, rowindex.FENCE
+CHUNK_RUNS, MAX_LEVELS, FENCE, DENSE_IDS = rowindex._CHUNK_RUNS, rowindex.MAX_LEVELS, rowindex.FENCE, rowindex.DENSE_IDS
 
 
 def ids_of(draw_sparse, draw_range):
@@ -46,25 +46,33 @@ write_ids = ids_of(st.one_of(sparse_ids, near_ids), range_ids)
 
 class IndexAgainstDict(RuleBasedStateMachine):
     """RowIndex in memory and spilled (levels mapped from files, merged as they grow), against
-    a dict; a damaged file is refused at open."""
+    a dict; a damaged file is refused at open. Its ids scattered over 10^9 declared: every
+    level is runs."""
+
+    rows = ROWS
 
     def __init__(self):
         super().__init__()
         self.dir = Path(tempfile.mkdtemp())
-        self.index = RowIndex(ROWS, limit=400)  # 25 runs: spills within a few writes
+        self.index = RowIndex(self.rows, limit=400)  # 25 runs: spills within a few writes
         rowindex._CHUNK_RUNS = 4  # a save merges a few runs of each level at a time: runs cut at each piece's line
         rowindex.MAX_LEVELS = 3  # levels merged for their number too
         rowindex.FENCE = 4  # a mapped level's lookups search pages of a few starts
+        rowindex.DENSE_IDS = 16  # a dense level's pages of a few ids
         self.model: dict[int, int] = {}
         self.segment = 0
         self.saves = 0
 
     def teardown(self):
         rowindex._CHUNK_RUNS, rowindex.MAX_LEVELS = CHUNK_RUNS, MAX_LEVELS
-        rowindex.FENCE = FENCE
+        rowindex.FENCE, rowindex.DENSE_IDS = FENCE, DENSE_IDS
+
+    def _ids(self, ids: list[int]) -> list[int]:
+        return sorted({i % self.rows for i in ids})
 
     @rule(ids=write_ids)
     def put(self, ids):
+        ids = self._ids(ids)
         self.segment += 1
         places = (self.segment << rowindex.SLOT_BITS) | np.arange(len(ids), dtype=np.uint32)
         order = np.random.default_rng(self.segment).permutation(len(ids))  # a segment's ids in any order
@@ -73,6 +81,7 @@ class IndexAgainstDict(RuleBasedStateMachine):
 
     @rule(ids=write_ids)
     def delete(self, ids):
+        ids = self._ids(ids)
         self.index.put(np.array(ids), None)
         for i in ids:
             self.model.pop(i, None)
@@ -98,9 +107,10 @@ class IndexAgainstDict(RuleBasedStateMachine):
         header = rowindex_file.write_file(self.index, path, {"n": self.saves}, [np.arange(3)], k)
         assert rowindex_file.take_runs(self.index, path, header, k)
         assert len(header["levels"]) == levels - k and len(self.index.levels) <= rowindex.MAX_LEVELS
-        in_memory = k == levels and header["runs"] * rowindex.RUN_BYTES <= self.index.limit // 2
+        in_memory = k == levels and header["runs"] * rowindex.RUN_BYTES <= self.index.limit // 2 and not header.get("dense")
         assert self.index.mapped == (not in_memory and (header["runs"] > 0 or k < levels))
-        fences = sum(level.fence.nbytes + 5 * len(level.fence) for level in self.index.levels)  # every FENCE-th start of a mapped level, and a CRC (and its checked flag) a block
+        # every FENCE-th start of a mapped level of runs, and a CRC (and its checked flag) a block (a dense level's: a page)
+        fences = sum(5 * len(level.check.crcs) + (0 if isinstance(level, rowindex.Dense) else level.fence.nbytes) for level in self.index.levels)
         assert self.index.nbytes == fences or not self.index.mapped  # mapped levels are the page cache's, memory holds the rest
         sizes = [len(level) for level in self.index.levels]  # each level GROWTH times the runs of those above it, about
         assert all(b > rowindex.GROWTH * a for a, b in zip(sizes[:-1], sizes[1:])) or len(sizes) <= rowindex.MAX_LEVELS
@@ -112,10 +122,10 @@ class IndexAgainstDict(RuleBasedStateMachine):
             path = self.dir / f"i{self.saves}"
             got = rowindex_file.read_file(path, {"n": self.saves})
             assert got is not None and got[1][0].tolist() == [0, 1, 2]
-            fresh = RowIndex(ROWS, limit=self.index.limit)
+            fresh = RowIndex(self.rows, limit=self.index.limit)
             assert rowindex_file.load_runs(fresh, path, got[0], {})
             saved = {i: p for i, p in zip(fresh.ids().tolist(), fresh.get(fresh.ids()).tolist())}
-            assert fresh.get(np.array(BASES)).dtype == np.uint32
+            assert fresh.get(np.array(self._ids(BASES))).dtype == np.uint32
             self.index, self.model = fresh, saved  # what the file holds is what was saved: checked by the invariant next
 
     @rule(data=st.data())
@@ -131,19 +141,21 @@ class IndexAgainstDict(RuleBasedStateMachine):
         if not files:
             return
         p, h = data.draw(st.sampled_from(files))
-        at = h["offsets"][len(h["counts"])] + data.draw(st.integers(0, h["runs"] * rowindex.RUN_BYTES - 1))  # a byte of a page of runs
+        block_bytes = 4 * rowindex.DENSE_IDS if h.get("dense") else rowindex.RUN_BYTES * rowindex.FENCE
+        level_bytes = -(-self.rows // rowindex.DENSE_IDS) * block_bytes if h.get("dense") else h["runs"] * rowindex.RUN_BYTES
+        at = h["offsets"][len(h["counts"])] + data.draw(st.integers(0, level_bytes - 1))  # a byte of a page of runs (of ids' values)
         original = p.read_bytes()
         damaged = bytearray(original)
         damaged[at] ^= 1 << data.draw(st.integers(0, 7))
         cut = data.draw(st.booleans())
         p.write_bytes(bytes(damaged[:at] if cut else damaged))
         try:
-            fresh = RowIndex(ROWS, limit=self.index.limit)
+            fresh = RowIndex(self.rows, limit=self.index.limit)
             if rowindex_file.load_runs(fresh, path, header, {}):
                 assert not cut and fresh.mapped
-                block = (at - h["offsets"][len(h["counts"])]) // (rowindex.RUN_BYTES * rowindex.FENCE)
+                block = (at - h["offsets"][len(h["counts"])]) // block_bytes
                 level = fresh.levels[fresh.names.index(p.name)]
-                others = np.flatnonzero(np.arange(len(level.fence)) != block)
+                others = np.flatnonzero(np.arange(len(level.check.crcs)) != block)
                 level.verify(others)  # the other blocks read as written
                 with pytest.raises(RowIndexDamagedError, match="fails its CRC"):
                     fresh.ids()  # reads every block
@@ -156,10 +168,10 @@ class IndexAgainstDict(RuleBasedStateMachine):
 
     @invariant()
     def reads_as_the_dict(self):
-        asked = np.array(sorted(set(self.model) | set(BASES) | {b + 5 for b in BASES}), dtype=np.int64)
+        asked = np.array(sorted(set(self.model) | set(self._ids(BASES)) | set(self._ids([b + 5 for b in BASES]))), dtype=np.int64)
         assert self.index.get(asked).tolist() == [self.model.get(i, int(NONE)) for i in asked.tolist()]
         assert self.index.ids().tolist() == sorted(self.model)
-        for level in (self.index.main, self.index.recent, *self.index.levels):
+        for level in (self.index.main, self.index.recent, *[level for level in self.index.levels if isinstance(level, rowindex.Runs)]):
             start = np.asarray(level.start)
             assert (np.diff(start) > 0).all() and (start[1:] >= level.end[:-1]).all()
             assert (np.asarray(level.length) > 0).all()
@@ -167,6 +179,22 @@ class IndexAgainstDict(RuleBasedStateMachine):
 
 IndexAgainstDict.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
 TestIndexAgainstDict = IndexAgainstDict.TestCase
+
+
+class DenseIndexAgainstDict(IndexAgainstDict):
+    """The same, of a table of 40 ids declared: the levels that would hold more than 10 runs
+    are dense (io.rowindex.Dense)."""
+
+    rows = 40
+
+    @invariant()
+    def dense_where_smaller(self):
+        for level in self.index.levels:
+            assert isinstance(level, rowindex.Runs) or len(level.values) == -(-self.rows // rowindex.DENSE_IDS) * rowindex.DENSE_IDS
+
+
+DenseIndexAgainstDict.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+TestDenseIndexAgainstDict = DenseIndexAgainstDict.TestCase
 
 
 def test_a_write_in_id_order_is_a_run_a_segment():
@@ -194,6 +222,36 @@ def test_fences_count_as_memory_but_do_not_make_the_index_spill(tmp_path, monkey
     assert index.mapped and index.nbytes == 200 * (8 + 5) > index.limit // 2  # a start, a CRC and its flag a block
     assert not index.wants_spill()
     assert index.get(np.array([0, 1, 398])).tolist() == [1 << rowindex.SLOT_BITS, int(NONE), (1 << rowindex.SLOT_BITS) | 199]
+
+
+def test_a_table_written_at_random_spills_dense_at_4_bytes_an_id(tmp_path):
+    """Rows written in random order (as training writes them: a run a row, 16 bytes) spill to
+    a dense level: 4 bytes an id declared on disk, a CRC and its flag a page in memory, and a
+    lookup reads the one page its id names."""
+    n = 300_000
+    index = RowIndex(n, limit=64 << 10)
+    ids = np.random.default_rng(0).permutation(n)
+    for s in range(0, n, 4096):
+        index.put(ids[s:s + 4096], ((s // 4096) << rowindex.SLOT_BITS) | np.arange(len(ids[s:s + 4096]), dtype=np.uint32))
+    header = rowindex_file.write_file(index, tmp_path / "i", {}, [], index.plan())
+    assert header["dense"] and header["runs"] == n
+    assert rowindex_file.take_runs(index, tmp_path / "i", header, 0) and isinstance(index.levels[0], rowindex.Dense)
+    pages = -(-n // rowindex.DENSE_IDS)
+    assert os.stat(tmp_path / "i").st_blocks * 512 <= 4 * n + 3 * 4096 + 4 * pages
+    assert index.nbytes == 5 * pages
+    want = np.empty(n, dtype=np.uint32)
+    want[ids] = ((np.arange(n) // 4096) << rowindex.SLOT_BITS) | (np.arange(n) % 4096)
+    fd = os.open(tmp_path / "i", os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # no page of it mapped yet: all dropped
+        asked = np.random.default_rng(1).permutation(pages)[:100] * rowindex.DENSE_IDS + 5  # 100 pages, one id each
+        before = _disk_reads()
+        assert (index.get(asked) == want[asked]).all()
+        read = _disk_reads() - before
+    finally:
+        os.close(fd)
+    assert read <= len(asked) * 4096 * 1.1, read / len(asked) / 4096  # (tmpfs counts no mapped reads: 0)
+    assert (index.get(np.arange(n)) == want).all()
 
 
 def _merge_peak(tmp_path, n: int) -> int:
@@ -252,7 +310,7 @@ def test_an_open_reads_a_mapped_level_by_its_header_and_a_damaged_block_raises_w
     assert rowindex_file.load_runs(fresh, path, header, {})
     elsewhere = np.array([0, 2 * 10 * rowindex.FENCE + 2, 2 * (n - 1)])  # blocks 0, 10 and the last
     assert fresh.get(elsewhere).tolist() == index.get(elsewhere).tolist()
-    with pytest.raises(RowIndexDamagedError, match="block 300 of its runs fails its CRC"):
+    with pytest.raises(RowIndexDamagedError, match="block 300 of its level fails its CRC"):
         fresh.get(np.array([2 * block * rowindex.FENCE + 4]))
     with pytest.raises(RowIndexDamagedError):  # and again: never a place read from it
         fresh.get(np.array([2 * block * rowindex.FENCE + 4]))
