@@ -130,6 +130,11 @@ class Runs:
         return self.start.nbytes + self.length.nbytes + self.loc.nbytes
 
     @property
+    def weight(self) -> int:
+        """Its size to a merge plan (RowIndex.plan): its runs."""
+        return len(self)
+
+    @property
     def map(self):
         """The file map of a mapped level (np.memmap); None in memory."""
         return getattr(self.start, "map", None)
@@ -293,8 +298,8 @@ class Runs:
 class Dense:
     """A mapped level stored dense: the value of every id below ``len(values)`` (ABSENT,
     DELETED or its place + _PLACED), DENSE_IDS a page of its file, so that a lookup reads
-    the one page its id names and needs no fence. ``count``: the ids it covers (its size to
-    the merge plan, as a level's runs are); ``check``: as a mapped Runs's, by page."""
+    the one page its id names and needs no fence. ``count``: the ids it covers (at most the
+    runs a merge reads of it); ``check``: as a mapped Runs's, by page."""
 
     __slots__ = ("values", "map", "count", "check")
 
@@ -303,6 +308,14 @@ class Dense:
 
     def __len__(self) -> int:
         return self.count
+
+    @property
+    def weight(self) -> int:
+        """Its size to a merge plan: the runs its bytes would hold (a merge reads and writes
+        every id's value, covered or not), a quarter of its ids. Counted by the ids it covers,
+        the levels above a dense one grew to a quarter of them (7M runs, 113 MB, over the
+        bench-scale table's 32M), their pages as many lookups' disk reads as its own."""
+        return len(self.values) * 4 // RUN_BYTES
 
     @property
     def held(self) -> int:
@@ -495,14 +508,15 @@ class RowIndex:
     # -- spilling ---------------------------------------------------------------------------
     def plan(self) -> int:
         """How many mapped levels (the newest) the next spill merges with what memory holds:
-        those of fewer than GROWTH times the runs merged before them, more while the levels
+        those of fewer than GROWTH times the runs merged before them (a dense level: as many
+        runs as its bytes would hold, what merging it reads and writes), more while the levels
         would number more than MAX_LEVELS, and all where a mapped level names dead segments
         (the merge drops those places: their segment indexes can then be reused)."""
         if self.dead is not None:
             return len(self.levels)
         size, k = len(self.recent) + len(self.main), 0
-        while k < len(self.levels) and (GROWTH * size >= len(self.levels[k]) or len(self.levels) - k >= MAX_LEVELS):
-            size += len(self.levels[k])
+        while k < len(self.levels) and (GROWTH * size >= self.levels[k].weight or len(self.levels) - k >= MAX_LEVELS):
+            size += self.levels[k].weight
             k += 1
         return k
 

@@ -254,6 +254,24 @@ def test_a_table_written_at_random_spills_dense_at_4_bytes_an_id(tmp_path):
     assert (index.get(np.arange(n)) == want).all()
 
 
+def test_a_dense_level_is_merged_once_the_runs_over_it_hold_a_quarter_of_its_bytes(tmp_path):
+    """A spill merges a dense level as a level of the runs its bytes would hold (a quarter of its
+    ids), not of the ids it covers: the levels over it stay small enough for the page cache
+    (counted by its ids, they grew to 113 MB over the bench-scale table's 136 MB)."""
+    n = 4096
+    index = RowIndex(n, limit=1024)
+    index.put(np.random.default_rng(0).permutation(n), (1 << rowindex.SLOT_BITS) | np.arange(n, dtype=np.uint32) % 4000)
+    header = rowindex_file.write_file(index, tmp_path / "i", {}, [], index.plan())
+    assert header["dense"] and rowindex_file.take_runs(index, tmp_path / "i", header, 0)
+    weight = n * 4 // rowindex.RUN_BYTES  # 1,024 runs' bytes; it covers 4,096 ids
+    assert index.levels[0].weight == weight and len(index.levels[0]) == n
+    scattered = np.arange(0, n, 4)  # a run each
+    index.put(scattered[: weight // rowindex.GROWTH - 1], (2 << rowindex.SLOT_BITS) | np.arange(weight // rowindex.GROWTH - 1, dtype=np.uint32))
+    assert index.plan() == 0
+    index.put(scattered[weight // rowindex.GROWTH - 1: weight // rowindex.GROWTH], np.array([3 << rowindex.SLOT_BITS], dtype=np.uint32))
+    assert index.plan() == 1
+
+
 def _merge_peak(tmp_path, n: int) -> int:
     """Peak bytes (tracemalloc: numpy's arrays included) a full merge of a mapped level of ``n``
     runs, a run of recent over it, takes to write its file."""
