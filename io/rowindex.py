@@ -359,37 +359,47 @@ def dense_pages(pieces, ids: int):
     of ``pieces`` (sorted Runs, each past the last): consecutive pages in parts of a few MiB
     at most, whatever the runs' lengths, a page two pieces share given once, pages no run
     reaches not at all (ABSENT: a hole of the file)."""
-    span = 256 * DENSE_IDS  # ids a part holds at most: 1 MiB of values
     last, held = -1, None  # the last page of the part before, which the next piece may fill on
     for piece in pieces:
         if not len(piece):
             continue
-        end = piece.end
-        lo, top_id = int(piece.start[0]) // DENSE_IDS * DENSE_IDS, min(int(end[-1]), ids)  # a table's ids are below ids
+        lo, top_id = int(piece.start[0]) // DENSE_IDS * DENSE_IDS, min(int(piece.end[-1]), ids)  # a table's ids are below ids
         while lo < top_id:
-            hi = min(lo + span, -(-ids // DENSE_IDS) * DENSE_IDS)
-            a, b = np.searchsorted(end, lo, side="right"), np.searchsorted(piece.start, hi, side="left")
-            if a < b:
-                start = np.maximum(piece.start[a:b], lo)
-                length = (np.minimum(end[a:b], hi) - start).astype(np.int64)
-                loc = piece.loc[a:b]
-                first = np.repeat(np.where(loc == NONE, DELETED, loc.astype(np.int64) + _PLACED + (start - piece.start[a:b])), length)
-                offset = np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
-                placed = np.repeat(loc != NONE, length)
-                values = np.zeros(hi - lo, dtype=np.uint32)
-                values[np.repeat(start - lo, length) + offset] = first + np.where(placed, offset, 0)
+            hi = min(lo + _DENSE_PART, -(-ids // DENSE_IDS) * DENSE_IDS)
+            values = np.zeros(hi - lo, dtype=np.uint32)
+            reached = _spread(piece, lo, hi, values)
+            if reached > lo:
                 page = lo // DENSE_IDS
                 if held is not None and last == page:
                     values[:DENSE_IDS] |= held  # the same page: each piece's ids are ABSENT (0) in the other's
                 elif held is not None:
                     yield last, held
-                top = -(-(min(int(end[b - 1]), hi) - lo) // DENSE_IDS)  # the part's pages up to its last id
+                top = -(-(reached - lo) // DENSE_IDS)  # the part's pages up to its last id
                 if top > 1:
                     yield page, values[:(top - 1) * DENSE_IDS]
                 last, held = page + top - 1, values[(top - 1) * DENSE_IDS: top * DENSE_IDS]
             lo = hi
     if held is not None:
         yield last, held
+
+
+_DENSE_PART = 256 * DENSE_IDS  # ids a part of a dense level's values holds at most: 1 MiB
+
+
+def _spread(runs: Runs, lo: int, hi: int, values: np.ndarray) -> int:
+    """Set the values (DELETED, or place + _PLACED) of the ids of ``runs`` (in memory) in
+    [lo, hi) in ``values`` (those of ids lo .. hi - 1); returns the last id set + 1 (lo: none)."""
+    end = runs.end
+    a, b = np.searchsorted(end, lo, side="right"), np.searchsorted(runs.start, hi, side="left")
+    if a >= b:
+        return lo
+    start = np.maximum(runs.start[a:b], lo)
+    length = (np.minimum(end[a:b], hi) - start).astype(np.int64)
+    loc = runs.loc[a:b]
+    first = np.repeat(np.where(loc == NONE, DELETED, loc.astype(np.int64) + _PLACED + (start - runs.start[a:b])), length)
+    offset = np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
+    values[np.repeat(start - lo, length) + offset] = first + np.where(np.repeat(loc != NONE, length), offset, 0)
+    return min(int(end[b - 1]), hi)
 
 
 def _sorted(a: Runs, b: Runs) -> Runs:
@@ -533,6 +543,33 @@ class RowIndex:
         finally:
             for level in self.levels[:k]:
                 _advise(level, mmap.MADV_RANDOM)
+
+    def dense_merging(self, k: int):
+        """What merging(k) yields, as (first page, values) of every page of a dense level, where
+        the oldest level it merges is dense: that level's values a part at a time (_DENSE_PART),
+        the newer levels' runs spread over them. No runs are made of the dense level: turned
+        into runs and back (merging, dense_pages), its 34M ids took most of a spill's CPU."""
+        sources = [self.recent, self.main, *self.levels[:k]]
+        base, bottom = sources[-1], k == len(self.levels)
+        _advise(base, mmap.MADV_SEQUENTIAL)
+        try:
+            for lo in range(0, len(base.values), _DENSE_PART):
+                hi = min(lo + _DENSE_PART, len(base.values))
+                base.verify(np.arange(lo // DENSE_IDS, (hi - 1) // DENSE_IDS + 1))
+                values = np.array(base.values[lo:hi])
+                placed = np.flatnonzero(values >= _PLACED)
+                alive = self._alive(values[placed] - np.uint32(_PLACED))
+                values[placed[alive == NONE]] = DELETED
+                for i in range(len(sources) - 2, -1, -1):  # the oldest first, each newer over it
+                    w = sources[i].window(lo, hi)
+                    if i >= 2:
+                        self._alive(w.loc)
+                    _spread(w, lo, hi, values)
+                if bottom:
+                    values[values == DELETED] = ABSENT
+                yield lo // DENSE_IDS, values
+        finally:
+            _advise(base, mmap.MADV_RANDOM)
 
     def _merged(self, sources: list[Runs], bottom: bool):
         lo = _LO

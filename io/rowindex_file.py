@@ -181,7 +181,9 @@ def _write_dense(index: RowIndex, k: int, write: _Writer, offsets: list[int]) ->
     page = 4 * rowindex.DENSE_IDS
     crcs = np.full(_dense_pages(index.num_rows), zlib.crc32(bytes(page)), dtype=np.uint32)  # a hole's
     covered = 0
-    for first, values in rowindex.dense_pages(index.merging(k), index.num_rows):
+    dense_under = k and isinstance(index.levels[k - 1], Dense)
+    parts = index.dense_merging(k) if dense_under else rowindex.dense_pages(index.merging(k), index.num_rows)
+    for first, values in parts:
         write(_bytes(values), offsets[0] + first * page)
         crcs[first: first + len(values) // rowindex.DENSE_IDS] = _page_crcs(values.view(np.uint8).reshape(-1, page))
         covered += int(np.count_nonzero(values))
