@@ -28,7 +28,7 @@ asked and the runs they meet, never a loop per id.
 A level a table's rows have scattered (a run a row or two, as training writes them) is
 mapped *dense* instead (Dense): every declared id's place, 4 bytes each, where its runs took
 16 a row. A spill writes one where that is the smaller (more than a quarter as many runs as
-ids declared): the bench-scale table, aged by training, held 34M rows in 35M runs, 530 MB its
+ids declared): the bench-scale table, aged by training, held 34M rows in 35M runs, 579 MB its
 page cache could not keep, so that a row fetched read a page of the index twice (the prefetch's
 lookup, and the write-back's freeing its old slot) besides its own; dense, 136 MB.
 """
@@ -336,7 +336,7 @@ class Dense:
         will_need(self.values.ctypes.data, pages * (4 * DENSE_IDS), 4 * DENSE_IDS)
         self.verify(pages)
         value = np.where(inside, self.values[at], ABSENT)
-        return value != ABSENT, np.where(value >= _PLACED, value - _PLACED, NONE).astype(np.uint32)
+        return value != ABSENT, _places(value)
 
     def line(self, lo: int) -> int:
         hi = max(lo, 0) + _CHUNK_RUNS
@@ -350,8 +350,12 @@ class Dense:
         self.verify(np.arange(lo // DENSE_IDS, (hi - 1) // DENSE_IDS + 1))
         value = np.array(self.values[lo:hi])
         held = np.flatnonzero(value != ABSENT)
-        value = value[held]
-        return Runs.of(lo + held, np.where(value >= _PLACED, value - _PLACED, NONE).astype(np.uint32))
+        return Runs.of(lo + held, _places(value[held]))
+
+
+def _places(value: np.ndarray) -> np.ndarray:
+    """The places dense ``value``s stand for (NONE: deleted or not covered)."""
+    return np.where(value >= _PLACED, value - _PLACED, NONE).astype(np.uint32)
 
 
 def dense_pages(pieces, ids: int):
