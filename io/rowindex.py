@@ -146,8 +146,7 @@ class Runs:
 
     def verify(self, blocks) -> None:
         """Check ``blocks`` (indexes of FENCE runs) of a mapped level before they are read."""
-        if self.check is not None:
-            self.check(np.asarray(blocks, dtype=np.int64).reshape(-1))
+        _verify(self.check, blocks)
 
     def search(self, x: int, side: str) -> int:
         """np.searchsorted(start, x, side); in a mapped level, of the one block (checked) the
@@ -322,8 +321,7 @@ class Dense:
         return self.check.nbytes if self.check is not None else 0
 
     def verify(self, pages) -> None:
-        if self.check is not None:
-            self.check(np.asarray(pages, dtype=np.int64).reshape(-1))
+        _verify(self.check, pages)
 
     def find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """As Runs.find: a page of the file an id, LOOKUP_PAGES of them asked for at a time."""
@@ -369,7 +367,7 @@ def dense_pages(pieces, ids: int):
             continue
         lo, top_id = int(piece.start[0]) // DENSE_IDS * DENSE_IDS, min(int(piece.end[-1]), ids)  # a table's ids are below ids
         while lo < top_id:
-            hi = min(lo + _DENSE_PART, -(-ids // DENSE_IDS) * DENSE_IDS)
+            hi = min(lo + _DENSE_PART, dense_page_count(ids) * DENSE_IDS)
             values = np.zeros(hi - lo, dtype=np.uint32)
             reached = _spread(piece, lo, hi, values)
             if reached > lo:
@@ -388,6 +386,17 @@ def dense_pages(pieces, ids: int):
 
 
 _DENSE_PART = 256 * DENSE_IDS  # ids a part of a dense level's values holds at most: 1 MiB
+
+
+def dense_page_count(ids: int) -> int:
+    """The pages of a dense level of ``ids`` ids."""
+    return -(-ids // DENSE_IDS)
+
+
+def _verify(check, blocks) -> None:
+    """A mapped level's ``check`` (None: a level in memory) of ``blocks`` (its pages)."""
+    if check is not None:
+        check(np.asarray(blocks, dtype=np.int64).reshape(-1))
 
 
 def _spread(runs: Runs, lo: int, hi: int, values: np.ndarray) -> int:

@@ -82,7 +82,7 @@ def write_file(index: RowIndex, path: Path, header: dict, arrays: list[np.ndarra
     private level is unlinked once mapped, and needs no sync), renamed over it. Returns the
     header written, which names the mapped levels left under it (``index.levels[k:]``)."""
     if _dense(index, k):
-        pages = _dense_pages(index.num_rows)
+        pages = rowindex.dense_page_count(index.num_rows)
         sizes, level = [4 * rowindex.DENSE_IDS * pages, 4 * pages], _write_dense
     else:
         cap = index.capacity(k)
@@ -167,10 +167,6 @@ def _dense(index: RowIndex, k: int) -> bool:
     return runs * RUN_BYTES > 4 * index.num_rows and not (k == len(index.levels) and _fits(index, runs))
 
 
-def _dense_pages(ids: int) -> int:
-    return -(-ids // rowindex.DENSE_IDS)
-
-
 def _page_crcs(pages: np.ndarray) -> np.ndarray:
     return np.array([zlib.crc32(p) for p in pages], dtype=np.uint32)  # a loop per page, not per run or id
 
@@ -179,7 +175,7 @@ def _write_dense(index: RowIndex, k: int, write: _Writer, offsets: list[int]) ->
     """The values of ``index.merging(k)`` over the table's ids (rowindex.dense_pages), a CRC a
     page, at ``offsets``; returns the header's fields for them."""
     page = 4 * rowindex.DENSE_IDS
-    crcs = np.full(_dense_pages(index.num_rows), zlib.crc32(bytes(page)), dtype=np.uint32)  # a hole's
+    crcs = np.full(rowindex.dense_page_count(index.num_rows), zlib.crc32(bytes(page)), dtype=np.uint32)  # a hole's
     covered = 0
     dense_under = k and isinstance(index.levels[k - 1], Dense)
     parts = index.dense_merging(k) if dense_under else rowindex.dense_pages(index.merging(k), index.num_rows)
