@@ -79,14 +79,44 @@ def test_a_built_table_is_reused_and_another_is_refused_naming_the_fix(tmp_path)
     path = tmp_path / "store"
     assert not bench_scale.prepare_table(path, 1000, 8, 0)["reused"]
     assert bench_scale.prepare_table(path, 1000, 8, 0)["reused"]
-    with pytest.raises(SystemExit, match=r"holds a bench scale table of 1,000 x 8 \(1,000 declared\), not 2,000 x 8 \(2,000\); "
-                                         "pass the same --rows/--dim/--declared-rows"):
+    with pytest.raises(SystemExit, match=r"holds a bench scale table of 1,000 x 8 \(1,000 declared, rows ascending\), "
+                                         r"not 2,000 x 8 \(2,000, rows ascending\); pass the same --rows/--dim/--declared-rows/--scattered"):
         bench_scale.prepare_table(path, 2000, 8, 0)
-    with pytest.raises(SystemExit, match=r"not 1,000 x 8 \(10,000\)"):
+    with pytest.raises(SystemExit, match=r"not 1,000 x 8 \(10,000, rows ascending\)"):
         bench_scale.prepare_table(path, 1000, 8, 0, declared=10_000)
+    with pytest.raises(SystemExit, match=r"not 1,000 x 8 \(1,000, rows scattered\)"):
+        bench_scale.prepare_table(path, 1000, 8, 0, scattered=True)
     (path / bench_scale.MARKER).unlink()
     with pytest.raises(SystemExit, match="not empty and holds no finished bench scale table"):
         bench_scale.prepare_table(path, 2000, 8, 0)
+
+
+def test_a_scattered_table_places_each_row_apart_from_its_neighbours(tmp_path):
+    """--scattered: the rows are written in a random order, a commit at a time, so that an
+    id's neighbours lie elsewhere in the log, as after a long training run; every row is
+    there, with the values the store reads back."""
+    import lmdb
+    import numpy as np
+
+    import tierstore
+
+    adjacent = {}
+    for scattered in (False, True):
+        path = tmp_path / f"store-{scattered}"
+        assert bench_scale.prepare_table(path, 5000, 8, 0, scattered=scattered)["scattered"] is scattered
+        env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=1024)
+        try:
+            db = env.open_db(b"s:" + bench_scale.TABLE.encode(), create=False)
+            found = bench_floors.locate_log_rows(env, db, np.arange(5000))
+            out = np.empty((len(found.rows), found.width), dtype=np.uint8)
+            bench_floors.copy_log_rows(env, db, found, out)
+        finally:
+            env.close()
+        assert len(found.rows) == 5000
+        with tierstore.TieredStore(path, readonly=True) as store:
+            assert np.array_equal(out.view(np.float32), store.read(bench_scale.TABLE, np.arange(5000)).numpy()[found.rows])
+        adjacent[scattered] = np.mean(np.diff(found.offsets) == found.width)  # id i + 1 in the slot after id i's
+    assert adjacent[False] > 0.99 and adjacent[True] < 0.5
 
 
 def test_a_table_declaring_more_rows_than_it_writes(tmp_path):

@@ -62,18 +62,24 @@ def table_spec(rows: int, dim: int):
     return tierstore.TableSpec(TABLE, rows, dim, init=tierstore.RowInit.normal(0.0, 1.0))
 
 
-def prepare_table(path: Path, rows: int, dim: int, seed: int, declared: int | None = None) -> dict:
+def prepare_table(path: Path, rows: int, dim: int, seed: int, declared: int | None = None,
+                  scattered: bool = False) -> dict:
     """Reuse the table at ``path`` if a finished build of the same shape is there, else
-    build it: every row written (ascending, as a bulk load) and flushed. ``declared``: the
-    rows the table declares (num_rows), at least ``rows``; ids from ``rows`` up are never written."""
+    build it: every row written and flushed, ascending (as a bulk load) or, ``scattered``, in
+    a random order, each row placed apart from its neighbours as a long training run's
+    write-backs leave them (the evicted rows, side by side at the log's end): its row index
+    then holds a run a row, as an aged table's does. ``declared``: the rows the table
+    declares (num_rows), at least ``rows``; ids from ``rows`` up are never written."""
     declared = rows if declared is None else declared
     marker = path / MARKER
     if marker.exists():
         built = json.loads(marker.read_text())
-        if (built["rows"], built["dim"], built.get("declared", built["rows"])) != (rows, dim, declared):
+        shape = (built["rows"], built["dim"], built.get("declared", built["rows"]), built.get("scattered", False))
+        if shape != (rows, dim, declared, scattered):
             raise SystemExit(f"--path {path} holds a bench scale table of {built['rows']:,} x {built['dim']} "
-                             f"({built.get('declared', built['rows']):,} declared), not {rows:,} x {dim} ({declared:,}); "
-                             "pass the same --rows/--dim/--declared-rows, or another --path")
+                             f"({built.get('declared', built['rows']):,} declared, {_order(shape[3])}), not {rows:,} x {dim} "
+                             f"({declared:,}, {_order(scattered)}); pass the same --rows/--dim/--declared-rows/--scattered, "
+                             "or another --path")
         return {**built, "reused": True}
     if path.exists() and any(path.iterdir()):
         raise SystemExit(f"--path {path} is not empty and holds no finished bench scale table ({MARKER}); "
@@ -82,15 +88,26 @@ def prepare_table(path: Path, rows: int, dim: int, seed: int, declared: int | No
 
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
+    order = rng.permutation(rows) if scattered else None
+    # a commit places its rows by id, so a scattered build commits at least 64 times: an id's
+    # neighbours then lie in other commits' pages
+    chunk = max(1, min(1 << 18, rows // 64)) if scattered else 1 << 18
     with tierstore.TieredStore(path, [table_spec(declared, dim)], hbm_rows=0, ddr_rows=0, device="cpu") as store:
-        for lo in range(0, rows, 1 << 18):
-            n = min(rows, lo + (1 << 18)) - lo
-            store.write(TABLE, np.arange(lo, lo + n), rng.standard_normal((n, dim), dtype=np.float32) * 0.01)
+        for lo in range(0, rows, chunk):
+            n = min(rows, lo + chunk) - lo
+            ids = np.arange(lo, lo + n) if order is None else order[lo:lo + n]
+            store.write(TABLE, ids, rng.standard_normal((n, dim), dtype=np.float32) * 0.01)
+            if scattered:
+                store.flush()
         store.flush()
-    built = {"rows": rows, "dim": dim, "declared": declared, "build_s": round(time.perf_counter() - t0, 1),
-             "data_mdb_bytes": (path / "data.mdb").stat().st_size}
+    built = {"rows": rows, "dim": dim, "declared": declared, "scattered": scattered,
+             "build_s": round(time.perf_counter() - t0, 1), "data_mdb_bytes": (path / "data.mdb").stat().st_size}
     marker.write_text(json.dumps(built))
     return {**built, "reused": False}
+
+
+def _order(scattered: bool) -> str:
+    return "rows scattered" if scattered else "rows ascending"
 
 
 # -- the memory cgroup -------------------------------------------------------------------------
@@ -479,6 +496,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="LookaheadLoader depths of the embedding step")
     p.add_argument("--declared-rows", type=nonneg_int, default=None,
                    help="rows the table declares (num_rows), of which --rows are written and trained (default: --rows)")
+    p.add_argument("--scattered", action="store_true",
+                   help="build the table with its rows written in a random order, each placed apart from its "
+                        "neighbours as a long training run leaves them (a row index of a run a row)")
     p.add_argument("--no-in-memory", action="store_true",
                    help="skip the in-memory steps (they hold the whole table in memory): no ratio to them is printed")
     p.add_argument("--warmup", type=nonneg_int, default=WARMUP, help="untimed steps before the timed ones")
@@ -498,7 +518,7 @@ def run(args: argparse.Namespace) -> dict:
             raise SystemExit(f"--declared-rows {args.declared_rows:,} is fewer than --rows {args.rows:,}: a table declares "
                              "at least the rows written")
         result = _run(path, args.rows, args.dim, args.seed, budgets, args.depths, args.repeat, args.warmup, args.declared_rows,
-                      not args.no_in_memory)
+                      not args.no_in_memory, args.scattered)
     finally:
         if temp is not None:
             temp.cleanup()
@@ -510,8 +530,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _run(path: Path, rows: int, dim: int, seed: int, budgets: list[int], depths: list[int], repeat: int, warmup: int,
-         declared: int | None = None, in_memory: bool = True) -> dict:
-    table = prepare_table(path, rows, dim, seed, declared)
+         declared: int | None = None, in_memory: bool = True, scattered: bool = False) -> dict:
+    table = prepare_table(path, rows, dim, seed, declared, scattered)
     table_bytes = rows * dim * 4
     job = {"rows": rows, "declared": table["declared"], "dim": dim, "seed": seed, "path": str(path), "warmup": warmup, "steps": warmup + repeat,
            "bags": BAGS}
