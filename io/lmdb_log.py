@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import tempfile
@@ -445,7 +446,10 @@ class LogTables:
 
     def _collect_locked(self, table: str, written: int) -> None:
         log = self._logs[table]
-        victims = log.victims(written)
+        # at most a write transaction's share of bytes copied: the copies are held read out and
+        # as the transaction's dirty pages, outside the budget's parts for more than that (twice
+        # the rows of a full write-back transaction, 67 MB each at 0.5 GiB, OOM-killed a trainer)
+        victims = log.victims(written, max(1, self.txn_rows * rowlog.PAGE // log.slot_bytes))
         dropped = log.droppable_tombstones()
         merged = sorted(set(log.tombstones) - set(dropped)) if len(log.tombstones) > rowlog.MAX_TOMBSTONE_SEGMENTS else []
         if not victims and not dropped and not merged:
@@ -461,9 +465,11 @@ class LogTables:
         parts, known = [], []
         if victims:
             order = np.argsort(kept_ids, kind="stable")
-            ids, slots = kept_ids[order], kept_slots[order]
+            ids = kept_ids[order]
             known.append(kept_places[order])
-            parts += [(ids[lo: lo + log.per_segment], slots[lo: lo + log.per_segment]) for lo in range(0, len(ids), log.per_segment)]
+            # each segment's slots taken in id order only when it is written: not a second copy of all
+            parts += [(ids[lo: lo + log.per_segment], functools.partial(kept_slots.take, order[lo: lo + log.per_segment], axis=0))
+                      for lo in range(0, len(ids), log.per_segment)]
         if still_deleted:
             parts.append((np.unique(np.concatenate(still_deleted)), None))
             known.append(np.full(len(parts[-1][0]), rowlog.NONE, dtype=np.uint32))

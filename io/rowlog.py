@@ -362,10 +362,12 @@ class RowLog:
         slots[:, self.codec.row_bytes:] = np.ascontiguousarray(steps, dtype=_STEP).view(np.uint8).reshape(-1, 8)
         return slots
 
-    def victims(self, written: int) -> list[int]:
+    def victims(self, written: int, most: int | None = None) -> list[int]:
         """Seqs of the row segments to clean now, emptiest first: enough to bring dead slots
         under SPARE of the live rows, copying at most about twice the rows just written (a
-        write never waits on a whole cleanup), or to merge segments a few rows each."""
+        write never waits on a whole cleanup) and at most ``most`` rows (the collection holds
+        them in memory and as its transaction's dirty pages), or to merge segments a few
+        rows each."""
         used = np.flatnonzero(self.seq > 0)
         if not len(used):
             return []
@@ -373,7 +375,7 @@ class RowLog:
         too_many = len(used) - (2 * (-(-self.live_rows // self.per_segment)) + 16)
         if over <= 0 and too_many <= 0:
             return []
-        budget = max(2 * written, self.per_segment)
+        budget = max(min(2 * written, most if most is not None else 2 * written), self.per_segment)
         full = self.live[used] / np.maximum(self.slots[used], 1)
         # the loop below stops within the emptiest budget + (emptied) + 1: sorting only those
         # takes 3 ms where sorting 210k segments took 32

@@ -320,6 +320,38 @@ def test_a_collection_asks_the_index_nothing_for_the_rows_it_copies(tmp_path, mo
     b.close()
 
 
+def test_a_collection_copies_at_most_the_rows_it_is_allowed(tmp_path, monkeypatch):
+    """A collection copies at most ``most`` rows however many were just written (the
+    backend's: a write transaction's share of bytes), the emptiest segments first; the rows
+    it copies read back as they were."""
+    monkeypatch.setattr(rowlog, "SPARE", 0.0)  # every dead slot over _MIN_DEAD calls for a collection
+    b = open_backend(tmp_path / "s", "log")
+    b.put_rows([("t", np.arange(40), np.ones((40, DIM), dtype=np.float32))], last_use={"t": np.zeros(40, dtype=np.int64)})
+    log = b._logs["t"]
+    ids = np.flatnonzero(np.arange(40) % 4 != 3)  # one row of each 4-slot segment left live: 30 dead slots
+    with monkeypatch.context() as held_back:
+        held_back.setattr(type(b), "_collect", lambda *a: None)
+        b.put_rows([("t", ids, np.full((30, DIM), 2, dtype=np.float32))], last_use={"t": np.full(30, 2)})
+
+    def copied(seqs):
+        return sum(int(log.live[log._index[q]]) for q in seqs)
+    free = log.victims(30)
+    capped = log.victims(30, most=5)
+    assert copied(free) == 10 and copied(capped) == 5 < copied(free)
+    assert all(log.live[log._index[q]] == 1 for q in capped)  # the emptiest: a live row each
+    assert log.victims(30, most=0) and copied(log.victims(30, most=0)) <= log.per_segment  # a segment at least
+    b.txn_rows = 0  # the backend's share: a transaction of no bytes allows a row
+    before = len(log._index)
+    b._collect("t", 30)
+    assert len(log._index) < before  # it ran, one victim at a time
+    assert sorted(b.stored_ids("t").tolist()) == list(range(40))
+    rows = b.get_rows("t", np.arange(40))[0]
+    assert np.array_equal(rows[ids], np.full((30, DIM), 2, dtype=np.float32))
+    assert np.array_equal(rows[np.arange(3, 40, 4)], np.ones((10, DIM), dtype=np.float32))
+    live_counts_match_the_index(b)
+    b.close()
+
+
 def test_an_open_replays_only_the_segments_after_the_saved_index(tmp_path, monkeypatch):
     """A writer's close saves its index; the next open loads it and replays only newer segments
     (none here), and reads the same rows; a damaged saved index costs a full replay, not a row."""
