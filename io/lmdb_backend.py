@@ -405,6 +405,11 @@ class LmdbBackend(LogTables, Upkeep, Sketches):
         if self.deleted is not None and len(ids):
             self.deleted.setdefault(table, []).append(np.array(ids, dtype=np.int64))
 
+    @property
+    def txn_bytes(self) -> int:
+        """A write transaction's share of dirty bytes: a page for each of its txn_rows rows."""
+        return self.txn_rows * rowlog.PAGE
+
     def put_rows(self, batches: list[tuple[str, np.ndarray, np.ndarray]], meta: dict | None = None,
                  last_use: dict[str, np.ndarray] | None = None) -> int:
         """Write (table, sorted ids, rows) batches, then meta; returns bytes written.
@@ -427,7 +432,7 @@ class LmdbBackend(LogTables, Upkeep, Sketches):
             by_table = {t: (ids, rows) for t, ids, rows in logged}
             txns, size = [[]], 0
             for t, lo, hi in parts:
-                if size and size + (hi - lo) * self._logs[t].slot_bytes > self.txn_rows * rowlog.PAGE:
+                if size and size + (hi - lo) * self._logs[t].slot_bytes > self.txn_bytes:
                     txns.append([])
                     size = 0
                 txns[-1].append((t, lo, hi))
@@ -511,7 +516,7 @@ class LmdbBackend(LogTables, Upkeep, Sketches):
                             for t in set(self._logs) - rebuilt:
                                 self._log_synced[t] = tid
                     self._unsynced += dirties
-                    if self._unsynced >= self.txn_rows * rowlog.PAGE:
+                    if self._unsynced >= self.txn_bytes:
                         self.sync()
                     self._shared.trim_map()
                     break

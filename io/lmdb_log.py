@@ -449,7 +449,7 @@ class LogTables:
         # at most a write transaction's share of bytes copied: the copies are held read out and
         # as the transaction's dirty pages, outside the budget's parts for more than that (twice
         # the rows of a full write-back transaction, 67 MB each at 0.5 GiB, OOM-killed a trainer)
-        victims = log.victims(written, max(1, self.txn_rows * rowlog.PAGE // log.slot_bytes))
+        victims = log.victims(written, max(1, self.txn_bytes // log.slot_bytes))
         dropped = log.droppable_tombstones()
         merged = sorted(set(log.tombstones) - set(dropped)) if len(log.tombstones) > rowlog.MAX_TOMBSTONE_SEGMENTS else []
         if not victims and not dropped and not merged:

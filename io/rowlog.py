@@ -375,7 +375,7 @@ class RowLog:
         too_many = len(used) - (2 * (-(-self.live_rows // self.per_segment)) + 16)
         if over <= 0 and too_many <= 0:
             return []
-        budget = max(min(2 * written, most if most is not None else 2 * written), self.per_segment)
+        budget = max(2 * written if most is None else min(2 * written, most), self.per_segment)
         full = self.live[used] / np.maximum(self.slots[used], 1)
         # the loop below stops within the emptiest budget + (emptied) + 1: sorting only those
         # takes 3 ms where sorting 210k segments took 32

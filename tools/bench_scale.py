@@ -95,7 +95,7 @@ def prepare_table(path: Path, rows: int, dim: int, seed: int, declared: int | No
     with tierstore.TieredStore(path, [table_spec(declared, dim)], hbm_rows=0, ddr_rows=0, device="cpu") as store:
         for lo in range(0, rows, chunk):
             n = min(rows, lo + chunk) - lo
-            ids = np.arange(lo, lo + n) if order is None else order[lo:lo + n]
+            ids = order[lo:lo + n] if scattered else np.arange(lo, lo + n)
             store.write(TABLE, ids, rng.standard_normal((n, dim), dtype=np.float32) * 0.01)
             if scattered:
                 store.flush()
