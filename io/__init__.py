@@ -16,7 +16,8 @@ from .errors import (
 _LAZY = {
     "RowCodec": "codecs", "encode_keys": "codecs", "find_sorted": "codecs", "unique_ids": "codecs",
     "FORMAT_VERSION": "lmdb_backend", "WRITE_TXN_ROWS": "lmdb_backend", "LmdbBackend": "lmdb_backend",
-    "MemoryBackend": "memory_backend", "RowBackend": "backend", "index_bytes_bound": "rowlog", "runs_bytes_bound": "rowlog",
+    "MemoryBackend": "memory_backend", "RowBackend": "backend", "dense_bytes": "rowlog", "index_bytes_bound": "rowlog",
+    "runs_bytes_bound": "rowlog",
     "WriteBack": "writeback", "WriteBatch": "writeback",
 }
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from .backend import RowBackend
     from .lmdb_backend import FORMAT_VERSION, WRITE_TXN_ROWS, LmdbBackend
     from .memory_backend import MemoryBackend
-    from .rowlog import index_bytes_bound, runs_bytes_bound
+    from .rowlog import dense_bytes, index_bytes_bound, runs_bytes_bound
     from .writeback import WriteBack, WriteBatch
 
 __all__ = ["BadRowsError", "DiskFullError", "ForeignStoreError", "SegmentLimitError", "StoreCorruptError", "StoreExistsError",

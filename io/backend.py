@@ -49,9 +49,10 @@ class RowBackend(Protocol):
         """Names of the tables of ``specs`` (TableSpecs) whose rows' index this backend keeps in
         memory (the store's budget counts index_bytes() for them)."""
 
-    def limit_index(self, limits: dict[str, int]) -> None:
+    def limit_index(self, limits: dict[str, int], held: dict[str, int] | None = None) -> None:
         """The bytes the index of each table (of indexed_tables()) may hold in memory, given
-        before the table opens; past it the index is to go to the backend's files."""
+        before the table opens; past it the index is to go to the backend's files. ``held``:
+        bytes each table's index may hold besides, where it is stored dense (io.rowindex.Dense)."""
 
     # -- rows ---------------------------------------------------------------------------
     def get_rows(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

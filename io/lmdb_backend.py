@@ -75,6 +75,7 @@ class LmdbBackend(LogTables, Upkeep, Sketches):
         self._log_dbs: dict[str, object] = {}
         self._log_synced: dict[str, int] = {}  # the transaction id each log's index reflects
         self._index_limits: dict[str, int] = {}  # bytes each log's runs may hold (limit_index)
+        self._index_held: dict[str, int] = {}  # bytes of a dense level each log's index may hold (limit_index)
         self._index_named: dict[str, str] = {}  # the token of each log's index file LMDB names (io.lmdb_log)
         self._index_current: dict[str, str] = {}  # ... and of the one its runs come from now
         self._index_named_files: dict[str, set[str]] = {}  # the files (names) of each: it and the older levels it names
@@ -111,10 +112,12 @@ class LmdbBackend(LogTables, Upkeep, Sketches):
             limit = self._shared.mapped_limit
             self._shared.mapped_limit = nbytes if limit is None else min(limit, nbytes)
 
-    def limit_index(self, limits: dict[str, int]) -> None:
+    def limit_index(self, limits: dict[str, int], held: dict[str, int] | None = None) -> None:
         """The bytes each log table's runs may hold in memory (io.rowindex.RowIndex.limit),
-        given before its table opens; past it a writer spills them to its index file, a reader to a private one."""
-        self._index_limits = dict(limits)
+        given before its table opens; past it a writer spills them to its index file, a reader
+        to a private one. ``held``: the bytes of a dense level of its index each table may hold
+        in memory besides (RowIndex.hold; a table left out: none, its dense level is mapped)."""
+        self._index_limits, self._index_held = dict(limits), dict(held or {})
 
     @property
     def reads_directly(self) -> bool:

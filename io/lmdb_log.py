@@ -36,7 +36,8 @@ class LogTables:
     def _new_log(self, table: str, codec, num_rows: int, last_use: bool) -> rowlog.RowLog:
         """An empty index of ``table``, its runs limited as limit_index set: past it, a writer's
         replay spills to the index files it names, a reader's to a private one."""
-        log = rowlog.RowLog(codec, num_rows, last_use, self._index_limits.get(table), folder=self.path)
+        log = rowlog.RowLog(codec, num_rows, last_use, self._index_limits.get(table), folder=self.path,
+                            hold=self._index_held.get(table, 0))
         if self._lock_fd is not None:
             log.on_spill = lambda spilled: self._write_level(table, spilled, locked=False)
         else:

@@ -109,7 +109,7 @@ class MemoryBackend:
     def indexed_tables(self, specs) -> list[str]:
         return []  # no index apart from the rows themselves
 
-    def limit_index(self, limits: dict[str, int]) -> None:
+    def limit_index(self, limits: dict[str, int], held: dict[str, int] | None = None) -> None:
         pass  # no index to limit
 
     # -- rows -------------------------------------------------------------------------------

@@ -31,6 +31,14 @@ mapped *dense* instead (Dense): every declared id's place, 4 bytes each, where i
 ids declared): the bench-scale table, aged by training, held 34M rows in 35M runs, 579 MB its
 page cache could not keep, so that a row fetched read a page of the index twice (the prefetch's
 lookup, and the write-back's freeing its old slot) besides its own; dense, 136 MB.
+
+A dense level is *held* in memory (read from its file, no map) where the index's ``hold``
+allows (a budget gives it: tierstore.engine.memory.split_memory): mapped, its 136 MB shared
+the page cache's 128 MiB with the write-back's pages, and a row fetched still read 1.8 pages
+(`tierstore bench scale`'s DLRM at 0.5 GiB); held, 1.2, and the step took 0.56x the time. A
+merge into a held level updates its values in place as it writes the new file (what a newer
+level says of an id is what it then holds: a lookup meanwhile gets the same place either
+way), so that a held level never takes its bytes twice.
 """
 from __future__ import annotations
 
@@ -295,10 +303,11 @@ class Runs:
 
 
 class Dense:
-    """A mapped level stored dense: the value of every id below ``len(values)`` (ABSENT,
-    DELETED or its place + _PLACED), DENSE_IDS a page of its file, so that a lookup reads
-    the one page its id names and needs no fence. ``count``: the ids it covers (at most the
-    runs a merge reads of it); ``check``: as a mapped Runs's, by page."""
+    """A level stored dense: the value of every id below ``len(values)`` (ABSENT, DELETED or
+    its place + _PLACED), DENSE_IDS a page of its file, so that a lookup reads the one page
+    its id names and needs no fence. ``map``: its file's map (np.memmap), None where the
+    level is held in memory; ``count``: the ids it covers (at most the runs a merge reads of
+    it); ``check``: as a mapped Runs's, by page (None: held, checked as it was read)."""
 
     __slots__ = ("values", "map", "count", "check")
 
@@ -318,7 +327,7 @@ class Dense:
 
     @property
     def held(self) -> int:
-        return self.check.nbytes if self.check is not None else 0
+        return (self.check.nbytes if self.check is not None else 0) + (self.values.nbytes if self.map is None else 0)
 
     def verify(self, pages) -> None:
         _verify(self.check, pages)
@@ -330,9 +339,10 @@ class Dense:
             return np.concatenate([c for c, _ in parts]), np.concatenate([p for _, p in parts])
         inside = (ids >= 0) & (ids < len(self.values))
         at = np.where(inside, ids, 0)
-        pages = np.unique(at[inside] // DENSE_IDS)
-        will_need(self.values.ctypes.data, pages * (4 * DENSE_IDS), 4 * DENSE_IDS)
-        self.verify(pages)
+        if self.map is not None:
+            pages = np.unique(at[inside] // DENSE_IDS)
+            will_need(self.values.ctypes.data, pages * (4 * DENSE_IDS), 4 * DENSE_IDS)
+            self.verify(pages)
         value = np.where(inside, self.values[at], ABSENT)
         return value != ABSENT, _places(value)
 
@@ -436,14 +446,15 @@ def _inserted(level: Runs, new: Runs) -> Runs:
 class RowIndex:
     """id -> place of one table: recent over main in memory, over the mapped ``levels``.
 
-    ``limit``: the bytes it may hold (None: no limit). Past half of it the index spills
+    ``limit``: the bytes its runs may hold (None: no limit). Past half of it the index spills
     (wants_spill: its backend writes the file, io.rowindex_file), and memory holds what was
     written since; the page cache keeps what lookups use of the mapped levels, as it keeps
-    rows."""
+    rows. ``hold``: the bytes of dense levels it may hold in memory besides (Dense)."""
 
-    def __init__(self, num_rows: int, limit: int | None = None):
+    def __init__(self, num_rows: int, limit: int | None = None, hold: int = 0):
         self.num_rows = num_rows
         self.limit = limit
+        self.hold = hold
         self.main = Runs()
         self.recent = Runs()
         self.levels: list[Runs | Dense] = []  # mapped from their files, newest first
@@ -520,6 +531,12 @@ class RowIndex:
         else:
             self.dead = dead.copy() if self.dead is None else _padded(self.dead, len(dead)) | _padded(dead, len(self.dead))
 
+    def room(self, replaced: int = 0) -> int:
+        """The bytes a dense level may hold in memory, where the ``replaced`` newest levels
+        are about to go."""
+        return self.hold - sum(level.values.nbytes for level in self.levels[replaced:]
+                               if isinstance(level, Dense) and level.map is None)
+
     def held(self) -> list[int]:
         """Segment indexes mapped levels still name though their segments are gone."""
         return [] if self.dead is None else np.flatnonzero(self.dead).tolist()
@@ -561,7 +578,8 @@ class RowIndex:
         """What merging(k) yields, as (first page, values) of every page of a dense level, where
         the oldest level it merges is dense: that level's values a part at a time (_DENSE_PART),
         the newer levels' runs spread over them. No runs are made of the dense level: turned
-        into runs and back (merging, dense_pages), its 34M ids took most of a spill's CPU."""
+        into runs and back (merging, dense_pages), its 34M ids took most of a spill's CPU. A
+        held dense level takes each part's values in place as it goes."""
         sources = [self.recent, self.main, *self.levels[:k]]
         base, bottom = sources[-1], k == len(self.levels)
         _advise(base, mmap.MADV_SEQUENTIAL)
@@ -580,6 +598,8 @@ class RowIndex:
                     _spread(w, lo, hi, values)
                 if bottom:
                     values[values == DELETED] = ABSENT
+                if base.map is None:
+                    base.values[lo:hi] = values
                 yield lo // DENSE_IDS, values
         finally:
             _advise(base, mmap.MADV_RANDOM)

@@ -15,7 +15,9 @@ for 1.5 GiB of runs, and grew with the index, where a lookup reads a block's pag
 A dense level (io.rowindex.Dense: a spill's choice where the level would hold more than a
 quarter as many runs as the table declares ids) holds every id's value instead of runs, a
 page of rowindex.DENSE_IDS at a time, a CRC a page, and no fence; the pages no row reaches
-are holes of the file.
+are holes of the file. Where the index may hold it in memory (RowIndex.room), a dense level is
+read whole, each page checked, instead of mapped; one a merge wrote from a held level is that
+level, its values updated in place (RowIndex.dense_merging), and is not read again.
 
 A torn or damaged file found at open is not the index, and its caller replays the segments
 instead; a damaged block found later raises RowIndexDamagedError (its caller rebuilds the
@@ -271,9 +273,10 @@ def _checked(read, *args):
         return None
 
 
-def _map_dense(path: Path, header: dict) -> Dense | None:
-    """The dense level of the file at ``path`` mapped, its size and pages' CRCs checked (None
-    where they fail); each page is checked as it is first read (_Blocks)."""
+def _map_dense(path: Path, header: dict, hold: bool = False) -> Dense | None:
+    """The dense level of the file at ``path`` mapped, or where ``hold``, read into memory
+    (every page checked), its size and pages' CRCs checked (None where they fail); a mapped
+    level's pages are checked as they are first read (_Blocks)."""
     offsets, page = _run_offsets(header), 4 * rowindex.DENSE_IDS
     try:
         pages = header["pages"]
@@ -282,8 +285,16 @@ def _map_dense(path: Path, header: dict) -> Dense | None:
                 return None
             f.seek(offsets[1])
             crcs = np.fromfile(f, dtype=np.uint32, count=pages)
-        if len(crcs) != pages or zlib.crc32(_bytes(crcs)) != header["blocks_crc"]:
-            return None
+            if len(crcs) != pages or zlib.crc32(_bytes(crcs)) != header["blocks_crc"]:
+                return None
+            if hold:
+                f.seek(offsets[0])
+                values = np.fromfile(f, dtype=np.uint32, count=pages * rowindex.DENSE_IDS)
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                if len(values) != pages * rowindex.DENSE_IDS or not np.array_equal(
+                        _page_crcs(values.view(np.uint8).reshape(pages, page)), crcs):
+                    return None
+                return Dense(values, None, header["runs"])
         mapped = np.memmap(path, dtype=np.uint32, mode="r", offset=offsets[0], shape=(pages * rowindex.DENSE_IDS,))
         mapped._mmap.madvise(mmap.MADV_RANDOM)
         values = mapped.view(np.ndarray)
@@ -292,15 +303,16 @@ def _map_dense(path: Path, header: dict) -> Dense | None:
         return None
 
 
-def _map_runs(path: Path, header: dict) -> Runs | Dense | None:
+def _map_runs(path: Path, header: dict, room: int = 0) -> Runs | Dense | None:
     """The level of the file at ``path`` mapped, its size, fence and blocks' CRCs checked (None
     where they fail); its runs are checked a block at a time as they are first read (_Blocks).
-    Its pages are read at random (no read-ahead: a lookup reads the page its fence names)."""
+    Its pages are read at random (no read-ahead: a lookup reads the page its fence names). A
+    dense level of ``room`` bytes or less is held in memory instead."""
     n = header["runs"]
     if not n:
         return Runs()
     if header.get("dense"):
-        return _map_dense(path, header)
+        return _map_dense(path, header, hold=4 * rowindex.DENSE_IDS * header["pages"] <= room)
     offsets, blocks = _run_offsets(header), _blocks(n)
     try:
         with open(path, "rb") as f:
@@ -339,9 +351,13 @@ def take_runs(index: RowIndex, path: Path, header: dict, k: int) -> bool:
             return False
         index.main, index.levels, index.names = runs, [], []
     else:
-        runs = _map_runs(path, header)
-        if runs is None:
-            return False
+        merged = index.levels[k - 1] if k else None
+        if header.get("dense") and isinstance(merged, Dense) and merged.map is None:
+            runs = Dense(merged.values, None, n)  # merged into in place (RowIndex.dense_merging)
+        else:
+            runs = _map_runs(path, header, index.room(k))
+            if runs is None:
+                return False
         keep = [(path.name, runs)] if n else []
         keep += list(zip(index.names[k:], index.levels[k:]))
         index.main, index.names, index.levels = Runs(), [name for name, _ in keep], [level for _, level in keep]
@@ -371,11 +387,13 @@ def load_runs(index: RowIndex, path: Path, header: dict, expect: dict) -> bool:
             main = main.under(runs)
         index.main, index.levels, index.names = main.take(main.loc != NONE), [], []
     else:
-        levels = []
+        levels, room = [], index.hold
         for p, h in files:
-            runs = _map_runs(p, h)
+            runs = _map_runs(p, h, room)
             if runs is None:
                 return False
+            if isinstance(runs, Dense) and runs.map is None:
+                room -= runs.values.nbytes
             if len(runs):
                 levels.append((p.name, runs))
         index.main, index.names, index.levels = Runs(), [name for name, _ in levels], [level for _, level in levels]

@@ -97,6 +97,11 @@ def runs_bytes_bound(num_rows: int) -> int:
     return 5 * rowindex.RUN_BYTES * num_rows
 
 
+def dense_bytes(num_rows: int) -> int:
+    """The bytes of a dense level of the index of ``num_rows`` rows (io.rowindex.Dense)."""
+    return 4 * rowindex.DENSE_IDS * rowindex.dense_page_count(num_rows)
+
+
 def index_bytes_bound(num_rows: int, slot_bytes: int) -> int:
     """The most a RowLog of ``num_rows`` rows of ``slot_bytes`` holds in memory without a
     limit: its segments' entries and its runs."""
@@ -152,17 +157,18 @@ class RowLog:
     stored), and for each segment its sequence number, live rows, place in the file, and
     which of its slots are live (``bits``, io.liveslots: what a collection copies).
     Its own methods never touch LMDB: the backend hands them values and commits.
-    ``runs_limit``: the bytes its runs may hold (RowIndex.limit); ``folder``: where the bits'
-    file goes (None: the temporary directory)."""
+    ``runs_limit``: the bytes its runs may hold (RowIndex.limit); ``hold``: the bytes of a
+    dense level it may hold in memory (RowIndex.hold); ``folder``: where the bits' file goes
+    (None: the temporary directory)."""
 
     def __init__(self, codec: RowCodec, num_rows: int, last_use: bool, runs_limit: int | None = None,
-                 folder: Path | None = None):
+                 folder: Path | None = None, hold: int = 0):
         self.codec = codec
         self.last_use = last_use
         self.num_rows = num_rows
         self.slot_bytes = codec.row_bytes + (_STEP.itemsize if last_use else 0)
         self.per_segment = rows_per_segment(self.slot_bytes, num_rows)
-        self.index = RowIndex(num_rows, runs_limit)
+        self.index = RowIndex(num_rows, runs_limit, hold)
         self.on_spill = None  # spills the index (RowIndex.wants_spill) during a replay
         self.unsaved = 0  # rows applied since the index was last saved (wants_save)
         self._held: list[int] = []  # segment indexes a mapped index still names (RowIndex.held)

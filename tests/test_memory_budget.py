@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from tierstore import TableSpec, TieredEmbeddingBag, TieredStore, optim
 from tierstore.eviction import make_policy
-from tierstore.io import index_bytes_bound, runs_bytes_bound
+from tierstore.io import index_bytes_bound, runs_bytes_bound, dense_bytes
 from tierstore.engine.memory import (
     DEFAULT_WRITEBACK_ROWS, PAGE, QUEUE_BYTES_PER_ROW, WORK_BYTES_PER_SLOT, MemoryLimit, check_fits,
     cgroup_memory_limit, detect_limit, fit_rows, machine_memory, parse_bytes, split_memory, tier_bytes,
@@ -84,10 +84,15 @@ specs_st = st.lists(
 @given(specs_st, st.integers(400 * MiB, 1 << 40), st.booleans(), st.booleans())
 def test_the_split_stays_within_the_budget(specs, budget, on_host, writes):
     split = split_memory(budget, specs, hbm_on_host=on_host, writes=writes)
-    # the log layout's row index: at most a sixteenth of the budget, whatever the tables declare; a
-    # table's runs may take half its share at least, or all its rows could take
+    by_name = {s.name: s for s in specs}
+    # the log layout's row index: at most a sixteenth of the budget, whatever the tables declare,
+    # and the dense levels it holds, a third at most, only where the page cache cannot keep the
+    # rows; a table's runs may take half its share at least, or all its rows could take
+    held = split.held_index
     index = split.parts["row_index"].bytes
-    assert index <= budget // 16
+    assert index - sum(held.values()) <= budget // 16 and sum(held.values()) <= budget // 3
+    assert not held or sum(s.num_rows * s.row_bytes for s in specs if s.num_rows is not None) > budget // 4
+    assert all(nbytes == dense_bytes(by_name[name].num_rows) for name, nbytes in held.items())
     rows = sum(s.num_rows for s in specs if s.num_rows is not None)
     for s in specs:
         if s.num_rows is not None:
@@ -95,7 +100,6 @@ def test_the_split_stays_within_the_budget(specs, budget, on_host, writes):
             assert split.index_limits[s.name] >= min(share // 2, runs_bytes_bound(s.num_rows))
     assert split.host_bytes <= budget
     assert sum(p.bytes for p in split.parts.values() if p.host) == split.host_bytes
-    by_name = {s.name: s for s in specs}
     for part, rows in (("hbm", split.hbm_rows), ("ddr", split.ddr_rows), ("staging", split.staged_rows)):
         assert all(r >= 0 for r in rows.values()) and split.parts[part].rows == sum(rows.values())
         assert all(by_name[n].num_rows is None or r <= by_name[n].num_rows for n, r in rows.items())

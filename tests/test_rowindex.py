@@ -50,11 +50,12 @@ class IndexAgainstDict(RuleBasedStateMachine):
     level is runs."""
 
     rows = ROWS
+    hold = 0  # the bytes of dense levels the index holds in memory (RowIndex.hold)
 
     def __init__(self):
         super().__init__()
         self.dir = Path(tempfile.mkdtemp())
-        self.index = RowIndex(self.rows, limit=400)  # 25 runs: spills within a few writes
+        self.index = RowIndex(self.rows, limit=400, hold=self.hold)  # 25 runs: spills within a few writes
         rowindex._CHUNK_RUNS = 4  # a save merges a few runs of each level at a time: runs cut at each piece's line
         rowindex.MAX_LEVELS = 3  # levels merged for their number too
         rowindex.FENCE = 4  # a mapped level's lookups search pages of a few starts
@@ -109,8 +110,10 @@ class IndexAgainstDict(RuleBasedStateMachine):
         assert len(header["levels"]) == levels - k and len(self.index.levels) <= rowindex.MAX_LEVELS
         in_memory = k == levels and header["runs"] * rowindex.RUN_BYTES <= self.index.limit // 2 and not header.get("dense")
         assert self.index.mapped == (not in_memory and (header["runs"] > 0 or k < levels))
-        # every FENCE-th start of a mapped level of runs, and a CRC (and its checked flag) a block (a dense level's: a page)
-        fences = sum(5 * len(level.check.crcs) + (0 if isinstance(level, rowindex.Dense) else level.fence.nbytes) for level in self.index.levels)
+        # every FENCE-th start of a mapped level of runs, and a CRC (and its checked flag) a block (a dense
+        # level's: a page); a dense level held in memory, its values
+        fences = sum(4 * len(level.values) if isinstance(level, rowindex.Dense) and level.map is None else
+                     5 * len(level.check.crcs) + (0 if isinstance(level, rowindex.Dense) else level.fence.nbytes) for level in self.index.levels)
         assert self.index.nbytes == fences or not self.index.mapped  # mapped levels are the page cache's, memory holds the rest
         sizes = [len(level) for level in self.index.levels]  # each level GROWTH times the runs of those above it, about
         assert all(b > rowindex.GROWTH * a for a, b in zip(sizes[:-1], sizes[1:])) or len(sizes) <= rowindex.MAX_LEVELS
@@ -122,7 +125,7 @@ class IndexAgainstDict(RuleBasedStateMachine):
             path = self.dir / f"i{self.saves}"
             got = rowindex_file.read_file(path, {"n": self.saves})
             assert got is not None and got[1][0].tolist() == [0, 1, 2]
-            fresh = RowIndex(self.rows, limit=self.index.limit)
+            fresh = RowIndex(self.rows, limit=self.index.limit, hold=self.hold)
             assert rowindex_file.load_runs(fresh, path, got[0], {})
             saved = {i: p for i, p in zip(fresh.ids().tolist(), fresh.get(fresh.ids()).tolist())}
             assert fresh.get(np.array(self._ids(BASES))).dtype == np.uint32
@@ -150,11 +153,12 @@ class IndexAgainstDict(RuleBasedStateMachine):
         cut = data.draw(st.booleans())
         p.write_bytes(bytes(damaged[:at] if cut else damaged))
         try:
-            fresh = RowIndex(self.rows, limit=self.index.limit)
+            fresh = RowIndex(self.rows, limit=self.index.limit, hold=self.hold)
             if rowindex_file.load_runs(fresh, path, header, {}):
                 assert not cut and fresh.mapped
                 block = (at - h["offsets"][len(h["counts"])]) // block_bytes
                 level = fresh.levels[fresh.names.index(p.name)]
+                assert not _held(level)  # a level held in memory has every page checked as it is read
                 others = np.flatnonzero(np.arange(len(level.check.crcs)) != block)
                 level.verify(others)  # the other blocks read as written
                 with pytest.raises(RowIndexDamagedError, match="fails its CRC"):
@@ -195,6 +199,28 @@ class DenseIndexAgainstDict(IndexAgainstDict):
 
 DenseIndexAgainstDict.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
 TestDenseIndexAgainstDict = DenseIndexAgainstDict.TestCase
+
+
+def _held(level) -> bool:
+    return isinstance(level, rowindex.Dense) and level.map is None
+
+
+class HeldDenseIndexAgainstDict(DenseIndexAgainstDict):
+    """The same, the index allowed to hold one dense level in memory (RowIndex.hold, as a budget
+    gives it): merged into in place, read whole at open, never two held at once; a damaged
+    page of a held level's file is found at open."""
+
+    hold = 4 * 48  # the values of 40 ids in pages of 16
+
+    @invariant()
+    def holds_one_dense_level_at_most(self):
+        held = [level for level in self.index.levels if _held(level)]
+        assert sum(level.values.nbytes for level in held) <= self.hold
+        assert all(level.check is None for level in held)
+
+
+HeldDenseIndexAgainstDict.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+TestHeldDenseIndexAgainstDict = HeldDenseIndexAgainstDict.TestCase
 
 
 def test_a_write_in_id_order_is_a_run_a_segment():
@@ -270,6 +296,52 @@ def test_a_dense_level_is_merged_once_the_runs_over_it_hold_a_quarter_of_its_byt
     assert index.plan() == 0
     index.put(scattered[weight // rowindex.GROWTH - 1: weight // rowindex.GROWTH], np.array([3 << rowindex.SLOT_BITS], dtype=np.uint32))
     assert index.plan() == 1
+
+
+def test_a_dense_level_held_in_memory_is_merged_into_in_place_and_read_whole_at_open(tmp_path):
+    """Where the index may hold it (RowIndex.hold), a dense level is in memory: counted in its
+    bytes, merged into in place (the same values, no second copy, no read of the file it
+    wrote), read whole and checked at open; a page of its file damaged refuses the file at
+    open; with no room, the same file is mapped."""
+    n = 300_000
+    dense = 4 * -(-n // rowindex.DENSE_IDS) * rowindex.DENSE_IDS
+    index = RowIndex(n, limit=64 << 10, hold=dense)
+    rng = np.random.default_rng(0)
+    model = np.full(n, NONE, dtype=np.uint32)
+
+    def put(ids, segment):
+        places = (segment << rowindex.SLOT_BITS) | np.arange(len(ids), dtype=np.uint32)
+        index.put(ids, places)
+        model[ids] = places
+
+    ids = rng.permutation(n)
+    for s in range(0, n, 4096):
+        put(ids[s:s + 4096], s // 4096)
+    header = rowindex_file.write_file(index, tmp_path / "i1", {}, [], index.plan())
+    assert header["dense"] and rowindex_file.take_runs(index, tmp_path / "i1", header, 0)
+    held = index.levels[0]
+    assert _held(held) and index.nbytes == dense
+    put(np.sort(rng.choice(n, 40_000, replace=False)), 1000)  # over it: a level merged into it
+    gone = rng.choice(n, 100, replace=False)
+    index.put(gone, None)
+    model[gone] = NONE
+    k = len(index.levels)
+    header = rowindex_file.write_file(index, tmp_path / "i2", {}, [], k)
+    assert header["dense"] and rowindex_file.take_runs(index, tmp_path / "i2", header, k)
+    assert index.levels == [index.levels[0]] and index.levels[0].values is held.values and index.nbytes == dense
+    assert (index.get(np.arange(n)) == model).all()
+
+    fresh = RowIndex(n, limit=64 << 10, hold=dense)
+    assert rowindex_file.load_runs(fresh, tmp_path / "i2", header, {}) and _held(fresh.levels[0])
+    assert (fresh.get(np.arange(n)) == model).all() and fresh.nbytes == dense
+    mapped = RowIndex(n, limit=64 << 10, hold=dense - 1)
+    assert rowindex_file.load_runs(mapped, tmp_path / "i2", header, {}) and not _held(mapped.levels[0])
+    assert (mapped.get(np.arange(n)) == model).all() and mapped.nbytes < dense // 100
+
+    raw = bytearray((tmp_path / "i2").read_bytes())
+    raw[header["offsets"][0] + 4096 * 7 + 5] ^= 1  # a byte of the eighth page of values
+    (tmp_path / "i2").write_bytes(bytes(raw))
+    assert not rowindex_file.load_runs(RowIndex(n, limit=64 << 10, hold=dense), tmp_path / "i2", header, {})
 
 
 def _merge_peak(tmp_path, n: int) -> int:

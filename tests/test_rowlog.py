@@ -17,7 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tierstore.io import StoreCorruptError, lmdb_backend, lmdb_log, rowlog
+from tierstore.io import StoreCorruptError, lmdb_backend, lmdb_log, rowindex, rowlog
 from tierstore.io.lmdb_backend import LmdbBackend
 
 N, DIM = 40, 3
@@ -33,13 +33,13 @@ def small_segments(monkeypatch):
     monkeypatch.setattr(lmdb_log, "_ADVISED_READ", 1)  # every read as a large one: direct where asked
 
 
-def open_backend(path, layout, readonly=False, direct=False, publish_at_flush=False, index_limit=None):
+def open_backend(path, layout, readonly=False, direct=False, publish_at_flush=False, index_limit=None, index_hold=0):
     old = lmdb_backend.NEW_TABLE_LAYOUT
     lmdb_backend.NEW_TABLE_LAYOUT = layout
     try:
         b = LmdbBackend(path, readonly=readonly, publish_at_flush=publish_at_flush)
-        if index_limit is not None:  # its runs spill to the index file past this
-            b.limit_index({"t": index_limit})
+        if index_limit is not None:  # its runs spill to the index file past this, a dense level held in memory
+            b.limit_index({"t": index_limit}, {"t": index_hold})
         if direct:
             b.read_directly(True, "the test asks")
             if not b.read_path.startswith("io_uring"):
@@ -203,9 +203,11 @@ class PublishedLogAgainstModel(LogAgainstModel):
         self.old_index = None
 
     INDEX_LIMIT = None
+    INDEX_HOLD = 0
 
     def open_writer(self):
-        return open_backend(f"{self.dir}/log", "log", direct=self.DIRECT, publish_at_flush=True, index_limit=self.INDEX_LIMIT)
+        return open_backend(f"{self.dir}/log", "log", direct=self.DIRECT, publish_at_flush=True, index_limit=self.INDEX_LIMIT,
+                            index_hold=self.INDEX_HOLD)
 
     @rule()
     def publish(self):
@@ -246,6 +248,24 @@ class SpilledLogAgainstModel(PublishedLogAgainstModel):
 
 SpilledLogAgainstModel.TestCase.settings = settings(max_examples=30, stateful_step_count=40, deadline=None)
 TestSpilledLogAgainstModel = SpilledLogAgainstModel.TestCase
+
+
+class HeldLogAgainstModel(SpilledLogAgainstModel):
+    """The same, the writer's index allowed to hold a dense level in memory (its 40 ids' values
+    in a page): the levels past a run for every four ids are dense, and held."""
+
+    INDEX_HOLD = 4 * rowindex.DENSE_IDS
+
+    @invariant()
+    def holds_what_it_may(self):
+        index = self.writers["log"]._logs["t"].index
+        held = [level for level in index.levels if isinstance(level, rowindex.Dense) and level.map is None]
+        assert sum(level.values.nbytes for level in held) <= self.INDEX_HOLD
+        assert index.nbytes >= sum(level.values.nbytes for level in held)
+
+
+HeldLogAgainstModel.TestCase.settings = settings(max_examples=30, stateful_step_count=40, deadline=None)
+TestHeldLogAgainstModel = HeldLogAgainstModel.TestCase
 
 
 def test_overwrites_keep_the_log_within_its_spare_room(tmp_path):

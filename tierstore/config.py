@@ -127,7 +127,7 @@ def size_memory(cfg: StoreConfig, backend: RowBackend, specs: Mapping[str, Table
         check_fits(split, split.limit, process_rss(), what)
     cfg.hbm_rows, cfg.ddr_rows, cfg.writeback_rows = split.hbm_rows, split.ddr_rows, split.writeback_rows
     backend.txn_rows = split.txn_rows
-    backend.limit_index(split.index_limits)
+    backend.limit_index(split.index_limits, split.held_index)
     # pages read through LMDB's map would stay in the process's RSS: kept to half the page cache's share
     backend.limit_mapped(None if split.budget is None else split.parts["page_cache"].bytes // 2)
     backend.read_directly(*direct_reads(cfg, split, specs))
