@@ -38,7 +38,10 @@ the page cache's 128 MiB with the write-back's pages, and a row fetched still re
 (`tierstore bench scale`'s DLRM at 0.5 GiB); held, 1.2, and the step took 0.56x the time. A
 merge into a held level updates its values in place as it writes the new file (what a newer
 level says of an id is what it then holds: a lookup meanwhile gets the same place either
-way), so that a held level never takes its bytes twice.
+way), so that a held level never takes its bytes twice. The index keeps a held level
+*current* (RowIndex.current): every write since is set in its values as well, and an open
+sets there what the levels over it hold, so that a lookup reads memory only, where the
+mapped levels over it (up to a quarter of its bytes in runs) cost a page each.
 """
 from __future__ import annotations
 
@@ -449,7 +452,8 @@ class RowIndex:
     ``limit``: the bytes its runs may hold (None: no limit). Past half of it the index spills
     (wants_spill: its backend writes the file, io.rowindex_file), and memory holds what was
     written since; the page cache keeps what lookups use of the mapped levels, as it keeps
-    rows. ``hold``: the bytes of dense levels it may hold in memory besides (Dense)."""
+    rows. ``hold``: the bytes of dense levels it may hold in memory besides (Dense);
+    ``current``: one of those, kept current (put), so that a lookup asks no level over it."""
 
     def __init__(self, num_rows: int, limit: int | None = None, hold: int = 0):
         self.num_rows = num_rows
@@ -460,6 +464,7 @@ class RowIndex:
         self.levels: list[Runs | Dense] = []  # mapped from their files, newest first
         self.names: list[str] = []  # ... the name of each one's file
         self.dead: np.ndarray | None = None  # by segment index: rows of a mapped level placed there are gone
+        self.current: Dense | None = None
 
     @property
     def mapped(self) -> bool:
@@ -476,7 +481,10 @@ class RowIndex:
         ids = np.asarray(ids, dtype=np.int64)
         covered, loc = self.recent.find(ids)
         rest = np.flatnonzero(~covered)
-        for i, level in enumerate([self.main, *self.levels]):
+        levels = self.levels
+        if self.current is not None:  # what the levels over it hold, it holds
+            levels = levels[next(i for i, level in enumerate(levels) if level is self.current):]
+        for i, level in enumerate([self.main, *levels]):
             if not len(rest):
                 break
             held, got = level.find(ids[rest])
@@ -496,6 +504,10 @@ class RowIndex:
     def put(self, ids: np.ndarray, places: np.ndarray | None) -> None:
         """Rows of distinct ``ids`` now at ``places`` (NONE, or all where None: deleted)."""
         self.recent = self.recent.under(Runs.of(ids, places))
+        if self.current is not None:
+            values = self.current.values
+            values[np.asarray(ids, dtype=np.int64)] = DELETED if places is None else np.where(
+                places == NONE, DELETED, np.asarray(places, dtype=np.int64) + _PLACED)
         if len(self.recent) > max(RECENT_RUNS, len(self.main) // 8) and self._settles():
             self.settle()
 
@@ -530,6 +542,20 @@ class RowIndex:
             self.main = self.main.take(self.main.loc != NONE)
         else:
             self.dead = dead.copy() if self.dead is None else _padded(self.dead, len(dead)) | _padded(dead, len(self.dead))
+
+    def make_current(self) -> None:
+        """Keep the newest held dense level current (``current``): the runs of the levels over it
+        set in its values (the oldest first), a part at a time (_DENSE_PART)."""
+        at = next((i for i, level in enumerate(self.levels) if isinstance(level, Dense) and level.map is None), None)
+        self.current = None if at is None else self.levels[at]
+        if at:
+            values = self.current.values
+            for lo in range(0, len(values), _DENSE_PART):
+                hi = min(lo + _DENSE_PART, len(values))
+                for level in self.levels[at - 1::-1]:
+                    w = level.window(lo, hi)
+                    self._alive(w.loc)
+                    _spread(w, lo, hi, values[lo:hi])
 
     def room(self, replaced: int = 0) -> int:
         """The bytes a dense level may hold in memory, where the ``replaced`` newest levels

@@ -364,6 +364,8 @@ def take_runs(index: RowIndex, path: Path, header: dict, k: int) -> bool:
     index.recent = Runs()
     if full:
         index.dead = None
+    if not any(level is index.current for level in index.levels):
+        index.make_current()
     return True
 
 
@@ -398,4 +400,5 @@ def load_runs(index: RowIndex, path: Path, header: dict, expect: dict) -> bool:
                 levels.append((p.name, runs))
         index.main, index.names, index.levels = Runs(), [name for name, _ in levels], [level for _, level in levels]
     index.recent, index.dead = Runs(), None
+    index.make_current()
     return True

@@ -217,6 +217,7 @@ class HeldDenseIndexAgainstDict(DenseIndexAgainstDict):
         held = [level for level in self.index.levels if _held(level)]
         assert sum(level.values.nbytes for level in held) <= self.hold
         assert all(level.check is None for level in held)
+        assert self.index.current is (held[0] if held else None)  # lookups ask no level over it
 
 
 HeldDenseIndexAgainstDict.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
@@ -298,10 +299,19 @@ def test_a_dense_level_is_merged_once_the_runs_over_it_hold_a_quarter_of_its_byt
     assert index.plan() == 1
 
 
-def test_a_dense_level_held_in_memory_is_merged_into_in_place_and_read_whole_at_open(tmp_path):
+def _not_mapped(find):
+    """Runs.find, raising where the level is mapped."""
+    def checked(self, ids):
+        assert self.fence is None, "a mapped level was asked"
+        return find(self, ids)
+    return checked
+
+
+def test_a_dense_level_held_in_memory_is_merged_into_in_place_and_read_whole_at_open(tmp_path, monkeypatch):
     """Where the index may hold it (RowIndex.hold), a dense level is in memory: counted in its
     bytes, merged into in place (the same values, no second copy, no read of the file it
-    wrote), read whole and checked at open; a page of its file damaged refuses the file at
+    wrote), read whole and checked at open; kept current (a lookup asks no mapped level over
+    it, and an open sets their runs in it); a page of its file damaged refuses the file at
     open; with no room, the same file is mapped."""
     n = 300_000
     dense = 4 * -(-n // rowindex.DENSE_IDS) * rowindex.DENSE_IDS
@@ -320,7 +330,7 @@ def test_a_dense_level_held_in_memory_is_merged_into_in_place_and_read_whole_at_
     header = rowindex_file.write_file(index, tmp_path / "i1", {}, [], index.plan())
     assert header["dense"] and rowindex_file.take_runs(index, tmp_path / "i1", header, 0)
     held = index.levels[0]
-    assert _held(held) and index.nbytes == dense
+    assert _held(held) and index.current is held and index.nbytes == dense
     put(np.sort(rng.choice(n, 40_000, replace=False)), 1000)  # over it: a level merged into it
     gone = rng.choice(n, 100, replace=False)
     index.put(gone, None)
@@ -336,7 +346,20 @@ def test_a_dense_level_held_in_memory_is_merged_into_in_place_and_read_whole_at_
     assert (fresh.get(np.arange(n)) == model).all() and fresh.nbytes == dense
     mapped = RowIndex(n, limit=64 << 10, hold=dense - 1)
     assert rowindex_file.load_runs(mapped, tmp_path / "i2", header, {}) and not _held(mapped.levels[0])
-    assert (mapped.get(np.arange(n)) == model).all() and mapped.nbytes < dense // 100
+    assert (mapped.get(np.arange(n)) == model).all() and mapped.nbytes < dense // 100 and mapped.current is None
+
+    put(np.sort(rng.choice(n, 5_000, replace=False)), 1001)  # a level of runs over it, mapped
+    over = rowindex_file.write_file(index, tmp_path / "i3", {}, [], 0)
+    assert not over.get("dense") and rowindex_file.take_runs(index, tmp_path / "i3", over, 0)
+    assert index.current is index.levels[1] and not _held(index.levels[0])
+    saved = model.copy()
+    put(np.sort(rng.choice(n, 100, replace=False)), 1002)
+    with monkeypatch.context() as m:
+        m.setattr(rowindex.Runs, "find", _not_mapped(rowindex.Runs.find))
+        assert (index.get(np.arange(n)) == model).all()
+        fresh = RowIndex(n, limit=64 << 10, hold=dense)
+        assert rowindex_file.load_runs(fresh, tmp_path / "i3", over, {}) and fresh.current is fresh.levels[1]
+        assert (fresh.get(np.arange(n)) == saved).all()
 
     raw = bytearray((tmp_path / "i2").read_bytes())
     raw[header["offsets"][0] + 4096 * 7 + 5] ^= 1  # a byte of the eighth page of values
