@@ -34,8 +34,8 @@ lookup, and the write-back's freeing its old slot) besides its own; dense, 136 M
 
 A dense level is *held* in memory (read from its file, no map) where the index's ``hold``
 allows (a budget gives it: tierstore.engine.memory.split_memory): mapped, its 136 MB shared
-the page cache's 128 MiB with the write-back's pages, and a row fetched still read 1.8 pages
-(`tierstore bench scale`'s DLRM at 0.5 GiB); held, 1.2, and the step took 0.56x the time. A
+the page cache's 128 MiB with the write-back's pages, and a row fetched still read 1.9 pages
+(`tierstore bench scale`'s DLRM at 0.5 GiB); held, 1.2, and the step took 0.55x the time. A
 merge into a held level updates its values in place as it writes the new file (what a newer
 level says of an id is what it then holds: a lookup meanwhile gets the same place either
 way), so that a held level never takes its bytes twice. The index keeps a held level

@@ -232,8 +232,8 @@ def _held_index(budget: int | None, logged: Sequence[TableSpec], page_cache: int
     dense levels (4 bytes a declared row) take B/3 at most together. Mapped, a dense level
     shares the page cache with the write-back's pages and a lookup costs a disk read where
     its page was dropped: on the bench-scale table (34M rows, 136 MB dense, 0.5 GiB) a row
-    fetched read 1.8 pages; held, at the cost of 40% of the DDR tier, 1.2, the DLRM step
-    0.56x as long."""
+    fetched read 1.9 pages; held, at the cost of 40% of the DDR tier, 1.2, the DLRM step
+    0.55x as long."""
     if budget is None or sum(s.num_rows * s.row_bytes for s in logged) <= page_cache:
         return {}
     held, room, rows = {}, budget // HELD_INDEX_SHARE, max(sum(s.num_rows for s in logged), 1)
