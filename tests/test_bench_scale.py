@@ -63,8 +63,13 @@ def test_without_a_cgroup_or_fio_it_says_so_and_runs(tmp_path, capsys, monkeypat
     for field in ("M lookups/s", "p50 / p90 / p99", "hit rate HBM", "rows read", "amplification read",
                   "peak RSS", "the disk floor", "LMDB floor", "no limit", "rows read through: ", "by stage (ms): dedupe", "CPU a step by thread (ms): "):
         assert field in out
-    # threads by CPU, most first: on a busy machine the write-back thread may come before the main one
-    assert "MainThread" in out.split("CPU a step by thread (ms): ", 1)[1].splitlines()[0]
+    # threads by CPU, most first (a thread's CPU is counted in 10 ms ticks: over one step the main thread may
+    # have none, and a thread that ended the most)
+    line = out.split("CPU a step by thread (ms): ", 1)[1].splitlines()[0]
+    threads = [re.fullmatch(r"(MainThread|native|tierstore-[a-z-]+|ended threads) (\d+\.\d)", t) for t in line.split(", ")]
+    assert line and all(threads), line
+    cpu = [float(t.group(2)) for t in threads]
+    assert cpu == sorted(cpu, reverse=True) and cpu[0] > 0, line
     assert ("x FBGEMM in memory" in out) == _have_fbgemm()
     assert "= -x" not in out  # no ratio without its baseline
     # the capacity library, replaying the run's recorded trace, predicts the store's DDR counts to the row
