@@ -364,6 +364,11 @@ class Dense:
         return Runs.of(lo + held, _places(value[held]))
 
 
+def in_memory(level) -> bool:
+    """Whether ``level`` is a dense level held in memory (its file read, not mapped)."""
+    return isinstance(level, Dense) and level.map is None
+
+
 def _places(value: np.ndarray) -> np.ndarray:
     """The places dense ``value``s stand for (NONE: deleted or not covered)."""
     return np.where(value >= _PLACED, value - _PLACED, NONE).astype(np.uint32)
@@ -546,7 +551,7 @@ class RowIndex:
     def make_current(self) -> None:
         """Keep the newest held dense level current (``current``): the runs of the levels over it
         set in its values (the oldest first), a part at a time (_DENSE_PART)."""
-        at = next((i for i, level in enumerate(self.levels) if isinstance(level, Dense) and level.map is None), None)
+        at = next((i for i, level in enumerate(self.levels) if in_memory(level)), None)
         self.current = None if at is None else self.levels[at]
         if at:
             values = self.current.values
@@ -560,8 +565,7 @@ class RowIndex:
     def room(self, replaced: int = 0) -> int:
         """The bytes a dense level may hold in memory, where the ``replaced`` newest levels
         are about to go."""
-        return self.hold - sum(level.values.nbytes for level in self.levels[replaced:]
-                               if isinstance(level, Dense) and level.map is None)
+        return self.hold - sum(level.values.nbytes for level in self.levels[replaced:] if in_memory(level))
 
     def held(self) -> list[int]:
         """Segment indexes mapped levels still name though their segments are gone."""

@@ -352,7 +352,7 @@ def take_runs(index: RowIndex, path: Path, header: dict, k: int) -> bool:
         index.main, index.levels, index.names = runs, [], []
     else:
         merged = index.levels[k - 1] if k else None
-        if header.get("dense") and isinstance(merged, Dense) and merged.map is None:
+        if header.get("dense") and rowindex.in_memory(merged):
             runs = Dense(merged.values, None, n)  # merged into in place (RowIndex.dense_merging)
         else:
             runs = _map_runs(path, header, index.room(k))
@@ -394,7 +394,7 @@ def load_runs(index: RowIndex, path: Path, header: dict, expect: dict) -> bool:
             runs = _map_runs(p, h, room)
             if runs is None:
                 return False
-            if isinstance(runs, Dense) and runs.map is None:
+            if rowindex.in_memory(runs):
                 room -= runs.values.nbytes
             if len(runs):
                 levels.append((p.name, runs))

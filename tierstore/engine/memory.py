@@ -201,15 +201,16 @@ def _shared_out(specs: Sequence[TableSpec], nbytes: int) -> dict[str, int]:
     return rows
 
 
-def _index_share(budget: int | None, logged: Sequence[TableSpec]) -> tuple[int, dict[str, int]]:
-    """(bytes, {table: runs limit}) of the row index of the tables ``logged``. A table's index
+def _index_share(budget: int | None, logged: Sequence[TableSpec], page_cache: int) -> tuple[int, dict[str, int], dict[str, int]]:
+    """(bytes, {table: runs limit}, {table: held bytes}) of the row index of the tables ``logged``. A table's index
     is its segments' entries (these grow with the rows written, about 32 bytes for a segment's
     hundreds of rows, and are not spilled) and its runs, limited: under a budget to the table's
     share of B/16 (in proportion to its rows), half of it at least to its runs, or to all its
     rows could take where less (index_bytes_bound); without one to UNBUDGETED_INDEX_BYTES a
-    declared row (a dense map of the ids would take that much)."""
+    declared row (a dense map of the ids would take that much). A table past its share may
+    besides hold its index stored dense in memory (_held_index)."""
     rows = max(sum(s.num_rows for s in logged), 1)
-    index, limits = 0, {}
+    index, limits, past = 0, {}, []
     for s in logged:
         runs = runs_bytes_bound(s.num_rows)
         full = index_bytes_bound(s.num_rows, s.row_bytes + (8 if s.ttl_steps is not None else 0))
@@ -222,25 +223,26 @@ def _index_share(budget: int | None, logged: Sequence[TableSpec]) -> tuple[int, 
             index, limits[s.name] = index + full, runs
         else:
             index, limits[s.name] = index + share, max(share - (full - runs), share // 2)
-    return index, limits
+            past.append(s)
+    held = _held_index(budget, logged, past, page_cache)
+    return index + sum(held.values()), limits, held
 
 
-def _held_index(budget: int | None, logged: Sequence[TableSpec], page_cache: int) -> dict[str, int]:
-    """{table: bytes} of the log tables ``logged`` whose row index, stored dense, is held in
-    memory (io.rowindex.Dense): under a budget whose page-cache share cannot keep the tables'
-    rows, each table whose runs outgrow its share of B/16 (index_bytes_bound), while their
-    dense levels (4 bytes a declared row) take B/3 at most together. Mapped, a dense level
+def _held_index(budget: int | None, logged: Sequence[TableSpec], past: Sequence[TableSpec], page_cache: int) -> dict[str, int]:
+    """{table: bytes} of the log tables ``past`` their index share whose row index, stored
+    dense, is held in memory (io.rowindex.Dense): under a budget whose page-cache share cannot
+    keep the rows of the tables ``logged``, while their dense levels (4 bytes a declared row)
+    take B/3 at most together. Mapped, a dense level
     shares the page cache with the write-back's pages and a lookup costs a disk read where
     its page was dropped: on the bench-scale table (34M rows, 136 MB dense, 0.5 GiB) a row
     fetched read 1.9 pages; held, at the cost of 40% of the DDR tier, 1.2, the DLRM step
     0.55x as long."""
-    if budget is None or sum(s.num_rows * s.row_bytes for s in logged) <= page_cache:
+    if not past or sum(s.num_rows * s.row_bytes for s in logged) <= page_cache:  # no budget: none past
         return {}
-    held, room, rows = {}, budget // HELD_INDEX_SHARE, max(sum(s.num_rows for s in logged), 1)
-    for s in logged:
+    held, room = {}, budget // HELD_INDEX_SHARE
+    for s in past:
         nbytes = dense_bytes(s.num_rows)
-        share = budget // INDEX_SHARE * s.num_rows // rows
-        if index_bytes_bound(s.num_rows, s.row_bytes + (8 if s.ttl_steps is not None else 0)) > share and nbytes <= room:
+        if nbytes <= room:
             held[s.name], room = nbytes, room - nbytes
     return held
 
@@ -292,9 +294,7 @@ def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Si
     page_cache = 0 if budget is None else budget // PAGE_CACHE_SHARE
     logged = [s for s in specs if s.num_rows is not None and (indexed_tables is None or s.name in indexed_tables)]
     indexed = sum(s.num_rows for s in logged)
-    index, index_limits = _index_share(budget, logged)
-    held_index = _held_index(budget, logged, page_cache)
-    index += sum(held_index.values())
+    index, index_limits, held_index = _index_share(budget, logged, page_cache)
     rest = 0 if budget is None else budget - page_cache - dirty - index
     if budget is not None and rest <= 0:
         need = ((dirty + index) * PAGE_CACHE_SHARE) // (PAGE_CACHE_SHARE - 1) + (1 << 20)
