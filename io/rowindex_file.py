@@ -400,5 +400,9 @@ def load_runs(index: RowIndex, path: Path, header: dict, expect: dict) -> bool:
                 levels.append((p.name, runs))
         index.main, index.names, index.levels = Runs(), [name for name, _ in levels], [level for _, level in levels]
     index.recent, index.dead = Runs(), None
-    index.make_current()
+    try:
+        index.make_current()  # reads every block of the levels over a held one
+    except RowIndexDamagedError:  # not the index: its caller replays the segments
+        index.main, index.levels, index.names, index.current = Runs(), [], [], None
+        return False
     return True

@@ -360,6 +360,10 @@ def test_a_dense_level_held_in_memory_is_merged_into_in_place_and_read_whole_at_
         fresh = RowIndex(n, limit=64 << 10, hold=dense)
         assert rowindex_file.load_runs(fresh, tmp_path / "i3", over, {}) and fresh.current is fresh.levels[1]
         assert (fresh.get(np.arange(n)) == saved).all()
+    raw = bytearray((tmp_path / "i3").read_bytes())
+    raw[over["offsets"][0] + 9] ^= 1  # a byte of the first block of runs over the held level: the open reads it
+    (tmp_path / "i3").write_bytes(bytes(raw))
+    assert not rowindex_file.load_runs(RowIndex(n, limit=64 << 10, hold=dense), tmp_path / "i3", over, {})
 
     raw = bytearray((tmp_path / "i2").read_bytes())
     raw[header["offsets"][0] + 4096 * 7 + 5] ^= 1  # a byte of the eighth page of values
