@@ -440,8 +440,8 @@ class LogTables:
 
     def _collect(self, table: str, written: int) -> None:
         """Clean ``table``'s log after ``written`` rows were appended (io.rowlog): copy the live
-        slots of its emptiest segments into one new segment, drop tombstones no longer needed,
-        merge the rest when they are many; one transaction."""
+        slots of the segments most worth it (io.rowlog.RowLog.victims) into one new segment,
+        drop tombstones no longer needed, merge the rest when they are many; one transaction."""
         with self._write_lock:
             self._rebuilt_on_damage(table, lambda: self._collect_locked(table, written))
 

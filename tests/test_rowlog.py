@@ -340,6 +340,26 @@ def test_a_collection_asks_the_index_nothing_for_the_rows_it_copies(tmp_path, mo
     b.close()
 
 
+def test_a_collection_cleans_the_segments_most_worth_it_first(tmp_path, monkeypatch):
+    """LFS's cost-benefit, (1 - u) * age / (1 + u): an emptied segment first (it costs
+    nothing); of segments as empty, the oldest (its rows have stayed: copied once, they stay
+    put); a young segment after old ones fuller than it, where emptiest first took it first."""
+    monkeypatch.setattr(rowlog, "SPARE", 0.0)  # every dead slot over _MIN_DEAD calls for a collection
+    b = open_backend(tmp_path / "s", "log")
+    log = b._logs["t"]
+    with monkeypatch.context() as held_back:
+        held_back.setattr(type(b), "_collect", lambda *a: None)
+        for lo in range(0, 40, 4):  # ten segments of 4 rows: ids 0-3, 4-7, ...
+            b.put_rows([("t", np.arange(lo, lo + 4), np.ones((4, DIM), dtype=np.float32))], last_use={"t": np.zeros(4, dtype=np.int64)})
+        seq = {lo: max(log._index) - 9 + lo // 4 for lo in range(0, 40, 4)}  # the segment of ids lo..lo+3
+        # half dead: the segments of ids 0-3 (the oldest) and 8-11; emptied: 16-19; 3 of 4 dead, the youngest: 36-39
+        dead = np.array([0, 1, 8, 9, 16, 17, 18, 19, 36, 37, 38])
+        b.put_rows([("t", dead, np.full((len(dead), DIM), 2, dtype=np.float32))], last_use={"t": np.ones(len(dead), dtype=np.int64)})
+    # 3 segments written since: ages 13, 11 and 4; worth 4.3, 3.7 and 2.4
+    assert log.victims(1000) == [seq[16], seq[0], seq[8], seq[36]]
+    b.close()
+
+
 def test_a_collection_copies_at_most_the_rows_it_is_allowed(tmp_path, monkeypatch):
     """A collection copies at most ``most`` rows however many were just written (the
     backend's: a write transaction's share of bytes), the emptiest segments first; the rows
