@@ -19,8 +19,9 @@ are holes of the file. Where the index may hold it in memory (RowIndex.room), a 
 read whole, each page checked, instead of mapped; one a merge wrote from a held level is that
 level, its values updated in place (RowIndex.dense_merging), and is not read again.
 
-A torn or damaged file found at open is not the index, and its caller replays the segments
-instead; a damaged block found later raises RowIndexDamagedError (its caller rebuilds the
+A torn or damaged file found at open is not the index, nor is one whose older level's file
+holds the bytes of another (each file is named by the token its header holds), and its
+caller replays the segments instead; a damaged block found later raises RowIndexDamagedError (its caller rebuilds the
 index from the segments), never a place read from it."""
 from __future__ import annotations
 
@@ -369,6 +370,14 @@ def take_runs(index: RowIndex, path: Path, header: dict, k: int) -> bool:
     return True
 
 
+def _named_by(name: str, header: dict) -> bool:
+    """Whether the file ``name`` is the one whose ``header`` it holds: a writer names each file
+    by the token its header holds (``...-TOKEN.bin``, io.lmdb_log). Checked for the older levels
+    a header names, whose names and runs alone let another index file's bytes copied over one
+    pass for it (a store restored in part from an older copy of its directory)."""
+    return not header.get("token") or name.endswith(f"-{header['token']}.bin")
+
+
 def load_runs(index: RowIndex, path: Path, header: dict, expect: dict) -> bool:
     """Make the level of the file at ``path`` (``header``: read_file's) and the older ones it
     names (their headers holding ``expect``) ``index``'s: read into memory, merged into main
@@ -377,7 +386,7 @@ def load_runs(index: RowIndex, path: Path, header: dict, expect: dict) -> bool:
     files = [(path, header)]
     for name, runs in header["levels"]:
         got = read_file(path.parent / name, expect)
-        if got is None or got[0]["runs"] != runs:
+        if got is None or got[0]["runs"] != runs or not _named_by(name, got[0]):
             return False
         files.append((path.parent / name, got[0]))
     if _fits(index, sum(h["runs"] for _, h in files)):

@@ -433,6 +433,31 @@ def test_an_open_reads_a_mapped_level_by_its_header_and_a_damaged_block_raises_w
         fresh.get(np.array([2 * block * rowindex.FENCE + 4]))
 
 
+def test_an_older_level_whose_bytes_are_another_files_is_not_that_level(tmp_path):
+    """A header names its older levels by file name and runs, and a writer names each file by
+    the token its header holds: another index file of as many runs copied over an older
+    level's name (a store's directory restored in part from an older copy) is refused at
+    open, never read as that level (its places are another index's)."""
+    ids = np.arange(0, 200, 2)  # a run each
+    under, named = tmp_path / "index-t-aaaa.bin", tmp_path / "index-t-bbbb.bin"
+    index = RowIndex(ROWS, limit=64)
+    index.put(ids, np.arange(len(ids), dtype=np.uint32))
+    assert rowindex_file.take_runs(index, under, rowindex_file.write_file(index, under, {"token": "aaaa"}, [], 0), 0)
+    index.put(np.array([1]), np.array([500], dtype=np.uint32))
+    header = rowindex_file.write_file(index, named, {"token": "bbbb"}, [], 0)  # over the level of `under`
+    assert header["levels"] == [[under.name, len(ids)]]
+    other = RowIndex(ROWS, limit=64)
+    other.put(ids, np.arange(len(ids), dtype=np.uint32) + 1000)  # as many runs, other places
+    assert rowindex_file.write_file(other, tmp_path / "index-t-cccc.bin", {"token": "cccc"}, [], 0)["runs"] == len(ids)
+
+    fresh = RowIndex(ROWS, limit=64)
+    assert rowindex_file.load_runs(fresh, named, header, {})
+    assert fresh.get(ids).tolist() == list(range(len(ids)))
+    under.write_bytes((tmp_path / "index-t-cccc.bin").read_bytes())
+    fresh = RowIndex(ROWS, limit=64)
+    assert not rowindex_file.load_runs(fresh, named, header, {}) and not len(fresh.ids())
+
+
 def _disk_reads() -> int:
     """Bytes this process has had read from the disk (mapped pages faulted in included)."""
     return int(next(line.split()[1] for line in open("/proc/self/io") if line.startswith("read_bytes:")))
