@@ -50,11 +50,15 @@ NEW_TABLE_LAYOUT = "log"
 
 class LmdbBackend(LogTables, Upkeep, Sketches):
     def __init__(self, path: str | os.PathLike, readonly: bool = False, map_size: int | None = None,
-                 create: bool = True, txn_rows: int = WRITE_TXN_ROWS, publish_at_flush: bool = False):
+                 create: bool = True, txn_rows: int = WRITE_TXN_ROWS, publish_at_flush: bool = False,
+                 spare: float | None = None):
         """``create=False``: a store must already be at ``path``; nothing is created otherwise.
         ``publish_at_flush``: a writer whose log tables readers see only as publish() leaves
-        them (the store's flush); otherwise they see every commit."""
+        them (the store's flush); otherwise they see every commit. ``spare``: the dead rows
+        each log table keeps at most, as a fraction of its live rows, before the writer copies
+        live rows to reclaim their room (io.rowlog.RowLog; None: io.rowlog.SPARE)."""
         self.path = Path(path)
+        self.spare = spare
         self.readonly = readonly
         self.publish_at_flush = publish_at_flush and not readonly
         # a publishing writer's log tables: the newest segment published, the newest tombstone dropped

@@ -37,7 +37,7 @@ class LogTables:
         """An empty index of ``table``, its runs limited as limit_index set: past it, a writer's
         replay spills to the index files it names, a reader's to a private one."""
         log = rowlog.RowLog(codec, num_rows, last_use, self._index_limits.get(table), folder=self.path,
-                            hold=self._index_held.get(table, 0))
+                            hold=self._index_held.get(table, 0), spare=self.spare)
         if self._lock_fd is not None:
             log.on_spill = lambda spilled: self._write_level(table, spilled, locked=False)
         else:

@@ -20,9 +20,9 @@ consecutive slots, memory that grows with the rows written, not the ids declared
 
 Space: overwritten rows leave dead slots; a collection copies the live rows of the segments
 most worth cleaning (how empty, and how long its rows have stayed: RowLog._worth) into a new
-one and deletes them, in one transaction, once dead slots pass SPARE of the live ones. A
-tombstone is dropped once every row segment is newer than it (no older copy of its ids is
-left to resurrect).
+one and deletes them, in one transaction, once dead slots pass its spare room (SPARE of the
+live ones by default). A tombstone is dropped once every row segment is newer than it (no
+older copy of its ids is left to resurrect).
 
 This module knows LMDB's value layout and nothing of the store; io.lmdb_backend calls it
 inside its transactions and under its locks.
@@ -50,7 +50,7 @@ from .rowindex import NONE, SLOT_BITS as _SLOT_BITS, RowIndex
 # CPU in mdb_page_alloc and mdb_midl_xmerge (perf, 1 GiB, depth 4).
 SEGMENT_BYTES = 64 << 10
 MIN_SEGMENT_ROWS = 256  # fewer and the segments' own bookkeeping (SEGMENT_ENTRY_BYTES) outgrows a byte a row
-SPARE = 0.5  # dead slots kept at most, as a fraction of live rows, before a collection (RowLog.victims)
+SPARE = 0.5  # dead slots kept at most, as a fraction of live rows, before a collection (RowLog.victims): the default
 MAX_SLOTS = 1 << _SLOT_BITS
 _MAX_SEGMENTS = (1 << (32 - _SLOT_BITS)) - 1  # the last one would make NONE a place
 SEGMENT_ENTRY_BYTES = 4 * 8  # a segment's seq, live, slots and offset in RowLog (its live bits: the page cache's)
@@ -160,11 +160,13 @@ class RowLog:
     Its own methods never touch LMDB: the backend hands them values and commits.
     ``runs_limit``: the bytes its runs may hold (RowIndex.limit); ``hold``: the bytes of a
     dense level it may hold in memory (RowIndex.hold); ``folder``: where the bits' file goes
-    (None: the temporary directory)."""
+    (None: the temporary directory); ``spare``: the dead slots it keeps at most, as a fraction
+    of its live rows (None: SPARE), before a collection copies rows to reclaim them."""
 
     def __init__(self, codec: RowCodec, num_rows: int, last_use: bool, runs_limit: int | None = None,
-                 folder: Path | None = None, hold: int = 0):
+                 folder: Path | None = None, hold: int = 0, spare: float | None = None):
         self.codec = codec
+        self.spare = SPARE if spare is None else spare
         self.last_use = last_use
         self.num_rows = num_rows
         self.slot_bytes = codec.row_bytes + (_STEP.itemsize if last_use else 0)
@@ -371,14 +373,14 @@ class RowLog:
 
     def victims(self, written: int, most: int | None = None) -> list[int]:
         """Seqs of the row segments to clean now, the most worth it first (_worth): enough to
-        bring dead slots under SPARE of the live rows, copying at most about twice the rows
+        bring dead slots under ``spare`` of the live rows, copying at most about twice the rows
         just written (a write never waits on a whole cleanup) and at most ``most`` rows (the
         collection holds them in memory and as its transaction's dirty pages), or to merge
         segments a few rows each."""
         used = np.flatnonzero(self.seq > 0)
         if not len(used):
             return []
-        over = self.dead_slots - max(_MIN_DEAD, int(SPARE * self.live_rows))
+        over = self.dead_slots - max(_MIN_DEAD, int(self.spare * self.live_rows))
         too_many = len(used) - (2 * (-(-self.live_rows // self.per_segment)) + 16)
         if over <= 0 and too_many <= 0:
             return []
@@ -407,7 +409,7 @@ class RowLog:
         emptiest first instead waits on segments whose rows are rewritten soon anyway and copies
         cold rows from segments barely emptier than the rest: 0.91 rows copied a row written
         against 0.77 (a log of 3.4M rows under the writes a 42k-row LRU cache evicts of a
-        Zipf 1.05 stream, SPARE 0.5, steady state)."""
+        Zipf 1.05 stream, spare 0.5, steady state)."""
         live = self.live[segs] / np.maximum(self.slots[segs], 1)
         age = (self.applied + 1 - self.seq[segs]).astype(np.float64)
         return np.where(self.live[segs] == 0, np.inf, (1 - live) * age / (1 + live))

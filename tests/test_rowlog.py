@@ -33,11 +33,11 @@ def small_segments(monkeypatch):
     monkeypatch.setattr(lmdb_log, "_ADVISED_READ", 1)  # every read as a large one: direct where asked
 
 
-def open_backend(path, layout, readonly=False, direct=False, publish_at_flush=False, index_limit=None, index_hold=0):
+def open_backend(path, layout, readonly=False, direct=False, publish_at_flush=False, index_limit=None, index_hold=0, spare=None):
     old = lmdb_backend.NEW_TABLE_LAYOUT
     lmdb_backend.NEW_TABLE_LAYOUT = layout
     try:
-        b = LmdbBackend(path, readonly=readonly, publish_at_flush=publish_at_flush)
+        b = LmdbBackend(path, readonly=readonly, publish_at_flush=publish_at_flush, spare=spare)
         if index_limit is not None:  # its runs spill to the index file past this, a dense level held in memory
             b.limit_index({"t": index_limit}, {"t": index_hold})
         if direct:
@@ -268,20 +268,31 @@ HeldLogAgainstModel.TestCase.settings = settings(max_examples=30, stateful_step_
 TestHeldLogAgainstModel = HeldLogAgainstModel.TestCase
 
 
-def test_overwrites_keep_the_log_within_its_spare_room(tmp_path):
-    """Rewriting the same rows over and over: collection keeps dead slots near SPARE of the
-    live rows and the segments few, whatever the number of writes."""
-    b = open_backend(tmp_path / "s", "log")
-    rng = np.random.default_rng(0)
-    for step in range(300):
-        ids = np.sort(rng.choice(N, 8, replace=False))
-        b.put_rows([("t", ids, np.full((8, DIM), step, dtype=np.float32))], last_use={"t": np.full(8, step)})
-    log = b._logs["t"]
-    assert log.dead_slots <= rowlog.SPARE * log.live_rows + 2 * rowlog.MAX_SLOTS
-    assert log.per_segment == 4
-    assert log.index_bytes() <= rowlog.index_bytes_bound(N, log.slot_bytes)  # what the memory budget charges
-    assert len(log._index) <= 2 * (-(-log.live_rows // log.per_segment)) + 16
-    b.close()
+def test_overwrites_keep_the_log_within_its_spare_room(tmp_path, monkeypatch):
+    """Rewriting the same rows over and over: collection keeps dead slots near the spare room
+    of the live rows (SPARE, or the backend's) and the segments few, whatever the number of
+    writes; more room, fewer rows copied."""
+    copied = []
+    live_slots = lmdb_log.LogTables._live_slots
+    monkeypatch.setattr(lmdb_log.LogTables, "_live_slots", lambda *a: (got := live_slots(*a), copied.append(len(got[0])))[0])
+    for spare in (None, 1.0):
+        b = open_backend(tmp_path / f"s{spare}", "log", spare=spare)
+        copied.clear()
+        rng = np.random.default_rng(0)
+        for step in range(300):
+            ids = np.sort(rng.choice(N, 8, replace=False))
+            b.put_rows([("t", ids, np.full((8, DIM), step, dtype=np.float32))], last_use={"t": np.full(8, step)})
+        log = b._logs["t"]
+        assert log.spare == (rowlog.SPARE if spare is None else spare)
+        assert log.dead_slots <= log.spare * log.live_rows + log.per_segment  # 19 of 40 live, 32 of 40 at 1.0
+        assert log.per_segment == 4
+        assert log.index_bytes() <= rowlog.index_bytes_bound(N, log.slot_bytes)  # what the memory budget charges
+        assert len(log._index) <= 2 * (-(-log.live_rows // log.per_segment)) + 16
+        b.close()
+        if spare is None:
+            at_default = sum(copied)
+    assert log.dead_slots > rowlog.SPARE * log.live_rows  # the room given is used
+    assert 0 < sum(copied) < at_default  # 89 rows copied against 617
 
 
 def test_a_damaged_segment_is_named_damage(tmp_path):

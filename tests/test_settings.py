@@ -38,6 +38,15 @@ def test_a_config_opens_the_store_as_its_keywords_do(tmp_path):
     assert cfg.hbm_rows == 8 and cfg.path is None  # the caller's config is not the store's to change
 
 
+def test_a_store_keeps_the_spare_space_it_is_given_for_its_tables_logs(tmp_path):
+    """spare_space is the room each log table keeps for dead rows (io.rowlog.RowLog.spare),
+    as given at this open: it is not stored, and a reopen may give another."""
+    for spare in (1.0, 0.25):
+        with opened(tmp_path / "s", [SPEC], device="cpu", spare_space=spare) as s:
+            s.write("t", torch.arange(10), torch.ones(10, 4))
+            assert s.config.spare_space == spare and s._backend._logs["t"].spare == spare
+
+
 def test_a_config_reopens_readonly(tmp_path):
     opened(tmp_path / "s", [SPEC], device="cpu").close()
     with opened(tmp_path / "s", config=StoreConfig(readonly=True, device="cpu")) as s:
@@ -108,6 +117,9 @@ def test_check_number():
         with pytest.raises(ValueError, match=r"^lr must be a finite number > 0 \(the step size\), got "):
             check_number(bad, "lr", above=True, meaning="the step size")
     assert check_number(float("inf"), "wait", finite=False) == float("inf")  # a threshold never reached
+    assert check_number(1, "share", above=True, at_most=1.0) == 1.0
+    with pytest.raises(ValueError, match=r"^share must be a finite number > 0 and <= 1, got 1.01$"):
+        check_number(1.01, "share", above=True, at_most=1.0)
     with pytest.raises(ValueError, match=r"^wait must be a number >= 0, got nan$"):
         check_number(float("nan"), "wait", finite=False)
 
@@ -129,6 +141,9 @@ def test_check_choice_and_rows():
     (dict(writeback_group_rows=True), r"writeback_group_rows must be an int >= 0 \(rows the writer gathers"),
     (dict(writeback_rows=-1), r"writeback_rows must be an int >= 0 or None \(rows queued for LMDB"),
     (dict(eviction="belady"), r"eviction must be one of 'policy', 'lookahead'"),
+    (dict(spare_space=0), r"spare_space must be a finite number > 0 and <= 1 \(dead rows kept at most, as a fraction of the live rows"),
+    (dict(spare_space=1.5), r"spare_space must be a finite number > 0 and <= 1 .*, got 1.5"),
+    (dict(spare_space="1"), r"spare_space must be a finite number > 0 and <= 1 .*, got '1'"),
 ])
 def test_the_store_reports_bad_settings_by_name(tmp_path, keywords, message):
     with pytest.raises(ValueError, match=message):

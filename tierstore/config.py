@@ -18,7 +18,7 @@ from tierstore.io.lmdb_file import corrupt
 from tierstore.engine.memory import MemorySplit, check_fits, detect_limit, format_bytes, parse_bytes, process_rss, return_freed_blocks, split_memory
 from tierstore.engine.tensors import resolve_device
 from tierstore.spec import TableSpec
-from tierstore.validate import check_choice, check_int, check_rows
+from tierstore.validate import check_choice, check_int, check_number, check_rows
 from tierstore.errors import ArgumentTypeError, FormatError, SettingError, kind
 
 if TYPE_CHECKING:
@@ -48,6 +48,10 @@ class StoreConfig:
     # large reads of rows skip the page cache (tierstore.io.direct) where the system allows: True, False, or None:
     # when a memory_budget's page-cache share is smaller than the tables' rows, whose pages it then could not keep
     direct_reads: bool | None = None
+    # dead rows a table stored as a log keeps at most, as a fraction of its live rows, before its writes also copy
+    # live rows to reclaim their room (tierstore.io.rowlog): more disk for fewer copies. At most 1.0: the log's
+    # segment numbers and their bookkeeping in the budget are sized for as many dead slots as live ones at most
+    spare_space: float = 0.5
 
     def __post_init__(self):
         if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
@@ -63,6 +67,9 @@ class StoreConfig:
         check_int(self.writeback_group_rows, "writeback_group_rows",
                   meaning="rows the writer gathers into one LMDB commit, at most writeback_rows // 2; 0 = commit each write at once")
         check_choice(self.eviction, "eviction", ("policy", "lookahead"), "next use in the prefetch window first")
+        self.spare_space = check_number(self.spare_space, "spare_space", above=True, at_most=1.0,
+                                        meaning="dead rows kept at most, as a fraction of the live rows: a table's file holds "
+                                                "up to 1 + spare_space times its rows' bytes, and a larger one copies fewer rows a row written")
         check_rows(self.hbm_rows, "hbm_rows")
         check_rows(self.ddr_rows, "ddr_rows")
         make_policy(self.policy)  # raises on unknown names

@@ -84,6 +84,9 @@ class TieredStore(StoreInspection):
     the write-back queue, LMDB's dirty pages and a share for the page cache.
     ``direct_reads``: large reads skip the page cache (tierstore.io.direct); None (the
     default) does so where a memory_budget's page-cache share is smaller than the rows.
+    ``spare_space``: the dead rows a table keeps on disk at most, as a fraction of its live
+    rows (0.5: its file holds up to 1.5 times its rows; at most 1.0), before its writes also
+    copy live rows to reclaim their room: more room, fewer rows copied (docs/out-of-core.md).
     ``config=StoreConfig(...)`` gives these settings whole instead; a keyword also
     given must agree with it.
     ``tierstore.open_store(path, daemon=SOCK, ...)`` attaches to a
@@ -114,6 +117,7 @@ class TieredStore(StoreInspection):
         claim: Sequence[str] = (),
         memory_budget: int | str | None = None,
         direct_reads: bool | None = None,
+        spare_space: float = 0.5,
         config: StoreConfig | None = None,
     ):
         # accepted only to refuse: open_store(path, claim=...) without daemon= lands here, and
@@ -126,7 +130,8 @@ class TieredStore(StoreInspection):
                              "(tierstore.open_store(path, daemon=SOCK, claim=...)); an embedded store is its tables' only writer")
         settings = dict(hbm_rows=hbm_rows, ddr_rows=ddr_rows, policy=policy, device=device, readonly=readonly, map_size=map_size,
                         clock=clock, eviction=eviction, writeback_rows=writeback_rows,
-                        writeback_group_rows=writeback_group_rows, memory_budget=memory_budget, direct_reads=direct_reads)
+                        writeback_group_rows=writeback_group_rows, memory_budget=memory_budget, direct_reads=direct_reads,
+                        spare_space=spare_space)
         self.config = StoreConfig(path, **settings)
         if config is not None:  # taken whole (a copy: opening sets its sizes); a keyword also given must agree
             if not isinstance(config, StoreConfig):
@@ -156,7 +161,7 @@ class TieredStore(StoreInspection):
         # without tables= nothing is created: a mistyped path fails, leaving nothing behind
         # readers see its log tables as flush() publishes them (LmdbBackend.publish)
         self._backend: RowBackend = LmdbBackend(self.path, readonly=self.readonly, map_size=self.config.map_size,
-                                                create=bool(tables), publish_at_flush=True)
+                                                create=bool(tables), publish_at_flush=True, spare=self.config.spare_space)
         try:
             specs = reconcile_specs(self._backend, self.path, list(tables or []), self.readonly)
             for name in ("hbm_rows", "ddr_rows"):

@@ -40,14 +40,17 @@ def check_int(value: Any, name: str, at_least: int = 0, at_most: int | None = No
 
 
 def check_number(value: Any, name: str, at_least: float = 0.0, above: bool = False, meaning: str = "",
-                 none: bool = False, finite: bool = True) -> float | None:
-    """``value`` as a float ``>= at_least`` (``> at_least`` when ``above``); infinity passes
-    only where ``finite=False`` (a threshold that is never reached), NaN never."""
+                 none: bool = False, finite: bool = True, at_most: float | None = None) -> float | None:
+    """``value`` as a float ``>= at_least`` (``> at_least`` when ``above``) and ``<= at_most``
+    where given; infinity passes only where ``finite=False`` (a threshold that is never
+    reached), NaN never."""
     if value is None and none:
         return None
     ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
-    if not ok or math.isnan(value) or (finite and math.isinf(value)) or value < at_least or (above and value == at_least):
+    if (not ok or math.isnan(value) or (finite and math.isinf(value)) or value < at_least or (above and value == at_least)
+            or (at_most is not None and value > at_most)):
         raise SettingError(f"{name} must be a {'finite ' if finite else ''}number {'>' if above else '>='} {at_least:g}"
+                         f"{f' and <= {at_most:g}' if at_most is not None else ''}"
                          f"{' or None' if none else ''}{_said(meaning)}, got {value!r}")
     return float(value)
 

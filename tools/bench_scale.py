@@ -298,14 +298,11 @@ def _tiered(job: dict, batches, go, first_use: float | None = None) -> dict:
 
     dlrm = job["kind"] == "dlrm"
     go()  # the limit is set and the page cache dropped: open the store now
-    if job.get("trace"):  # recorded, for the capacity tools' prediction of this run (_predicted)
-        opened = tierstore.TieredStore(job["path"], [table_spec(job["declared"], job["dim"])], memory_budget=job["budget"],
-                                       record_trace=job["trace"])
-        emb = tierstore.TieredEmbeddingBag(job["declared"], job["dim"], mode="sum", store=opened, table=TABLE,
-                                           optimizer=tierstore.optim.SGD(lr=LR))
-    else:
-        emb = tierstore.TieredEmbeddingBag(job["declared"], job["dim"], mode="sum", path=job["path"], table=TABLE, device="cpu",
-                                           optimizer=tierstore.optim.SGD(lr=LR), memory_budget=job["budget"])
+    # a trace recorded where asked, for the capacity tools' prediction of this run (_predicted)
+    opened = tierstore.TieredStore(job["path"], [table_spec(job["declared"], job["dim"])], device="cpu", memory_budget=job["budget"],
+                                   record_trace=job.get("trace"), spare_space=job["spare_space"])
+    emb = tierstore.TieredEmbeddingBag(job["declared"], job["dim"], mode="sum", store=opened, table=TABLE,
+                                       optimizer=tierstore.optim.SGD(lr=LR))
     if dlrm:
         data, name, make = batches
         step = _dlrm_step(make(lambda sparse: {name: emb(*sparse[name])}))
@@ -499,6 +496,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scattered", action="store_true",
                    help="build the table with its rows written in a random order, each placed apart from its "
                         "neighbours as a long training run leaves them (a row index of a run a row)")
+    p.add_argument("--spare-space", type=float, default=0.5,
+                   help="the store's spare_space=: dead rows its table keeps at most, as a fraction of the live rows, "
+                        "before its writes also copy rows to reclaim them (at most 1.0; more copies fewer rows)")
     p.add_argument("--no-in-memory", action="store_true",
                    help="skip the in-memory steps (they hold the whole table in memory): no ratio to them is printed")
     p.add_argument("--warmup", type=nonneg_int, default=WARMUP, help="untimed steps before the timed ones")
@@ -518,7 +518,7 @@ def run(args: argparse.Namespace) -> dict:
             raise SystemExit(f"--declared-rows {args.declared_rows:,} is fewer than --rows {args.rows:,}: a table declares "
                              "at least the rows written")
         result = _run(path, args.rows, args.dim, args.seed, budgets, args.depths, args.repeat, args.warmup, args.declared_rows,
-                      not args.no_in_memory, args.scattered)
+                      not args.no_in_memory, args.scattered, args.spare_space)
     finally:
         if temp is not None:
             temp.cleanup()
@@ -530,11 +530,13 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _run(path: Path, rows: int, dim: int, seed: int, budgets: list[int], depths: list[int], repeat: int, warmup: int,
-         declared: int | None = None, in_memory: bool = True, scattered: bool = False) -> dict:
+         declared: int | None = None, in_memory: bool = True, scattered: bool = False, spare_space: float = 0.5) -> dict:
+    from tierstore.config import StoreConfig
+    StoreConfig(spare_space=spare_space)  # refused here, before the table is built, where it is not a spare_space
     table = prepare_table(path, rows, dim, seed, declared, scattered)
     table_bytes = rows * dim * 4
     job = {"rows": rows, "declared": table["declared"], "dim": dim, "seed": seed, "path": str(path), "warmup": warmup, "steps": warmup + repeat,
-           "bags": BAGS}
+           "bags": BAGS, "spare_space": spare_space}
     floors = {"disk": disk_floor(path / "data.mdb", FLOOR_SECONDS),
               "lmdb": lmdb_floor(path, TABLE, _emb_batches(rows, 1, seed, BAGS)[0].numpy())}
     probe, cgroup = MemoryGroup.make(f"tierstore-bench-scale-{os.getpid()}")
@@ -558,7 +560,7 @@ def _run(path: Path, rows: int, dim: int, seed: int, budgets: list[int], depths:
                      **_spawn({**job, "kind": "dlrm", "budget": b, "depth": DLRM_DEPTH, "layout_salt": _next_salt(path)}, path, True)})
     for r in runs:
         _ratios(r, floors, in_memory)
-    return {"table": {**table, "path": str(path), "row_bytes": dim * 4, "table_bytes": table_bytes},
+    return {"table": {**table, "path": str(path), "row_bytes": dim * 4, "table_bytes": table_bytes, "spare_space": spare_space},
             "batch": {"bags": job["bags"], "pooling": POOLING, "zipf": ALPHA, "warmup": warmup, "timed_steps": repeat, "threads": 1},
             "cgroup": cgroup.replace(f"-{os.getpid()}", "-PID-N") if probe is not None else f"none: {cgroup}; ran without a memory limit",
             "dlrm": None if fits else f"skipped: no budget in --budgets is a tenth of the table ({table_bytes:,} bytes) or less",

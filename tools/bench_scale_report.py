@@ -13,7 +13,8 @@ def print_report(res: dict) -> None:
     disk, lm = fl["disk"], fl["lmdb"]
     declared = f", {t['declared']:,} declared" if t.get("declared", t["rows"]) != t["rows"] else ""
     print(f"\n== scale: {t['rows']:,} x {t['dim']} float32 rows{declared} ({format_bytes(t['table_bytes'])} of rows; data.mdb "
-          f"{format_bytes(t['data_mdb_bytes'])}, {'reused' if t['reused'] else 'built in %.0f s' % t['build_s']}) at {t['path']}")
+          f"{format_bytes(t['data_mdb_bytes'])}, {'reused' if t['reused'] else 'built in %.0f s' % t['build_s']}) at {t['path']}; "
+          f"spare_space={t['spare_space']:g}")
     b = res["batch"]
     print(f"   step: {b['bags']} bags x {b['pooling']} ids, Zipf {b['zipf']}, SGD, {b['threads']} thread; "
           f"{b['timed_steps']} timed steps after {b['warmup']} untimed (--warmup)")
