@@ -21,8 +21,9 @@ level, its values updated in place (RowIndex.dense_merging), and is not read aga
 
 A torn or damaged file found at open is not the index, nor is one whose older level's file
 holds the bytes of another (each file is named by the token its header holds), and its
-caller replays the segments instead; a damaged block found later raises RowIndexDamagedError (its caller rebuilds the
-index from the segments), never a place read from it."""
+caller replays the segments instead; a damaged block found later raises
+RowIndexDamagedError (its caller rebuilds the index from the segments), never a place read
+from it."""
 from __future__ import annotations
 
 import json

@@ -498,7 +498,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "neighbours as a long training run leaves them (a row index of a run a row)")
     p.add_argument("--spare-space", type=float, default=0.5,
                    help="the store's spare_space=: dead rows its table keeps at most, as a fraction of the live rows, "
-                        "before its writes also copy rows to reclaim them (at most 1.0; more copies fewer rows)")
+                        "before its writes also copy rows to reclaim them (at most 1.0; a larger one copies fewer rows)")
     p.add_argument("--no-in-memory", action="store_true",
                    help="skip the in-memory steps (they hold the whole table in memory): no ratio to them is printed")
     p.add_argument("--warmup", type=nonneg_int, default=WARMUP, help="untimed steps before the timed ones")
