@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tierstore.io import lmdb_map, rowlog
+from tierstore.io import lmdb_map, rowindex_file, rowlog
 from tierstore.io.codecs import row_norms_sq
 from tierstore.io.errors import RowIndexDamagedError
 from tierstore.io.lmdb_file import corrupt, disk_full
@@ -31,7 +31,7 @@ class LogTables:
     """LmdbBackend's methods for its tables in the log layout."""
 
     def _index_file(self, table: str, token: str) -> Path:
-        return self.path / f"index-{table.encode().hex()}-{token}.bin"
+        return self.path / rowindex_file.file_name(f"index-{table.encode().hex()}", token)
 
     def _new_log(self, table: str, codec, num_rows: int, last_use: bool) -> rowlog.RowLog:
         """An empty index of ``table``, its runs limited as limit_index set: past it, a writer's

@@ -371,12 +371,16 @@ def take_runs(index: RowIndex, path: Path, header: dict, k: int) -> bool:
     return True
 
 
+def file_name(stem: str, token: str) -> str:
+    """The name of a writer's index file saved under ``token`` (its header holds it)."""
+    return f"{stem}-{token}.bin"
+
+
 def _named_by(name: str, header: dict) -> bool:
-    """Whether the file ``name`` is the one whose ``header`` it holds: a writer names each file
-    by the token its header holds (``...-TOKEN.bin``, io.lmdb_log). Checked for the older levels
-    a header names, whose names and runs alone let another index file's bytes copied over one
-    pass for it (a store restored in part from an older copy of its directory)."""
-    return not header.get("token") or name.endswith(f"-{header['token']}.bin")
+    """Whether the file ``name`` is the one whose ``header`` it holds (file_name). Checked for
+    the older levels a header names, whose names and runs alone let another index file's bytes
+    copied over one pass for it (a store restored in part from an older copy of its directory)."""
+    return not header.get("token") or name.endswith(file_name("", header["token"]))
 
 
 def load_runs(index: RowIndex, path: Path, header: dict, expect: dict) -> bool:

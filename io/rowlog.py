@@ -410,9 +410,10 @@ class RowLog:
         cold rows from segments barely emptier than the rest: 0.91 rows copied a row written
         against 0.77 (a log of 3.4M rows under the writes a 42k-row LRU cache evicts of a
         Zipf 1.05 stream, spare 0.5, steady state)."""
-        live = self.live[segs] / np.maximum(self.slots[segs], 1)
+        live = self.live[segs]
+        u = live / np.maximum(self.slots[segs], 1)
         age = (self.applied + 1 - self.seq[segs]).astype(np.float64)
-        return np.where(self.live[segs] == 0, np.inf, (1 - live) * age / (1 + live))
+        return np.where(live == 0, np.inf, (1 - u) * age / (1 + u))
 
     def id_span(self, seq: int) -> tuple[int, int, int]:
         """(file offset, bytes) of row segment ``seq``'s header and ids, and the file offset of

@@ -14,6 +14,7 @@ import torch
 
 from tierstore.eviction import make_policy
 from tierstore.io import FORMAT_VERSION
+from tierstore.io.rowlog import SPARE
 from tierstore.io.lmdb_file import corrupt
 from tierstore.engine.memory import MemorySplit, check_fits, detect_limit, format_bytes, parse_bytes, process_rss, return_freed_blocks, split_memory
 from tierstore.engine.tensors import resolve_device
@@ -51,7 +52,7 @@ class StoreConfig:
     # dead rows a table stored as a log keeps at most, as a fraction of its live rows, before its writes also copy
     # live rows to reclaim their room (tierstore.io.rowlog): more disk for fewer copies. At most 1.0: the log's
     # segment numbers and their bookkeeping in the budget are sized for as many dead slots as live ones at most
-    spare_space: float = 0.5
+    spare_space: float = SPARE
 
     def __post_init__(self):
         if self.path is not None and not isinstance(self.path, (str, os.PathLike)):

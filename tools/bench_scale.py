@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tierstore.io.rowlog import SPARE
 from tierstore.tools.bench import shared
 from tierstore.tools.bench_floors import disk_floor, drop_page_cache, lmdb_floor
 from tierstore.tools.bench_scale_report import print_report
@@ -496,7 +497,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scattered", action="store_true",
                    help="build the table with its rows written in a random order, each placed apart from its "
                         "neighbours as a long training run leaves them (a row index of a run a row)")
-    p.add_argument("--spare-space", type=float, default=0.5,
+    p.add_argument("--spare-space", type=float, default=SPARE,
                    help="the store's spare_space=: dead rows its table keeps at most, as a fraction of the live rows, "
                         "before its writes also copy rows to reclaim them (at most 1.0; a larger one copies fewer rows)")
     p.add_argument("--no-in-memory", action="store_true",
@@ -530,7 +531,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _run(path: Path, rows: int, dim: int, seed: int, budgets: list[int], depths: list[int], repeat: int, warmup: int,
-         declared: int | None = None, in_memory: bool = True, scattered: bool = False, spare_space: float = 0.5) -> dict:
+         declared: int | None = None, in_memory: bool = True, scattered: bool = False, spare_space: float = SPARE) -> dict:
     from tierstore.config import StoreConfig
     StoreConfig(spare_space=spare_space)  # refused here, before the table is built, where it is not a spare_space
     table = prepare_table(path, rows, dim, seed, declared, scattered)
