@@ -64,7 +64,7 @@ class QueuedRows:
     copying a bulk write into the pool would hold the pool at twice its size
     for good (a 1M x 128 write: 512 MiB more, copied under the store's lock)."""
 
-    def __init__(self, width: int, capacity: int = 1024, adopt_rows: int = 1 << 16):
+    def __init__(self, width: int, capacity: int = 1024, adopt_rows: int = 1 << 16, limit_rows: int | None = None):
         self.width = width
         self.ids = np.empty(0, dtype=np.int64)  # sorted
         self.slots = np.empty(0, dtype=np.int64)  # of each id
@@ -74,6 +74,7 @@ class QueuedRows:
         self._free = np.arange(capacity - 1, -1, -1)  # a stack of free pool slots
         self._nfree = capacity
         self._adopt_rows = adopt_rows
+        self._limit_rows = limit_rows  # the queue's limit: the pool doubles up to it, no further
         self._segments: dict[int, list] = {}  # number -> [rows, seq, last of each row, rows still queued]
         self._next_segment = 1
 
@@ -119,7 +120,7 @@ class QueuedRows:
             moved = old >= _SEGMENT
             n_new = len(ids) - len(old) + int(moved.sum())
             if n_new > self._nfree:
-                self._grow(len(self.pool) + n_new - self._nfree)
+                self._grow(n_new - self._nfree)
             taken = self._free[self._nfree - n_new: self._nfree].copy()
             self._nfree -= n_new
             self._release(old[moved])
@@ -148,8 +149,10 @@ class QueuedRows:
                     del self._segments[k]
 
     def _grow(self, extra: int) -> None:
+        """At least ``extra`` more free slots."""
         old = len(self.pool)
-        new = max(2 * old, old + extra)
+        doubled = 2 * old if self._limit_rows is None else min(2 * old, max(self._limit_rows, old))
+        new = max(doubled, old + extra)
         self.pool = np.concatenate([self.pool, np.empty((new - old, self.width), dtype=np.float32)])
         self.seq = np.concatenate([self.seq, np.zeros(new - old, dtype=np.int64)])
         self.last = np.concatenate([self.last, np.zeros(new - old, dtype=np.int64)])
@@ -242,7 +245,7 @@ class WriteBack:
             self.changed.setdefault(table, []).append(ids.copy())
         for table, ids, rows in items:
             if table not in self._queued:
-                self._queued[table] = QueuedRows(rows.shape[1])
+                self._queued[table] = QueuedRows(rows.shape[1], limit_rows=self._limit)
             self._queued[table].put(ids, rows, self._seq, (last or {}).get(table))
         self._queue.append(WriteBatch([(table, ids) for table, ids, _ in items], meta, sum(len(ids) for _, ids, _ in items), self._seq))
         self._wake()

@@ -121,6 +121,26 @@ def test_a_bulk_write_is_adopted_not_copied_and_its_memory_leaves_when_it_commit
     assert (queued.get(np.array([5]))[1] == 3.0).all()
 
 
+def test_the_pool_doubles_up_to_the_queues_limit_and_no_further():
+    """Past the queue's limit the pool grows by what a put needs: doubling there held up to
+    twice the rows the budget gave the queue."""
+    def put_all(queued, n):
+        for start in range(0, n, 100):  # a step's rows at a time
+            ids = np.arange(start, start + 100)
+            queued.put(ids, rows(ids, float(start)), seq=start + 1)
+
+    queued = QueuedRows(width=2, capacity=100, limit_rows=1500)
+    put_all(queued, 1500)
+    assert len(queued.pool) == 1500  # 100, 200, 400, 800, then the limit
+    put_all(queued, 1700)  # 200 rows past the limit: what they need, not twice the pool
+    assert len(queued.pool) == 1700
+    found, got = queued.get(np.array([0, 1499, 1500, 1699]))
+    assert found.all() and got[:, 0].tolist() == [0.0, 1400.0, 1500.0, 1600.0]
+    unlimited = QueuedRows(width=2, capacity=100)
+    put_all(unlimited, 1700)
+    assert len(unlimited.pool) == 3200
+
+
 def test_drain_waits_for_a_batch_of_metadata_only(tmp_path):
     """flush() queues its metadata (last flush, step counts) even with no dirty rows:
     drain must wait for that commit too, or flush returns before it is durable."""

@@ -504,9 +504,15 @@ class TableStore(LivedRows):
                 continue
             slots = tier.dirty_slots()[: None if limit is None else limit - sum(len(i) for i in ids)]
             if len(slots):
-                ids.append(tier.ids[slots].cpu())
-                rows.append(tier.gather(slots).cpu())
                 tier.dirty[slots] = False
+                tier_ids = tier.ids[slots].cpu()
+                order = torch.argsort(tier_ids)
+                # gathered once, in id order: a flush takes up to a quarter of the write-back queue
+                # at a time, and a gather, a concatenation and a sort held three copies of it
+                ids.append(tier_ids[order])
+                rows.append(tier.gather(slots[order.to(slots.device)]).cpu())
+        if len(ids) == 1:
+            return ids[0].numpy(), rows[0].numpy()
         return by_id(torch.cat(ids), torch.cat(rows)) if ids else None
 
     def hold_resident(self, device: torch.device) -> DeviceRows:
