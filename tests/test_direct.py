@@ -155,7 +155,7 @@ def test_left_to_itself_a_store_reads_directly_only_where_its_budget_cannot_cach
     spec = tierstore.TableSpec("t", 200_000, 64)  # 51 MB of rows
     cases = [({}, "LMDB's map (no memory_budget: the page cache may keep every row)"),
              ({"memory_budget": "256MiB"}, "LMDB's map (the tables' rows (48.8 MiB) fit the budget's page-cache share (64.0 MiB))"),
-             ({"memory_budget": "64MiB"}, "io_uring O_DIRECT reads (the tables' rows (48.8 MiB) exceed the budget's page-cache share (16.0 MiB))")]
+             ({"memory_budget": "64MiB"}, "io_uring O_DIRECT reads (the tables' rows (48.8 MiB) exceed the budget's page-cache share (10.7 MiB))")]
     for kwargs, said in cases:
         with tierstore.TieredStore(tmp_path / "s", [spec], device="cpu", **kwargs) as store:
             assert store.stats()["read_path"] == said

@@ -105,7 +105,12 @@ def test_the_split_stays_within_the_budget(specs, budget, on_host, writes):
         assert all(by_name[n].num_rows is None or r <= by_name[n].num_rows for n, r in rows.items())
         assert split.parts[part].bytes == sum(tier_bytes(by_name[n], r) for n, r in rows.items())
     assert split.hbm_rows == dict.fromkeys(by_name, 0)  # left out: the budget is host memory
-    assert split.parts["page_cache"].bytes == budget // 4
+    # a quarter to the page cache, a sixth where it would keep none of a step's rows: every
+    # table's rows read directly and no lookup reading a mapped level of its index
+    logged = [s for s in specs if s.num_rows is not None]
+    passed_by = (len(logged) == len(specs) and sum(s.num_rows * s.row_bytes for s in logged) > budget // 4
+                 and all(s.name in held or split.index_limits[s.name] >= runs_bytes_bound(s.num_rows) for s in logged))
+    assert split.parts["page_cache"].bytes == budget // (6 if passed_by else 4)
     assert split.parts["lmdb_dirty"].bytes == (dirty_bytes(budget) if writes else 0)
     assert split.txn_rows * PAGE == dirty_bytes(budget)
     width = max(s.width for s in specs)
@@ -114,6 +119,32 @@ def test_the_split_stays_within_the_budget(specs, budget, on_host, writes):
     # what its hash index, doubling at powers of two, cannot use)
     if budget >= GiB and any(s.num_rows is None for s in specs):
         assert split.parts["ddr"].bytes > (budget - budget // 4 - dirty_bytes(budget) - index) // 3
+
+
+def test_a_budget_whose_rows_the_page_cache_cannot_keep_gives_its_share_to_the_ddr_tier():
+    # the bench-scale table: 8.1 GiB of rows under 0.5 GiB, its dense index level held
+    table = TableSpec("t", 34_000_000, 64)
+    passed_by = split_memory(512 * MiB, [table])
+    assert passed_by.held_index and passed_by.parts["page_cache"].bytes == 512 * MiB // 6
+    # the same reads through the page cache (direct_reads=False), or beside a keyed table (read
+    # through LMDB's map), or rows that fit its share keep a quarter
+    for split in (split_memory(512 * MiB, [table], direct_reads=False),
+                  split_memory(512 * MiB, [table, TableSpec("k", None, 64)]),
+                  split_memory(512 * MiB, [TableSpec("t", 400_000, 64)])):
+        assert split.parts["page_cache"].bytes == 128 * MiB
+    cached = split_memory(512 * MiB, [table], direct_reads=False)
+    assert passed_by.ddr_rows["t"] > 1.2 * cached.ddr_rows["t"] and passed_by.host_bytes <= 512 * MiB
+    # a table whose dense level is too large to hold (200M rows under 256 MiB) looks its rows up in
+    # a mapped level, through the page cache: a quarter
+    assert split_memory(256 * MiB, [TableSpec("t", 200_000_000, 16)]).parts["page_cache"].bytes == 64 * MiB
+
+
+def test_a_store_says_what_its_page_cache_share_is(tmp_path):
+    table = TableSpec("t", 2_000_000, 64)  # 512 MB of rows under 64 MiB
+    with TieredStore(tmp_path / "a", [table], memory_budget="64MiB") as store:
+        assert store.memory().parts["page_cache"].bytes == 64 * MiB // 6
+    with TieredStore(tmp_path / "b", [table], memory_budget="64MiB", direct_reads=False) as store:
+        assert store.memory().parts["page_cache"].bytes == 16 * MiB
 
 
 @given(specs_st, st.integers(400 * MiB, 64 * GiB), st.integers(0, 10**6), st.integers(0, 10**6))

@@ -125,7 +125,8 @@ def size_memory(cfg: StoreConfig, backend: RowBackend, specs: Mapping[str, Table
     split = split_memory(cfg.memory_budget, list(specs.values()), hbm_rows=cfg.hbm_rows, ddr_rows=cfg.ddr_rows,
                          indexed_tables=backend.indexed_tables(list(specs.values())),
                          staged_rows=prefetch.staged_rows, writeback_rows=cfg.writeback_rows,
-                         hbm_on_host=cfg.device.type == "cpu", writes=not cfg.readonly)
+                         hbm_on_host=cfg.device.type == "cpu", writes=not cfg.readonly,
+                         direct_reads=cfg.direct_reads)
     split.limit = detect_limit()
     if cfg.memory_budget is not None:
         return_freed_blocks()

@@ -32,6 +32,8 @@ DIRTY_SHARE = 16  # 1/16 of it (at most WRITE_TXN_ROWS pages, at least MIN_TXN_R
 MIN_TXN_ROWS = 1024  # fewer rows a transaction and its commit costs more than its rows
 INDEX_SHARE = 16  # 1/16 of it at most: the row index's runs (io.rowindex); past it they are mapped from its file
 UNBUDGETED_INDEX_BYTES = 4  # without a budget, the row index's runs may take this much a declared row before they are mapped
+# 1/6 of the budget is left to the page cache where it would keep none of the rows a step reads (_read_past)
+READ_PAST_PAGE_CACHE_SHARE = 6
 HELD_INDEX_SHARE = 3  # 1/3 of it at most: the row index stored dense (4 bytes a declared row), held in memory (_held_index)
 QUEUE_SHARE = 8  # 1/8 of what is left after the page cache and LMDB's dirty pages: the write-back queue
 STAGING_SHARE = 8  # 1/8 of it: prefetch staging; the rest: the DDR tier
@@ -247,10 +249,23 @@ def _held_index(budget: int | None, logged: Sequence[TableSpec], past: Sequence[
     return held
 
 
+def _read_past(specs: Sequence[TableSpec], logged: Sequence[TableSpec], index_limits: Mapping[str, int],
+               held_index: Mapping[str, int], page_cache: int) -> bool:
+    """Whether a step's reads would pass the page cache by: every table in the log layout,
+    their rows past the page cache's share (so a store reads them directly: io.direct), and
+    no lookup in their row index reading a mapped level (each table's runs within its share,
+    or its dense level held). The page cache then keeps LMDB's own pages, the pages the
+    write-back writes and its collection reads, and the direct reads' buffers; the rows'
+    pages it would have cached are better spent on the DDR tier, whose hits save reads."""
+    if len(logged) != len(specs) or sum(s.num_rows * s.row_bytes for s in logged) <= page_cache:
+        return False
+    return all(s.name in held_index or index_limits[s.name] >= runs_bytes_bound(s.num_rows) for s in logged)
+
+
 def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Sizes | None = None,
                  ddr_rows: Sizes | None = None, staged_rows: Sizes | Mapping[str, int | None] | None = None,
                  writeback_rows: int | None = None, hbm_on_host: bool = True, writes: bool = True,
-                 indexed_tables: Sequence[str] | None = None) -> MemorySplit:
+                 indexed_tables: Sequence[str] | None = None, direct_reads: bool | None = None) -> MemorySplit:
     """How a store of ``specs`` divides its host memory.
 
     The rule, for a budget B (bytes):
@@ -258,7 +273,8 @@ def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Si
       memory cgroup its pages count against the limit, and a cache squeezed to nothing makes
       every get a disk read), to the buffers of direct reads (io.direct: 2 MiB for each
       thread that reads, in place of the pages those reads would have cached), and to the
-      pages of the log tables' mapped index levels and live-slot bits (io.liveslots);
+      pages of the log tables' mapped index levels and live-slot bits (io.liveslots); B/6
+      where a step's reads would pass it by (_read_past; ``direct_reads=False`` keeps B/4);
     - row_index: where the log layout keeps where each row is (io.rowlog), for every table with
       num_rows (of the tables ``indexed_tables`` names, where given; a table of an unbounded id
       space, or of a store written before the log layout, keeps its rows by key): its segments'
@@ -295,6 +311,8 @@ def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Si
     logged = [s for s in specs if s.num_rows is not None and (indexed_tables is None or s.name in indexed_tables)]
     indexed = sum(s.num_rows for s in logged)
     index, index_limits, held_index = _index_share(budget, logged, page_cache)
+    if budget is not None and direct_reads is not False and _read_past(specs, logged, index_limits, held_index, page_cache):
+        page_cache = budget // READ_PAST_PAGE_CACHE_SHARE
     rest = 0 if budget is None else budget - page_cache - dirty - index
     if budget is not None and rest <= 0:
         need = ((dirty + index) * PAGE_CACHE_SHARE) // (PAGE_CACHE_SHARE - 1) + (1 << 20)
