@@ -16,7 +16,7 @@ from tierstore.eviction import make_policy
 from tierstore.io import FORMAT_VERSION
 from tierstore.io.rowlog import SPARE
 from tierstore.io.lmdb_file import corrupt
-from tierstore.engine.memory import MemorySplit, check_fits, detect_limit, format_bytes, parse_bytes, process_rss, return_freed_blocks, split_memory
+from tierstore.engine.memory import MemorySplit, check_fits, detect_limit, format_bytes, parse_bytes, process_rss, return_freed_blocks, rows_bytes, split_memory
 from tierstore.engine.tensors import resolve_device
 from tierstore.spec import TableSpec
 from tierstore.validate import check_choice, check_int, check_number, check_rows
@@ -150,7 +150,7 @@ def direct_reads(cfg: StoreConfig, split: MemorySplit, specs: Mapping[str, Table
         return cfg.direct_reads, f"direct_reads={cfg.direct_reads}"
     if split.budget is None:
         return False, "no memory_budget: the page cache may keep every row"
-    rows = sum(s.num_rows * s.row_bytes for s in specs.values() if s.num_rows is not None)
+    rows = rows_bytes(list(specs.values()))
     share = split.parts["page_cache"].bytes
     if rows <= share:
         return False, f"the tables' rows ({format_bytes(rows)}) fit the budget's page-cache share ({format_bytes(share)})"

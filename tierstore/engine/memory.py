@@ -203,6 +203,12 @@ def _shared_out(specs: Sequence[TableSpec], nbytes: int) -> dict[str, int]:
     return rows
 
 
+def rows_bytes(specs: Sequence[TableSpec]) -> int:
+    """The bytes of the rows of the tables of bounded id spaces: what a page cache would need
+    to keep them (direct reads, a held index and the page cache's share are decided by it)."""
+    return sum(s.num_rows * s.row_bytes for s in specs if s.num_rows is not None)
+
+
 def _index_share(budget: int | None, logged: Sequence[TableSpec], page_cache: int) -> tuple[int, dict[str, int], dict[str, int]]:
     """(bytes, {table: runs limit}, {table: held bytes}) of the row index of the tables ``logged``. A table's index
     is its segments' entries (these grow with the rows written, about 32 bytes for a segment's
@@ -239,7 +245,7 @@ def _held_index(budget: int | None, logged: Sequence[TableSpec], past: Sequence[
     its page was dropped: on the bench-scale table (34M rows, 136 MB dense, 0.5 GiB) a row
     fetched read 1.9 pages; held, at the cost of 40% of the DDR tier, 1.2, the DLRM step
     0.55x as long."""
-    if not past or sum(s.num_rows * s.row_bytes for s in logged) <= page_cache:  # no budget: none past
+    if not past or rows_bytes(logged) <= page_cache:  # no budget: none past
         return {}
     held, room = {}, budget // HELD_INDEX_SHARE
     for s in past:
@@ -257,7 +263,7 @@ def _read_past(specs: Sequence[TableSpec], logged: Sequence[TableSpec], index_li
     or its dense level held). The page cache then keeps LMDB's own pages, the pages the
     write-back writes and its collection reads, and the direct reads' buffers; the rows'
     pages it would have cached are better spent on the DDR tier, whose hits save reads."""
-    if len(logged) != len(specs) or sum(s.num_rows * s.row_bytes for s in logged) <= page_cache:
+    if len(logged) != len(specs) or rows_bytes(logged) <= page_cache:
         return False
     return all(s.name in held_index or index_limits[s.name] >= runs_bytes_bound(s.num_rows) for s in logged)
 
