@@ -90,7 +90,9 @@ def write_file(index: RowIndex, path: Path, header: dict, arrays: list[np.ndarra
         sizes, level = [4 * rowindex.DENSE_IDS * pages, 4 * pages], _write_dense
     else:
         cap = index.capacity(k)
-        sizes, level = [_block().itemsize * _blocks(cap), 8 * (_blocks(cap) + 1), 4 * (_blocks(cap) + 1)], _write_runs
+        filter_pages = _filter_pages(_blocks(cap))
+        sizes = [_block().itemsize * _blocks(cap), 8 * (_blocks(cap) + 1), 4 * (_blocks(cap) + 1), PAGE * filter_pages, 4 * filter_pages]
+        level = _write_runs
     offsets = _offsets([a.nbytes for a in arrays] + sizes)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -131,10 +133,11 @@ class _Writer:
 
 
 def _write_runs(index: RowIndex, k: int, write: _Writer, offsets: list[int]) -> dict:
-    """The runs of ``index.merging(k)`` in blocks of FENCE a page, their fence and CRCs, at
-    ``offsets``; returns the header's fields for them."""
+    """The runs of ``index.merging(k)`` in blocks of FENCE a page, their fence, CRCs and
+    filters (rowindex.Filter) at ``offsets``; returns the header's fields for them."""
     block = _block()
     runs, written, crc, fence, crcs = 0, 0, 0, [], []
+    filters = _FilterWriter(write, offsets[3])
     left = Runs()
     pieces = index.merging(k)
     while True:
@@ -145,6 +148,7 @@ def _write_runs(index: RowIndex, k: int, write: _Writer, offsets: list[int]) -> 
         whole = len(left) // rowindex.FENCE * rowindex.FENCE if piece is not None else len(left)
         if whole:
             pages = _pages(left.take(slice(0, whole)), block)
+            filters.add(rowindex.block_filters(left.take(slice(0, whole))))
             # a copy: a view would keep each piece's starts alive, 8 bytes a run of the whole level
             fence.append(left.start[:whole:rowindex.FENCE].copy())
             crcs.append(_page_crcs(pages.view(np.uint8).reshape(len(pages), -1)))
@@ -159,8 +163,42 @@ def _write_runs(index: RowIndex, k: int, write: _Writer, offsets: list[int]) -> 
     write(_bytes(fence), offsets[1])
     block_crcs = np.concatenate([np.zeros(0, dtype=np.uint32), *crcs])
     write(_bytes(block_crcs), offsets[2])
+    filter_crcs = filters.close()
+    write(_bytes(filter_crcs), offsets[4])
     return {"runs": runs, "runs_crc": crc, "fence_crc": zlib.crc32(_bytes(fence)),
-            "blocks_crc": zlib.crc32(_bytes(block_crcs))}
+            "blocks_crc": zlib.crc32(_bytes(block_crcs)), "filter_crc": zlib.crc32(_bytes(filter_crcs))}
+
+
+class _FilterWriter:
+    """Writes the blocks' filters a page (rowindex.filter_blocks() of them) at a time, as the
+    blocks come, from the file offset ``at``; close() writes the last page and returns every
+    page's CRC."""
+
+    def __init__(self, write: _Writer, at: int):
+        self.write, self.at, self.pages, self.crcs = write, at, 0, []
+        self.left = np.zeros((0, rowindex.filter_words()), dtype=np.uint64)
+
+    def add(self, filters: np.ndarray, last: bool = False) -> None:
+        left = np.concatenate((self.left, filters))
+        per = rowindex.filter_blocks()
+        whole = len(left) // per * per if not last else -(-len(left) // per) * per
+        if whole:
+            pages = np.zeros((whole, left.shape[1]), dtype=np.uint64)
+            pages[:min(whole, len(left))] = left[:whole]
+            raw = pages.view(np.uint8).reshape(-1, PAGE)
+            self.write(_bytes(raw), self.at + self.pages * PAGE)
+            self.crcs.append(_page_crcs(raw))
+            self.pages += len(raw)
+        self.left = left[whole:]
+
+    def close(self) -> np.ndarray:
+        self.add(self.left[:0], last=True)
+        return np.concatenate([np.zeros(0, dtype=np.uint32), *self.crcs])
+
+
+def _filter_pages(blocks: int) -> int:
+    """The pages of the filters of ``blocks`` blocks of runs."""
+    return -(-blocks // rowindex.filter_blocks())
 
 
 def _dense(index: RowIndex, k: int) -> bool:
@@ -248,8 +286,8 @@ class _Blocks:
     """Runs.check of a mapped level: each block (page) of its runs checked against its CRC when
     a lookup or a merge first reads it (the page it reads anyway), then remembered as checked."""
 
-    def __init__(self, path: Path, pages: np.ndarray, crcs: np.ndarray):
-        self.path, self.pages, self.crcs = path, pages, crcs
+    def __init__(self, path: Path, pages: np.ndarray, crcs: np.ndarray, what: str = "block"):
+        self.path, self.pages, self.crcs, self.what = path, pages, crcs, what
         self.checked = np.zeros(len(crcs), dtype=bool)
 
     @property
@@ -261,7 +299,7 @@ class _Blocks:
         for b in todo.tolist():
             if zlib.crc32(self.pages[b]) != self.crcs[b]:
                 raise RowIndexDamagedError(
-                    f"the row index file {self.path} is damaged (block {b} of its level fails its CRC); "
+                    f"the row index file {self.path} is damaged ({self.what} {b} of its level fails its CRC); "
                     "its store rebuilds the index from the row log's segments (or remove the index-*.bin "
                     "files beside data.mdb: the next open rebuilds it)")
         self.checked[todo] = True
@@ -327,14 +365,32 @@ def _map_runs(path: Path, header: dict, room: int = 0) -> Runs | Dense | None:
         if (len(fence) != blocks or zlib.crc32(_bytes(fence)) != header["fence_crc"]
                 or len(crcs) != blocks or zlib.crc32(_bytes(crcs)) != header["blocks_crc"]):
             return None
+        filtered = _map_filter(path, header, offsets, blocks) if "filter_crc" in header else None
+        if filtered is False:
+            return None
         mapped = np.memmap(path, dtype=_block(), mode="r", offset=offsets[0], shape=(blocks,))
         mapped._mmap.madvise(mmap.MADV_RANDOM)
         pages = mapped.view(np.ndarray)  # a plain array over the map: a memmap's indexing costs 20 us a call more
         raw = pages.view(np.uint8).reshape(blocks, -1)
         columns = (Paged(pages[name], mapped, n) for name in ("start", "length", "loc"))
-        return Runs(*columns, fence, _Blocks(path, raw, crcs))
+        return Runs(*columns, fence, _Blocks(path, raw, crcs), filtered)
     except (OSError, ValueError, KeyError):
         return None
+
+
+def _map_filter(path: Path, header: dict, offsets: list[int], blocks: int) -> rowindex.Filter | bool:
+    """The filters of a mapped level's ``blocks`` blocks (rowindex.Filter), their pages' CRCs
+    checked (False where they fail); each page is checked as it is first read."""
+    pages = _filter_pages(blocks)
+    with open(path, "rb") as f:
+        f.seek(offsets[4])
+        crcs = np.fromfile(f, dtype=np.uint32, count=pages)
+    if len(crcs) != pages or zlib.crc32(_bytes(crcs)) != header["filter_crc"]:
+        return False
+    mapped = np.memmap(path, dtype=np.uint64, mode="r", offset=offsets[3], shape=(pages * PAGE // 8,))
+    mapped._mmap.madvise(mmap.MADV_RANDOM)
+    words = mapped.view(np.ndarray)
+    return rowindex.Filter(words.reshape(-1, rowindex.filter_words()), _Blocks(path, words.view(np.uint8).reshape(pages, PAGE), crcs, "filter page"))
 
 
 def _fits(index: RowIndex, runs: int) -> bool:

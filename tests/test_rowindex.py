@@ -110,10 +110,11 @@ class IndexAgainstDict(RuleBasedStateMachine):
         assert len(header["levels"]) == levels - k and len(self.index.levels) <= rowindex.MAX_LEVELS
         in_memory = k == levels and header["runs"] * rowindex.RUN_BYTES <= self.index.limit // 2 and not header.get("dense")
         assert self.index.mapped == (not in_memory and (header["runs"] > 0 or k < levels))
-        # every FENCE-th start of a mapped level of runs, and a CRC (and its checked flag) a block (a dense
-        # level's: a page); a dense level held in memory, its values
+        # every FENCE-th start of a mapped level of runs, and a CRC (and its checked flag) a block and a page of
+        # its filter (a dense level's: a page); a dense level held in memory, its values
         fences = sum(4 * len(level.values) if isinstance(level, rowindex.Dense) and level.map is None else
-                     5 * len(level.check.crcs) + (0 if isinstance(level, rowindex.Dense) else level.fence.nbytes) for level in self.index.levels)
+                     5 * len(level.check.crcs) + (0 if isinstance(level, rowindex.Dense) else level.fence.nbytes + 5 * len(level.filter.check.crcs))
+                     for level in self.index.levels)
         assert self.index.nbytes == fences or not self.index.mapped  # mapped levels are the page cache's, memory holds the rest
         sizes = [len(level) for level in self.index.levels]  # each level GROWTH times the runs of those above it, about
         assert all(b > rowindex.GROWTH * a for a, b in zip(sizes[:-1], sizes[1:])) or len(sizes) <= rowindex.MAX_LEVELS
@@ -246,7 +247,8 @@ def test_fences_count_as_memory_but_do_not_make_the_index_spill(tmp_path, monkey
     assert index.wants_spill()
     header = rowindex_file.write_file(index, tmp_path / "i", {}, [], index.plan())
     assert rowindex_file.take_runs(index, tmp_path / "i", header, 0)
-    assert index.mapped and index.nbytes == 200 * (8 + 5) > index.limit // 2  # a start, a CRC and its flag a block
+    # a start, a CRC and its flag a block, and a CRC and its flag for the one page of their filters
+    assert index.mapped and index.nbytes == 200 * (8 + 5) + 5 > index.limit // 2
     assert not index.wants_spill()
     assert index.get(np.array([0, 1, 398])).tolist() == [1 << rowindex.SLOT_BITS, int(NONE), (1 << rowindex.SLOT_BITS) | 199]
 
@@ -433,6 +435,37 @@ def test_an_open_reads_a_mapped_level_by_its_header_and_a_damaged_block_raises_w
         fresh.get(np.array([2 * block * rowindex.FENCE + 4]))
 
 
+def test_a_damaged_page_of_a_levels_filter_raises_when_read_and_a_level_without_one_reads_whole(tmp_path):
+    """A bit flipped in a page of a mapped level's filters is found when a lookup first reads
+    that page (never an id turned away by a damaged filter: it would read an older level's
+    place); a file whose header names no filter (written before filters) is read as it was,
+    every block asked."""
+    n = 200_000
+    index = RowIndex(ROWS, limit=4096)
+    index.put(np.arange(0, 2 * n, 2), (1 << rowindex.SLOT_BITS) | np.arange(n, dtype=np.uint32) % 4000)
+    path = tmp_path / "i"
+    header = rowindex_file.write_file(index, path, {}, [], index.plan())
+    ids = np.arange(0, 2 * n, 2)
+    places = ((1 << rowindex.SLOT_BITS) | np.arange(n, dtype=np.uint32) % 4000).tolist()
+    clean = path.read_bytes()
+    data = bytearray(clean)
+    page = 3  # of the filters: the blocks 3 x filter_blocks() ..
+    data[header["offsets"][3] + page * 4096 + 100] ^= 1
+    path.write_bytes(bytes(data))
+    fresh = RowIndex(ROWS, limit=4096)
+    assert rowindex_file.load_runs(fresh, path, header, {})
+    first_block = page * rowindex.filter_blocks()
+    assert fresh.get(ids[:FENCE]).tolist() == places[:FENCE]  # block 0: filter page 0
+    with pytest.raises(RowIndexDamagedError, match="filter page 3 of its level fails its CRC"):
+        fresh.get(ids[first_block * FENCE: first_block * FENCE + 3])
+
+    path.write_bytes(clean)
+    older = {k: v for k, v in header.items() if k != "filter_crc"}
+    fresh = RowIndex(ROWS, limit=4096)
+    assert rowindex_file.load_runs(fresh, path, older, {}) and fresh.levels[0].filter is None
+    assert fresh.get(ids).tolist() == places and (fresh.get(ids + 1) == NONE).all()
+
+
 def test_an_older_level_whose_bytes_are_another_files_is_not_that_level(tmp_path):
     """A header names its older levels by file name and runs, and a writer names each file by
     the token its header holds: another index file of as many runs copied over an older
@@ -463,30 +496,65 @@ def _disk_reads() -> int:
     return int(next(line.split()[1] for line in open("/proc/self/io") if line.startswith("read_bytes:")))
 
 
-def test_a_lookup_of_a_mapped_level_reads_one_page_an_id(tmp_path):
-    """Ids scattered over a mapped level, its pages out of the page cache: a lookup reads one
-    page of the file an id (the page of runs its fence names, starts, lengths and places side
-    by side), where the starts and the places in pages of their own took two."""
-    n = 400_000
+def _mapped_level(tmp_path, n: int) -> RowIndex:
+    """An index of ``n`` rows at the even ids 0 .. 2n - 2, a run each, mapped from its file."""
     index = RowIndex(ROWS, limit=4096)
     index.put(np.arange(0, 2 * n, 2), (1 << rowindex.SLOT_BITS) | np.arange(n, dtype=np.uint32) % 4000)
     path = tmp_path / "i"
     header = rowindex_file.write_file(index, path, {}, [], index.plan())
     assert rowindex_file.take_runs(index, path, header, index.plan()) and index.mapped
-    pages = n // rowindex.FENCE
-    asked = 2 * (np.random.default_rng(0).permutation(pages)[:200] * rowindex.FENCE + 7)  # 200 pages, one id each
-    fd = os.open(path, os.O_RDONLY)
+    return index
+
+
+def _cold_lookup(index: RowIndex, ids: np.ndarray) -> tuple[np.ndarray, int]:
+    """(places, bytes read from disk) of a lookup of ``ids``, the level's file out of the page cache."""
+    fd = os.open(index.levels[0].map.filename, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the file's clean pages out of the page cache
         before = _disk_reads()
-        got = index.get(asked)
+        got = index.get(ids)
         read = _disk_reads() - before
     finally:
         os.close(fd)
-    assert got.tolist() == ((1 << rowindex.SLOT_BITS) | (asked // 2) % 4000).tolist()
     if read == 0:
         pytest.skip("this file system does not count a mapped file's reads in /proc/self/io (tmpfs)")
-    assert read <= len(asked) * 4096 * 1.1, read / len(asked) / 4096
+    return got, read
+
+
+def test_a_lookup_of_a_mapped_level_reads_one_page_an_id(tmp_path):
+    """Ids scattered over a mapped level, its pages out of the page cache: a lookup reads one
+    page of runs an id (the page its fence names, starts, lengths and places side by side),
+    where the starts and the places in pages of their own took two, and the pages of the
+    blocks' filters it asks (a sixteenth as many as the runs', kept by the page cache)."""
+    n = 400_000
+    index = _mapped_level(tmp_path, n)
+    blocks = np.random.default_rng(0).permutation(n // rowindex.FENCE)[:200]
+    asked = 2 * (blocks * rowindex.FENCE + 7)  # 200 blocks, one id each
+    got, read = _cold_lookup(index, asked)
+    assert got.tolist() == ((1 << rowindex.SLOT_BITS) | (asked // 2) % 4000).tolist()
+    filter_pages = len(np.unique(blocks // rowindex.filter_blocks()))
+    assert read <= (len(asked) + filter_pages) * 4096 * 1.1, read / len(asked) / 4096
+
+
+def test_a_lookup_of_ids_a_mapped_level_does_not_hold_reads_its_filter_not_its_runs(tmp_path):
+    """Ids no run of a mapped level holds (the odd ids between its rows): the blocks' filters
+    (8 bits a run) turn away all but a few percent, so that the lookup reads the filter's pages
+    and almost none of the runs' (each of a level over the one holding an id cost a page a
+    lookup); the ids it holds all pass (a filter never turns away an id its block holds)."""
+    n = 400_000
+    index = _mapped_level(tmp_path, n)
+    level = index.levels[0]
+    blocks = np.random.default_rng(1).permutation(n // rowindex.FENCE)[:1000]
+    absent = 2 * (blocks * rowindex.FENCE + 7) + 1
+    got, read = _cold_lookup(index, absent)
+    assert (got == NONE).all()
+    runs_read = int(level.check.checked.sum())  # blocks of runs a lookup read (their CRCs checked)
+    assert runs_read <= 0.06 * len(absent), runs_read
+    filter_pages = len(np.unique(blocks // rowindex.filter_blocks()))
+    assert read <= (filter_pages + runs_read) * 4096 * 1.1, (read // 4096, filter_pages, runs_read)
+    present = np.arange(0, 2 * n, 2)
+    assert level.filter.may_hold(present, np.arange(n) // rowindex.FENCE).all()
+    assert index.get(present[::97]).tolist() == ((1 << rowindex.SLOT_BITS) | (present[::97] // 2) % 4000).tolist()
 
 
 def test_a_lookup_of_many_ids_asks_for_a_few_pages_of_a_mapped_level_at_a_time(tmp_path, monkeypatch):
