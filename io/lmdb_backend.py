@@ -84,6 +84,7 @@ class LmdbBackend(LogTables, Upkeep, Sketches):
         self._index_current: dict[str, str] = {}  # ... and of the one its runs come from now
         self._index_named_files: dict[str, set[str]] = {}  # the files (names) of each: it and the older levels it names
         self._index_current_files: dict[str, set[str]] = {}
+        self._index_spilled_files: dict[str, set[str]] = {}  # ... and of a level a spill wrote since (mapped, not a save)
         self._index_lock = threading.Lock()  # a log's index against the transaction reading it
         # one write transaction, its commit and index update at a time; held around a read that
         # decides a write (collection, sweep), so no commit comes between

@@ -55,7 +55,7 @@ class LogTables:
         path = folder / f"reader-index-{os.getpid()}-{os.urandom(8).hex()}.bin"
         k = log.index.plan()
         try:
-            rowlog.take_index(log, path, rowlog.write_index(log, path, "", k, durable=False), k)
+            rowlog.take_index(log, path, rowlog.write_index(log, path, "", k, durable=False, saved=False), k)
         except OSError as e:
             warnings.warn(f"could not write a reader's row index for {self.path} to {folder} ({e})", stacklevel=3)
         finally:
@@ -107,11 +107,14 @@ class LogTables:
         written, or that would replay too many rows after a crash (io.rowlog.RowLog.wants_save);
         and name one a replay spilled, where it can be named."""
         for table, log in self._logs.items():
-            spill = log.index.wants_spill() or log.wants_save()
-            if spill or self._index_current.get(table) != self._index_named.get(table) and not (
-                    self.publish_at_flush and self._unpublished()):
+            save = log.wants_save()
+            if save or self._index_current.get(table) != self._index_named.get(table) and not (
+                    self.publish_at_flush and self._unpublished()) or log.index.wants_spill():
                 try:
-                    self._save_index(table, write=spill)
+                    if save or not log.index.wants_spill():
+                        self._save_index(table, write=save)
+                    elif self._write_level(table, log, saved=False):  # the runs alone, a level the next save names
+                        self._remove_index_files(table)
                 except RowIndexDamagedError:  # the merge met a damaged block: the segments hold every row
                     with self._index_lock:
                         self._rebuild_log(table)
@@ -132,29 +135,33 @@ class LogTables:
             self._index_named[table], self._index_named_files[table] = token, self._index_current_files[table]
         self._remove_index_files(table)
 
-    def _write_level(self, table: str, log: rowlog.RowLog, locked: bool = True) -> bool:
+    def _write_level(self, table: str, log: rowlog.RowLog, locked: bool = True, saved: bool = True) -> bool:
         """Write a file of ``table``'s index (``log``) beside data.mdb under a new token: a level
         of what memory holds and the mapped levels its plan merges (io.rowindex.RowIndex.plan),
         and take its runs from there (under the index lock where ``locked``: a replay holds it,
-        or runs before any reader). False where it does not read back (nothing changed)."""
+        or runs before any reader). False where it does not read back (nothing changed). Not
+        ``saved``: the level alone (io.rowlog.write_index), kept for the next save to name, the
+        current save (the one LMDB may name) left as it was."""
         token = os.urandom(16).hex()
         path = self._index_file(table, token)
         k = log.index.plan()
-        header = rowlog.write_index(log, path, token, k)
+        header = rowlog.write_index(log, path, token, k, saved=saved)
         with self._index_lock if locked else contextlib.nullcontext():
             if not rowlog.take_index(log, path, header, k):  # does not read back: neither named nor mapped
                 path.unlink(missing_ok=True)
                 return False
-        self._index_current[table] = token
-        self._index_current_files[table] = rowlog.index_files(path, header)
+        if saved:
+            self._index_current[table] = token
+            self._index_current_files[table] = rowlog.index_files(path, header)
+        self._index_spilled_files[table] = set() if saved else rowlog.index_files(path, header)
         if not locked:  # a replay's spill, at open: named once the open is done (_spill_indexes)
             self._remove_index_files(table)
         return True
 
     def _remove_index_files(self, table: str) -> None:
-        """Remove ``table``'s index files that are neither named in LMDB nor mapped (a reader
-        that maps one keeps it until it unmaps: the file system frees it then)."""
-        keep = self._index_named_files.get(table, set()) | self._index_current_files.get(table, set())
+        """Remove ``table``'s index files that are neither named in LMDB, nor the current save's,
+        nor mapped (a reader that maps one keeps it until it unmaps: the file system frees it then)."""
+        keep = self._index_named_files.get(table, set()) | self._index_current_files.get(table, set()) | self._index_spilled_files.get(table, set())
         hexed = table.encode().hex()
         for f in [*self.path.glob(f"index-{hexed}-*"), self.path / f"index-{hexed}.bin"]:
             if f.name not in keep:

@@ -73,6 +73,12 @@ _REPLAY_SEGMENTS = 64  # segments a replay applies at once (RowLog.apply)
 # open (1M random rows: 1.1 s).
 SAVE_ROWS = 1 << 18
 _SAVED_RUNS_A_ROW = 8
+# ... and, for the segments' bookkeeping a save writes whole (each segment's entry and its slots'
+# live bits), at most this many bytes a row applied since. The 200M x 16 table's 40 MB of it,
+# saved every SAVE_ROWS rows, was 150 bytes a row written and took a third of its write-back's
+# time (`tierstore bench scale`, 256 MiB). A spill between saves writes its runs alone
+# (write_index(..., saved=False)), named by the next save as one of its levels.
+_SAVED_BYTES_A_ROW = 32
 
 
 def rows_per_segment(slot_bytes: int, num_rows: int) -> int:
@@ -193,10 +199,14 @@ class RowLog:
 
     def wants_save(self) -> bool:
         """Whether a writer's index is to be saved (asked of a writer's only): more rows applied
-        since it was last saved than SAVE_ROWS and than an eighth of the runs memory holds
-        (what a save writes)."""
+        since it was last saved than SAVE_ROWS, than an eighth of the runs memory holds and
+        than the bookkeeping's bytes over _SAVED_BYTES_A_ROW (what a save writes)."""
         held = len(self.index.main) + len(self.index.recent)
-        return self.unsaved >= max(SAVE_ROWS, held // _SAVED_RUNS_A_ROW)
+        return self.unsaved >= max(SAVE_ROWS, held // _SAVED_RUNS_A_ROW, self.bookkeeping_bytes() // _SAVED_BYTES_A_ROW)
+
+    def bookkeeping_bytes(self) -> int:
+        """The bytes of the segments' bookkeeping a save writes (write_index)."""
+        return len(self.seq) * (self.seq.itemsize + self.live.itemsize + self.slots.itemsize + self.bits.rows.shape[1])
 
     def index_bytes(self) -> int:
         return self.index.nbytes + SEGMENT_ENTRY_BYTES * len(self.seq)
@@ -473,13 +483,15 @@ def _shape(log: "RowLog") -> dict:
     return {"rows": log.num_rows, "slot_bytes": log.slot_bytes, "slot_bits": _SLOT_BITS}
 
 
-def write_index(log: "RowLog", path: Path, token: str, k: int, durable: bool = True) -> dict:
+def write_index(log: "RowLog", path: Path, token: str, k: int, durable: bool = True, saved: bool = True) -> dict:
     """Write ``log``'s segments' bookkeeping and a level of its runs (what memory holds over
     its ``k`` newest mapped levels: RowIndex.plan) to ``path`` (a temporary file, synced where
-    ``durable``, renamed over it); returns the header take_index needs."""
+    ``durable``, renamed over it); returns the header take_index needs. Not ``saved``: the
+    level alone, a file an open reads only as a level a saved one names."""
     tombstones = np.array(sorted(log.tombstones.items()), dtype=np.int64).reshape(-1)
+    arrays = [log.seq, log.live, log.slots, tombstones, log.bits.saved(len(log.seq))] if saved else []
     return rowindex_file.write_file(log.index, path, {**_header(log, token), "applied": log.applied, "live_rows": log.live_rows},
-                                    [log.seq, log.live, log.slots, tombstones, log.bits.saved(len(log.seq))], k, durable)
+                                    arrays, k, durable)
 
 
 def take_index(log: "RowLog", path: Path, header: dict, k: int) -> bool:
@@ -488,7 +500,8 @@ def take_index(log: "RowLog", path: Path, header: dict, k: int) -> bool:
     between). False, the log left as it was, where they do not read back."""
     if not rowindex_file.take_runs(log.index, path, header, k):
         return False
-    log.unsaved = 0
+    if header["counts"]:  # a save (write_index(..., saved=True)), not a spill's level alone
+        log.unsaved = 0
     return True
 
 
@@ -505,6 +518,8 @@ def load_index(path: Path, log: "RowLog", token: str) -> set[str] | None:
     whole (a file of its levels missing, torn or damaged)."""
     got = rowindex_file.read_file(path, _header(log, token))
     if got is None:
+        return None
+    if len(got[1]) != 5:  # a spill's level alone, never named: not a save
         return None
     h, (seq, live, slots, tombstones, bits) = got
     if not rowindex_file.load_runs(log.index, path, h, _shape(log)):

@@ -688,17 +688,21 @@ TestKilledWriterAgainstDict = KilledWriterAgainstDict.TestCase
 
 
 def test_recovery_replays_only_what_came_after_the_index_last_named(tmp_path, monkeypatch):
-    """A writer whose index spilled (mapped from its file) and was named at a publish, then
-    killed: the next open maps that file and replays only the segments written after it."""
+    """A writer whose index spilled (mapped from its files) and was saved and named at a
+    publish, then killed: the next open maps those files and replays only the segments written
+    after the save."""
+    monkeypatch.setattr(rowlog, "SAVE_ROWS", 64)
+    monkeypatch.setattr(rowlog, "_SAVED_BYTES_A_ROW", 1 << 30)  # saves every SAVE_ROWS, whatever the bookkeeping
     b = open_writer(str(tmp_path), ROWS, LIMIT)
     rng = np.random.default_rng(0)
     for step in range(12):
         ids = np.unique(rng.integers(0, ROWS, 16))
         b.put_rows([("t", ids, np.full((len(ids), DIM), step, dtype=np.float32))])
-    b.publish()  # names the file the spills wrote
+    b.publish()  # names the last save
     log = b._logs["t"]
     assert log.index.mapped and b._index_named["t"] == b._index_current["t"]
-    applied = log.applied
+    named = tmp_path / rowindex_file.file_name("index-" + "t".encode().hex(), b._index_named["t"])
+    applied = rowindex_file.read_file(named, {})[0]["applied"]
     b.put_rows([("t", np.array([7, 8]), np.full((2, DIM), 99, dtype=np.float32))])
     b.publish()
     want = b.stored_ids("t")
@@ -708,9 +712,43 @@ def test_recovery_replays_only_what_came_after_the_index_last_named(tmp_path, mo
     monkeypatch.setattr(rowlog.RowLog, "replay", lambda log, mem, values: (replayed.extend(v[0] for v in values), real(log, mem, values))[1])
     b = open_writer(str(tmp_path), ROWS, LIMIT)
     try:
-        assert replayed and min(replayed) > applied  # only the segments after the named index
+        assert replayed and min(replayed) == applied + 1  # only the segments after the named save
         assert b.stored_ids("t").tolist() == want.tolist()
         assert b.get_rows("t", np.array([7, 8]))[0][:, 0].tolist() == [99, 99]
+    finally:
+        b.close()
+
+
+def test_a_spill_between_saves_writes_its_runs_alone_and_saves_grow_apart_with_their_bookkeeping(tmp_path, monkeypatch):
+    """A save writes the segments' bookkeeping whole (an entry and the live bits of its slots a
+    segment): a writer saves once the rows applied since pass SAVE_ROWS and that bookkeeping's
+    bytes over _SAVED_BYTES_A_ROW, and the spills its runs' limit asks for meanwhile write their
+    runs alone, a level the next save names (the 200M x 16 table's 40 MB of bookkeeping was
+    written by every spill). Killed between saves, the writer reopens from the last one, every
+    row there."""
+    monkeypatch.setattr(rowlog, "SAVE_ROWS", 64)
+    writes = []  # (a save, rows applied since the last save, the bookkeeping's bound then)
+    real = rowlog.write_index
+    monkeypatch.setattr(rowlog, "write_index", lambda log, *a, saved=True, **k: (writes.append(
+        (saved, log.unsaved, log.bookkeeping_bytes() // rowlog._SAVED_BYTES_A_ROW)), real(log, *a, saved=saved, **k))[1])
+    b = open_writer(str(tmp_path), ROWS, LIMIT)
+    rng = np.random.default_rng(5)
+    try:
+        for step in range(60):
+            ids = np.unique(rng.integers(0, ROWS, 16))
+            b.put_rows([("t", ids, np.full((len(ids), DIM), step, dtype=np.float32))])
+        saves = [(unsaved, bound) for saved, unsaved, bound in writes if saved]
+        assert saves and len(writes) > 2 * len(saves), writes  # spills between the saves
+        assert all(bound > rowlog.SAVE_ROWS and unsaved >= bound for unsaved, bound in saves), saves
+        b.publish()
+        want = b.stored_ids("t")
+        rows, _ = b.get_rows("t", want)
+    finally:
+        b.close(save_index=False)  # as after kill -9
+    b = open_writer(str(tmp_path), ROWS, LIMIT)
+    try:
+        assert b.stored_ids("t").tolist() == want.tolist()
+        assert np.array_equal(b.get_rows("t", want)[0], rows)
     finally:
         b.close()
 
