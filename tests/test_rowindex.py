@@ -687,6 +687,13 @@ KilledWriterAgainstDict.TestCase.settings = settings(max_examples=6, stateful_st
 TestKilledWriterAgainstDict = KilledWriterAgainstDict.TestCase
 
 
+def _put_random(b, rng, step: int, n: int) -> np.ndarray:
+    """Write up to ``n`` rows of table t at random ids, each of value ``step``; returns their ids."""
+    ids = np.unique(rng.integers(0, ROWS, n))
+    b.put_rows([("t", ids, np.full((len(ids), DIM), step, dtype=np.float32))])
+    return ids
+
+
 def test_recovery_replays_only_what_came_after_the_index_last_named(tmp_path, monkeypatch):
     """A writer whose index spilled (mapped from its files) and was saved and named at a
     publish, then killed: the next open maps those files and replays only the segments written
@@ -696,8 +703,7 @@ def test_recovery_replays_only_what_came_after_the_index_last_named(tmp_path, mo
     b = open_writer(str(tmp_path), ROWS, LIMIT)
     rng = np.random.default_rng(0)
     for step in range(12):
-        ids = np.unique(rng.integers(0, ROWS, 16))
-        b.put_rows([("t", ids, np.full((len(ids), DIM), step, dtype=np.float32))])
+        _put_random(b, rng, step, 16)
     b.publish()  # names the last save
     log = b._logs["t"]
     assert log.index.mapped and b._index_named["t"] == b._index_current["t"]
@@ -735,8 +741,7 @@ def test_a_spill_between_saves_writes_its_runs_alone_and_saves_grow_apart_with_t
     rng = np.random.default_rng(5)
     try:
         for step in range(60):
-            ids = np.unique(rng.integers(0, ROWS, 16))
-            b.put_rows([("t", ids, np.full((len(ids), DIM), step, dtype=np.float32))])
+            _put_random(b, rng, step, 16)
         saves = [(unsaved, bound) for saved, unsaved, bound in writes if saved]
         assert saves and len(writes) > 2 * len(saves), writes  # spills between the saves
         assert all(bound > rowlog.SAVE_ROWS and unsaved >= bound for unsaved, bound in saves), saves
@@ -814,8 +819,7 @@ def test_recovery_replays_about_save_rows_at_most(tmp_path, monkeypatch):
     b = open_writer(str(tmp_path), ROWS, 1 << 30)
     rng = np.random.default_rng(4)
     for step in range(40):
-        ids = np.unique(rng.integers(0, ROWS, 64))
-        b.put_rows([("t", ids, np.full((len(ids), DIM), step, dtype=np.float32))])
+        _put_random(b, rng, step, 64)
         b.publish()
     assert not b._logs["t"].index.mapped
     want = b.stored_ids("t")
@@ -856,8 +860,7 @@ def test_an_index_past_its_limit_is_mapped_and_memory_stays_within_it(tmp_path):
     rng = np.random.default_rng(1)
     try:
         for step in range(40):
-            ids = np.unique(rng.integers(0, ROWS, 64))
-            b.put_rows([("t", ids, np.full((len(ids), DIM), step, dtype=np.float32))])
+            _put_random(b, rng, step, 64)
             log = b._logs["t"]
             assert log.index.nbytes <= limit
         assert log.index.mapped and sum(len(level) for level in log.index.levels) > limit // rowindex.RUN_BYTES
