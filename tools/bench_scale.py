@@ -455,7 +455,10 @@ def _run_child(job: dict, path: Path, group: MemoryGroup | None) -> dict:
             if group is not None:
                 out["limit"] = out["rss_before"] + job["budget"] + MARGIN
                 group.limit(out["limit"])
-            drop_page_cache(path / "data.mdb")
+            # every file of the store: the row index's too, whose pages a run before left cached
+            # served this run's lookups from memory charged to no limit of its
+            for file in [path / "data.mdb", *path.glob("index-*.bin")]:
+                drop_page_cache(file)
             p.stdin.write("go\n")
             p.stdin.flush()
         lines = p.stdout.read().splitlines()
