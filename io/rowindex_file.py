@@ -1,12 +1,15 @@
 """The row index's files (io.rowindex): each spill writes one, and each holds one level of
 runs. A page of header (magic, a JSON line: the level's runs and their CRCs, and the name
 and runs of each older level the index reads under it), then each array from a page
-boundary: the caller's (the segments' bookkeeping, int64), then the level's runs a block of
-FENCE a page, their starts, lengths and places side by side (a lookup reads the one page
-the fence names), with room for the runs the merge may yield (the room left over is a
-hole: no disk), the level's fence (every FENCE-th start: Runs.fence) and the CRC of each
-block. A file is written once, to a temporary name, synced and renamed, and never changed:
-a reader that maps it keeps it until it unmaps.
+boundary: the caller's (a save's: the segments' bookkeeping, int64; none for a spill's level
+alone: io.rowlog.write_index), then the level's runs a block of FENCE a page, their starts,
+lengths and places side by side (a lookup reads the one page the fence names), with room
+for the runs the merge may yield (the room left over is a hole: no disk), the level's fence
+(every FENCE-th start: Runs.fence), the CRC of each block, each block's filter
+(rowindex.Filter, a sixteenth of a page each) and the CRC of each page of them (a file
+written before filters has none: its lookups ask every block). A file is written once, to
+a temporary name, synced and renamed, and never changed: a reader that maps it keeps it
+until it unmaps.
 
 An open checks what it reads into memory whole; of a level it maps, it checks the header,
 the file's size (a file cut short), the fence and the blocks' CRCs, and each block of runs

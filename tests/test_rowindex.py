@@ -687,11 +687,10 @@ KilledWriterAgainstDict.TestCase.settings = settings(max_examples=6, stateful_st
 TestKilledWriterAgainstDict = KilledWriterAgainstDict.TestCase
 
 
-def _put_random(b, rng, step: int, n: int) -> np.ndarray:
-    """Write up to ``n`` rows of table t at random ids, each of value ``step``; returns their ids."""
+def _put_random(b, rng, step: int, n: int) -> None:
+    """Write up to ``n`` rows of table t at random ids, each of value ``step``."""
     ids = np.unique(rng.integers(0, ROWS, n))
     b.put_rows([("t", ids, np.full((len(ids), DIM), step, dtype=np.float32))])
-    return ids
 
 
 def test_recovery_replays_only_what_came_after_the_index_last_named(tmp_path, monkeypatch):
