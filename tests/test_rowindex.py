@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -534,6 +534,29 @@ def test_a_lookup_of_a_mapped_level_reads_one_page_an_id(tmp_path):
     assert got.tolist() == ((1 << rowindex.SLOT_BITS) | (asked // 2) % 4000).tolist()
     filter_pages = len(np.unique(blocks // rowindex.filter_blocks()))
     assert read <= (len(asked) + filter_pages) * 4096 * 1.1, read / len(asked) / 4096
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=300), gaps=st.data(), deleted=st.data(),
+       fence=st.sampled_from([1, 4, 8, 256]))
+def test_a_blocks_filter_passes_every_id_its_runs_hold(lengths, gaps, deleted, fence):
+    """Whatever the runs (of one id or long, a place or a deletion, blocks of any FENCE), a
+    block's filter passes every id a run of that block holds: a lookup it turns away is one no
+    run of the block answers (an id turned away wrongly would read an older level's place)."""
+    gap = gaps.draw(st.lists(st.integers(0, 50), min_size=len(lengths), max_size=len(lengths)))
+    start = np.cumsum(np.array(gap) + np.concatenate(([0], lengths[:-1]))).astype(np.int64) + 10**9
+    loc = np.where(deleted.draw(st.lists(st.booleans(), min_size=len(lengths), max_size=len(lengths))), NONE,
+                   np.arange(len(lengths), dtype=np.uint32) * 64).astype(np.uint32)
+    runs = rowindex.Runs(start, np.array(lengths, dtype=np.uint32), loc)
+    old = rowindex.FENCE
+    rowindex.FENCE = fence
+    try:
+        filters = rowindex.Filter(rowindex.block_filters(runs))
+        held = np.concatenate([np.arange(a, a + n) for a, n in zip(start.tolist(), lengths)])  # deletions' ids too
+        block = (np.searchsorted(runs.start, held, side="right") - 1) // fence
+        assert filters.may_hold(held, block).all()
+    finally:
+        rowindex.FENCE = old
 
 
 def test_a_lookup_of_ids_a_mapped_level_does_not_hold_reads_its_filter_not_its_runs(tmp_path):
