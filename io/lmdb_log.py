@@ -107,14 +107,16 @@ class LogTables:
         written, or that would replay too many rows after a crash (io.rowlog.RowLog.wants_save);
         and name one a replay spilled, where it can be named."""
         for table, log in self._logs.items():
-            save = log.wants_save()
-            if save or self._index_current.get(table) != self._index_named.get(table) and not (
-                    self.publish_at_flush and self._unpublished()) or log.index.wants_spill():
+            save, spill = log.wants_save(), log.index.wants_spill()
+            unnamed = self._index_current.get(table) != self._index_named.get(table) and not (
+                self.publish_at_flush and self._unpublished())
+            if save or spill or unnamed:
                 try:
-                    if save or not log.index.wants_spill():
+                    if spill and not save:  # the runs alone, a level the next save names
+                        if self._write_level(table, log, saved=False):
+                            self._remove_index_files(table)
+                    else:
                         self._save_index(table, write=save)
-                    elif self._write_level(table, log, saved=False):  # the runs alone, a level the next save names
-                        self._remove_index_files(table)
                 except RowIndexDamagedError:  # the merge met a damaged block: the segments hold every row
                     with self._index_lock:
                         self._rebuild_log(table)

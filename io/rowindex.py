@@ -146,9 +146,7 @@ class Filter:
     def may_hold(self, ids: np.ndarray, block: np.ndarray) -> np.ndarray:
         """Whether block ``block[i]``'s runs may hold ``ids[i]`` (False: they do not)."""
         word, bits = _hashed(ids, self.words.shape[1])
-        pages = np.unique(block // filter_blocks())
-        will_need(self.words.ctypes.data, pages * 4096, 4096)
-        _verify(self.check, pages)
+        _read_pages(self.words, np.unique(block // filter_blocks()), 4096, self.check)
         mask = np.zeros(len(ids), dtype=np.uint64)
         for bit in bits:
             mask |= np.uint64(1) << bit
@@ -177,13 +175,17 @@ def block_filters(runs: "Runs") -> np.ndarray:
     full = np.add.reduceat(length, np.arange(0, len(runs), FENCE)) > FILTER_IDS * FENCE
     bits[full] = True
     length = np.where(np.repeat(full, FENCE)[:len(runs)], 0, length)
-    offsets = np.arange(int(length.sum()), dtype=np.int64) - np.repeat(np.cumsum(length) - length, length)
-    word, at = _hashed(np.repeat(runs.start, length) + offsets, per)
+    word, at = _hashed(np.repeat(runs.start, length) + _within(length), per)
     first = (np.repeat(np.arange(len(runs)) // FENCE, length) * per + word.view(np.int64)) * 64
     flat = bits.reshape(-1)
     for bit in at:  # a bool a bit, packed once
         flat[first + bit.view(np.int64)] = True
     return np.packbits(bits, axis=1, bitorder="little").view(np.uint64)
+
+
+def _within(length: np.ndarray) -> np.ndarray:
+    """For runs of ``length`` ids each, every id's offset within its run, run after run."""
+    return np.arange(int(length.sum()), dtype=np.int64) - np.repeat(np.cumsum(length) - length, length)
 
 
 def _hashed(ids: np.ndarray, words: int) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -320,9 +322,7 @@ class Runs:
         """searchsorted(start, ids, "right") - 1 of ``ids`` in the fence's pages ``page`` (each
         id's, none before the first): a binary search of that page alone (a vectorized step
         each halving)."""
-        pages = np.unique(page)
-        _will_need(self, pages)
-        self.verify(pages)
+        _read_pages(self.start.map, np.unique(page), self.start.map.dtype.itemsize, self.check)
         lo = page * FENCE
         hi = np.minimum(lo + FENCE, len(self.start))
         for _ in range(FENCE.bit_length()):
@@ -342,7 +342,7 @@ class Runs:
         lo = np.where((before >= 0) & (self.start[b0] + self.length[b0] > other.start), before, before + 1)
         hi = np.searchsorted(self.start, o_end, side="left")  # ours starting before it ends are below hi
         n = np.maximum(hi - lo, 0)
-        a = np.repeat(lo, n) + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+        a = np.repeat(lo, n) + _within(n)
         if not len(a):
             return a, Runs()
         a = a[np.append(True, a[1:] != a[:-1])]  # ascending: two of theirs meet one of ours only where one ends
@@ -352,7 +352,7 @@ class Runs:
         i1 = np.searchsorted(other.start, a_end, side="left")
         pieces = i1 - i0 + 1  # before the first, between each two, after the last
         owner = np.repeat(np.arange(len(a)), pieces)
-        m = np.arange(len(owner)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        m = _within(pieces)
         last = len(other) - 1
         p_start = np.where(m == 0, a_start[owner], o_end[np.clip(i0[owner] + m - 1, 0, last)])
         p_end = np.where(m == pieces[owner] - 1, a_end[owner], other.start[np.clip(i0[owner] + m, 0, last)])
@@ -395,8 +395,7 @@ class Runs:
         """Every id a run holds a row of, ascending."""
         held = self.take(self.loc != NONE)
         length = held.length.astype(np.int64)
-        offsets = np.arange(int(length.sum()), dtype=np.int64) - np.repeat(np.cumsum(length) - length, length)
-        return np.repeat(held.start, length) + offsets
+        return np.repeat(held.start, length) + _within(length)
 
 
 class Dense:
@@ -437,9 +436,7 @@ class Dense:
         inside = (ids >= 0) & (ids < len(self.values))
         at = np.where(inside, ids, 0)
         if self.map is not None:
-            pages = np.unique(at[inside] // DENSE_IDS)
-            will_need(self.values.ctypes.data, pages * (4 * DENSE_IDS), 4 * DENSE_IDS)
-            self.verify(pages)
+            _read_pages(self.values, np.unique(at[inside] // DENSE_IDS), 4 * DENSE_IDS, self.check)
         value = np.where(inside, self.values[at], ABSENT)
         return value != ABSENT, _places(value)
 
@@ -522,7 +519,7 @@ def _spread(runs: Runs, lo: int, hi: int, values: np.ndarray) -> int:
     length = (np.minimum(end[a:b], hi) - start).astype(np.int64)
     loc = runs.loc[a:b]
     first = np.repeat(np.where(loc == NONE, DELETED, loc.astype(np.int64) + _PLACED + (start - runs.start[a:b])), length)
-    offset = np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
+    offset = _within(length)
     values[np.repeat(start - lo, length) + offset] = first + np.where(np.repeat(loc != NONE, length), offset, 0)
     return min(int(end[b - 1]), hi)
 
@@ -750,12 +747,12 @@ class RowIndex:
         return 2 * n + (k + 2) * (n // _CHUNK_RUNS + 2) + 1
 
 
-def _will_need(level: Runs, pages: np.ndarray) -> None:
-    """Ask the kernel for the pages ``pages`` (FENCE runs each) of a mapped level all at once: a
-    lookup's faults then wait on reads under way in parallel, not issued one by one
-    (io.lmdb_map.will_need)."""
-    page = level.start.map.dtype.itemsize
-    will_need(level.start.map.ctypes.data, pages * page, page)
+def _read_pages(mapped: np.ndarray, pages: np.ndarray, size: int, check) -> None:
+    """Ask the kernel for the pages ``pages`` (of ``size`` bytes) of a level's map all at once,
+    then ``check`` them (_verify): a lookup's faults then wait on reads already under way in
+    parallel, not issued one by one (io.lmdb_map.will_need)."""
+    will_need(mapped.ctypes.data, pages * size, size)
+    _verify(check, pages)
 
 
 def _advise(level: Runs | Dense, advice: int) -> None:

@@ -398,13 +398,9 @@ class TableStore(LivedRows):
         if not len(wb):
             return 0
         taken = [(tier, torch.from_numpy(slots).to(tier.device)) for tier, slots in ((self.hbm, wb.hbm), (self.ddr, wb.ddr)) if len(slots)]
-        if not len(wb.call):
-            self._queue_write_back(*_rows_by_id(taken))
-            return len(wb)
         at = torch.from_numpy(wb.call)
-        ids = [uid.index_select(0, at)] + [tier.ids.index_select(0, s).cpu() for tier, s in taken]
-        values = [rows.index_select(0, at.to(rows.device)).cpu()] + [tier.gather(s).cpu() for tier, s in taken]
-        self._queue_write_back(*by_id(torch.cat(ids), torch.cat(values)))
+        called = (uid.index_select(0, at), rows.index_select(0, at.to(rows.device)).cpu()) if len(at) else None
+        self._queue_write_back(*_rows_by_id(taken, called))
         return len(wb)
 
     def fetch(self, ids: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor:
@@ -541,13 +537,16 @@ class TableStore(LivedRows):
         return True
 
 
-def _rows_by_id(taken: list[tuple[CacheTier, torch.Tensor]]) -> tuple[np.ndarray, np.ndarray]:
-    """The rows at each tier's slots, as LMDB takes them (host numpy, sorted by id). One tier's
-    are gathered once, in id order, where a gather, a concatenation and a sort copied them three
-    times: the trainer's thread took 66-68 ms of CPU a bench-scale DLRM step against 72-78
-    (13.7k 256-byte rows evicted a step), and a flush held its chunk (a quarter of the
-    write-back queue) three times over."""
-    if len(taken) == 1:
+def _rows_by_id(taken: list[tuple[CacheTier, torch.Tensor]],
+                called: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The rows at each tier's slots, and ``called`` ((ids, rows) on the host: a step's rows no
+    tier keeps), as LMDB takes them (host numpy, sorted by id). One tier's alone are gathered
+    once, in id order, where a gather, a concatenation and a sort copied them three times: the
+    trainer's thread took 66-68 ms of CPU a bench-scale DLRM step against 72-78 (13.7k 256-byte
+    rows evicted a step), and a flush held its chunk (a quarter of the write-back queue) three
+    times over."""
+    if len(taken) == 1 and called is None:
         return taken[0][0].rows_by_id(taken[0][1])
-    return by_id(torch.cat([tier.ids.index_select(0, s).cpu() for tier, s in taken]),
-                 torch.cat([tier.gather(s).cpu() for tier, s in taken]))
+    ids, rows = ([called[0]], [called[1]]) if called is not None else ([], [])
+    return by_id(torch.cat(ids + [tier.ids.index_select(0, s).cpu() for tier, s in taken]),
+                 torch.cat(rows + [tier.gather(s).cpu() for tier, s in taken]))
