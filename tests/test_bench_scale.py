@@ -136,6 +136,29 @@ def test_a_table_declaring_more_rows_than_it_writes(tmp_path):
         assert store.stats()["rows"]["stored"] == 1000
 
 
+def _disk_reads() -> int:
+    return int(next(line.split()[1] for line in open("/proc/self/io") if line.startswith("read_bytes:")))
+
+
+def test_a_child_opens_the_store_with_none_of_its_files_cached(tmp_path):
+    """Before a child opens the store, its files are dropped from the page cache, the row
+    index's as well as data.mdb: read again, each is read from the disk."""
+    path = tmp_path / "store"
+    bench_scale.prepare_table(path, 20_000, 8, 0)
+    files = [path / "data.mdb", *path.glob("index-*.bin")]
+    assert len(files) > 1  # the writer's close saved its index
+    for f in files:
+        f.read_bytes()  # cached
+    bench_scale.drop_store_pages(path)
+    for f in files:
+        before = _disk_reads()
+        f.read_bytes()
+        read = _disk_reads() - before
+        if read == 0 and f.name == "data.mdb":
+            pytest.skip("this file system does not count reads in /proc/self/io (tmpfs)")
+        assert read >= f.stat().st_size // 2, (f.name, read)
+
+
 def test_a_runs_floor_is_its_in_memory_step_or_the_rows_no_cache_could_have(tmp_path):
     """The step against max(its in-memory step, the disk time of the rows no earlier step used)."""
     floors = {"disk": {"iops_qd32": 10_000}, "lmdb": {"put_us": None}}
