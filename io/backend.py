@@ -55,14 +55,19 @@ class RowBackend(Protocol):
         bytes each table's index may hold besides, where it is stored dense (io.rowindex.Dense)."""
 
     # -- rows ---------------------------------------------------------------------------
-    def get_rows(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def get_rows(self, table: str, ids: np.ndarray, out: np.ndarray | None = None,
+                 places: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Stored rows of ``ids`` and the mask of those found; into ``out`` (float32,
-        C-contiguous [n, width]) when given. Rows not found are left unset."""
+        C-contiguous [n, width]) when given. Rows not found are left unset. ``places`` (int64
+        [n]): filled with a hint of where each row is stored, -1 where the backend keeps none,
+        for a later put_rows of the same rows."""
 
     def put_rows(self, batches: list[tuple[str, np.ndarray, np.ndarray]], meta: dict | None = None,
-                 last_use: dict[str, np.ndarray] | None = None) -> int:
+                 last_use: dict[str, np.ndarray] | None = None, places: dict[str, np.ndarray] | None = None) -> int:
         """Write (table, ids, rows) batches, then the metadata records ``meta``; returns the bytes
-        written. ``last_use[table]`` (int64 steps) is required for a table that keeps it. A failure
+        written. ``last_use[table]`` (int64 steps) is required for a table that keeps it.
+        ``places[table]``: a hint for each row from get_rows (-1: none), which spares the backend
+        finding where the row was; any hint, stale or not, leaves the rows written the same. A failure
         may leave some batches written: writing them again rewrites the same values."""
 
     def delete_rows(self, table: str, ids: np.ndarray) -> int:

@@ -90,6 +90,11 @@ class LiveSlots:
         # .at: two slots of one byte must both clear (a fancy-indexed &= keeps one of them)
         np.bitwise_and.at(self.rows.reshape(-1), segments * width + (slots >> 3), ~(np.uint8(1) << (slots & 7).astype(np.uint8)))
 
+    def live_at(self, segments: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Whether each slot ``slots`` of entries ``segments`` (int64, one each) holds a row."""
+        byte = self.rows.reshape(-1)[segments * self.rows.shape[1] + (slots >> 3)]
+        return (byte >> (slots & 7).astype(np.uint8)) & 1 == 1
+
     def live(self, segments: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Mask of the first ``counts`` slots of each of entries ``segments``, concatenated:
         those that hold their id's latest row."""

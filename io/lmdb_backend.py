@@ -339,20 +339,25 @@ class LmdbBackend(LogTables, Upkeep, Sketches):
             self._last_dbs[name] = open_db(b"u:" + name.encode())
 
     # -- rows ----------------------------------------------------------------------
-    def get_rows(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def get_rows(self, table: str, ids: np.ndarray, out: np.ndarray | None = None,
+                 places: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Stored rows of ``ids`` (sorted ascending) and the mask of those found;
-        into ``out`` (C-contiguous) when given. Rows not found are left unset."""
+        into ``out`` (C-contiguous) when given. Rows not found are left unset. ``places``:
+        filled with a hint of where each row is (io.rowlog.RowLog.hints; -1 where none is
+        kept: not found, or a table stored a row a key), for put_rows."""
         codec = self._codecs[table]
         rows = np.empty((len(ids), codec.width), dtype=np.float32) if out is None else out
         if table in self._logs:
             if codec.dtype == "float32" and not self._logs[table].last_use and rows.flags.c_contiguous:
                 # the stored bytes are the rows themselves: gathered straight into them
-                return rows, self._log_slots(table, ids, rows.view(np.uint8))[1]
-            slots, found = self._log_slots(table, ids)
+                return rows, self._log_slots(table, ids, rows.view(np.uint8), places)[1]
+            slots, found = self._log_slots(table, ids, hints=places)
             rows[found] = codec.unpack(slots[found, : codec.row_bytes])
             return rows, found
         found = np.ones(len(ids), dtype=bool)
         keys = encode_keys(ids)
+        if places is not None:
+            places[:] = -1
         with self._reading(db=self._dbs[table], buffers=False) as txn:
             get = txn.get
             # Copied out a chunk at a time: the row objects are still in cache and
@@ -419,9 +424,11 @@ class LmdbBackend(LogTables, Upkeep, Sketches):
         return self.txn_rows * rowlog.PAGE
 
     def put_rows(self, batches: list[tuple[str, np.ndarray, np.ndarray]], meta: dict | None = None,
-                 last_use: dict[str, np.ndarray] | None = None) -> int:
+                 last_use: dict[str, np.ndarray] | None = None, places: dict[str, np.ndarray] | None = None) -> int:
         """Write (table, sorted ids, rows) batches, then meta; returns bytes written.
-        ``last_use[table]``, for tables that keep it, is each row's last-use step.
+        ``last_use[table]``, for tables that keep it, is each row's last-use step;
+        ``places[table]``, where get_rows found each row (-1: not known): the index is
+        asked where a row was only for those whose hint is stale or missing.
         Transactions of at most ``txn_rows`` rows, meta with the last: past LMDB's
         dirty-page limit a transaction spills pages and slows down (1M rows of 512 B
         took 5.3 s in one transaction, 2.3 s in 16). A failure leaves the earlier
@@ -454,7 +461,9 @@ class LmdbBackend(LogTables, Upkeep, Sketches):
                         # packed inside the transaction, a segment at a time: packed here, a whole
                         # transaction's rows were copied once more beside LMDB's own dirty pages
                         (ids[lo:hi], functools.partial(log.slots_of, rows[lo:hi], last_use[t][lo:hi] if log.last_use else None)))
-                self._write_log(segments, meta if not batches and i == len(txns) - 1 else None)
+                hinted = {t: np.concatenate([places[t][lo:hi] for tt, lo, hi in txn_parts if tt == t])
+                          for t in segments if places and t in places}
+                self._write_log(segments, meta if not batches and i == len(txns) - 1 else None, hints=hinted)
                 for t in segments:
                     self._collect(t, sum(len(ids) for ids, _ in segments[t]))
             if not batches:

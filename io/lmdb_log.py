@@ -304,11 +304,17 @@ class LogTables:
                 self._sync_log(table, txn)
         return {table}
 
-    def _log_slots(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def _log_slots(self, table: str, ids: np.ndarray, out: np.ndarray | None = None,
+                   hints: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The stored slots (row bytes, then the last-use step where kept) of ``ids`` and the
-        mask of those found, all of one snapshot; into ``out`` (uint8 [n, slot bytes]) when given."""
+        mask of those found, all of one snapshot; into ``out`` (uint8 [n, slot bytes]) when given.
+        ``hints`` (int64 [n]): filled with where each row was found (io.rowlog.RowLog.hints), -1
+        where none was."""
         def places(log):
             segs, slots, found = log.places(ids)
+            if hints is not None:
+                hints[:] = -1
+                hints[found] = log.hints(segs, slots)
             return log.slot_bytes, log.offset[segs] + slots * log.slot_bytes, found
 
         def read(txn, got):
@@ -381,14 +387,15 @@ class LogTables:
 
     def _write_log(self, segments: dict[str, list[tuple[np.ndarray, np.ndarray | None]]], meta: dict | None = None,
                    deleting: dict[str, list[int]] | None = None, dropping: dict[str, list[int]] | None = None,
-                   known: dict[str, np.ndarray] | None = None) -> None:
+                   known: dict[str, np.ndarray] | None = None, hints: dict[str, np.ndarray] | None = None) -> None:
         """Append segments (ids, slots or a function making them; tombstones where slots is None) to log tables, retire
         the segments ``deleting`` names (``dropping``: the tombstones among them no older copy
         of their ids outlives) and those left without a live row, then meta: one transaction;
         the index follows once it has committed. Retired segments go in the same transaction,
         or, for a publish_at_flush writer, with the next publish: readers of the last one may
         still read them. ``known``: by table, the place of each id of its segments before them
-        (RowLog.apply)."""
+        (RowLog.apply); ``hints``: by table, where a read found each id of its segments
+        (RowLog.hints, -1 for none)."""
         def plan():
             out, gone = [], {}
             for t in set(segments) | set(deleting or ()):
@@ -423,7 +430,8 @@ class LogTables:
             new, gone = planned
             for t in {t for t, *_ in new}:
                 self._logs[t].apply([(seq, rowlog.TOMBSTONES if slots is None else rowlog.ROWS, ids, -1)
-                                     for table, seq, ids, slots in new if table == t], known=(known or {}).get(t))
+                                     for table, seq, ids, slots in new if table == t],
+                                    known=(known or {}).get(t), hints=(hints or {}).get(t))
             for t, seqs in gone.items():
                 log = self._logs[t]
                 for seq in seqs:

@@ -122,7 +122,10 @@ class MemoryBackend:
         codec, last_use = self._open[name]
         return seen.get(name) or _empty(codec, last_use)
 
-    def get_rows(self, table: str, ids: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def get_rows(self, table: str, ids: np.ndarray, out: np.ndarray | None = None,
+                 places: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        if places is not None:  # it keeps no index worth sparing a lookup of
+            places[:] = -1
         t = self._table(table)
         rows = np.empty((len(ids), t.codec.width), dtype=np.float32) if out is None else out
         at, found = find_sorted(t.ids, ids)
@@ -130,7 +133,7 @@ class MemoryBackend:
         return rows, found
 
     def put_rows(self, batches: list[tuple[str, np.ndarray, np.ndarray]], meta: dict | None = None,
-                 last_use: dict[str, np.ndarray] | None = None) -> int:
+                 last_use: dict[str, np.ndarray] | None = None, places: dict[str, np.ndarray] | None = None) -> int:
         self._writable()
         last_use = last_use or {}
         for name, ids, _ in batches:

@@ -63,6 +63,7 @@ ROWS, TOMBSTONES = 0, 1
 # (the index caches where each segment's slots are in the file)
 MIN_SEGMENT = PAGE // 2
 _STEP = np.dtype("<i8")
+_PLACE_MASK = (1 << 32) - 1  # a place in a hint (RowLog.hints), and the bits of its segment's seq kept there
 _MIN_DEAD = MAX_SLOTS  # dead slots below this never trigger a collection
 MAX_TOMBSTONE_SEGMENTS = 16  # more are merged into one
 _REPLAY_SEGMENTS = 64  # segments a replay applies at once (RowLog.apply)
@@ -252,14 +253,17 @@ class RowLog:
         self.live_rows -= len(places)
         self.emptied.extend(self.seq[segs[self.live[segs] == 0]].tolist())
 
-    def apply(self, segments: list[tuple[int, int, np.ndarray, int]], known: np.ndarray | None = None) -> None:
+    def apply(self, segments: list[tuple[int, int, np.ndarray, int]], known: np.ndarray | None = None,
+              hints: np.ndarray | None = None) -> None:
         """Apply ``segments`` ((seq, kind, ids, file offset of the first slot or -1), in sequence
         order, each newer than every one applied): one update of the index for all of them
         (it costs about its own runs, and a little for the runs it meets: see io.rowindex).
         ``known``: the place of each of their ids (all of them, in order, distinct) before
         them, where the caller found it under the same write lock (a collection's copies: the
         slots it found live), so that the index is not asked again: in a mapped level that
-        is a page read from disk a row."""
+        is a page read from disk a row. ``hints``: for each of their ids (in order), where a
+        read found its row earlier (hints(), -1 for none): those still its place (valid_hints)
+        are taken as known, and the index is asked for the others only."""
         if not segments:
             return
         all_ids, all_places = [], []
@@ -284,7 +288,16 @@ class RowLog:
         first[1:] = ids[1:] != ids[:-1]
         last = np.append(first[1:], True)
         previous = np.empty(len(ids), dtype=np.uint32)  # where each place's row was before it
-        previous[first] = self.index.get(ids[first]) if known is None else np.asarray(known, dtype=np.uint32)[order][first]
+        if known is not None:
+            previous[first] = np.asarray(known, dtype=np.uint32)[order][first]
+        elif hints is None:
+            previous[first] = self.index.get(ids[first])
+        else:
+            at = np.flatnonzero(first)
+            hinted = np.asarray(hints, dtype=np.int64)[order][at]
+            valid = self.valid_hints(hinted)
+            previous[at[valid]] = hinted[valid] & _PLACE_MASK
+            previous[at[~valid]] = self.index.get(ids[at[~valid]])
         previous[~first] = places[:-1][~first[1:]]
         self._release(previous)
         self.index.put(ids[last], places[last])
@@ -370,6 +383,25 @@ class RowLog:
         found = loc != NONE
         loc = loc[found]
         return (loc >> _SLOT_BITS).astype(np.int64), (loc & (MAX_SLOTS - 1)).astype(np.int64), found
+
+    def hints(self, segs: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Where rows were found (places() of them), as hints a later write of the same rows
+        hands back (apply): the place, and the low 32 bits of its segment's sequence number,
+        which tell the segment from a later one that takes its entry (int64, never negative)."""
+        return ((self.seq[segs] & _PLACE_MASK) << 32) | (segs << _SLOT_BITS) | slots
+
+    def valid_hints(self, hints: np.ndarray) -> np.ndarray:
+        """Mask of the ``hints`` (int64, -1 for none) that are still their row's place: the
+        segment they name is still the one it was (its sequence number) and the slot still
+        holds its id's latest row (its live bit; a slot once dead is never live again, and a
+        slot holds one id for good). So a hint gone stale (the row written, moved by a
+        collection, deleted since) is known as such, and costs an index lookup, never a row."""
+        place = hints & _PLACE_MASK
+        segs, slots = place >> _SLOT_BITS, place & (MAX_SLOTS - 1)
+        ok = (hints >= 0) & (segs < len(self.seq))
+        ok[ok] = (self.seq[segs[ok]] > 0) & ((self.seq[segs[ok]] & _PLACE_MASK) == hints[ok] >> 32)
+        ok[ok] = self.bits.live_at(segs[ok], slots[ok])
+        return ok
 
     # -- writing ---------------------------------------------------------------------------
     def slots_of(self, rows: np.ndarray, steps: np.ndarray | None) -> np.ndarray:

@@ -25,17 +25,18 @@ MIN_CHUNK = 256
 
 def read_rows_async(
     backend: RowBackend, table: str, ids: np.ndarray, width: int, executor: Executor, parts: int,
-    on_done: Callable[[np.ndarray, np.ndarray, BaseException | None, float], None],
+    on_done: Callable[[np.ndarray, np.ndarray, BaseException | None, float, np.ndarray], None],
     pause: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter, chunk: int = MIN_CHUNK,
 ) -> None:
     """Read rows of sorted ``ids`` in ``parts`` tasks of at least ``chunk`` rows; then
-    ``on_done(rows, found, error, seconds)``, seconds being the time the tasks spent
-    reading, summed. With ``pause``, a task reads ``chunk`` rows a call of the backend and
+    ``on_done(rows, found, error, seconds, places)``, seconds being the time the tasks spent
+    reading, summed, and places where the backend found each row (RowBackend.get_rows). With ``pause``, a task reads ``chunk`` rows a call of the backend and
     calls ``pause()`` before each; with none, it reads its rows in one call (a call costs a
     read transaction and an index lookup: 0.6 ms of CPU each in chunks of 256 rows from
     disk, a quarter of the threads' CPU beside the reads)."""
     rows = np.empty((len(ids), width), dtype=np.float32)
     found = np.zeros(len(ids), dtype=bool)
+    places = np.full(len(ids), -1, dtype=np.int64)
     parts = max(1, min(parts, len(ids) // chunk))
     bounds = np.linspace(0, len(ids), parts + 1).astype(np.int64)
     state = {"left": parts, "error": None, "seconds": 0.0}
@@ -50,7 +51,7 @@ def read_rows_async(
                     pause()
                 b = min(hi, a + per_call)
                 start = clock()
-                found[a:b] = backend.get_rows(table, ids[a:b], rows[a:b])[1]
+                found[a:b] = backend.get_rows(table, ids[a:b], rows[a:b], places[a:b])[1]
                 seconds += clock() - start
         except BaseException as e:  # handed to on_done, which raises it where it concerns
             err = e
@@ -60,7 +61,7 @@ def read_rows_async(
             state["left"] -= 1
             last = state["left"] == 0
         if last:
-            on_done(rows, found, state["error"], state["seconds"])
+            on_done(rows, found, state["error"], state["seconds"], places)
 
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         executor.submit(part, int(lo), int(hi))

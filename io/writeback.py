@@ -71,11 +71,12 @@ class QueuedRows:
         self.pool = np.empty((capacity, width), dtype=np.float32)
         self.seq = np.zeros(capacity, dtype=np.int64)  # the batch that queued each slot's value
         self.last = np.zeros(capacity, dtype=np.int64)  # each slot's last-use step (tables with ttl_steps)
+        self.places = np.full(capacity, -1, dtype=np.int64)  # where the backend found each slot's row (-1: not known)
         self._free = np.arange(capacity - 1, -1, -1)  # a stack of free pool slots
         self._nfree = capacity
         self._adopt_rows = adopt_rows
         self._limit_rows = limit_rows  # the queue's limit: the pool doubles up to it, no further
-        self._segments: dict[int, list] = {}  # number -> [rows, seq, last of each row, rows still queued]
+        self._segments: dict[int, list] = {}  # number -> [rows, seq, last, places of each row, rows still queued]
         self._next_segment = 1
 
     def __len__(self) -> int:
@@ -93,25 +94,27 @@ class QueuedRows:
         return pos, found
 
     def _by_segment(self, slots: np.ndarray):
-        """(segment, its rows, seq and last, mask of the ``slots`` in it or None for all, their rows there)."""
+        """(segment, its rows, seq, last and places, mask of the ``slots`` in it or None for all, their rows there)."""
         number = slots // _SEGMENT
         if not len(slots) or number[0] == number[-1] and (number == number[0]).all():  # the usual case: one
             parts = [(int(number[0]) if len(slots) else 0, None)]
         else:
             parts = [(int(k), number == k) for k in unique_ids(number)]
         for k, mask in parts:
-            rows, seq, last = (self.pool, self.seq, self.last) if k == 0 else self._segments[k][:3]
-            yield k, rows, seq, last, mask, (slots if mask is None else slots[mask]) - k * _SEGMENT
+            rows, seq, last, places = (self.pool, self.seq, self.last, self.places) if k == 0 else self._segments[k][:4]
+            yield k, rows, seq, last, places, mask, (slots if mask is None else slots[mask]) - k * _SEGMENT
 
-    def put(self, ids: np.ndarray, rows: np.ndarray, seq: int, last: np.ndarray | None = None) -> None:
+    def put(self, ids: np.ndarray, rows: np.ndarray, seq: int, last: np.ndarray | None = None,
+            places: np.ndarray | None = None) -> None:
         """Queue the rows of sorted unique ``ids`` as batch ``seq``'s, replacing older queued
-        values; ``last``: their last-use steps."""
+        values; ``last``: their last-use steps; ``places``: where the backend found them."""
         pos, found = self._find(ids)
         old = self.slots[pos[found]]
         if len(ids) >= self._adopt_rows:  # a bulk write: its rows become a segment, uncopied
             k, self._next_segment = self._next_segment, self._next_segment + 1
             steps = np.zeros(len(ids), dtype=np.int64) if last is None else np.array(last, dtype=np.int64)
-            self._segments[k] = [np.ascontiguousarray(rows, dtype=np.float32), np.full(len(ids), seq), steps, len(ids)]
+            where = np.full(len(ids), -1, dtype=np.int64) if places is None else np.array(places, dtype=np.int64)
+            self._segments[k] = [np.ascontiguousarray(rows, dtype=np.float32), np.full(len(ids), seq), steps, where, len(ids)]
             slots = k * _SEGMENT + np.arange(len(ids))
             self._release(old)
             self.slots[pos[found]] = slots[found]
@@ -134,8 +137,10 @@ class QueuedRows:
             self.seq[slots] = seq
             if last is not None:
                 self.last[slots] = last
-        self.ids = np.insert(self.ids, pos[~found], ids[~found])
-        self.slots = np.insert(self.slots, pos[~found], fresh)
+            self.places[slots] = -1 if places is None else places
+        # in one statement: a Ctrl-C between two (the main thread's KeyboardInterrupt) left ids
+        # longer than slots, and the writer thread failed on them at its next commit
+        self.ids, self.slots = np.insert(self.ids, pos[~found], ids[~found]), np.insert(self.slots, pos[~found], fresh)
 
     def _release(self, slots: np.ndarray) -> None:
         """Slots whose values are no longer queued: back to the pool, or off their segment."""
@@ -144,8 +149,8 @@ class QueuedRows:
                 self._free[self._nfree: self._nfree + len(local)] = local
                 self._nfree += len(local)
             else:
-                self._segments[k][3] -= len(local)
-                if self._segments[k][3] == 0:
+                self._segments[k][4] -= len(local)
+                if self._segments[k][4] == 0:
                     del self._segments[k]
 
     def _grow(self, extra: int) -> None:
@@ -156,6 +161,7 @@ class QueuedRows:
         self.pool = np.concatenate([self.pool, np.empty((new - old, self.width), dtype=np.float32)])
         self.seq = np.concatenate([self.seq, np.zeros(new - old, dtype=np.int64)])
         self.last = np.concatenate([self.last, np.zeros(new - old, dtype=np.int64)])
+        self.places = np.concatenate([self.places, np.full(new - old, -1, dtype=np.int64)])
         free = np.empty(new, dtype=np.int64)
         free[: new - old] = np.arange(new - 1, old - 1, -1)
         free[new - old: new - old + self._nfree] = self._free[: self._nfree]
@@ -170,7 +176,7 @@ class QueuedRows:
             return found, None
         slots = self.slots[pos[found]]
         out = None
-        for _, rows, _, _, mask, local in self._by_segment(slots):
+        for _, rows, _, _, _, mask, local in self._by_segment(slots):
             if mask is None:  # one segment
                 if local[-1] - local[0] == len(local) - 1 and (np.diff(local) == 1).all():
                     return found, rows[local[0]: local[-1] + 1].copy()  # a bulk write's rows: one memcpy
@@ -182,13 +188,22 @@ class QueuedRows:
 
     def get_last(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(mask of the sorted ``ids`` queued, last-use steps of the queued ones)."""
+        return self._per_row(ids, 3)
+
+    def get_places(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(mask of the sorted ``ids`` queued, where the backend found the queued ones)."""
+        return self._per_row(ids, 4)
+
+    def _per_row(self, ids: np.ndarray, which: int) -> tuple[np.ndarray, np.ndarray]:
+        """(mask of the sorted ``ids`` queued, the queued ones' int64 field ``which`` of _by_segment)."""
         if not len(self.ids) or not len(ids):
             return np.zeros(len(ids), dtype=bool), np.empty(0, dtype=np.int64)
         pos, found = self._find(ids)
         slots = self.slots[pos[found]]
         out = np.empty(len(slots), dtype=np.int64)
-        for _, _, _, last, mask, local in self._by_segment(slots):
-            out[slice(None) if mask is None else mask] = last[local]
+        for part in self._by_segment(slots):
+            mask, local = part[-2:]
+            out[slice(None) if mask is None else mask] = part[which][local]
         return found, out
 
     def drop(self, ids: np.ndarray, seq: int) -> None:
@@ -198,7 +213,7 @@ class QueuedRows:
         pos = pos[found]
         slots = self.slots[pos]
         mine = np.zeros(len(pos), dtype=bool)
-        for _, _, slot_seq, _, mask, local in self._by_segment(slots):
+        for _, _, slot_seq, _, _, mask, local in self._by_segment(slots):
             mine[slice(None) if mask is None else mask] = slot_seq[local] <= seq
         self._release(slots[mine])
         self.ids = np.delete(self.ids, pos[mine])
@@ -236,17 +251,19 @@ class WriteBack:
         """Rows not yet committed."""
         return sum(b.rows for b in self._queue if not b.committed)
 
-    def submit(self, items: Items, meta: dict | None = None, last: dict[str, np.ndarray] | None = None) -> None:
+    def submit(self, items: Items, meta: dict | None = None, last: dict[str, np.ndarray] | None = None,
+               places: dict[str, np.ndarray] | None = None) -> None:
         """Queue rows (and store metadata), committed together, perhaps with other
         batches; returns at once. The queue owns the rows arrays from now on.
-        ``last[table]``: the rows' last-use steps, for tables that keep them."""
+        ``last[table]``: the rows' last-use steps, for tables that keep them;
+        ``places[table]``: where the backend found them (RowBackend.put_rows)."""
         self._seq += 1
         for table, ids, _ in items if self.changed is not None else ():
             self.changed.setdefault(table, []).append(ids.copy())
         for table, ids, rows in items:
             if table not in self._queued:
                 self._queued[table] = QueuedRows(rows.shape[1], limit_rows=self._limit)
-            self._queued[table].put(ids, rows, self._seq, (last or {}).get(table))
+            self._queued[table].put(ids, rows, self._seq, (last or {}).get(table), (places or {}).get(table))
         self._queue.append(WriteBatch([(table, ids) for table, ids, _ in items], meta, sum(len(ids) for _, ids, _ in items), self._seq))
         self._wake()
 
@@ -332,11 +349,11 @@ class WriteBack:
                     self._thread = None
                     self._cond.notify_all()
                     return
-                items, meta, last = self._newest(batches)
+                items, meta, last, places = self._newest(batches)
                 sweeps = dict(self.sweeps)
             try:
                 # outside the lock: the trainer goes on meanwhile
-                self._backend.put_rows(items, meta, **({"last_use": last} if last else {}))
+                self._backend.put_rows(items, meta, **({"last_use": last} if last else {}), **({"places": places} if places else {}))
                 # scanning twice the rows written keeps the sweep ahead of the table's growth
                 budget = self._sweep_rows + 2 * sum(len(ids) for _, ids, _ in items)
                 swept = {table: self._backend.sweep(table, cutoff, budget, l2) for table, (cutoff, l2) in sweeps.items()}
@@ -355,22 +372,25 @@ class WriteBack:
                 self._cond.notify_all()
 
 
-    def _newest(self, batches: list[WriteBatch]) -> tuple[Items, dict, dict[str, np.ndarray]]:
+    def _newest(self, batches: list[WriteBatch]) -> tuple[Items, dict, dict[str, np.ndarray], dict[str, np.ndarray]]:
         """The rows of several batches as one sorted run per table, each row once
         with its newest value (LMDB's cursor then finds consecutive rows on the
-        page it is on), their metadata, the newest last, and the last-use steps
-        of tables that sweep."""
+        page it is on), their metadata, the newest last, the last-use steps
+        of tables that sweep, and where the backend found the rows, where known."""
         meta: dict = {}
         for batch in batches:
             meta.update(batch.meta or {})
-        items, last = [], {}
+        items, last, places = [], {}, {}
         for table, ids in _ids_by_table(batches).items():
             queued = self._queued[table]
             rows = queued.get(ids)[1]
             items.append((table, ids, rows if rows is not None else np.empty((0, queued.width), dtype=np.float32)))
             if self._backend.keeps_last_use(table):
                 last[table] = queued.get_last(ids)[1]
-        return items, meta, last
+            where = queued.get_places(ids)[1]
+            if len(where) and where.max() >= 0:
+                places[table] = where
+        return items, meta, last, places
 
 
 def _ids_by_table(batches: list[WriteBatch]) -> dict[str, np.ndarray]:

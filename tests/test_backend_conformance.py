@@ -102,6 +102,26 @@ def test_a_row_written_again_reads_as_its_last_write(opened):
     assert b.table_stats()["t"] == 100
 
 
+def test_places_a_read_gives_are_hints_a_write_may_take_stale_or_not(opened):
+    """get_rows fills ``places`` (-1 where it keeps none, and for rows not found); put_rows given
+    them, some gone stale since (those rows written again, others deleted and written anew),
+    writes as it would without."""
+    b = opened()
+    ids = np.arange(100)
+    b.put_rows([("t", ids, rows_of(100, 8, 1))])
+    places = np.zeros(120, dtype=np.int64)
+    found = b.get_rows("t", np.arange(120), places=places)[1]
+    assert ((places >= 0) <= found).all() and not found[100:].any()
+    b.put_rows([("t", ids[::3], rows_of(34, 8, 2))])
+    b.delete_rows("t", ids[1::3])
+    newest = rows_of(120, 8, 3)
+    b.put_rows([("t", np.arange(120), newest)], places={"t": places})
+    got, found = b.get_rows("t", np.arange(120))
+    assert found.all()
+    np.testing.assert_array_equal(got, newest)
+    assert b.table_stats()["t"] == 120 and (b.stored_ids("t") == np.arange(120)).all()
+
+
 def test_the_backend_keeps_its_own_copy_of_written_rows(opened):
     b = opened()
     rows = rows_of(10, 8)

@@ -21,12 +21,12 @@ def slow_reads(monkeypatch, store, delay=lambda: random.uniform(0, 0.004), fail=
     """Delay reads made by prefetch threads (main-thread reads stay fast); optionally fail some."""
     real = store._backend.get_rows  # latency and fault injection into LMDB's reads
 
-    def get_rows(table, ids, out):
+    def get_rows(table, ids, out, places=None):
         if threading.current_thread() is not threading.main_thread():
             time.sleep(delay())
             if fail is not None and fail(ids):
                 raise lmdb.ReadersFullError("injected LMDB failure")
-        return real(table, ids, out)
+        return real(table, ids, out, places)
 
     monkeypatch.setattr(store._backend, "get_rows", get_rows)
 
@@ -264,10 +264,10 @@ def test_cold_reads_spread_over_the_pool(tmp_path, monkeypatch):
         names = set()
         real = s._backend.get_rows  # latency injection: each LMDB read takes 10 ms
 
-        def get_rows(table, ids, out):
+        def get_rows(table, ids, out, places=None):
             names.add(threading.current_thread().name)
             time.sleep(0.01)
-            return real(table, ids, out)
+            return real(table, ids, out, places)
 
         monkeypatch.setattr(s._backend, "get_rows", get_rows)
         s.prefetch("t", np.arange(4_000)).wait()
@@ -281,9 +281,9 @@ def test_prefetch_threads_wait_while_the_trainer_is_in_the_store(tmp_path, monke
         held = threading.Event()
         real = s._backend.get_rows  # notes each LMDB read's moment: during the injected hold below or not
 
-        def get_rows(table, ids, out):
+        def get_rows(table, ids, out, places=None):
             reads_while_held.append(held.is_set())
-            return real(table, ids, out)
+            return real(table, ids, out, places)
 
         monkeypatch.setattr(s._backend, "get_rows", get_rows)
         with s._lock:  # latency injection: the store held for 0.2 s, as a trainer's read or write holds it
@@ -466,7 +466,7 @@ def test_reading_threads_take_rows_in_chunks_of_about_half_a_millisecond(tmp_pat
     try:
         backend.open_table("t", 2)
         real = backend.get_rows
-        monkeypatch.setattr(backend, "get_rows", lambda table, ids, out: (calls.append(len(ids)), real(table, ids, out))[1])
+        monkeypatch.setattr(backend, "get_rows", lambda table, ids, out, places=None: (calls.append(len(ids)), real(table, ids, out, places))[1])
         done = threading.Event()
         ids = np.arange(0, 9_000, 3)
         with ThreadPoolExecutor(1) as pool:
@@ -488,7 +488,7 @@ def test_reading_threads_that_do_not_pause_read_a_part_in_one_call(tmp_path, mon
     try:
         backend.open_table("t", 2)
         real = backend.get_rows
-        monkeypatch.setattr(backend, "get_rows", lambda table, ids, out: (calls.append(len(ids)), real(table, ids, out))[1])
+        monkeypatch.setattr(backend, "get_rows", lambda table, ids, out, places=None: (calls.append(len(ids)), real(table, ids, out, places))[1])
         got = []
         done = threading.Event()
         with ThreadPoolExecutor(3) as pool:
@@ -532,10 +532,10 @@ def test_rows_are_read_ahead_only_while_lmdb_is_slow_and_train_the_same_either_w
         emb = tierstore.TieredEmbeddingBag(5000, 4, mode="sum", store=store, table="t", optimizer=tierstore.optim.SGD(lr=0.1))
         real = emb.store._backend.get_rows  # latency injection: 1 ms a row while slow[0]
 
-        def get_rows(table, ids, out, real=real):
+        def get_rows(table, ids, out, places=None, real=real):
             if slow[0]:
                 time.sleep(len(ids) * 1e-3)
-            return real(table, ids, out)
+            return real(table, ids, out, places)
 
         monkeypatch.setattr(emb.store._backend, "get_rows", get_rows)
         loader = iter(LookaheadLoader(data, emb, depth=depth))
@@ -570,11 +570,11 @@ def test_a_fresh_store_times_a_read_of_the_first_batch_before_reading_ahead(tmp_
         s.flush()
         real, calls = s._backend.get_rows, []  # latency injection (200 us a row if slow); notes each read's thread
 
-        def get_rows(table, ids, out):
+        def get_rows(table, ids, out, places=None):
             calls.append((threading.current_thread() is threading.main_thread(), len(ids)))
             if slow:
                 time.sleep(len(ids) * 200e-6)
-            return real(table, ids, out)
+            return real(table, ids, out, places)
 
         monkeypatch.setattr(s._backend, "get_rows", get_rows)
         s.prefetch("t", np.arange(0, 5000, 3)).wait()

@@ -71,21 +71,32 @@ class LogAgainstModel(RuleBasedStateMachine):
         self.reader = None  # a readonly log backend of its own index, read only now and then
         self.version = 0
         self.old_index = None  # the bytes of an index saved earlier
+        self.places: dict[int, int] = {}  # where a read found each id (get_rows's places), stale or not by now
 
     def teardown(self):
         for b in [*self.writers.values(), self.reader]:
             if b is not None:
                 b.close()
 
-    @rule(ids=ids_st, step=st.integers(0, 20))
-    def put(self, ids, step):
+    @rule(ids=ids_st, step=st.integers(0, 20), hinted=st.booleans())
+    def put(self, ids, step, hinted):
+        """``hinted``: with the places reads found (read_places), which writes, collections,
+        deletes and reopens may have made stale since: the live counts stay right."""
         self.version += 1
         rows = np.array([[i, self.version, step] for i in ids], dtype=np.float32)
         steps = np.full(len(ids), step, dtype=np.int64)
+        places = {"t": np.array([self.places.get(i, -1) for i in ids], dtype=np.int64)} if hinted else None
         for b in self.writers.values():
-            b.put_rows([("t", np.array(ids), rows)], last_use={"t": steps})
+            b.put_rows([("t", np.array(ids), rows)], last_use={"t": steps}, places=places)
         for i, r in zip(ids, rows):
             self.model[i] = (r, step)
+
+    @rule(ids=ids_st)
+    def read_places(self, ids):
+        places = np.zeros(len(ids), dtype=np.int64)
+        found = self.writers["log"].get_rows("t", np.array(ids), places=places)[1]
+        assert ((places >= 0) == found).all()
+        self.places.update(zip(ids, places.tolist()))
 
     @rule(ids=ids_st)
     def delete(self, ids):
@@ -201,6 +212,7 @@ class PublishedLogAgainstModel(LogAgainstModel):
         self.reader = None
         self.version = 0
         self.old_index = None
+        self.places = {}
 
     INDEX_LIMIT = None
     INDEX_HOLD = 0
@@ -591,3 +603,24 @@ def test_live_slots_of_several_segments_at_once(tmp_path):
     loaded = rowlog.RowLog(RowCodec(DIM), N, last_use=False)
     assert rowlog.load_index(tmp_path / "index.bin", loaded, "token") is not None
     assert loaded.live_of([1, 2, 4, 5]).tolist() == want
+
+
+def test_a_write_given_the_places_a_read_found_asks_the_index_only_where_they_went_stale(tmp_path, monkeypatch):
+    """put_rows with get_rows's places: the rows whose place is still theirs are released
+    there; those written since (a stale place) are looked up. Bookkeeping as without places."""
+    b = open_backend(tmp_path / "s", "log")
+    ids = np.arange(16)
+    b.put_rows([("t", ids, np.ones((16, DIM), dtype=np.float32))], last_use={"t": np.zeros(16, dtype=np.int64)})
+    places = np.zeros(16, dtype=np.int64)
+    assert b.get_rows("t", ids, places=places)[1].all() and (places >= 0).all()
+    log = b._logs["t"]
+    monkeypatch.setattr(type(b), "_collect", lambda *a: None)  # a collection would move rows: kept apart here
+    b.put_rows([("t", ids[:4], np.full((4, DIM), 2, dtype=np.float32))], last_use={"t": np.ones(4, dtype=np.int64)})
+    asked = []
+    get = log.index.get
+    monkeypatch.setattr(log.index, "get", lambda q, *a: asked.append(np.array(q)) or get(q, *a))
+    b.put_rows([("t", ids, np.full((16, DIM), 3, dtype=np.float32))], last_use={"t": np.full(16, 2)}, places={"t": places})
+    assert np.concatenate(asked).tolist() == [0, 1, 2, 3]
+    live_counts_match_the_index(b)
+    assert b.get_rows("t", ids)[0].tolist() == [[3.0] * DIM] * 16
+    b.close()

@@ -360,7 +360,7 @@ def test_a_failed_fetch_with_its_plan_aside_leaves_the_store_as_it_was(tmp_path,
         before = _state(s)
         real = s._backend.get_rows  # fault injection: LMDB reads fail
 
-        def failing(table, ids, out=None):
+        def failing(table, ids, out=None, places=None):
             time.sleep(0.05)  # the plan finishes first, while the read is still going
             raise OSError("injected read failure")
 

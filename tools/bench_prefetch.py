@@ -89,9 +89,9 @@ def _model(path, ddr_rows: int, latency_us: float, workers: int, copy_of: str | 
     if latency_us:  # injected latency: a mock of LMDB's reads, as the tests inject faults (no public hook: LMDB stays in io/)
         real = emb.store._backend.get_rows
 
-        def slow_get_rows(table, ids, out):  # a disk that serves a row every latency_us per thread
+        def slow_get_rows(table, ids, out, places=None):  # a disk that serves a row every latency_us per thread
             time.sleep(len(ids) * latency_us * 1e-6)
-            return real(table, ids, out)
+            return real(table, ids, out, places)
 
         emb.store._backend.get_rows = slow_get_rows
     return emb

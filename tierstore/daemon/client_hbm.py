@@ -58,12 +58,13 @@ class DaemonRows:
     def __init__(self, client: DaemonStore):
         self._client = client
 
-    def fetch(self, table: TableStore, ids: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor:
+    def fetch(self, table: TableStore, ids: torch.Tensor, out: np.ndarray | None = None,
+              places: np.ndarray | None = None) -> torch.Tensor:  # the daemon keeps where rows are
         spec = table.spec
         rows = torch.empty((len(ids), spec.width), dtype=torch.float32) if out is None else torch.from_numpy(out)
         return self._client._daemon_read(spec.name, ids.numpy(), spec.width, True, rows)
 
-    def write_back(self, table: TableStore, ids: np.ndarray, rows: np.ndarray) -> None:
+    def write_back(self, table: TableStore, ids: np.ndarray, rows: np.ndarray, places: np.ndarray | None = None) -> None:
         self._client._daemon_write(table.spec.name, ids, rows, True)
 
     def write(self, table: TableStore, ids: torch.Tensor, values: torch.Tensor, cols: int) -> None:
@@ -115,6 +116,7 @@ class ClientHbm:
             H = t.hbm
             dirty = H.dirty_slots()
             if len(dirty):
-                self._daemon_write(table, *H.rows_by_id(dirty), True)
+                ids, rows, _ = H.rows_by_id(dirty)  # the daemon keeps where rows are
+                self._daemon_write(table, ids, rows, True)
                 H.dirty[dirty] = False
                 t.counters.hbm.writebacks += len(dirty)

@@ -42,8 +42,8 @@ DEFAULT_STAGED_ROWS = 65536
 # a tier's per-slot working buffers beside its tensors: the two rank arrays eviction
 # fills (tierstore.engine.step.StepPlanner, kept per tier between steps) and prefetch's next-use array (Prefetcher.next_use)
 WORK_BYTES_PER_SLOT = 24
-# a queued row beside its values: id, pool slot, sequence number, last-use step (tierstore.io.writeback)
-QUEUE_BYTES_PER_ROW = 32
+# a queued row beside its values: id, pool slot, sequence number, last-use step, where LMDB had it (tierstore.io.writeback)
+QUEUE_BYTES_PER_ROW = 40
 _UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as 9223372036854771712
 
 Sizes = int | Mapping[str, int]
@@ -103,9 +103,9 @@ def _index_bytes(spec: TableSpec, rows: int) -> int:
 
 def slot_bytes(spec: TableSpec) -> int:
     """A tier slot's tensors (tierstore.engine.tiers.CacheTier: weights in the table's dtype,
-    float32 state, int64 id, use clock, step count and free-list entry, a dirty byte)
-    and its working buffers; its index entry is apart (_index_bytes)."""
-    return spec.dim * DTYPES[spec.dtype].itemsize + 4 * spec.state_dim + 4 * 8 + 1 + WORK_BYTES_PER_SLOT
+    float32 state, int64 id, use clock, step count, free-list entry and where LMDB had its row,
+    a dirty byte) and its working buffers; its index entry is apart (_index_bytes)."""
+    return spec.dim * DTYPES[spec.dtype].itemsize + 4 * spec.state_dim + 5 * 8 + 1 + WORK_BYTES_PER_SLOT
 
 
 def tier_bytes(spec: TableSpec, rows: int) -> int:

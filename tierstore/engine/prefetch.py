@@ -307,7 +307,7 @@ class Prefetcher:
         read_rows_async(
             self._uses.backend, table, fetch, t.spec.width, self._executor,
             self._parts(len(fetch), batches_ahead=len(self._outstanding[table]) - 1),
-            lambda rows, found, err, seconds: self._land(ticket, fetch, rows, found, err, seconds),
+            lambda rows, found, err, seconds, places: self._land(ticket, fetch, rows, found, places, err, seconds),
             None if self._uses.backend.reads_directly else self._yield_to_store,
             chunk=chunk_rows(self._row_seconds),
         )
@@ -337,7 +337,8 @@ class Prefetcher:
         with self._uses.lock:
             pass
 
-    def _land(self, ticket: PrefetchTicket, ids: np.ndarray, rows: np.ndarray, found: np.ndarray, error, seconds: float) -> None:
+    def _land(self, ticket: PrefetchTicket, ids: np.ndarray, rows: np.ndarray, found: np.ndarray, places: np.ndarray,
+              error, seconds: float) -> None:
         """Worker thread: install fetched rows under the store lock."""
         with self._uses.lock:
             if error is None:
@@ -351,7 +352,7 @@ class Prefetcher:
                 if error is not None:
                     raise error
                 if store_t is not None and not ticket._released:  # else: closing, or the batch is done
-                    self._stage(store_t, ticket, ids, rows, found, began)
+                    self._stage(store_t, ticket, ids, rows, found, places, began)
             except BaseException as e:
                 self._undelivered.setdefault(table, []).append(ticket)
                 error = e
@@ -362,7 +363,7 @@ class Prefetcher:
                 ticket._finish(error)
                 self._idle.notify_all()
 
-    def _stage(self, store_t, ticket: PrefetchTicket, ids, rows, found, began: int) -> None:
+    def _stage(self, store_t, ticket: PrefetchTicket, ids, rows, found, places, began: int) -> None:
         c = store_t.counters
         store_t.fill_unwritten(ids, rows, found)
         # a row queued for LMDB before the fetch began was staged from the queue, not
@@ -373,22 +374,23 @@ class Prefetcher:
             if tier is not None:
                 keep &= (tier.lookup(ids_t).cpu() < 0).numpy()
         c.prefetch.dropped_rows += len(ids) - int(keep.sum())
-        self._add_staged(store_t, ticket.table, ids[keep], rows[keep], ticket.step)
+        self._add_staged(store_t, ticket.table, ids[keep], rows[keep], ticket.step, places[keep])
 
-    def _add_staged(self, store_t, table: str, ids: np.ndarray, rows: np.ndarray, step: int) -> None:
-        """Stage rows, pinned until announced step ``step`` is done."""
+    def _add_staged(self, store_t, table: str, ids: np.ndarray, rows: np.ndarray, step: int,
+                    places: np.ndarray | None = None) -> None:
+        """Stage rows, pinned until announced step ``step`` is done; ``places``: where LMDB had them."""
         staging = self._staged[table]
         n = len(ids)
         slots = staging.add(torch.from_numpy(ids), torch.from_numpy(rows), torch.full((n,), step),
-                            torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.bool))
+                            torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.bool), places)
         self._pin(table, step, slots)
         store_t.counters.prefetch.issued_rows += n
         store_t.counters.prefetch.staged_rows = staging.resident
 
     # -- the store's hooks -----------------------------------------------------------
-    def take(self, table: str, ids: torch.Tensor, out: torch.Tensor) -> np.ndarray:
-        """Move the staged rows of ids out of staging into their rows of ``out``;
-        returns the mask of those found."""
+    def take(self, table: str, ids: torch.Tensor, out: torch.Tensor, places: np.ndarray | None = None) -> np.ndarray:
+        """Move the staged rows of ids out of staging into their rows of ``out`` (and where
+        LMDB had them into ``places``); returns the mask of those found."""
         staging = self._staged.get(table)
         if staging is None or staging.resident == 0:
             return np.zeros(len(ids), dtype=bool)
@@ -399,6 +401,8 @@ class Prefetcher:
         else:
             slots = slots[found]
             out[found] = staging.gather(slots)
+        if places is not None:
+            places[found.numpy()] = staging.places_at(slots)
         staging.remove(slots)
         c = self._uses.tables[table].counters.prefetch
         c.served_rows += int(found.sum())

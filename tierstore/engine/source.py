@@ -34,15 +34,17 @@ if TYPE_CHECKING:
 class RowSource(Protocol):
     """Where a table's rows are when none of its tiers holds them. Called with the store's lock held."""
 
-    def fetch(self, table: TableStore, ids: torch.Tensor, out: np.ndarray | None) -> torch.Tensor:
+    def fetch(self, table: TableStore, ids: torch.Tensor, out: np.ndarray | None,
+              places: np.ndarray | None = None) -> torch.Tensor:
         """The rows, with state, of sorted unique ``ids`` (CPU) that no tier of ``table`` holds:
         float32 [len(ids), width] on the CPU, in ``out`` when given; a row never written has
-        its initial values."""
+        its initial values. ``places`` (int64, -1s): set, where the source knows it, to where
+        its storage found a row (RowBackend.get_rows), for write_back."""
         ...
 
-    def write_back(self, table: TableStore, ids: np.ndarray, rows: np.ndarray) -> None:
+    def write_back(self, table: TableStore, ids: np.ndarray, rows: np.ndarray, places: np.ndarray | None = None) -> None:
         """Dirty rows (with state, sorted unique ids) leaving the table's tiers: what
-        ``fetch`` gives for them from now on."""
+        ``fetch`` gives for them from now on. ``places``: what fetch set for them (-1: none)."""
         ...
 
     def write(self, table: TableStore, ids: torch.Tensor, values: torch.Tensor, cols: int) -> None:
@@ -59,11 +61,12 @@ class BackendRows:
     writeback: WriteBack  # every LMDB row write goes through it: queue_write
     prefetcher: Prefetch | None = None
 
-    def fetch(self, table: TableStore, ids: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor:
+    def fetch(self, table: TableStore, ids: torch.Tensor, out: np.ndarray | None = None,
+              places: np.ndarray | None = None) -> torch.Tensor:
         name = table.spec.name
         ids_np = ids.numpy()
         rows = np.empty((len(ids_np), table.spec.width), dtype=np.float32) if out is None else out
-        cold = ~self.prefetcher.take(name, ids, torch.from_numpy(rows))  # staged rows are the newest
+        cold = ~self.prefetcher.take(name, ids, torch.from_numpy(rows), places)  # staged rows are the newest
         if cold.any():
             where = np.flatnonzero(cold)
             queued, queued_rows = self.writeback.lookup(name, ids_np[where])
@@ -74,16 +77,19 @@ class BackendRows:
         if len(cold_ids):
             mark = time.perf_counter()
             all_cold = len(cold_ids) == len(ids_np)
-            cold_rows = table.fill_unwritten(cold_ids, *self.backend.get_rows(name, cold_ids, rows if all_cold else None))
+            found = np.full(len(cold_ids), -1, dtype=np.int64) if places is not None else None
+            cold_rows = table.fill_unwritten(cold_ids, *self.backend.get_rows(name, cold_ids, rows if all_cold else None, found))
             seconds = time.perf_counter() - mark
             table.counters.latency.observe("ssd_read", seconds)
             self.prefetcher.read_time(len(cold_ids), seconds)
             if not all_cold:
                 rows[cold] = cold_rows
+            if places is not None:
+                places[cold] = found
         return torch.from_numpy(rows)
 
-    def write_back(self, table: TableStore, ids: np.ndarray, rows: np.ndarray) -> None:
-        self.queue_write([(table, ids, rows)])
+    def write_back(self, table: TableStore, ids: np.ndarray, rows: np.ndarray, places: np.ndarray | None = None) -> None:
+        self.queue_write([(table, ids, rows, places)])
 
     def write(self, table: TableStore, ids: torch.Tensor, values: torch.Tensor, cols: int) -> None:
         # straight to LMDB (durable at the next flush); without state, each row's is kept
@@ -92,13 +98,16 @@ class BackendRows:
         else:
             rows = table.fetch(ids)
             rows[:, :cols] = values
-        self.queue_write([(table, ids.numpy(), rows.numpy())])
+        self.queue_write([(table, ids.numpy(), rows.numpy(), None)])
 
-    def queue_write(self, batches: Sequence[tuple[TableStore, np.ndarray, np.ndarray]], meta: dict | None = None) -> None:
+    def queue_write(self, batches: Sequence[tuple[TableStore, np.ndarray, np.ndarray, np.ndarray | None]],
+                    meta: dict | None = None) -> None:
         """Every LMDB row write starts here, and is counted here: counts do not
-        depend on when the writer thread commits."""
-        last = {t.spec.name: t.last_use_to_store(ids) for t, ids, _ in batches if t.life.ttl_steps is not None}
-        self.writeback.submit([(t.spec.name, ids, rows) for t, ids, rows in batches], meta, last)
-        for t, ids, _ in batches:
+        depend on when the writer thread commits. A batch: (table, sorted unique ids, rows,
+        where the backend found them or None)."""
+        last = {t.spec.name: t.last_use_to_store(ids) for t, ids, *_ in batches if t.life.ttl_steps is not None}
+        places = {t.spec.name: where for t, _, _, where in batches if where is not None}
+        self.writeback.submit([(t.spec.name, ids, rows) for t, ids, rows, _ in batches], meta, last, places)
+        for t, ids, *_ in batches:
             t.counters.ssd.count_writes(len(ids), t.spec.row_bytes)
             self.prefetcher.written(t.spec.name, ids)  # staged copies are older now

@@ -59,7 +59,7 @@ _HOLD_CHUNK = 1 << 16  # rows hold_resident brings up per step
 class Prefetch(Protocol):
     """What a table asks of the store's prefetcher (tierstore.engine.prefetch.Prefetcher)."""
 
-    def take(self, table: str, ids: torch.Tensor, out: torch.Tensor) -> np.ndarray: ...
+    def take(self, table: str, ids: torch.Tensor, out: torch.Tensor, places: np.ndarray | None = None) -> np.ndarray: ...
     def written(self, table: str, ids: np.ndarray) -> None: ...
     def consumed(self, table: str, ids: torch.Tensor, sorted_unique: bool = False) -> None: ...
     def in_window(self, table: str, ids: np.ndarray) -> np.ndarray | None: ...
@@ -71,7 +71,7 @@ class _NoPrefetch:
     """The Prefetch of a store with no prefetcher of its own (a daemon client: its
     hints go to the daemon): nothing staged, no window."""
 
-    def take(self, table: str, ids: torch.Tensor, out: torch.Tensor) -> np.ndarray:
+    def take(self, table: str, ids: torch.Tensor, out: torch.Tensor, places: np.ndarray | None = None) -> np.ndarray:
         return np.zeros(len(ids), dtype=bool)
 
     def written(self, table: str, ids: np.ndarray) -> None:
@@ -275,7 +275,8 @@ class TableStore(LivedRows):
             return self._access_one_tier(H or D, uid, use_clock, slot_h, slot_d)
 
         miss = nonzero(~in_h & ~in_d)
-        plan, fetched = self._fetch_while_planning(uid[miss], lambda: self._plan(use_clock, slot_h, slot_d, refresh))
+        plan, fetched, fetched_at = self._fetch_while_planning(uid[miss], lambda: self._plan(use_clock, slot_h, slot_d, refresh))
+        places = _places(n, miss, fetched_at, (H, slot_h, in_h), (D, slot_d, in_d))
         dev = H.device if H else torch.device("cpu")
         fetched = self._up(fetched, dev)
         if len(miss) == n:  # all cold: the fetched rows are the call's rows, in uid order
@@ -287,7 +288,7 @@ class TableStore(LivedRows):
                     at = nonzero(inside)
                     rows.index_copy_(0, at.to(dev), self._up(tier.gather(slot.index_select(0, at).to(tier.device)), dev))
             rows.index_copy_(0, miss.to(dev), fetched)
-        n_wb = self._write_back(plan, uid, rows)
+        n_wb = self._write_back(plan, uid, rows, places)
 
         # -- commit the plan (in memory only; cannot fail half-way) --
         self._shared.await_gathers()
@@ -295,15 +296,16 @@ class TableStore(LivedRows):
         if H:
             kept_down = torch.from_numpy(np.flatnonzero(down.kept))
             down_rows = H.gather(torch.from_numpy(down.slots).index_select(0, kept_down).to(H.device)).cpu() if D else None
-            H.commit(plan.hbm, plan, uid, _rows_at(rows, plan.hbm.entering()))
+            down_places = H.places_at(down.slots[kept_down.numpy()])
+            H.commit(plan.hbm, plan, uid, _rows_at(rows, plan.hbm.entering()), places)
             c.hbm.evictions += plan.hbm.evictions
         if D:
-            D.commit(plan.ddr, plan, uid, _rows_at(rows, plan.ddr.entering()).cpu())
+            D.commit(plan.ddr, plan, uid, _rows_at(rows, plan.ddr.entering()).cpu(), places)
             c.ddr.evictions += plan.ddr.evictions
             if H and len(kept_down):
                 ids, last, freq, dirty = (torch.from_numpy(a).index_select(0, kept_down)
                                           for a in (down.ids, down.last, down.freq, down.dirty))
-                D.add(ids, down_rows, last, freq, dirty)
+                D.add(ids, down_rows, last, freq, dirty, down_places)
             c.ddr.writebacks += n_wb
         elif H:
             c.hbm.writebacks += n_wb
@@ -318,14 +320,14 @@ class TableStore(LivedRows):
         c = self.counters.hbm if T is self.hbm else self.counters.ddr
         slot = slot_h if T is self.hbm else slot_d
         miss = nonzero(slot < 0)
-        plan, fetched = self._fetch_while_planning(uid[miss], lambda: self._plan(use_clock, slot_h, slot_d))
+        plan, fetched, fetched_at = self._fetch_while_planning(uid[miss], lambda: self._plan(use_clock, slot_h, slot_d))
         level = plan.hbm if T is self.hbm else plan.ddr
         fetched = self._up(fetched, T.device)
         n_wb = self._write_back(plan, uid, None)
 
         # -- commit (in memory only; cannot fail half-way) --
         self._shared.await_gathers()
-        added = T.commit(level, plan, uid, fetched)
+        added = T.commit(level, plan, uid, fetched, _places(len(uid), miss, fetched_at))
         c.evictions += level.evictions
         c.writebacks += n_wb
         if len(miss) == len(uid):  # all cold: the fetched rows are contiguous, faster to gather from
@@ -342,18 +344,19 @@ class TableStore(LivedRows):
             return up(rows)
         return rows.to(device)
 
-    def _fetch_while_planning(self, ids: torch.Tensor, plan: Callable[[], StepPlan]) -> tuple[StepPlan, torch.Tensor]:
-        """``plan()`` and the rows of ids not cached. A plan needs no fetched row:
-        for a long fetch it is made on a helper thread while this one reads LMDB
-        (both release the GIL in their C calls)."""
+    def _fetch_while_planning(self, ids: torch.Tensor, plan: Callable[[], StepPlan]) -> tuple[StepPlan, torch.Tensor, np.ndarray]:
+        """``plan()``, the rows of ids not cached and where LMDB had them (RowSource.fetch's
+        places). A plan needs no fetched row: for a long fetch it is made on a helper thread
+        while this one reads LMDB (both release the GIL in their C calls)."""
+        places = np.full(len(ids), -1, dtype=np.int64)
         if len(ids) < _PLAN_ASIDE_ROWS:
-            return plan(), self.fetch(ids, self.scratch(len(ids)))
+            return plan(), self.fetch(ids, self.scratch(len(ids)), places), places
         planned = self._shared.plan_pool().submit(plan)
         try:
-            fetched = self.fetch(ids, self.scratch(len(ids)))
+            fetched = self.fetch(ids, self.scratch(len(ids)), places)
         finally:
             futures.wait([planned])  # never leave it reading tiers that a later call changes
-        return planned.result(), fetched
+        return planned.result(), fetched, places
 
     def _plan(self, use_clock: torch.Tensor, slot_h: torch.Tensor, slot_d: torch.Tensor,
               refresh: torch.Tensor | None = None) -> StepPlan:
@@ -390,23 +393,24 @@ class TableStore(LivedRows):
                                    f"({top.capacity}); give the tier more rows or use smaller batches")
         return hit, self.in_flight.pin(hit.slots)
 
-    def _write_back(self, plan: StepPlan, uid: torch.Tensor, rows: torch.Tensor | None) -> int:
+    def _write_back(self, plan: StepPlan, uid: torch.Tensor, rows: torch.Tensor | None, places: np.ndarray | None = None) -> int:
         """Queue the plan's dirty rows leaving the cache for LMDB, before anything changes:
-        call rows from the step's ``rows`` (None when no call row leaves), the others from
-        their tiers. Returns how many."""
+        call rows from the step's ``rows`` (None when no call row leaves; ``places``: where
+        LMDB had the call's rows), the others from their tiers. Returns how many."""
         wb = plan.write_back
         if not len(wb):
             return 0
         taken = [(tier, torch.from_numpy(slots).to(tier.device)) for tier, slots in ((self.hbm, wb.hbm), (self.ddr, wb.ddr)) if len(slots)]
         at = torch.from_numpy(wb.call)
-        called = (uid.index_select(0, at), rows.index_select(0, at.to(rows.device)).cpu()) if len(at) else None
+        called = (uid.index_select(0, at), rows.index_select(0, at.to(rows.device)).cpu(), places[wb.call]) if len(at) else None
         self._queue_write_back(*_rows_by_id(taken, called))
         return len(wb)
 
-    def fetch(self, ids: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor:
+    def fetch(self, ids: torch.Tensor, out: np.ndarray | None = None, places: np.ndarray | None = None) -> torch.Tensor:
         """Rows of ids (sorted) not in any tier, from the table's source (tierstore.engine.source),
-        rows idle too long as initial (TTL). Into ``out`` when given."""
-        rows = self._shared.source.fetch(self, ids, out)
+        rows idle too long as initial (TTL). Into ``out`` when given; where LMDB had them into
+        ``places`` (-1s) when given."""
+        rows = self._shared.source.fetch(self, ids, out, places)
         if self.life.resets:
             self._expire_fetched(ids.numpy(), rows.numpy())
         return rows
@@ -418,11 +422,11 @@ class TableStore(LivedRows):
         self.counters.ssd.count_reads(len(ids), int(found.sum()), self.spec.row_bytes)
         return rows
 
-    def _queue_write_back(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Hand dirty rows leaving the cache (sorted by id) to the table's source."""
+    def _queue_write_back(self, ids: np.ndarray, rows: np.ndarray, places: np.ndarray) -> None:
+        """Hand dirty rows leaving the cache (sorted by id), and where LMDB had them, to the table's source."""
         if len(ids):
             mark = time.perf_counter()
-            self._shared.source.write_back(self, ids, rows)
+            self._shared.source.write_back(self, ids, rows, places)
             self.counters.latency.observe("writeback", time.perf_counter() - mark)
 
     # -- calls that are not a step -----------------------------------------------------------
@@ -488,9 +492,10 @@ class TableStore(LivedRows):
         self.counters.life.evicted += deleted
         return deleted
 
-    def take_dirty(self, limit: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
-        """The dirty rows of both tiers by id (``limit`` of them at most), marked clean: the
-        caller queues them for LMDB, and the queue holds their values until committed. None if none."""
+    def take_dirty(self, limit: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The dirty rows of both tiers by id (``limit`` of them at most), and where LMDB had them,
+        marked clean: the caller queues them for LMDB, and the queue holds their values until
+        committed. None if none."""
         taken = []
         for tier in (self.hbm, self.ddr):
             if tier is None:
@@ -537,16 +542,30 @@ class TableStore(LivedRows):
         return True
 
 
+def _places(n: int, miss: torch.Tensor, fetched: np.ndarray, *held: tuple[CacheTier | None, torch.Tensor, torch.Tensor]) -> np.ndarray:
+    """Where LMDB had each of a step's ``n`` rows (-1: not known): ``fetched``'s for the rows
+    at ``miss``, and each (tier, slots, mask of the rows in it)'s for those it holds."""
+    places = np.full(n, -1, dtype=np.int64)
+    places[miss.numpy()] = fetched
+    for tier, slots, inside in held:
+        if tier is not None and tier.places is not None and bool(inside.any()):
+            at = inside.numpy()
+            places[at] = tier.places_at(slots.numpy()[at])
+    return places
+
+
 def _rows_by_id(taken: list[tuple[CacheTier, torch.Tensor]],
-                called: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The rows at each tier's slots, and ``called`` ((ids, rows) on the host: a step's rows no
-    tier keeps), as LMDB takes them (host numpy, sorted by id). One tier's alone are gathered
+                called: tuple[torch.Tensor, torch.Tensor, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows at each tier's slots, and ``called`` ((ids, rows, places) on the host: a step's rows
+    no tier keeps), as LMDB takes them (host numpy, sorted by id), with where LMDB had them. One tier's alone are gathered
     once, in id order, where a gather, a concatenation and a sort copied them three times: the
     trainer's thread took 66-68 ms of CPU a bench-scale DLRM step against 72-78 (13.7k 256-byte
     rows evicted a step), and a flush held its chunk (a quarter of the write-back queue) three
     times over."""
     if len(taken) == 1 and called is None:
         return taken[0][0].rows_by_id(taken[0][1])
-    ids, rows = ([called[0]], [called[1]]) if called is not None else ([], [])
-    return by_id(torch.cat(ids + [tier.ids.index_select(0, s).cpu() for tier, s in taken]),
-                 torch.cat(rows + [tier.gather(s).cpu() for tier, s in taken]))
+    ids, rows, places = ([called[0]], [called[1]], [called[2]]) if called is not None else ([], [], [])
+    ids = torch.cat(ids + [tier.ids.index_select(0, s).cpu() for tier, s in taken])
+    order = torch.argsort(ids)
+    places = np.concatenate(places + [tier.places_at(s.cpu()) for tier, s in taken])[order.numpy()]
+    return (*by_id(ids, torch.cat(rows + [tier.gather(s).cpu() for tier, s in taken]), order), places)

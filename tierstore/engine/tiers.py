@@ -42,6 +42,11 @@ class CacheTier:
         self.last = torch.full((capacity,), UNUSED, dtype=torch.int64, device=device)
         self.freq = torch.full((capacity,), UNUSED, dtype=torch.int64, device=device)
         self.dirty = torch.zeros(capacity, dtype=torch.bool, device=device)
+        # where the backend found each row (RowBackend.get_rows's places, -1: not known), handed
+        # back when the row is written: the store's index is then not asked where it was (a page
+        # of a mapped index read a row, out of core). Host tiers only: a row through a GPU tier
+        # forgets it, and its write asks the index.
+        self.places = np.full(capacity, -1, dtype=np.int64) if device.type == "cpu" else None
         self._free = torch.arange(capacity - 1, -1, -1, dtype=torch.int64, device=device)
         self._nfree = capacity
 
@@ -75,17 +80,26 @@ class CacheTier:
         s = torch.from_numpy(slots).to(self.device)
         return [getattr(self, name).index_select(0, s).cpu().numpy() for name in names]
 
-    def commit(self, level: LevelPlan, plan: StepPlan, uid: torch.Tensor, entering: torch.Tensor) -> torch.Tensor:
+    def commit(self, level: LevelPlan, plan: StepPlan, uid: torch.Tensor, entering: torch.Tensor,
+               places: np.ndarray | None = None) -> torch.Tensor:
         """Carry out this tier's part of a planned step of the unique ids ``uid`` (on the
         CPU): the rows leaving it go, the call rows it keeps are used, and ``entering``,
-        the rows of level.entering() in uid order, come in. Returns their slots."""
+        the rows of level.entering() in uid order, come in (``places``: theirs, in uid order:
+        places_at). Returns their slots."""
         self.remove(torch.from_numpy(level.leaving()).to(self.device))
         stay = level.staying()
         if len(stay):
             self.touch(torch.from_numpy(level.slot[stay]), torch.from_numpy(plan.clock[stay]), torch.from_numpy(plan.freq[stay]))
         enter = torch.from_numpy(level.entering())
         clock, freq, dirty = (torch.from_numpy(a).index_select(0, enter) for a in (plan.clock, plan.freq, plan.dirty))
-        return self.add(uid.index_select(0, enter), entering, clock, freq, dirty)
+        return self.add(uid.index_select(0, enter), entering, clock, freq, dirty,
+                        None if places is None else places[level.entering()])
+
+    def places_at(self, slots: torch.Tensor | np.ndarray) -> np.ndarray:
+        """Where the backend found the rows at ``slots`` (see places), -1 where not known."""
+        if self.places is None:
+            return np.full(len(slots), -1, dtype=np.int64)
+        return self.places[slots.numpy() if isinstance(slots, torch.Tensor) else slots]
 
     def touch(self, slots: torch.Tensor, use_clock: torch.Tensor, freq: torch.Tensor | None = None) -> None:
         """Resident rows used again: their use clock, and their step count (one more, or ``freq``)."""
@@ -96,11 +110,13 @@ class CacheTier:
         else:
             self.freq.index_copy_(0, s, freq.to(self.device))
 
-    def rows_by_id(self, slots: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """The ids and rows at ``slots`` as LMDB takes them (host numpy, sorted by id), in one gather."""
+    def rows_by_id(self, slots: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The ids and rows at ``slots`` as LMDB takes them (host numpy, sorted by id), in one
+        gather, and where LMDB had them (places_at)."""
         ids = self.ids.index_select(0, slots)
         order = torch.argsort(ids)
-        return ids.index_select(0, order).cpu().numpy(), self.gather(slots.index_select(0, order)).cpu().numpy()
+        slots = slots.index_select(0, order)
+        return ids.index_select(0, order).cpu().numpy(), self.gather(slots).cpu().numpy(), self.places_at(slots.cpu())
 
     def gather(self, slots: torch.Tensor, cols: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows at ``slots`` (on this tier's device): the weights, or with ``cols``
@@ -129,7 +145,8 @@ class CacheTier:
         if cols > self.dim:
             _copy_rows(self.state, slots, rows[:, self.dim : cols])
 
-    def add(self, ids, rows, last, freq, dirty) -> torch.Tensor:
+    def add(self, ids, rows, last, freq, dirty, places: np.ndarray | None = None) -> torch.Tensor:
+        """Rows into free slots, returned; ``places``: where the backend found them (None: not known)."""
         n = len(ids)
         if n > self._nfree:
             raise RuntimeError(f"{self.name} tier: adding {n} rows with {self._nfree} free slots")
@@ -143,6 +160,8 @@ class CacheTier:
         self.last.index_copy_(0, slots, last.to(dev))
         self.freq.index_copy_(0, slots, freq.to(dev))
         self.dirty.index_copy_(0, slots, dirty.to(dev))
+        if self.places is not None:  # every slot taken is set: a hint never outlives its row
+            self.places[slots.numpy()] = -1 if places is None else places
         return slots
 
     def remove(self, slots: torch.Tensor) -> None:
@@ -257,7 +276,7 @@ def last_values(ids: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, 
     return uid, values.index_select(0, last_pos)
 
 
-def by_id(ids: torch.Tensor, rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Rows as LMDB takes them: host numpy, sorted by id."""
-    order = torch.argsort(ids.cpu())
+def by_id(ids: torch.Tensor, rows: torch.Tensor, order: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Rows as LMDB takes them: host numpy, sorted by id (``order``: argsort of ids, where known)."""
+    order = torch.argsort(ids.cpu()) if order is None else order
     return ids.cpu()[order].numpy(), rows.cpu()[order].numpy()
