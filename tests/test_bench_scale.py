@@ -45,6 +45,8 @@ def test_small_run_under_a_memory_cgroup(tmp_path, capsys, quick):
         assert not missing, r
         assert r["rows_read_per_step"] > 0 and r["disk_read_bytes_per_step"] > 0  # a table 10x its budget misses
         assert r["lmdb_floor_s"] > 0  # py-lmdb's gets and puts of the run's rows, in the table's layout
+        # its disk floor from the disk's speed measured as it started
+        assert r["disk_iops_qd32"] > 0 and r["disk_floor_s"] == pytest.approx(r["rows_read_per_step"] / r["disk_iops_qd32"])
     assert res["floors"]["disk"]["iops_qd32"] > 0
     assert res["in_memory"]["dlrm"]["lookups_per_s"] > 0
     assert not (group.path.parent / f"tierstore-bench-scale-{os.getpid()}").exists()  # the run removed its group
@@ -171,6 +173,12 @@ def test_a_runs_floor_is_its_in_memory_step_or_the_rows_no_cache_could_have(tmp_
     r = {"kind": "emb", "mean_s": 0.12, "lookups_per_s": 5e5, "rows_read_per_step": 2000, "rows_written_per_step": 0}
     bench_scale._ratios(r, floors, {"skipped": "--no-in-memory"})
     assert r["floor_s"] is None and r["x_floor"] is None and r["x_in_memory"] is None
+    assert r["disk_floor_s"] == pytest.approx(0.2)
+    # the disk measured as the run started, where it was: the run's floor is that minute's
+    r = {"kind": "emb", "mean_s": 0.12, "lookups_per_s": 5e5, "rows_read_per_step": 2000, "rows_written_per_step": 0,
+         "disk_iops_qd32": 40_000}
+    bench_scale._ratios(r, floors, {"skipped": "--no-in-memory"})
+    assert r["disk_floor_s"] == pytest.approx(0.05) and r["x_disk_floor"] == pytest.approx(2.4)
 
 
 def test_the_log_floor_reads_each_rows_newest_copy_with_lmdb_alone(tmp_path):

@@ -30,19 +30,22 @@ def drop_page_cache(file: Path) -> None:
         os.close(fd)
 
 
-def disk_floor(file: Path, seconds: float) -> dict:
-    """4 KiB random reads per second of ``file``, O_DIRECT, at queue depth 32 and 1."""
+def disk_floor(file: Path, seconds: float, depths: tuple[int, ...] = (32, 1)) -> dict:
+    """4 KiB random reads per second of ``file``, O_DIRECT, at each queue depth of ``depths``
+    (``iops_qd<depth>``), once the writes the system holds are on disk (os.sync: the kernel
+    writing them out meanwhile took reads' time)."""
+    os.sync()
     if shutil.which("fio"):
-        iops = {d: _fio_iops(file, d, seconds) for d in (32, 1)}
-        return {"tool": "fio (libaio, O_DIRECT, 4 KiB random reads)", "file": str(file), "iops_qd32": iops[32], "iops_qd1": iops[1]}
+        return {"tool": "fio (libaio, O_DIRECT, 4 KiB random reads)", "file": str(file),
+                **{f"iops_qd{d}": _fio_iops(file, d, seconds) for d in depths}}
     try:
-        iops = {d: _pread_iops(file, d, seconds) for d in (32, 1)}
+        iops = {f"iops_qd{d}": _pread_iops(file, d, seconds) for d in depths}
     except OSError as e:  # O_DIRECT is refused on some filesystems (tmpfs)
         return {"tool": f"none: fio is not installed and O_DIRECT preads failed ({e.strerror})", "file": str(file),
-                "iops_qd32": None, "iops_qd1": None}
+                **{f"iops_qd{d}": None for d in depths}}
     return {"tool": "fio is not installed (apt-get install -y fio): Python O_DIRECT preads from a thread pool "
-                    "of 32 and 1 threads (a lower bound: the interpreter adds CPU a read)",
-            "file": str(file), "iops_qd32": iops[32], "iops_qd1": iops[1]}
+                    "of as many threads as the depth (a lower bound: the interpreter adds CPU a read)",
+            "file": str(file), **iops}
 
 
 def _fio_iops(file: Path, depth: int, seconds: float) -> float:

@@ -77,7 +77,8 @@ def _print_run(r: dict) -> None:
     vs = "x its in-memory step" if r["kind"] == "dlrm" else "x FBGEMM in memory"
     ratio = lambda x: "" if x is None else f" = {x:.1f}{vs}"  # noqa: E731
     print(f"   mean step {r['mean_s'] * 1e3:.0f} ms{ratio(r['x_in_memory'])}; {_f(r['x_disk_floor'], '.1f')}x the disk "
-          f"floor ({_f(r['disk_floor_s'] and r['disk_floor_s'] * 1e3, '.1f')} ms: rows read / reads/s at depth 32); LMDB floor "
+          f"floor ({_f(r['disk_floor_s'] and r['disk_floor_s'] * 1e3, '.1f')} ms: rows read / {_f(r.get('disk_iops_qd32'), ',.0f')} "
+          f"reads/s at depth 32 as the run started); LMDB floor "
           f"{_f(r['lmdb_floor_s'] and r['lmdb_floor_s'] * 1e3, '.0f')} ms")
     if r.get("first_use_floor_s"):
         print(f"   rows no earlier step used: {r['first_use_rows_per_step']:,.0f} a step, which any cache that opens empty reads "
