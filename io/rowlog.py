@@ -63,7 +63,8 @@ ROWS, TOMBSTONES = 0, 1
 # (the index caches where each segment's slots are in the file)
 MIN_SEGMENT = PAGE // 2
 _STEP = np.dtype("<i8")
-_PLACE_MASK = (1 << 32) - 1  # a place in a hint (RowLog.hints), and the bits of its segment's seq kept there
+_PLACE_MASK = (1 << 32) - 1  # a place in a hint (RowLog.hints)
+_HINT_SEQ = (1 << 31) - 1  # the bits of its segment's seq a hint keeps above the place: a hint is never negative
 _MIN_DEAD = MAX_SLOTS  # dead slots below this never trigger a collection
 MAX_TOMBSTONE_SEGMENTS = 16  # more are merged into one
 _REPLAY_SEGMENTS = 64  # segments a replay applies at once (RowLog.apply)
@@ -386,9 +387,9 @@ class RowLog:
 
     def hints(self, segs: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Where rows were found (places() of them), as hints a later write of the same rows
-        hands back (apply): the place, and the low 32 bits of its segment's sequence number,
+        hands back (apply): the place, and the low 31 bits of its segment's sequence number,
         which tell the segment from a later one that takes its entry (int64, never negative)."""
-        return ((self.seq[segs] & _PLACE_MASK) << 32) | (segs << _SLOT_BITS) | slots
+        return ((self.seq[segs] & _HINT_SEQ) << 32) | (segs << _SLOT_BITS) | slots
 
     def valid_hints(self, hints: np.ndarray) -> np.ndarray:
         """Mask of the ``hints`` (int64, -1 for none) that are still their row's place: the
@@ -399,7 +400,7 @@ class RowLog:
         place = hints & _PLACE_MASK
         segs, slots = place >> _SLOT_BITS, place & (MAX_SLOTS - 1)
         ok = (hints >= 0) & (segs < len(self.seq))
-        ok[ok] = (self.seq[segs[ok]] > 0) & ((self.seq[segs[ok]] & _PLACE_MASK) == hints[ok] >> 32)
+        ok[ok] = (self.seq[segs[ok]] > 0) & ((self.seq[segs[ok]] & _HINT_SEQ) == hints[ok] >> 32)
         ok[ok] = self.bits.live_at(segs[ok], slots[ok])
         return ok
 

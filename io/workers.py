@@ -30,7 +30,8 @@ def read_rows_async(
 ) -> None:
     """Read rows of sorted ``ids`` in ``parts`` tasks of at least ``chunk`` rows; then
     ``on_done(rows, found, error, seconds, places)``, seconds being the time the tasks spent
-    reading, summed, and places where the backend found each row (RowBackend.get_rows). With ``pause``, a task reads ``chunk`` rows a call of the backend and
+    reading, summed, and places where the backend found each row (RowBackend.get_rows).
+    With ``pause``, a task reads ``chunk`` rows a call of the backend and
     calls ``pause()`` before each; with none, it reads its rows in one call (a call costs a
     read transaction and an index lookup: 0.6 ms of CPU each in chunks of 256 rows from
     disk, a quarter of the threads' CPU beside the reads)."""

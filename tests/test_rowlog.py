@@ -624,3 +624,25 @@ def test_a_write_given_the_places_a_read_found_asks_the_index_only_where_they_we
     live_counts_match_the_index(b)
     assert b.get_rows("t", ids)[0].tolist() == [[3.0] * DIM] * 16
     b.close()
+
+
+def test_hints_name_a_slot_of_a_segment_and_go_stale_when_its_row_moves_or_its_entry_is_taken(tmp_path):
+    """RowLog.hints of rows, then valid_hints after their rows were overwritten, or their segment
+    emptied and its entry taken by a later one: never negative (sequence numbers past 2^31 too),
+    valid while the row is there, stale after."""
+    from tierstore.io.codecs import RowCodec
+
+    log = rowlog.RowLog(RowCodec(DIM, 0, "float32"), 100, last_use=False, folder=tmp_path)
+    first = 2**31 + 7  # a hint keeps 31 bits of the sequence number: this one's would make a 32-bit one negative
+    log.apply([(first, rowlog.ROWS, np.arange(4), 0)])
+    segs, slots, found = log.places(np.arange(4))
+    hints = log.hints(segs, slots)
+    assert found.all() and (hints >= 0).all() and log.valid_hints(hints).all()
+    log.apply([(first + 1, rowlog.ROWS, np.arange(2), 0)])  # rows 0 and 1 move
+    assert log.valid_hints(hints).tolist() == [False, False, True, True]
+    log.apply([(first + 2, rowlog.ROWS, np.arange(2, 4), 0)])  # the first segment empties
+    log.forget(first)
+    log.apply([(first + 3, rowlog.ROWS, np.arange(10, 14), 0)])  # and its entry is taken, its slots live again
+    assert int(log.places(np.array([10]))[0][0]) == int(segs[0])
+    assert not log.valid_hints(hints).any()
+    assert not log.valid_hints(np.array([-1])).any()

@@ -77,15 +77,15 @@ class BackendRows:
         if len(cold_ids):
             mark = time.perf_counter()
             all_cold = len(cold_ids) == len(ids_np)
-            found = np.full(len(cold_ids), -1, dtype=np.int64) if places is not None else None
-            cold_rows = table.fill_unwritten(cold_ids, *self.backend.get_rows(name, cold_ids, rows if all_cold else None, found))
+            stored_at = np.full(len(cold_ids), -1, dtype=np.int64) if places is not None else None
+            cold_rows = table.fill_unwritten(cold_ids, *self.backend.get_rows(name, cold_ids, rows if all_cold else None, stored_at))
             seconds = time.perf_counter() - mark
             table.counters.latency.observe("ssd_read", seconds)
             self.prefetcher.read_time(len(cold_ids), seconds)
             if not all_cold:
                 rows[cold] = cold_rows
             if places is not None:
-                places[cold] = found
+                places[cold] = stored_at
         return torch.from_numpy(rows)
 
     def write_back(self, table: TableStore, ids: np.ndarray, rows: np.ndarray, places: np.ndarray | None = None) -> None:
