@@ -16,6 +16,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from .errors import BadRowsError
+
 
 @runtime_checkable
 class RowBackend(Protocol):
@@ -132,3 +134,14 @@ class RowBackend(Protocol):
     @property
     def read_path(self) -> str:
         """How large reads reach the storage, and why (the store's stats)."""
+
+
+def check_places(batches: list[tuple[str, np.ndarray, np.ndarray]], places: dict[str, np.ndarray] | None) -> None:
+    """Refuse, before anything is written, ``places`` that are not one int64 hint a row of their
+    table's batch: found wrong after the commit, they would leave the index behind it."""
+    sizes = {t: len(ids) for t, ids, _ in batches}
+    for t, where in (places or {}).items():
+        where = np.asarray(where)
+        if t not in sizes or where.shape != (sizes[t],) or where.dtype.kind not in "iu":
+            raise BadRowsError(f"places of table {t!r} must be integers, one a row of its batch ({sizes.get(t, 0)} rows; got "
+                               f"shape {where.shape} of {where.dtype}): pass what get_rows filled for those ids, or -1 where none")

@@ -25,6 +25,7 @@ import lmdb
 import numpy as np
 
 from tierstore.io import rowlog
+from tierstore.io.backend import check_places
 from tierstore.io.codecs import RowCodec, encode_keys
 from tierstore.io.errors import (
     BadRowsError, ForeignStoreError, RowIndexDamagedError, StoreLockedError, StoreNotFoundError,
@@ -437,6 +438,7 @@ class LmdbBackend(LogTables, Upkeep, Sketches):
         for t, ids, _ in batches:
             if self.keeps_last_use(t) and t not in last_use and len(ids):
                 raise BadRowsError(f"rows of table {t!r} need their last-use steps (it has ttl_steps)")
+        check_places(batches, places)
         logged = [(t, ids, rows) for t, ids, rows in batches if t in self._logs]
         if logged:
             batches = [b for b in batches if b[0] not in self._logs]

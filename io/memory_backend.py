@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tierstore.io.backend import check_places
 from tierstore.io.codecs import RowCodec, find_sorted, row_norms_sq
 from tierstore.io.errors import (
     BadRowsError, StoreCorruptError, StoreExistsError, StoreLockedError, StoreNotFoundError, StoreReadonlyError)
@@ -139,6 +140,7 @@ class MemoryBackend:
         for name, ids, _ in batches:
             if self.keeps_last_use(name) and name not in last_use and len(ids):
                 raise BadRowsError(f"rows of table {name!r} need their last-use steps (it has ttl_steps)")
+        check_places(batches, places)
         written = 0
         with _LOCK:
             for name, ids, rows in batches:

@@ -120,6 +120,10 @@ def test_places_a_read_gives_are_hints_a_write_may_take_stale_or_not(opened):
     assert found.all()
     np.testing.assert_array_equal(got, newest)
     assert b.table_stats()["t"] == 120 and (b.stored_ids("t") == np.arange(120)).all()
+    for bad in (places[:10], places.astype(np.float64)):  # not a hint a row: refused, nothing written
+        with pytest.raises(TierstoreError, match="places of table 't' must be integers, one a row"):
+            b.put_rows([("t", np.arange(120), rows_of(120, 8, 4))], places={"t": bad})
+    np.testing.assert_array_equal(b.get_rows("t", np.arange(120))[0], newest)
 
 
 def test_the_backend_keeps_its_own_copy_of_written_rows(opened):
