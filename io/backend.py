@@ -68,8 +68,10 @@ class RowBackend(Protocol):
                  last_use: dict[str, np.ndarray] | None = None, places: dict[str, np.ndarray] | None = None) -> int:
         """Write (table, ids, rows) batches, then the metadata records ``meta``; returns the bytes
         written. ``last_use[table]`` (int64 steps) is required for a table that keeps it.
-        ``places[table]``: a hint for each row from get_rows (-1: none), which spares the backend
-        finding where the row was; any hint, stale or not, leaves the rows written the same. A failure
+        ``places[table]``: a hint for each row from this object's get_rows (-1: none), which spares
+        the backend finding where the row was; any such hint, stale or not, leaves the rows written
+        the same (another object's, of a store reopened since, may not: a writer reopened after a
+        crash reuses the sequence numbers of the segments it rolled back). A failure
         may leave some batches written: writing them again rewrites the same values."""
 
     def delete_rows(self, table: str, ids: np.ndarray) -> int:

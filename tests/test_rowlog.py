@@ -72,6 +72,7 @@ class LogAgainstModel(RuleBasedStateMachine):
         self.version = 0
         self.old_index = None  # the bytes of an index saved earlier
         self.places: dict[int, int] = {}  # where a read found each id (get_rows's places), stale or not by now
+        self.places_from = None  # the writer whose reads found them: a hint is its backend's alone
 
     def teardown(self):
         for b in [*self.writers.values(), self.reader]:
@@ -85,7 +86,8 @@ class LogAgainstModel(RuleBasedStateMachine):
         self.version += 1
         rows = np.array([[i, self.version, step] for i in ids], dtype=np.float32)
         steps = np.full(len(ids), step, dtype=np.int64)
-        places = {"t": np.array([self.places.get(i, -1) for i in ids], dtype=np.int64)} if hinted else None
+        known = self.places if self.places_from is self.writers["log"] else {}
+        places = {"t": np.array([known.get(i, -1) for i in ids], dtype=np.int64)} if hinted else None
         for b in self.writers.values():
             b.put_rows([("t", np.array(ids), rows)], last_use={"t": steps}, places=places)
         for i, r in zip(ids, rows):
@@ -96,6 +98,8 @@ class LogAgainstModel(RuleBasedStateMachine):
         places = np.zeros(len(ids), dtype=np.int64)
         found = self.writers["log"].get_rows("t", np.array(ids), places=places)[1]
         assert ((places >= 0) == found).all()
+        if self.places_from is not self.writers["log"]:
+            self.places, self.places_from = {}, self.writers["log"]
         self.places.update(zip(ids, places.tolist()))
 
     @rule(ids=ids_st)
@@ -212,7 +216,7 @@ class PublishedLogAgainstModel(LogAgainstModel):
         self.reader = None
         self.version = 0
         self.old_index = None
-        self.places = {}
+        self.places, self.places_from = {}, None
 
     INDEX_LIMIT = None
     INDEX_HOLD = 0
