@@ -188,22 +188,21 @@ class QueuedRows:
 
     def get_last(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(mask of the sorted ``ids`` queued, last-use steps of the queued ones)."""
-        return self._per_row(ids, 3)
+        return self._per_row(ids, places=False)
 
     def get_places(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(mask of the sorted ``ids`` queued, where the backend found the queued ones)."""
-        return self._per_row(ids, 4)
+        return self._per_row(ids, places=True)
 
-    def _per_row(self, ids: np.ndarray, which: int) -> tuple[np.ndarray, np.ndarray]:
-        """(mask of the sorted ``ids`` queued, the queued ones' int64 field ``which`` of _by_segment)."""
+    def _per_row(self, ids: np.ndarray, places: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(mask of the sorted ``ids`` queued, the queued ones' places, or last-use steps)."""
         if not len(self.ids) or not len(ids):
             return np.zeros(len(ids), dtype=bool), np.empty(0, dtype=np.int64)
         pos, found = self._find(ids)
         slots = self.slots[pos[found]]
         out = np.empty(len(slots), dtype=np.int64)
-        for part in self._by_segment(slots):
-            mask, local = part[-2:]
-            out[slice(None) if mask is None else mask] = part[which][local]
+        for _, _, _, last, where, mask, local in self._by_segment(slots):
+            out[slice(None) if mask is None else mask] = (where if places else last)[local]
         return found, out
 
     def drop(self, ids: np.ndarray, seq: int) -> None:

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tierstore.io import LmdbBackend, WriteBack
+from tierstore import TableSpec, TieredStore
+from tierstore.io import LmdbBackend, WriteBack, rowlog
 from tierstore.io.writeback import QueuedRows
 
 
@@ -190,9 +191,6 @@ def test_dirty_rows_leaving_the_ddr_tier_hand_lmdb_the_places_their_read_found(t
     LMDB had it; written back once dirty, that place is handed to the write, and LMDB's index is
     not asked where the row was (out of core, a page of a mapped index read a row). Every place
     handed over is still valid here, and the rows and the log's live counts come out right."""
-    from tierstore import TableSpec, TieredStore
-    from tierstore.io import rowlog
-
     checked = []
     valid_hints = rowlog.RowLog.valid_hints
     monkeypatch.setattr(rowlog.RowLog, "valid_hints", lambda self, hints: checked.append(valid_hints(self, hints)) or checked[-1])

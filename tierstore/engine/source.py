@@ -77,7 +77,7 @@ class BackendRows:
         if len(cold_ids):
             mark = time.perf_counter()
             all_cold = len(cold_ids) == len(ids_np)
-            stored_at = np.full(len(cold_ids), -1, dtype=np.int64) if places is not None else None
+            stored_at = np.empty(len(cold_ids), dtype=np.int64) if places is not None else None  # get_rows fills it
             cold_rows = table.fill_unwritten(cold_ids, *self.backend.get_rows(name, cold_ids, rows if all_cold else None, stored_at))
             seconds = time.perf_counter() - mark
             table.counters.latency.observe("ssd_read", seconds)
