@@ -34,7 +34,7 @@ def test_small_run_under_a_memory_cgroup(tmp_path, capsys, quick):
                      "--repeat", "2", "--path", str(tmp_path / "store"), "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["cgroup"].startswith(f"cgroup v{group.version} memory group")
-    assert [(r["kind"], r["depth"]) for r in res["runs"]] == [("emb", 4), ("dlrm", bench_scale.DLRM_DEPTH)]
+    assert [(r["kind"], r["depth"]) for r in res["runs"]] == [("emb", 4), ("dlrm", 4)]  # the deepest of --depths
     for r in res["runs"]:
         assert r["budget"] == 12 << 20
         assert r["limit"] == r["rss_before"] + r["budget"] + bench_scale.MARGIN
@@ -244,3 +244,25 @@ def test_each_run_renames_its_ids_and_counts_rows_no_earlier_step_used(tmp_path)
     (d0, s0, l0), (d1, s1, l1) = dlrm[0][0], out[0][0]
     assert d0 is d1 and l0 is l1 and np.array_equal(s0["cat0"][1], s1["cat0"][1])
     assert len(set(s1["cat0"][0].tolist())) == len(set(s0["cat0"][0].tolist()))
+
+
+def test_the_policy_given_is_the_stores_and_the_capacity_replay_predicts_it(tmp_path, capsys, monkeypatch, quick):
+    monkeypatch.setattr(bench_scale, "CGROUP_V1", tmp_path / "no-v1")
+    monkeypatch.setattr(bench_scale, "CGROUP_V2", tmp_path / "no-v2")
+    runs = {}
+    for policy in ("lfu", "lru"):
+        assert cli.main(["bench", "scale", "--rows", "200000", "--dim", "16", "--budgets", "7MiB", "--depths", "0",
+                         "--repeat", "3", "--path", str(tmp_path / "store"), "--no-in-memory", "--policy", policy,
+                         "--json"]) == 0
+        res = json.loads(capsys.readouterr().out)
+        assert res["table"]["policy"] == policy
+        (run,) = res["runs"]
+        runs[policy] = run
+        # the replay of the run's trace under that policy gives the store's own DDR counts, to the row
+        got, p = run["ddr_since_open"], run["predicted"]
+        assert p["policy"] == policy and p["replay"] == got and got["evictions"] > 0
+        assert ("curve" in p) == (policy == "lru")  # the one-pass curve is LRU's alone
+    assert runs["lfu"]["ddr_since_open"] != runs["lru"]["ddr_since_open"]
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "scale", "--policy", "fifo"])
+    assert "invalid choice: 'fifo'" in capsys.readouterr().err

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tierstore.eviction import POLICIES
 from tierstore.io.rowlog import SPARE
 from tierstore.tools.bench import shared
 from tierstore.tools.bench_floors import disk_floor, drop_page_cache, lmdb_floor
@@ -44,7 +45,10 @@ from tierstore.tools.cli import nonneg_int
 ROWS, DIM = 34_000_000, 64  # 34M x 64 float32: 8.1 GiB of rows
 BUDGETS = ("512MiB", "1GiB", "2GiB")
 DEPTHS = (0, 4)
-DLRM_DEPTH = 2
+# the DLRM runs at the deepest of --depths, and at least this: with a step's rows fetched 2 steps ahead it
+# waited on them where the embedding step at 4 did not (34M x 64 scattered, 0.5 GiB: mean 226 ms a step at
+# depth 2 against 204 at 4, p50 191 against 147; 200M x 16 under 256 MiB: p90 4.0x the median at 2)
+DLRM_MIN_DEPTH = 2
 BAGS, POOLING, ALPHA, LR = 2048, 32, 1.05, 0.01
 WARMUP = 60  # untimed steps before the timed ones (--warmup): the 0.5 GiB DDR tier is full by then (22% after 5)
 MARGIN = 16 << 20  # over the child's RSS + the budget: the interpreter's own growth
@@ -301,7 +305,7 @@ def _tiered(job: dict, batches, go, first_use: float | None = None) -> dict:
     go()  # the limit is set and the page cache dropped: open the store now
     # a trace recorded where asked, for the capacity tools' prediction of this run (_predicted)
     opened = tierstore.TieredStore(job["path"], [table_spec(job["declared"], job["dim"])], device="cpu", memory_budget=job["budget"],
-                                   record_trace=job.get("trace"), spare_space=job["spare_space"])
+                                   record_trace=job.get("trace"), spare_space=job["spare_space"], policy=job.get("policy", "lru"))
     emb = tierstore.TieredEmbeddingBag(job["declared"], job["dim"], mode="sum", store=opened, table=TABLE,
                                        optimizer=tierstore.optim.SGD(lr=LR))
     if dlrm:
@@ -511,6 +515,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spare-space", type=float, default=SPARE,
                    help="the store's spare_space=: dead rows its table keeps at most, as a fraction of the live rows, "
                         "before its writes also copy rows to reclaim them (at most 1.0; a larger one copies fewer rows)")
+    p.add_argument("--policy", choices=sorted(POLICIES), default="lru",
+                   help="the store's eviction policy= (LFU keeps rows by their uses while cached: under a stationary "
+                        "Zipf stream it evicts the rows a step used once before those used again)")
     p.add_argument("--no-in-memory", action="store_true",
                    help="skip the in-memory steps (they hold the whole table in memory): no ratio to them is printed")
     p.add_argument("--warmup", type=nonneg_int, default=WARMUP, help="untimed steps before the timed ones")
@@ -530,7 +537,7 @@ def run(args: argparse.Namespace) -> dict:
             raise SystemExit(f"--declared-rows {args.declared_rows:,} is fewer than --rows {args.rows:,}: a table declares "
                              "at least the rows written")
         result = _run(path, args.rows, args.dim, args.seed, budgets, args.depths, args.repeat, args.warmup, args.declared_rows,
-                      not args.no_in_memory, args.scattered, args.spare_space)
+                      not args.no_in_memory, args.scattered, args.spare_space, args.policy)
     finally:
         if temp is not None:
             temp.cleanup()
@@ -542,13 +549,14 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _run(path: Path, rows: int, dim: int, seed: int, budgets: list[int], depths: list[int], repeat: int, warmup: int,
-         declared: int | None = None, in_memory: bool = True, scattered: bool = False, spare_space: float = SPARE) -> dict:
+         declared: int | None = None, in_memory: bool = True, scattered: bool = False, spare_space: float = SPARE,
+         policy: str = "lru") -> dict:
     from tierstore.config import StoreConfig
     StoreConfig(spare_space=spare_space)  # refused here, before the table is built, where it is not a spare_space
     table = prepare_table(path, rows, dim, seed, declared, scattered)
     table_bytes = rows * dim * 4
     job = {"rows": rows, "declared": table["declared"], "dim": dim, "seed": seed, "path": str(path), "warmup": warmup, "steps": warmup + repeat,
-           "bags": BAGS, "spare_space": spare_space}
+           "bags": BAGS, "spare_space": spare_space, "policy": policy}
     floors = {"disk": disk_floor(path / "data.mdb", FLOOR_SECONDS),
               "lmdb": lmdb_floor(path, TABLE, _emb_batches(rows, 1, seed, BAGS)[0].numpy())}
     probe, cgroup = MemoryGroup.make(f"tierstore-bench-scale-{os.getpid()}")
@@ -564,15 +572,17 @@ def _run(path: Path, rows: int, dim: int, seed: int, budgets: list[int], depths:
                     emb["trace"] = str(Path(traces) / f"trace-{b}")
                 runs.append({"kind": "emb", "budget": b, "depth": d, **_spawn({**emb, "layout_salt": _next_salt(path)}, path, True)})
                 if "trace" in emb and "ddr_since_open" in runs[-1]:
-                    runs[-1]["predicted"] = _predicted(Path(emb["trace"]), runs[-1]["ddr_rows"])
+                    runs[-1]["predicted"] = _predicted(Path(emb["trace"]), runs[-1]["ddr_rows"], policy)
     fits = [b for b in budgets if table_bytes >= 10 * b]
     if fits:
         b = max(fits)
-        runs.append({"kind": "dlrm", "budget": b, "depth": DLRM_DEPTH,
-                     **_spawn({**job, "kind": "dlrm", "budget": b, "depth": DLRM_DEPTH, "layout_salt": _next_salt(path)}, path, True)})
+        depth = max(DLRM_MIN_DEPTH, *depths)
+        runs.append({"kind": "dlrm", "budget": b, "depth": depth,
+                     **_spawn({**job, "kind": "dlrm", "budget": b, "depth": depth, "layout_salt": _next_salt(path)}, path, True)})
     for r in runs:
         _ratios(r, floors, in_memory)
-    return {"table": {**table, "path": str(path), "row_bytes": dim * 4, "table_bytes": table_bytes, "spare_space": spare_space},
+    return {"table": {**table, "path": str(path), "row_bytes": dim * 4, "table_bytes": table_bytes, "spare_space": spare_space,
+                      "policy": policy},
             "batch": {"bags": job["bags"], "pooling": POOLING, "zipf": ALPHA, "warmup": warmup, "timed_steps": repeat, "threads": 1},
             "cgroup": cgroup.replace(f"-{os.getpid()}", "-PID-N") if probe is not None else f"none: {cgroup}; ran without a memory limit",
             "dlrm": None if fits else f"skipped: no budget in --budgets is a tenth of the table ({table_bytes:,} bytes) or less",
@@ -590,9 +600,9 @@ def _next_salt(path: Path) -> int:
     return built["runs"]
 
 
-def _predicted(trace: Path, ddr_rows: int) -> dict:
+def _predicted(trace: Path, ddr_rows: int, policy: str = "lru") -> dict:
     """What the capacity library predicts for the run's trace at its DDR tier's rows (the
-    store's LRU policy, no HBM tier): the replay (cachesim.simulate) and the one-pass LRU
+    store's policy, no HBM tier): the replay (cachesim.simulate) and, for LRU, the one-pass
     curve `tierstore capacity` draws, to compare with the store's own counts."""
     from tierstore.capacity.cachesim import simulate
     from tierstore.capacity.curves import LruCurve, stack_distances
@@ -601,12 +611,13 @@ def _predicted(trace: Path, ddr_rows: int) -> dict:
 
     start = time.perf_counter()
     (stream,) = build_streams(Trace.load(trace))
-    replay = simulate(stream, 0, ddr_rows, "lru")
-    (distances,) = stack_distances([stream])
-    curve = LruCurve.from_distances(stream, distances).tiers(0, ddr_rows)
-    return {"replay": {"hits": replay.ddr_hits, "misses": replay.ddr_misses, "evictions": replay.ddr_evictions},
-            "curve": {"hits": int(curve["ddr_hits"]), "misses": int(curve["misses"])},
-            "seconds": time.perf_counter() - start}
+    replay = simulate(stream, 0, ddr_rows, policy)
+    out = {"policy": policy, "replay": {"hits": replay.ddr_hits, "misses": replay.ddr_misses, "evictions": replay.ddr_evictions}}
+    if policy == "lru":
+        (distances,) = stack_distances([stream])
+        curve = LruCurve.from_distances(stream, distances).tiers(0, ddr_rows)
+        out["curve"] = {"hits": int(curve["ddr_hits"]), "misses": int(curve["misses"])}
+    return {**out, "seconds": time.perf_counter() - start}
 
 
 def _ratios(r: dict, floors: dict, in_memory: dict) -> None:
