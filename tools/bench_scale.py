@@ -45,9 +45,9 @@ from tierstore.tools.cli import nonneg_int
 ROWS, DIM = 34_000_000, 64  # 34M x 64 float32: 8.1 GiB of rows
 BUDGETS = ("512MiB", "1GiB", "2GiB")
 DEPTHS = (0, 4)
-# the DLRM runs at the deepest of --depths, and at least this: with a step's rows fetched 2 steps ahead it
-# waited on them where the embedding step at 4 did not (34M x 64 scattered, 0.5 GiB: mean 226 ms a step at
-# depth 2 against 204 at 4, p50 191 against 147; 200M x 16 under 256 MiB: p90 4.0x the median at 2)
+# the DLRM runs at the deepest of --depths, at least this: the lookahead a trainer would give it (`--depths 2`
+# measures it at 2). Its own child on the 34M scattered table at 0.5 GiB took 204 ms a step at depth 4 against
+# 226 at 2 (three and two runs, LRU): its batches' rows, fetched two steps ahead, kept it waiting
 DLRM_MIN_DEPTH = 2
 BAGS, POOLING, ALPHA, LR = 2048, 32, 1.05, 0.01
 WARMUP = 60  # untimed steps before the timed ones (--warmup): the 0.5 GiB DDR tier is full by then (22% after 5)
