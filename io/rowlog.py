@@ -400,7 +400,8 @@ class RowLog:
         place = hints & _PLACE_MASK
         segs, slots = place >> _SLOT_BITS, place & (MAX_SLOTS - 1)
         ok = (hints >= 0) & (segs < len(self.seq))
-        ok[ok] = (self.seq[segs[ok]] > 0) & ((self.seq[segs[ok]] & _HINT_SEQ) == hints[ok] >> 32)
+        seq = self.seq[segs[ok]]
+        ok[ok] = (seq > 0) & ((seq & _HINT_SEQ) == hints[ok] >> 32)
         ok[ok] = self.bits.live_at(segs[ok], slots[ok])
         return ok
 

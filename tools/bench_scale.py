@@ -305,7 +305,7 @@ def _tiered(job: dict, batches, go, first_use: float | None = None) -> dict:
     go()  # the limit is set and the page cache dropped: open the store now
     # a trace recorded where asked, for the capacity tools' prediction of this run (_predicted)
     opened = tierstore.TieredStore(job["path"], [table_spec(job["declared"], job["dim"])], device="cpu", memory_budget=job["budget"],
-                                   record_trace=job.get("trace"), spare_space=job["spare_space"], policy=job.get("policy", "lru"))
+                                   record_trace=job.get("trace"), spare_space=job["spare_space"], policy=job["policy"])
     emb = tierstore.TieredEmbeddingBag(job["declared"], job["dim"], mode="sum", store=opened, table=TABLE,
                                        optimizer=tierstore.optim.SGD(lr=LR))
     if dlrm:

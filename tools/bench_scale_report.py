@@ -14,7 +14,7 @@ def print_report(res: dict) -> None:
     declared = f", {t['declared']:,} declared" if t.get("declared", t["rows"]) != t["rows"] else ""
     print(f"\n== scale: {t['rows']:,} x {t['dim']} float32 rows{declared} ({format_bytes(t['table_bytes'])} of rows; data.mdb "
           f"{format_bytes(t['data_mdb_bytes'])}, {'reused' if t['reused'] else 'built in %.0f s' % t['build_s']}) at {t['path']}; "
-          f"spare_space={t['spare_space']:g}, policy={t.get('policy', 'lru')!r}")
+          f"spare_space={t['spare_space']:g}, policy={t['policy']!r}")
     b = res["batch"]
     print(f"   step: {b['bags']} bags x {b['pooling']} ids, Zipf {b['zipf']}, SGD, {b['threads']} thread; "
           f"{b['timed_steps']} timed steps after {b['warmup']} untimed (--warmup)")
@@ -70,7 +70,7 @@ def _print_run(r: dict) -> None:
     if p:
         got = r["ddr_since_open"]
         curve = f", LRU curve {p['curve']['misses']:,}" if "curve" in p else ""
-        print(f"   capacity prediction from the run's trace ({r['ddr_rows']:,} DDR rows, {p.get('policy', 'lru').upper()}, "
+        print(f"   capacity prediction from the run's trace ({r['ddr_rows']:,} DDR rows, {p['policy'].upper()}, "
               f"{p['seconds']:.1f} s): DDR misses replayed {p['replay']['misses']:,}{curve}; the store measured {got['misses']:,} "
               f"({'equal' if p['replay']['misses'] == got['misses'] else 'DIFFERENT'}); hits {p['replay']['hits']:,} / "
               f"{got['hits']:,}, evictions {p['replay']['evictions']:,} / {got['evictions']:,}")
