@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 import pytest
 import torch
@@ -13,7 +14,14 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own tmp_path plugin has set up basetemp
 def pytest_configure(config):
+    # What the tests, and the processes they start, write to the temporary directory (tempfile's folders,
+    # torch.compile's cache, which importing torch._inductor places at once) goes under pytest's basetemp,
+    # which goes after a run that passed (tmp_path_retention_policy): a machine that runs the suite again
+    # and again keeps nothing of it.
+    folder = str(config._tmp_path_factory.mktemp("tmp", numbered=False))
+    os.environ["TMPDIR"] = tempfile.tempdir = folder
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")  # set in each worker of `pytest -n N`
     if workers:
         # N workers share the cores: torch's default, a thread per core in each worker, oversubscribes them

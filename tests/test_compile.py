@@ -150,7 +150,9 @@ def train_dlrm(model, backend=None, steps=4):
         opt.step()
         losses.append(loss.detach())
     ebc = model.sparse_arch.embedding_bag_collection
-    return losses, [ebc.store.read(c.name, torch.arange(c.num_embeddings), with_state=True) for c in configs()]
+    rows = [ebc.store.read(c.name, torch.arange(c.num_embeddings), with_state=True) for c in configs()]
+    ebc.store.close()  # now, not when the compiled graphs that hold the model go, after tmp_path has
+    return losses, rows
 
 
 @pytest.mark.parametrize("backend", COMPILE_BACKENDS)

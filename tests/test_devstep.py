@@ -140,6 +140,7 @@ def test_collection_steps_on_the_device_per_table(tmp_path):
                 assert (counts["host_syncs"], counts["data_dependent"], counts["device_to_host"]) == (0, 0, 0)
     for t, n in (("a", N), ("b", 50)):
         assert torch.equal(ebc.store.read(t, torch.arange(n)), twin.store.read(t, torch.arange(n)))
+    ebc.store.close(), twin.store.close()  # now, not when the op counts that hold their tensors go
 
 
 @pytest.mark.parametrize("backend", [None, "aot_eager"])

@@ -52,6 +52,7 @@ def test_cached_steps_train_the_resident_bits_and_wait_for_nothing_ahead(tmp_pat
         assert waits == [0] * len(batches)  # resolved ahead: the step sees slots only
     else:
         assert min(waits) > 0  # depth 0: the forward resolves its batch itself, on the host
+    cached.store.close(), held.store.close()  # now, not when the loader's references go, after tmp_path has
 
 
 def test_a_batch_that_cannot_fit_beside_the_steps_in_flight_is_refused_as_it_was(tmp_path):
@@ -91,6 +92,7 @@ def test_collection_resolves_each_table_ahead(tmp_path):
         (out["a"] - out["b"]).square().sum().backward()
     for t, n in (("a", N), ("b", 50)):
         assert torch.equal(cached.store.read(t, torch.arange(n)), held.store.read(t, torch.arange(n)))
+    cached.store.close(), held.store.close()  # now, not when the loader's references go, after tmp_path has
 
 
 def test_cached_step_compiles_whole_and_trains_as_eager(tmp_path):

@@ -560,7 +560,7 @@ def test_only_tables_in_the_log_layout_charge_a_row_index(tmp_path, monkeypatch)
 
 
 _FREED_HELD = textwrap.dedent("""
-    import ctypes, sys, tempfile
+    import ctypes, sys
     import numpy as np
 
     class Info(ctypes.Structure):
@@ -570,7 +570,7 @@ _FREED_HELD = textwrap.dedent("""
     libc.mallinfo2.restype = Info
     if sys.argv[1] == "budget":  # the control imports neither torch nor tierstore: seconds less
         from tierstore import TableSpec, TieredStore
-        store = TieredStore(tempfile.mkdtemp(), [TableSpec("t", num_rows=1000, dim=8)], memory_budget="64MiB")
+        store = TieredStore("store", [TableSpec("t", num_rows=1000, dim=8)], memory_budget="64MiB")  # in its cwd, tmp_path
     first = np.ones(1 << 18, np.float32)
     del first  # a freed 1 MiB block: glibc raises its mmap threshold past it
     blocks = [np.ones(1 << 18, np.float32) for _ in range(64)]

@@ -54,7 +54,8 @@ class IndexAgainstDict(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.dir = Path(tempfile.mkdtemp())
+        self.tmp = tempfile.TemporaryDirectory()
+        self.dir = Path(self.tmp.name)
         self.index = RowIndex(self.rows, limit=400, hold=self.hold)  # 25 runs: spills within a few writes
         rowindex._CHUNK_RUNS = 4  # a save merges a few runs of each level at a time: runs cut at each piece's line
         rowindex.MAX_LEVELS = 3  # levels merged for their number too
@@ -67,6 +68,7 @@ class IndexAgainstDict(RuleBasedStateMachine):
     def teardown(self):
         rowindex._CHUNK_RUNS, rowindex.MAX_LEVELS = CHUNK_RUNS, MAX_LEVELS
         rowindex.FENCE, rowindex.DENSE_IDS = FENCE, DENSE_IDS
+        self.tmp.cleanup()
 
     def _ids(self, ids: list[int]) -> list[int]:
         return sorted({i % self.rows for i in ids})
@@ -629,7 +631,8 @@ class KilledWriterAgainstDict(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.path = tempfile.mkdtemp()
+        self.tmp = tempfile.TemporaryDirectory()
+        self.path = self.tmp.name
         self.child = Child(self.path)
         self.model: dict[int, float] = {}
         self.published: dict[int, float] = {}
@@ -637,6 +640,7 @@ class KilledWriterAgainstDict(RuleBasedStateMachine):
 
     def teardown(self):
         self.child.kill()
+        self.tmp.cleanup()
 
     def _put(self, ids, wait=True):
         self.version += 1

@@ -64,7 +64,8 @@ class LogAgainstModel(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         import tempfile
-        self.dir = tempfile.mkdtemp()
+        self.tmp = tempfile.TemporaryDirectory()
+        self.dir = self.tmp.name
         self.model: dict[int, tuple[np.ndarray, int]] = {}
         self.writers = {layout: open_backend(f"{self.dir}/{layout}", layout, direct=self.DIRECT and layout == "log")
                         for layout in ("log", "keyed")}
@@ -78,6 +79,7 @@ class LogAgainstModel(RuleBasedStateMachine):
         for b in [*self.writers.values(), self.reader]:
             if b is not None:
                 b.close()
+        self.tmp.cleanup()
 
     @rule(ids=ids_st, step=st.integers(0, 20), hinted=st.booleans())
     def put(self, ids, step, hinted):
@@ -209,7 +211,8 @@ class PublishedLogAgainstModel(LogAgainstModel):
     def __init__(self):
         RuleBasedStateMachine.__init__(self)
         import tempfile
-        self.dir = tempfile.mkdtemp()
+        self.tmp = tempfile.TemporaryDirectory()
+        self.dir = self.tmp.name
         self.model: dict[int, tuple[np.ndarray, int]] = {}
         self.published = {}
         self.writers = {"log": self.open_writer()}

@@ -63,6 +63,7 @@ def test_steps_resolved_through_staging_train_the_plain_copys_bits(tmp_path, dep
     assert torch.equal(_train(staged, batches, depth, "cpu"), _train(plain, batches, depth, "cpu"))
     up = staged.store._shared.upload
     assert up.uploads > 0 and up.bypassed > 0
+    staged.store.close(), plain.store.close()  # now, not when the loader's references go, after tmp_path has
 
 
 @pytest.mark.gpu
