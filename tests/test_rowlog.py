@@ -17,7 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tierstore.io import StoreCorruptError, lmdb_backend, lmdb_log, rowindex, rowlog
+from tierstore.io import StoreCorruptError, lmdb_backend, lmdb_log, lmdb_map, rowindex, rowlog
 from tierstore.io.lmdb_backend import LmdbBackend
 
 N, DIM = 40, 3
@@ -367,6 +367,40 @@ def test_a_collection_asks_the_index_nothing_for_the_rows_it_copies(tmp_path, mo
     live_counts_match_the_index(b)
     for i in range(3, 16, 4):
         assert b.get_rows("t", np.array([i]))[0][0].tolist() == [1.0] * DIM
+    b.close()
+
+
+def test_a_collection_of_a_store_reading_directly_reads_each_page_of_its_copies_once(tmp_path, monkeypatch):
+    """Where the store reads directly, a collection reads the pages of its victims' live slots
+    directly, each once (the two live 20-byte slots of a segment share a page), a few rows'
+    pages at a time, and copies the rows they hold."""
+    monkeypatch.setattr(lmdb_log, "_PACKED_CHUNK", 3)
+    monkeypatch.setattr(rowlog, "SPARE", 0.0)  # every dead slot over _MIN_DEAD calls for a collection
+    b = open_backend(tmp_path / "s", "log", direct=True)
+    b.put_rows([("t", np.arange(32), np.arange(32 * DIM, dtype=np.float32).reshape(32, DIM))],
+               last_use={"t": np.arange(32)})
+    log = b._logs["t"]
+    ids = np.flatnonzero(np.arange(32) % 4 < 2)  # the last two rows of each 4-slot segment left live
+    with monkeypatch.context() as held_back:  # the write's own collection
+        held_back.setattr(type(b), "_collect", lambda *a: None)
+        b.put_rows([("t", ids, np.full((16, DIM), -1, dtype=np.float32))], last_use={"t": np.full(16, 99)})
+    victims = log.victims(16, b.txn_bytes // log.slot_bytes)
+    copied = np.concatenate([log.offset[log._index[seq]] + np.flatnonzero(log.live_of([seq])) * log.slot_bytes
+                             for seq in victims])
+    reads = []
+    real = b._shared.direct.read
+    monkeypatch.setattr(b._shared.direct, "read", lambda at, width, out: reads.append((np.array(at), width)) or real(at, width, out))
+    b._collect("t", 16)
+    assert len(copied) > 3 and set(log._index).isdisjoint(victims)  # it ran, over more than one chunk of rows
+    pages = np.sort(np.concatenate([at for at, width in reads]))
+    assert all(width == lmdb_map.PAGE for _, width in reads) and len(reads) > 1
+    assert np.array_equal(pages, np.unique(copied // lmdb_map.PAGE) * lmdb_map.PAGE) and len(pages) < len(copied)
+    live = np.flatnonzero(np.arange(32) % 4 >= 2)
+    slots, found = b._log_slots("t", live)  # every live row and its last-use step, copied or not
+    assert found.all()
+    assert slots[:, :4 * DIM].copy().view(np.float32).tolist() == [list(range(i * DIM, (i + 1) * DIM)) for i in live]
+    assert slots[:, 4 * DIM:].copy().view("<i8").ravel().tolist() == live.tolist()
+    live_counts_match_the_index(b)
     b.close()
 
 
