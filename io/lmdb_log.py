@@ -24,7 +24,6 @@ _INDEX_KEY = b"index:"  # + a log table's name: the token of its saved index (_s
 _PUBLISHED_KEY = b"published:"
 _ROLLBACK_KEYS = 4096  # segments a roll-back deletes a transaction
 _ADVISED_READ = 64  # rows a log read gathers from which it asks for all their pages at once first
-_PACKED_CHUNK = 2048  # rows a packed read reads the pages of at once (2 a row at most: 16 MiB; typically 1 MiB)
 STEP = np.dtype("<i8")  # a row's last-use step, in a log slot and in a keyed table's u: database
 
 
@@ -347,7 +346,7 @@ class LogTables:
 
     def _read_packed(self, txn, offsets: np.ndarray, width: int, out: np.ndarray) -> None:
         """_read_at for rows packed many to a page (the live slots a collection copies): read
-        directly where the store reads so, each page once, a chunk of rows at a time.
+        directly where the store reads so, each page once (io.direct.DirectReader.read_packed).
 
         Why: through the map, the collection's page reads took 14% of the write-back thread's
         time in the DLRM step of `tierstore bench scale` (34M rows, 0.5 GiB): process_madvise
@@ -358,24 +357,7 @@ class LogTables:
         if reader is None or width > lmdb_map.PAGE or not reader.fits(lmdb_map.PAGE):  # a row on two pages at most
             self._read_at(txn, offsets, width, out, direct=False)
             return
-        order = np.argsort(offsets, kind="stable")
-        first = offsets[order] // lmdb_map.PAGE
-        last = (offsets[order] + width - 1) // lmdb_map.PAGE
-        cuts = np.flatnonzero(first[1:] > last[:-1]) + 1  # rows that share no page with the row before
-        lo = 0
-        while lo < len(order):  # chunks of about _PACKED_CHUNK rows, cut where no page is shared
-            i = int(np.searchsorted(cuts, lo + _PACKED_CHUNK, side="right"))
-            hi = len(order) if lo + _PACKED_CHUNK >= len(order) else \
-                int(cuts[i - 1]) if i and cuts[i - 1] > lo else int(cuts[i]) if i < len(cuts) else len(order)
-            rows, at = order[lo:hi], offsets[order[lo:hi]]
-            pages = np.unique(np.concatenate([first[lo:hi], last[lo:hi]]))  # a row's second page follows its first
-            read = np.empty((len(pages), lmdb_map.PAGE), dtype=np.uint8)
-            reader.read(pages * lmdb_map.PAGE, lmdb_map.PAGE, read)
-            start = np.searchsorted(pages, first[lo:hi]) * lmdb_map.PAGE + at % lmdb_map.PAGE
-            windows = np.lib.stride_tricks.as_strided(read, shape=(read.size - width + 1, width), strides=(1, 1),
-                                                      writeable=False)
-            out[rows] = windows[start]
-            lo = hi
+        reader.read_packed(offsets, width, out)
 
     def _sync_log(self, table: str, txn) -> bool:
         """Bring ``table``'s index to ``txn``'s snapshot (under the index lock); False when

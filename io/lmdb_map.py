@@ -15,6 +15,7 @@ import struct
 
 import numpy as np
 
+from .direct import windows
 from .errors import SegmentFormatError
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -125,7 +126,5 @@ def gather(base: int, size: int, offsets: np.ndarray, width: int, out: np.ndarra
     (uint8), from the LMDB map at ``base`` of ``size`` bytes: one vectorized copy."""
     if not len(offsets):
         return
-    whole = map_view(base, size)
-    windows = np.lib.stride_tricks.as_strided(whole, shape=(size - width + 1, width), strides=(1, 1), writeable=False)
-    out[:] = windows[offsets]  # not np.take: it copies a strided source whole first
+    out[:] = windows(map_view(base, size), width)[offsets]  # not np.take: it copies a strided source whole first
 

@@ -374,7 +374,7 @@ def test_a_collection_of_a_store_reading_directly_reads_each_page_of_its_copies_
     """Where the store reads directly, a collection reads the pages of its victims' live slots
     directly, each once (the two live 20-byte slots of a segment share a page), a few rows'
     pages at a time, and copies the rows they hold."""
-    monkeypatch.setattr(lmdb_log, "_PACKED_CHUNK", 3)
+    monkeypatch.setattr("tierstore.io.direct.PACKED_CHUNK", 3)
     monkeypatch.setattr(rowlog, "SPARE", 0.0)  # every dead slot over _MIN_DEAD calls for a collection
     b = open_backend(tmp_path / "s", "log", direct=True)
     b.put_rows([("t", np.arange(32), np.arange(32 * DIM, dtype=np.float32).reshape(32, DIM))],
