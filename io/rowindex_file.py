@@ -139,7 +139,7 @@ def _write_runs(index: RowIndex, k: int, write: _Writer, offsets: list[int]) -> 
     """The runs of ``index.merging(k)`` in blocks of FENCE a page, their fence, CRCs and
     filters (rowindex.Filter) at ``offsets``; returns the header's fields for them."""
     block = _block()
-    runs, written, crc, fence, crcs = 0, 0, 0, [], []
+    runs, ids, written, crc, fence, crcs = 0, 0, 0, 0, [], []
     filters = _FilterWriter(write, offsets[3])
     left = Runs()
     pieces = index.merging(k)
@@ -147,6 +147,7 @@ def _write_runs(index: RowIndex, k: int, write: _Writer, offsets: list[int]) -> 
         piece = next(pieces, None)
         if piece is not None:
             runs += len(piece)
+            ids += int(piece.length.sum(dtype=np.int64))
             left = Runs(*(np.concatenate((getattr(left, c), getattr(piece, c))) for c in ("start", "length", "loc")))
         whole = len(left) // rowindex.FENCE * rowindex.FENCE if piece is not None else len(left)
         if whole:
@@ -168,7 +169,7 @@ def _write_runs(index: RowIndex, k: int, write: _Writer, offsets: list[int]) -> 
     write(_bytes(block_crcs), offsets[2])
     filter_crcs = filters.close()
     write(_bytes(filter_crcs), offsets[4])
-    return {"runs": runs, "runs_crc": crc, "fence_crc": zlib.crc32(_bytes(fence)),
+    return {"runs": runs, "ids": ids, "runs_crc": crc, "fence_crc": zlib.crc32(_bytes(fence)),
             "blocks_crc": zlib.crc32(_bytes(block_crcs)), "filter_crc": zlib.crc32(_bytes(filter_crcs))}
 
 
@@ -376,7 +377,7 @@ def _map_runs(path: Path, header: dict, room: int = 0) -> Runs | Dense | None:
         pages = mapped.view(np.ndarray)  # a plain array over the map: a memmap's indexing costs 20 us a call more
         raw = pages.view(np.uint8).reshape(blocks, -1)
         columns = (Paged(pages[name], mapped, n) for name in ("start", "length", "loc"))
-        return Runs(*columns, fence, _Blocks(path, raw, crcs), filtered)
+        return Runs(*columns, fence, _Blocks(path, raw, crcs), filtered, header.get("ids"))
     except (OSError, ValueError, KeyError):
         return None
 

@@ -303,6 +303,54 @@ def test_a_dense_level_is_merged_once_the_runs_over_it_hold_a_quarter_of_its_byt
     assert index.plan() == 1
 
 
+def test_a_level_of_long_runs_is_kept_apart_from_the_scattered_runs_written_over_it(tmp_path):
+    """A table loaded in id order (a run a segment, mapped), then rows written one at a time at
+    random ids (as training moves them): the spills stack levels of those runs over the load's
+    and merge them among themselves, where merging them into it cut its runs (a lookup of a row
+    never moved then read a page of the merged level, its filters passing every id of its long
+    runs). The load's level weighs a quarter of its ids, and is merged once the runs over it
+    weigh that; every lookup answers as a dict."""
+    n, per = 1 << 20, 4096
+    index = RowIndex(n, limit=4096)  # spills past 128 runs
+    model = np.arange(n, dtype=np.int64)  # id -> place
+    for s in range(n // per):
+        index.put(np.arange(s * per, (s + 1) * per), (s << rowindex.SLOT_BITS) | np.arange(per, dtype=np.uint32))
+    saves = 0
+
+    def spill():
+        nonlocal saves
+        saves += 1
+        k = index.plan()
+        header = rowindex_file.write_file(index, tmp_path / f"i{saves}", {}, [], k)
+        assert rowindex_file.take_runs(index, tmp_path / f"i{saves}", header, k)
+
+    model = (model // per << rowindex.SLOT_BITS) | model % per
+    spill()
+    load = index.levels[-1]
+    assert len(load) == n // per and load.covers == n and load.weight == n * 4 // rowindex.RUN_BYTES
+    rng = np.random.default_rng(0)
+    moved = 0
+
+    def move():  # a segment of 100 rows at random ids; True where the index spilled
+        nonlocal moved
+        ids = rng.choice(n, 100, replace=False)
+        places = ((n // per + moved // 100) << rowindex.SLOT_BITS) | np.arange(100, dtype=np.uint32)
+        index.put(ids, places)
+        model[ids] = places
+        moved += 100
+        if index.wants_spill():
+            spill()
+
+    while moved * rowindex.GROWTH < load.weight // 2:
+        move()
+        assert index.levels[-1] is load and len(index.levels) <= rowindex.MAX_LEVELS
+    assert saves > 100 and index.get(np.arange(n)).tolist() == model.tolist()
+    while index.levels[-1] is load:  # the runs over it weigh a quarter of its ids: merged into it
+        move()
+    assert moved * rowindex.GROWTH >= load.weight * 0.9
+    assert index.get(np.arange(n)).tolist() == model.tolist()
+
+
 def _not_mapped(find):
     """Runs.find, raising where the level is mapped."""
     def checked(self, ids):
