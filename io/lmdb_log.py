@@ -329,35 +329,27 @@ class LogTables:
             return slots, found
         return self._log_read(table, places, read)
 
-    def _read_at(self, txn, offsets: np.ndarray, width: int, out: np.ndarray, direct: bool = True) -> None:
+    def _read_at(self, txn, offsets: np.ndarray, width: int, out: np.ndarray, packed: bool = False) -> None:
         """``width`` bytes at each file offset of ``offsets`` into ``out``, in ``txn``'s snapshot
-        (LMDB reuses none of its pages while it is open): directly (io.direct) when asked and
-        worth it, else from the map, all pages asked for at once first. ``direct=False`` for
-        rows packed many to a page: a direct read reads a page for each row (_read_packed
-        reads each page once)."""
-        reader = self._shared.direct if direct and self.reads_directly and len(offsets) >= _ADVISED_READ else None
-        if reader is not None and reader.fits(width):
+        (LMDB reuses none of its pages while it is open): directly (io.direct) when worth it,
+        else from the map, all pages asked for at once first. ``packed``: rows of a page at
+        most packed many to a page (the live slots a collection copies), read directly each
+        page once (DirectReader.read_packed), where a direct read reads a page for each row.
+        Through the map, those reads took 14% of the write-back thread's time in the DLRM step
+        of `tierstore bench scale` (34M rows, 0.5 GiB): process_madvise waiting on page-cache
+        allocation and reclaim under the memory limit, then a fault a page; and they pushed
+        pages of the index and of hot rows out of the page cache for rows copied once."""
+        reader = self._shared.direct if self.reads_directly and len(offsets) >= _ADVISED_READ else None
+        if reader is not None and not packed and reader.fits(width):
             reader.read(offsets, width, out)
+            return
+        if reader is not None and packed and width <= lmdb_map.PAGE and reader.fits(lmdb_map.PAGE):  # a row on two pages at most
+            reader.read_packed(offsets, width, out)
             return
         _, base, size = self._map_base(txn)
         if len(offsets) >= _ADVISED_READ:
             lmdb_map.will_need(base, offsets, width)
         lmdb_map.gather(base, size, offsets, width, out)
-
-    def _read_packed(self, txn, offsets: np.ndarray, width: int, out: np.ndarray) -> None:
-        """_read_at for rows packed many to a page (the live slots a collection copies): read
-        directly where the store reads so, each page once (io.direct.DirectReader.read_packed).
-
-        Why: through the map, the collection's page reads took 14% of the write-back thread's
-        time in the DLRM step of `tierstore bench scale` (34M rows, 0.5 GiB): process_madvise
-        waiting on page-cache allocation and reclaim under the memory limit, then a fault a
-        page; and they pushed pages of the index and of hot rows out of the page cache for
-        rows copied once. _read_at's direct read would read a page for each row on it."""
-        reader = self._shared.direct if self.reads_directly and len(offsets) >= _ADVISED_READ else None
-        if reader is None or width > lmdb_map.PAGE or not reader.fits(lmdb_map.PAGE):  # a row on two pages at most
-            self._read_at(txn, offsets, width, out, direct=False)
-            return
-        reader.read_packed(offsets, width, out)
 
     def _sync_log(self, table: str, txn) -> bool:
         """Bring ``table``'s index to ``txn``'s snapshot (under the index lock); False when
@@ -534,7 +526,7 @@ class LogTables:
         live = log.live_of(seqs)
         at = np.concatenate(at)[live]
         slots = np.empty((len(at), log.slot_bytes), dtype=np.uint8)
-        self._read_packed(txn, at, log.slot_bytes, slots)
+        self._read_at(txn, at, log.slot_bytes, slots, packed=True)
         places = log.slot_places(seqs)[live] if seqs else np.zeros(0, dtype=np.uint32)
         return np.concatenate(ids)[live], places, slots
 

@@ -331,7 +331,7 @@ def test_a_level_of_long_runs_is_kept_apart_from_the_scattered_runs_written_over
     rng = np.random.default_rng(0)
     moved = 0
 
-    def move():  # a segment of 100 rows at random ids; True where the index spilled
+    def move():  # a segment of 100 rows at random ids, spilled where the index asks
         nonlocal moved
         ids = rng.choice(n, 100, replace=False)
         places = ((n // per + moved // 100) << rowindex.SLOT_BITS) | np.arange(100, dtype=np.uint32)
