@@ -15,7 +15,7 @@ writer to the files it names, a reader to private ones):
 recent and main go to a new file, mapped from there (io.rowindex_file), one of ``levels``
 below main, newest first. A spill writes what memory held and merges into it only the
 mapped levels smaller than GROWTH times what it writes so far (a log-structured merge; a
-level of long runs, as a load leaves, weighs a quarter of the ids it covers: Runs.weight):
+level of long runs, as a load leaves, weighs the ids it covers: Runs.weight):
 the levels grow geometrically, at most MAX_LEVELS of them, and a row written is rewritten
 a few times (about log_GROWTH of the levels), where rewriting every run at each spill made
 writing grow with the square of the rows. A lookup asks the levels newest first, each a
@@ -231,16 +231,19 @@ class Runs:
 
     @property
     def weight(self) -> int:
-        """Its size to a merge plan (RowIndex.plan): its runs, or as a dense level of the ids
-        they cover would weigh (a quarter of them) where that is more. Each run merged into a
-        level of long runs (a table loaded in id order: a run a segment) cuts one of them, and
-        a lookup of an id the merged level holds reads its page, where the level's few runs
-        stayed in the page cache and the filters of the levels over it passed over the ids
-        they do not hold: weighed by its runs, the 200M x 16 table's load was merged with the
-        first spill of the rows training moved, and its second to fourth runs read 1.46,
-        1.15 and 1.97 pages a row fetched, where kept apart they read 1.09, 1.06 and 1.23
-        (`tierstore bench scale`)."""
-        return len(self) if self.covers is None else max(len(self), self.covers * 4 // RUN_BYTES)
+        """Its size to a merge plan (RowIndex.plan): its runs, or the ids they cover where
+        that is more. Each run merged into a level of long runs (a table loaded in id order: a
+        run a segment) cuts one of them, and a lookup of an id the merged level holds reads
+        its page, where kept apart the level's few runs stay in the page cache and the filters
+        of the levels over it pass over the ids they do not hold. So it is merged only once
+        the runs over it are as many as a dense level of its ids would hold (GROWTH x runs >=
+        ids: a quarter of them), which the merge writes then. Weighed by a quarter of its
+        ids, the 200M x 16 table's load was merged with the 14.8M runs of moved rows in its
+        seventh run (`tierstore bench scale`, DLRM at 256 MiB): its seventh and eighth runs
+        read 1.49 and 2.20 pages a row fetched; kept apart, 1.16 and 1.31. Weighed by its
+        runs, it was merged at the first spill (its second to fourth runs read 1.46, 1.15
+        and 1.97 pages a row; kept apart 1.09, 1.06 and 1.23)."""
+        return len(self) if self.covers is None else max(len(self), self.covers)
 
     @property
     def map(self):
@@ -682,7 +685,7 @@ class RowIndex:
         """How many mapped levels (the newest) the next spill merges with what memory holds:
         those of fewer than GROWTH times the runs merged before them (a level's weight: a
         dense level's, as many runs as its bytes would hold, what merging it reads and writes;
-        a level of long runs', a quarter of its ids), more while the levels
+        a level of long runs', its ids), more while the levels
         would number more than MAX_LEVELS, and all where a mapped level names dead segments
         (the merge drops those places: their segment indexes can then be reused)."""
         if self.dead is not None:

@@ -308,9 +308,9 @@ def test_a_level_of_long_runs_is_kept_apart_from_the_scattered_runs_written_over
     random ids (as training moves them): the spills stack levels of those runs over the load's
     and merge them among themselves, where merging them into it cut its runs (a lookup of a row
     never moved then read a page of the merged level, its filters passing every id of its long
-    runs). The load's level weighs a quarter of its ids, and is merged once the runs over it
-    weigh that; every lookup answers as a dict."""
-    n, per = 1 << 20, 4096
+    runs). The load's level weighs its ids, and is merged once the runs over it weigh that
+    over GROWTH (when the merge writes a dense level); every lookup answers as a dict."""
+    n, per = 1 << 18, 1024
     index = RowIndex(n, limit=4096)  # spills past 128 runs
     model = np.arange(n, dtype=np.int64)  # id -> place
     for s in range(n // per):
@@ -327,7 +327,7 @@ def test_a_level_of_long_runs_is_kept_apart_from_the_scattered_runs_written_over
     model = (model // per << rowindex.SLOT_BITS) | model % per
     spill()
     load = index.levels[-1]
-    assert len(load) == n // per and load.covers == n and load.weight == n * 4 // rowindex.RUN_BYTES
+    assert len(load) == n // per and load.covers == n and load.weight == n
     rng = np.random.default_rng(0)
     moved = 0
 
@@ -345,7 +345,7 @@ def test_a_level_of_long_runs_is_kept_apart_from_the_scattered_runs_written_over
         move()
         assert index.levels[-1] is load and len(index.levels) <= rowindex.MAX_LEVELS
     assert saves > 100 and index.get(np.arange(n)).tolist() == model.tolist()
-    while index.levels[-1] is load:  # the runs over it weigh a quarter of its ids: merged into it
+    while index.levels[-1] is load:  # the runs over it weigh its ids over GROWTH: merged into it
         move()
     assert moved * rowindex.GROWTH >= load.weight * 0.9
     assert index.get(np.arange(n)).tolist() == model.tolist()
