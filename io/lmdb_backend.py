@@ -32,6 +32,7 @@ from tierstore.io.errors import (
     StoreReadonlyError)
 from tierstore.io.lmdb_env import (
     _OPEN, _OPEN_LOCK, META_DB, _Env, _lock_directory, _ResizeGuard, _shared_env, take_writer_lock)
+from tierstore.io.locks import SharedLock
 from tierstore.io.lmdb_file import _CORRUPT, _LOW_SPACE, _free_bytes, check_data_file, corrupt, disk_full
 from tierstore.io.lmdb_log import STEP, LogTables
 from tierstore.io.lmdb_sketches import Sketches
@@ -86,7 +87,9 @@ class LmdbBackend(LogTables, Upkeep, Sketches):
         self._index_named_files: dict[str, set[str]] = {}  # the files (names) of each: it and the older levels it names
         self._index_current_files: dict[str, set[str]] = {}
         self._index_spilled_files: dict[str, set[str]] = {}  # ... and of a level a spill wrote since (mapped, not a save)
-        self._index_lock = threading.Lock()  # a log's index against the transaction reading it
+        # a log's index against the transaction reading it: lookups share it (io.lmdb_log._log_read),
+        # a commit's index update, a spill's take and a rebuild hold it alone
+        self._index_lock = SharedLock()
         # one write transaction, its commit and index update at a time; held around a read that
         # decides a write (collection, sweep), so no commit comes between
         self._write_lock = threading.RLock()

@@ -267,17 +267,24 @@ class LogTables:
     def _log_read(self, table: str, under_lock, after=None):
         """``under_lock(log)`` with ``table``'s index brought to a read snapshot, then
         ``after(txn, its result)`` in that snapshot with the index free again (a
-        commit may update it meanwhile: what under_lock took still names this snapshot)."""
+        commit may update it meanwhile: what under_lock took still names this snapshot).
+        Where the index is at the snapshot already (a writer's, but just after a commit),
+        under_lock shares the index lock with other lookups; it changes nothing."""
         while True:
             with self._reading(db=self._log_dbs[table], buffers=True) as txn:
-                with self._index_lock:
-                    try:
-                        if not self._sync_log(table, txn):
-                            continue  # the index moved past this snapshot (a commit meanwhile): take a newer one
-                        got = under_lock(self._logs[table])
-                    except RowIndexDamagedError:  # a block of its files fails its CRC: replayed from the segments
+                try:
+                    with self._index_lock.shared():
+                        synced = txn.id() == self._log_synced[table]
+                        got = under_lock(self._logs[table]) if synced else None
+                    if not synced:
+                        with self._index_lock:
+                            if not self._sync_log(table, txn):
+                                continue  # the index moved past this snapshot (a commit meanwhile): take a newer one
+                            got = under_lock(self._logs[table])
+                except RowIndexDamagedError:  # a block of its files fails its CRC: replayed from the segments
+                    with self._index_lock:
                         self._rebuild_log(table, sync=False)
-                        continue
+                    continue
                 return after(txn, got) if after is not None else got
 
     def _rebuilt_on_damage(self, table: str, fn):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -687,3 +689,60 @@ def test_hints_name_a_slot_of_a_segment_and_go_stale_when_its_row_moves_or_its_e
     assert int(log.places(np.array([10]))[0][0]) == int(segs[0])
     assert not log.valid_hints(hints).any()
     assert not log.valid_hints(np.array([-1])).any()
+
+
+def test_lookups_share_the_index_while_a_writer_commits_and_spills(tmp_path, monkeypatch):
+    """Readers' lookups run side by side (io.locks.SharedLock), while a writer commits,
+    collects and spills its index (limited to 10 runs, mapped from its file): every row a
+    reader gets is its id's, of a version written, never older than one it got before."""
+    b = open_backend(tmp_path / "s", "log", index_limit=160)
+    inside, most, count = [0], [0], threading.Lock()
+    places = rowlog.RowLog.places
+
+    def counted(self, ids):
+        with count:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        try:
+            time.sleep(0.0005)  # a lookup reading pages from disk: another may start meanwhile
+            return places(self, ids)
+        finally:
+            with count:
+                inside[0] -= 1
+    monkeypatch.setattr(rowlog.RowLog, "places", counted)
+    committed, done, failures = [0], threading.Event(), []
+
+    def write():
+        rng = np.random.default_rng(0)
+        try:
+            for version in range(1, 301):
+                ids = np.sort(rng.choice(N, 8, replace=False))
+                rows = np.stack([ids, np.full(8, version), np.zeros(8)], axis=1).astype(np.float32)
+                b.put_rows([("t", ids, rows)], last_use={"t": np.zeros(8, dtype=np.int64)})
+                committed[0] = version
+        except Exception as e:
+            failures.append(e)
+        finally:
+            done.set()
+
+    def read(seed):
+        rng, seen = np.random.default_rng(seed), np.zeros(N)
+        try:
+            while not done.is_set():
+                ids = np.sort(rng.choice(N, 6, replace=False))
+                rows, found = b.get_rows("t", ids)
+                latest = committed[0]
+                assert (rows[found, 0] == ids[found]).all(), "a row of another id"
+                assert (rows[found, 1] >= seen[ids[found]]).all() and (rows[found, 1] <= latest + 1).all()
+                seen[ids[found]] = rows[found, 1]
+        except Exception as e:
+            failures.append(e)
+    threads = [threading.Thread(target=write)] + [threading.Thread(target=read, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not failures, failures
+    assert b._logs["t"].index.levels, "the index never spilled"
+    assert most[0] >= 2, "no two lookups ran at once"
+    b.close()
