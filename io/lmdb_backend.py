@@ -31,7 +31,7 @@ from tierstore.io.errors import (
     BadRowsError, ForeignStoreError, RowIndexDamagedError, StoreLockedError, StoreNotFoundError,
     StoreReadonlyError)
 from tierstore.io.lmdb_env import (
-    _OPEN, _OPEN_LOCK, META_DB, _Env, _lock_directory, _ResizeGuard, _shared_env, take_writer_lock)
+    _OPEN, _OPEN_LOCK, META_DB, _Env, _lock_directory, _shared_env, take_writer_lock)
 from tierstore.io.locks import SharedLock
 from tierstore.io.lmdb_file import _CORRUPT, _LOW_SPACE, _free_bytes, check_data_file, corrupt, disk_full
 from tierstore.io.lmdb_log import STEP, LogTables
@@ -233,7 +233,7 @@ class LmdbBackend(LogTables, Upkeep, Sketches):
         return self._shared.env
 
     @property
-    def _resize(self) -> "_ResizeGuard":
+    def _resize(self) -> SharedLock:
         return self._shared.resize
 
     # -- process-level single writer ------------------------------------------------
@@ -270,7 +270,7 @@ class LmdbBackend(LogTables, Upkeep, Sketches):
                         yield txn
                     self._shared.trim_map()
                     return
-            with self._resize.exclusive():  # no transaction of this process is open
+            with self._resize:  # no transaction of this process is open
                 self._shared.set_mapsize(0)  # 0: the size the writer has set
         raise lmdb.MapResizedError(f"LMDB map at {self.path} kept growing while this process read it")
 
@@ -544,7 +544,7 @@ class LmdbBackend(LogTables, Upkeep, Sketches):
                     break
                 except lmdb.MapFullError:
                     # the transaction aborted; grow the map and replay it
-                    with self._resize.exclusive():
+                    with self._resize:
                         self._shared.set_mapsize(self.env.info()["map_size"] * 2)
             else:
                 raise lmdb.MapFullError(f"LMDB map at {self.path} still full after growing it {_MAX_GROWTH_RETRIES} times")

@@ -6,7 +6,6 @@ import errno
 import fcntl
 import os
 import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
@@ -14,35 +13,10 @@ import lmdb
 from tierstore.io import lmdb_map
 from tierstore.io.direct import DirectReader, open_reader
 from tierstore.io.errors import StoreLockedError
+from tierstore.io.locks import SharedLock
 from tierstore.io.files import mapped_file_bytes, unmap_pages
 
 META_DB = b"__meta__"
-
-
-class _ResizeGuard:
-    """LMDB may grow its map only while this process has no transaction open;
-    reads (from any thread, prefetch workers included) hold this shared."""
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._readers = 0
-
-    @contextmanager
-    def shared(self):
-        with self._cond:
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self):
-        with self._cond:  # held throughout: no new reader starts meanwhile
-            self._cond.wait_for(lambda: self._readers == 0)
-            yield
 
 
 class _Env:
@@ -55,7 +29,9 @@ class _Env:
         self.meta = meta  # the __meta__ database's handle
         self.key = key
         self.pid = os.getpid()  # a forked child must not use its parent's environment
-        self.resize = _ResizeGuard()
+        # LMDB may grow its map only while this process has no transaction open: reads (from any
+        # thread, prefetch workers included) hold it shared, a read within a read among them
+        self.resize = SharedLock(writers_first=False)
         self.users = 0
         self.writer = False
         self.maps = 0  # counts the map's moves (set_mapsize): io.rowlog caches addresses in it

@@ -15,10 +15,13 @@ from contextlib import contextmanager
 
 class SharedLock:
     """``with lock.shared():`` for readers, any number at once; ``with lock:`` for a writer,
-    alone. A writer waiting holds off readers that come after it, so a stream of readers
-    never starves a writer. Not re-entrant: a thread holding it must not take it again."""
+    alone. ``writers_first``: a writer waiting holds off readers that come after it, so a
+    stream of readers never starves a writer; a thread holding it shared must then not take
+    it again (a writer waiting between would wait for it, and it for the writer). Otherwise
+    readers go in while a writer waits, a reader within a reader included."""
 
-    def __init__(self):
+    def __init__(self, writers_first: bool = True):
+        self._writers_first = writers_first
         self._cond = threading.Condition(threading.Lock())
         self._readers = 0
         self._writing = False
@@ -27,7 +30,7 @@ class SharedLock:
     @contextmanager
     def shared(self) -> Iterator[None]:
         with self._cond:
-            self._cond.wait_for(lambda: not self._writing and not self._writers_waiting)
+            self._cond.wait_for(lambda: not self._writing and not (self._writers_first and self._writers_waiting))
             self._readers += 1
         try:
             yield
