@@ -3,9 +3,9 @@
 Why: a log table's row index (io.rowindex) is read by every prefetch worker's lookup and
 changed only by the writer's commits and spills. Behind one plain lock, the lookups, which
 read the pages of its mapped levels from disk, went one at a time: in `tierstore bench
-scale`'s 200M x 16 table under 256 MiB (its eighth run), the prefetch workers waited for
-the lock 62% of their time, and it was held 57% of the wall time, reading index pages at a
-queue depth of one."""
+scale`'s 200M x 16 table under 256 MiB (its 11th run, the embedding step), the prefetch
+workers waited for the lock 62% of their time, and one of them held it 57% of the wall
+time."""
 from __future__ import annotations
 
 import threading
