@@ -269,13 +269,17 @@ class LogTables:
         ``after(txn, its result)`` in that snapshot with the index free again (a
         commit may update it meanwhile: what under_lock took still names this snapshot).
         Where the index is at the snapshot already (a writer's, but just after a commit),
-        under_lock shares the index lock with other lookups; it changes nothing."""
+        under_lock runs on a view of it (io.rowlog.RowLog.view) without the lock, or shares
+        the lock with other lookups where the index takes no view; it changes nothing."""
         while True:
             with self._reading(db=self._log_dbs[table], buffers=True) as txn:
                 try:
                     with self._index_lock.shared():
                         synced = txn.id() == self._log_synced[table]
-                        got = under_lock(self._logs[table]) if synced else None
+                        view = self._logs[table].view() if synced else None
+                        got = under_lock(self._logs[table]) if synced and view is None else None
+                    if view is not None:
+                        got = under_lock(view)
                     if not synced:
                         with self._index_lock:
                             if not self._sync_log(table, txn):

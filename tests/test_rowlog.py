@@ -746,3 +746,49 @@ def test_lookups_share_the_index_while_a_writer_commits_and_spills(tmp_path, mon
     assert b._logs["t"].index.levels, "the index never spilled"
     assert most[0] >= 2, "no two lookups ran at once"
     b.close()
+
+
+def test_a_commit_goes_on_while_a_lookup_is_in_flight(tmp_path, monkeypatch):
+    """A lookup works on a view of the index (RowLog.view), so commits go on while one is in
+    flight (here held up where it would read index pages from disk), and it still reads
+    the rows of its snapshot, though those commits emptied the segments its rows were in,
+    deleted them and gave their entries to new segments."""
+    b = open_backend(tmp_path / "s", "log")
+    ids = np.arange(16)
+
+    def put(version, which):
+        rows = np.stack([which, np.full(len(which), version), np.zeros(len(which))], axis=1).astype(np.float32)
+        b.put_rows([("t", which, rows)], last_use={"t": np.zeros(len(which), dtype=np.int64)})
+    for lo in range(0, 16, 4):
+        put(1, ids[lo:lo + 4])
+    log = b._logs["t"]
+    entries = dict(log._index)  # seq -> entry of the segments version 1 is in
+    asked, go, got = threading.Event(), threading.Event(), []
+    places = rowlog.RowLog.places
+
+    def held_up(self, asked_ids):
+        if threading.current_thread() is reader:
+            asked.set()
+            go.wait(300)  # set once the writer is done, or has waited 30 s
+        return places(self, asked_ids)
+    monkeypatch.setattr(rowlog.RowLog, "places", held_up)
+    reader = threading.Thread(target=lambda: got.append(b.get_rows("t", ids)))
+    reader.start()
+    assert asked.wait(60)
+    writer = threading.Thread(target=lambda: [put(v, ids[lo:lo + 4]) for v in (2, 3) for lo in range(0, 16, 4)])
+    writer.start()
+    writer.join(30)
+    went_on = not writer.is_alive()
+    go.set()
+    writer.join()
+    reader.join()
+    assert went_on, "the commits waited for the lookup in flight"
+    reused = [s for seq, s in entries.items() if seq not in log._index and s in log._index.values()]
+    assert reused, "no entry of version 1's segments went to a new segment"
+    rows, found = got[0]
+    assert found.all()
+    assert (rows[:, 0] == ids).all(), "a row of another id: a place read through an entry given to another segment"
+    assert (rows[:, 1] == 1).all(), "not the lookup's snapshot"
+    rows, found = b.get_rows("t", ids)
+    assert found.all() and (rows[:, 0] == ids).all() and (rows[:, 1] == 3).all()
+    b.close()
