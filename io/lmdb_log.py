@@ -414,9 +414,17 @@ class LogTables:
         or, for a publish_at_flush writer, with the next publish: readers of the last one may
         still read them. ``known``: by table, the place of each id of its segments before them
         (RowLog.apply); ``hints``: by table, where a read found each id of its segments
-        (RowLog.hints, -1 for none)."""
+        (RowLog.hints, -1 for none), made known before the commit (RowLog.previous_places)."""
+        known = dict(known or {})
+
+        def previous(t, h):  # shared: lookups go on while the hints' live bits are read
+            with self._index_lock.shared():
+                return self._logs[t].previous_places(np.concatenate([ids for ids, _ in segments[t]]), h)
+
         def plan():
             out, gone = [], {}
+            for t, h in (hints or {}).items():
+                known[t] = self._rebuilt_on_damage(t, functools.partial(previous, t, h))
             for t in set(segments) | set(deleting or ()):
                 log = self._logs[t]
                 gone[t] = set(log.emptied) | set((deleting or {}).get(t, ()))
@@ -450,7 +458,7 @@ class LogTables:
             for t in {t for t, *_ in new}:
                 self._logs[t].apply([(seq, rowlog.TOMBSTONES if slots is None else rowlog.ROWS, ids, -1)
                                      for table, seq, ids, slots in new if table == t],
-                                    known=(known or {}).get(t), hints=(hints or {}).get(t))
+                                    known=known.get(t))
             for t, seqs in gone.items():
                 log = self._logs[t]
                 for seq in seqs:

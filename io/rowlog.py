@@ -258,17 +258,14 @@ class RowLog:
         self.live_rows -= len(places)
         self.emptied.extend(self.seq[segs[self.live[segs] == 0]].tolist())
 
-    def apply(self, segments: list[tuple[int, int, np.ndarray, int]], known: np.ndarray | None = None,
-              hints: np.ndarray | None = None) -> None:
+    def apply(self, segments: list[tuple[int, int, np.ndarray, int]], known: np.ndarray | None = None) -> None:
         """Apply ``segments`` ((seq, kind, ids, file offset of the first slot or -1), in sequence
         order, each newer than every one applied): one update of the index for all of them
         (it costs about its own runs, and a little for the runs it meets: see io.rowindex).
-        ``known``: the place of each of their ids (all of them, in order, distinct) before
-        them, where the caller found it under the same write lock (a collection's copies: the
-        slots it found live), so that the index is not asked again: in a mapped level that
-        is a page read from disk a row. ``hints``: for each of their ids (in order), where a
-        read found its row earlier (hints(), -1 for none): those still its place (valid_hints)
-        are taken as known, and the index is asked for the others only."""
+        ``known``: the place of each of their ids (all of them, in order) before them, where
+        the caller found it under the same write lock (a collection's copies: the slots it
+        found live; a write's rows: previous_places), so that the index is not asked again:
+        in a mapped level that is a page read from disk a row."""
         if not segments:
             return
         all_ids, all_places = [], []
@@ -295,14 +292,8 @@ class RowLog:
         previous = np.empty(len(ids), dtype=np.uint32)  # where each place's row was before it
         if known is not None:
             previous[first] = np.asarray(known, dtype=np.uint32)[order][first]
-        elif hints is None:
-            previous[first] = self.index.get(ids[first])
         else:
-            at = np.flatnonzero(first)
-            hinted = np.asarray(hints, dtype=np.int64)[order][at]
-            valid = self.valid_hints(hinted)
-            previous[at[valid]] = hinted[valid] & _PLACE_MASK
-            previous[at[~valid]] = self.index.get(ids[at[~valid]])
+            previous[first] = self.index.get(ids[first])
         previous[~first] = places[:-1][~first[1:]]
         self._release(previous)
         self.index.put(ids[last], places[last])
@@ -413,6 +404,21 @@ class RowLog:
         hands back (apply): the place, and the low 31 bits of its segment's sequence number,
         which tell the segment from a later one that takes its entry (int64, never negative)."""
         return ((self.seq[segs] & _HINT_SEQ) << 32) | (segs << _SLOT_BITS) | slots
+
+    def previous_places(self, ids: np.ndarray, hints: np.ndarray) -> np.ndarray:
+        """Where the rows of ``ids`` are before a write of them (uint32, NONE: nowhere), for
+        apply's ``known``: a hint still valid (valid_hints) where a read left one (``hints``,
+        -1 for none), the index's place otherwise. Asked before the write commits, under the
+        write lock: checking the hints reads the live bits' pages, which the page cache may
+        have dropped, and after the commit the writer holds the index lock alone, holding
+        up every lookup (the write-back read them there 23% of its time: py-spy,
+        `tierstore bench scale`'s 200M x 16 table under 256 MiB, its DLRM step)."""
+        hints = np.asarray(hints, dtype=np.int64)
+        valid = self.valid_hints(hints)
+        out = np.empty(len(hints), dtype=np.uint32)
+        out[valid] = hints[valid] & _PLACE_MASK
+        out[~valid] = self.index.get(np.asarray(ids, dtype=np.int64)[~valid])
+        return out
 
     def valid_hints(self, hints: np.ndarray) -> np.ndarray:
         """Mask of the ``hints`` (int64, -1 for none) that are still their row's place: the

@@ -19,7 +19,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tierstore.io import StoreCorruptError, lmdb_backend, lmdb_log, lmdb_map, rowindex, rowlog
+from tierstore.io import StoreCorruptError, liveslots, lmdb_backend, lmdb_log, lmdb_map, rowindex, rowlog
 from tierstore.io.lmdb_backend import LmdbBackend
 
 N, DIM = 40, 3
@@ -690,6 +690,34 @@ def test_hints_name_a_slot_of_a_segment_and_go_stale_when_its_row_moves_or_its_e
     assert not log.valid_hints(hints).any()
     assert not log.valid_hints(np.array([-1])).any()
 
+
+def test_a_write_checks_its_hints_before_it_holds_the_index_alone(tmp_path, monkeypatch):
+    """A write of rows with the places a read found them (hints) reads their live bits
+    before its commit, where lookups go on beside it, never while it holds the index lock
+    alone; the slots those hints name are released all the same."""
+    b = open_backend(tmp_path / "s", "log")
+    ids = np.arange(8)
+
+    def put(version, places=None):
+        rows = np.stack([ids, np.full(8, version), np.zeros(8)], axis=1).astype(np.float32)
+        b.put_rows([("t", ids, rows)], last_use={"t": np.zeros(8, dtype=np.int64)}, places=places)
+    put(1)
+    first = set(b._logs["t"]._index)  # version 1's segments
+    places = np.empty(8, dtype=np.int64)
+    assert b.get_rows("t", ids, places=places)[1].all()
+    alone, live_at = [], liveslots.LiveSlots.live_at
+
+    def recorded(self, segments, slots):
+        alone.append(b._index_lock._writing)
+        return live_at(self, segments, slots)
+    monkeypatch.setattr(liveslots.LiveSlots, "live_at", recorded)
+    put(2, {"t": places})
+    assert alone and not any(alone), "the hints were checked with the index lock held alone"
+    log = b._logs["t"]
+    assert log.live_rows == 8 and not first & set(log._index), "version 1's slots were not released"
+    rows, found = b.get_rows("t", ids)
+    assert found.all() and (rows[:, 1] == 2).all()
+    b.close()
 
 def test_lookups_share_the_index_while_a_writer_commits_and_spills(tmp_path, monkeypatch):
     """Readers' lookups run side by side (io.locks.SharedLock), while a writer commits,
