@@ -382,8 +382,8 @@ class RowLog:
         open); the hints of a segment forgotten since are not valid (valid_hints). None where
         the index holds a dense level in memory: commits write into that one
         (RowIndex.current), and lookups, which then find places in memory, hold the lock. Under the
-        lock, the write-back's commits waited for lookups reading index pages from disk 54% of
-        their time (py-spy, `tierstore bench scale`'s 200M x 16 table under 256 MiB, its DLRM
+        lock, the write-back's commits waited for lookups reading index pages from disk (54% of
+        its samples: py-spy, `tierstore bench scale`'s 200M x 16 table under 256 MiB, its DLRM
         step)."""
         if any(rowindex.in_memory(level) for level in self.index.levels):
             return None
@@ -411,7 +411,7 @@ class RowLog:
         -1 for none), the index's place otherwise. Asked before the write commits, under the
         write lock: checking the hints reads the live bits' pages, which the page cache may
         have dropped, and after the commit the writer holds the index lock alone, holding
-        up every lookup (the write-back read them there 23% of its time: py-spy,
+        up every lookup (23% of the write-back's samples there: py-spy,
         `tierstore bench scale`'s 200M x 16 table under 256 MiB, its DLRM step)."""
         hints = np.asarray(hints, dtype=np.int64)
         valid = self.valid_hints(hints)
