@@ -57,9 +57,10 @@ def test_without_a_cgroup_or_fio_it_says_so_and_runs(tmp_path, capsys, monkeypat
     monkeypatch.setattr(bench_scale, "CGROUP_V2", tmp_path / "no-v2")
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert cli.main(["bench", "scale", "--rows", "200000", "--dim", "16", "--budgets", "7MiB", "--depths", "0",
-                     "--repeat", "1", "--dir", str(tmp_path)]) == 0
+                     "--repeat", "1", "--dir", str(tmp_path), "--age-rows", "1000"]) == 0
     out = capsys.readouterr().out
     assert "memory limit: none: no cgroup memory controller here" in out
+    assert "aged: 1,000 rows of random ids rewritten (--age-rows); 1,000 of them before these runs" in out, out
     assert "fio is not installed (apt-get install -y fio): Python O_DIRECT preads" in out
     assert "DLRM: skipped: no budget in --budgets is a tenth of the table" in out
     for field in ("M lookups/s", "p50 / p90 / p99", "hit rate HBM", "rows read", "amplification read",
@@ -124,6 +125,42 @@ def test_a_scattered_table_places_each_row_apart_from_its_neighbours(tmp_path):
             assert np.array_equal(out.view(np.float32), store.read(bench_scale.TABLE, np.arange(5000)).numpy()[found.rows])
         adjacent[scattered] = np.mean(np.diff(found.offsets) == found.width)  # id i + 1 in the slot after id i's
     assert adjacent[False] > 0.99 and adjacent[True] < 0.5
+
+
+def test_ageing_rewrites_rows_of_random_ids_each_apart_from_its_neighbours(tmp_path):
+    """--age-rows: rows of random ids rewritten under the budget, each now apart from its id's
+    neighbours as a training run's write-backs leave them; every other row as it was; the rows
+    written counted in the marker, and a second ageing draws other ids."""
+    import lmdb
+    import numpy as np
+
+    import tierstore
+
+    path = tmp_path / "store"
+    bench_scale.prepare_table(path, 5000, 8, 0)
+
+    def rows_and_adjacency():
+        env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=1024)
+        try:
+            db = env.open_db(b"s:" + bench_scale.TABLE.encode(), create=False)
+            found = bench_floors.locate_log_rows(env, db, np.arange(5000))
+        finally:
+            env.close()
+        with tierstore.TieredStore(path, readonly=True) as store:
+            rows = store.read(bench_scale.TABLE, np.arange(5000)).numpy()
+        return rows, np.mean(np.diff(found.offsets) == found.width)
+
+    before, adjacent = rows_and_adjacency()
+    first = bench_scale.age_table(path, 5000, 8, 2000, 0, 64 << 20)
+    after, aged_adjacent = rows_and_adjacency()
+    changed = np.flatnonzero((after != before).any(axis=1))
+    assert first["aged_rows"] == first["rows"] == 2000 and 1500 < len(changed) < 2000  # ids drawn with repeats
+    assert adjacent > 0.99 and aged_adjacent < 0.7
+    second = bench_scale.age_table(path, 5000, 8, 2000, 0, 64 << 20)
+    again = np.flatnonzero((rows_and_adjacency()[0] != after).any(axis=1))
+    assert second["aged_rows"] == 4000 and 1500 < len(again) < 2000
+    assert not np.array_equal(again, changed)
+    assert bench_scale.prepare_table(path, 5000, 8, 0)["aged_rows"] == second["aged_rows"]  # the marker keeps it
 
 
 def test_a_table_declaring_more_rows_than_it_writes(tmp_path):

@@ -15,6 +15,10 @@ def print_report(res: dict) -> None:
     print(f"\n== scale: {t['rows']:,} x {t['dim']} float32 rows{declared} ({format_bytes(t['table_bytes'])} of rows; data.mdb "
           f"{format_bytes(t['data_mdb_bytes'])}, {'reused' if t['reused'] else 'built in %.0f s' % t['build_s']}) at {t['path']}; "
           f"spare_space={t['spare_space']:g}, policy={t['policy']!r}")
+    if t.get("aged_rows"):
+        aged = t.get("aged")
+        now = f"; {aged['rows']:,} of them before these runs, in {aged['seconds']:.0f} s" if aged else ""
+        print(f"   aged: {t['aged_rows']:,} rows of random ids rewritten (--age-rows){now}")
     b = res["batch"]
     print(f"   step: {b['bags']} bags x {b['pooling']} ids, Zipf {b['zipf']}, SGD, {b['threads']} thread; "
           f"{b['timed_steps']} timed steps after {b['warmup']} untimed (--warmup)")
