@@ -55,7 +55,7 @@ MARGIN = 16 << 20  # over the child's RSS + the budget: the interpreter's own gr
 FLOOR_SECONDS = 3.0  # per queue depth
 TABLE = "t0"  # TieredEmbeddingBag's default table name
 MARKER = "bench-scale.json"  # written once every row is durable: a store that may be reused
-AGE_CHUNK = 1 << 15  # rows a commit of --age-rows writes: about what a write-back's commit writes
+AGE_CHUNK = 1 << 15  # rows a write of --age-rows writes: about what a write-back's commit writes
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 CGROUP_V2 = Path("/sys/fs/cgroup")
 
@@ -114,10 +114,10 @@ def prepare_table(path: Path, rows: int, dim: int, seed: int, declared: int | No
 
 def age_table(path: Path, rows: int, dim: int, n: int, seed: int, budget: int) -> dict:
     """Rewrite ``n`` rows of ids drawn uniformly over the table's ``rows`` (seeded by ``seed``
-    and a number no run on the table had before), AGE_CHUNK a commit, under
+    and a number no run on the table had before), AGE_CHUNK a write, under
     ``memory_budget=budget``: what the write-backs of a long training run leave, each row they
     move a run of its own in the row index (io.rowindex), in minutes rather than hours (40M
-    rows of the 200M x 16 table: 5 minutes). Counted in the table's marker (``aged_rows``),
+    rows of the 200M x 16 table: 257 s). Counted in the table's marker (``aged_rows``),
     which reuse keeps: each command with ``--age-rows`` ages the table further. Returns the
     rows written, the seconds taken, and the table's ``aged_rows`` since it was built."""
     import tierstore
