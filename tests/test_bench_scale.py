@@ -99,11 +99,36 @@ def test_a_built_table_is_reused_and_another_is_refused_naming_the_fix(tmp_path)
         bench_scale.prepare_table(path, 2000, 8, 0)
 
 
+def _log_layout(path, rows: int, copy: bool = False):
+    """Where the log holds each of the first ``rows`` ids (bench_floors.locate_log_rows), and,
+    with ``copy``, their rows' bytes read straight from LMDB."""
+    import lmdb
+    import numpy as np
+
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=1024)
+    try:
+        db = env.open_db(b"s:" + bench_scale.TABLE.encode(), create=False)
+        found = bench_floors.locate_log_rows(env, db, np.arange(rows))
+        out = None
+        if copy:
+            out = np.empty((len(found.rows), found.width), dtype=np.uint8)
+            bench_floors.copy_log_rows(env, db, found, out)
+    finally:
+        env.close()
+    return found, out
+
+
+def _adjacency(found) -> float:
+    """The share of ids whose next id lies in the next slot."""
+    import numpy as np
+
+    return np.mean(np.diff(found.offsets) == found.width)
+
+
 def test_a_scattered_table_places_each_row_apart_from_its_neighbours(tmp_path):
     """--scattered: the rows are written in a random order, a commit at a time, so that an
     id's neighbours lie elsewhere in the log, as after a long training run; every row is
     there, with the values the store reads back."""
-    import lmdb
     import numpy as np
 
     import tierstore
@@ -112,18 +137,11 @@ def test_a_scattered_table_places_each_row_apart_from_its_neighbours(tmp_path):
     for scattered in (False, True):
         path = tmp_path / f"store-{scattered}"
         assert bench_scale.prepare_table(path, 5000, 8, 0, scattered=scattered)["scattered"] is scattered
-        env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=1024)
-        try:
-            db = env.open_db(b"s:" + bench_scale.TABLE.encode(), create=False)
-            found = bench_floors.locate_log_rows(env, db, np.arange(5000))
-            out = np.empty((len(found.rows), found.width), dtype=np.uint8)
-            bench_floors.copy_log_rows(env, db, found, out)
-        finally:
-            env.close()
+        found, out = _log_layout(path, 5000, copy=True)
         assert len(found.rows) == 5000
         with tierstore.TieredStore(path, readonly=True) as store:
             assert np.array_equal(out.view(np.float32), store.read(bench_scale.TABLE, np.arange(5000)).numpy()[found.rows])
-        adjacent[scattered] = np.mean(np.diff(found.offsets) == found.width)  # id i + 1 in the slot after id i's
+        adjacent[scattered] = _adjacency(found)  # id i + 1 in the slot after id i's
     assert adjacent[False] > 0.99 and adjacent[True] < 0.5
 
 
@@ -131,7 +149,6 @@ def test_ageing_rewrites_rows_of_random_ids_each_apart_from_its_neighbours(tmp_p
     """--age-rows: rows of random ids rewritten under the budget, each now apart from its id's
     neighbours as a training run's write-backs leave them; every other row as it was; the rows
     written counted in the marker, and a second ageing draws other ids."""
-    import lmdb
     import numpy as np
 
     import tierstore
@@ -140,15 +157,9 @@ def test_ageing_rewrites_rows_of_random_ids_each_apart_from_its_neighbours(tmp_p
     bench_scale.prepare_table(path, 5000, 8, 0)
 
     def rows_and_adjacency():
-        env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=1024)
-        try:
-            db = env.open_db(b"s:" + bench_scale.TABLE.encode(), create=False)
-            found = bench_floors.locate_log_rows(env, db, np.arange(5000))
-        finally:
-            env.close()
         with tierstore.TieredStore(path, readonly=True) as store:
             rows = store.read(bench_scale.TABLE, np.arange(5000)).numpy()
-        return rows, np.mean(np.diff(found.offsets) == found.width)
+        return rows, _adjacency(_log_layout(path, 5000)[0])
 
     before, adjacent = rows_and_adjacency()
     first = bench_scale.age_table(path, 5000, 8, 2000, 0, 64 << 20)

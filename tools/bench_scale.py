@@ -130,11 +130,7 @@ def age_table(path: Path, rows: int, dim: int, n: int, seed: int, budget: int) -
             store.write(TABLE, ids, rng.standard_normal((len(ids), dim), dtype=np.float32) * 0.01)
             written += len(ids)
         store.flush()
-    marker = path / MARKER
-    built = json.loads(marker.read_text())
-    built["aged_rows"] = built.get("aged_rows", 0) + written
-    marker.write_text(json.dumps(built))
-    return {"rows": written, "seconds": round(time.perf_counter() - t0, 1), "aged_rows": built["aged_rows"]}
+    return {"rows": written, "seconds": round(time.perf_counter() - t0, 1), "aged_rows": _counted(path, "aged_rows", written)}
 
 
 def _order(scattered: bool) -> str:
@@ -626,11 +622,16 @@ def _next_salt(path: Path) -> int:
     """A number no run on this table had before (counted in its marker): each run renames
     its ids by it (_relabeled), so that no run reads a layout an earlier run of the same
     ids wrote."""
+    return _counted(path, "runs", 1)
+
+
+def _counted(path: Path, key: str, n: int) -> int:
+    """Add ``n`` to the count ``key`` of the table's marker (kept on reuse); the new count."""
     marker = path / MARKER
     built = json.loads(marker.read_text())
-    built["runs"] = built.get("runs", 0) + 1
+    built[key] = built.get(key, 0) + n
     marker.write_text(json.dumps(built))
-    return built["runs"]
+    return built[key]
 
 
 def _predicted(trace: Path, ddr_rows: int, policy: str = "lru") -> dict:
