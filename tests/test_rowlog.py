@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -820,3 +820,26 @@ def test_a_commit_goes_on_while_a_lookup_is_in_flight(tmp_path, monkeypatch):
     rows, found = b.get_rows("t", ids)
     assert found.all() and (rows[:, 0] == ids).all() and (rows[:, 1] == 3).all()
     b.close()
+
+
+@given(cleared=st.lists(st.tuples(st.integers(0, 63), st.integers(0, 4095)), max_size=300), asked=st.integers(1, 3))
+@settings(max_examples=50, deadline=None)
+def test_live_bits_read_and_clear_as_a_plain_model_whatever_pages_they_span(tmp_path_factory, cleared, asked):
+    """The live bits, read and cleared a part of their pages at a time (each part's pages
+    asked of the kernel at once), against a plain bool array: 64 segments of 4,096 slots,
+    eight a page of bits; parts of 1-3 pages."""
+    bits = liveslots.LiveSlots(4096, 64, tmp_path_factory.mktemp("bits"))
+    model = np.zeros((64, 4096), dtype=bool)
+    for s in range(0, 64, 2):
+        bits.reset(s, 4096)
+        model[s] = True
+    old, liveslots._ASKED_PAGES = liveslots._ASKED_PAGES, asked
+    try:
+        seg, slot = (np.array([c[i] for c in cleared], dtype=np.int64) for i in (0, 1))
+        bits.clear(seg, slot)
+        model[seg, slot] = False
+        every = np.repeat(np.arange(64), 4096), np.tile(np.arange(4096), 64)
+        assert np.array_equal(bits.live_at(*every), model.reshape(-1))
+        assert np.array_equal(bits.live_at(seg[::-1], slot[::-1]), model[seg[::-1], slot[::-1]])
+    finally:
+        liveslots._ASKED_PAGES = old
