@@ -27,12 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .lmdb_map import PAGE, will_need
-
-# pages of bits asked of the kernel at once (they must stay in the page cache until read): a
-# write's check of its rows' hints read the bits' pages one fault at a time, each a read at
-# queue depth 1 where the page cache had dropped them: 70% of the write-back's samples (py-spy,
-# `tierstore bench scale`'s DLRM step on the 200M x 16 table aged by training, 256 MiB)
-_ASKED_PAGES = 1024
+from .rowindex import LOOKUP_PAGES
 
 
 def _mapped(entries: int, width: int, folder: Path | None, reserved: int = 0) -> tuple[int, np.ndarray]:
@@ -109,13 +104,16 @@ class LiveSlots:
         return (byte >> (slots & 7).astype(np.uint8)) & 1 == 1
 
     def _asked(self, at: np.ndarray):
-        """Parts of ``at`` (byte offsets into the bits) of at most _ASKED_PAGES pages each
-        (masks), the pages of each asked of the kernel all at once before it is yielded
-        (io.lmdb_map.will_need: read in parallel, not a fault at a time)."""
+        """Parts of ``at`` (byte offsets into the bits) of at most LOOKUP_PAGES pages each
+        (masks: as many as the index's lookups ask at once, to stay in the page cache until
+        read), the pages of each asked of the kernel all at once before it is yielded
+        (io.lmdb_map.will_need). Read a fault at a time, at queue depth 1 where the page cache
+        had dropped them, the bits took 70% of the write-back's samples (py-spy, `tierstore
+        bench scale`'s DLRM step on the 200M x 16 table aged by training, 256 MiB)."""
         pages, part = np.unique(at // PAGE, return_inverse=True)
-        part //= _ASKED_PAGES
-        for i in range(-(-len(pages) // _ASKED_PAGES)):
-            will_need(self.rows.ctypes.data, pages[i * _ASKED_PAGES: (i + 1) * _ASKED_PAGES] * PAGE, PAGE)
+        part //= LOOKUP_PAGES
+        for i in range(-(-len(pages) // LOOKUP_PAGES)):
+            will_need(self.rows.ctypes.data, pages[i * LOOKUP_PAGES: (i + 1) * LOOKUP_PAGES] * PAGE, PAGE)
             yield part == i
 
     def live(self, segments: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -833,7 +833,7 @@ def test_live_bits_read_and_clear_as_a_plain_model_whatever_pages_they_span(tmp_
     for s in range(0, 64, 2):
         bits.reset(s, 4096)
         model[s] = True
-    old, liveslots._ASKED_PAGES = liveslots._ASKED_PAGES, asked
+    old, liveslots.LOOKUP_PAGES = liveslots.LOOKUP_PAGES, asked
     try:
         seg, slot = (np.array([c[i] for c in cleared], dtype=np.int64) for i in (0, 1))
         bits.clear(seg, slot)
@@ -842,4 +842,4 @@ def test_live_bits_read_and_clear_as_a_plain_model_whatever_pages_they_span(tmp_
         assert np.array_equal(bits.live_at(*every), model.reshape(-1))
         assert np.array_equal(bits.live_at(seg[::-1], slot[::-1]), model[seg[::-1], slot[::-1]])
     finally:
-        liveslots._ASKED_PAGES = old
+        liveslots.LOOKUP_PAGES = old
