@@ -41,6 +41,10 @@ def test_small_run_under_a_memory_cgroup(tmp_path, capsys, quick):
         # the limit held the child (the kernel charges pages in batches of up to 64 past it)
         assert 0 < r["cgroup_peak"] <= r["limit"] + 64 * 4096
         assert r["oom_killed"] in (True, False)
+        # what the charge was made of, sampled as it ran: the child's own memory, and the store's pages in the page cache
+        assert 0 < r["charged_before"] <= r["limit"]
+        for sample in (r["cgroup_at_most_anon"], r["cgroup_last"]):
+            assert sample["anon"] > 0 and sample["file"] > 0 and sample["anon"] + sample["file"] <= r["cgroup_peak"]
         missing = [f for f in FIELDS if r.get(f) is None and not (f == "x_in_memory" and r["kind"] == "emb" and not _have_fbgemm())]
         assert not missing, r
         assert r["rows_read_per_step"] > 0 and r["disk_read_bytes_per_step"] > 0  # a table 10x its budget misses

@@ -58,6 +58,11 @@ MARKER = "bench-scale.json"  # written once every row is durable: a store that m
 AGE_CHUNK = 1 << 15  # rows a write of --age-rows writes: about what a write-back's commit writes
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 CGROUP_V2 = Path("/sys/fs/cgroup")
+# memory.stat's counters the report keeps, v1's name -> v2's: anonymous memory (the process's own), the page
+# cache's, and of it the dirty pages and those being written (which reclaim cannot drop until written)
+STAT_V1 = {"rss": "anon", "cache": "file", "mapped_file": "file_mapped", "dirty": "file_dirty",
+           "writeback": "file_writeback", "shmem": "shmem"}
+STAT_PERIOD = 0.1  # seconds between samples of the group's memory.stat while its child runs
 
 
 # -- the table ---------------------------------------------------------------------------------
@@ -179,6 +184,17 @@ class MemoryGroup:
         text = _read(self.path / ("memory.max_usage_in_bytes" if self.version == 1 else "memory.peak"))
         return int(text) if text.strip().isdigit() else None
 
+    def usage(self) -> int | None:
+        """Bytes charged to the group now."""
+        text = _read(self.path / ("memory.usage_in_bytes" if self.version == 1 else "memory.current"))
+        return int(text) if text.strip().isdigit() else None
+
+    def stat(self) -> dict[str, int]:
+        """What the group's charge is made of, in v2's names (v1's renamed, its totals left out)."""
+        counts = dict(line.split() for line in _read(self.path / "memory.stat").splitlines() if len(line.split()) == 2)
+        names = STAT_V1 if self.version == 1 else {k: k for k in STAT_V1.values()}
+        return {ours: int(counts[theirs]) for theirs, ours in names.items() if theirs in counts}
+
     def oom_kills(self) -> int | None:
         """OOM kills in the group (v1's oom_control has the count on kernels >= 4.13)."""
         text = _read(self.path / ("memory.oom_control" if self.version == 1 else "memory.events"))
@@ -190,6 +206,31 @@ class MemoryGroup:
             self.path.rmdir()
         except OSError:
             pass  # a child left in it: the group stays, empty once it ends
+
+
+class StatWatch(threading.Thread):
+    """Samples a group's memory.stat every STAT_PERIOD until stopped; keeps the sample of most
+    anonymous memory and the last one (a child OOM-killed: what the group held just before)."""
+
+    def __init__(self, group: MemoryGroup):
+        super().__init__(name="tierstore-bench-memstat", daemon=True)
+        self.group, self.done = group, threading.Event()
+        self.most_anon: dict[str, int] = {}
+        self.last: dict[str, int] = {}
+
+    def run(self) -> None:
+        while not self.done.wait(STAT_PERIOD):
+            sample = self.group.stat()
+            if not sample:  # the group is empty (its child ended) or gone
+                continue
+            self.last = sample
+            if sample.get("anon", 0) >= self.most_anon.get("anon", -1):
+                self.most_anon = sample
+
+    def stop(self) -> dict:
+        self.done.set()
+        self.join()
+        return {"cgroup_at_most_anon": self.most_anon, "cgroup_last": self.last}
 
 
 def _read(path: Path) -> str:
@@ -485,10 +526,15 @@ def _run_child(job: dict, path: Path, group: MemoryGroup | None) -> dict:
         p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
         ready = p.stdout.readline()
         out = {"rss_before": json.loads(ready)["rss"] if ready else None}
+        watch = None
         if ready and job["kind"] != "inmem":
             if group is not None:
+                # charged: less than the RSS where the libraries' pages were charged to the parent, which loaded them first
+                out["charged_before"] = group.usage()
                 out["limit"] = out["rss_before"] + job["budget"] + MARGIN
                 group.limit(out["limit"])
+                watch = StatWatch(group)
+                watch.start()
             drop_store_pages(path)
             # the disk's speed the minute the run starts, its floor's: on a VM it moved from 10k to 96k
             # reads/s at depth 32 within an hour, and a floor measured at the start said little of a later run
@@ -497,6 +543,8 @@ def _run_child(job: dict, path: Path, group: MemoryGroup | None) -> dict:
             p.stdin.flush()
         lines = p.stdout.read().splitlines()
         p.wait()
+        if watch is not None:
+            out.update(watch.stop())
         err.seek(0)
         tail = err.read()[-2000:]
     out["exit"] = p.returncode

@@ -51,6 +51,10 @@ def _print_run(r: dict) -> None:
     if r.get("oom_killed") and "mean_s" in r:
         fate += " after its timed steps (closing the store: its final flush)"
     print(f"   {fate}; {limit}; peak RSS {format_bytes(r.get('rss_peak'))}, cgroup peak {format_bytes(r.get('cgroup_peak'))}")
+    if "charged_before" in r:
+        held = lambda s: ", ".join(f"{k} {format_bytes(v)}" for k, v in s.items()) or "-"  # noqa: E731
+        print(f"   charged to the group at its start {format_bytes(r['charged_before'])}; at its most anonymous memory: "
+              f"{held(r['cgroup_at_most_anon'])}; last sampled: {held(r['cgroup_last'])}")
     if "mean_s" not in r:
         print(f"   no figures: {r.get('error', 'the run ended before its report')}")
         return
