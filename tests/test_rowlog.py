@@ -790,7 +790,7 @@ def test_a_commit_goes_on_while_a_lookup_is_in_flight(tmp_path, monkeypatch):
     for lo in range(0, 16, 4):
         put(1, ids[lo:lo + 4])
     log = b._logs["t"]
-    entries = dict(log._index)  # seq -> entry of the segments version 1 is in
+    entries = dict(log._index.items())  # seq -> entry of the segments version 1 is in
     asked, go, got = threading.Event(), threading.Event(), []
     places = rowlog.RowLog.places
 
@@ -811,7 +811,7 @@ def test_a_commit_goes_on_while_a_lookup_is_in_flight(tmp_path, monkeypatch):
     writer.join()
     reader.join()
     assert went_on, "the commits waited for the lookup in flight"
-    reused = [s for seq, s in entries.items() if seq not in log._index and s in log._index.values()]
+    reused = [s for seq, s in entries.items() if seq not in log._index and s in log._index.entries().tolist()]
     assert reused, "no entry of version 1's segments went to a new segment"
     rows, found = got[0]
     assert found.all()
