@@ -843,3 +843,48 @@ def test_live_bits_read_and_clear_as_a_plain_model_whatever_pages_they_span(tmp_
         assert np.array_equal(bits.live_at(seg[::-1], slot[::-1]), model[seg[::-1], slot[::-1]])
     finally:
         liveslots.LOOKUP_PAGES = old
+
+
+class SeqMapAgainstDict(RuleBasedStateMachine):
+    """io.rowlog.SeqMap against a dict: seqs added in increasing order, popped at random,
+    looked up one and many at a time, through the compactions its growth makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.map, self.model, self.next = rowlog.SeqMap(), {}, 1
+
+    @rule(gaps=st.lists(st.integers(1, 5), min_size=1, max_size=16), entry=st.integers(0, 1 << 20))
+    def add(self, gaps, entry):  # several at once: past 64, to the compactions its growth makes
+        for i, gap in enumerate(gaps):
+            self.next += gap
+            self.map.add(self.next, entry + i)
+            self.model[self.next] = entry + i
+
+    @rule(seq=st.integers(0, 1200))
+    def pop(self, seq):
+        assert self.map.pop(seq) == self.model.pop(seq, None)
+
+    @rule(seq=st.integers(0, 400))
+    def add_out_of_order_is_refused(self, seq):
+        if self.model and seq <= self.next:
+            with pytest.raises(ValueError, match="increasing order"):
+                self.map.add(seq, 0)
+
+    @rule(seqs=st.lists(st.integers(0, 1200), max_size=8))
+    def lookups(self, seqs):
+        for seq in seqs:
+            assert self.map.get(seq) == self.model.get(seq) and (seq in self.map) == (seq in self.model)
+        known = [seq for seq in seqs if seq in self.model]
+        assert self.map.many(known).tolist() == [self.model[seq] for seq in known]
+        if len(known) < len(seqs):
+            with pytest.raises(KeyError):
+                self.map.many(seqs)
+
+    @invariant()
+    def same_items(self):
+        assert len(self.map) == len(self.model)
+        assert list(self.map.items()) == sorted(self.model.items())
+
+
+TestSeqMapAgainstDict = SeqMapAgainstDict.TestCase
+TestSeqMapAgainstDict.settings = settings(max_examples=60, stateful_step_count=120, deadline=None)
