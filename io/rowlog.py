@@ -55,7 +55,12 @@ MIN_SEGMENT_ROWS = 256  # fewer and the segments' own bookkeeping (SEGMENT_ENTRY
 SPARE = 0.5  # dead slots kept at most, as a fraction of live rows, before a collection (RowLog.victims): the default
 MAX_SLOTS = 1 << _SLOT_BITS
 _MAX_SEGMENTS = (1 << (32 - _SLOT_BITS)) - 1  # the last one would make NONE a place
-SEGMENT_ENTRY_BYTES = 4 * 8  # a segment's seq, live, slots and offset in RowLog (its live bits: the page cache's)
+# The most a segment entry of a RowLog takes in memory (its live bits are the page cache's): its
+# seq and file offset (8 bytes each), live and slots counts (4 each), a place in the free or held
+# stack (4), its SeqMap entry (12, with a quarter to spare: 15), and the copies of seq and offset a
+# commit makes while a lookup's view holds them (16). Counted at 32 (the four of them as int64,
+# nothing else), an index held 46% more than it reported (tests/test_rowlog.py, tracemalloc).
+SEGMENT_ENTRY_BYTES = 8 + 8 + 4 + 4 + 4 + 15 + 16
 HEADER = struct.Struct("<4sB3xII")  # magic, kind, ids, slot bytes
 _MAGIC = b"TSG1"
 ROWS, TOMBSTONES = 0, 1
@@ -85,6 +90,15 @@ _SAVED_RUNS_A_ROW = 8
 _SAVED_BYTES_A_ROW = 32
 
 
+_ENTRY = "i"  # a segment index in the free and held stacks (array's typecode: below _MAX_SEGMENTS)
+_ENTRY_BYTES = array(_ENTRY).itemsize
+
+
+def _entries(values: np.ndarray) -> array:
+    """Segment indexes as a stack (array(_ENTRY)), 4 bytes each."""
+    return array(_ENTRY, np.asarray(values, dtype=np.dtype(_ENTRY)).tobytes())
+
+
 def rows_per_segment(slot_bytes: int, num_rows: int) -> int:
     """Slots of a full segment: SEGMENT_BYTES of them, at least MIN_SEGMENT_ROWS, and enough
     that the table's rows fill at most half the segment numbers the index can name (dead
@@ -95,11 +109,12 @@ def rows_per_segment(slot_bytes: int, num_rows: int) -> int:
 
 def segment_bytes_bound(num_rows: int, slot_bytes: int) -> int:
     """The most the segments' entries of a RowLog of ``num_rows`` rows of ``slot_bytes`` take:
-    victims() keeps the segments under twice the full ones needed plus 16, reserve grows
-    the arrays by a quarter (at most doubling) from 64, and the 64 more leave room for what a collection has yet
-    to merge."""
-    segments = 2 * (2 * -(-num_rows // rows_per_segment(slot_bytes, num_rows)) + 16 + 64)
-    return SEGMENT_ENTRY_BYTES * segments
+    victims() keeps the segments under twice the full ones needed plus 16 (64 more: room for
+    what a collection has yet to merge), and reserve grows the entries by a quarter when none is
+    free, from 64, never past _MAX_SEGMENTS. (Entries of segments a recovery found gone wait in
+    ``_held`` until the next spill merges the levels naming them.)"""
+    in_use = 2 * -(-num_rows // rows_per_segment(slot_bytes, num_rows)) + 16 + 64
+    return SEGMENT_ENTRY_BYTES * min(_MAX_SEGMENTS, in_use + in_use // 4 + 64)
 
 
 def runs_bytes_bound(num_rows: int) -> int:
@@ -169,10 +184,14 @@ class SeqMap:
     segments of the 200M x 16 table, aged by training, beside its 16 MiB share of the budget."""
 
     def __init__(self, seqs: np.ndarray = np.zeros(0, dtype=np.int64), entries: np.ndarray = np.zeros(0, dtype=np.int64)):
-        """Mapping ``seqs`` (distinct) to ``entries``."""
+        """Mapping ``seqs`` (distinct) to ``entries`` (segment indexes: below 2**31)."""
         order = np.argsort(seqs)
-        self._seqs, self._entries = np.asarray(seqs, dtype=np.int64)[order], np.asarray(entries, dtype=np.int64)[order]
+        self._seqs, self._entries = np.asarray(seqs, dtype=np.int64)[order], np.asarray(entries, dtype=np.int32)[order]
         self._n = self._live = len(order)
+
+    @property
+    def nbytes(self) -> int:
+        return self._seqs.nbytes + self._entries.nbytes
 
     def __len__(self) -> int:
         return self._live
@@ -214,8 +233,8 @@ class SeqMap:
             raise ValueError(f"segment {seq} added after segment {int(self._seqs[self._n - 1])}: seqs are added in increasing order")
         if self._n == len(self._seqs):
             kept = self._entries[:self._n] >= 0
-            size = max(64, 2 * self._live + 2)
-            seqs, entries = np.zeros(size, dtype=np.int64), np.full(size, -1, dtype=np.int64)
+            size = max(64, self._live + self._live // 4 + 1)  # SEGMENT_ENTRY_BYTES counts a quarter to spare
+            seqs, entries = np.zeros(size, dtype=np.int64), np.full(size, -1, dtype=np.int32)
             seqs[:self._live], entries[:self._live] = self._seqs[:self._n][kept], self._entries[:self._n][kept]
             self._seqs, self._entries, self._n = seqs, entries, self._live
         self._seqs[self._n], self._entries[self._n] = seq, s
@@ -266,14 +285,14 @@ class RowLog:
         self.on_spill = None  # spills the index (RowIndex.wants_spill) during a replay
         self.unsaved = 0  # rows applied since the index was last saved (wants_save)
         # segment indexes: those a mapped index still names (RowIndex.held), and the free ones (a stack); arrays,
-        # 8 bytes an entry where a list's ints took 36 (7 MiB of the 200M x 16 table's 232k free entries)
-        self._held = array("q")
+        # 4 bytes an entry where a list's ints took 36 (7 MiB of the 200M x 16 table's 232k free entries)
+        self._held = array(_ENTRY)
         self.seq = np.zeros(0, dtype=np.int64)  # 0: a free entry
-        self.live = np.zeros(0, dtype=np.int64)
-        self.slots = np.zeros(0, dtype=np.int64)
+        self.live = np.zeros(0, dtype=np.int32)  # at most MAX_SLOTS: 4 bytes an entry (SEGMENT_ENTRY_BYTES)
+        self.slots = np.zeros(0, dtype=np.int32)
         self.offset = np.zeros(0, dtype=np.int64)  # file offset of the first slot; -1 until read
         self.bits = LiveSlots(self.per_segment, _MAX_SEGMENTS, folder)  # by segment index
-        self._free = array("q")
+        self._free = array(_ENTRY)
         self._viewed = False  # a view (view()) may hold seq and offset as they are: copied before an entry is reused
         self._index = SeqMap()  # seq -> segment index
         self.tombstones: dict[int, int] = {}  # seq -> ids
@@ -293,11 +312,17 @@ class RowLog:
         return self.unsaved >= max(SAVE_ROWS, held // _SAVED_RUNS_A_ROW, self.bookkeeping_bytes() // _SAVED_BYTES_A_ROW)
 
     def bookkeeping_bytes(self) -> int:
-        """The bytes of the segments' bookkeeping a save writes (write_index)."""
-        return len(self.seq) * (self.seq.itemsize + self.live.itemsize + self.slots.itemsize + self.bits.rows.shape[1])
+        """The bytes of the segments' bookkeeping a save writes (write_index: seq, live and slots as int64)."""
+        return len(self.seq) * (3 * 8 + self.bits.rows.shape[1])
+
+    def segment_bytes(self) -> int:
+        """What the segments' entries take in memory now (at most segment_bytes_bound: SEGMENT_ENTRY_BYTES
+        an entry); the copies a view holds (view()) are not seen here."""
+        entries = sum(a.nbytes for a in (self.seq, self.live, self.slots, self.offset))
+        return entries + self._index.nbytes + _ENTRY_BYTES * (len(self._free) + len(self._held))
 
     def index_bytes(self) -> int:
-        return self.index.nbytes + SEGMENT_ENTRY_BYTES * len(self.seq)
+        return self.index.nbytes + self.segment_bytes()
 
     # -- applying segments (in sequence order) -----------------------------------------
     def reserve(self, segments: int) -> None:
@@ -305,7 +330,7 @@ class RowLog:
         commits: the live bits' disk is taken here (io.liveslots.LiveSlots.reserve), so that a
         full disk fails the write (OSError ENOSPC), never the index update after its commit."""
         if not self._free and self._held and self.index.dead is None:  # no mapped index names them now
-            self._free, self._held = self._held[::-1], array("q")
+            self._free, self._held = self._held[::-1], array(_ENTRY)
         if len(self._free) < segments:
             old = len(self.seq)
             if old >= _MAX_SEGMENTS:
@@ -315,10 +340,10 @@ class RowLog:
             new = min(_MAX_SEGMENTS, max(64, old + old // 4, old + segments))
             self.bits.reserve(new)
             for name, fill in (("seq", 0), ("live", 0), ("slots", 0), ("offset", -1)):
-                grown = np.full(new, fill, dtype=np.int64)
+                grown = np.full(new, fill, dtype=getattr(self, name).dtype)
                 grown[:old] = getattr(self, name)
                 setattr(self, name, grown)
-            self._free = array("q", np.arange(new - 1, old - 1, -1, dtype=np.int64).tobytes()) + self._free
+            self._free = _entries(np.arange(new - 1, old - 1, -1)) + self._free
 
     def _allocate(self, seq: int, n: int) -> int:
         self.reserve(1)  # a replay's: a writer's commits reserve first
@@ -424,9 +449,9 @@ class RowLog:
         for seq in known[lost].tolist() + [t for t in self.tombstones if t not in present]:
             self.forget(seq)
         held = np.asarray(self.index.held(), dtype=np.int64)  # ascending
-        self._held = array("q", held.tobytes())
-        free = np.frombuffer(self._free, dtype=np.int64)
-        self._free = array("q", free[~np.isin(free, held)].tobytes())
+        self._held = _entries(held)
+        free = np.frombuffer(self._free, dtype=_ENTRY)
+        self._free = _entries(free[~np.isin(free, held)])
         self.live_rows = int(self.live[self.seq > 0].sum())
         self.emptied = [seq for seq in self.emptied if seq in present]
         return [v for v in values if v[0] > self.applied]
@@ -640,7 +665,7 @@ def write_index(log: "RowLog", path: Path, token: str, k: int, durable: bool = T
     ``durable``, renamed over it); returns the header take_index needs. Not ``saved``: the
     level alone, a file an open reads only as a level a saved one names."""
     tombstones = np.array(sorted(log.tombstones.items()), dtype=np.int64).reshape(-1)
-    arrays = [log.seq, log.live, log.slots, tombstones, log.bits.saved(len(log.seq))] if saved else []
+    arrays = [log.seq, log.live.astype(np.int64), log.slots.astype(np.int64), tombstones, log.bits.saved(len(log.seq))] if saved else []
     return rowindex_file.write_file(log.index, path, {**_header(log, token), "applied": log.applied, "live_rows": log.live_rows},
                                     arrays, k, durable)
 
@@ -676,12 +701,12 @@ def load_index(path: Path, log: "RowLog", token: str) -> set[str] | None:
     if not rowindex_file.load_runs(log.index, path, h, _shape(log)):
         return None
     n = len(seq)
-    log.seq, log.live, log.slots = seq, live, slots
+    log.seq, log.live, log.slots = seq, live.astype(np.int32), slots.astype(np.int32)
     log.offset = np.full(n, -1, dtype=np.int64)
     log.bits.load(bits, n)
     used = np.flatnonzero(log.seq > 0)
     log._index = SeqMap(log.seq[used], used)
-    log._free = array("q", np.flatnonzero(log.seq == 0)[::-1].astype(np.int64).tobytes())
+    log._free = _entries(np.flatnonzero(log.seq == 0)[::-1])
     tombstones = tombstones.reshape(-1, 2)
     log.tombstones = dict(zip(tombstones[:, 0].tolist(), tombstones[:, 1].tolist()))
     log.applied, log.live_rows = h["applied"], h["live_rows"]

@@ -316,6 +316,46 @@ def test_overwrites_keep_the_log_within_its_spare_room(tmp_path, monkeypatch):
     assert 0 < sum(copied) < at_default  # 89 rows copied against 617
 
 
+def _churn(log, rng, segments: int, hot: int) -> None:
+    """Apply ``segments`` segments of random ids of the ``hot`` first ones to ``log``, as a
+    writer does (its entries reserved first, emptied segments forgotten), a lookup's view
+    taken between (so the next allocation copies seq and offset)."""
+    seq = log.applied
+    for _ in range(segments // 64):
+        batch = [(seq + i + 1, rowlog.ROWS, np.sort(rng.choice(hot, log.per_segment, replace=False)), -1) for i in range(64)]
+        seq += 64
+        log.reserve(64)
+        log.apply(batch)
+        for emptied in log.emptied:
+            log.forget(emptied)
+        log.emptied.clear()
+        log.view()
+
+
+def test_what_the_index_holds_is_what_it_reports(tmp_path):
+    """A RowLog's memory, traced by tracemalloc, is what index_bytes() reports (what the budget's
+    row_index part shows as used), and its segments' entries take at most SEGMENT_ENTRY_BYTES
+    each. A dict of seq -> entry and lists of Python ints held half as much again as was reported."""
+    import gc
+    import tracemalloc
+    from tierstore.io.codecs import RowCodec
+    _churn(rowlog.RowLog(RowCodec(DIM), 10_000, last_use=False, folder=tmp_path), np.random.default_rng(1), 640, 1_000)  # numpy's lazy imports
+    tracemalloc.start()
+    try:
+        gc.collect()
+        before = tracemalloc.take_snapshot()
+        log = rowlog.RowLog(RowCodec(DIM), 200_000, last_use=False, folder=tmp_path)
+        _churn(log, np.random.default_rng(0), 40_000, 40_000)
+        gc.collect()
+        held = sum(d.size_diff for d in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    finally:
+        tracemalloc.stop()
+    segments = log.index_bytes() - log.index.nbytes
+    assert len(log.seq) > 10_000 and len(log._index) < len(log.seq)  # many entries, some of them freed and reused
+    assert log.index_bytes() // 2 < held <= 1.05 * log.index_bytes()  # what numpy's arrays carry besides their data, and small objects
+    assert segments <= rowlog.SEGMENT_ENTRY_BYTES * len(log.seq) and segments <= rowlog.segment_bytes_bound(200_000, log.slot_bytes)
+
+
 def test_a_damaged_segment_is_named_damage(tmp_path):
     import lmdb
     b = open_backend(tmp_path / "s", "log")

@@ -211,12 +211,15 @@ def rows_bytes(specs: Sequence[TableSpec]) -> int:
 
 def _index_share(budget: int | None, logged: Sequence[TableSpec], page_cache: int) -> tuple[int, dict[str, int], dict[str, int]]:
     """(bytes, {table: runs limit}, {table: held bytes}) of the row index of the tables ``logged``. A table's index
-    is its segments' entries (these grow with the rows written, about 32 bytes for a segment's
-    hundreds of rows, and are not spilled) and its runs, limited: under a budget to the table's
-    share of B/16 (in proportion to its rows), half of it at least to its runs, or to all its
-    rows could take where less (index_bytes_bound); without one to UNBUDGETED_INDEX_BYTES a
-    declared row (a dense map of the ids would take that much). A table past its share may
-    besides hold its index stored dense in memory (_held_index)."""
+    is its segments' entries (these grow with the rows written, about 60 bytes for a segment's
+    hundreds of rows, and are not spilled: io.rowlog.segment_bytes_bound) and its runs, limited:
+    under a budget to the table's share of B/16 (in proportion to its rows), or to all its rows
+    could take where less (index_bytes_bound); the runs get half of the share at least, and
+    where the entries take more than the other half the index is charged their bound and the
+    runs' half (a 200M x 16 table of 64 KiB segments: 35 MB of entries, 8 MiB of runs, under
+    256 MiB), so that the store never holds more than it was given. Without a budget the runs
+    may take UNBUDGETED_INDEX_BYTES a declared row (a dense map of the ids would take that much).
+    A table past its share may besides hold its index stored dense in memory (_held_index)."""
     rows = max(sum(s.num_rows for s in logged), 1)
     index, limits, past = 0, {}, []
     for s in logged:
@@ -230,7 +233,9 @@ def _index_share(budget: int | None, logged: Sequence[TableSpec], page_cache: in
         if full <= share:
             index, limits[s.name] = index + full, runs
         else:
-            index, limits[s.name] = index + share, max(share - (full - runs), share // 2)
+            entries = full - runs
+            limits[s.name] = max(share - entries, share // 2)
+            index += max(share, entries + limits[s.name])
             past.append(s)
     held = _held_index(budget, logged, past, page_cache)
     return index + sum(held.values()), limits, held
@@ -286,7 +291,8 @@ def split_memory(budget: int | None, specs: Sequence[TableSpec], *, hbm_rows: Si
       space, or of a store written before the log layout, keeps its rows by key): its segments'
       entries (a few bytes per segment of rows) and its runs (io.rowindex), at most B/16 for all
       tables (shared in proportion to their rows), or what their rows could take where less
-      (io.rowlog.index_bytes_bound); runs past that are mapped from the index's file; and,
+      (io.rowlog.index_bytes_bound), and more where a table's segments' entries would take more
+      than half of its share (the runs keep that half); runs past it are mapped from the index's file; and,
       where the page cache's share cannot keep the rows, a dense level of the index (4 bytes
       a declared row: io.rowindex.Dense) held in memory for each table whose runs could
       outgrow their share, while those take B/3 at most together (_held_index);
