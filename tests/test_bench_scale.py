@@ -48,6 +48,7 @@ def test_small_run_under_a_memory_cgroup(tmp_path, capsys, quick):
         missing = [f for f in FIELDS if r.get(f) is None and not (f == "x_in_memory" and r["kind"] == "emb" and not _have_fbgemm())]
         assert not missing, r
         assert r["rows_read_per_step"] > 0 and r["disk_read_bytes_per_step"] > 0  # a table 10x its budget misses
+        assert 0 < r["parts_used"]["row_index"] <= r["parts"]["row_index"]  # the index within what it is charged
         assert r["lmdb_floor_s"] > 0  # py-lmdb's gets and puts of the run's rows, in the table's layout
         # its disk floor from the disk's speed measured as it started
         assert r["disk_iops_qd32"] > 0 and r["disk_floor_s"] == pytest.approx(r["rows_read_per_step"] / r["disk_iops_qd32"])
@@ -68,7 +69,8 @@ def test_without_a_cgroup_or_fio_it_says_so_and_runs(tmp_path, capsys, monkeypat
     assert "fio is not installed (apt-get install -y fio): Python O_DIRECT preads" in out
     assert "DLRM: skipped: no budget in --budgets is a tenth of the table" in out
     for field in ("M lookups/s", "p50 / p90 / p99", "hit rate HBM", "rows read", "amplification read",
-                  "peak RSS", "the disk floor", "LMDB floor", "no limit", "rows read through: ", "by stage (ms): dedupe", "CPU a step by thread (ms): "):
+                  "peak RSS", "the disk floor", "LMDB floor", "no limit", "rows read through: ", "by stage (ms): dedupe", "CPU a step by thread (ms): ",
+                  "row index held "):
         assert field in out
     # threads by CPU, most first (a thread's CPU is counted in 10 ms ticks: over one step the main thread may
     # have none, and a thread that ended the most)

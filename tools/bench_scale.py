@@ -407,6 +407,7 @@ def _tiered(job: dict, batches, go, first_use: float | None = None) -> dict:
               "write_amp": written / ssd["write_bytes"] if ssd["write_bytes"] else None,
               "rss_peak": _rss("VmHWM"), "store_host_bytes": memory.host_bytes,
               "parts": {k: p.bytes for k, p in memory.parts.items()}, "ddr_rows": memory.parts["ddr"].rows,
+              "parts_used": {k: p.used_bytes for k, p in memory.parts.items()},
               "ddr_since_open": {k: s1["ddr"][k] for k in ("hits", "misses", "evictions")},
               "stage_ms_per_step": {k: 1e3 * (v - st0.get(k, 0.0)) / n for k, v in st1.items()},
               "thread_cpu_ms_per_step": _per_step(cpu0, cpu1, n), "first_use_rows_per_step": first_use,

@@ -70,6 +70,9 @@ def _print_run(r: dict) -> None:
     print(f"   rows read through: {r.get('read_path', '-')}")
     print(f"   store's budgeted host memory {format_bytes(r['store_host_bytes'])}: "
           + ", ".join(f"{k} {format_bytes(v)}" for k, v in r["parts"].items() if v))
+    used = r.get("parts_used", {})
+    if used.get("row_index") is not None:
+        print(f"   row index held {format_bytes(used['row_index'])} of its {format_bytes(r['parts']['row_index'])} at the end")
     stages = r.get("stage_ms_per_step", {})
     print("   a step's time in the store by stage (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items() if v >= 0.05))
     cpu = sorted(r.get("thread_cpu_ms_per_step", {}).items(), key=lambda kv: -kv[1])
