@@ -223,7 +223,7 @@ class StatWatch(threading.Thread):
     def run(self) -> None:
         while not self.done.wait(STAT_PERIOD):
             sample = self.group.stat()
-            if not sample:  # the group is empty (its child ended) or gone
+            if not sample.get("anon"):  # the group is gone, or its child ended (its page cache may stay charged) or is not in it yet
                 continue
             self.last = sample
             if sample.get("anon", 0) >= self.most_anon.get("anon", -1):
