@@ -216,7 +216,7 @@ def _index_share(budget: int | None, logged: Sequence[TableSpec], page_cache: in
     under a budget to the table's share of B/16 (in proportion to its rows), or to all its rows
     could take where less (index_bytes_bound); the runs get half of the share at least, and
     where the entries take more than the other half the index is charged their bound and the
-    runs' half (a 200M x 16 table of 64 KiB segments: 35 MB of entries, 8 MiB of runs, under
+    runs' half (a 200M x 16 table of 64 KiB segments: 27.5 MiB of entries, 8 MiB of runs, under
     256 MiB), so that the store never holds more than it was given. Without a budget the runs
     may take UNBUDGETED_INDEX_BYTES a declared row (a dense map of the ids would take that much).
     A table past its share may besides hold its index stored dense in memory (_held_index)."""
