@@ -303,15 +303,17 @@ def test_a_dense_level_is_merged_once_the_runs_over_it_hold_a_quarter_of_its_byt
     assert index.plan() == 1
 
 
-def test_a_level_of_long_runs_is_kept_apart_from_the_scattered_runs_written_over_it(tmp_path):
+@pytest.mark.parametrize("held", [True, False])
+def test_a_level_of_long_runs_is_kept_apart_from_the_scattered_runs_written_over_it(tmp_path, held):
     """A table loaded in id order (a run a segment, mapped), then rows written one at a time at
     random ids (as training moves them): the spills stack levels of those runs over the load's
     and merge them among themselves, where merging them into it cut its runs (a lookup of a row
     never moved then read a page of the merged level, its filters passing every id of its long
     runs). The load's level weighs its ids, and is merged once the runs over it weigh that
-    over GROWTH (when the merge writes a dense level); every lookup answers as a dict."""
+    over GROWTH (when the merge writes a dense level) where the index holds a dense level in
+    memory; where it would map one, not at twice that; every lookup answers as a dict."""
     n, per = 1 << 18, 1024
-    index = RowIndex(n, limit=4096)  # spills past 128 runs
+    index = RowIndex(n, limit=4096, hold=4 * rowindex.DENSE_IDS * rowindex.dense_page_count(n) if held else 0)  # spills past 128 runs
     model = np.arange(n, dtype=np.int64)  # id -> place
     for s in range(n // per):
         index.put(np.arange(s * per, (s + 1) * per), (s << rowindex.SLOT_BITS) | np.arange(per, dtype=np.uint32))
@@ -345,6 +347,12 @@ def test_a_level_of_long_runs_is_kept_apart_from_the_scattered_runs_written_over
         move()
         assert index.levels[-1] is load and len(index.levels) <= rowindex.MAX_LEVELS
     assert saves > 100 and index.get(np.arange(n)).tolist() == model.tolist()
+    if not held:  # a dense level would be mapped: every lookup would read a page of it
+        while moved * rowindex.GROWTH < 2 * load.weight:
+            move()
+            assert index.levels[-1] is load
+        assert index.get(np.arange(n)).tolist() == model.tolist()
+        return
     while index.levels[-1] is load:  # the runs over it weigh its ids over GROWTH: merged into it
         move()
     assert moved * rowindex.GROWTH >= load.weight * 0.9
