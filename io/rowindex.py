@@ -28,11 +28,14 @@ each level's header and fence. Every operation is a few vectorized passes over t
 asked and the runs they meet, never a loop per id.
 
 A level a table's rows have scattered (a run a row or two, as training writes them) is
-mapped *dense* instead (Dense): every declared id's place, 4 bytes each, where its runs took
+stored *dense* instead (Dense): every declared id's place, 4 bytes each, where its runs took
 16 a row. A spill writes one where that is the smaller (more than a quarter as many runs as
-ids declared): the bench-scale table, aged by training, held 34M rows in 35M runs, 579 MB its
-page cache could not keep, so that a row fetched read a page of the index twice (the prefetch's
-lookup, and the write-back's freeing its old slot) besides its own; dense, 136 MB.
+ids declared) and the index may hold it in memory, or, mapped, where its runs would cover
+most ids (MAPPED_DENSE_RUNS): the bench-scale table, aged by training, held 34M rows in 35M
+runs, 579 MB its page cache could not keep, so that a row fetched read a page of the index
+twice (the prefetch's lookup, and the write-back's freeing its old slot) besides its own;
+dense, 136 MB. A mapped dense level costs every lookup a page, where a level of runs costs
+one only to the ids it holds and those its filters pass.
 
 A dense level is *held* in memory (read from its file, no map) where the index's ``hold``
 allows (a budget gives it: tierstore.engine.memory.split_memory): mapped, its 136 MB shared
@@ -77,6 +80,11 @@ LOOKUP_PAGES = 1024
 # mapped runs), read 1.03 pages an id under 64 MiB of page cache; with it, 0.60
 FILTER_BITS = 4
 FILTER_IDS = 4
+# Runs, per id declared, past which a spill writes a level it cannot hold in memory dense (mapped). The
+# 200M x 16 table aged by training (`tierstore bench scale`, 256 MiB: its moved rows a quarter
+# of its ids, in 15-55M runs) read 1.25-1.45 pages a row fetched with them in levels of runs,
+# 1.81-1.96 once a spill wrote them in a mapped dense level of 800 MB, whose page every lookup read
+MAPPED_DENSE_RUNS = 0.75
 SLOT_BITS = 12  # a place: segment index << SLOT_BITS | slot
 DENSE_IDS = 4096 // 4  # the places a page of a dense level holds
 # a dense level's values: an id it does not cover (an older level may), an id deleted, or its place + _PLACED
@@ -700,11 +708,10 @@ class RowIndex:
     def _weight(self, level) -> int:
         """A level's weight to plan(): its own (Runs.weight, Dense.weight), but GROWTH times the ids
         of a level of long runs where the index would map a dense level of its ids (its hold cannot
-        keep one): the merge that cuts its runs writes one, which every lookup then reads a page
-        of, where kept apart the levels of moved rows cost a page only to the rows they hold and
-        those their filters pass. The 200M x 16 table aged by training (`tierstore bench scale`,
-        256 MiB: a dense level of 800 MB, mapped) read 1.25-1.45 pages a row fetched before that
-        merge, 1.81-1.96 after it."""
+        keep one): merged with the levels of moved rows over it, its runs are cut at each moved
+        row, and the merged level (dense, or runs whose filters pass every id) costs every lookup a
+        page, where kept apart the levels of moved rows cost a page only to the rows they hold and
+        those their filters pass (MAPPED_DENSE_RUNS)."""
         if (isinstance(level, Runs) and level.covers is not None and level.covers > 2 * len(level)
                 and self.hold < 4 * DENSE_IDS * dense_page_count(self.num_rows)):
             return GROWTH * level.weight

@@ -16,7 +16,8 @@ the file's size (a file cut short), the fence and the blocks' CRCs, and each blo
 only when a lookup or a merge first reads it (_Blocks): reading every run at open took 2.1 s
 for 1.5 GiB of runs, and grew with the index, where a lookup reads a block's page anyway.
 A dense level (io.rowindex.Dense: a spill's choice where the level would hold more than a
-quarter as many runs as the table declares ids) holds every id's value instead of runs, a
+quarter as many runs as the table declares ids and can be held in memory, or, mapped, most
+ids: _dense) holds every id's value instead of runs, a
 page of rowindex.DENSE_IDS at a time, a CRC a page, and no fence; the pages no row reaches
 are holes of the file. Where the index may hold it in memory (RowIndex.room), a dense level is
 read whole, each page checked, instead of mapped; one a merge wrote from a held level is that
@@ -208,9 +209,14 @@ def _filter_pages(blocks: int) -> int:
 def _dense(index: RowIndex, k: int) -> bool:
     """Whether the next spill (merging ``k`` levels) writes a dense level: where its runs (at
     most those it merges) would take more than its ids' values (4 bytes each of the table's),
-    and would be mapped (a full merge that fits half the limit is read back into memory)."""
+    and would be mapped (a full merge that fits half the limit is read back into memory); and
+    where the index cannot hold the dense level (RowIndex.room), only where its runs would
+    cover most ids (rowindex.MAPPED_DENSE_RUNS): mapped, it costs every lookup a page."""
     runs = len(index.recent) + len(index.main) + sum(len(level) for level in index.levels[:k])
-    return runs * RUN_BYTES > 4 * index.num_rows and not (k == len(index.levels) and _fits(index, runs))
+    if runs * RUN_BYTES <= 4 * index.num_rows or (k == len(index.levels) and _fits(index, runs)):
+        return False
+    held = 4 * rowindex.DENSE_IDS * rowindex.dense_page_count(index.num_rows) <= index.room(k)
+    return held or runs >= rowindex.MAPPED_DENSE_RUNS * index.num_rows
 
 
 def _page_crcs(pages: np.ndarray) -> np.ndarray:

@@ -28,6 +28,7 @@ from index_writer import DIM, open_writer  # noqa: E402
 
 ROWS = 10**9  # declared; a few hundred written
 CHUNK_RUNS, MAX_LEVELS, FENCE, DENSE_IDS = rowindex._CHUNK_RUNS, rowindex.MAX_LEVELS, rowindex.FENCE, rowindex.DENSE_IDS
+MAPPED_DENSE_RUNS = rowindex.MAPPED_DENSE_RUNS
 
 
 def ids_of(draw_sparse, draw_range):
@@ -51,6 +52,7 @@ class IndexAgainstDict(RuleBasedStateMachine):
 
     rows = ROWS
     hold = 0  # the bytes of dense levels the index holds in memory (RowIndex.hold)
+    mapped_dense_runs = MAPPED_DENSE_RUNS
 
     def __init__(self):
         super().__init__()
@@ -61,13 +63,14 @@ class IndexAgainstDict(RuleBasedStateMachine):
         rowindex.MAX_LEVELS = 3  # levels merged for their number too
         rowindex.FENCE = 4  # a mapped level's lookups search pages of a few starts
         rowindex.DENSE_IDS = 16  # a dense level's pages of a few ids
+        rowindex.MAPPED_DENSE_RUNS = self.mapped_dense_runs
         self.model: dict[int, int] = {}
         self.segment = 0
         self.saves = 0
 
     def teardown(self):
         rowindex._CHUNK_RUNS, rowindex.MAX_LEVELS = CHUNK_RUNS, MAX_LEVELS
-        rowindex.FENCE, rowindex.DENSE_IDS = FENCE, DENSE_IDS
+        rowindex.FENCE, rowindex.DENSE_IDS, rowindex.MAPPED_DENSE_RUNS = FENCE, DENSE_IDS, MAPPED_DENSE_RUNS
         self.tmp.cleanup()
 
     def _ids(self, ids: list[int]) -> list[int]:
@@ -190,9 +193,10 @@ TestIndexAgainstDict = IndexAgainstDict.TestCase
 
 class DenseIndexAgainstDict(IndexAgainstDict):
     """The same, of a table of 40 ids declared: the levels that would hold more than 10 runs
-    are dense (io.rowindex.Dense)."""
+    are dense (io.rowindex.Dense), mapped ones too."""
 
     rows = 40
+    mapped_dense_runs = 0
 
     @invariant()
     def dense_where_smaller(self):
@@ -283,6 +287,31 @@ def test_a_table_written_at_random_spills_dense_at_4_bytes_an_id(tmp_path):
         os.close(fd)
     assert read <= len(asked) * 4096 * 1.1, read / len(asked) / 4096  # (tmpfs counts no mapped reads: 0)
     assert (index.get(np.arange(n)) == want).all()
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_rows_moved_over_part_of_the_ids_stay_runs_where_a_dense_level_would_be_mapped(tmp_path, held):
+    """Rows written at random over 40% of the ids: their runs take more than the ids' values
+    would, so a spill writes them dense where the index may hold that in memory; where it
+    would be mapped (every lookup a page of it), as runs with their filters, which a lookup of
+    an id they do not hold passes over (3% of them) without reading a page of runs."""
+    n = 1 << 18
+    index = RowIndex(n, limit=64 << 10, hold=4 * n if held else 0)
+    rng = np.random.default_rng(0)
+    moved = rng.permutation(n)[: n * 2 // 5]
+    for s in range(0, len(moved), 4096):
+        index.put(moved[s:s + 4096], ((s // 4096) << rowindex.SLOT_BITS) | np.arange(len(moved[s:s + 4096]), dtype=np.uint32))
+    header = rowindex_file.write_file(index, tmp_path / "i", {}, [], index.plan())
+    assert rowindex_file.take_runs(index, tmp_path / "i", header, 0)
+    level = index.levels[0]
+    assert isinstance(level, rowindex.Dense if held else rowindex.Runs) and header.get("dense", False) == held
+    want = np.full(n, rowindex.NONE, dtype=np.uint32)
+    want[moved] = ((np.arange(len(moved)) // 4096) << rowindex.SLOT_BITS) | (np.arange(len(moved)) % 4096)
+    assert (index.get(np.arange(n)) == want).all()
+    if not held:
+        others = np.setdiff1d(np.arange(n), moved)
+        page = np.searchsorted(level.fence, others, side="right") - 1
+        assert level.filter.may_hold(others, page).mean() < 0.05
 
 
 def test_a_dense_level_is_merged_once_the_runs_over_it_hold_a_quarter_of_its_bytes(tmp_path):
