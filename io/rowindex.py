@@ -525,6 +525,11 @@ def dense_page_count(ids: int) -> int:
     return -(-ids // DENSE_IDS)
 
 
+def dense_bytes(ids: int) -> int:
+    """The bytes of a dense level of ``ids`` ids (Dense): what holding it in memory takes."""
+    return 4 * DENSE_IDS * dense_page_count(ids)
+
+
 def _verify(check, blocks) -> None:
     """A mapped level's ``check`` (None: a level in memory) of ``blocks`` (its pages)."""
     if check is not None:
@@ -713,7 +718,7 @@ class RowIndex:
         page, where kept apart the levels of moved rows cost a page only to the rows they hold and
         those their filters pass (MAPPED_DENSE_RUNS)."""
         if (isinstance(level, Runs) and level.covers is not None and level.covers > 2 * len(level)
-                and self.hold < 4 * DENSE_IDS * dense_page_count(self.num_rows)):
+                and self.hold < dense_bytes(self.num_rows)):
             return GROWTH * level.weight
         return level.weight
 

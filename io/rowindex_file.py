@@ -215,8 +215,7 @@ def _dense(index: RowIndex, k: int) -> bool:
     runs = len(index.recent) + len(index.main) + sum(len(level) for level in index.levels[:k])
     if runs * RUN_BYTES <= 4 * index.num_rows or (k == len(index.levels) and _fits(index, runs)):
         return False
-    held = 4 * rowindex.DENSE_IDS * rowindex.dense_page_count(index.num_rows) <= index.room(k)
-    return held or runs >= rowindex.MAPPED_DENSE_RUNS * index.num_rows
+    return rowindex.dense_bytes(index.num_rows) <= index.room(k) or runs >= rowindex.MAPPED_DENSE_RUNS * index.num_rows
 
 
 def _page_crcs(pages: np.ndarray) -> np.ndarray:

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from . import rowindex, rowindex_file
+from .rowindex import dense_bytes  # noqa: F401  (the bytes a held dense level of a table's index takes: tierstore.engine.memory)
 from .codecs import RowCodec
 from .liveslots import LiveSlots
 from .lmdb_map import PAGE, VALUE_OFFSET
@@ -121,11 +122,6 @@ def runs_bytes_bound(num_rows: int) -> int:
     """The most an unlimited io.rowindex of ``num_rows`` rows holds: each level at most a run
     a row, and a merge's copies (RowIndex._settles: three of main, two of recent)."""
     return 5 * rowindex.RUN_BYTES * num_rows
-
-
-def dense_bytes(num_rows: int) -> int:
-    """The bytes of a dense level of the index of ``num_rows`` rows (io.rowindex.Dense)."""
-    return 4 * rowindex.DENSE_IDS * rowindex.dense_page_count(num_rows)
 
 
 def index_bytes_bound(num_rows: int, slot_bytes: int) -> int:
