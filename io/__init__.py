@@ -17,7 +17,7 @@ _LAZY = {
     "RowCodec": "codecs", "encode_keys": "codecs", "find_sorted": "codecs", "unique_ids": "codecs",
     "FORMAT_VERSION": "lmdb_backend", "WRITE_TXN_ROWS": "lmdb_backend", "LmdbBackend": "lmdb_backend",
     "MemoryBackend": "memory_backend", "RowBackend": "backend", "dense_bytes": "rowlog", "index_bytes_bound": "rowlog",
-    "runs_bytes_bound": "rowlog",
+    "mapped_bytes_bound": "rowlog", "runs_bytes_bound": "rowlog",
     "WriteBack": "writeback", "WriteBatch": "writeback",
 }
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .backend import RowBackend
     from .lmdb_backend import FORMAT_VERSION, WRITE_TXN_ROWS, LmdbBackend
     from .memory_backend import MemoryBackend
-    from .rowlog import dense_bytes, index_bytes_bound, runs_bytes_bound
+    from .rowlog import dense_bytes, index_bytes_bound, mapped_bytes_bound, runs_bytes_bound
     from .writeback import WriteBack, WriteBatch
 
 __all__ = ["BadRowsError", "DiskFullError", "ForeignStoreError", "SegmentLimitError", "StoreCorruptError", "StoreExistsError",

@@ -24,7 +24,8 @@ block of FENCE runs, their starts, lengths and places side by side, Paged), and 
 level only where the block's filter (a Bloom filter, Filter) passes the id. A mapped
 level's runs are checked against their CRCs a block (the FENCE runs of a page) at a time,
 when a lookup or a merge first reads that block (Runs.verify), so that an open reads only
-each level's header and fence. Every operation is a few vectorized passes over the ids
+each level's header, fence and CRCs; these are mapped as the runs are, and memory holds a bit
+a block (checked or not). Every operation is a few vectorized passes over the ids
 asked and the runs they meet, never a loop per id.
 
 A level a table's rows have scattered (a run a row or two, as training writes them) is
@@ -213,8 +214,8 @@ def _hashed(ids: np.ndarray, words: int) -> tuple[np.ndarray, list[np.ndarray]]:
 class Runs:
     """Sorted, non-overlapping runs: the ids ``start[i] .. start[i] + length[i] - 1`` are at
     places ``loc[i] ..`` (all NONE where ``loc[i]`` is NONE). A mapped level's has a
-    ``fence``, in memory: every FENCE-th start, so that a lookup reads one page (its
-    columns are Paged), a ``check``: called with the blocks (of FENCE runs, the fence's pages) about to be
+    ``fence``: every FENCE-th start (mapped from its file, as its columns are: Paged), so
+    that a lookup reads one page of runs, a ``check``: called with the blocks (of FENCE runs, the fence's pages) about to be
     read, it checks those not yet checked against their CRCs (raising where one fails), and a
     ``filter`` (Filter; None in a file written before filters: every block asked) and the
     ids its runs ``covers`` (from its file's header; None where not known)."""
@@ -260,9 +261,8 @@ class Runs:
 
     @property
     def held(self) -> int:
-        """Memory a mapped level holds: its fence, its blocks' CRCs and its filter's."""
-        return self.fence.nbytes + (self.check.nbytes if self.check is not None else 0) + (
-            self.filter.held if self.filter is not None else 0)
+        """Memory a mapped level holds: a bit a block of its runs and a page of its filter (checked)."""
+        return (self.check.nbytes if self.check is not None else 0) + (self.filter.held if self.filter is not None else 0)
 
     def verify(self, blocks) -> None:
         """Check ``blocks`` (indexes of FENCE runs) of a mapped level before they are read."""
@@ -525,6 +525,17 @@ def dense_page_count(ids: int) -> int:
     return -(-ids // DENSE_IDS)
 
 
+def mapped_bytes_bound(ids: int) -> int:
+    """The most memory the mapped levels of an index of ``ids`` ids hold (Runs.held,
+    Dense.held: a bit a page of runs, filters or values, checked or not): MAX_LEVELS of them
+    and the one a spill is taking in their place, each of fewer runs than MAPPED_DENSE_RUNS
+    of the ids, or a quarter where that is more (rowindex_file._dense: a spill writes more
+    dense, a bit a DENSE_IDS ids)."""
+    blocks = -(-int(max(MAPPED_DENSE_RUNS, 4 / RUN_BYTES) * ids + 1) // FENCE)
+    bits = max(blocks + -(-blocks // filter_blocks()), -(-ids // DENSE_IDS))
+    return (MAX_LEVELS + 1) * (-(-bits // 8) + 2)
+
+
 def dense_bytes(ids: int) -> int:
     """The bytes of a dense level of ``ids`` ids (Dense): what holding it in memory takes."""
     return 4 * DENSE_IDS * dense_page_count(ids)
@@ -596,7 +607,7 @@ class RowIndex:
 
     @property
     def nbytes(self) -> int:
-        """Memory held: mapped levels are the page cache's, but for their fences and CRCs."""
+        """Memory held: mapped levels are the page cache's, but for a bit a page (Runs.held)."""
         return self.main.nbytes + self.recent.nbytes + sum(level.held for level in self.levels)
 
     def get(self, ids: np.ndarray) -> np.ndarray:
@@ -645,7 +656,8 @@ class RowIndex:
 
     def wants_spill(self) -> bool:
         """Whether memory's runs take more than half the limit, or recent can merge into main no
-        more (the fences stay: a spill would not free them)."""
+        more. What the mapped levels hold (a bit a page: mapped_bytes_bound) is not counted: a
+        spill would not free it."""
         if self.limit is None:
             return False
         return self.main.nbytes + self.recent.nbytes > self.limit // 2 or not self._settles() and len(self.recent) > max(RECENT_RUNS, len(self.main) // 8)

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from . import rowindex, rowindex_file
-from .rowindex import dense_bytes  # noqa: F401  (the bytes a held dense level of a table's index takes: tierstore.engine.memory)
+from .rowindex import dense_bytes, mapped_bytes_bound  # noqa: F401  (what a table's index holds besides its runs: tierstore.engine.memory)
 from .codecs import RowCodec
 from .liveslots import LiveSlots
 from .lmdb_map import PAGE, VALUE_OFFSET

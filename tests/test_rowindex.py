@@ -115,12 +115,13 @@ class IndexAgainstDict(RuleBasedStateMachine):
         assert len(header["levels"]) == levels - k and len(self.index.levels) <= rowindex.MAX_LEVELS
         in_memory = k == levels and header["runs"] * rowindex.RUN_BYTES <= self.index.limit // 2 and not header.get("dense")
         assert self.index.mapped == (not in_memory and (header["runs"] > 0 or k < levels))
-        # every FENCE-th start of a mapped level of runs, and a CRC (and its checked flag) a block and a page of
-        # its filter (a dense level's: a page); a dense level held in memory, its values
-        fences = sum(4 * len(level.values) if isinstance(level, rowindex.Dense) and level.map is None else
-                     5 * len(level.check.crcs) + (0 if isinstance(level, rowindex.Dense) else level.fence.nbytes + 5 * len(level.filter.check.crcs))
-                     for level in self.index.levels)
-        assert self.index.nbytes == fences or not self.index.mapped  # mapped levels are the page cache's, memory holds the rest
+        # a mapped level's fence and CRCs are the page cache's, as its runs are: memory holds a bit a block of
+        # its runs and a page of its filter (a dense level's: a page); a dense level held in memory, its values
+        bits = sum(-(-len(level.check.crcs) // 8) + (0 if isinstance(level, rowindex.Dense) else -(-len(level.filter.check.crcs) // 8))
+                   for level in self.index.levels if level.map is not None)
+        values = sum(level.values.nbytes for level in self.index.levels if rowindex.in_memory(level))
+        assert self.index.nbytes == bits + values or not self.index.mapped
+        assert bits <= rowindex.mapped_bytes_bound(self.rows)
         sizes = [len(level) for level in self.index.levels]  # each level GROWTH times the runs of those above it, about
         assert all(b > rowindex.GROWTH * a for a, b in zip(sizes[:-1], sizes[1:])) or len(sizes) <= rowindex.MAX_LEVELS
 
@@ -244,24 +245,29 @@ def test_a_write_in_id_order_is_a_run_a_segment():
     assert index.get(np.array([4, 5, 6, 25_599, 25_600])).tolist() == [4, 100 << 12, 6, (99 << 12) | 255, int(NONE)]
 
 
-def test_fences_count_as_memory_but_do_not_make_the_index_spill(tmp_path, monkeypatch):
-    """A mapped level's fence is memory the index holds (nbytes), but a spill cannot free it:
-    past half the limit it does not ask for another spill (it would spill at every write)."""
-    monkeypatch.setattr(rowindex, "FENCE", 1)  # every start in memory: 8 bytes a run
+def test_a_mapped_levels_fence_and_crcs_are_the_page_caches_and_memory_holds_a_bit_a_block(tmp_path, monkeypatch):
+    """A mapped level's fence and CRCs are mapped from its file as its runs are (read into
+    memory, 12 bytes a block, they grew with the mapped runs, past the index's limit): memory
+    holds a bit a block (checked or not), within mapped_bytes_bound, and a spill, which could
+    not free it, is not asked for it."""
+    monkeypatch.setattr(rowindex, "FENCE", 1)  # a block a run
     index = RowIndex(ROWS, limit=2048)
-    index.put(np.arange(0, 400, 2), (1 << rowindex.SLOT_BITS) | np.arange(200, dtype=np.uint32))  # 200 runs
+    index.put(np.arange(0, 4000, 2), (1 << rowindex.SLOT_BITS) | np.arange(2000, dtype=np.uint32))  # 2,000 runs
     assert index.wants_spill()
     header = rowindex_file.write_file(index, tmp_path / "i", {}, [], index.plan())
     assert rowindex_file.take_runs(index, tmp_path / "i", header, 0)
-    # a start, a CRC and its flag a block, and a CRC and its flag for the one page of their filters
-    assert index.mapped and index.nbytes == 200 * (8 + 5) + 5 > index.limit // 2
+    level = index.levels[0]
+    assert all(isinstance(a, np.ndarray) and isinstance(a.base, np.memmap) for a in (level.fence, level.check.crcs, level.filter.check.crcs))
+    pages = -(-2000 // rowindex.filter_blocks())
+    assert index.nbytes == 2000 // 8 + -(-pages // 8) <= rowindex.mapped_bytes_bound(ROWS)
     assert not index.wants_spill()
-    assert index.get(np.array([0, 1, 398])).tolist() == [1 << rowindex.SLOT_BITS, int(NONE), (1 << rowindex.SLOT_BITS) | 199]
+    assert index.get(np.array([0, 1, 3998])).tolist() == [1 << rowindex.SLOT_BITS, int(NONE), (1 << rowindex.SLOT_BITS) | 1999]
+    assert level.check.checked.sum() == 2 and level.check.checked[[0, 1999]].all()  # the two blocks read, checked
 
 
 def test_a_table_written_at_random_spills_dense_at_4_bytes_an_id(tmp_path):
     """Rows written in random order (as training writes them: a run a row, 16 bytes) spill to
-    a dense level: 4 bytes an id declared on disk, a CRC and its flag a page in memory, and a
+    a dense level: 4 bytes an id declared on disk, a bit a page in memory, and a
     lookup reads the one page its id names."""
     n = 300_000
     index = RowIndex(n, limit=64 << 10)
@@ -273,7 +279,7 @@ def test_a_table_written_at_random_spills_dense_at_4_bytes_an_id(tmp_path):
     assert rowindex_file.take_runs(index, tmp_path / "i", header, 0) and isinstance(index.levels[0], rowindex.Dense)
     pages = -(-n // rowindex.DENSE_IDS)
     assert os.stat(tmp_path / "i").st_blocks * 512 <= 4 * n + 3 * 4096 + 4 * pages
-    assert index.nbytes == 5 * pages
+    assert index.nbytes == -(-pages // 8)  # a bit a page: checked or not (its CRCs are mapped)
     want = np.empty(n, dtype=np.uint32)
     want[ids] = ((np.arange(n) // 4096) << rowindex.SLOT_BITS) | (np.arange(n) % 4096)
     fd = os.open(tmp_path / "i", os.O_RDONLY)
@@ -949,13 +955,13 @@ def test_recovery_replays_about_save_rows_at_most(tmp_path, monkeypatch):
 # -- the budget -------------------------------------------------------------------------------
 def test_a_table_of_a_billion_rows_opens_and_its_index_grows_with_the_rows_written(tmp_path):
     """10^9 declared rows under a 256 MiB budget: the index is charged half a sixteenth of it for
-    its runs and the most its segments' entries can take (it was 4 bytes a declared row:
+    its runs and the most its segments' entries and mapped levels' bits can take (it was 4 bytes a declared row:
     refused), holds nothing until rows are written, then about a run per row written, within
     what it was charged."""
     from tierstore import TableSpec, TieredStore
     with TieredStore(tmp_path, [TableSpec("t", 10**9, 16)], memory_budget="256MiB", device="cpu") as s:
         part = s.memory().parts["row_index"]
-        assert part.bytes == (256 << 20) // 32 + rowlog.segment_bytes_bound(10**9, 64) < (256 << 20) // 3
+        assert part.bytes == (256 << 20) // 32 + rowlog.segment_bytes_bound(10**9, 64) + rowlog.mapped_bytes_bound(10**9) < (256 << 20) // 3
         assert part.used_bytes < 64 << 10
         ids = np.unique(np.random.default_rng(0).integers(0, 10**9, 5000))
         s.write("t", ids, np.ones((len(ids), 16), dtype=np.float32))
