@@ -584,7 +584,8 @@ def _inserted(level: Runs, new: Runs) -> Runs:
 class RowIndex:
     """id -> place of one table: recent over main in memory, over the mapped ``levels``.
 
-    ``limit``: the bytes its runs may hold (None: no limit). Past half of it the index spills
+    ``limit``: the bytes its runs and the mapped levels' bits (``marks``) may hold (None: no
+    limit). Past half of what the bits leave of it the index spills
     (wants_spill: its backend writes the file, io.rowindex_file), and memory holds what was
     written since; the page cache keeps what lookups use of the mapped levels, as it keeps
     rows. ``hold``: the bytes of dense levels it may hold in memory besides (Dense);
@@ -609,6 +610,12 @@ class RowIndex:
     def nbytes(self) -> int:
         """Memory held: mapped levels are the page cache's, but for a bit a page (Runs.held)."""
         return self.main.nbytes + self.recent.nbytes + sum(level.held for level in self.levels)
+
+    @property
+    def marks(self) -> int:
+        """What the mapped levels hold: a bit a page, checked or not (mapped_bytes_bound at most).
+        A spill does not free it: the runs in memory get what it leaves of the limit."""
+        return sum(level.held for level in self.levels if level.map is not None)
 
     def get(self, ids: np.ndarray) -> np.ndarray:
         """The place of each of ``ids`` (uint32), NONE where no row is stored: from the newest
@@ -652,15 +659,14 @@ class RowIndex:
         (RowLog.replay)."""
         if self.limit is None:
             return True
-        return 3 * self.main.nbytes + 2 * self.recent.nbytes <= self.limit
+        return 3 * self.main.nbytes + 2 * self.recent.nbytes <= self.limit - self.marks
 
     def wants_spill(self) -> bool:
-        """Whether memory's runs take more than half the limit, or recent can merge into main no
-        more. What the mapped levels hold (a bit a page: mapped_bytes_bound) is not counted: a
-        spill would not free it."""
+        """Whether memory's runs take more than half of what the mapped levels' bits leave of the
+        limit, or recent can merge into main no more."""
         if self.limit is None:
             return False
-        return self.main.nbytes + self.recent.nbytes > self.limit // 2 or not self._settles() and len(self.recent) > max(RECENT_RUNS, len(self.main) // 8)
+        return self.main.nbytes + self.recent.nbytes > (self.limit - self.marks) // 2 or not self._settles() and len(self.recent) > max(RECENT_RUNS, len(self.main) // 8)
 
     def settle(self) -> None:
         """Merge recent into main in memory."""

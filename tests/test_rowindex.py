@@ -245,11 +245,11 @@ def test_a_write_in_id_order_is_a_run_a_segment():
     assert index.get(np.array([4, 5, 6, 25_599, 25_600])).tolist() == [4, 100 << 12, 6, (99 << 12) | 255, int(NONE)]
 
 
-def test_a_mapped_levels_fence_and_crcs_are_the_page_caches_and_memory_holds_a_bit_a_block(tmp_path, monkeypatch):
+def test_a_mapped_levels_fence_and_crcs_are_the_page_caches_and_its_bit_a_block_counts_in_the_limit(tmp_path, monkeypatch):
     """A mapped level's fence and CRCs are mapped from its file as its runs are (read into
     memory, 12 bytes a block, they grew with the mapped runs, past the index's limit): memory
-    holds a bit a block (checked or not), within mapped_bytes_bound, and a spill, which could
-    not free it, is not asked for it."""
+    holds a bit a block (checked or not), within mapped_bytes_bound, counted in the index's
+    limit: a spill could not free it, and the runs in memory get the rest."""
     monkeypatch.setattr(rowindex, "FENCE", 1)  # a block a run
     index = RowIndex(ROWS, limit=2048)
     index.put(np.arange(0, 4000, 2), (1 << rowindex.SLOT_BITS) | np.arange(2000, dtype=np.uint32))  # 2,000 runs
@@ -259,8 +259,11 @@ def test_a_mapped_levels_fence_and_crcs_are_the_page_caches_and_memory_holds_a_b
     level = index.levels[0]
     assert all(isinstance(a, np.ndarray) and isinstance(a.base, np.memmap) for a in (level.fence, level.check.crcs, level.filter.check.crcs))
     pages = -(-2000 // rowindex.filter_blocks())
-    assert index.nbytes == 2000 // 8 + -(-pages // 8) <= rowindex.mapped_bytes_bound(ROWS)
+    assert index.nbytes == index.marks == 2000 // 8 + -(-pages // 8) <= rowindex.mapped_bytes_bound(ROWS)
     assert not index.wants_spill()
+    # the runs in memory get what the bits leave of the limit: 60 runs pass half of that, not half the limit
+    index.put(np.arange(10_000, 10_120, 2), (2 << rowindex.SLOT_BITS) | np.arange(60, dtype=np.uint32))
+    assert 60 * rowindex.RUN_BYTES <= index.limit // 2 and index.wants_spill()
     assert index.get(np.array([0, 1, 3998])).tolist() == [1 << rowindex.SLOT_BITS, int(NONE), (1 << rowindex.SLOT_BITS) | 1999]
     assert level.check.checked.sum() == 2 and level.check.checked[[0, 1999]].all()  # the two blocks read, checked
 
@@ -955,13 +958,13 @@ def test_recovery_replays_about_save_rows_at_most(tmp_path, monkeypatch):
 # -- the budget -------------------------------------------------------------------------------
 def test_a_table_of_a_billion_rows_opens_and_its_index_grows_with_the_rows_written(tmp_path):
     """10^9 declared rows under a 256 MiB budget: the index is charged half a sixteenth of it for
-    its runs and the most its segments' entries and mapped levels' bits can take (it was 4 bytes a declared row:
+    its runs and the most its segments' entries can take (it was 4 bytes a declared row:
     refused), holds nothing until rows are written, then about a run per row written, within
     what it was charged."""
     from tierstore import TableSpec, TieredStore
     with TieredStore(tmp_path, [TableSpec("t", 10**9, 16)], memory_budget="256MiB", device="cpu") as s:
         part = s.memory().parts["row_index"]
-        assert part.bytes == (256 << 20) // 32 + rowlog.segment_bytes_bound(10**9, 64) + rowlog.mapped_bytes_bound(10**9) < (256 << 20) // 3
+        assert part.bytes == (256 << 20) // 32 + rowlog.segment_bytes_bound(10**9, 64) < (256 << 20) // 3
         assert part.used_bytes < 64 << 10
         ids = np.unique(np.random.default_rng(0).integers(0, 10**9, 5000))
         s.write("t", ids, np.ones((len(ids), 16), dtype=np.float32))

@@ -19,8 +19,9 @@ from index_writer import DIM, open_writer  # noqa: E402
 ROWS = 10**9
 PER_SEGMENT = rowlog.rows_per_segment(4 * DIM, ROWS)
 FIRST = np.arange(0, 8 * PER_SEGMENT, 2)  # four segments, a run a row
-# half of it: FIRST's runs pass it (the writer maps them), 3/4 of them do not
-LIMIT = 7 * FIRST.size * rowindex.RUN_BYTES // 4
+# half of what the mapped level's bits leave of it (RowIndex.marks: a few bytes): FIRST's runs pass it (the
+# writer maps them), 7/8 of them do not (OVERWRITTEN, and the quarter of FIRST a collection copies)
+LIMIT = 7 * FIRST.size * rowindex.RUN_BYTES // 4 + 1024
 BLOCK = (PER_SEGMENT - 1) // rowindex.FENCE  # the damaged block: the last of the first segment's runs
 DAMAGED = FIRST[BLOCK * rowindex.FENCE:(BLOCK + 1) * rowindex.FENCE]
 # the first 3/4 of each segment's ids: their blocks are not the damaged one

@@ -219,9 +219,9 @@ def _index_share(budget: int | None, logged: Sequence[TableSpec], page_cache: in
     runs' half (a 200M x 16 table of 64 KiB segments: 27.5 MiB of entries, 8 MiB of runs, under
     256 MiB), so that the store never holds more than it was given. Without a budget the runs
     may take UNBUDGETED_INDEX_BYTES a declared row (a dense map of the ids would take that much).
-    A table whose runs may be mapped is charged what its mapped levels hold (a bit a page:
-    io.rowlog.mapped_bytes_bound) as it is its entries, and one past its share may besides hold
-    its index stored dense in memory (_held_index)."""
+    What a table's mapped levels hold (a bit a page: io.rowlog.mapped_bytes_bound) counts in its
+    runs' limit (RowIndex.limit), which keeps a quarter of it for the runs at least; a table past
+    its share may besides hold its index stored dense in memory (_held_index)."""
     rows = max(sum(s.num_rows for s in logged), 1)
     index, limits, past = 0, {}, []
     for s in logged:
@@ -229,14 +229,14 @@ def _index_share(budget: int | None, logged: Sequence[TableSpec], page_cache: in
         full = index_bytes_bound(s.num_rows, s.row_bytes + (8 if s.ttl_steps is not None else 0))
         if budget is None:
             limits[s.name] = min(runs, UNBUDGETED_INDEX_BYTES * s.num_rows)
-            index += full - runs + limits[s.name] + (mapped_bytes_bound(s.num_rows) if limits[s.name] < runs else 0)
+            index += full - runs + limits[s.name]
             continue
         share = budget // INDEX_SHARE * s.num_rows // rows
         if full <= share:
             index, limits[s.name] = index + full, runs
         else:
-            entries = full - runs + mapped_bytes_bound(s.num_rows)
-            limits[s.name] = max(share - entries, share // 2)
+            entries = full - runs
+            limits[s.name] = max(share - entries, share // 2, mapped_bytes_bound(s.num_rows) * 4 // 3)
             index += max(share, entries + limits[s.name])
             past.append(s)
     held = _held_index(budget, logged, past, page_cache)
