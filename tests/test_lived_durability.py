@@ -40,9 +40,11 @@ class Writer:
     _context = None
 
     def __init__(self, path: str, hbm_rows: int, ddr_rows: int):
-        if Writer._context is None:  # one forkserver that has imported tierstore: a writer starts in ms
+        if Writer._context is None:  # one forkserver that has imported the store (and torch): a writer starts in ms
             Writer._context = multiprocessing.get_context("forkserver")
-            Writer._context.set_forkserver_preload(["tierstore", "lived_child"])
+            # by installed names: Python 3.11's forkserver imports its preloads before it takes the parent's
+            # sys.path, so "lived_child" (in tests/) failed, silently, and each writer imported torch (2.5 s)
+            Writer._context.set_forkserver_preload(["tierstore.store", "tierstore.spec"])
         self.conn, theirs = Writer._context.Pipe()
         self.proc = Writer._context.Process(target=lived_child.serve, args=(theirs, path, hbm_rows, ddr_rows), daemon=True)
         self.proc.start()
