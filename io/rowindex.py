@@ -81,6 +81,12 @@ LOOKUP_PAGES = 1024
 # mapped runs), read 1.03 pages an id under 64 MiB of page cache; with it, 0.60
 FILTER_BITS = 4
 FILTER_IDS = 4
+# ... asked only of a level whose runs cover at most this share of the ids declared: past it most ids a
+# lookup asks are held there, and the filter's page (a sixteenth of the runs' bytes, more than the
+# page cache keeps of a large level) is one more read for each. The 200M x 16 table aged by 120M
+# rows (`tierstore bench scale`, 256 MiB: its moved rows in a level of 128M runs over 152M ids,
+# 2.1 GB, and 128 MB of filters) read 2.29-2.58 pages a row fetched with the level's filter asked
+FILTERED_IDS = 0.5
 # Runs, per id declared, past which a spill writes a level it cannot hold in memory dense (mapped). The
 # 200M x 16 table aged by training (`tierstore bench scale`, 256 MiB: its moved rows a quarter
 # of its ids, in 15-55M runs) read 1.25-1.45 pages a row fetched with them in levels of runs,

@@ -367,11 +367,12 @@ def _map_dense(path: Path, header: dict, hold: bool = False) -> Dense | None:
         return None
 
 
-def _map_runs(path: Path, header: dict, room: int = 0) -> Runs | Dense | None:
+def _map_runs(path: Path, header: dict, room: int = 0, declared: int | None = None) -> Runs | Dense | None:
     """The level of the file at ``path`` mapped, its size, fence and blocks' CRCs checked (None
     where they fail); its runs are checked a block at a time as they are first read (_Blocks).
     Its pages are read at random (no read-ahead: a lookup reads the page its fence names). A
-    dense level of ``room`` bytes or less is held in memory instead."""
+    dense level of ``room`` bytes or less is held in memory instead, and a level whose runs
+    cover more than rowindex.FILTERED_IDS of the ``declared`` ids is mapped without its filter."""
     n = header["runs"]
     if not n:
         return Runs()
@@ -384,7 +385,9 @@ def _map_runs(path: Path, header: dict, room: int = 0) -> Runs | Dense | None:
         fence, crcs = _mapped(path, np.int64, offsets[1], blocks), _mapped(path, np.uint32, offsets[2], blocks)
         if zlib.crc32(_bytes(fence)) != header["fence_crc"] or zlib.crc32(_bytes(crcs)) != header["blocks_crc"]:
             return None
-        filtered = _map_filter(path, header, offsets, blocks) if "filter_crc" in header else None
+        filtered = None
+        if "filter_crc" in header and not (declared and header.get("ids", 0) > rowindex.FILTERED_IDS * declared):
+            filtered = _map_filter(path, header, offsets, blocks)
         if filtered is False:
             return None
         mapped = np.memmap(path, dtype=_block(), mode="r", offset=offsets[0], shape=(blocks,))
@@ -430,7 +433,7 @@ def take_runs(index: RowIndex, path: Path, header: dict, k: int) -> bool:
         if header.get("dense") and rowindex.in_memory(merged):
             runs = Dense(merged.values, None, n)  # merged into in place (RowIndex.dense_merging)
         else:
-            runs = _map_runs(path, header, index.room(k))
+            runs = _map_runs(path, header, index.room(k), index.num_rows)
             if runs is None:
                 return False
         keep = [(path.name, runs)] if n else []
@@ -478,7 +481,7 @@ def load_runs(index: RowIndex, path: Path, header: dict, expect: dict) -> bool:
     else:
         levels, room = [], index.hold
         for p, h in files:
-            runs = _map_runs(p, h, room)
+            runs = _map_runs(p, h, room, index.num_rows)
             if runs is None:
                 return False
             if rowindex.in_memory(runs):

@@ -592,9 +592,9 @@ def _disk_reads() -> int:
     return int(next(line.split()[1] for line in open("/proc/self/io") if line.startswith("read_bytes:")))
 
 
-def _mapped_level(tmp_path, n: int) -> RowIndex:
+def _mapped_level(tmp_path, n: int, declared: int = ROWS) -> RowIndex:
     """An index of ``n`` rows at the even ids 0 .. 2n - 2, a run each, mapped from its file."""
-    index = RowIndex(ROWS, limit=4096)
+    index = RowIndex(declared, limit=4096)
     index.put(np.arange(0, 2 * n, 2), (1 << rowindex.SLOT_BITS) | np.arange(n, dtype=np.uint32) % 4000)
     path = tmp_path / "i"
     header = rowindex_file.write_file(index, path, {}, [], index.plan())
@@ -630,6 +630,28 @@ def test_a_lookup_of_a_mapped_level_reads_one_page_an_id(tmp_path):
     assert got.tolist() == ((1 << rowindex.SLOT_BITS) | (asked // 2) % 4000).tolist()
     filter_pages = len(np.unique(blocks // rowindex.filter_blocks()))
     assert read <= (len(asked) + filter_pages) * 4096 * 1.1, read / len(asked) / 4096
+
+
+def test_a_level_over_most_of_the_ids_is_looked_up_without_its_filter(tmp_path):
+    """A mapped level whose runs cover more than FILTERED_IDS of the ids declared (rows moved
+    over most of a table) is mapped without its filter, as a spill leaves it and as an open
+    reads it: most ids asked are held, and the filter's page would be one more read each. Its
+    lookups read one page an id and find every place; over a few of the ids (the test above)
+    a level keeps its filter."""
+    n = 400_000
+    index = _mapped_level(tmp_path, n, declared=2 * n - 1)  # n of 2n - 1 ids covered
+    assert index.levels[0].filter is None
+    blocks = np.random.default_rng(0).permutation(n // rowindex.FENCE)[:200]
+    asked = 2 * (blocks * rowindex.FENCE + 7)
+    got, read = _cold_lookup(index, asked)
+    assert got.tolist() == ((1 << rowindex.SLOT_BITS) | (asked // 2) % 4000).tolist()
+    assert read <= len(asked) * 4096 * 1.1, read / len(asked) / 4096
+    path = tmp_path / "i"
+    for declared, filtered in ((2 * n - 1, False), (2 * n, True)):  # covering half the ids, the filter is asked
+        fresh = RowIndex(declared, limit=4096)
+        assert rowindex_file.load_runs(fresh, path, rowindex_file.read_file(path, {})[0], {})
+        assert (fresh.levels[0].filter is not None) == filtered
+        assert fresh.get(asked).tolist() == got.tolist() and (fresh.get(asked + 1) == NONE).all()
 
 
 @settings(max_examples=60, deadline=None)
