@@ -117,7 +117,7 @@ class IndexAgainstDict(RuleBasedStateMachine):
         assert self.index.mapped == (not in_memory and (header["runs"] > 0 or k < levels))
         # a mapped level's fence and CRCs are the page cache's, as its runs are: memory holds a bit a block of
         # its runs and a page of its filter (a dense level's: a page); a dense level held in memory, its values
-        bits = sum(-(-len(level.check.crcs) // 8) + (0 if isinstance(level, rowindex.Dense) else -(-len(level.filter.check.crcs) // 8))
+        bits = sum(-(-len(level.check.crcs) // 8) + (0 if getattr(level, "filter", None) is None else -(-len(level.filter.check.crcs) // 8))
                    for level in self.index.levels if level.map is not None)
         values = sum(level.values.nbytes for level in self.index.levels if rowindex.in_memory(level))
         assert self.index.nbytes == bits + values or not self.index.mapped
